@@ -1,0 +1,1 @@
+"""Offline calibration: corpus, TRACE, diagnostics, policy and KVQuant fitting."""

@@ -1,0 +1,1 @@
+"""lm-eval integration and the paper result matrix."""

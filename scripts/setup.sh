@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install the project. torch==2.13.0 goes first so that nothing pulls a multi-GB CUDA build
+# on a CPU host (the GPU image installs the CUDA build of torch instead, see Dockerfile).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[test]"

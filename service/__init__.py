@@ -1,0 +1,1 @@
+"""dllm-kvq: serving diffusion language models with quantized KV-cache reuse."""

@@ -1,0 +1,1 @@
+"""FastAPI routes, schemas, dependencies and error mapping."""

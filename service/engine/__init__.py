@@ -1,0 +1,1 @@
+"""Block-diffusion decoding engine: LLaDA and Dream models, the KV store seam, no-cache / prefix / dual cache."""

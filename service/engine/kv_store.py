@@ -1,0 +1,146 @@
+"""The seam between block decoding and whatever holds the reused K/V regions of a block.
+
+The engine owns this interface; `service.quant` implements quantized stores behind it.
+
+Protocol (Fast-dLLM cache reuse, paper "Preliminary: dLLM Cache"):
+
+* During the **block-initial pass** (one full forward over the whole sequence at the start of a block) every
+  layer calls ``write(layer, k, v, segments, scores)`` as soon as its K/V exist, so that a store can quantize
+  layer by layer and never hold every layer in full precision.
+* Every later step of the block calls ``read(layer)`` and gets back the K/V of the **reused positions** only,
+  in sequence order (prefix positions, then, in dual mode, suffix positions). The engine puts the fresh
+  active-block (and, in prefix mode, block + suffix) K/V next to them.
+* The next block's initial pass overwrites every layer.
+
+Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+CacheMode = Literal["none", "prefix", "dual"]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where padding, prefix, active block and suffix lie in a left-padded batch for one block.
+
+    Sequence layout per row: ``[left padding][prompt][response]``; every row of a batch has the same total
+    length ``seq_len`` and the response starts at the same column, so the block bounds are shared and only
+    the padding differs per row.
+
+    Attributes:
+        pad_lengths: per row, number of left-padding columns (padding is ``[0, pad_lengths[b])``).
+        block_start: first column of the active block (``s``).
+        block_end: one past the last column of the active block (``e``).
+        seq_len: total columns ``T``.
+        cache_mode: ``"prefix"`` (reuse ``[0, s)``) or ``"dual"`` (reuse ``[0, s)`` and ``[e, T)``).
+    """
+
+    pad_lengths: tuple[int, ...]
+    block_start: int
+    block_end: int
+    seq_len: int
+    cache_mode: Literal["prefix", "dual"]
+
+    def __post_init__(self) -> None:
+        if self.cache_mode not in ("prefix", "dual"):
+            raise ValueError(f"cache_mode must be 'prefix' or 'dual', got {self.cache_mode!r}")
+        if not 0 <= self.block_start < self.block_end <= self.seq_len:
+            raise ValueError(f"need 0 <= block_start < block_end <= seq_len, got {self}")
+        if any(not 0 <= p <= self.block_start for p in self.pad_lengths):
+            raise ValueError(f"pad_lengths must lie in [0, block_start], got {self.pad_lengths}")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.pad_lengths)
+
+    @property
+    def reused_columns(self) -> torch.Tensor:
+        """Columns of the sequence that are reused, in order: int64 ``[T_reused]``."""
+        prefix = torch.arange(0, self.block_start)
+        if self.cache_mode == "prefix":
+            return prefix
+        return torch.cat([prefix, torch.arange(self.block_end, self.seq_len)])
+
+    @property
+    def num_reused(self) -> int:
+        return int(self.reused_columns.numel())
+
+    def row_segments(self, row: int) -> list[tuple[int, int]]:
+        """Contiguous reused segments of one row, as ``(start, end)`` indices into the **reused** axis.
+
+        Padding is excluded (it never enters a statistic); the prefix segment starts at the row's first real
+        token and the suffix segment (dual mode) starts right after the prefix in the reused axis. Empty
+        segments are left out.
+        """
+        segments = []
+        if self.block_start > self.pad_lengths[row]:
+            segments.append((self.pad_lengths[row], self.block_start))
+        if self.cache_mode == "dual" and self.seq_len > self.block_end:
+            segments.append((self.block_start, self.block_start + self.seq_len - self.block_end))
+        return segments
+
+
+class KVStore:
+    """Holds the reused K/V of every layer between the block-initial pass and the later steps of a block.
+
+    Subclasses set the two class flags when they need more from the engine:
+
+    * ``needs_scores``: the engine passes ``scores`` to :meth:`write`, float32 ``[B, T]``: the attention
+      probability that the active block's queries put on each key in the block-initial pass, averaged over all
+      query heads and the block's queries (dLLM-KVQ's ``attention`` score, paper "Online Quantization Details").
+    * ``pre_rope_keys``: ``write`` receives keys **before** RoPE and ``read`` returns pre-RoPE keys that the
+      engine rotates at their absolute positions after reading (KVQuant stores pre-RoPE keys). Otherwise keys are
+      **after** RoPE, which gives the same values as the reference's rotate-at-every-call.
+    """
+
+    needs_scores: bool = False
+    pre_rope_keys: bool = False
+
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: Segments,
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """Take the reused part of one layer's K/V from the block-initial pass.
+
+        Args:
+            layer: layer index, 0-based.
+            k, v: ``[B, H, T, D]`` K/V of the whole sequence, model dtype.
+            segments: the block's layout; the store keeps the columns ``segments.reused_columns``.
+            scores: float32 ``[B, T]``, only when ``needs_scores``.
+        """
+        raise NotImplementedError
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the reused columns of one layer: ``[B, H, T_reused, D]`` each, model dtype."""
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Drop everything held (end of a request)."""
+
+
+class FullPrecisionKVStore(KVStore):
+    """The default store: keeps the reused K/V as they are (Fast-dLLM's unquantized cache reuse)."""
+
+    def __init__(self) -> None:
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer, k, v, segments, scores=None) -> None:
+        columns = segments.reused_columns.to(k.device)
+        # index_select copies, so the store never aliases the forward's activations.
+        self._layers[layer] = (k.index_select(2, columns), v.index_select(2, columns))
+
+    def read(self, layer):
+        return self._layers[layer]
+
+    def clear(self) -> None:
+        self._layers.clear()

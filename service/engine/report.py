@@ -1,0 +1,67 @@
+"""`DecodeReport`: what one decode returns, what `generate --json` prints and what `POST /generate` answers."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from service.engine.params import DecodeParams
+
+
+class Timings(BaseModel):
+    """Wall-clock seconds of one decode (shared by the rows of a batch)."""
+
+    total_s: float = 0.0
+    first_block_s: float = 0.0
+
+
+class LayerBits(BaseModel):
+    """Effective bits of one layer's reused K and V, averaged over the reused tokens."""
+
+    layer: int
+    k_nominal_bits: float
+    v_nominal_bits: float
+    k_storage_bits: float
+    v_storage_bits: float
+
+
+class KVReport(BaseModel):
+    """What the KV quantization cost (filled by `service.quant`; paper "Effective bits").
+
+    *Nominal* bits count codes at b bits and protected tokens at 16 (scales not counted); *storage* bits are the
+    bytes actually held (scales, zero points, indices, outliers included) x 8 / elements.
+    """
+
+    config: dict[str, Any]
+    policy_id: str | None = None
+    kvquant_state_id: str | None = None
+    k_nominal_bits: float
+    v_nominal_bits: float
+    k_storage_bits: float
+    v_storage_bits: float
+    bytes_held: int = Field(description="bytes of the reused K/V as held, summed over layers, peak over blocks")
+    bf16_bytes: int = Field(description="bytes the same K/V would take in bf16")
+    per_layer: list[LayerBits] = []
+
+
+class RowReport(BaseModel):
+    """One row of a batch. ``generated_ids`` are response positions only, up to and including what decoding
+    produced (cut after the first EOS unless ``ignore_eos``)."""
+
+    generated_ids: list[int]
+    text: str | None = None
+    finish_reason: Literal["stop", "length"]
+    nfe: int
+    steps_per_block: list[int]
+    reveals_per_step: list[int]
+    tokens_per_second: float
+
+
+class DecodeReport(BaseModel):
+    """The result of one `generate` call over a batch."""
+
+    rows: list[RowReport]
+    params: DecodeParams
+    timings: Timings
+    kv: KVReport | None = None

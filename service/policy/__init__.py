@@ -1,0 +1,1 @@
+"""Policy tables, KVQuant states and their stores (Redis, local directory)."""

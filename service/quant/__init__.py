@@ -1,0 +1,1 @@
+"""KV quantizers on tensors: uniform QDQ and bit packing, KIVI, KVQuant, dLLM-KVQ, effective-bit accounting."""
