@@ -1,0 +1,37 @@
+"""`ModelSpec`: what the rest of the system needs to know about a loaded model, without touching its weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Facts about a loaded checkpoint, used to validate policy tables and KVQuant states against it.
+
+    Attributes:
+        arch: ``"llada"`` or ``"dream"``.
+        model_id: the path or repo id it was loaded from (for display; never used for matching).
+        fingerprint: hex SHA-256 over the checkpoint's tensors (names, shapes, dtypes, bytes), so a retrained
+            model with the same shapes does not match (see `service.engine.loading.weights_fingerprint`).
+        num_layers, num_heads, num_kv_heads, head_dim: attention geometry (GQA when num_kv_heads < num_heads).
+        vocab_size: logits columns.
+        mask_id: the ``<mask>`` token id.
+        eos_ids: ids that end a response (EOS and, for chat models, end-of-turn).
+        pad_id: id used for left padding (never equal to mask_id).
+        max_length: longest prompt + response the engine accepts, in tokens.
+    """
+
+    arch: Literal["llada", "dream"]
+    model_id: str
+    fingerprint: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    mask_id: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    max_length: int
