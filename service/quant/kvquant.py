@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
+from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
+from service.policy.schema import Provenance
 from service.quant import nuq
 from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig
@@ -94,3 +95,42 @@ class KVQuantQuantizer(KVQuantizer):
         values = values.to(packed.dtype)
         values.view(-1)[t["outlier_index"].long()] = t["outlier_values"]
         return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim))
+
+
+def fit_state(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    bits: int,
+    spec: ModelSpec,
+    provenance: Provenance,
+    sparsity_threshold: float = 0.99,
+) -> KVQuantState:
+    """Fit a whole KVQuant state from per-layer calibration activations (a small fitter, for tests and tools;
+    the calibration job owns the real fit over cache traces).
+
+    Args:
+        keys, values: one ``[N, C]`` tensor per layer (pre-RoPE keys; ``C = num_kv_heads * head_dim``), or
+            ``[B, H, T, D]`` tensors, which are viewed as ``[B * T, H * D]``.
+        bits: 2, 4 or 8.
+        spec: the model (fingerprint, layers, channels are recorded and checked).
+        provenance: what data and code made it.
+        sparsity_threshold: 0.99 in the paper.
+    """
+    fitted = [nuq.fit_layer(_as_2d(k), _as_2d(v), bits, sparsity_threshold) for k, v in zip(keys, values)]
+    meta = KVQuantStateMeta(
+        model_id=spec.model_id,
+        weights_fingerprint=spec.fingerprint,
+        bits=bits,
+        num_layers=len(fitted),
+        channels=spec.num_kv_heads * spec.head_dim,
+        sparsity_threshold=sparsity_threshold,
+        provenance=provenance,
+    )
+    k_upper, k_lower, k_lut, v_lut = (torch.stack(parts) for parts in zip(*fitted))
+    return KVQuantState(meta, k_upper=k_upper, k_lower=k_lower, k_lut=k_lut, v_lut=v_lut)
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
+    return x
