@@ -38,3 +38,30 @@ class RowOptions(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+
+def response_length(max_new_tokens: int, block_length: int) -> int:
+    """The number of response positions decoded for a request asking for ``max_new_tokens`` tokens.
+
+    One rule for every path that turns a client's length into a decode window: the server (OpenAI
+    ``max_tokens``) and the in-process lm-eval model (a task's ``max_gen_toks``) both call this, so the same
+    request decodes the same window either way. Block diffusion can only decode whole blocks (Fast-dLLM
+    asserts ``gen_length % block_length == 0``), so the length is rounded **up** to the next multiple of
+    ``block_length``. The response is not cut back to ``max_new_tokens``: every decoded position may hold text,
+    which the caller cuts only at EOS and stop strings (the server documents ``max_tokens`` this way).
+
+    Args:
+        max_new_tokens: requested response tokens, >= 1.
+        block_length: tokens per block, >= 1.
+
+    Returns:
+        ``ceil(max_new_tokens / block_length) * block_length`` (tokens), usable as ``DecodeParams.gen_length``.
+
+    Raises:
+        ValueError: if either argument is not a positive integer.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if isinstance(block_length, bool) or not isinstance(block_length, int) or block_length < 1:
+        raise ValueError(f"block_length must be a positive integer, got {block_length!r}")
+    return -(-max_new_tokens // block_length) * block_length

@@ -1,0 +1,100 @@
+"""Server settings: one pydantic-settings object, environment prefix ``DLLM_``, the only reader of the environment.
+
+Every field is also a ``python -m service serve`` flag (``--max-batch-size 8`` overrides ``DLLM_MAX_BATCH_SIZE``);
+the README has the table. Validation happens at start-up, and unsafe combinations are refused (see
+:meth:`Settings._refuse_unsafe`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from service.engine.kv_store import CacheMode
+from service.quant.config import KVQuantConfig
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def key_id(key: str) -> str:
+    """A short, non-secret name for a bearer key (audit log, logs): first 12 hex of its SHA-256."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Environment: ``DLLM_<FIELD>`` (case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="DLLM_", extra="forbid", validate_default=True)
+
+    # ---- model ---------------------------------------------------------------------------------------------------
+    model: str | None = Field(None, description="checkpoint directory or HF repo id; empty: the embedded default")
+    served_model_name: str | None = Field(None, description="name in /v1/models and responses; default: derived")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and activations")
+    device: str = Field("cpu", description="torch device, e.g. cpu, cuda, cuda:1")
+    threads: int | None = Field(None, gt=0, description="torch intra-op threads; empty: torch's default")
+
+    # ---- decoding defaults ---------------------------------------------------------------------------------------
+    cache_mode: CacheMode = Field("dual", description="default cache mode: none, prefix or dual")
+    block_length: int = Field(32, gt=0, description="default block length in tokens")
+    threshold: float = Field(0.9, gt=0.0, le=1.0, description="default confidence threshold")
+    default_max_tokens: int = Field(64, gt=0, description="response positions when a request gives no max_tokens")
+    kv_quant: KVQuantConfig = Field(
+        default_factory=KVQuantConfig,
+        description="KV quantization used when the store has no active configuration (JSON)",
+    )
+
+    # ---- worker ----------------------------------------------------------------------------------------------------
+    max_batch_size: int = Field(8, gt=0, description="most requests decoded together")
+    max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
+    batch_wait_ms: float = Field(5.0, ge=0.0, description="how long the worker waits to fill a batch")
+    request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
+    retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")
+    drain_timeout_s: float = Field(30.0, ge=0.0, description="SIGTERM: how long in-flight requests may finish")
+    shadow_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="probability a quantized request is re-decoded unquantized (agreement)"
+    )
+    shadow_queue: int = Field(16, gt=0, description="most shadow re-decodes waiting; beyond it they are dropped")
+
+    # ---- stores and keys -------------------------------------------------------------------------------------------
+    store_url: str = Field(".dllm-kvq/store", description="redis://host:port/db or a local directory")
+    store_prefix: str = Field("dllm-kvq", min_length=1, description="Redis key prefix")
+    admin_key: SecretStr | None = Field(None, description="bearer key of /admin; empty: admin closed (403)")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="bearer keys for /v1 and /generate, comma-separated; empty: open"
+    )
+
+    allow_unauthenticated: bool = Field(
+        False, description="allow empty api_keys on a non-local host (behind an authenticating proxy)"
+    )
+
+    # ---- HTTP ------------------------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="bind port")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="uvicorn log level")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("model", "served_model_name", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> Settings:
+        """Refuse a short admin key, and an open API on a non-local address."""
+        if self.admin_key is not None and len(self.admin_key.get_secret_value()) < 16:
+            raise ValueError("admin_key must have at least 16 characters (or be empty to close admin)")
+        if self.host not in LOCAL_HOSTS and not self.api_keys and not self.allow_unauthenticated:
+            raise ValueError(
+                f"host {self.host!r} is not local and api_keys is empty: set DLLM_API_KEYS, bind to "
+                f"{' / '.join(LOCAL_HOSTS)}, or set DLLM_ALLOW_UNAUTHENTICATED=true"
+            )
+        return self

@@ -1,0 +1,207 @@
+"""`DiffusionLM`: the bidirectional decoder both architectures share, and its config.
+
+One forward serves training, decoding and calibration:
+
+* plain: ``model(input_ids [B, T], attention_mask [B, T] bool | None) -> logits [B, T, V]``, differentiable;
+* decoding: a window of columns with explicit ``positions``, a ``key_mask`` over all keys, a ``kv_hook`` that
+  writes/reads the reuse cache, and ``logits_range`` so the LM head runs only on the positions that are decoded;
+* calibration: ``kv_hook`` captures every layer's post-RoPE Q/K/V (see :func:`capture_qkv`).
+
+Logits are **position-aligned**: ``logits[:, p]`` is the distribution of the token at column p. For LLaDA that is
+the raw LM-head output; Dream predicts column p from the hidden state at p-1, so its logits are shifted by one
+column inside the computed window, and the window's first column uses its own hidden state (reference
+`generation_utils*.py`: ``cat([logits[:, :1], logits[:, :-1]])``; golden SPEC 2.3).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+from torch import nn
+
+from service.engine.models.layers import DecoderLayer, ForwardContext, KVHook, RMSNorm, RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture numbers of a checkpoint, read from its ``config.json`` by the model class.
+
+    Attributes:
+        arch: ``"llada"`` or ``"dream"``.
+        vocab_size: rows of the embedding and LM head (logit columns V).
+        width: model width C; num_layers: L; num_heads: H; num_kv_heads: H_kv; head_dim: D.
+        mlp_hidden: gated-MLP hidden size; eps: RMSNorm epsilon.
+        rope_theta: RoPE base; rope_full_precision: rotate in float32 (LLaDA) or in the activation dtype (Dream).
+        qkv_bias: q/k/v projections carry biases (Dream).
+        mask_id, eos_id, pad_id: special token ids from the config.
+        max_length: longest sequence (prompt + response) the model is meant for, in tokens.
+    """
+
+    arch: Literal["llada", "dream"]
+    vocab_size: int
+    width: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_hidden: int
+    eps: float
+    rope_theta: float
+    rope_full_precision: bool
+    qkv_bias: bool
+    mask_id: int
+    eos_id: int
+    pad_id: int
+    max_length: int
+
+
+class DiffusionLM(nn.Module):
+    """Embedding -> L pre-norm bidirectional decoder layers -> RMSNorm -> LM head.
+
+    Subclasses (`LLaDAModel`, `DreamModel`) set ``arch``, ``logits_shift`` and ``CHECKPOINT_NAMES`` (the public
+    checkpoint's tensor names as templates with ``{i}`` for the layer index, mapped to this module's names) and
+    parse their ``config.json`` in ``config_from_hf``.
+    """
+
+    arch: ClassVar[str]
+    logits_shift: ClassVar[int]
+    CHECKPOINT_NAMES: ClassVar[dict[str, str]]
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.width)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                config.width, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_hidden,
+                config.eps, config.qkv_bias,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.width, config.eps)
+        self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_full_precision)
+
+    @classmethod
+    def config_from_hf(cls, hf: dict) -> ModelConfig:
+        """Build a :class:`ModelConfig` from the checkpoint's ``config.json`` dict."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        kv_hook: KVHook | None = None,
+        logits_range: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Position-aligned logits.
+
+        Args:
+            input_ids: int64 ``[B, T]`` (the whole sequence, or the window of columns computed in a cached step).
+            attention_mask: bool/int ``[B, T]`` (1 = real token, 0 = left padding) for a plain call; gives
+                ``positions`` (count of real tokens before the column) and the key mask when those are not passed.
+            positions: int64 ``[B, T]`` absolute RoPE positions of the input columns.
+            key_mask: bool ``[B, T_k]`` over the keys attended to when they differ from the input columns
+                (cached steps); None with no attention_mask means no padding.
+            kv_hook: see :class:`~service.engine.models.layers.KVHook`.
+            logits_range: ``(a, b)`` column range of the input whose logits are wanted (default: all). The LM head
+                runs only there (the vocabulary projection dominates small windows).
+
+        Returns:
+            ``[B, b - a, V]`` logits in the model dtype, position-aligned (Dream shifted, see module doc).
+        """
+        b, t = input_ids.shape
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(torch.bool)
+            if positions is None:
+                positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            if key_mask is None and not bool(attention_mask.all()):
+                key_mask = attention_mask
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        ctx = ForwardContext(positions=positions, key_mask=key_mask, rope=self.rope, kv_hook=kv_hook)
+        x = self.embed(input_ids)  # [B, T, C]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, ctx, index)
+        start, end = logits_range if logits_range is not None else (0, t)
+        # Dream: column p reads the hidden state at p-1, except the window's first column (reference shift rule).
+        rows = (torch.arange(start, end, device=x.device) - self.logits_shift).clamp(min=0)
+        return self.lm_head(self.norm(x[:, rows]))
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a public checkpoint's tensors (its own names) into this module; every name must match.
+
+        Raises:
+            ValueError: a tensor is missing, unexpected, or has the wrong shape (message names them).
+        """
+        renamed = {self._internal_name(name): value for name, value in tensors.items()}
+        expected = dict(self.state_dict())
+        missing = sorted(set(expected) - set(renamed))
+        unexpected = sorted(set(renamed) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"{self.arch} checkpoint does not match the architecture: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for name, value in renamed.items():
+            if tuple(value.shape) != tuple(expected[name].shape):
+                raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, expected {tuple(expected[name].shape)}")
+        self.load_state_dict(renamed, strict=True, assign=True)
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """This module's tensors under the public checkpoint's names (for writing a checkpoint)."""
+        return {self._public_name(name): value for name, value in self.state_dict().items()}
+
+    @classmethod
+    def _internal_name(cls, name: str) -> str:
+        return _translate(name, cls.CHECKPOINT_NAMES, "checkpoint")
+
+    @classmethod
+    def _public_name(cls, name: str) -> str:
+        return _translate(name, {v: k for k, v in cls.CHECKPOINT_NAMES.items()}, "module")
+
+
+def _translate(name: str, table: dict[str, str], side: str) -> str:
+    """Map one tensor name through a template table (``{i}`` = layer index)."""
+    for source, target in table.items():
+        match = re.fullmatch(re.escape(source).replace(r"\{i\}", r"(\d+)"), name)
+        if match:
+            return target.replace("{i}", match.group(1)) if match.groups() else target
+    raise ValueError(f"unknown {side} tensor name {name!r}")
+
+
+@dataclass
+class LayerQKV:
+    """One layer's post-RoPE attention inputs: q ``[B, H, T, D]``, k and v ``[B, H_kv, T, D]``."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+def capture_qkv(
+    model: DiffusionLM, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[LayerQKV]]:
+    """Full-recompute forward that also returns every layer's post-RoPE Q, K and V (for calibration).
+
+    Args:
+        input_ids: int64 ``[B, T]``; attention_mask: optional ``[B, T]`` (1 = real token).
+
+    Returns:
+        (position-aligned logits ``[B, T, V]``, one :class:`LayerQKV` per layer in order). Tensors are detached
+        and in the model dtype.
+    """
+    captured: list[LayerQKV] = []
+
+    def hook(layer, q, k_pre, k, v):
+        captured.append(LayerQKV(q.detach(), k.detach(), v.detach()))
+        return None
+
+    logits = model(input_ids, attention_mask, kv_hook=hook)
+    return logits, captured

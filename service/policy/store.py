@@ -1,0 +1,349 @@
+"""The store interface for calibration artifacts and the server's active configuration, and `open_store`.
+
+Two backends implement :class:`Store` with the same behaviour: Redis through redis-py
+(`service.policy.redis_store`) and a local directory (`service.policy.dir_store`, the embedded default). A store
+URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, anything else is a
+directory path (``file://`` prefix allowed).
+
+What a store holds
+------------------
+
+* **Artifacts**: immutable byte strings by ``(kind, id)``. The kind is a short name (:data:`KINDS` lists the ones
+  the project uses: policy tables, KVQuant states, TRACE trajectories, calibration sums, evaluation scores ...; any
+  name matching ``[a-z][a-z0-9_]*`` is accepted so the calibration job can add its own). The id is derived from
+  the content: either the artifact's own content-derived id (a policy table's ``id``) or, when the caller gives
+  none, ``sha256-<hex of the bytes>``. Writing the same id twice with the same bytes is a no-op; with other bytes
+  it raises :class:`ArtifactConflict` (ids never change meaning). Deleting an artifact that an active
+  configuration names raises :class:`ArtifactInUse`.
+* **Active configurations**: one `KVQuantConfig` per ``(model fingerprint, cache mode)``. :meth:`Store.set_active`
+  is one atomic write that also appends an audit entry and publishes an :class:`ActiveChange` event (Redis
+  pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3).
+* **Audit log**: every change of an active configuration: when, old, new, by which key id.
+
+Key layout (Redis; ``P`` is the key prefix, default ``dllm-kvq``)::
+
+    P:artifact:<kind>:<id>        string   the artifact's bytes (immutable)
+    P:index:<kind>                zset     ids of that kind, scored by creation time (unix seconds)
+    P:active                      hash     field "<fingerprint>:<cache_mode>" -> ActiveEntry JSON
+    P:audit                       list     AuditEntry JSON, newest first (trimmed to the newest 10,000)
+    P:events                      channel  ActiveChange JSON, published in the same transaction as the write
+
+Directory layout (root ``R``)::
+
+    R/artifacts/<kind>/<id>             the artifact's bytes (written to a temp file, then renamed)
+    R/active/<fingerprint>--<mode>.json ActiveEntry JSON (temp file + rename)
+    R/audit.jsonl                       AuditEntry JSON lines, oldest first
+    R/.lock                             flock taken by every read-check-write (activate, delete)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from service.engine.kv_store import CacheMode
+from service.quant.config import KVQuantConfig
+
+#: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
+KIND_POLICY = "policy"
+KIND_KVQUANT_STATE = "kvquant_state"
+KIND_TRAJECTORY = "trajectory"
+KIND_CALIBRATION_SUMS = "calibration_sums"
+KIND_EVAL_SCORES = "eval_scores"
+KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS, KIND_EVAL_SCORES)
+
+CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
+
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Ids become file names and key parts: no path separators, no leading dot, no colon.
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StoreError(Exception):
+    """Base of every store error."""
+
+
+class InvalidName(StoreError, ValueError):
+    """A kind, id, fingerprint or cache mode that cannot be used (the message says what is legal)."""
+
+
+class ArtifactNotFound(StoreError, KeyError):
+    """No artifact of that kind and id."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ArtifactConflict(StoreError):
+    """An id already holds different bytes (artifacts are immutable)."""
+
+
+class ArtifactInUse(StoreError):
+    """The artifact is named by an active configuration and cannot be deleted."""
+
+
+class StoreUnavailable(StoreError):
+    """The backend cannot be reached (Redis down); the caller keeps what it last loaded."""
+
+
+class ArtifactInfo(BaseModel):
+    """One stored artifact: kind, id, size in bytes, creation time (unix seconds)."""
+
+    kind: str
+    id: str
+    size: int
+    created_at: float
+
+
+class ActiveEntry(BaseModel):
+    """The active configuration of one (model fingerprint, cache mode), with when and by whom it was set."""
+
+    fingerprint: str
+    cache_mode: CacheMode
+    config: KVQuantConfig
+    set_at: float
+    key_id: str | None = None
+
+
+class AuditEntry(BaseModel):
+    """One change of an active configuration; ``old`` is None for the first setting."""
+
+    at: float
+    fingerprint: str
+    cache_mode: CacheMode
+    old: KVQuantConfig | None
+    new: KVQuantConfig
+    key_id: str | None = None
+
+
+class ActiveChange(BaseModel):
+    """The event published with every change (same fields as the audit entry)."""
+
+    event: str = "active_changed"
+    entry: AuditEntry
+
+
+class Subscription:
+    """A running event listener; :meth:`close` stops it. Backends subclass it."""
+
+    def close(self) -> None:
+        """Stop delivering events (idempotent)."""
+
+
+def check_kind(kind: str) -> str:
+    """Return ``kind`` or raise :class:`InvalidName` (legal: ``[a-z][a-z0-9_]{0,63}``, e.g. one of KINDS)."""
+    if not isinstance(kind, str) or not _KIND_RE.match(kind):
+        raise InvalidName(f"kind {kind!r} is not legal: use [a-z][a-z0-9_]* such as {', '.join(KINDS)}")
+    return kind
+
+
+def check_id(artifact_id: str) -> str:
+    """Return ``artifact_id`` or raise :class:`InvalidName` (legal: ``[A-Za-z0-9][A-Za-z0-9._-]{0,199}``)."""
+    if not isinstance(artifact_id, str) or not _ID_RE.match(artifact_id):
+        raise InvalidName(f"id {artifact_id!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*, at most 200 chars")
+    return artifact_id
+
+
+def check_target(fingerprint: str, cache_mode: str) -> None:
+    """Raise :class:`InvalidName` unless ``fingerprint`` is a plain token and ``cache_mode`` one of CACHE_MODES."""
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+        raise InvalidName(f"fingerprint {fingerprint!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*")
+    if cache_mode not in CACHE_MODES:
+        raise InvalidName(f"cache_mode {cache_mode!r} is not legal: use one of {', '.join(CACHE_MODES)}")
+
+
+def content_id(data: bytes) -> str:
+    """The default content-derived id: ``sha256-`` + hex SHA-256 of the bytes."""
+    return "sha256-" + hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """JSON with sorted keys and no spaces, UTF-8: equal content gives equal bytes (and equal default ids)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def referenced_ids(config: KVQuantConfig) -> set[tuple[str, str]]:
+    """The (kind, id) artifacts an active configuration depends on."""
+    refs = set()
+    if config.policy_id:
+        refs.add((KIND_POLICY, config.policy_id))
+    if config.kvquant_state_id:
+        refs.add((KIND_KVQUANT_STATE, config.kvquant_state_id))
+    return refs
+
+
+class Store(ABC):
+    """Artifacts by (kind, id), the active configuration per (fingerprint, cache mode), the audit log, events.
+
+    Every method may raise :class:`StoreUnavailable` when the backend cannot be reached.
+    """
+
+    url: str
+
+    # ---- artifacts -------------------------------------------------------------------------------------------
+    @abstractmethod
+    def _put(self, kind: str, artifact_id: str, data: bytes) -> bool:
+        """Store if absent; True if written, False if the same bytes were there; ArtifactConflict otherwise."""
+
+    @abstractmethod
+    def get(self, kind: str, artifact_id: str) -> bytes:
+        """The artifact's bytes; raises :class:`ArtifactNotFound`."""
+
+    @abstractmethod
+    def info(self, kind: str, artifact_id: str) -> ArtifactInfo:
+        """Size and creation time; raises :class:`ArtifactNotFound`."""
+
+    @abstractmethod
+    def list(self, kind: str) -> list[str]:
+        """Ids of that kind, oldest first."""
+
+    @abstractmethod
+    def kinds(self) -> list[str]:
+        """Kinds that hold at least one artifact, sorted."""
+
+    @abstractmethod
+    def delete(self, kind: str, artifact_id: str) -> None:
+        """Remove an artifact; :class:`ArtifactInUse` if an active configuration names it, else
+        :class:`ArtifactNotFound` if absent."""
+
+    def put(self, kind: str, data: bytes, artifact_id: str | None = None) -> str:
+        """Store immutable bytes and return their id (``content_id(data)`` when none is given).
+
+        Raises :class:`ArtifactConflict` when the id already holds other bytes, :class:`InvalidName`.
+        """
+        check_kind(kind)
+        if not isinstance(data, bytes | bytearray):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        artifact_id = check_id(artifact_id if artifact_id is not None else content_id(bytes(data)))
+        self._put(kind, artifact_id, bytes(data))
+        return artifact_id
+
+    def exists(self, kind: str, artifact_id: str) -> bool:
+        """Whether the artifact is stored."""
+        try:
+            self.info(kind, artifact_id)
+        except ArtifactNotFound:
+            return False
+        return True
+
+    def put_json(self, kind: str, obj: Any, artifact_id: str | None = None) -> str:
+        """Store a JSON-able object as canonical JSON (see :func:`canonical_json`); returns the id."""
+        return self.put(kind, canonical_json(obj), artifact_id)
+
+    def get_json(self, kind: str, artifact_id: str) -> Any:
+        """Load an artifact stored with :meth:`put_json`."""
+        return json.loads(self.get(kind, artifact_id))
+
+    def put_model(self, kind: str, model: BaseModel) -> str:
+        """Store a validated pydantic artifact (a policy table, a state's metadata ...) as canonical JSON.
+
+        Its id is the model's own content-derived ``id`` attribute when it has one (policy tables and KVQuant
+        states do), otherwise the content hash.
+        """
+        own_id = getattr(model, "id", None)
+        return self.put_json(kind, model.model_dump(mode="json"), own_id if isinstance(own_id, str) else None)
+
+    def get_model(self, kind: str, artifact_id: str, cls: type[M]) -> M:
+        """Load and validate an artifact as ``cls`` (pydantic ValidationError if it does not fit)."""
+        return cls.model_validate_json(self.get(kind, artifact_id))
+
+    # ---- active configuration --------------------------------------------------------------------------------
+    @abstractmethod
+    def get_active(self, fingerprint: str, cache_mode: str) -> ActiveEntry | None:
+        """The active configuration of (fingerprint, cache mode), or None if never set."""
+
+    @abstractmethod
+    def list_active(self) -> list[ActiveEntry]:
+        """Every active configuration, sorted by (fingerprint, cache mode)."""
+
+    @abstractmethod
+    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
+        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish."""
+
+    def set_active(
+        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+    ) -> AuditEntry:
+        """Make ``config`` the active configuration of (fingerprint, cache mode) in one atomic write.
+
+        The artifacts it names (policy, KVQuant state) must be stored (:class:`ArtifactNotFound` otherwise);
+        validating them against the model is the caller's job (the admin route does it before calling).
+        Returns the audit entry (old and new) that was also appended and published.
+        """
+        check_target(fingerprint, cache_mode)
+        entry = ActiveEntry(
+            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
+        )
+        return self._swap_active(entry)
+
+    @abstractmethod
+    def audit(self, limit: int = 100) -> list[AuditEntry]:
+        """The newest ``limit`` audit entries, newest first."""
+
+    # ---- events and health -----------------------------------------------------------------------------------
+    @abstractmethod
+    def subscribe(
+        self, on_change: Callable[[ActiveChange], None], on_reconnect: Callable[[], None] | None = None
+    ) -> Subscription:
+        """Call ``on_change`` (in a background thread) for every change of an active configuration.
+
+        ``on_reconnect`` is called after the backend comes back from an outage, since events published while
+        it was away are lost: the listener should reload what it holds.
+        """
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Return if the backend answers; raise :class:`StoreUnavailable` otherwise."""
+
+    def close(self) -> None:
+        """Release connections (idempotent)."""
+
+
+def open_store(url: str, prefix: str = "dllm-kvq") -> Store:
+    """Open the store a URL names: ``redis://``, ``rediss://``, ``unix://`` -> Redis; otherwise a directory.
+
+    ``prefix`` is the Redis key prefix (ignored by the directory backend). Nothing is contacted here: a Redis
+    that is down surfaces as :class:`StoreUnavailable` on first use, so a server can start without it.
+    """
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from service.policy.redis_store import RedisStore
+
+        return RedisStore(url, prefix=prefix)
+    path = url.removeprefix("file://")
+    if not path:
+        raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
+    from service.policy.dir_store import DirectoryStore
+
+    return DirectoryStore(Path(path).expanduser())
+
+
+__all__ = [
+    "ActiveChange",
+    "ActiveEntry",
+    "ArtifactConflict",
+    "ArtifactInUse",
+    "ArtifactInfo",
+    "ArtifactNotFound",
+    "AuditEntry",
+    "CACHE_MODES",
+    "InvalidName",
+    "KINDS",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "Subscription",
+    "canonical_json",
+    "content_id",
+    "open_store",
+    "referenced_ids",
+]

@@ -1,0 +1,193 @@
+"""Prometheus metrics of the server (prometheus-client), on one registry per app, served at ``GET /metrics``.
+
+Names and labels (the README's "Metrics" table is the same list; the Grafana dashboard and alert rules in
+``deploy/`` are built from it). ``endpoint`` is the route path, ``status`` the HTTP status code;
+``method``/``bits``/``cache_mode``/``policy`` describe a KV quantization configuration (``policy`` is the policy
+id for dllm_kvq, the KVQuant state id for kvquant, empty otherwise).
+
+=====================================================  =========  =============================================
+name                                                   type       labels
+=====================================================  =========  =============================================
+dllm_requests_total                                    counter    endpoint, status
+dllm_request_latency_seconds                           histogram  endpoint
+dllm_time_to_first_block_seconds                       histogram  endpoint
+dllm_queue_time_seconds                                histogram  -
+dllm_requests_running                                  gauge      -
+dllm_requests_waiting                                  gauge      -
+dllm_batch_size                                        histogram  -
+dllm_nfe_per_request                                   histogram  cache_mode
+dllm_prompt_tokens_total                               counter    -
+dllm_generation_tokens_total                           counter    -
+dllm_kv_effective_bits                                 gauge      method, bits, cache_mode, policy, tensor, accounting
+dllm_kv_bytes_held                                     gauge      method, bits, cache_mode, policy
+dllm_kv_bf16_bytes                                     gauge      method, bits, cache_mode, policy
+dllm_active_config_info                                gauge (1)  model, cache_mode, method, bits, k_group_size,
+                                                                  v_group_size, policy, source
+dllm_config_changes_total                              counter    cache_mode
+dllm_policy_k_bits_cap                                 gauge      cache_mode, policy
+dllm_shadow_requests_total                             counter    method, bits, cache_mode, policy
+dllm_shadow_token_agreement                            histogram  method, bits, cache_mode, policy
+dllm_shadow_exact_match_total                          counter    method, bits, cache_mode, policy
+dllm_shadow_dropped_total                              counter    -
+dllm_eval_score                                        gauge      task, metric, method, bits, cache_mode, policy
+dllm_eval_score_timestamp_seconds                      gauge      task, method, bits, cache_mode, policy
+dllm_worker_faults_total                               counter    fatal
+dllm_ready                                             gauge      -
+dllm_store_up                                          gauge      -
+=====================================================  =========  =============================================
+
+``tensor`` is ``k`` or ``v``; ``accounting`` is ``nominal`` (the paper's count: codes at b bits, protected tokens
+at 16) or ``storage`` (bytes actually held x 8 / elements). The KV gauges hold the last finished request's values
+for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
+the two EOS-cut outputs, where the served and the unquantized re-decode agree (DESIGN.md, "token agreement").
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from service.engine.agreement import token_agreement  # noqa: F401 - re-exported; defined with the engine
+from service.engine.report import DecodeReport
+from service.quant.config import KVQuantConfig
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+AGREEMENT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+
+CONFIG_LABELS = ("method", "bits", "cache_mode", "policy")
+
+
+def config_labels(config: KVQuantConfig, cache_mode: str) -> dict[str, str]:
+    """The ``method, bits, cache_mode, policy`` label values of a configuration (bits empty for method none)."""
+    policy = config.policy_id if config.method == "dllm_kvq" else None
+    if config.method == "kvquant":
+        policy = config.kvquant_state_id
+    return {
+        "method": config.method,
+        "bits": "" if config.method == "none" else str(config.bits),
+        "cache_mode": cache_mode,
+        "policy": policy or "",
+    }
+
+
+class Telemetry:
+    """Every metric of the server on its own registry (so several apps can live in one test process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dllm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.latency = Histogram("dllm_request_latency_seconds", "end-to-end latency of generation requests",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_block = Histogram("dllm_time_to_first_block_seconds",
+                                     "admission to the first committed block", ["endpoint"],
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("dllm_queue_time_seconds", "admission to the start of its batch",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.running = Gauge("dllm_requests_running", "requests in the batch being decoded", registry=r)
+        self.waiting = Gauge("dllm_requests_waiting", "requests admitted and waiting for the worker", registry=r)
+        self.batch_size = Histogram("dllm_batch_size", "requests per decoded batch", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.nfe = Histogram("dllm_nfe_per_request", "forward passes per request", ["cache_mode"],
+                             buckets=NFE_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("dllm_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("dllm_generation_tokens", "generated tokens of finished requests",
+                                         registry=r)
+        self.kv_bits = Gauge("dllm_kv_effective_bits", "effective bits per element of the reused K/V",
+                             [*CONFIG_LABELS, "tensor", "accounting"], registry=r)
+        self.kv_bytes = Gauge("dllm_kv_bytes_held", "bytes of reused K/V held (peak over blocks)", CONFIG_LABELS,
+                              registry=r)
+        self.kv_bf16_bytes = Gauge("dllm_kv_bf16_bytes", "bytes the same K/V would take in bf16", CONFIG_LABELS,
+                                   registry=r)
+        self.active_config = Gauge("dllm_active_config_info", "the active configuration per cache mode (value 1)",
+                                   ["model", "cache_mode", "method", "bits", "k_group_size", "v_group_size",
+                                    "policy", "source"], registry=r)
+        self.k_bits_cap = Gauge("dllm_policy_k_bits_cap", "nominal K-bit cap the active policy was fitted under",
+                                ["cache_mode", "policy"], registry=r)
+        self.config_changes = Counter("dllm_config_changes", "active configuration changes applied",
+                                      ["cache_mode"], registry=r)
+        self.shadow_requests = Counter("dllm_shadow_requests", "requests re-decoded with the unquantized cache",
+                                       CONFIG_LABELS, registry=r)
+        self.shadow_agreement = Histogram("dllm_shadow_token_agreement",
+                                          "token agreement of served vs unquantized re-decode", CONFIG_LABELS,
+                                          buckets=AGREEMENT_BUCKETS, registry=r)
+        self.shadow_exact = Counter("dllm_shadow_exact_match", "shadow re-decodes with exactly the served text",
+                                    CONFIG_LABELS, registry=r)
+        self.shadow_dropped = Counter("dllm_shadow_dropped", "shadow re-decodes dropped (queue full)", registry=r)
+        self.eval_score = Gauge("dllm_eval_score", "last score reported by the evaluation job",
+                                ["task", "metric", *CONFIG_LABELS], registry=r)
+        self.eval_time = Gauge("dllm_eval_score_timestamp_seconds", "when the evaluation job reported",
+                               ["task", *CONFIG_LABELS], registry=r)
+        self.worker_faults = Counter("dllm_worker_faults", "batches that raised", ["fatal"], registry=r)
+        self.ready = Gauge("dllm_ready", "1 when the server is ready to serve", registry=r)
+        self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call", registry=r)
+        self._active_labels: dict[str, dict[str, str]] = {}
+        self._caps: set[tuple[str, str]] = set()
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return generate_latest(self.registry)
+
+    def observe_report(self, report: DecodeReport, cache_mode: str, config: KVQuantConfig) -> None:
+        """Record NFE, tokens and KV cost of a finished batch (one report, several rows)."""
+        for row in report.rows:
+            self.nfe.labels(cache_mode).observe(row.nfe)
+            self.generation_tokens.inc(len(row.generated_ids))
+        if report.kv is not None:
+            labels = config_labels(config, cache_mode)
+            kv = report.kv
+            for tensor, accounting, value in (
+                ("k", "nominal", kv.k_nominal_bits), ("v", "nominal", kv.v_nominal_bits),
+                ("k", "storage", kv.k_storage_bits), ("v", "storage", kv.v_storage_bits),
+            ):
+                self.kv_bits.labels(**labels, tensor=tensor, accounting=accounting).set(value)
+            self.kv_bytes.labels(**labels).set(kv.bytes_held)
+            self.kv_bf16_bytes.labels(**labels).set(kv.bf16_bytes)
+
+    def set_active(
+        self, model: str, cache_mode: str, config: KVQuantConfig, source: str, k_bits_cap: float | None = None
+    ) -> None:
+        """Show ``config`` as the active configuration of ``cache_mode`` (replacing the previous series), and
+        the nominal K-bit cap of its policy when it has one (for the alert on served bits above the cap)."""
+        old = self._active_labels.pop(cache_mode, None)
+        if old is not None:
+            self.active_config.remove(*old.values())
+            if old["policy"] and (cache_mode, old["policy"]) in self._caps:
+                self._caps.discard((cache_mode, old["policy"]))
+                self.k_bits_cap.remove(cache_mode, old["policy"])
+        labels = {
+            "model": model,
+            "cache_mode": cache_mode,
+            "method": config.method,
+            "bits": str(config.bits),
+            "k_group_size": str(config.k_group_size),
+            "v_group_size": "" if config.v_group_size is None else str(config.v_group_size),
+            "policy": config_labels(config, cache_mode)["policy"],
+            "source": source,
+        }
+        self.active_config.labels(**labels).set(1)
+        self._active_labels[cache_mode] = labels
+        if k_bits_cap is not None and labels["policy"]:
+            self.k_bits_cap.labels(cache_mode, labels["policy"]).set(k_bits_cap)
+            self._caps.add((cache_mode, labels["policy"]))
+
+    def observe_shadow(self, config: KVQuantConfig, cache_mode: str, agreement: float, exact: bool) -> None:
+        """Record one shadow re-decode's token agreement and exact match."""
+        labels = config_labels(config, cache_mode)
+        self.shadow_requests.labels(**labels).inc()
+        self.shadow_agreement.labels(**labels).observe(agreement)
+        if exact:
+            self.shadow_exact.labels(**labels).inc()
+        else:
+            self.shadow_exact.labels(**labels)  # create the series so a 0 is visible
+
+    def observe_eval(
+        self, task: str, scores: dict[str, float], config: KVQuantConfig, cache_mode: str, at: float
+    ) -> None:
+        """Show the evaluation job's last scores of one task under one configuration."""
+        labels = config_labels(config, cache_mode)
+        for metric, value in scores.items():
+            self.eval_score.labels(task=task, metric=metric, **labels).set(value)
+        self.eval_time.labels(task=task, **labels).set(at)

@@ -1,0 +1,63 @@
+"""Real processes for integration tests: a private ``redis-server`` on a free port (for stop/restart tests; the
+shared one on 6379 is never stopped) and helpers to wait for a port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+    """Wait until something accepts connections on 127.0.0.1:port (RuntimeError after timeout or if proc died)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+
+
+class RedisProcess:
+    """A private redis-server (no persistence) that a test may stop and start again on the same port."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.port = port or free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port, proc=self.proc)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self.proc = None
