@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = common.add_argument
     add("--model", default=None, help="checkpoint dir or HF repo id (default: the embedded model)")
     add("--store", default="calibration-store", help="redis://host:port/db or a directory (default: %(default)s)")
+    add("--store-prefix", default="dllm-kvq", help="Redis key prefix (default: %(default)s)")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
         help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")
     add("--samples", type=int, default=defaults.samples)
@@ -93,8 +94,9 @@ def settings_from(args: argparse.Namespace) -> JobSettings:
     )
 
 
-def print_summary(summary: RunSummary, seconds: float, out=sys.stdout) -> None:
-    """The end-of-run summary: what was computed or found done, ids, Table 4, time."""
+def print_summary(summary: RunSummary, seconds: float, out=None) -> None:
+    """The end-of-run summary: what was computed or found done, ids, Table 4, time (to ``out``, default stdout)."""
+    out = out or sys.stdout
     print(f"\ncalibration finished in {seconds:.1f} s", file=out)
     for kind in sorted(set(summary.computed) | set(summary.skipped)):
         print(f"  {kind}: {summary.computed.get(kind, 0)} computed, {summary.skipped.get(kind, 0)} already stored",
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     settings = settings_from(args)
-    store = open_store(args.store)
+    store = open_store(args.store, prefix=args.store_prefix)
     job = CalibrationJob(settings, store, Engine.load(settings.model, threads=args.threads),
                          progress=not args.no_progress)
     if args.verb == "trace":

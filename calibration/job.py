@@ -166,7 +166,8 @@ class CalibrationJob:
     def provenance(self, data: str) -> Provenance:
         return Provenance(data=data, code=f"{CODE_VERSION}; torch {torch.__version__}; python "
                                          f"{platform.python_version()}",
-                          created_at=None, details={"settings": self.settings.model_dump(mode="json")})
+                          created_at=None, details={"settings": self.settings.model_dump(
+                              mode="json", exclude={"shard_index", "shard_count"})})
 
     # ---- corpus ----------------------------------------------------------------------------------------------
     def samples(self) -> list[Sample]:
