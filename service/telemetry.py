@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from service.engine.agreement import token_agreement  # noqa: F401 - re-exported; defined with the engine
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 
@@ -69,18 +70,6 @@ def config_labels(config: KVQuantConfig, cache_mode: str) -> dict[str, str]:
         "cache_mode": cache_mode,
         "policy": policy or "",
     }
-
-
-def token_agreement(served: list[int], reference: list[int]) -> float:
-    """Share of response positions, up to the longer of the two (already EOS-cut) outputs, with equal tokens.
-
-    DESIGN.md "Words: token agreement". Two empty outputs agree fully (1.0).
-    """
-    length = max(len(served), len(reference))
-    if length == 0:
-        return 1.0
-    same = sum(1 for a, b in zip(served, reference) if a == b)
-    return same / length
 
 
 class Telemetry:

@@ -1,0 +1,168 @@
+"""docker-compose.yml and its CPU override, checked by the Compose v2 plugin itself (`docker compose config`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.tools import REPO, find_tool, run_tool
+
+BASE = "docker-compose.yml"
+CPU = "docker-compose.cpu.yml"
+PROFILES = ["--profile", "calibration", "--profile", "evaluation"]
+
+
+def compose_config(*files: str, cwd: Path = REPO) -> dict:
+    """The fully resolved model of the given files with every profile on, as the plugin prints it."""
+    args = [find_tool("docker-compose")]
+    for f in files:
+        args += ["-f", f]
+    result = run_tool([*args, *PROFILES, "config", "--format", "json"], cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpu_stack() -> dict:
+    return compose_config(BASE)
+
+
+@pytest.fixture(scope="module")
+def cpu_stack() -> dict:
+    return compose_config(BASE, CPU)
+
+
+def test_every_compose_file_validates_quietly():
+    for files in ([BASE], [BASE, CPU]):
+        args = [find_tool("docker-compose")]
+        for f in files:
+            args += ["-f", f]
+        result = run_tool([*args, *PROFILES, "config", "--quiet"])
+        assert result.returncode == 0, (files, result.stderr)
+
+
+def test_compose_rejects_an_unknown_key(tmp_path):
+    # The same plugin fails on a misspelt key: the validation above is not vacuous.
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  api:\n    restrat: always\n")
+    result = run_tool([find_tool("docker-compose"), "-f", str(REPO / BASE), "-f", str(bad), "config", "-q"])
+    assert result.returncode != 0 and "restrat" in result.stderr
+
+
+def test_api_reserves_an_nvidia_gpu_and_is_supervised(gpu_stack):
+    api = gpu_stack["services"]["api"]
+    devices = api["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert api["command"] == ["serve"]
+    assert api["restart"] == "unless-stopped"
+    assert api["healthcheck"]["test"] == ["CMD", "python", "/usr/local/lib/dllm-kvq/healthcheck.py"]
+    assert api["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert {"source": "hf-cache", "target": "/data/hf"}.items() <= api["volumes"][0].items()
+    assert api["environment"]["DLLM_STORE_URL"] == "redis://redis:6379/0"
+    assert api["build"]["args"]["TORCH_VARIANT"].startswith("cu")
+
+
+def _seconds(duration: str) -> float:
+    """Seconds of a Go duration as Compose prints it ("2m0s", "90s")."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([0-9.]+)([hms])", duration))
+
+
+def test_stop_grace_covers_the_server_drain(gpu_stack):
+    # SIGTERM -> the server drains for DLLM_DRAIN_TIMEOUT_S; Docker must not SIGKILL before that ends.
+    drain = float(_env_example()["DLLM_DRAIN_TIMEOUT_S"])
+    assert _seconds(gpu_stack["services"]["api"]["stop_grace_period"]) >= drain + 10
+
+
+def test_env_example_lists_every_setting_and_loads():
+    from service.config import Settings
+
+    text = (REPO / ".env.example").read_text()
+    listed = re.findall(r"^#?\s*(DLLM_[A-Z0-9_]+)=", text, flags=re.MULTILINE)
+    assert len(listed) == len(set(listed)), "a setting is listed twice"
+    assert set(listed) == {f"DLLM_{name.upper()}" for name in Settings.model_fields}
+    # The uncommented values are legal settings (pydantic-settings reads the file as the server would).
+    settings = Settings(_env_file=REPO / ".env.example")
+    assert settings.device == "cuda" and settings.kv_quant.method == "none"
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume(gpu_stack):
+    redis = gpu_stack["services"]["redis"]
+    assert redis["command"][:3] == ["redis-server", "--appendonly", "yes"]
+    assert redis["volumes"][0]["source"] == "redis-data" and redis["volumes"][0]["target"] == "/data"
+    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def test_monitoring_mounts_exist_in_the_repository(gpu_stack):
+    mounts = {
+        name: [v["source"] for v in gpu_stack["services"][name]["volumes"] if v["type"] == "bind"]
+        for name in ("prometheus", "grafana")
+    }
+    assert mounts["prometheus"] == [str(REPO / "deploy" / "prometheus")]
+    assert sorted(mounts["grafana"]) == sorted(
+        [str(REPO / "deploy" / "grafana" / "provisioning"), str(REPO / "deploy" / "grafana" / "dashboards")]
+    )
+    for sources in mounts.values():
+        for source in sources:
+            assert Path(source).is_dir(), source
+    assert (REPO / "deploy" / "prometheus" / "prometheus.yml").is_file()
+
+
+def test_jobs_are_one_shot_and_behind_profiles(gpu_stack):
+    for name, profile, verb in (
+        ("calibration", "calibration", "calibrate"),
+        ("evaluation", "evaluation", "evaluate"),
+    ):
+        job = gpu_stack["services"][name]
+        assert job["profiles"] == [profile]
+        assert job["restart"] == "no"
+        assert job["command"][0] == verb
+    # Without the profiles, `up` starts only the long-running services.
+    result = run_tool([find_tool("docker-compose"), "-f", BASE, "config", "--services"])
+    assert result.returncode == 0
+    assert sorted(result.stdout.split()) == ["api", "grafana", "prometheus", "redis"]
+
+
+def test_cpu_override_drops_every_gpu_and_serves_the_embedded_default(cpu_stack):
+    for name in ("api", "calibration", "evaluation"):
+        service = cpu_stack["services"][name]
+        assert "deploy" not in service or not service["deploy"].get("resources"), name
+        assert service["build"]["args"]["TORCH_VARIANT"] == "cpu"
+        assert service["environment"]["DLLM_DEVICE"] == "cpu"
+        assert service["environment"]["DLLM_MODEL"] == ""
+    from service.config import Settings
+
+    # The override's settings are legal server settings, and "" means the embedded default.
+    env = cpu_stack["services"]["api"]["environment"]
+    settings = Settings(model=env["DLLM_MODEL"], device=env["DLLM_DEVICE"], dtype=env["DLLM_DTYPE"])
+    assert settings.model is None
+
+
+def test_env_example_feeds_the_stack(tmp_path):
+    # A user's copy: .env from .env.example next to the compose files; the plugin reads it as the env file.
+    for name in (BASE, CPU, ".env.example"):
+        shutil.copy(REPO / name, tmp_path / name)
+    (tmp_path / "deploy").symlink_to(REPO / "deploy")
+    shutil.copy(REPO / ".env.example", tmp_path / ".env")
+    stack = compose_config(BASE, cwd=tmp_path)
+    env = stack["services"]["api"]["environment"]
+    example = _env_example()
+    for key, value in example.items():
+        if key in ("DLLM_HOST", "DLLM_PORT", "DLLM_STORE_URL"):
+            continue  # pinned by the compose file inside the stack
+        assert env[key] == value, key
+    assert env["DLLM_PORT"] == "8000" and env["DLLM_STORE_URL"] == "redis://redis:6379/0"
+
+
+def _env_example() -> dict[str, str]:
+    """The uncommented KEY=value lines of .env.example."""
+    out = {}
+    for line in (REPO / ".env.example").read_text().splitlines():
+        if line and not line.startswith("#") and "=" in line:
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip()
+    return out
