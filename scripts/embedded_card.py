@@ -100,7 +100,8 @@ full-recompute output of the same question.
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-- Load time (`Engine.load(None)`): {meas['load_s']:.2f} s.
+- Load time of `Engine.load`: {meas['load_s']:.2f} s (checkpoint and tokenizer); the first call in a fresh process
+  took {meas['load_first_in_process_s']:.2f} s, the difference is one-time lazy imports.
 - Revealed tokens with top-1 probability >= {meas['threshold']} (full recompute):
   {pct(confident) if confident is not None else 'not measured'} of {modes['none'].get('revealed_tokens', 0):,}.
 {target_line}
