@@ -95,10 +95,15 @@ def apply_op(op: str, digits: Sequence[int]) -> list[int]:
     raise ValueError(f"unknown op {op!r}; legal: {', '.join(OPS)}")
 
 
-def make_question(rng: random.Random, qid: str, op_weights: Sequence[float] | None = None) -> Question:
-    """Draw one question from ``rng`` (op by ``op_weights`` over ``OPS``, default uniform)."""
+def make_question(rng: random.Random, qid: str, op_weights: Sequence[float] | None = None,
+                  digit_weights: Sequence[float] | None = None) -> Question:
+    """Draw one question from ``rng``: the op by ``op_weights`` over ``OPS`` and the digits by ``digit_weights``
+    over 0..9 (both default uniform; the held-out splits are uniform, the training curriculum is not)."""
     op = rng.choices(OPS, weights=op_weights)[0]
-    digits = tuple(rng.randrange(10) for _ in range(LIST_LENGTH))
+    if digit_weights is None:
+        digits = tuple(rng.randrange(10) for _ in range(LIST_LENGTH))
+    else:
+        digits = tuple(rng.choices(range(10), weights=digit_weights, k=LIST_LENGTH))
     instruction = rng.choice(_INSTRUCTIONS[op])
     prompt = f"{instruction} {' '.join(map(str, digits))}"
     answer = " ".join(map(str, apply_op(op, digits)))

@@ -1,5 +1,7 @@
 """The embedded model's task family: seeded determinism, layout, answers, scoring, the shipped splits."""
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -69,3 +71,10 @@ def test_shipped_splits_match_the_generator():
         assert loaded == shipped[name]
     with pytest.raises(ValueError, match="legal"):
         task.load_split("dev")
+
+
+def test_digit_weights_skew_the_digits():
+    rng = random.Random(0)
+    qs = [task.make_question(rng, str(i), digit_weights=[0.9] + [0.1 / 9] * 9) for i in range(20)]
+    zeros = sum(d == 0 for q in qs for d in q.digits) / (20 * task.LIST_LENGTH)
+    assert 0.8 < zeros < 0.97

@@ -102,3 +102,10 @@ def test_resumed_run_equals_straight_run(train, tmp_path):
     assert a["tokens"] == b["tokens"] >= 3000
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_digit_curriculum_ends_uniform(train):
+    assert train.digit_weights(0, 0.6, 100) == pytest.approx([0.6] + [0.4 / 9] * 9)
+    assert train.digit_weights(50, 0.6, 100)[0] == pytest.approx(0.35)
+    assert train.digit_weights(100, 0.6, 100) is None
+    assert train.op_weights(0, 10) == [2, 1, 1] and train.op_weights(10, 10) == [1, 1, 3]
