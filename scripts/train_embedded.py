@@ -139,22 +139,24 @@ class Stream:
         self.count = state["count"]
 
 
-def op_weights(tokens: int, ramp_tokens: int) -> list[float]:
-    """Curriculum over ``OPS`` = (copy, next, sum): from (2, 1, 1) at 0 tokens to (1, 1, 3) at ``ramp_tokens``."""
+def op_weights(tokens: int, ramp_tokens: int, final_sum: float = 3.0) -> list[float]:
+    """Curriculum over ``OPS`` = (copy, next, sum): from (2, 1, 1) at 0 tokens to (1, 1, final_sum) at
+    ``ramp_tokens``."""
     f = min(1.0, tokens / max(ramp_tokens, 1))
-    return [2 - f, 1.0, 1 + 2 * f]
+    return [2 - f, 1.0, 1 + (final_sum - 1) * f]
 
 
-def digit_weights(tokens: int, zero_start: float, ramp_tokens: int) -> list[float] | None:
-    """Curriculum over the prompt digits: P(0) falls linearly from ``zero_start`` at 0 tokens to uniform (0.1) at
-    ``ramp_tokens``; the other nine digits share the rest equally. None once uniform.
+def digit_weights(tokens: int, zero_start: float, ramp_tokens: int, ramp_from: int = 0) -> list[float] | None:
+    """Curriculum over the prompt digits: P(0) falls linearly from ``zero_start`` at ``ramp_from`` tokens (and
+    before) to uniform (0.1) at ``ramp_from + ramp_tokens``; the other nine digits share the rest equally. None once
+    uniform.
 
     Why: in ``sum`` the answer digit is independent of the previous answer digit alone and of the prompt digit
     alone (addition mod 10 is uniform given either), so gradient descent has no first-order signal and stalls
     on a plateau (measured: no progress on ``sum`` in the first 4M tokens while copy/next were solved). With
     many zeros, ``a[j] = a[j-1]`` often, which teaches the model to read the previous answer digit first.
     """
-    p0 = zero_start + (0.1 - zero_start) * min(1.0, tokens / max(ramp_tokens, 1))
+    p0 = zero_start + (0.1 - zero_start) * min(1.0, max(0, tokens - ramp_from) / max(ramp_tokens, 1))
     if p0 <= 0.1 + 1e-9:
         return None
     return [p0] + [(1 - p0) / 9] * 9
@@ -268,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ramp-tokens", type=int, default=20_000_000)
     ap.add_argument("--zero-start", type=float, default=0.6, help="P(digit 0) at 0 tokens (curriculum)")
     ap.add_argument("--zero-ramp-tokens", type=int, default=16_000_000)
+    ap.add_argument("--zero-ramp-from", type=int, default=0, help="tokens seen when P(0) starts to fall")
+    ap.add_argument("--final-sum-weight", type=float, default=3.0, help="weight of sum (copy, next: 1) after the ramp")
     ap.add_argument("--max-tokens", type=int, default=500_000_000)
     ap.add_argument("--max-minutes", type=float, default=float("inf"))
     ap.add_argument("--ckpt-every", type=int, default=2_000_000)
@@ -329,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=args.max_tokens, initial=tokens, unit="tok", unit_scale=True, mininterval=30)
     window_tokens, window_start, losses = 0, time.time(), []
     while tokens < args.max_tokens and (time.time() - sitting_start) / 60 < args.max_minutes:
-        ids, plen = stream.batch(args.batch, op_weights(tokens, args.ramp_tokens),
-                                 digit_weights(tokens, args.zero_start, args.zero_ramp_tokens))
+        ids, plen = stream.batch(args.batch, op_weights(tokens, args.ramp_tokens, args.final_sum_weight),
+                                 digit_weights(tokens, args.zero_start, args.zero_ramp_tokens, args.zero_ramp_from))
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps)
         for g in opt.param_groups:
             g["lr"] = lr

@@ -108,4 +108,7 @@ def test_digit_curriculum_ends_uniform(train):
     assert train.digit_weights(0, 0.6, 100) == pytest.approx([0.6] + [0.4 / 9] * 9)
     assert train.digit_weights(50, 0.6, 100)[0] == pytest.approx(0.35)
     assert train.digit_weights(100, 0.6, 100) is None
+    assert train.digit_weights(150, 0.9, 100, ramp_from=100)[0] == pytest.approx(0.5)
+    assert train.digit_weights(50, 0.9, 100, ramp_from=100)[0] == pytest.approx(0.9)
     assert train.op_weights(0, 10) == [2, 1, 1] and train.op_weights(10, 10) == [1, 1, 3]
+    assert train.op_weights(10, 10, final_sum=6) == [1, 1, 6]
