@@ -49,6 +49,11 @@ def card(directory: Path, note: str) -> str:
         + ", ".join(f"{mode} {'yes' if gap <= 0.05 else 'no'} ({-100 * gap:+.1f} points)" for mode, gap in gaps.items())
     )
     confident = modes["none"].get("revealed_confident_share")
+    keys = ("lr", "batch", "ramp_tokens", "final_sum_weight", "zero_start", "zero_ramp_from", "zero_ramp_tokens")
+    sitting_rows = "\n".join(
+        f"| {s['from_tokens']:,} | " + " | ".join(str(s.get(k, "default")) for k in keys) + " |"
+        for s in train.get("sittings", [])
+    )
     hours = train["train_seconds"] / 3600
     return f"""# dllm-kvq embedded default model (digit ledger, LLaDA format)
 
@@ -88,6 +93,13 @@ prompt never masked, answer + `<|eot_id|>` + EOS padding to {GEN_LENGTH}), AdamW
 | tokens seen | steps | training time | seed | hardware | torch |
 |---|---|---|---|---|---|
 | {train['tokens_seen']:,} | {train['steps']:,} | {hours:.2f} h | {train['seed']} | {train['hardware']} | {train['torch']} |
+
+Sittings (`runs/embedded/log.jsonl`; each resumed the previous checkpoint with these curriculum arguments of
+`train_embedded.py`):
+
+| from tokens | lr | batch | ramp_tokens | final_sum_weight | zero_start | zero_ramp_from | zero_ramp_tokens |
+|---|---|---|---|---|---|---|---|
+{sitting_rows}
 
 ## Measured with the project's engine
 

@@ -45,6 +45,27 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+CURRICULUM_ARGS = ("lr", "batch", "ramp_tokens", "final_sum_weight", "zero_start", "zero_ramp_from",
+                   "zero_ramp_tokens")
+
+
+def sittings(log: Path, until_tokens: int) -> list[dict]:
+    """The run's sittings from its ``log.jsonl`` ``start`` events: tokens seen at the start and the curriculum
+    arguments, up to the exported checkpoint (a sitting that resumed an earlier checkpoint replaces the tail)."""
+    out: list[dict] = []
+    if not log.is_file():
+        return out
+    for line in log.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") != "start" or event["tokens"] > until_tokens:
+            continue
+        while out and out[-1]["from_tokens"] >= event["tokens"]:
+            out.pop()
+        out.append({"from_tokens": event["tokens"],
+                    **{k: event["args"][k] for k in CURRICULUM_ARGS if k in event["args"]}})
+    return out
+
+
 def export(ckpt: Path, out: Path) -> dict:
     """Write the checkpoint ``ckpt`` (a ``train_embedded.py`` state) as a LLaDA directory ``out``.
 
@@ -79,6 +100,7 @@ def export(ckpt: Path, out: Path) -> dict:
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     facts = {
+        "sittings": sittings(ckpt.parent / "log.jsonl", state["tokens"]),
         "checkpoint": ckpt.name,
         "tokens_seen": state["tokens"],
         "steps": state["step"],
