@@ -1,0 +1,1 @@
+"""Subcommands of ``python -m service``; each module has ``add_parser(subparsers)``."""
