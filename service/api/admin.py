@@ -110,13 +110,17 @@ class Admin:
                             store=stored)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
-        """Validate, then one atomic write + event; 422 if the configuration does not fit the model."""
+        """Validate, then one atomic write + event; 422 if the configuration does not fit the model.
+
+        ``old`` is the store's previous entry, or, when the store had none, the default this replica served.
+        """
+        served = self.active.snapshot(cache_mode).config
         try:
             audit = self._tracked(self.active.activate, cache_mode, config, key_id)
         except ConfigInvalid as exc:
             raise ArtifactRejected(str(exc), param=exc.field) from exc
         return s.ActivateResponse(fingerprint=audit.fingerprint, cache_mode=audit.cache_mode, at=audit.at,
-                                  key_id=audit.key_id, old=audit.old, new=audit.new)
+                                  key_id=audit.key_id, old=audit.old or served, new=audit.new)
 
     def audit(self, limit: int) -> list[dict[str, Any]]:
         return [e.model_dump(mode="json") for e in self._tracked(self.store.audit, limit)]

@@ -13,8 +13,9 @@ ADMIN_KEY = "test-admin-key-0123456789"
 
 
 def fake_app(settings: Settings | None = None, block_delay_s: float = 0.0):
-    """The real app (worker, store, routes) with a fake engine."""
-    return create_app(settings, engine=FakeEngine(block_delay_s=block_delay_s))
+    """The real app (worker, store, routes) with a fake engine (which ignores the KV store it is given, so none
+    is built)."""
+    return create_app(settings, engine=FakeEngine(block_delay_s=block_delay_s), kv_store_factory=lambda snap: None)
 
 
 def fake_app_from_env():
