@@ -45,6 +45,7 @@ from service.engine import Engine
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import KVReport
 from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ class DllmKvqLM(TemplateLM):
         """A fresh KV store for one engine batch; None = the engine's full-precision store."""
         if config.method == "none":
             return None
-        from service.quant import make_kv_store
-
         policy, state = self._artifacts_for(config)
         return make_kv_store(config, self.spec, policy, state)
 

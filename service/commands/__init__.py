@@ -1,1 +1,1 @@
-"""Subcommands of ``python -m service``; each module has ``add_parser(subparsers)``."""
+"""Subcommands of ``python -m service``; each module exposes ``add_parser(subparsers)`` (see `service.__main__`)."""

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 
+from service.engine.decode import Cancelled, Decoder, OnBlock
 from service.engine.errors import EngineInputError
+from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.loading import load_checkpoint
+from service.engine.params import DecodeParams, RowOptions
+from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.spec import ModelSpec
 
 
 class Engine:
@@ -71,3 +77,130 @@ class Engine:
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: OnBlock | None = None,
+        cancelled: Cancelled | None = None,
+    ) -> DecodeReport:
+        """Decode a batch of prompts (left-padded together) with block diffusion; see `service.engine.decode`.
+
+        Args:
+            prompts: token ids per row, each non-empty, in the vocabulary, without the mask id.
+            params: batch settings; rows: per-row temperature/seed/stop strings (default: greedy, no stops).
+            kv_store: holds the reused K/V in cached modes (default :class:`FullPrecisionKVStore`; cleared at the
+                end; not used with ``cache_mode="none"``).
+            on_block: ``on_block(block_index, ids_per_row)`` after each block committed by every live row.
+            cancelled: polled after each forward call; rows marked True stop (finish reason ``cancelled``).
+
+        Returns:
+            A :class:`DecodeReport` with one :class:`RowReport` per prompt, in order.
+
+        Raises:
+            EngineInputError: any input outside what is legal (see :func:`validate_request`); nothing has run.
+        """
+        rows = rows if rows is not None else [RowOptions() for _ in prompts]
+        validate_request(self.spec, prompts, params, rows)
+        store = kv_store if kv_store is not None else FullPrecisionKVStore()
+        decoder = Decoder(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                decoder.run()
+        finally:
+            store.clear()
+        total = time.perf_counter() - started
+        reports = [self._row_report(decoder, r, opts, total) for r, opts in enumerate(rows)]
+        return DecodeReport(
+            rows=reports,
+            params=params,
+            timings=Timings(total_s=total, first_block_s=decoder.first_block_s),
+            kv=store.report(),
+        )
+
+    def _row_report(self, decoder: Decoder, row: int, options: RowOptions, total_s: float) -> RowReport:
+        state = decoder.rows[row]
+        ids = decoder.response_ids(row)
+        eos = set(self.spec.eos_ids)
+        before_eos = next((ids[:i] for i, token in enumerate(ids) if token in eos), ids)
+        text = self.decode_text(before_eos)
+        stopped = len(before_eos) < len(ids)
+        if text is not None:
+            cuts = [text.find(stop) for stop in options.stop if stop and stop in text]
+            if cuts:
+                text, stopped = text[: min(cuts)], True
+        if state.status == "cancelled":
+            reason = "cancelled"
+        else:
+            reason = "stop" if stopped else "length"
+        return RowReport(
+            generated_ids=ids,
+            text=text,
+            finish_reason=reason,
+            nfe=state.nfe,
+            steps_per_block=state.steps_per_block,
+            reveals_per_step=state.reveals,
+            tokens_per_second=len(before_eos) / total_s if total_s > 0 else 0.0,
+        )
+
+
+def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions]) -> None:
+    """Check a decode request against the model and the schedule rules; raise before any work.
+
+    Raises:
+        EngineInputError: no prompts; rows not matching prompts; an empty prompt; a token id outside
+            ``[0, vocab_size)``; the mask id inside a prompt; pad id equal to mask id; gen length not a multiple of
+            block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
+            multiple of the number of blocks; Dream's fixed schedule with < 2 steps per block in block mode;
+            random remasking for Dream; unknown cache mode; prompt + response longer than the model's context.
+    """
+    if not prompts:
+        raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)")
+    if len(rows) != len(prompts):
+        raise EngineInputError(f"rows has {len(rows)} entries for {len(prompts)} prompts; give one per prompt or None")
+    if spec.pad_id == spec.mask_id:
+        raise EngineInputError(f"pad id equals mask id ({spec.mask_id}); the pad id must be a non-mask token")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise EngineInputError(f"prompt {i} is empty; a prompt needs at least one token")
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < spec.vocab_size)]
+        if bad:
+            raise EngineInputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {spec.vocab_size})")
+        if spec.mask_id in prompt:
+            raise EngineInputError(
+                f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)"
+            )
+    if params.cache_mode not in ("none", "prefix", "dual"):
+        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual")
+    if params.gen_length % params.block_length:
+        raise EngineInputError(
+            f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}"
+        )
+    if (params.threshold is None) == (params.steps is None):
+        raise EngineInputError("set exactly one of threshold (confidence-threshold decoding) and steps (fixed schedule)")
+    if params.threshold is not None and not 0.0 <= params.threshold <= 1.0:
+        raise EngineInputError(f"threshold {params.threshold} is outside [0, 1] (0 reveals a whole block at once)")
+    num_blocks = params.gen_length // params.block_length
+    if params.steps is not None and (params.steps <= 0 or params.steps % num_blocks):
+        raise EngineInputError(
+            f"steps {params.steps} must be a positive multiple of the number of blocks {num_blocks} "
+            f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}"
+        )
+    dream_block_mode = spec.arch == "dream" and (params.cache_mode != "none" or params.dream_schedule == "block")
+    if dream_block_mode and params.steps is not None and params.steps // num_blocks < 2:
+        raise EngineInputError(
+            f"Dream's fixed schedule in block mode needs at least 2 steps per block (the block-initial pass reveals "
+            f"only the block's first token); got {params.steps // num_blocks}: use steps >= {2 * num_blocks}"
+        )
+    if spec.arch == "dream" and params.remasking != "low_confidence":
+        raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'")
+    longest = max(len(p) for p in prompts) + params.gen_length
+    if longest > spec.max_length:
+        raise EngineInputError(
+            f"prompt ({longest - params.gen_length} tokens) + response ({params.gen_length}) = {longest} tokens is over "
+            f"the model's context of {spec.max_length}"
+        )

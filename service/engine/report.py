@@ -51,7 +51,8 @@ class RowReport(BaseModel):
 
     generated_ids: list[int]
     text: str | None = None
-    finish_reason: Literal["stop", "length"]
+    # "cancelled": the caller's ``cancelled`` callback dropped the row before it finished.
+    finish_reason: Literal["stop", "length", "cancelled"]
     nfe: int
     steps_per_block: list[int]
     reveals_per_step: list[int]

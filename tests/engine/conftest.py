@@ -1,15 +1,14 @@
-"""Tiny Fast-dLLM checkpoints and goldens (tests/data/fastdllm) shared by the engine tests."""
+"""Fixtures of the engine tests: the two tiny checkpoints loaded once, one torch thread."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-DATA = Path(__file__).resolve().parent.parent / "data" / "fastdllm"
-CKPT = {"llada": DATA / "ckpt" / "llada-tiny", "dream": DATA / "ckpt" / "dream-tiny"}
+from tests.support.fastdllm import CKPT
+from tests.support.fastdllm import llada_with_tokenizer as _llada_with_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -18,12 +17,13 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def golden(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
-
-
 @pytest.fixture(scope="session")
 def engines():
     from service.engine import Engine
 
     return {arch: Engine.load(path) for arch, path in CKPT.items()}
+
+
+@pytest.fixture(scope="session")
+def llada_with_tokenizer(tmp_path_factory) -> Path:
+    return _llada_with_tokenizer(tmp_path_factory.mktemp("llada-tok"))

@@ -1,0 +1,62 @@
+"""The paper's Table 4 (trajectory-level diagnostics) from a calibration run stored by the calibration job.
+
+The calibration job (``python -m calibration ... fit``) stores one ``calibration_fit`` record per fit: the
+policies it stored per ``"<mode>/<bits>"`` and, for each, the win rates (%) of the selected policy against
+quantizing every K token (records of the layers it protects), per metric (``centered_l2``, ``attention_kl``,
+``top1``, ``topk``, ``cosine``), with the nominal effective K bits. `table4_rows` reads that record;
+``RUN_ID`` ``latest`` takes the newest one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from service.policy.store import open_store
+
+#: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
+KIND_CALIBRATION_FIT = "calibration_fit"
+#: Paper column -> metric key in the record.
+COLUMNS = {"L2": "centered_l2", "KL": "attention_kl", "Top-1": "top1", "Top-K": "topk"}
+
+
+def table4_rows(store_url: str | None, run_id: str) -> list[dict[str, Any]]:
+    """One row per (cache mode, bits) of the calibration run ``run_id`` (or ``latest``).
+
+    Raises:
+        ValueError: no store URL, or the store has no calibration run.
+        service.policy.store.ArtifactNotFound: no run with that id.
+    """
+    if not store_url:
+        raise ValueError("--from-calibration needs --store (the store the calibration job wrote to)")
+    store = open_store(store_url)
+    try:
+        if run_id == "latest":
+            ids = store.list(KIND_CALIBRATION_FIT)
+            if not ids:
+                raise ValueError(f"no calibration run ({KIND_CALIBRATION_FIT}) in {store_url}")
+            run_id = max(ids, key=lambda i: store.info(KIND_CALIBRATION_FIT, i).created_at)
+        record = store.get_json(KIND_CALIBRATION_FIT, run_id)
+    finally:
+        store.close()
+    rows = []
+    for key, values in sorted(record["table4"].items()):
+        mode, bits = key.split("/")
+        rows.append({"run_id": run_id, "cache_mode": mode, "bits": int(bits),
+                     "policy_id": record.get("policies", {}).get(key),
+                     **{col: values[metric] for col, metric in COLUMNS.items()},
+                     "effective_k_bits": values["effective_k_bits"],
+                     "protected_layers": values.get("protected_layers")})
+    return rows
+
+
+def table4_markdown(rows: list[dict[str, Any]]) -> str:
+    """Table 4 as markdown: mode, bits, win rates (%) and effective K bits."""
+    lines = ["### Trajectory-level diagnostics (Table 4)", "",
+             f"Calibration run `{rows[0]['run_id']}`: share of paired records (%) where the selected policy beats "
+             "quantizing every K token." if rows else "No rows.", "",
+             "| Mode | Bits | " + " | ".join(COLUMNS) + " | Eff. K bits |",
+             "|---|---:|" + "---:|" * (len(COLUMNS) + 1)]
+    for r in rows:
+        lines.append(f"| {r['cache_mode'].capitalize()} | {r['bits']} | "
+                     + " | ".join(f"{r[c]:.1f}" for c in COLUMNS) + f" | {r['effective_k_bits']:.2f} |")
+    return "\n".join(lines) + "\n"

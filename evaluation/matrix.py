@@ -1,0 +1,442 @@
+"""The paper's result matrix (Tables 1-2): models x cache modes x bits x methods, scored with lm-eval in-process.
+
+``python -m evaluation matrix --models ... --tasks ... --cache-modes prefix,dual --bits 4,2
+--methods none,kivi,kvquant,dllm_kvq --out DIR`` plans the cells (`plan_cells`): per model one **no-cache
+reference** row (full recompute), and per cache mode a **cache-only** row (method ``none``) and one row per
+quantized method and bit width. Each (cell, task) is one lm-eval run of the in-process model `DllmKvqLM` on one
+loaded engine; its result goes to ``DIR/cells/<model>/<cell>/<task>.json`` as soon as it finishes (written to a
+temporary file, then renamed), so an interrupted matrix **resumes** by skipping finished files.
+
+Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
+per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
+V) and the wall time. From those, `build_tables` compares each quantized row with the cache-only row of the same
+model and mode, document by document: **exact match** (equal text, %) and **token agreement** (%, DESIGN.md;
+`service.engine.agreement`); a cache-only row is compared with the no-cache row the same way.
+
+`write_outputs` renders the paper's layout, one block per model and bit width (rows: no cache; prefix cache:
+cache only, KIVI, KVQuant, dLLM-KVQ; dual cache: the same), a column per task and the average over tasks, with
+the effective bits and the agreement columns beside each row, as ``matrix.md``, ``matrix.csv`` and ``matrix.json``.
+Every number in them comes from the cell files; nothing is typed in by hand.
+
+A ``dllm_kvq`` cell needs a policy table and a ``kvquant`` cell a fitted state for the model (fingerprint), cache
+mode and bits; `find_artifacts` takes the newest matching one from the store (``--store``). Without one the cell
+is skipped and listed under the table (the calibration job makes them: ``python -m calibration ...``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CACHE_MODES = ("prefix", "dual")
+QUANT_METHODS = ("kivi", "kvquant", "dllm_kvq")
+METHOD_LABELS = {"none": "Cache only", "kivi": "KIVI", "kvquant": "KVQuant", "dllm_kvq": "dLLM-KVQ"}
+MODE_LABELS = {"prefix": "Prefix cache", "dual": "Dual cache"}
+REFERENCE_LABEL = "No cache (full recompute)"
+
+#: Primary metric per task (lm-eval ``metric,filter`` key); other tasks use their first non-stderr metric.
+PRIMARY_METRICS = {
+    "gsm8k": "exact_match,flexible-extract",
+    "gsm8k_local": "exact_match,flexible-extract",
+    "humaneval": "pass@1,create_test",
+    "humaneval_local": "pass@1,create_test",
+    "mbpp": "pass_at_1,none",
+    "minerva_math": "exact_match,none",
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row of the matrix for one model: cache mode, method and bits (None for method ``none``)."""
+
+    model: str
+    cache_mode: str
+    method: str
+    bits: int | None = None
+
+    @property
+    def key(self) -> str:
+        """File-name key: ``none``, ``prefix-none``, ``dual-kivi-4`` ..."""
+        if self.cache_mode == "none":
+            return "none"
+        return f"{self.cache_mode}-{self.method}" + (f"-{self.bits}" if self.bits is not None else "")
+
+    @property
+    def label(self) -> str:
+        return REFERENCE_LABEL if self.cache_mode == "none" else METHOD_LABELS[self.method]
+
+
+def plan_cells(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable[int],
+               methods: Iterable[str]) -> list[Cell]:
+    """Every cell in run order: per model the no-cache row, then per mode cache-only and the quantized rows.
+
+    The cache-only row of each mode is always planned (it is the reference of the agreement columns), whether or
+    not ``methods`` names ``none``.
+
+    Raises:
+        ValueError: an unknown cache mode or method (the message lists the legal ones).
+    """
+    modes, methods = list(cache_modes), list(methods)
+    for mode in modes:
+        if mode not in CACHE_MODES:
+            raise ValueError(f"unknown cache mode {mode!r}; legal: {', '.join(CACHE_MODES)}")
+    for method in methods:
+        if method not in ("none", *QUANT_METHODS):
+            raise ValueError(f"unknown method {method!r}; legal: none, {', '.join(QUANT_METHODS)}")
+    cells = []
+    for model in models:
+        cells.append(Cell(model, "none", "none"))
+        for mode in modes:
+            cells.append(Cell(model, mode, "none"))
+            for b in bits:
+                cells.extend(Cell(model, mode, m, int(b)) for m in methods if m != "none")
+    return cells
+
+
+def primary_metric(task: str, metrics: dict[str, Any]) -> str:
+    """The metric key reported for ``task`` (`PRIMARY_METRICS`, else the first numeric non-stderr metric).
+
+    Raises:
+        KeyError: no usable metric in ``metrics``.
+    """
+    key = PRIMARY_METRICS.get(task)
+    if key in metrics:
+        return key
+    for name, value in metrics.items():
+        if "stderr" not in name and isinstance(value, (int, float)) and name not in ("sample_len",):
+            return name
+    raise KeyError(f"no score in lm-eval's results for task {task!r}: {sorted(metrics)}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "model"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def kv_summary(kv_reports: list) -> dict[str, float] | None:
+    """Mean effective bits (nominal and storage, K and V) and peak bytes held over a run's KV reports."""
+    if not kv_reports:
+        return None
+    return {
+        "k_nominal_bits": statistics.fmean(r.k_nominal_bits for r in kv_reports),
+        "v_nominal_bits": statistics.fmean(r.v_nominal_bits for r in kv_reports),
+        "k_storage_bits": statistics.fmean(r.k_storage_bits for r in kv_reports),
+        "v_storage_bits": statistics.fmean(r.v_storage_bits for r in kv_reports),
+        "bytes_held": max(r.bytes_held for r in kv_reports),
+    }
+
+
+# ---- artifacts -----------------------------------------------------------------------------------------------
+def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
+    """Newest stored policy per (``dllm_kvq``, cache mode, bits) and KVQuant state per (``kvquant``, mode, bits)
+    fitted on the model with ``fingerprint`` (a state fits every cache mode: it is listed under both)."""
+    from service.policy.kvquant_state import KVQuantState
+    from service.policy.schema import PolicyTable
+    from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY
+
+    found: dict[tuple[str, str, int], tuple[float, str]] = {}
+
+    def offer(key: tuple[str, str, int], created: float, artifact_id: str) -> None:
+        if key not in found or created > found[key][0]:
+            found[key] = (created, artifact_id)
+
+    for pid in store.list(KIND_POLICY):
+        table = store.get_model(KIND_POLICY, pid, PolicyTable)
+        if table.weights_fingerprint == fingerprint:
+            offer(("dllm_kvq", table.cache_mode, table.bits), store.info(KIND_POLICY, pid).created_at, pid)
+    for sid in store.list(KIND_KVQUANT_STATE):
+        state = KVQuantState.from_bytes(store.get(KIND_KVQUANT_STATE, sid))
+        if state.meta.weights_fingerprint == fingerprint:
+            for mode in CACHE_MODES:
+                offer(("kvquant", mode, state.bits), store.info(KIND_KVQUANT_STATE, sid).created_at, sid)
+    return {key: artifact_id for key, (_, artifact_id) in found.items()}
+
+
+# ---- running -------------------------------------------------------------------------------------------------
+@dataclass
+class MatrixSettings:
+    """What every cell shares.
+
+    Attributes:
+        tasks: lm-eval task names; ``fewshot`` gives their ``num_fewshot`` (None: the task's default).
+        limit: documents per task (None: all).
+        block_length, threshold: decoding (paper: 32, 0.9).
+        gen_length: ``max_gen_toks`` override for every task (None: each task's own).
+        batch_size: rows per engine batch.
+        chat_tasks: tasks run with lm-eval's ``apply_chat_template`` (instruction models' own task).
+        confirm_run_unsafe_code: lm-eval's flag for code-executing tasks (sandbox note: `evaluation.tasks.humaneval`).
+        store_url: store for policies and states, and for the scores (accuracy telemetry).
+        include_path: folder of extra task YAMLs (`evaluation.tasks.write_task_dir`).
+    """
+
+    tasks: list[str]
+    fewshot: dict[str, int] = field(default_factory=dict)
+    limit: int | None = None
+    block_length: int = 32
+    threshold: float = 0.9
+    gen_length: int | None = None
+    batch_size: int = 1
+    chat_tasks: frozenset[str] = frozenset()
+    confirm_run_unsafe_code: bool = False
+    store_url: str | None = None
+    include_path: str | None = None
+
+
+def cell_path(out_dir: Path, cell: Cell, task: str) -> Path:
+    return out_dir / "cells" / _slug(cell.model) / cell.key / f"{task}.json"
+
+
+def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_manager,
+                  artifact_id: str | None) -> dict[str, Any]:
+    """Score one task under one cell with lm-eval and the in-process model; returns the cell file's content."""
+    import lm_eval
+
+    from evaluation.lm import DllmKvqLM
+
+    model_args: dict[str, Any] = {
+        "cache_mode": cell.cache_mode, "method": cell.method, "block_length": settings.block_length,
+        "threshold": settings.threshold, "batch_size": settings.batch_size, "store": settings.store_url,
+    }
+    if cell.bits is not None:
+        model_args["bits"] = cell.bits
+    if cell.method == "dllm_kvq":
+        model_args["policy_id"] = artifact_id
+    if cell.method == "kvquant":
+        model_args["kvquant_state_id"] = artifact_id
+    lm = DllmKvqLM(engine=engine, **model_args)
+    started = time.perf_counter()
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=[task], task_manager=task_manager, limit=settings.limit,
+        num_fewshot=settings.fewshot.get(task),
+        gen_kwargs={"max_gen_toks": settings.gen_length} if settings.gen_length else None,
+        apply_chat_template=task in settings.chat_tasks, confirm_run_unsafe_code=settings.confirm_run_unsafe_code,
+        log_samples=False, bootstrap_iters=0,
+    )
+    seconds = time.perf_counter() - started
+    metrics = {k: v for k, v in results["results"][task].items() if isinstance(v, (int, float))}
+    metric = primary_metric(task, metrics)
+    return {
+        "model": cell.model, "fingerprint": engine.spec.fingerprint, "cell": asdict(cell), "task": task,
+        "metric": metric, "score": 100.0 * float(metrics[metric]), "metrics": {k: float(v) for k, v in metrics.items()},
+        "config": lm.args.kv_config.model_dump(mode="json"), "artifact_id": artifact_id,
+        "settings": {"limit": settings.limit, "block_length": settings.block_length, "threshold": settings.threshold,
+                     "gen_length": settings.gen_length, "batch_size": settings.batch_size,
+                     "num_fewshot": settings.fewshot.get(task), "chat": task in settings.chat_tasks},
+        "kv": kv_summary(lm.kv_reports), "seconds": seconds,
+        "records": [{"doc_id": r.doc_id, "ids": list(r.ids), "text": r.text, "nfe": r.nfe}
+                    for r in sorted(lm.records, key=lambda r: (r.doc_id is None, r.doc_id))],
+    }
+
+
+def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
+               load_engine: Callable[[str], Any], on_result: Callable[[dict[str, Any]], None] | None = None
+               ) -> dict[str, Any]:
+    """Run every (cell, task) not yet on disk, in order; returns what was run, skipped and how long it took.
+
+    Args:
+        cells: from `plan_cells`.
+        out_dir: the matrix folder (cell files under ``cells/``).
+        load_engine: model name -> loaded `Engine` (called once per model, only if that model has work left).
+        on_result: called with each new cell file's content (accuracy telemetry).
+    """
+    from lm_eval.tasks import TaskManager
+
+    out = Path(out_dir)
+    task_manager = TaskManager(include_path=settings.include_path) if settings.include_path else TaskManager()
+    store = None
+    if settings.store_url:
+        from service.policy.store import open_store
+
+        store = open_store(settings.store_url)
+    done, ran, skipped = 0, [], []
+    started = time.perf_counter()
+    engines: dict[str, Any] = {}
+    artifacts: dict[str, dict] = {}
+    try:
+        for cell in cells:
+            todo = [t for t in settings.tasks if not cell_path(out, cell, t).exists()]
+            done += len(settings.tasks) - len(todo)
+            if not todo:
+                continue
+            if cell.model not in engines:
+                engines[cell.model] = load_engine(cell.model)
+                artifacts[cell.model] = find_artifacts(store, engines[cell.model].spec.fingerprint) if store else {}
+            artifact_id = None
+            if cell.method in ("dllm_kvq", "kvquant"):
+                artifact_id = artifacts[cell.model].get((cell.method, cell.cache_mode, cell.bits))
+                if artifact_id is None:
+                    kind = "policy table" if cell.method == "dllm_kvq" else "KVQuant state"
+                    reason = f"no {kind} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
+                    skipped.append({"model": cell.model, "cell": cell.key, "reason": reason})
+                    log.warning("skip %s %s: %s", cell.model, cell.key, reason)
+                    continue
+            for task in todo:
+                log.info("run %s %s %s", cell.model, cell.key, task)
+                result = run_cell_task(engines[cell.model], cell, task, settings, task_manager, artifact_id)
+                _write_atomic(cell_path(out, cell, task), json.dumps(result))
+                ran.append({"model": cell.model, "cell": cell.key, "task": task, "seconds": result["seconds"]})
+                if on_result is not None:
+                    on_result(result)
+    finally:
+        if store is not None:
+            store.close()
+    return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started}
+
+
+# ---- tables --------------------------------------------------------------------------------------------------
+def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
+    """Every finished cell file under ``out_dir/cells``."""
+    return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("cells/*/*/*.json"))]
+
+
+def _agreement(rows: list[dict], refs: list[dict]) -> tuple[float, float, int] | None:
+    """(exact match %, token agreement %, documents) of ``rows`` against ``refs``, matched by task and doc id."""
+    from service.engine.agreement import exact_match, token_agreement
+
+    ref = {(r["task"], rec["doc_id"]): rec for r in refs for rec in r["records"]}
+    em, agree = [], []
+    for r in rows:
+        for rec in r["records"]:
+            other = ref.get((r["task"], rec["doc_id"]))
+            if other is not None:
+                em.append(exact_match(rec["text"], other["text"]))
+                agree.append(token_agreement(rec["ids"], other["ids"]))
+    if not em:
+        return None
+    return 100.0 * statistics.fmean(em), 100.0 * statistics.fmean(agree), len(em)
+
+
+def build_tables(results: list[dict[str, Any]], tasks: list[str] | None = None) -> dict[str, Any]:
+    """The matrix as data: per model and bit width a block of rows (paper layout; module docstring).
+
+    Each row: ``label``, ``cache_mode``, ``method``, ``bits``, ``scores`` (task -> score or None), ``average``
+    (over the tasks that have a score; None unless every task has one), ``kv`` (mean effective bits), and
+    ``agreement`` against its reference row (``{"reference", "exact_match", "token_agreement", "documents"}``).
+    """
+    tasks = tasks or sorted({r["task"] for r in results})
+    by_cell: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        by_cell.setdefault((r["model"], Cell(**r["cell"]).key), []).append(r)
+    models = list(dict.fromkeys(r["model"] for r in results))
+    blocks = []
+
+    def row(model: str, cell: Cell, reference: Cell | None) -> dict[str, Any]:
+        rows = by_cell.get((model, cell.key), [])
+        scores = {t: next((r["score"] for r in rows if r["task"] == t), None) for t in tasks}
+        have = [s for s in scores.values() if s is not None]
+        kvs = [r["kv"] for r in rows if r.get("kv")]
+        kv = {k: statistics.fmean(x[k] for x in kvs) for k in kvs[0]} if kvs else None
+        agreement = None
+        if reference is not None and rows:
+            got = _agreement(rows, by_cell.get((model, reference.key), []))
+            if got is not None:
+                agreement = {"reference": reference.label, "exact_match": got[0], "token_agreement": got[1],
+                             "documents": got[2]}
+        return {"label": cell.label, "cache_mode": cell.cache_mode, "method": cell.method, "bits": cell.bits,
+                "scores": scores, "average": statistics.fmean(have) if have and len(have) == len(tasks) else None,
+                "kv": kv, "agreement": agreement, "seconds": sum(r["seconds"] for r in rows)}
+
+    for model in models:
+        cells = [Cell(**r["cell"]) for r in results if r["model"] == model]
+        bit_widths = sorted({c.bits for c in cells if c.bits is not None}, reverse=True) or [None]
+        modes = [m for m in CACHE_MODES if any(c.cache_mode == m for c in cells)]
+        for bits in bit_widths:
+            reference = Cell(model, "none", "none")
+            rows = [row(model, reference, None)]
+            for mode in modes:
+                cache_only = Cell(model, mode, "none")
+                rows.append(row(model, cache_only, reference))
+                for method in QUANT_METHODS:
+                    quant = Cell(model, mode, method, bits)
+                    if (model, quant.key) in by_cell:
+                        rows.append(row(model, quant, cache_only))
+            blocks.append({"model": model, "bits": bits, "rows": rows})
+    return {"tasks": tasks, "blocks": blocks}
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -> str:
+    """Markdown: one table per (model, bits) in the paper's layout, with effective bits and agreement columns."""
+    tasks = tables["tasks"]
+    head = ["Method", *tasks, "Avg.", "K/V bits (nominal)", "K/V bits (storage)", "Exact match %", "Token agr. %"]
+    lines = []
+    for block in tables["blocks"]:
+        bits = f"{block['bits']}-bit KV" if block["bits"] is not None else "no quantized rows"
+        lines += [f"### {block['model']} — {bits}", "", "| " + " | ".join(head) + " |",
+                  "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+        mode = None
+        for r in block["rows"]:
+            if r["cache_mode"] != "none" and r["cache_mode"] != mode:
+                mode = r["cache_mode"]
+                lines.append(f"| *{MODE_LABELS[mode]}* |" + " |" * (len(head) - 1))
+            kv, agr = r["kv"], r["agreement"]
+            label = r["label"] if r["method"] == "none" else f"{r['label']} ({r['bits']}-bit)"
+            cells = [label, *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
+                     f"{kv['k_nominal_bits']:.2f} / {kv['v_nominal_bits']:.2f}" if kv else "—",
+                     f"{kv['k_storage_bits']:.2f} / {kv['v_storage_bits']:.2f}" if kv else "—",
+                     _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines += ["", "Exact match and token agreement: quantized rows against the cache-only row of the same mode; "
+                  "cache-only rows against the no-cache row (same documents).", ""]
+    if skipped:
+        lines += ["Skipped cells:", ""] + [f"- {s['model']} {s['cell']}: {s['reason']}" for s in skipped] + [""]
+    return "\n".join(lines)
+
+
+def render_csv(tables: dict[str, Any]) -> str:
+    """CSV, one line per (model, bits block, row)."""
+    tasks = tables["tasks"]
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["model", "block_bits", "cache_mode", "method", "bits", *tasks, "average", "k_nominal_bits",
+                     "v_nominal_bits", "k_storage_bits", "v_storage_bits", "exact_match", "token_agreement",
+                     "agreement_reference", "documents"])
+    for block in tables["blocks"]:
+        for r in block["rows"]:
+            kv, agr = r["kv"] or {}, r["agreement"] or {}
+            writer.writerow([block["model"], block["bits"] or "", r["cache_mode"], r["method"], r["bits"] or "",
+                             *(_csv(r["scores"][t]) for t in tasks), _csv(r["average"]),
+                             *(_csv(kv.get(k)) for k in ("k_nominal_bits", "v_nominal_bits", "k_storage_bits",
+                                                          "v_storage_bits")),
+                             _csv(agr.get("exact_match")), _csv(agr.get("token_agreement")),
+                             agr.get("reference", ""), agr.get("documents", "")])
+    return buf.getvalue()
+
+
+def _csv(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: list[dict] | None = None,
+                  extra_markdown: str = "", extra_json: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write ``matrix.md``, ``matrix.csv`` and ``matrix.json`` from the cell files in ``out_dir``."""
+    out = Path(out_dir)
+    tables = build_tables(load_results(out), tasks)
+    paths = {"md": out / "matrix.md", "csv": out / "matrix.csv", "json": out / "matrix.json"}
+    _write_atomic(paths["md"], render_markdown(tables, skipped) + extra_markdown)
+    _write_atomic(paths["csv"], render_csv(tables))
+    _write_atomic(paths["json"], json.dumps({**tables, "skipped": skipped or [], **(extra_json or {})}, indent=1))
+    return paths

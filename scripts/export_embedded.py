@@ -1,0 +1,99 @@
+"""Export a training checkpoint of the embedded model to the LLaDA on-disk layout the engine loads.
+
+Writes into ``--out`` (default ``service/assets/embedded``, the embedded default): ``config.json`` (LLaDA-8B's
+keys, SPEC 1.1, plus ``torch_dtype``), ``model.safetensors`` (``model.transformer.*`` names, SPEC 1.2, in
+bfloat16, metadata ``format: pt``) and ``generation_config.json`` (bos/eos/pad/mask ids and the decoding
+settings the model was trained for). The tokenizer files already in ``--out``
+(``scripts/build_embedded_tokenizer.py``) are left as they are; the model card is ``scripts/embedded_card.py``'s
+job. Also writes ``training.json`` beside them: the run's facts (tokens seen, seconds, seed, parameters, the
+checkpoint's last validation result), which the model card quotes.
+
+Usage: ``python scripts/export_embedded.py [--ckpt runs/embedded/best.pt] [--out service/assets/embedded]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH
+
+THRESHOLD = 0.9
+
+
+def cpu_name() -> str:
+    """The CPU model string from /proc/cpuinfo (or the platform's processor name)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def export(ckpt: Path, out: Path) -> dict:
+    """Write the checkpoint ``ckpt`` (a ``train_embedded.py`` state) as a LLaDA directory ``out``.
+
+    Returns the run facts written to ``training.json``.
+
+    Raises:
+        KeyError: the state has a tensor outside the ``model.transformer.*`` names.
+    """
+    state = torch.load(ckpt, weights_only=False, map_location="cpu")
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state["model"].items()}
+    bad = [k for k in tensors if not k.startswith("model.transformer.")]
+    if bad:
+        raise KeyError(f"unexpected tensor names {bad[:3]}; expected model.transformer.*")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = dict(state["config"], torch_dtype="bfloat16")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tok = AutoTokenizer.from_pretrained(out)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    generation = {
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": [tok.eos_token_id, eot],
+        "pad_token_id": tok.pad_token_id,
+        "mask_token_id": tok.mask_token_id,
+        "max_new_tokens": GEN_LENGTH,
+        "block_length": BLOCK_LENGTH,
+        "threshold": THRESHOLD,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    facts = {
+        "checkpoint": ckpt.name,
+        "tokens_seen": state["tokens"],
+        "steps": state["step"],
+        "train_seconds": round(state["elapsed_s"]),
+        "seed": state["seed"],
+        "parameters": state["params"],
+        "last_validation": state.get("val"),
+        "hardware": f"{cpu_name()}, 1 torch thread, bf16 autocast",
+        "torch": torch.__version__,
+    }
+    (out / "training.json").write_text(json.dumps(facts, indent=2) + "\n")
+    return facts
+
+
+def main() -> None:
+    """CLI entry."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", type=Path, default=ROOT / "runs/embedded/best.pt")
+    ap.add_argument("--out", type=Path, default=ROOT / "service/assets/embedded")
+    args = ap.parse_args()
+    print(json.dumps(export(args.ckpt, args.out), indent=2))
+
+
+if __name__ == "__main__":
+    main()

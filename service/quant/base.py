@@ -1,0 +1,210 @@
+"""The quantizer base: slots, finiteness checks, packing and accounting; uniform min-max K and V by default.
+
+A quantizer turns one layer's reused K/V (the slots of a :class:`SlotLayout`) into a :class:`PackedLayer`, the
+bytes a store holds, and back. The base implements KIVI's formats (`service.quant.uniform`): K per channel over
+token groups, V per token over channel groups, codes packed tightly (`service.quant.packing`). A method overrides
+only what differs: dLLM-KVQ chooses protected K tokens (:meth:`KVQuantizer.protect`), KVQuant replaces both
+formats. Paper: "KIVI and KVQuant Adaptations", "Online Quantization Details".
+
+Accounting (paper "Effective bits", DESIGN.md): every packed tensor knows the elements it stands for (real reused
+tokens x heads x head_dim, padding excluded), its **nominal** bits as the paper counts them (codes at b bits,
+protected or outlier entries at 16, scales not counted) and the bytes it actually holds (codes, scales, minima,
+protected values, indices, outliers), whence its **storage** bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.quant.errors import KVQuantError, NonFiniteKVError
+from service.quant.layout import SlotLayout
+from service.quant.packing import pack_stream, unpack_stream
+from service.quant.uniform import (
+    GroupStats,
+    dequantize_k_into,
+    dequantize_v,
+    k_group_stats,
+    quantize_k_slots,
+    quantize_v,
+)
+
+
+@dataclass(eq=False)
+class PackedTensor:
+    """The held form of one layer's reused K or V.
+
+    Attributes:
+        tensors: everything held, by name (packed code words, scales, minima, protected values, indices ...).
+        elements: how many K (or V) entries it stands for: real reused tokens x H x D.
+        nominal_bitsum: sum of the nominal bits of those entries (b per code, 16 per protected/outlier entry).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    elements: int
+    nominal_bitsum: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    @property
+    def nominal_bits(self) -> float:
+        return self.nominal_bitsum / self.elements if self.elements else 0.0
+
+    @property
+    def storage_bits(self) -> float:
+        return self.nbytes * 8 / self.elements if self.elements else 0.0
+
+
+@dataclass(eq=False)
+class PackedLayer:
+    """One layer's packed K and V, with the model dtype and head count to dequantize them into."""
+
+    k: PackedTensor
+    v: PackedTensor
+    dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class KVQuantizer:
+    """Base quantizer (KIVI's uniform formats); subclasses are registered in `service.quant.registry`.
+
+    Class flags (copied onto the store, see `service.engine.kv_store.KVStore`): ``needs_scores`` (the engine
+    passes block-initial attention scores to ``write``), ``pre_rope_keys`` (keys are stored before RoPE).
+
+    Args:
+        config: the request's configuration (method, bits, group sizes).
+        spec: the loaded model (head_dim for the V group size).
+
+    Raises:
+        KVQuantError: ``v_group_size`` does not divide head_dim (the message lists the legal sizes).
+    """
+
+    name: ClassVar[str] = "kivi"
+    needs_scores: bool = False
+    pre_rope_keys: ClassVar[bool] = False
+
+    def __init__(self, config: KVQuantConfig, spec: ModelSpec) -> None:
+        self.config = config
+        self.spec = spec
+        self.bits = config.bits
+        self.k_group_size = config.k_group_size
+        self.v_group_size = config.resolve_v_group_size(spec.head_dim)
+
+    # ---- the whole layer -------------------------------------------------------------------------------------
+    def quantize(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None = None
+    ) -> PackedLayer:
+        """Pack one layer's reused K/V.
+
+        Args:
+            layer: 0-based layer index.
+            k, v: ``[B, H, T, D]`` of the whole sequence (model dtype); only the layout's slots are read.
+            layout: slots and K groups of the block.
+            scores: float32 ``[B, T]`` block-initial attention scores (only when ``needs_scores``).
+
+        Raises:
+            NonFiniteKVError: NaN or +/-inf in a reused K or V entry (the message names layer, row and column).
+            KVQuantError: scores missing or not finite when the method needs them.
+        """
+        xk, xv = layout.gather(k), layout.gather(v)  # [N, H, D]
+        _check_finite(layer, "K", xk, layout)
+        _check_finite(layer, "V", xv, layout)
+        slot_scores = None
+        if scores is not None:
+            slot_scores = scores[layout.rows, layout.seq_cols].float()
+            if not torch.isfinite(slot_scores).all():
+                raise KVQuantError(f"layer {layer}: attention scores hold NaN or inf")
+        return PackedLayer(
+            k=self.quantize_k(layer, xk, layout, slot_scores),
+            v=self.quantize_v(layer, xv),
+            dtype=k.dtype,
+            num_heads=k.shape[1],
+            head_dim=k.shape[3],
+        )
+
+    def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
+        return self.dequantize_k(layer, packed, layout), self.dequantize_v(layer, packed, layout)
+
+    # ---- K: per channel over token groups, protected tokens excluded from the statistics ---------------------
+    def protect(
+        self, layer: int, x: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """bool ``[N]``: K tokens kept in the model dtype; None keeps none (KIVI)."""
+        return None
+
+    def quantize_k(self, layer: int, x: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None) -> PackedTensor:
+        """Uniform K: statistics per group and channel over the unprotected tokens; codes of those tokens only."""
+        protected = self.protect(layer, x, layout, scores)
+        stats = k_group_stats(x, layout, self.bits, protected)
+        tensors = {"scale": stats.scale, "mn": stats.mn}
+        quantized, groups, kept = x, layout.group_of_slot, 0
+        if protected is not None and bool(protected.any()):
+            slots = protected.nonzero().squeeze(1)
+            tensors["protected_slots"] = slots.to(torch.int32)
+            tensors["protected_values"] = x[slots]
+            quantized, groups, kept = x[~protected], groups[~protected], slots.numel()
+        tensors["codes"] = pack_stream(quantize_k_slots(quantized, groups, stats, self.bits), self.bits)
+        per_token = x.shape[1] * x.shape[2]
+        return PackedTensor(
+            tensors=tensors,
+            elements=x.shape[0] * per_token,
+            nominal_bitsum=float(per_token * (self.bits * quantized.shape[0] + 16 * kept)),
+        )
+
+    def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        t = packed.k.tensors
+        h, d = packed.num_heads, packed.head_dim
+        n = layout.num_slots
+        protected = t["protected_slots"].long() if "protected_slots" in t else None
+        n_codes = n if protected is None else n - protected.numel()
+        codes = unpack_stream(t["codes"], self.bits, n_codes * h * d).view(n_codes, h, d)
+        if protected is not None:
+            # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
+            keep = torch.ones(n, dtype=torch.bool, device=codes.device)
+            keep[protected] = False
+            full = codes.new_zeros(n, h, d)
+            full[keep] = codes
+            codes = full
+        out = codes.new_zeros((layout.batch_size, h, layout.num_reused, d), dtype=packed.dtype)
+        dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
+        if protected is not None:
+            layout.scatter_slots(t["protected_values"], protected, out)
+        return out
+
+    # ---- V: per token over channel groups --------------------------------------------------------------------
+    def quantize_v(self, layer: int, x: torch.Tensor) -> PackedTensor:
+        """Uniform V (KIVI's per-token format, dLLM-KVQ's "standard contiguous value-side QDQ path")."""
+        codes, scale, mn = quantize_v(x, self.v_group_size, self.bits)
+        return PackedTensor(
+            tensors={"codes": pack_stream(codes, self.bits), "scale": scale, "mn": mn},
+            elements=x.numel(),
+            nominal_bitsum=float(self.bits * x.numel()),
+        )
+
+    def dequantize_v(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        t = packed.v.tensors
+        n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
+        codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
+        return layout.scatter(dequantize_v(codes, t["scale"], t["mn"], torch.float32), dtype=packed.dtype)
+
+
+def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        slot = int(bad.flatten(1).any(1).nonzero()[0])
+        raise NonFiniteKVError(
+            f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
+            f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"
+        )

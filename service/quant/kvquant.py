@@ -1,0 +1,135 @@
+"""KVQuant adapted to Fast-dLLM cache reuse: NUQ codebooks, static key ranges, dynamic value ranges, sparse outliers.
+
+Paper "KIVI and KVQuant Adaptations": the fitted per-layer state (`service.policy.kvquant_state`) is applied to
+the reused cache after the block-initial pass; keys are stored **before RoPE** (the engine rotates them after
+reading); sparse outlier handling is on with sparsity threshold 0.99; first_few_fp16 = 0. The math is
+`service.quant.nuq`'s. It works per token over all kv heads (the reference's ``[tokens, heads x head_dim]`` view), so
+grouped-query attention needs nothing special and no statistic crosses a row (no token groups at all).
+
+Held per layer: the b-bit codes of every entry (outliers included, their code is unused, as in KVQuant's dense
+matrix), the outliers as int32 flat indices + model-dtype values, and for V the float32 offset and half range of
+each token. The state's thresholds and codebooks are not counted: they are fixed per model, like the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.engine.spec import ModelSpec
+from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
+from service.policy.schema import Provenance
+from service.quant import nuq
+from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
+from service.quant.config import KVQuantConfig
+from service.quant.layout import SlotLayout
+from service.quant.packing import pack_stream, unpack_stream
+
+
+class KVQuantQuantizer(KVQuantizer):
+    """KVQuant (NUQ + dense-and-sparse) on reused pre-RoPE keys and values.
+
+    Args:
+        config: method ``kvquant``; ``bits`` must equal the state's.
+        spec: the loaded model.
+        state: the fitted state (already validated against ``spec`` by the factory).
+    """
+
+    name = "kvquant"
+    pre_rope_keys = True
+
+    def __init__(self, config: KVQuantConfig, spec: ModelSpec, state: KVQuantState) -> None:
+        super().__init__(config, spec)
+        self.state = state
+        self.sparse = state.meta.sparsity_threshold < 1.0
+
+    def quantize_k(self, layer, x, layout, scores):
+        s = self.state
+        x2d = x.reshape(x.shape[0], -1)  # [N, H*D], column h*D + d
+        upper, lower, lut = (t[layer].to(x.device) for t in (s.k_upper, s.k_lower, s.k_lut))
+        codes, outliers = nuq.quantize_keys(x2d, upper, lower, lut, self.sparse)
+        return self._pack(x2d, codes, outliers, {})
+
+    def dequantize_k(self, layer, packed, layout):
+        s = self.state
+        t = packed.k.tensors
+        codes = self._codes(t, layout, packed)
+        upper, lower, lut = (x[layer].to(codes.device) for x in (s.k_upper, s.k_lower, s.k_lut))
+        return self._finish(nuq.dequantize_keys(codes, upper, lower, lut), t, layout, packed)
+
+    def quantize_v(self, layer, x):
+        x2d = x.reshape(x.shape[0], -1)
+        lut = self.state.v_lut[layer].to(x.device)
+        codes, offset, half_range, outliers = nuq.quantize_values(
+            x2d, lut, self.sparse, self.state.meta.sparsity_threshold
+        )
+        return self._pack(x2d, codes, outliers, {"offset": offset, "half_range": half_range})
+
+    def dequantize_v(self, layer, packed, layout):
+        t = packed.v.tensors
+        codes = self._codes(t, layout, packed)
+        lut = self.state.v_lut[layer].to(codes.device)
+        return self._finish(nuq.dequantize_values(codes, t["offset"], t["half_range"], lut), t, layout, packed)
+
+    # ---- shared by K and V -----------------------------------------------------------------------------------
+    def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:
+        index = outliers.flatten().nonzero().squeeze(1)
+        n_out = index.numel()
+        tensors = {
+            "codes": pack_stream(codes, self.bits),
+            "outlier_index": index.to(torch.int32),
+            "outlier_values": x2d.flatten()[index],
+            **extra,
+        }
+        return PackedTensor(
+            tensors=tensors,
+            elements=x2d.numel(),
+            nominal_bitsum=float(self.bits * (x2d.numel() - n_out) + 16 * n_out),
+        )
+
+    def _codes(self, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+        n, c = layout.num_slots, packed.num_heads * packed.head_dim
+        return unpack_stream(t["codes"], self.bits, n * c).view(n, c)
+
+    @staticmethod
+    def _finish(values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+        values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
+        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype)
+
+
+def fit_state(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    bits: int,
+    spec: ModelSpec,
+    provenance: Provenance,
+    sparsity_threshold: float = 0.99,
+) -> KVQuantState:
+    """Fit a whole KVQuant state from per-layer calibration activations (a small fitter, for tests and tools;
+    the calibration job owns the real fit over cache traces).
+
+    Args:
+        keys, values: one ``[N, C]`` tensor per layer (pre-RoPE keys; ``C = num_kv_heads * head_dim``), or
+            ``[B, H, T, D]`` tensors, which are viewed as ``[B * T, H * D]``.
+        bits: 2, 4 or 8.
+        spec: the model (fingerprint, layers, channels are recorded and checked).
+        provenance: what data and code made it.
+        sparsity_threshold: 0.99 in the paper.
+    """
+    fitted = [nuq.fit_layer(_as_2d(k), _as_2d(v), bits, sparsity_threshold) for k, v in zip(keys, values)]
+    meta = KVQuantStateMeta(
+        model_id=spec.model_id,
+        weights_fingerprint=spec.fingerprint,
+        bits=bits,
+        num_layers=len(fitted),
+        channels=spec.num_kv_heads * spec.head_dim,
+        sparsity_threshold=sparsity_threshold,
+        provenance=provenance,
+    )
+    k_upper, k_lower, k_lut, v_lut = (torch.stack(parts) for parts in zip(*fitted))
+    return KVQuantState(meta, k_upper=k_upper, k_lower=k_lower, k_lut=k_lut, v_lut=v_lut)
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 4:
+        return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
+    return x

@@ -1,0 +1,131 @@
+"""`SlotLayout`: which reused K/V entries of a block are quantized, and how K tokens are grouped.
+
+A **slot** is one real (non-padding) reused token of one row. Slots are numbered row by row, in reused-axis
+order, so a row's slots are the same whatever else is in the batch. K groups (``k_group_size`` tokens) are cut
+inside each contiguous reused segment of one row (`Segments.row_segments`: the prefix from the row's first real
+token, and in dual mode the suffix from the block end): statistics never cross a segment or a row, padding never
+enters one, and a segment whose length is not a multiple of G ends in a short group with its own statistics
+(DESIGN.md "Rules that hold everywhere"). The reference (KIVI ``quant_and_pack_kcache``) asserts ``T % G == 0``
+instead; the short last group is our departure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.kv_store import Segments
+
+
+@dataclass(frozen=True, eq=False)
+class SlotLayout:
+    """Slots and K groups of one block (shared by every layer of the block).
+
+    Attributes:
+        batch_size: B.
+        num_reused: T_reused, the length of the reused axis the store returns.
+        rows: int64 ``[N]``, the row of each slot.
+        cols: int64 ``[N]``, the slot's index on the reused axis.
+        seq_cols: int64 ``[N]``, the slot's column in the full sequence (for ``write``'s K/V and scores).
+        group_of_slot: int64 ``[N]``, the K group of each slot.
+        group_slots: int64 ``[Ng, G]``, the slots of each K group in order, padded with ``N`` (a sentinel) when
+            the group is short.
+        group_size: G (``k_group_size``).
+        runs: one ``(row, col, slot, length, group)`` per contiguous reused segment of a row: its first reused
+            index, first slot, number of slots and first K group (its groups are consecutive, all full but the
+            last). Dequantization works run by run with broadcast statistics, which is several times faster
+            than gathering per-slot statistics.
+    """
+
+    batch_size: int
+    num_reused: int
+    rows: torch.Tensor
+    cols: torch.Tensor
+    seq_cols: torch.Tensor
+    group_of_slot: torch.Tensor
+    group_slots: torch.Tensor
+    group_size: int
+    runs: tuple[tuple[int, int, int, int, int], ...]
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.rows.numel())
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_slots.shape[0])
+
+    @property
+    def group_valid(self) -> torch.Tensor:
+        """bool ``[Ng, G]``: which entries of ``group_slots`` are real slots (False on the short-group padding)."""
+        return self.group_slots < self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the index tensors (held once per block for all layers)."""
+        tensors = (self.rows, self.cols, self.seq_cols, self.group_of_slot, self.group_slots)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @classmethod
+    def from_segments(cls, segments: Segments, group_size: int, device: torch.device | str = "cpu") -> SlotLayout:
+        """Build the layout of a block.
+
+        Args:
+            segments: the block's padding and reused segments.
+            group_size: K tokens per group (> 0).
+            device: where the index tensors live (the K/V device).
+        """
+        rows, cols, groups, runs = [], [], [], []
+        slot = 0
+        for row in range(segments.batch_size):
+            for start, end in segments.row_segments(row):
+                length = end - start
+                runs.append((row, start, slot, length, len(groups)))
+                rows.extend([row] * length)
+                cols.extend(range(start, end))
+                for g0 in range(0, length, group_size):
+                    members = list(range(slot + g0, slot + min(g0 + group_size, length)))
+                    groups.append(members)
+                slot += length
+        num_slots = slot
+        group_slots = torch.full((len(groups), group_size), num_slots, dtype=torch.int64)
+        group_of_slot = torch.empty(num_slots, dtype=torch.int64)
+        for g, members in enumerate(groups):
+            group_slots[g, : len(members)] = torch.tensor(members, dtype=torch.int64)
+            group_of_slot[members] = g
+        cols_t = torch.tensor(cols, dtype=torch.int64)
+        return cls(
+            batch_size=segments.batch_size,
+            num_reused=segments.num_reused,
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            cols=cols_t.to(device),
+            seq_cols=segments.reused_columns[cols_t].to(device),
+            group_of_slot=group_of_slot.to(device),
+            group_slots=group_slots.to(device),
+            group_size=group_size,
+            runs=tuple(runs),
+        )
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy)."""
+        return x[self.rows, :, self.seq_cols]
+
+    def scatter(self, values: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        """Place the values of all slots ``[N, H, D]`` into ``[B, H, T_reused, D]``, run by run.
+
+        ``out`` (created as zeros of ``dtype``, default ``values.dtype``, when None) is filled in place, casting
+        to its dtype, and returned; positions of padding stay zero (the engine masks padding keys, so their
+        value never matters).
+        """
+        if out is None:
+            shape = (self.batch_size, values.shape[1], self.num_reused, values.shape[2])
+            out = values.new_zeros(shape, dtype=dtype or values.dtype)
+        for row, col, slot, length, _ in self.runs:
+            out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)
+        return out
+
+    def scatter_slots(self, values: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Overwrite some slots (int64 ``[n]``) of ``out`` ``[B, H, T_reused, D]`` with ``values`` ``[n, H, D]``."""
+        out[self.rows[slots], :, self.cols[slots]] = values.to(out.dtype)
+        return out

@@ -1,0 +1,187 @@
+"""KVQuant's non-uniform (NUQ) quantization with dense-and-sparse outliers, and a small state fitter.
+
+Reference: ``SqueezeAILab/KVQuant`` ``quant/kvquant/simquant_module_quantizer.py`` (``get_outliers``,
+``get_outliers_dynamic``, ``quant_fn_nuq_recon``, ``SimQuant.quantize``, ``QuantLinearSim``), as deployed by the
+paper ("KIVI and KVQuant Adaptations": NUQ, sparse outliers with sparsity threshold 0.99, first_few_fp16 = 0).
+
+Both work on the reference's 2-D view of one layer: ``[N, C]`` with one row per token and column ``h * D + d``
+(``C = num_kv_heads * head_dim``). All math is float32 from the input, as the reference's.
+
+* Keys (pre-RoPE), static per-channel ranges: thresholds ``upper``/``lower`` (fp16, from the state); offset =
+  (upper + lower) / 2 and range = (upper - lower) / 2 computed **in fp16** (the reference's module holds the
+  thresholds in half precision); outliers are entries strictly outside ``[lower, upper]``.
+* Values, dynamic per-token ranges: outliers are entries at or beyond the token's ``t`` and ``1 - t`` quantiles
+  (``t = 1 - (1 - sparsity_threshold) / 2``, i.e. 0.995 for 0.99, linear interpolation); the range is the
+  min/max of the token with its outliers replaced by its median (lower median).
+* Non-outliers: ``u = (x - offset) / range``, the code is the index of the nearest codebook entry (ties to the
+  earlier entry, as ``argmin``), dequantized ``lut[code] * range + offset``. Outliers are kept as they are.
+
+Departures: an outlier dequantizes to its stored input value, where the reference computes ``(x - offset) +
+offset`` in float32 (the same value after the module's fp16 cast); a zero range (a constant channel or token)
+quantizes to code of 0.0 and dequantizes to the exact offset, where the reference divides 0 by 0 and returns
+``nan_to_num`` zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: torch.quantile refuses inputs above 2^24 elements; quantiles are taken in row chunks below that.
+_QUANTILE_MAX_ELEMENTS = 2**24
+
+
+def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """Index (uint8) of the nearest ``lut`` entry to each element of ``u`` (ties: the earlier entry).
+
+    Equivalent to the reference's ``argmin`` over ``|u - c|`` (first minimum wins) without materializing the
+    ``[..., 2^b]`` distance tensor.
+    """
+    best = (u - lut[0]).abs()
+    code = torch.zeros(u.shape, dtype=torch.uint8, device=u.device)
+    for i in range(1, lut.numel()):
+        dist = (u - lut[i]).abs()
+        closer = dist < best  # strict: an equal distance keeps the earlier entry
+        best = torch.where(closer, dist, best)
+        code[closer] = i
+    return code
+
+
+def _normalized(x: torch.Tensor, offset: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
+    u = (x - offset) / half_range
+    return torch.where(half_range == 0, torch.zeros((), dtype=u.dtype, device=u.device), u)
+
+
+def key_offset_range(upper: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Offset and half range of static key thresholds, fp16 math as in ``QuantLinearSim`` -> float32 ``[C]``."""
+    upper, lower = upper.to(torch.float16), lower.to(torch.float16)
+    return ((upper + lower) / 2).float(), ((upper - lower) / 2).float()
+
+
+def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor, sparse: bool = True):
+    """Per-channel static NUQ of pre-RoPE keys.
+
+    Args:
+        x: ``[N, C]`` keys (any float dtype).
+        upper, lower: ``[C]`` per-channel thresholds (fp16 in the state).
+        lut: ``[2^b]`` float32 codebook.
+        sparse: keep outliers (strictly outside ``[lower, upper]``) in full precision.
+
+    Returns:
+        ``(codes, outliers)``: uint8 ``[N, C]`` and bool ``[N, C]``.
+    """
+    xf = x.float()
+    offset, half_range = key_offset_range(upper, lower)
+    if sparse:
+        up, lo = upper.to(torch.float16).float(), lower.to(torch.float16).float()
+        outliers = (xf < lo) | (xf > up)
+    else:
+        outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+    return nearest_code(_normalized(xf, offset, half_range), lut), outliers
+
+
+def dequantize_keys(codes: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, C]``: ``lut[code] * range + offset`` (outliers are filled in by the caller)."""
+    offset, half_range = key_offset_range(upper, lower)
+    return lut[codes.long()] * half_range + offset
+
+
+def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
+    """bool ``[N, C]``: entries at or beyond each token's ``t`` / ``1 - t`` quantiles (``get_outliers_dynamic``)."""
+    t = 1 - (1 - sparsity_threshold) / 2
+    xf = x.float()
+    rows = max(1, _QUANTILE_MAX_ELEMENTS // max(1, xf.shape[-1]))
+    masks = []
+    for chunk in xf.split(rows):
+        q = torch.quantile(chunk, torch.tensor([t, 1 - t], device=x.device), dim=-1, keepdim=True)
+        masks.append((chunk <= q[1]) | (chunk >= q[0]))
+    return torch.cat(masks) if masks else torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+
+
+def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99):
+    """Per-token dynamic NUQ of values.
+
+    Args:
+        x: ``[N, C]`` values.
+        lut: ``[2^b]`` float32 codebook.
+        sparse: keep per-token quantile outliers in full precision.
+        sparsity_threshold: share of each token kept dense (0.99: 0.5% in each tail).
+
+    Returns:
+        ``(codes, offset, half_range, outliers)``: uint8 ``[N, C]``, float32 ``[N]`` twice, bool ``[N, C]``.
+    """
+    xf = x.float()
+    if sparse:
+        outliers = value_outliers(xf, sparsity_threshold)
+        median = torch.median(xf, dim=-1, keepdim=True).values
+        dense = torch.where(outliers, median, xf)
+    else:
+        outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+        dense = xf
+    mx, mn = dense.amax(-1), dense.amin(-1)
+    offset, half_range = (mx + mn) / 2, (mx - mn) / 2
+    codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut)
+    return codes, offset, half_range, outliers
+
+
+def dequantize_values(codes, offset, half_range, lut) -> torch.Tensor:
+    """float32 ``[N, C]``: ``lut[code] * range + offset`` per token (outliers are filled in by the caller)."""
+    return lut[codes.long()] * half_range[:, None] + offset[:, None]
+
+
+def fit_layer(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bits: int,
+    sparsity_threshold: float = 0.99,
+    key_fisher: torch.Tensor | None = None,
+    value_fisher: torch.Tensor | None = None,
+):
+    """Fit one layer's KVQuant state from calibration activations (``SimQuant.quantize`` with ``nuq=True``).
+
+    Keys: per-channel percentiles ``t`` / ``1 - t`` over the calibration tokens (numpy ``percentile``, linear)
+    are the static thresholds; entries normalized by them into ``[-1, 1]`` (outliers beyond left out) are
+    clustered by k-means into ``2^b`` centroids (scikit-learn, ``random_state=0``, ``n_init="auto"``,
+    ``max_iter=50``, optionally weighted by Fisher information). Values: the same per token (the reference's
+    ``perchannel=True, qchannel=-1`` calibration), keeping only the codebook. Centroids are returned sorted
+    (k-means order is arbitrary; sorting only renames codes).
+
+    Args:
+        keys, values: ``[N, C]`` calibration keys (pre-RoPE) and values.
+        bits: 2, 4 or 8.
+        sparsity_threshold: 0.99 in the paper; 1.0 means plain min/max ranges.
+        key_fisher, value_fisher: optional ``[N, C]`` non-negative sample weights.
+
+    Returns:
+        ``(k_upper fp16 [C], k_lower fp16 [C], k_lut float32 [2^b], v_lut float32 [2^b])``.
+    """
+    t = 1 - (1 - sparsity_threshold) / 2
+    k = keys.float().cpu().numpy()
+    k_upper = np.percentile(k, t * 100, axis=0)
+    k_lower = np.percentile(k, (1 - t) * 100, axis=0)
+    k_lut = _fit_codebook(k, k_upper[None, :], k_lower[None, :], bits, key_fisher)
+    v = values.float().cpu().numpy()
+    v_upper = np.percentile(v, t * 100, axis=1)[:, None]
+    v_lower = np.percentile(v, (1 - t) * 100, axis=1)[:, None]
+    v_lut = _fit_codebook(v, v_upper, v_lower, bits, value_fisher)
+    return (
+        torch.from_numpy(k_upper).half(),
+        torch.from_numpy(k_lower).half(),
+        torch.from_numpy(k_lut),
+        torch.from_numpy(v_lut),
+    )
+
+
+def _fit_codebook(data: np.ndarray, upper: np.ndarray, lower: np.ndarray, bits: int, fisher) -> np.ndarray:
+    from sklearn.cluster import KMeans  # imported here: only fitting needs scikit-learn
+
+    half_range = (upper - lower) / 2
+    half_range = np.where(half_range == 0, 1.0, half_range)
+    # float64 normalization and outlier test, float32 samples: the reference's promotions.
+    normalized = (data - (upper + lower) / 2) / half_range
+    inside = (normalized <= 1) & (normalized >= -1)
+    samples = normalized[inside].astype(np.float32).reshape(-1, 1)
+    weights = None if fisher is None else fisher.float().cpu().numpy().reshape(data.shape)[inside]
+    kmeans = KMeans(n_clusters=2**bits, random_state=0, n_init="auto", max_iter=50)
+    kmeans.fit(samples, sample_weight=weights)
+    return np.sort(kmeans.cluster_centers_.reshape(-1).astype(np.float32))

@@ -1,0 +1,121 @@
+"""Bit packing of low-bit codes into int32 words.
+
+The word layout is KIVI's (``jy-yuan/KIVI``, ``quant/new_pack.py::pack_tensor`` / ``unpack_tensor``): along the
+packed dimension, word ``w`` holds elements ``w * (32 / b) + i`` at bit offset ``i * b``, for b in {2, 4, 8}.
+
+Two entry points:
+
+* :func:`pack_along` / :func:`unpack_along` pack one dimension of a tensor, exactly as the reference does (its
+  length must be a multiple of ``32 / b``); the golden tests check them bit for bit.
+* :func:`pack_stream` / :func:`unpack_stream` pack a whole tensor as one flat stream of codes, which is what the
+  quantized KV store holds: nothing is spent on per-row or per-group alignment, only the last word of the
+  stream may be partly empty (< 32 bits per packed tensor).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from service.quant.errors import KVQuantError
+
+#: Bit widths the packer (and every quantizer) supports.
+PACK_BITS: tuple[int, ...] = (2, 4, 8)
+
+
+def codes_per_word(bits: int) -> int:
+    """How many b-bit codes share one int32 word (16, 8 or 4).
+
+    Raises:
+        KVQuantError: ``bits`` not in (2, 4, 8).
+    """
+    if bits not in PACK_BITS:
+        raise KVQuantError(f"bits must be one of {PACK_BITS}, got {bits!r}")
+    return 32 // bits
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(codes_per_word(bits), device=device, dtype=torch.int64) * bits
+
+
+def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
+    # The OR of the codes is built in int64 (so 2-bit code 3 at offset 30 cannot overflow); the top half of the
+    # range maps onto negative int32 values, two's complement, as the reference's int32 arithmetic gives.
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_along(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack integer codes in ``[0, 2^b)`` along ``dim`` into int32 words (the reference layout).
+
+    Args:
+        codes: any integer dtype; ``codes.shape[dim]`` a multiple of ``32 / bits``.
+        bits: 2, 4 or 8.
+        dim: the dimension to pack.
+
+    Returns:
+        int32 tensor, the same shape except ``shape[dim] / (32 / bits)`` along ``dim``.
+
+    Raises:
+        KVQuantError: bad ``bits``, or a length that is not a multiple of ``32 / bits``.
+    """
+    per_word = codes_per_word(bits)
+    dim = dim % codes.dim()
+    length = codes.shape[dim]
+    if length % per_word:
+        raise KVQuantError(f"dimension {dim} has length {length}, not a multiple of 32 / bits = {per_word}")
+    moved = codes.movedim(dim, -1).to(torch.int64)
+    grouped = moved.reshape(*moved.shape[:-1], length // per_word, per_word)
+    # Codes occupy disjoint bit ranges, so the sum of the shifted codes is their OR.
+    words = (grouped << _shifts(bits, codes.device)).sum(-1)
+    return _to_int32_words(words).movedim(-1, dim)
+
+
+def unpack_along(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of :func:`pack_along`: int32 words -> uint8 codes, ``shape[dim] * (32 / bits)`` along ``dim``."""
+    per_word = codes_per_word(bits)
+    dim = dim % words.dim()
+    moved = words.movedim(dim, -1).to(torch.int64)
+    codes = (moved.unsqueeze(-1) >> _shifts(bits, words.device)) & (2**bits - 1)
+    return codes.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).to(torch.uint8).movedim(-1, dim)
+
+
+def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack all of ``codes`` (any shape, flattened in C order) into a 1-D int32 stream (the reference layout).
+
+    Returns ``ceil(numel * bits / 32)`` words; :func:`unpack_stream` needs ``numel`` to cut the last word.
+    """
+    per_word = codes_per_word(bits)
+    flat = codes.reshape(-1).to(torch.uint8)
+    tail = (-flat.numel()) % per_word
+    if tail:
+        flat = torch.cat([flat, flat.new_zeros(tail)])
+    if sys.byteorder != "little":  # pragma: no cover - the byte view below assumes little-endian words
+        return pack_along(flat, bits, 0)
+    # Little-endian: byte j of the stream holds codes 8j/b ... at bit offsets 0, b, ...; building the bytes in
+    # uint8 is several times faster than the int64 word arithmetic of pack_along (the hot path of every write).
+    per_byte = 8 // bits
+    grouped = flat.view(-1, per_byte)
+    packed = torch.empty(grouped.shape[0], dtype=torch.uint8, device=flat.device)
+    packed.copy_(grouped[:, 0])
+    for i in range(1, per_byte):
+        packed |= grouped[:, i] << (i * bits)
+    return packed.view(torch.int32)
+
+
+def unpack_stream(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_stream`: the first ``numel`` codes, uint8, 1-D."""
+    codes_per_word(bits)  # validates bits
+    if sys.byteorder != "little":  # pragma: no cover
+        return unpack_along(words, bits, 0)[:numel]
+    data = words.view(torch.uint8)
+    per_byte = 8 // bits
+    if per_byte == 1:
+        return data[:numel]
+    needed = -(-numel // per_byte)  # only the bytes holding the first numel codes
+    data = data[:needed]
+    codes = torch.empty(needed, per_byte, dtype=torch.uint8, device=words.device)
+    mask = 2**bits - 1
+    for i in range(per_byte):
+        torch.bitwise_and(data >> (i * bits), mask, out=codes[:, i])
+    return codes.view(-1)[:numel]

@@ -1,0 +1,28 @@
+"""Engine with a tokenizer: prompt encoding, chat template, text, EOS and stop strings."""
+
+from __future__ import annotations
+
+from service.engine import Engine
+from service.engine.params import DecodeParams, RowOptions
+
+
+def test_tokenizer_chat_template_and_end_of_turn(llada_with_tokenizer):
+    engine = Engine.load(llada_with_tokenizer)
+    assert engine.tokenizer is not None
+    assert engine.spec.eos_ids == (81, 348)  # config EOS plus the tokenizer's <|eot_id|>
+    assert engine.encode_prompt("w5 w6", chat=False) == [5, 6]
+    assert engine.encode_prompt("w5 w6", chat=True) == [346, 0, 347, 5, 6, 348, 346, 0, 347]  # 'user' -> unk w0
+
+
+def test_text_is_cut_at_stop_strings(llada_with_tokenizer):
+    engine = Engine.load(llada_with_tokenizer)
+    params = DecodeParams(gen_length=64, block_length=32, cache_mode="dual", threshold=0.9)
+    prompt = engine.encode_prompt("w64 w245 w278 w201 w100", chat=False)
+    free = engine.generate([prompt], params).rows[0]
+    assert free.finish_reason == "length"  # this prompt's greedy answer has no EOS
+    assert free.text == " ".join(f"w{i}" for i in free.generated_ids)
+    stop = f"w{free.generated_ids[5]}"
+    cut = engine.generate([prompt], params, [RowOptions(stop=(stop,))]).rows[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.generated_ids == free.generated_ids  # stop strings cut the text only
