@@ -44,7 +44,7 @@ def default_kv_store_factory(spec: ModelSpec) -> Callable[[ConfigSnapshot], KVSt
     def factory(snapshot: ConfigSnapshot) -> KVStore | None:
         if snapshot.config.method == "none":
             return None
-        from service.quant import make_kv_store
+        from service.quant.store import make_kv_store
 
         return make_kv_store(snapshot.config, spec, snapshot.policy, snapshot.state)
 
