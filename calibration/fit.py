@@ -170,6 +170,10 @@ class FitSettings:
     def cap(self, bits: int) -> float:
         return self.k_bit_caps.get(bits, default_k_bit_cap(bits))
 
+    def as_dict(self) -> dict:
+        return {"weights": dict(self.weights), "bit_penalty": self.bit_penalty, "min_records": self.min_records,
+                "win_rate": self.win_rate, "k_bit_caps": {str(b): c for b, c in sorted(self.k_bit_caps.items())}}
+
 
 @dataclass(frozen=True)
 class LayerFit:
@@ -221,8 +225,7 @@ def fit_policy(sums: DiagnosticSums, cache_mode: str, bits: int, settings: FitSe
     """The policy table of one (cache mode, bits) and the per-layer decisions behind it."""
     fits = [fit_layer(sums, cache_mode, bits, layer, settings) for layer in range(sums.num_layers)]
     details = dict(provenance.details)
-    details.update(weights=dict(settings.weights), bit_penalty=settings.bit_penalty,
-                   min_records=settings.min_records, win_rate=settings.win_rate, samples=len(sums.samples))
+    details.update(settings.as_dict(), samples=len(sums.samples))
     table = PolicyTable(
         model_id=sums.model_id, weights_fingerprint=sums.model_fingerprint, cache_mode=cache_mode, bits=bits,
         k_group_size=sums.k_group_size, v_group_size=v_group_size, k_bit_cap=settings.cap(bits),

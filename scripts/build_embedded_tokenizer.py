@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import generate  # noqa: E402
+from service.embedded_task import generate
 
 SPECIALS = {
     "eos": "<|endoftext|>",

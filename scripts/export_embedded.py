@@ -3,8 +3,8 @@
 Writes into ``--out`` (default ``service/assets/embedded``, the embedded default): ``config.json`` (LLaDA-8B's
 keys, SPEC 1.1, plus ``torch_dtype``), ``model.safetensors`` (``model.transformer.*`` names, SPEC 1.2, in
 bfloat16, metadata ``format: pt``) and ``generation_config.json`` (bos/eos/pad/mask ids and the decoding
-settings the model was trained for). The tokenizer files already in ``--out``
-(``scripts/build_embedded_tokenizer.py``) are left as they are; the model card is ``scripts/embedded_card.py``'s
+settings the model was trained for). The tokenizer files (``scripts/build_embedded_tokenizer.py``) are
+those in ``service/assets/embedded`` (copied when ``--out`` is elsewhere); the model card is ``scripts/embedded_card.py``'s
 job. Also writes ``training.json`` beside them: the run's facts (tokens seen, seconds, seed, parameters, the
 checkpoint's last validation result), which the model card quotes.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH
 
 THRESHOLD = 0.9
+TOKENIZER_DIR = ROOT / "service/assets/embedded"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def cpu_name() -> str:
@@ -56,7 +59,11 @@ def export(ckpt: Path, out: Path) -> dict:
     if bad:
         raise KeyError(f"unexpected tensor names {bad[:3]}; expected model.transformer.*")
     out.mkdir(parents=True, exist_ok=True)
+    if out.resolve() != TOKENIZER_DIR.resolve():
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(TOKENIZER_DIR / name, out / name)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # package data must be readable by every user of an install
     config = dict(state["config"], torch_dtype="bfloat16")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tok = AutoTokenizer.from_pretrained(out)

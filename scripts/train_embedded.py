@@ -233,7 +233,7 @@ def save_ckpt(run_dir: Path, state: dict, keep: int = 3) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """CLI entry: new run or ``--resume``; stops at ``--max-tokens`` or after ``--max-minutes`` of this sitting."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs/embedded")
@@ -256,10 +256,9 @@ def main() -> None:
     ap.add_argument("--val-size", type=int, default=48)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     stream = Stream(tok, args.seed)
@@ -350,6 +349,7 @@ def main() -> None:
     checkpoint(None)
     bar.close()
     print(json.dumps({"event": "stop", "tokens": tokens, "elapsed_s": round(elapsed)}), file=log, flush=True)
+    log.close()
 
 
 if __name__ == "__main__":

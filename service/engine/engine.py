@@ -116,7 +116,10 @@ class Engine:
         total = time.perf_counter() - started
         reports = [self._row_report(decoder, r, opts, total) for r, opts in enumerate(rows)]
         return DecodeReport(
-            rows=reports, params=params, timings=Timings(total_s=total, first_block_s=decoder.first_block_s)
+            rows=reports,
+            params=params,
+            timings=Timings(total_s=total, first_block_s=decoder.first_block_s),
+            kv=store.report(),
         )
 
     def _row_report(self, decoder: Decoder, row: int, options: RowOptions, total_s: float) -> RowReport:

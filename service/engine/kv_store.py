@@ -18,9 +18,12 @@ Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from service.engine.report import KVReport
 
 CacheMode = Literal["none", "prefix", "dual"]
 
@@ -126,6 +129,11 @@ class KVStore:
 
     def clear(self) -> None:
         """Drop everything held (end of a request)."""
+
+    def report(self) -> KVReport | None:
+        """What holding the K/V cost over the request, for ``DecodeReport.kv``; None when nothing is accounted
+        (the unquantized store). Quantized stores (`service.quant.store`) return effective bits and bytes."""
+        return None
 
 
 class FullPrecisionKVStore(KVStore):

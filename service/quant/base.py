@@ -25,7 +25,8 @@ from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.layout import SlotLayout
 from service.quant.packing import pack_stream, unpack_stream
 from service.quant.uniform import (
-    dequantize_codes,
+    GroupStats,
+    dequantize_k_into,
     dequantize_v,
     k_group_stats,
     quantize_k_slots,
@@ -165,18 +166,21 @@ class KVQuantizer:
     def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
-        slots = None
-        if "protected_slots" in t:
-            keep = torch.ones(layout.num_slots, dtype=torch.bool, device=layout.rows.device)
-            keep[t["protected_slots"].long()] = False
-            slots = keep.nonzero().squeeze(1)
-        n = layout.num_slots if slots is None else slots.numel()
-        codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
-        groups = layout.group_of_slot if slots is None else layout.group_of_slot[slots]
-        values = dequantize_codes(codes, t["scale"][groups], t["mn"][groups], packed.dtype)
-        out = layout.scatter(values, slots)
-        if slots is not None:
-            layout.scatter(t["protected_values"], t["protected_slots"].long(), out)
+        n = layout.num_slots
+        protected = t["protected_slots"].long() if "protected_slots" in t else None
+        n_codes = n if protected is None else n - protected.numel()
+        codes = unpack_stream(t["codes"], self.bits, n_codes * h * d).view(n_codes, h, d)
+        if protected is not None:
+            # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
+            keep = torch.ones(n, dtype=torch.bool, device=codes.device)
+            keep[protected] = False
+            full = codes.new_zeros(n, h, d)
+            full[keep] = codes
+            codes = full
+        out = codes.new_zeros((layout.batch_size, h, layout.num_reused, d), dtype=packed.dtype)
+        dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
+        if protected is not None:
+            layout.scatter_slots(t["protected_values"], protected, out)
         return out
 
     # ---- V: per token over channel groups --------------------------------------------------------------------
@@ -193,7 +197,7 @@ class KVQuantizer:
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
-        return layout.scatter(dequantize_v(codes, t["scale"], t["mn"], packed.dtype))
+        return layout.scatter(dequantize_v(codes, t["scale"], t["mn"], torch.float32), dtype=packed.dtype)
 
 
 def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:

@@ -92,9 +92,8 @@ class KVQuantQuantizer(KVQuantizer):
 
     @staticmethod
     def _finish(values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
-        values = values.to(packed.dtype)
-        values.view(-1)[t["outlier_index"].long()] = t["outlier_values"]
-        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim))
+        values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
+        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype)
 
 
 def fit_state(

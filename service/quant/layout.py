@@ -32,6 +32,10 @@ class SlotLayout:
         group_slots: int64 ``[Ng, G]``, the slots of each K group in order, padded with ``N`` (a sentinel) when
             the group is short.
         group_size: G (``k_group_size``).
+        runs: one ``(row, col, slot, length, group)`` per contiguous reused segment of a row: its first reused
+            index, first slot, number of slots and first K group (its groups are consecutive, all full but the
+            last). Dequantization works run by run with broadcast statistics, which is several times faster
+            than gathering per-slot statistics.
     """
 
     batch_size: int
@@ -42,6 +46,7 @@ class SlotLayout:
     group_of_slot: torch.Tensor
     group_slots: torch.Tensor
     group_size: int
+    runs: tuple[tuple[int, int, int, int, int], ...]
 
     @property
     def num_slots(self) -> int:
@@ -71,11 +76,12 @@ class SlotLayout:
             group_size: K tokens per group (> 0).
             device: where the index tensors live (the K/V device).
         """
-        rows, cols, groups = [], [], []
+        rows, cols, groups, runs = [], [], [], []
         slot = 0
         for row in range(segments.batch_size):
             for start, end in segments.row_segments(row):
                 length = end - start
+                runs.append((row, start, slot, length, len(groups)))
                 rows.extend([row] * length)
                 cols.extend(range(start, end))
                 for g0 in range(0, length, group_size):
@@ -98,22 +104,28 @@ class SlotLayout:
             group_of_slot=group_of_slot.to(device),
             group_slots=group_slots.to(device),
             group_size=group_size,
+            runs=tuple(runs),
         )
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy)."""
         return x[self.rows, :, self.seq_cols]
 
-    def scatter(self, values: torch.Tensor, slots: torch.Tensor | None = None, out: torch.Tensor | None = None):
-        """Place slot values ``[n, H, D]`` (for ``slots`` int64 ``[n]``, default all) into ``[B, H, T_reused, D]``.
+    def scatter(self, values: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        """Place the values of all slots ``[N, H, D]`` into ``[B, H, T_reused, D]``, run by run.
 
-        ``out`` (created as zeros when None) is filled in place and returned; positions of padding stay zero
-        (the engine masks padding keys, so their value never matters).
+        ``out`` (created as zeros of ``dtype``, default ``values.dtype``, when None) is filled in place, casting
+        to its dtype, and returned; positions of padding stay zero (the engine masks padding keys, so their
+        value never matters).
         """
         if out is None:
-            out = values.new_zeros(self.batch_size, values.shape[1], self.num_reused, values.shape[2])
-        if slots is None:
-            out[self.rows, :, self.cols] = values
-        else:
-            out[self.rows[slots], :, self.cols[slots]] = values
+            shape = (self.batch_size, values.shape[1], self.num_reused, values.shape[2])
+            out = values.new_zeros(shape, dtype=dtype or values.dtype)
+        for row, col, slot, length, _ in self.runs:
+            out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)
+        return out
+
+    def scatter_slots(self, values: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Overwrite some slots (int64 ``[n]``) of ``out`` ``[B, H, T_reused, D]`` with ``values`` ``[n, H, D]``."""
+        out[self.rows[slots], :, self.cols[slots]] = values.to(out.dtype)
         return out

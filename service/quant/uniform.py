@@ -109,6 +109,30 @@ def quantize_k_slots(x: torch.Tensor, groups: torch.Tensor, stats: GroupStats, b
     return quantize_codes(x, stats.mn[groups], stats.scale[groups], bits)
 
 
+def dequantize_k_into(
+    out: torch.Tensor, codes: torch.Tensor, stats: GroupStats, layout: SlotLayout
+) -> torch.Tensor:
+    """Dequantize the codes of every slot (``[N, H, D]`` uint8) into ``out`` ``[B, H, T_reused, D]``.
+
+    Run by run (see `SlotLayout.runs`), each run's full groups at once with broadcast statistics, then its
+    short last group: the same float32 ``code * scale + mn`` as :func:`dequantize_codes`, cast to ``out.dtype``.
+    """
+    g_size = layout.group_size
+    h, d = codes.shape[1], codes.shape[2]
+    for row, col, slot, length, group in layout.runs:
+        full, tail = divmod(length, g_size)
+        parts = [(0, full, g_size)] if full else []
+        if tail:
+            parts.append((full * g_size, 1, tail))
+        for offset, n_groups, size in parts:
+            g0 = group + offset // g_size
+            x = codes[slot + offset : slot + offset + n_groups * size].view(n_groups, size, h, d).to(torch.float32)
+            x.mul_(stats.scale[g0 : g0 + n_groups, None].to(torch.float32))
+            x.add_(stats.mn[g0 : g0 + n_groups, None].to(torch.float32))
+            out[row, :, col + offset : col + offset + n_groups * size] = x.view(-1, h, d).transpose(0, 1)
+    return out
+
+
 def quantize_k_groups(k: torch.Tensor, group_size: int, bits: int):
     """KIVI K quantization of a ``[B, H, T, D]`` tensor: per channel over groups of ``group_size`` tokens.
 

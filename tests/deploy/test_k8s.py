@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -112,3 +114,48 @@ def test_redis_persists_with_an_append_only_file():
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     assert container["args"][:3] == ["redis-server", "--appendonly", "yes"]
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def calibration_jobs() -> tuple[dict, dict, dict]:
+    docs = documents()
+    return (
+        docs[("ConfigMap", "dllm-kvq-calibration")]["data"],
+        docs[("Job", "dllm-kvq-calibration-shards")],
+        docs[("Job", "dllm-kvq-calibration-merge")],
+    )
+
+
+def job_args(job: dict) -> list[str]:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "dllm-kvq-calibration"}}]
+    return container["args"]
+
+
+def test_calibration_is_an_indexed_job_of_shards_and_a_merge_with_the_same_settings():
+    settings, shards, merge = calibration_jobs()
+    assert shards["spec"]["completionMode"] == "Indexed"
+    assert shards["spec"]["completions"] == int(settings["SHARDS"])
+    shard_args, merge_args = job_args(shards), job_args(merge)
+    assert shard_args[:2] == ["calibrate", "diagnose"] and merge_args[:2] == ["calibrate", "fit"]
+    # Every shard and the merge run with the same settings; only the shard flag differs.
+    i = shard_args.index("--shard")
+    assert shard_args[i + 1] == "$(JOB_COMPLETION_INDEX)/$(SHARDS)"
+    assert shard_args[2:i] + shard_args[i + 2 :] == merge_args[2:]
+    # Every $(VAR) the args use is defined by the settings ConfigMap (or the Job controller).
+    used = set(re.findall(r"\$\((\w+)\)", " ".join(shard_args + merge_args)))
+    assert used == set(settings) | {"JOB_COMPLETION_INDEX"}
+
+
+def test_calibration_flags_are_the_calibration_cli_s():
+    from calibration.cli import build_parser
+
+    # The CLI parses each Job's args once the variables are expanded (the image entrypoint strips `calibrate`).
+    settings, shards, merge = calibration_jobs()
+    env = {**settings, "JOB_COMPLETION_INDEX": "3"}
+    for job in (shards, merge):
+        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in job_args(job)[1:]]
+        parsed = build_parser().parse_args(args)
+        assert parsed.store == settings["STORE"] and parsed.samples == int(settings["SAMPLES"])
+    assert build_parser().parse_args(
+        [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in job_args(shards)[1:]]
+    ).shard == (3, int(settings["SHARDS"]))

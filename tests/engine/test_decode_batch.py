@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.engine.params import DecodeParams, RowOptions
-from tests.engine.conftest import golden
+from tests.support.fastdllm import four_prompts
 
 # (arch, cache mode, Dream no-cache schedule): Dream's no-cache has two schedules, LLaDA's one.
 CASES = [
@@ -14,15 +14,6 @@ CASES = [
     for mode, schedule in [("none", "origin"), ("none", "block"), ("prefix", "origin"), ("dual", "origin")]
     if not (arch == "llada" and schedule == "block")
 ]
-
-
-def _four_prompts(arch):
-    base = golden(f"{arch}_generate.json")["runs"]
-    lengths = sorted({len(run["prompt_ids"]) for run in base})  # 5, 17, 40
-    by_length = {len(run["prompt_ids"]): run["prompt_ids"] for run in base}
-    prompts = [by_length[n] for n in lengths]
-    prompts.append(by_length[17][3:12])  # a fourth length: 9
-    return prompts
 
 
 @pytest.mark.parametrize("arch,mode,schedule", CASES)
@@ -34,7 +25,7 @@ def test_batch_rows_equal_rows_alone(engines, arch, mode, schedule, threshold, s
         gen_length=64, block_length=32, cache_mode=mode, threshold=threshold, steps=steps, ignore_eos=True,
         dream_schedule=schedule,
     )
-    prompts = _four_prompts(arch)
+    prompts = four_prompts(arch)
     rows = [RowOptions(temperature=0.0), RowOptions(temperature=0.7, seed=11), RowOptions(), RowOptions(temperature=1.0, seed=5)]
     batch = engine.generate(prompts, params, rows).rows
     for prompt, options, got in zip(prompts, rows, batch):
@@ -45,7 +36,7 @@ def test_batch_rows_equal_rows_alone(engines, arch, mode, schedule, threshold, s
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(engines):
     params = DecodeParams(gen_length=64, block_length=32, cache_mode="dual", threshold=0.9, ignore_eos=True)
-    prompt = _four_prompts("llada")[1]
+    prompt = four_prompts("llada")[1]
     first = engines["llada"].generate([prompt], params, [RowOptions(temperature=1.0, seed=3)]).rows[0]
     again = engines["llada"].generate([prompt], params, [RowOptions(temperature=1.0, seed=3)]).rows[0]
     other = engines["llada"].generate([prompt], params, [RowOptions(temperature=1.0, seed=4)]).rows[0]
@@ -58,7 +49,7 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(engines):
 @pytest.mark.parametrize("mode", ["none", "dual"])
 def test_on_block_streams_committed_blocks_in_order(engines, mode):
     params = DecodeParams(gen_length=96, block_length=32, cache_mode=mode, threshold=0.9, ignore_eos=True)
-    prompts = _four_prompts("dream")[:2]
+    prompts = four_prompts("dream")[:2]
     seen = []
     report = engines["dream"].generate(prompts, params, on_block=lambda b, ids: seen.append((b, ids)))
     assert [b for b, _ in seen] == [0, 1, 2]
@@ -73,7 +64,7 @@ def test_on_block_streams_committed_blocks_in_order(engines, mode):
 
 def test_cancelled_row_stops_and_others_are_unaffected(engines):
     params = DecodeParams(gen_length=64, block_length=32, cache_mode="prefix", threshold=0.9, ignore_eos=True)
-    prompts = _four_prompts("llada")[:2]
+    prompts = four_prompts("llada")[:2]
     calls = []
 
     def cancelled():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from service.engine.params import DecodeParams
-from tests.engine.conftest import golden
+from tests.support.fastdllm import golden
 
 RUNS = [run for family in ("llada", "dream") for run in golden(f"{family}_generate.json")["runs"]]
 

@@ -7,7 +7,7 @@ import torch
 
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.params import DecodeParams
-from tests.engine.test_decode_batch import _four_prompts
+from tests.support.fastdllm import four_prompts
 
 
 class RecordingStore(FullPrecisionKVStore):
@@ -33,7 +33,7 @@ class RecordingStore(FullPrecisionKVStore):
 def test_write_once_per_layer_per_block_then_read_per_step(engines, arch, mode):
     engine, store = engines[arch], RecordingStore()
     params = DecodeParams(gen_length=64, block_length=32, cache_mode=mode, threshold=0.9, ignore_eos=True)
-    row = engine.generate([_four_prompts(arch)[1]], params, kv_store=store).rows[0]
+    row = engine.generate([four_prompts(arch)[1]], params, kv_store=store).rows[0]
     layers = engine.spec.num_layers
     expected = []
     for calls in row.steps_per_block:
@@ -51,7 +51,7 @@ def test_write_once_per_layer_per_block_then_read_per_step(engines, arch, mode):
 def test_pre_rope_store_gives_the_same_tokens(engines, mode):
     engine = engines["dream"]
     params = DecodeParams(gen_length=64, block_length=32, cache_mode=mode, threshold=0.9, ignore_eos=True)
-    prompts = _four_prompts("dream")
+    prompts = four_prompts("dream")
     post, pre = RecordingStore(), RecordingStore(pre_rope_keys=True)
     rows_post = engine.generate(prompts, params, kv_store=post).rows
     rows_pre = engine.generate(prompts, params, kv_store=pre).rows
@@ -68,7 +68,7 @@ def test_pre_rope_store_gives_the_same_tokens(engines, mode):
 def test_scores_are_block_attention_probabilities(engines):
     engine, store = engines["llada"], RecordingStore(needs_scores=True)
     params = DecodeParams(gen_length=64, block_length=32, cache_mode="dual", threshold=0.9, ignore_eos=True)
-    prompts = _four_prompts("llada")
+    prompts = four_prompts("llada")
     engine.generate(prompts, params, kv_store=store)
     for _, k, _, segments, scores in store.writes:
         assert scores.dtype == torch.float32 and scores.shape == (len(prompts), segments.seq_len)

@@ -14,9 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from service.engine import Engine, EngineInputError
 from service.engine.loading import EMBEDDED_DIR, weights_fingerprint
-from tests.engine.conftest import CKPT, golden
+from tests.support.fastdllm import CKPT, REPO_ROOT, golden
 
-REPO_ROOT = CKPT["llada"].parents[4]
 
 
 def _shard(src, dst):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from service.engine.models import capture_qkv
-from tests.engine.conftest import golden
+from tests.support.fastdllm import golden
 
 
 def _reference_logits(case: dict) -> torch.Tensor:
@@ -90,7 +90,7 @@ def test_plain_forward_trains_under_bf16_autocast(engines):
 def test_checkpoint_names_round_trip(engines, arch):
     from safetensors import safe_open
 
-    from tests.engine.conftest import CKPT
+    from tests.support.fastdllm import CKPT
 
     with safe_open(CKPT[arch] / "model.safetensors", framework="pt") as handle:
         names = set(handle.keys())

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tests.support.checkpoints import llada_tiny_with_tokenizer
+from tests.support.fastdllm import llada_with_tokenizer
 
 #: Prompts of the test task ("w<id>" words; the tiny model's greedy answers are deterministic).
 PROMPTS = [f"w{10 + i} w{20 + 2 * i} w{30 + i} w{40 + i}" for i in range(6)]
@@ -25,7 +25,7 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
-    return llada_tiny_with_tokenizer(tmp_path_factory.mktemp("eval-ckpt"))
+    return llada_with_tokenizer(tmp_path_factory.mktemp("eval-ckpt"))
 
 
 @pytest.fixture(scope="session")

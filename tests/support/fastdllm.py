@@ -1,12 +1,29 @@
-"""Tiny checkpoints with a real tokenizer, shared by the engine, evaluation and API tests."""
+"""Tiny Fast-dLLM checkpoints and goldens (tests/data/fastdllm), and a tokenizer to give them text."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-#: The tiny Fast-dLLM LLaDA checkpoint (seeded random weights, reference layout) copied into the repo.
-LLADA_TINY = Path(__file__).resolve().parent.parent / "data" / "fastdllm" / "ckpt" / "llada-tiny"
+DATA = Path(__file__).resolve().parent.parent / "data" / "fastdllm"
+CKPT = {"llada": DATA / "ckpt" / "llada-tiny", "dream": DATA / "ckpt" / "dream-tiny"}
+REPO_ROOT = DATA.parents[2]
+
+
+def golden(name: str) -> dict:
+    """A trimmed golden file of tests/data/fastdllm, parsed."""
+    return json.loads((DATA / name).read_text())
+
+
+def four_prompts(arch: str) -> list[list[int]]:
+    """Four golden prompts of different lengths (5, 17, 40, 9 tokens) for batch tests."""
+    base = golden(f"{arch}_generate.json")["runs"]
+    lengths = sorted({len(run["prompt_ids"]) for run in base})  # 5, 17, 40
+    by_length = {len(run["prompt_ids"]): run["prompt_ids"] for run in base}
+    prompts = [by_length[n] for n in lengths]
+    prompts.append(by_length[17][3:12])  # a fourth length: 9
+    return prompts
 
 
 def add_word_tokenizer(directory: Path, special: dict[int, str], vocab_size: int) -> None:
@@ -28,11 +45,11 @@ def add_word_tokenizer(directory: Path, special: dict[int, str], vocab_size: int
     fast.save_pretrained(directory)
 
 
-def llada_tiny_with_tokenizer(parent: Path) -> Path:
-    """Copy llada-tiny into ``parent/llada-tiny`` with a word-level tokenizer (EOS 81, end-of-turn 348, mask 336,
-    header tokens 346/347; every other id ``i`` is the word ``w<i>``) and return the folder."""
-    directory = Path(parent) / "llada-tiny"
-    shutil.copytree(LLADA_TINY, directory)
+def llada_with_tokenizer(parent: Path) -> Path:
+    """Copy llada-tiny under ``parent`` and add a word-level tokenizer (EOS 81, end-of-turn 348, mask 336,
+    header tokens 346/347)."""
+    directory = parent / "llada-tiny"
+    shutil.copytree(CKPT["llada"], directory)
     special = {
         81: "<|endoftext|>", 336: "<|mdm_mask|>", 346: "<|start_header_id|>", 347: "<|end_header_id|>",
         348: "<|eot_id|>",

@@ -1,0 +1,162 @@
+"""``python -m calibration collect | trace | diagnose | fit | kvquant | report | all`` (issue 6 item 7).
+
+Every verb takes the same settings (:class:`calibration.job.JobSettings`, one flag each) and a store
+(``--store``: ``redis://host:port/db`` or a directory). Sharding for parallel runs (a Kubernetes Indexed Job):
+``--shard I/N`` makes ``trace``, ``diagnose`` and ``kvquant`` handle samples ``I::N``; then one ``fit`` (or
+``report``/``all``) run merges every sample's sums from the shared store. Without a shared store, each shard
+writes its sums with ``diagnose --sums-out FILE`` and ``fit --merge FILE ...`` merges them: the result equals one
+run over all samples (:mod:`calibration.fit`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+from calibration.job import CalibrationJob, JobSettings, RunSummary
+
+VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
+
+
+def _pair(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (e.g. qa=data/qa.jsonl), got {text!r}")
+    return name, path
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, sep, count = text.partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        i = n = -1
+    if not sep or n < 1 or not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return i, n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = JobSettings()
+    common = argparse.ArgumentParser(add_help=False)
+    add = common.add_argument
+    add("--model", default=None, help="checkpoint dir or HF repo id (default: the embedded model)")
+    add("--store", default="calibration-store", help="redis://host:port/db or a directory (default: %(default)s)")
+    add("--store-prefix", default="dllm-kvq", help="Redis key prefix (default: %(default)s)")
+    add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
+        help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")
+    add("--pad-answers", action=argparse.BooleanOptionalAction, default=None,
+        help="EOS-pad answers to a block multiple instead of cutting them (default: pad only for the embedded "
+             "model's training split)")
+    add("--samples", type=int, default=defaults.samples)
+    add("--seed", type=int, default=defaults.seed)
+    add("--shard", type=_shard, default=(0, 1), metavar="I/N", help="handle samples I::N (default 0/1)")
+    add("--block-length", type=int, default=defaults.block_length)
+    add("--max-answer-length", type=int, default=defaults.max_answer_length)
+    add("--steps-per-block", type=int, default=defaults.steps_per_block)
+    add("--rounds", type=int, default=defaults.rounds, help="TRACE refinement round limit")
+    add("--cache-modes", nargs="+", choices=("prefix", "dual"), default=list(defaults.cache_modes))
+    add("--bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.bits))
+    add("--k-group-size", type=int, default=defaults.k_group_size)
+    add("--v-group-size", type=int, default=None)
+    add("--bit-penalty", type=float, default=defaults.bit_penalty)
+    add("--min-records", type=int, default=defaults.min_records)
+    add("--win-rate", type=float, default=defaults.win_rate)
+    add("--kvquant-bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.kvquant_bits))
+    add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information")
+    add("--sparsity-threshold", type=float, default=defaults.sparsity_threshold)
+    add("--batch-size", type=int, default=defaults.batch_size)
+    add("--threads", type=int, default=1, help="torch threads (default 1)")
+    add("--out", type=Path, default=Path("calibration-report"), help="report directory (report, all)")
+    add("--no-progress", action="store_true")
+    parser = argparse.ArgumentParser(prog="python -m calibration", description=__doc__.split("\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    collect = verbs.add_parser("collect", help="download the paper's corpus (needs internet and `datasets`)")
+    collect.add_argument("--out", type=Path, required=True, help="directory for the bucket JSONL files")
+    for verb in VERBS[1:]:
+        sub = verbs.add_parser(verb, parents=[common])
+        if verb == "diagnose":
+            sub.add_argument("--sums-out", type=Path, help="also write this shard's merged sums to a JSON file")
+        if verb == "fit":
+            sub.add_argument("--merge", type=Path, nargs="+", help="fit from these sums files instead of the store")
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> JobSettings:
+    return JobSettings(
+        model=args.model, buckets=dict(args.bucket), pad_answers=args.pad_answers, samples=args.samples,
+        seed=args.seed,
+        shard_index=args.shard[0], shard_count=args.shard[1], block_length=args.block_length,
+        max_answer_length=args.max_answer_length, steps_per_block=args.steps_per_block, rounds=args.rounds,
+        cache_modes=tuple(args.cache_modes), bits=tuple(args.bits), k_group_size=args.k_group_size,
+        v_group_size=args.v_group_size, bit_penalty=args.bit_penalty, min_records=args.min_records,
+        win_rate=args.win_rate, kvquant_bits=tuple(args.kvquant_bits), fisher=args.fisher,
+        sparsity_threshold=args.sparsity_threshold, batch_size=args.batch_size,
+    )
+
+
+def print_summary(summary: RunSummary, seconds: float, out=None) -> None:
+    """The end-of-run summary: what was computed or found done, ids, Table 4, time (to ``out``, default stdout)."""
+    out = out or sys.stdout
+    print(f"\ncalibration finished in {seconds:.1f} s", file=out)
+    for kind in sorted(set(summary.computed) | set(summary.skipped)):
+        print(f"  {kind}: {summary.computed.get(kind, 0)} computed, {summary.skipped.get(kind, 0)} already stored",
+              file=out)
+    if summary.seconds:
+        print("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.seconds.items()), file=out)
+    for key, policy_id in sorted(summary.policies.items()):
+        row = summary.table4.get(key, {})
+        rates = " ".join(f"{m}={row[m]:.1f}%" for m in ("centered_l2", "attention_kl", "top1", "topk") if m in row)
+        print(f"  policy {key}: {policy_id}  [{rates}; eff. K bits {row.get('effective_k_bits', 0):.3f}]", file=out)
+    for bits, state_id in sorted(summary.kvquant_states.items()):
+        print(f"  kvquant state {bits} bits: {state_id}", file=out)
+    if summary.report:
+        print(f"  report: {summary.report}", file=out)
+    print("  nothing was activated; use the admin endpoint to activate a policy or state", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.verb == "collect":
+        from calibration.collect import collect
+
+        print(collect(args.out))
+        return 0
+    from calibration.fit import DiagnosticSums
+    from service.engine import Engine
+    from service.policy.store import open_store
+
+    started = time.perf_counter()
+    settings = settings_from(args)
+    store = open_store(args.store, prefix=args.store_prefix)
+    job = CalibrationJob(settings, store, Engine.load(settings.model, threads=args.threads),
+                         progress=not args.no_progress)
+    if args.verb == "trace":
+        job.trace()
+    elif args.verb == "diagnose":
+        ids = job.diagnose()
+        if args.sums_out:
+            merged = job.merged_sums(ids)
+            args.sums_out.write_text(merged.model_dump_json())
+    elif args.verb == "fit":
+        sums = None
+        if args.merge:
+            for path in args.merge:
+                part = DiagnosticSums.model_validate_json(path.read_text())
+                sums = part if sums is None else sums.merge(part)
+        job.fit(sums)
+    elif args.verb == "kvquant":
+        job.kvquant()
+    elif args.verb == "report":
+        job.report(args.out)
+    else:
+        job.run_all(args.out)
+    print_summary(job.summary, time.perf_counter() - started)
+    store.close()
+    return 0
+
+
+__all__ = ["build_parser", "main", "print_summary", "settings_from"]

@@ -1,0 +1,381 @@
+"""The calibration job: corpus -> TRACE -> diagnostics -> policy fit, and KVQuant fit, through a store.
+
+DESIGN.md flow 2. Every step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`).
+Artifacts go to a :class:`service.policy.store.Store` (Redis or a local directory), immutable:
+
+==================  ========================================================================================
+kind                id and content
+==================  ========================================================================================
+trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fingerprint, schedule, rounds);
+                    the :class:`~calibration.trace.Trajectory` JSON, which those inputs determine
+calibration_sums    ``diag-<h>``, h = hash of (trajectory id, diagnose settings); one sample's
+                    :class:`~calibration.fit.DiagnosticSums`
+calibration_fit     ``fit-<h>``, h = hash of (sums ids, fit settings); the policy ids and Table 4 rows
+policy              the :class:`~service.policy.schema.PolicyTable`'s own content id
+kvquant_fit         ``kvqfit-<h>``, h = hash of (trajectory ids, bits, Fisher, sparsity); the state ids
+kvquant_state       the :class:`~service.policy.kvquant_state.KVQuantState`'s own content id
+==================  ========================================================================================
+
+Work items are keyed by their inputs, so a rerun finds what is done and skips it; each artifact is written whole
+by the store (temp file + rename, or one Redis SET), so a failed run leaves finished items and nothing half-written.
+The job never activates anything: the admin endpoint does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
+
+from calibration.corpus import OFFLINE_CORPUS_DIR, HFEncoder, Sample, mixed_chat
+from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
+from calibration.fit import DiagnosticSums, FitSettings, LayerFit, fit_policy, table4
+from calibration.forward import capture_pre_rope, logits_forward
+from calibration.kvquant_fit import fit_kvquant_state
+from calibration.report import write_report
+from calibration.trace import Trajectory, rollout, trace
+from service.engine import Engine
+from service.engine.loading import EMBEDDED_DIR
+from service.policy.kvquant_state import KVQuantState
+from service.policy.schema import PolicyTable, Provenance
+from service.policy.store import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
+from service.policy.store import canonical_json
+
+#: The embedded default model's training split, its calibration corpus (issue 3).
+EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
+KIND_FIT = "calibration_fit"
+KIND_KVQUANT_FIT = "kvquant_fit"
+CODE_VERSION = "dllm-kvq calibration 1"
+
+T = TypeVar("T")
+
+
+class JobSettings(BaseModel):
+    """Every setting of a calibration run (CLI flags map one to one).
+
+    Attributes:
+        model: checkpoint dir or HF repo id; None = the embedded default model.
+        buckets: bucket name -> JSONL path; empty = the embedded model's training split (``train_sample``) when
+            ``model`` is None, else the shipped offline corpus (instruction, qa, code).
+        pad_answers: EOS-pad answers up to a block multiple instead of cutting them; None = pad for the embedded
+            model's training split (it was trained with answers EOS-padded to its response length), cut
+            otherwise (the paper).
+        samples: calibration samples drawn by ``mixed_chat``; seed: its seed.
+        shard_index, shard_count: this run handles samples ``shard_index::shard_count`` (trace, diagnose, kvquant);
+            fit and report always use every sample's sums.
+        block_length, max_answer_length, steps_per_block, rounds: TRACE schedule and refinement limit.
+        cache_modes, bits, k_group_size, v_group_size: what policies are fitted for (v_group_size None:
+            min(32, head_dim)).
+        bit_penalty, min_records, win_rate: fit gates (:class:`calibration.fit.FitSettings`).
+        kvquant_bits, fisher, sparsity_threshold: KVQuant state fit.
+        batch_size: rows per forward in TRACE's score matrix.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = None
+    buckets: dict[str, str] = Field(default_factory=dict)
+    pad_answers: bool | None = None
+    samples: int = Field(8, gt=0)
+    seed: int = 0
+    shard_index: int = Field(0, ge=0)
+    shard_count: int = Field(1, gt=0)
+    block_length: int = Field(32, gt=0)
+    max_answer_length: int = Field(64, gt=0)
+    steps_per_block: int = Field(8, ge=2)
+    rounds: int = Field(3, gt=0)
+    cache_modes: tuple[str, ...] = ("prefix", "dual")
+    bits: tuple[int, ...] = (4, 2)
+    k_group_size: int = Field(32, gt=0)
+    v_group_size: int | None = None
+    bit_penalty: float = Field(0.01, ge=0)
+    min_records: int = Field(8, gt=0)
+    win_rate: float = Field(0.5, ge=0, le=1)
+    kvquant_bits: tuple[int, ...] = (4, 2)
+    fisher: bool = False
+    sparsity_threshold: float = Field(0.99, gt=0, le=1)
+    batch_size: int = Field(16, gt=0)
+
+    @property
+    def uses_embedded_split(self) -> bool:
+        return self.model is None and not self.buckets
+
+    def bucket_paths(self) -> dict[str, str]:
+        if self.buckets:
+            return dict(self.buckets)
+        if self.uses_embedded_split:
+            return {"train": str(EMBEDDED_TRAIN_SPLIT)}
+        return {name: str(OFFLINE_CORPUS_DIR / f"{name}.jsonl") for name in ("instruction", "qa", "code")}
+
+    @property
+    def pads_answers(self) -> bool:
+        return self.uses_embedded_split if self.pad_answers is None else self.pad_answers
+
+
+def input_key(prefix: str, inputs: Any) -> str:
+    """A work item's id: ``prefix-`` + 32 hex digits of SHA-256 over the canonical JSON of its inputs."""
+    return f"{prefix}-" + hashlib.sha256(canonical_json(inputs)).hexdigest()[:32]
+
+
+@dataclass
+class RunSummary:
+    """What a run did: ids per step, how many items were computed vs found done, and seconds per step."""
+
+    trajectories: list[str] = field(default_factory=list)
+    sums: list[str] = field(default_factory=list)
+    policies: dict[str, str] = field(default_factory=dict)
+    table4: dict[str, dict[str, float]] = field(default_factory=dict)
+    kvquant_states: dict[str, str] = field(default_factory=dict)
+    computed: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    report: str | None = None
+
+
+class CalibrationJob:
+    """One calibration run on one model and one store (module docstring).
+
+    Args:
+        settings: the run's settings.
+        store: where artifacts go.
+        engine: an already loaded engine (else ``Engine.load(settings.model)``).
+        progress: show progress bars.
+    """
+
+    def __init__(self, settings: JobSettings, store: Store, engine: Engine | None = None,
+                 progress: bool = True) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine or Engine.load(settings.model)
+        self.progress = progress
+        self.summary = RunSummary()
+        self._samples: list[Sample] | None = None
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def v_group_size(self) -> int:
+        return self.settings.v_group_size or min(32, self.spec.head_dim)
+
+    def _bar(self, items: Iterable[T], description: str, total: int | None = None) -> Iterable[T]:
+        return tqdm(items, desc=description, total=total, disable=not self.progress, leave=False)
+
+    def _cached(self, kind: str, key: str, compute: Callable[[], bytes]) -> str:
+        """Store ``compute()`` under ``key`` unless it is there; count computed vs skipped items."""
+        if self.store.exists(kind, key):
+            self.summary.skipped[kind] = self.summary.skipped.get(kind, 0) + 1
+        else:
+            self.store.put(kind, compute(), key)
+            self.summary.computed[kind] = self.summary.computed.get(kind, 0) + 1
+        return key
+
+    def _timed(self, step: str, started: float) -> None:
+        self.summary.seconds[step] = self.summary.seconds.get(step, 0.0) + time.perf_counter() - started
+
+    def provenance(self, data: str) -> Provenance:
+        return Provenance(data=data, code=f"{CODE_VERSION}; torch {torch.__version__}; python "
+                                         f"{platform.python_version()}",
+                          created_at=None, details={"settings": self.settings.model_dump(
+                              mode="json", exclude={"shard_index", "shard_count"})})
+
+    # ---- corpus ----------------------------------------------------------------------------------------------
+    def samples(self) -> list[Sample]:
+        """Every calibration sample (``mixed_chat`` over the buckets), before sharding."""
+        if self._samples is None:
+            tokenizer = self.engine.tokenizer
+            encoder = HFEncoder(tokenizer, eos_id=self.spec.eos_ids[-1]) if tokenizer is not None else None
+            self._samples = mixed_chat(
+                self.settings.bucket_paths(), self.settings.samples, encoder,
+                block_length=self.settings.block_length, max_answer_length=self.settings.max_answer_length,
+                seed=self.settings.seed, pad_id=self.spec.eos_ids[0] if self.settings.pads_answers else None,
+            )
+        return self._samples
+
+    def trajectory_key(self, sample: Sample) -> str:
+        s = self.settings
+        return input_key("trace", {
+            "prompt_ids": list(sample.prompt_ids), "answer_ids": list(sample.answer_ids),
+            "fingerprint": self.spec.fingerprint, "block_length": s.block_length,
+            "steps_per_block": s.steps_per_block, "rounds": s.rounds, "code": CODE_VERSION,
+        })
+
+    def _shard(self, items: list[T]) -> list[T]:
+        return items[self.settings.shard_index::self.settings.shard_count]
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def trace(self) -> list[str]:
+        """TRACE every sample of this shard; returns the trajectory ids (``trajectory`` kind)."""
+        started = time.perf_counter()
+        forward = logits_forward(self.engine.model)
+        ids = []
+        for sample in self._bar(self._shard(self.samples()), "trace"):
+            def compute(sample=sample) -> bytes:
+                result = trace(sample.prompt_ids, sample.answer_ids, forward, self.spec.mask_id, self.spec.fingerprint,
+                               steps_per_block=self.settings.steps_per_block, block_length=self.settings.block_length,
+                               max_rounds=self.settings.rounds, batch_size=self.settings.batch_size)
+                return canonical_json(result.model_dump(mode="json"))
+            ids.append(self._cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
+        self.summary.trajectories = ids
+        self._timed("trace", started)
+        return ids
+
+    def load_trajectory(self, trajectory_id: str) -> Trajectory:
+        return self.store.get_model(KIND_TRAJECTORY, trajectory_id, Trajectory)
+
+    def diagnose_settings(self) -> DiagnoseSettings:
+        s = self.settings
+        return DiagnoseSettings(cache_modes=s.cache_modes, bits=s.bits, k_group_size=s.k_group_size)
+
+    def sums_key(self, trajectory_id: str) -> str:
+        return input_key("diag", {"trajectory": trajectory_id, "settings": self.diagnose_settings().as_dict(),
+                                  "code": CODE_VERSION})
+
+    def diagnose(self) -> list[str]:
+        """Diagnostic sums of every trajectory of this shard (traced first if missing); returns the sums ids."""
+        trajectory_ids = self.trace()
+        started = time.perf_counter()
+        settings = self.diagnose_settings()
+        ids = []
+        for trajectory_id in self._bar(trajectory_ids, "diagnose"):
+            def compute(trajectory_id=trajectory_id) -> bytes:
+                sums = diagnose_trajectory(self.engine.model, self.spec, self.load_trajectory(trajectory_id),
+                                           trajectory_id, settings)
+                return canonical_json(sums.model_dump(mode="json"))
+            ids.append(self._cached(KIND_CALIBRATION_SUMS, self.sums_key(trajectory_id), compute))
+        self.summary.sums = ids
+        self._timed("diagnose", started)
+        return ids
+
+    def all_sums_ids(self) -> list[str]:
+        """Sums ids of every sample (all shards): what ``fit`` merges."""
+        return [self.sums_key(self.trajectory_key(sample)) for sample in self.samples()]
+
+    def merged_sums(self, sums_ids: list[str]) -> DiagnosticSums:
+        """Merge stored per-sample sums (they must all be there: run ``diagnose`` on every shard first)."""
+        missing = [i for i in sums_ids if not self.store.exists(KIND_CALIBRATION_SUMS, i)]
+        if missing:
+            raise FileNotFoundError(
+                f"{len(missing)} of {len(sums_ids)} samples have no diagnostic sums in {self.store.url} "
+                f"(first: {missing[0]}); run `diagnose` for every shard first"
+            )
+        merged = None
+        for sums_id in sums_ids:
+            sums = self.store.get_model(KIND_CALIBRATION_SUMS, sums_id, DiagnosticSums)
+            merged = sums if merged is None else merged.merge(sums)
+        return merged
+
+    def fit_settings(self) -> FitSettings:
+        s = self.settings
+        return FitSettings(bit_penalty=s.bit_penalty, min_records=s.min_records, win_rate=s.win_rate)
+
+    def fit(self, sums: DiagnosticSums | None = None) -> dict[str, PolicyTable]:
+        """Fit and store one policy per (cache mode, bits) from every sample's sums (or the given merged sums).
+
+        Returns ``"<mode>/<bits>"`` -> table; ids and Table 4 rows go to the summary and a ``calibration_fit``
+        record keyed by the sums and fit settings.
+        """
+        started = time.perf_counter()
+        sums = sums if sums is not None else self.merged_sums(self.all_sums_ids())
+        settings = self.fit_settings()
+        tables, fits = {}, {}
+        for mode, bits in sums.modes_and_bits():
+            table, layer_fits = fit_policy(
+                sums, mode, bits, settings,
+                self.provenance(f"mixed_chat TRACE trajectories: {len(sums.samples)} samples ({sorted(sums.samples)})"),
+                self.v_group_size)
+            table.validate_for(self.spec)
+            tables[f"{mode}/{bits}"] = table
+            fits[f"{mode}/{bits}"] = layer_fits
+            self.store.put_model(KIND_POLICY, table)
+            self.summary.policies[f"{mode}/{bits}"] = table.id
+            self.summary.table4[f"{mode}/{bits}"] = table4(sums, table)
+        record = {"sums_samples": sorted(sums.samples), "policies": self.summary.policies,
+                  "table4": self.summary.table4, "layers": _layer_fit_json(fits)}
+        key = input_key("fit", {"samples": sorted(sums.samples), "fit": settings.as_dict(),
+                                "v_group_size": self.v_group_size, "code": CODE_VERSION})
+        self._cached(KIND_FIT, key, lambda: canonical_json(record))
+        self._timed("fit", started)
+        return tables
+
+    def kvquant(self) -> dict[int, KVQuantState]:
+        """Fit and store a KVQuant state per bit width from the cache traces of this shard's trajectories."""
+        trajectory_ids = self.trace()
+        started = time.perf_counter()
+        s = self.settings
+        states = {}
+        traces = None
+        for bits in s.kvquant_bits:
+            key = input_key("kvqfit", {"trajectories": trajectory_ids, "bits": bits, "fisher": s.fisher,
+                                       "sparsity": s.sparsity_threshold, "code": CODE_VERSION})
+            if self.store.exists(KIND_KVQUANT_FIT, key):
+                state_id = self.store.get_json(KIND_KVQUANT_FIT, key)["state"]
+                states[bits] = KVQuantState.from_bytes(self.store.get(KIND_KVQUANT_STATE, state_id))
+                self.summary.skipped[KIND_KVQUANT_FIT] = self.summary.skipped.get(KIND_KVQUANT_FIT, 0) + 1
+            else:
+                if traces is None:
+                    traces = self.cache_traces(trajectory_ids)
+                state = fit_kvquant_state(
+                    traces, bits, self.spec, s.sparsity_threshold,
+                    self.provenance(f"pre-RoPE cache traces of {len(trajectory_ids)} TRACE trajectories"))
+                state.validate_for(self.spec)
+                self.store.put(KIND_KVQUANT_STATE, state.to_bytes(), state.id)
+                self._cached(KIND_KVQUANT_FIT, key, lambda state=state: canonical_json({"state": state.id}))
+                states[bits] = state
+            self.summary.kvquant_states[str(bits)] = states[bits].id
+        self._timed("kvquant", started)
+        return states
+
+    def report(self, out: str | Path) -> Path:
+        """Write the markdown report with plots into ``out`` (policies and states are fitted first if missing)."""
+        tables = self.fit()
+        self.kvquant()
+        started = time.perf_counter()
+        trajectory = self.load_trajectory(self.trajectory_key(self.samples()[0]))
+        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory,
+                            self.settings.model_dump(mode="json"), self.summary.seconds,
+                            self.summary.kvquant_states)
+        self._timed("report", started)
+        self.summary.report = str(path)
+        return path
+
+    def run_all(self, out: str | Path) -> RunSummary:
+        """trace -> diagnose -> fit -> kvquant -> report; returns the summary."""
+        self.diagnose()
+        self.report(out)
+        return self.summary
+
+    def cache_traces(self, trajectory_ids: list[str]):
+        """Pre-RoPE K/V (and Fisher weights when asked) of every block-initial state of the trajectories, where
+        the block-initial pass writes the cache that later steps reuse."""
+        traces = []
+        for trajectory_id in self._bar(trajectory_ids, "cache traces"):
+            trajectory = self.load_trajectory(trajectory_id)
+            schedule = trajectory.schedule
+            states = rollout(trajectory.prompt_ids, trajectory.answer_ids, trajectory.assignment, schedule,
+                             self.spec.mask_id)
+            offset = len(trajectory.prompt_ids)
+            for block in range(schedule.num_blocks):
+                state = states[block * schedule.steps_per_block]
+                targets = None
+                if self.settings.fisher:
+                    targets = torch.full_like(state, -100)
+                    masked = state == self.spec.mask_id
+                    targets[masked] = torch.tensor([-100] * offset + list(trajectory.answer_ids))[masked]
+                traces.append(capture_pre_rope(self.engine.model, state.to(self.engine.device), targets))
+        return traces
+
+
+def _layer_fit_json(fits: dict[str, list[LayerFit]]) -> dict[str, list[dict]]:
+    return {key: [{"layer": f.layer, "score_type": f.choice.score_type, "p": f.choice.p, "objective": f.objective,
+                   "refused": f.refused} for f in layer_fits] for key, layer_fits in fits.items()}

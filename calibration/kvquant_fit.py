@@ -1,0 +1,62 @@
+"""KVQuant fit: a per-layer state from the calibration trajectories' cache traces (paper, "KIVI and KVQuant
+Adaptations": "we fit a bit-width-specific calibration state from collected Fast-dLLM KV cache traces ... and,
+when enabled, Fisher-style activation-gradient weights").
+
+The traces are the pre-RoPE keys and the values of every block-initial pass (where the reused cache is written),
+laid out as the reference's 2-D ``[N, C]`` view (``C = num_kv_heads * head_dim``, column ``h * D + d``). The fit of
+one layer (per-channel key thresholds at the sparsity threshold's percentiles, one-dimensional k-means codebooks
+for keys and values with scikit-learn, optional Fisher weights) is the quantization code's
+:func:`service.quant.nuq.fit_layer`, the same rules its quantizer applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from calibration.forward import PreRopeKV
+from service.engine.spec import ModelSpec
+from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
+from service.policy.schema import Provenance
+from service.quant.nuq import fit_layer
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[H_kv, T, D]`` -> ``[T, H_kv * D]`` (column ``h * D + d``, the reference's k_proj output layout)."""
+    return x.permute(1, 0, 2).reshape(x.shape[1], -1)
+
+
+def fit_kvquant_state(traces: Sequence[list[PreRopeKV]], bits: int, spec: ModelSpec, sparsity_threshold: float,
+                      provenance: Provenance) -> KVQuantState:
+    """Fit a :class:`KVQuantState` from cache traces.
+
+    Args:
+        traces: one entry per captured forward, each a list of :class:`PreRopeKV` per layer.
+        bits: codebook bits (2, 4 or 8).
+        spec: the model (fingerprint, layer count, channels).
+        sparsity_threshold: share of each vector kept dense (paper 0.99).
+
+    Raises:
+        ValueError: no traces, or traces whose layer count does not match the model.
+    """
+    if not traces:
+        raise ValueError("KVQuant fit needs at least one cache trace")
+    if any(len(trace) != spec.num_layers for trace in traces):
+        raise ValueError(f"every trace must hold {spec.num_layers} layers")
+    fisher = traces[0][0].k_fisher is not None
+    fitted = []
+    for layer in range(spec.num_layers):
+        keys = torch.cat([as_rows(trace[layer].k) for trace in traces])
+        values = torch.cat([as_rows(trace[layer].v) for trace in traces])
+        key_fisher = torch.cat([as_rows(trace[layer].k_fisher) for trace in traces]) if fisher else None
+        value_fisher = torch.cat([as_rows(trace[layer].v_fisher) for trace in traces]) if fisher else None
+        fitted.append(fit_layer(keys, values, bits, sparsity_threshold, key_fisher, value_fisher))
+    meta = KVQuantStateMeta(
+        model_id=spec.model_id, weights_fingerprint=spec.fingerprint, bits=bits, num_layers=spec.num_layers,
+        channels=spec.num_kv_heads * spec.head_dim, sparsity_threshold=sparsity_threshold,
+        provenance=provenance.model_copy(update={"details": {**provenance.details, "fisher": fisher,
+                                                             "tokens": int(sum(t[0].k.shape[1] for t in traces))}}),
+    )
+    k_upper, k_lower, k_lut, v_lut = (torch.stack(parts) for parts in zip(*fitted))
+    return KVQuantState(meta, k_upper=k_upper, k_lower=k_lower, k_lut=k_lut, v_lut=v_lut)

@@ -1,0 +1,139 @@
+"""Write the embedded default model's card (``README.md``) from measured files only.
+
+Inputs, all in the model directory: ``config.json``, ``training.json`` (``scripts/export_embedded.py``) and
+``measurements.json`` (``scripts/validate_embedded.py --out``). Every figure in the card comes from them; the
+only free text is ``--note`` (the assessment: whether the target was reached and what would reach it).
+
+Usage: ``python scripts/embedded_card.py [--dir service/assets/embedded] [--note "..."]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, LIST_LENGTH, OPS, SPLIT_SIZES, load_split
+
+TARGET_EM = 0.80
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def card(directory: Path, note: str) -> str:
+    """The card's markdown text."""
+    config = json.loads((directory / "config.json").read_text())
+    train = json.loads((directory / "training.json").read_text())
+    meas = json.loads((directory / "measurements.json").read_text())
+    size_mb = (directory / "model.safetensors").stat().st_size / 1e6
+    example = load_split("test")[0]
+    modes = meas["modes"]
+    rows = []
+    for mode, m in modes.items():
+        per_op = " / ".join(pct(m["exact_match_per_op"][op]) for op in OPS)
+        rows.append(
+            f"| {mode} | {pct(m['exact_match'])} | {per_op} | {m['mean_nfe']:.1f} | {m['latency_mean_s']:.3f} | "
+            f"{m['latency_p90_s']:.3f} | {pct(m['token_agreement_with_none'])} |"
+        )
+    none_em = modes["none"]["exact_match"]
+    gaps = {mode: none_em - modes[mode]["exact_match"] for mode in ("prefix", "dual")}
+    target_line = (
+        f"- Exact match with full recompute >= {pct(TARGET_EM)}: **{'met' if none_em >= TARGET_EM else 'not met'}** "
+        f"({pct(none_em)}); prefix and dual within 5 points of it: "
+        + ", ".join(f"{mode} {'yes' if gap <= 0.05 else 'no'} ({-100 * gap:+.1f} points)" for mode, gap in gaps.items())
+    )
+    confident = modes["none"].get("revealed_confident_share")
+    hours = train["train_seconds"] / 3600
+    return f"""# dllm-kvq embedded default model (digit ledger, LLaDA format)
+
+A {train['parameters'] / 1e6:.2f}M-parameter masked diffusion language model in the LLaDA-8B-Instruct checkpoint
+layout (`config.json` with LLaDA's keys, `model.safetensors` with `model.transformer.*` names, bf16,
+{size_mb:.1f} MB), trained by this project (`scripts/train_embedded.py`) so that the server, the calibration job and
+the evaluation matrix have a real, trained model with structured attention that runs on a CPU with no download.
+It is loaded by the same code as LLaDA-8B: `Engine.load(None)`.
+
+Architecture: d_model {config['d_model']}, {config['n_layers']} layers, {config['n_heads']} heads
+(head_dim {config['d_model'] // config['n_heads']}), SiLU-gated MLP {config['mlp_hidden_size']}, RoPE theta
+{config['rope_theta']:g}, vocabulary {config['vocab_size']} (byte-level BPE; any text round-trips). Special tokens in
+LLaDA's roles: `<|mdm_mask|>` mask ({config['mask_token_id']}), `<|endoftext|>` EOS/pad ({config['eos_token_id']}),
+`<|eot_id|>` end of turn, `<|startoftext|>` bos, `<|start_header_id|>`/`<|end_header_id|>`; LLaDA's chat template.
+
+## Task
+
+Digit ledger (`service/embedded_task.py`): a list of {LIST_LENGTH} digits and an operation, answered with
+{LIST_LENGTH} digits: `copy` (the list), `next` (each digit plus one, mod 10), `sum` (running total mod 10, which
+needs the previous answer digit, so it is decoded left to right and later steps of a block reuse the cache).
+The answer spans two blocks of {BLOCK_LENGTH} (decode with `gen_length={GEN_LENGTH}`, `block_length={BLOCK_LENGTH}`,
+chat template on). Example (`{example.id}`, op `{example.op}`):
+
+    prompt: {example.prompt}
+    answer: {example.answer}
+
+Scoring: exact match after removing all whitespace (lm-eval: `exact_match` with `regexes_to_ignore: ["\\\\s+"]`).
+Held-out test split: {SPLIT_SIZES['test']} questions (`service/assets/embedded/task/test.jsonl`), validation
+{SPLIT_SIZES['validation']}, training stream regenerated from its seed (`train_sample.jsonl`: the first
+{SPLIT_SIZES['train_sample']}, the calibration corpus).
+
+## Training run
+
+LLaDA's SFT objective (response masked with probability t ~ U(0, 1), loss on masked positions weighted by 1/t,
+prompt never masked, answer + `<|eot_id|>` + EOS padding to {GEN_LENGTH}), AdamW, bf16 autocast, one CPU thread.
+
+| tokens seen | steps | training time | seed | hardware | torch |
+|---|---|---|---|---|---|
+| {train['tokens_seen']:,} | {train['steps']:,} | {hours:.2f} h | {train['seed']} | {train['hardware']} | {train['torch']} |
+
+## Measured with the project's engine
+
+`scripts/validate_embedded.py`: the {meas['questions']} held-out test questions, one at a time, threshold
+{meas['threshold']}, greedy, unquantized cache, fp32 weights, one thread. Exact match per operation is
+{' / '.join(OPS)}; latency is the wall time of one `Engine.generate` call; token agreement is with the
+full-recompute output of the same question.
+
+| cache mode | exact match | per op | mean NFE | latency mean (s) | latency p90 (s) | token agreement |
+|---|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+- Load time of `Engine.load`: {meas['load_s']:.2f} s (checkpoint and tokenizer); the first call in a fresh process
+  took {meas['load_first_in_process_s']:.2f} s, the difference is one-time lazy imports.
+- Revealed tokens with top-1 probability >= {meas['threshold']} (full recompute):
+  {pct(confident) if confident is not None else 'not measured'} of {modes['none'].get('revealed_tokens', 0):,}.
+{target_line}
+
+{note}
+
+## Quantization
+
+The KV-quantization table for this model (methods x bits x cache modes, accuracy and agreement) is produced by the
+evaluation matrix (`python -m evaluation`) and is not part of this card's measurements.
+
+## Reproduce
+
+```bash
+python scripts/build_embedded_tokenizer.py              # tokenizer (already shipped)
+python scripts/train_embedded.py --run-dir runs/embedded --d-model {config['d_model']} --n-layers {config['n_layers']} \\
+    --n-heads {config['n_heads']} --lr 2e-3                # resumable: add --resume for a next sitting
+python scripts/export_embedded.py --ckpt runs/embedded/best.pt
+python scripts/validate_embedded.py --out service/assets/embedded/measurements.json
+python scripts/embedded_card.py --note "..."
+```
+"""
+
+
+def main() -> None:
+    """CLI entry."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=ROOT / "service/assets/embedded")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    (args.dir / "README.md").write_text(card(args.dir, args.note))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""``python -m service generate``: decode one prompt with a checkpoint and print the text and a report.
+
+Plain output is the text (the ids when the checkpoint has no tokenizer) followed by a one-line report; ``--json``
+prints the :class:`~service.engine.report.DecodeReport` as one JSON object. Exit code 2 on bad input (the message
+says what is legal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from err
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """All flags of ``generate`` (model, prompt, decoding, runtime, output); extend here for new options."""
+    parser.add_argument("--model", default=None, help="checkpoint directory or HF repo id (default: embedded model)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs a checkpoint with a tokenizer)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--gen-length", type=int, default=256, help="response length in tokens (default 256)")
+    parser.add_argument("--block-length", type=int, default=32, help="block length in tokens (default 32)")
+    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"], default="dual", help="default dual")
+    schedule = parser.add_mutually_exclusive_group()
+    schedule.add_argument("--threshold", type=float, default=None, help="confidence threshold (default 0.9)")
+    schedule.add_argument("--steps", type=int, default=None, help="fixed schedule: total steps over all blocks")
+    parser.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
+    parser.add_argument(
+        "--dream-schedule", choices=["origin", "block"], default="origin",
+        help="Dream with --cache-mode none: whole-sequence algorithm (origin) or block-wise full recompute",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cuts the text")
+    parser.add_argument("--ignore-eos", action="store_true", help="decode every block even after an EOS")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
+    kv = parser.add_argument_group("KV-cache quantization (cached modes; see service.quant)")
+    kv.add_argument("--kv-quant", choices=["none", "kivi", "kvquant", "dllm_kvq"], default="none",
+                    help="quantize the reused K/V (default none)")
+    kv.add_argument("--kv-bits", type=int, choices=[2, 4, 8], default=4, help="code bits (default 4)")
+    kv.add_argument("--kv-group-size", type=int, default=32, help="K group size in tokens (default 32)")
+    kv.add_argument("--kv-v-group-size", type=int, default=None,
+                    help="V group size in channels (default min(32, head_dim))")
+    kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq")
+    kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant")
+    kv.add_argument("--kv-keep-dequantized", action="store_true",
+                    help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block)")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="decode one prompt", description=__doc__)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def decode_params(args: argparse.Namespace):
+    """The :class:`DecodeParams` the flags describe (threshold 0.9 unless --steps is given)."""
+    from service.engine.params import DecodeParams
+
+    threshold = None if args.steps is not None else (0.9 if args.threshold is None else args.threshold)
+    return DecodeParams(
+        gen_length=args.gen_length, block_length=args.block_length, cache_mode=args.cache_mode,
+        threshold=threshold, steps=args.steps, remasking=args.remasking, ignore_eos=args.ignore_eos,
+        dream_schedule=args.dream_schedule,
+    )
+
+
+def kv_config(args: argparse.Namespace):
+    """The :class:`KVQuantConfig` the ``--kv-*`` flags describe (``pydantic.ValidationError`` if illegal)."""
+    from service.quant.config import KVQuantConfig
+
+    return KVQuantConfig(
+        method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
+        policy_file=args.policy, kvquant_state_file=args.kvquant_state, keep_dequantized=args.kv_keep_dequantized,
+    )
+
+
+def one_line_report(row, timings) -> str:
+    """``finish=... tokens=... nfe=... steps/block=[...] tok/s=... time=...s`` for plain output."""
+    return (
+        f"[finish={row.finish_reason} tokens={len(row.generated_ids)} nfe={row.nfe} "
+        f"steps/block={row.steps_per_block} tok/s={row.tokens_per_second:.1f} time={timings.total_s:.2f}s]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.engine import Engine, EngineInputError
+    from service.engine.params import RowOptions
+    from service.policy.schema import ArtifactMismatch
+    from service.quant.errors import KVQuantError
+    from service.quant.store import make_kv_store
+
+    try:
+        params = decode_params(args)
+        row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
+        quant = kv_config(args)
+        engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+        # Policy/state files are read and checked against the model here, before any decoding.
+        store = make_kv_store(quant, engine.spec)
+        prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
+        report = engine.generate([prompt], params, [row_options], kv_store=store)
+    except (EngineInputError, ValidationError, KVQuantError, ArtifactMismatch) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    row = report.rows[0]
+    if args.json:
+        print(report.model_dump_json())
+    else:
+        print(row.text if row.text is not None else ",".join(map(str, row.generated_ids)))
+        print(one_line_report(row, report.timings))
+        if report.kv is not None:
+            kv = report.kv
+            print(
+                f"[kv={kv.config['method']}/{kv.config['bits']}b K bits nominal={kv.k_nominal_bits:.3f} "
+                f"storage={kv.k_storage_bits:.3f} V bits nominal={kv.v_nominal_bits:.3f} "
+                f"storage={kv.v_storage_bits:.3f} held={kv.bytes_held}B bf16={kv.bf16_bytes}B]"
+            )
+    return 0

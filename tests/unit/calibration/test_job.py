@@ -1,0 +1,126 @@
+"""The calibration job on the tiny LLaDA checkpoint with a directory store: diagnostics through the online
+quantizer, reruns that skip finished work, shards that merge into the one-run policy, failures that leave
+nothing half-written, the KVQuant state."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from calibration import job as job_module
+from calibration.corpus import write_bucket
+from calibration.fit import DiagnosticSums
+from calibration.job import KIND_FIT, CalibrationJob, JobSettings
+from calibration.quantize import reused_key_variants
+from service.engine import Engine
+from service.engine.kv_store import Segments
+from service.policy.store import KIND_CALIBRATION_SUMS, KIND_POLICY, KIND_TRAJECTORY, open_store
+from service.policy.schema import PolicyTable
+from service.quant.uniform import dequantize_k_groups, quantize_k_groups
+
+CKPT = Path(__file__).resolve().parents[2] / "data" / "fastdllm" / "ckpt" / "llada-tiny"
+
+
+def token_id_bucket(path: Path, count: int = 8, seed: int = 0) -> Path:
+    """A prompt-answer bucket of token ids for a checkpoint without a tokenizer (ids below the mask id)."""
+    rng = random.Random(seed)
+    write_bucket(path, [{"prompt_ids": [rng.randrange(1, 80) for _ in range(rng.randrange(20, 40))],
+                         "answer_ids": [rng.randrange(1, 80) for _ in range(32)]} for _ in range(count)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    return Engine.load(CKPT)
+
+
+def _settings(tmp_path: Path, **overrides) -> JobSettings:
+    values = dict(model=str(CKPT), buckets={"qa": str(token_id_bucket(tmp_path / "qa.jsonl"))}, samples=2,
+                  rounds=1, block_length=16, max_answer_length=32, steps_per_block=4, k_group_size=16,
+                  min_records=4, kvquant_bits=(4,))
+    values.update(overrides)
+    return JobSettings(**values)
+
+
+def test_baseline_variant_is_kivi_and_candidates_keep_their_top_tokens_exact(engine):
+    generator = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 4, 30, 16, generator=generator)
+    v = torch.randn(1, 4, 30, 16, generator=generator)
+    segments = Segments((0,), 20, 26, 30, "dual")  # reused: prefix of 20 and suffix of 4
+    attention = torch.rand(1, 30, generator=generator)
+    variants = reused_key_variants(engine.spec, 0, k, v, segments, 4, 8, attention, [("attention", 2)])
+    reused = segments.reused_columns
+    prefix = k[:, :, :20]
+    kivi = dequantize_k_groups(*quantize_k_groups(prefix, 8, 4), 8, torch.float32)
+    torch.testing.assert_close(variants[0][:, :20], kivi[0])
+    # The 2 most attended tokens of each prefix group of 8 stay exact, the others do not.
+    for start in (0, 8, 16):
+        top = attention[0, start:min(start + 8, 20)].topk(2).indices + start
+        assert torch.equal(variants[1][:, top], k[0][:, top])
+    assert variants.shape == (2, 4, reused.numel(), 16)
+
+
+def test_job_stores_everything_and_a_rerun_skips_it(engine, tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    job = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    job.diagnose()
+    tables = job.fit()
+    states = job.kvquant()
+    assert sorted(tables) == ["dual/2", "dual/4", "prefix/2", "prefix/4"]
+    for table in tables.values():
+        table.validate_for(engine.spec)
+        assert store.get_model(KIND_POLICY, table.id, PolicyTable) == table
+    states[4].validate_for(engine.spec)
+    assert len(store.list(KIND_TRAJECTORY)) == 2 and len(store.list(KIND_CALIBRATION_SUMS)) == 2
+    sums = DiagnosticSums.model_validate_json(store.get(KIND_CALIBRATION_SUMS, store.list(KIND_CALIBRATION_SUMS)[0]))
+    # 2 blocks x 3 later steps per block = 6 records per (mode, bits, layer, candidate).
+    assert {cell.records for cell in sums.cells.values()} == {6}
+    assert len(sums.cells) == 2 * 2 * 3 * (1 + 3 * 3)
+    again = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    again.diagnose()
+    again.kvquant()
+    assert again.summary.computed == {} and again.summary.skipped[KIND_CALIBRATION_SUMS] == 2
+    assert {k: t.id for k, t in again.fit().items()} == {k: t.id for k, t in tables.items()}
+
+
+def test_shards_merge_into_the_one_run_policy(engine, tmp_path):
+    whole_store = open_store(str(tmp_path / "whole"))
+    shard_store = open_store(str(tmp_path / "shards"))
+    whole = CalibrationJob(_settings(tmp_path, samples=3), whole_store, engine, progress=False)
+    whole.diagnose()
+    for index in range(2):
+        CalibrationJob(_settings(tmp_path, samples=3, shard_index=index, shard_count=2), shard_store, engine,
+                       progress=False).diagnose()
+    merged = CalibrationJob(_settings(tmp_path, samples=3), shard_store, engine, progress=False)
+    assert merged.summary.computed == {}
+    assert {k: t.id for k, t in merged.fit().items()} == {k: t.id for k, t in whole.fit().items()}
+
+
+def test_a_failed_run_leaves_finished_items_and_no_policy(engine, tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "store"))
+    real = job_module.diagnose_trajectory
+    calls = []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "diagnose_trajectory", failing_second)
+    job = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    with pytest.raises(RuntimeError, match="injected"):
+        job.diagnose()
+    assert len(store.list(KIND_CALIBRATION_SUMS)) == 1 and store.list(KIND_POLICY) == []
+    with pytest.raises(FileNotFoundError, match="1 of 2 samples have no diagnostic sums"):
+        job.fit()
+    monkeypatch.setattr(job_module, "diagnose_trajectory", real)
+    rerun = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    rerun.diagnose()
+    assert rerun.summary.computed[KIND_CALIBRATION_SUMS] == 1 and rerun.summary.skipped[KIND_CALIBRATION_SUMS] == 1
+    rerun.fit()
+    assert len(store.list(KIND_POLICY)) == 4 and len(store.list(KIND_FIT)) == 1
