@@ -30,6 +30,7 @@ from service.active import ActiveConfigs, ConfigSnapshot
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
+from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import RowReport
 from service.telemetry import Telemetry
@@ -192,6 +193,9 @@ class Serving:
                     f"prompt ({len(ids)} tokens) + response ({params.gen_length} positions) exceeds the model's "
                     f"context of {self.spec.max_length} tokens", param="prompt" if len(ids) >= self.spec.max_length
                     else "max_tokens")
+        # The engine's own admission rules (mask id in a prompt, Dream's schedule limits ...): a 400 now, rather
+        # than a failed batch later.
+        validate_request(self.spec, prompts, params, [row] * len(prompts))
         return [Job(ids, params, row, snapshot) for ids in prompts]
 
     @staticmethod

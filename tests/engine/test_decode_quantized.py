@@ -19,7 +19,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.kvquant import fit_state
 from service.quant.store import make_kv_store
 from service.quant.uniform import dequantize_k_groups, dequantize_v, quantize_k_groups, quantize_v
-from tests.engine.test_decode_batch import _four_prompts
+from tests.support.fastdllm import four_prompts as _four_prompts
 
 PROV = Provenance(data="tests: one tiny-model forward", code="tests/engine/test_decode_quantized.py")
 G = 8  # K group size (tokens): several groups and short ones on the tiny prompts

@@ -24,7 +24,7 @@ from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FACTORY = "tests.support.apps:fake_app_from_env"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -135,6 +135,14 @@ def test_kvquant_request_without_state():
         make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_id="kvqstate-x"), SPEC)
 
 
+def test_unreadable_policy_or_state_file_is_a_clear_error(tmp_path):
+    with pytest.raises(KVQuantError, match="policy_file '.*missing.json' cannot be used"):
+        make_kv_store(KVQuantConfig(method="dllm_kvq", policy_file=str(tmp_path / "missing.json")), SPEC)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a state")
+    with pytest.raises(KVQuantError, match="kvquant_state_file .* cannot be used: not a KVQuant state file"):
+        make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_file=str(tmp_path / "bad.safetensors")), SPEC)
+
+
 def test_state_and_policy_must_fit_model_and_config(tmp_path):
     path = tmp_path / "state.safetensors"
     STATE4.save(path)
