@@ -21,7 +21,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request
@@ -84,14 +83,14 @@ class Serving:
     """Turns API requests into jobs and results into answers (see the module docstring)."""
 
     def __init__(self, engine: EngineLike, worker: Worker, active: ActiveConfigs, settings: Settings,
-                 telemetry: Telemetry) -> None:
+                 telemetry: Telemetry, model_name: str) -> None:
         self.engine = engine
         self.worker = worker
         self.active = active
         self.settings = settings
         self.telemetry = telemetry
         self.spec = engine.spec
-        self.model_name = settings.served_model_name or Path(self.spec.model_id).name or self.spec.model_id
+        self.model_name = model_name
 
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
