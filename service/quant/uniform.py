@@ -119,19 +119,29 @@ def quantize_k_slots(x: torch.Tensor, layout: SlotLayout, stats: GroupStats, bit
     return codes
 
 
+#: Elements of the float32 work buffer when dequantizing into a 16-bit output (bounds the read's transient memory).
+_WORK_ELEMENTS = 2**20
+
+
 def affine_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:
-    """``dest[...] = float32(codes) * float32(scale) + float32(mn)`` (shapes broadcast to ``dest``).
+    """``dest[...] = float32(codes) * float32(scale) + float32(mn)`` (4-D, shapes broadcast to ``dest``).
 
     For a float32 ``dest`` the arithmetic runs in place in ``dest`` (one conversion copy, one multiply, one add);
-    otherwise in a float32 temporary that is then cast into ``dest``, so the result is always the float32 value
-    rounded once, bit for bit :func:`dequantize_codes`.
+    otherwise in float32 chunks along dim 1 (about ``_WORK_ELEMENTS`` each) that are then cast into ``dest``, so
+    the result is always the float32 value rounded once, bit for bit :func:`dequantize_codes`.
     """
-    work = dest if dest.dtype == torch.float32 else torch.empty(dest.shape, dtype=torch.float32, device=dest.device)
-    work.copy_(codes)
-    work.mul_(scale.to(torch.float32))
-    work.add_(mn.to(torch.float32))
-    if work is not dest:
-        dest.copy_(work)
+    if dest.dtype == torch.float32:
+        dest.copy_(codes)
+        dest.mul_(scale.to(torch.float32))
+        dest.add_(mn.to(torch.float32))
+        return
+    step = max(1, _WORK_ELEMENTS // max(1, dest[:, :1].numel()))
+    for i in range(0, dest.shape[1], step):
+        part = slice(i, i + step)
+        work = codes[:, part].to(torch.float32)
+        work.mul_(scale[:, part if scale.shape[1] > 1 else slice(None)].to(torch.float32))
+        work.add_(mn[:, part if mn.shape[1] > 1 else slice(None)].to(torch.float32))
+        dest[:, part] = work
 
 
 def dequantize_k_into(
