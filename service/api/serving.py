@@ -21,7 +21,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request
@@ -30,6 +29,7 @@ from service.active import ActiveConfigs, ConfigSnapshot
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
+from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import RowReport
 from service.telemetry import Telemetry
@@ -83,14 +83,14 @@ class Serving:
     """Turns API requests into jobs and results into answers (see the module docstring)."""
 
     def __init__(self, engine: EngineLike, worker: Worker, active: ActiveConfigs, settings: Settings,
-                 telemetry: Telemetry) -> None:
+                 telemetry: Telemetry, model_name: str) -> None:
         self.engine = engine
         self.worker = worker
         self.active = active
         self.settings = settings
         self.telemetry = telemetry
         self.spec = engine.spec
-        self.model_name = settings.served_model_name or Path(self.spec.model_id).name or self.spec.model_id
+        self.model_name = model_name
 
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
@@ -192,6 +192,9 @@ class Serving:
                     f"prompt ({len(ids)} tokens) + response ({params.gen_length} positions) exceeds the model's "
                     f"context of {self.spec.max_length} tokens", param="prompt" if len(ids) >= self.spec.max_length
                     else "max_tokens")
+        # The engine's own admission rules (mask id in a prompt, Dream's schedule limits ...): a 400 now, rather
+        # than a failed batch later.
+        validate_request(self.spec, prompts, params, [row] * len(prompts))
         return [Job(ids, params, row, snapshot) for ids in prompts]
 
     @staticmethod

@@ -15,16 +15,19 @@ import httpx
 import openai
 import pytest
 import redis
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+
+from service.config import Settings
 
 from service.policy.redis_store import RedisStore
 from service.quant.config import KVQuantConfig
-from tests.support.apps import ADMIN_KEY, sse_events
+from tests.support.apps import ADMIN_KEY, fake_app, sse_events
 from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FACTORY = "tests.support.apps:fake_app_from_env"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -95,9 +98,14 @@ def test_openai_client_concurrency_batching_and_metrics(server):
     assert metric_sum(m, "dllm_ready") == 1
 
 
-def test_configuration_swap_under_load(server):
-    """Every report names one configuration; requests admitted after the swap answered use the new one."""
+def test_configuration_swap_under_load(server, tmp_path):
+    """Every report names one configuration; requests admitted after the swap answered use the new one; another
+    replica on the same store follows through the pub/sub event."""
     store = RedisStore(SHARED_REDIS_URL, prefix=server.env["DLLM_STORE_PREFIX"])
+    replica = TestClient(fake_app(Settings(store_url=SHARED_REDIS_URL, store_prefix=server.env["DLLM_STORE_PREFIX"],
+                                           block_length=4)))
+    replica.__enter__()
+    replica_before = replica.post("/generate", json={"prompt": "ab", "max_tokens": 4, "cache_mode": "prefix"}).json()
     kivi = {"method": "kivi", "bits": 2}
     results, stop = [], threading.Event()
 
@@ -134,6 +142,17 @@ def test_configuration_swap_under_load(server):
     m = metrics(server.url)
     assert metric_sum(m, "dllm_shadow_requests_total", method="kivi", bits="2", cache_mode="prefix") >= 1
     assert metric_sum(m, "dllm_config_changes_total", cache_mode="prefix") == 1
+    try:
+        assert replica_before["kv_config"]["kv_quant"]["method"] == "none"
+        for _ in range(50):
+            after = replica.post("/generate", json={"prompt": "ab", "max_tokens": 4, "cache_mode": "prefix"}).json()
+            if after["kv_config"]["kv_quant"]["method"] == "kivi":
+                break
+            time.sleep(0.1)
+        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "keep_dequantized": False}
+        assert after["kv_config"]["source"] == "active"
+    finally:
+        replica.__exit__(None, None, None)
 
 
 def test_admin_policies_upload_validate_activate_delete(server):
