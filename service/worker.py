@@ -220,8 +220,10 @@ class Worker:
 
     @property
     def healthy(self) -> bool:
-        """False after an unrecoverable device fault or once the thread is gone."""
-        return self.fault is None and self._thread.is_alive()
+        """False after an unrecoverable device fault or once the thread is gone (jobs submitted before
+        :meth:`start` wait for it)."""
+        started = self._thread.ident is not None
+        return self.fault is None and (not started or self._thread.is_alive())
 
     @property
     def accepting(self) -> bool:
