@@ -53,7 +53,7 @@ from service.policy.store import canonical_json
 EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
 KIND_FIT = "calibration_fit"
 KIND_KVQUANT_FIT = "kvquant_fit"
-CODE_VERSION = "dllm-kvq calibration 1"
+CODE_VERSION = "dllm-kvq calibration 2"
 
 T = TypeVar("T")
 
@@ -158,6 +158,7 @@ class CalibrationJob:
         self.progress = progress
         self.summary = RunSummary()
         self._samples: list[Sample] | None = None
+        self._trajectory_ids: list[str] | None = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     @property
@@ -215,7 +216,10 @@ class CalibrationJob:
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def trace(self) -> list[str]:
-        """TRACE every sample of this shard; returns the trajectory ids (``trajectory`` kind)."""
+        """TRACE every sample of this shard; returns the trajectory ids (``trajectory`` kind). Later steps of the
+        same run call it again and get the ids without another look at the store."""
+        if self._trajectory_ids is not None:
+            return self._trajectory_ids
         started = time.perf_counter()
         forward = logits_forward(self.engine.model)
         ids = []
@@ -226,7 +230,7 @@ class CalibrationJob:
                                max_rounds=self.settings.rounds, batch_size=self.settings.batch_size)
                 return canonical_json(result.model_dump(mode="json"))
             ids.append(self._cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
-        self.summary.trajectories = ids
+        self.summary.trajectories = self._trajectory_ids = ids
         self._timed("trace", started)
         return ids
 
@@ -342,8 +346,9 @@ class CalibrationJob:
         self.kvquant()
         started = time.perf_counter()
         trajectory = self.load_trajectory(self.trajectory_key(self.samples()[0]))
-        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory,
-                            self.settings.model_dump(mode="json"), self.summary.seconds,
+        settings = self.settings.model_dump(mode="json") | {"model": self.spec.model_id}
+        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory, settings,
+                            self.summary.seconds,
                             self.summary.kvquant_states)
         self._timed("report", started)
         self.summary.report = str(path)

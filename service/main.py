@@ -23,7 +23,7 @@ from service.api import errors
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
-from service.config import Settings
+from service.config import Settings, served_model_name
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
@@ -110,7 +110,7 @@ def create_app(
         eng = engine if engine is not None else await asyncio.to_thread(load_engine, settings)
         telemetry = Telemetry()
         store = open_store(settings.store_url, prefix=settings.store_prefix)
-        model_name = settings.served_model_name or eng.spec.model_id
+        model_name = served_model_name(settings, eng.spec.model_id)
         active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name)
         try:
             active.reload()
@@ -131,7 +131,7 @@ def create_app(
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker
-        app.state.serving = Serving(eng, worker, active, settings, telemetry)
+        app.state.serving = Serving(eng, worker, active, settings, telemetry, model_name)
         app.state.admin = Admin(store, active, telemetry)
         app.state.probe_error = None
         try:

@@ -21,7 +21,6 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request
@@ -30,6 +29,7 @@ from service.active import ActiveConfigs, ConfigSnapshot
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
+from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import RowReport
 from service.telemetry import Telemetry
@@ -83,17 +83,18 @@ class Serving:
     """Turns API requests into jobs and results into answers (see the module docstring)."""
 
     def __init__(self, engine: EngineLike, worker: Worker, active: ActiveConfigs, settings: Settings,
-                 telemetry: Telemetry) -> None:
+                 telemetry: Telemetry, model_name: str) -> None:
         self.engine = engine
         self.worker = worker
         self.active = active
         self.settings = settings
         self.telemetry = telemetry
         self.spec = engine.spec
-        self.model_name = settings.served_model_name or Path(self.spec.model_id).name or self.spec.model_id
+        self.model_name = model_name
 
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
+        """``/v1/models``: the one served model."""
         return s.ModelList(data=[s.ModelCard(id=self.model_name, max_model_len=self.spec.max_length,
                                              root=self.spec.model_id)])
 
@@ -104,6 +105,7 @@ class Serving:
 
     @property
     def tokenizer(self):
+        """The engine's tokenizer (400 when the checkpoint has none)."""
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: send token ids instead of text",
@@ -118,6 +120,7 @@ class Serving:
         return list(tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True))
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
+        """``/tokenize``: ids of a prompt or of chat messages (through the chat template)."""
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
@@ -128,6 +131,7 @@ class Serving:
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.spec.max_length)
 
     def detokenize(self, req: s.DetokenizeRequest) -> s.DetokenizeResponse:
+        """``/detokenize``: the text of token ids."""
         self._check_model(req.model)
         self._check_ids(req.tokens, "tokens")
         return s.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
@@ -192,6 +196,9 @@ class Serving:
                     f"prompt ({len(ids)} tokens) + response ({params.gen_length} positions) exceeds the model's "
                     f"context of {self.spec.max_length} tokens", param="prompt" if len(ids) >= self.spec.max_length
                     else "max_tokens")
+        # The engine's own admission rules (mask id in a prompt, Dream's schedule limits ...): a 400 now, rather
+        # than a failed batch later.
+        validate_request(self.spec, prompts, params, [row] * len(prompts))
         return [Job(ids, params, row, snapshot) for ids in prompts]
 
     @staticmethod
@@ -327,6 +334,7 @@ class Serving:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
+        """The ``/v1/completions`` answer: one choice per prompt, summed usage."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
             fin = self.finish(plan, result.row)
@@ -341,6 +349,7 @@ class Serving:
         )
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
+        """The ``/v1/chat/completions`` answer."""
         fin = self.finish(plan, results[0].row)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
@@ -352,6 +361,7 @@ class Serving:
         )
 
     def generate_response(self, plan: Plan, result: JobResult) -> s.GenerateResponse:
+        """The ``/generate`` answer: the one-row report with its text cut at EOS and stop strings."""
         fin = self.finish(plan, result.row)
         report = result.report.model_copy(update={"rows": [result.row.model_copy(update={"text": fin.text})]})
         return s.GenerateResponse(

@@ -16,7 +16,8 @@ def test_benchmark_prints_every_method_with_ratios(capsys):
     fixed = out.split("fixed 4 steps/block")[1].split("threshold")[0]
     for method in decode_speed.METHODS:
         line = next(line for line in fixed.splitlines() if line.strip().startswith(method.name))
-        tokens_per_s, nfe, ratio = line[len("  ") + 24:].split()
+        tokens_per_s, nfe, ratio, time_vs_dual = line[len("  ") + 24:].split()
         assert float(tokens_per_s) > 0 and float(nfe) == 8.0  # 4 steps x 2 blocks in every mode
-        assert ratio.endswith("x")
+        assert ratio.endswith("x") and time_vs_dual.endswith("x")
     assert "no cache                " in fixed and "1.00x" in fixed
+    assert "dual+kivi 4b keep" in fixed and "dual+kvquant 4b" in fixed

@@ -20,3 +20,19 @@ def policy_for(spec: ModelSpec, cache_mode: str = "dual", bits: int = 4, num_lay
         layers=[LayerPolicy(score_type="attention", p=p)] * (num_layers or spec.num_layers),
         provenance=Provenance(data="tests", code="tests/support/artifacts.py"),
     )
+
+
+def kvquant_state_for(spec: ModelSpec, bits: int = 2, num_layers: int | None = None):
+    """A small valid KVQuant state (symmetric ranges, evenly spaced codebooks) for ``spec``."""
+    import torch
+
+    from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
+
+    layers = num_layers or spec.num_layers
+    channels = spec.num_kv_heads * spec.head_dim
+    meta = KVQuantStateMeta(model_id=spec.model_id, weights_fingerprint=spec.fingerprint, bits=bits,
+                            num_layers=layers, channels=channels,
+                            provenance=Provenance(data="tests", code="tests/support/artifacts.py"))
+    lut = torch.linspace(-1, 1, 2**bits).repeat(layers, 1)
+    return KVQuantState(meta, k_upper=torch.ones(layers, channels, dtype=torch.float16),
+                        k_lower=-torch.ones(layers, channels, dtype=torch.float16), k_lut=lut, v_lut=lut.clone())

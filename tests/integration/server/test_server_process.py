@@ -15,33 +15,22 @@ import httpx
 import openai
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
+from fastapi.testclient import TestClient
 
+from service.config import Settings
 from service.policy.redis_store import RedisStore
 from service.quant.config import KVQuantConfig
-from tests.support.apps import ADMIN_KEY, sse_events
+from tests.support.apps import ADMIN_KEY, fake_app, sse_events
 from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine
+from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 FACTORY = "tests.support.apps:fake_app_from_env"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SPEC = FakeEngine().spec
-
-
-def metrics(url: str) -> dict:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric_sum(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +84,14 @@ def test_openai_client_concurrency_batching_and_metrics(server):
     assert metric_sum(m, "dllm_ready") == 1
 
 
-def test_configuration_swap_under_load(server):
-    """Every report names one configuration; requests admitted after the swap answered use the new one."""
+def test_configuration_swap_under_load(server, tmp_path):
+    """Every report names one configuration; requests admitted after the swap answered use the new one; another
+    replica on the same store follows through the pub/sub event."""
     store = RedisStore(SHARED_REDIS_URL, prefix=server.env["DLLM_STORE_PREFIX"])
+    replica = TestClient(fake_app(Settings(store_url=SHARED_REDIS_URL, store_prefix=server.env["DLLM_STORE_PREFIX"],
+                                           block_length=4)))
+    replica.__enter__()
+    replica_before = replica.post("/generate", json={"prompt": "ab", "max_tokens": 4, "cache_mode": "prefix"}).json()
     kivi = {"method": "kivi", "bits": 2}
     results, stop = [], threading.Event()
 
@@ -134,6 +128,17 @@ def test_configuration_swap_under_load(server):
     m = metrics(server.url)
     assert metric_sum(m, "dllm_shadow_requests_total", method="kivi", bits="2", cache_mode="prefix") >= 1
     assert metric_sum(m, "dllm_config_changes_total", cache_mode="prefix") == 1
+    try:
+        assert replica_before["kv_config"]["kv_quant"]["method"] == "none"
+        for _ in range(50):
+            after = replica.post("/generate", json={"prompt": "ab", "max_tokens": 4, "cache_mode": "prefix"}).json()
+            if after["kv_config"]["kv_quant"]["method"] == "kivi":
+                break
+            time.sleep(0.1)
+        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "keep_dequantized": False}
+        assert after["kv_config"]["source"] == "active"
+    finally:
+        replica.__exit__(None, None, None)
 
 
 def test_admin_policies_upload_validate_activate_delete(server):
@@ -212,7 +217,14 @@ def test_full_queue_429_disconnect_frees_the_slot_and_sigterm_drains(tmp_path, p
             queued.join(timeout=10)
             assert box["r"].status_code == 200 and time.monotonic() - left < 2.0
             assert box["r"].json()["choices"][0]["text"] == "deue"
+        # A non-streaming client that gives up (read timeout: it closes the connection) frees its slot too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={**long, "stream": False}, timeout=0.5)
+        left = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - left < 2.0
         m = metrics(srv.url)
+        assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="499") == 1
         assert metric_sum(m, "dllm_requests_total", status="429") == 1
         assert metric_sum(m, "dllm_requests_running") == 0 and metric_sum(m, "dllm_requests_waiting") == 0
 

@@ -124,3 +124,28 @@ def test_a_failed_run_leaves_finished_items_and_no_policy(engine, tmp_path, monk
     assert rerun.summary.computed[KIND_CALIBRATION_SUMS] == 1 and rerun.summary.skipped[KIND_CALIBRATION_SUMS] == 1
     rerun.fit()
     assert len(store.list(KIND_POLICY)) == 4 and len(store.list(KIND_FIT)) == 1
+
+
+def test_kvquant_state_from_traces_with_and_without_fisher_weights(engine):
+    from calibration.forward import capture_pre_rope
+    from calibration.kvquant_fit import as_rows, fit_kvquant_state
+    from service.policy.schema import Provenance
+
+    state = torch.randint(1, 80, (40,), generator=torch.Generator().manual_seed(1))
+    targets = torch.full((40,), -100)
+    targets[24:] = state[24:]
+    state[24:] = engine.spec.mask_id
+    provenance = Provenance(data="test", code="tests")
+    plain = fit_kvquant_state([capture_pre_rope(engine.model, state)], 2, engine.spec, 0.99, provenance)
+    weighted = fit_kvquant_state([capture_pre_rope(engine.model, state, targets)], 2, engine.spec, 0.99, provenance)
+    for fitted in (plain, weighted):
+        fitted.validate_for(engine.spec)
+        assert fitted.k_lut.shape == (engine.spec.num_layers, 4)
+    assert weighted.meta.provenance.details["fisher"] and not plain.meta.provenance.details["fisher"]
+    torch.testing.assert_close(plain.k_upper, weighted.k_upper)  # thresholds are percentiles, not weighted
+    assert not torch.equal(plain.k_lut, weighted.k_lut)  # the k-means codebooks are
+    # Per-channel thresholds are the 99.5th percentiles of the pre-RoPE keys of that channel.
+    keys = as_rows(capture_pre_rope(engine.model, state)[0].k)
+    torch.testing.assert_close(plain.k_upper[0].float(), keys.quantile(0.995, dim=0), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="at least one cache trace"):
+        fit_kvquant_state([], 2, engine.spec, 0.99, provenance)

@@ -41,7 +41,9 @@ def test_none_is_the_full_precision_store():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_k_groups_stay_inside_segments_with_short_last_groups(dtype):
+@pytest.mark.parametrize("work_elements", [2**20, 64])  # 64: the 16-bit read path works in many small chunks
+def test_k_groups_stay_inside_segments_with_short_last_groups(dtype, work_elements, monkeypatch):
+    monkeypatch.setattr("service.quant.uniform._WORK_ELEMENTS", work_elements)
     k, v = kv(2, 40, dtype)
     seg = Segments((0, 3), block_start=20, block_end=28, seq_len=40, cache_mode="dual")
     store = store_for("kivi", bits=2)
