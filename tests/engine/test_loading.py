@@ -83,10 +83,17 @@ def test_bad_load_arguments_say_what_is_legal(tmp_path):
         Engine.load("no-such-org/no-such-model")
 
 
-@pytest.mark.skipif((EMBEDDED_DIR / "config.json").is_file(), reason="the embedded default model is installed")
-def test_missing_embedded_default_is_a_clear_error():
+def test_missing_embedded_default_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("service.engine.loading.EMBEDDED_DIR", tmp_path)
     with pytest.raises(EngineInputError, match="embedded default model"):
         Engine.load(None)
+
+
+@pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="no embedded default model in this tree")
+def test_embedded_default_loads_with_its_tokenizer():
+    engine = Engine.load(None)
+    assert engine.spec.model_id == "embedded" and engine.tokenizer is not None
+    assert engine.encode_prompt("2 + 3", chat=True)
 
 
 def test_repo_id_from_offline_hf_cache(tmp_path):
