@@ -231,7 +231,9 @@ class Decoder:
         selection = None
         if rows != block_rows:
             selection = torch.tensor([block_rows.index(r) for r in rows], device=self.x.device)
-        reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
+        reused_positions = None
+        if self.store.pre_rope_keys:
+            reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
         hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
         return self.model(
             self.x[rows, start:window_end], positions=self.positions[rows, start:window_end],
