@@ -20,7 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service.active import ConfigInvalid
 from service.engine.errors import EngineInputError
 from service.policy.schema import ArtifactMismatch
-from service.policy.store import ArtifactConflict, ArtifactInUse, ArtifactNotFound, InvalidName, StoreUnavailable
+from service.policy.store import (
+    ArtifactConflict,
+    ArtifactInUse,
+    ArtifactNotFound,
+    InvalidName,
+    StoreUnavailable,
+)
 from service.worker import BatchFailed, JobCancelled, QueueFull, WorkerUnavailable
 
 log = logging.getLogger(__name__)

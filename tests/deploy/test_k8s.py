@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -159,3 +162,26 @@ def test_calibration_flags_are_the_calibration_cli_s():
     assert build_parser().parse_args(
         [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in job_args(shards)[1:]]
     ).shard == (3, int(settings["SHARDS"]))
+
+
+def test_model_download_job_fills_the_cache_the_api_reads():
+    docs = documents()
+    job = docs[("Job", "dllm-kvq-model-download")]["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    assert container["args"] == ["hf", "download", "$(DLLM_MODEL)"]
+    assert "DLLM_MODEL" in docs[("ConfigMap", "dllm-kvq-config")]["data"]
+    (volume,) = job["volumes"]
+    api = docs[("Deployment", "dllm-kvq-api")]["spec"]["template"]["spec"]
+    assert volume in api["volumes"] and container["volumeMounts"][0] in api["containers"][0]["volumeMounts"]
+    # The command the entrypoint passes through exists where the project is installed (huggingface_hub's CLI).
+    entrypoint = REPO / "deploy" / "docker" / "entrypoint.sh"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    result = subprocess.run(
+        ["sh", str(entrypoint), "hf", "download", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0 and "usage: hf" in result.stdout, result.stderr

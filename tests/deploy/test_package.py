@@ -18,7 +18,7 @@ def test_wheel_carries_every_tracked_file_of_the_packages(tmp_path):
     )
     files = {f for f in tracked.stdout.split() if "__pycache__" not in f}
     assert any(f.endswith(".py") for f in files) and any(not f.endswith(".py") for f in files)
-    # --no-build-isolation: setuptools from this environment, so the build needs no network.
+    # Built as the image builds it: pip's isolated build with the build-system requirements of pyproject.toml.
     result = run_tool(
         [
             sys.executable,

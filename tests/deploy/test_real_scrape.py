@@ -17,14 +17,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.test_monitoring import dashboard_exprs
+from tests.deploy.test_monitoring import dashboard_exprs, label_names, metric_names, rule_exprs
 from tests.deploy.tools import REPO, find_tool
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
 HEALTHCHECK = REPO / "deploy" / "docker" / "healthcheck.py"
+# Labels Prometheus adds to every scraped series (the target's and the scrape config's) and the bucket label.
+TARGET_LABELS = {"instance", "job", "service", "le"}
 # Grafana's template variables, as Grafana would expand them for "All" over the last hour.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__range": "1h", "$instance": ".*"}
 
@@ -82,6 +85,8 @@ def server(tmp_path):
         "DLLM_DEVICE": "cpu",
         "DLLM_THREADS": "1",
         "DLLM_STORE_URL": str(tmp_path / "store"),
+        # Every quantized request is decoded again unquantized, so the agreement series exist too.
+        "DLLM_SHADOW_RATE": "1.0",
     }
     log = tmp_path / "server.log"
     with log.open("w") as out:
@@ -147,6 +152,17 @@ def prometheus(tmp_path, server):
         stop(proc)
 
 
+def live_labels(url: str) -> dict[str, set[str]]:
+    """Series name -> label names, from the server's live /metrics (series that have samples only)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    return labels
+
+
 def query(base: str, expr: str) -> dict:
     return http_json(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}), timeout=30)
 
@@ -195,6 +211,25 @@ def test_prometheus_scrapes_the_effective_bits_the_server_reported(server, prome
     assert loaded == expected
     assert all(rule["health"] == "ok" for group in groups for rule in group["rules"])
     assert query(prometheus, "dllm_ready")["data"]["result"][0]["value"][1] == "1"
+
+    # The shadow re-decode (unquantized) of that request lands as agreement series of its configuration.
+    shadow = 'dllm_shadow_token_agreement_count{method="kivi", bits="2", cache_mode="dual"}'
+    (agreement,) = wait_until(
+        lambda: query(prometheus, shadow)["data"]["result"] or None, 60, "shadow agreement"
+    )
+    assert float(agreement["value"][1]) == 1.0
+
+    # Every label a query or rule matches on or groups by exists on the series it selects (checked where the
+    # live /metrics has samples of every series the query names).
+    labels = live_labels(url)
+    checked = 0
+    for expr in [*dashboard_exprs(), *rule_exprs()]:
+        names = metric_names(expr) - {"up"}
+        if names and names <= set(labels):
+            available = set().union(*(labels[n] for n in names)) | TARGET_LABELS
+            assert label_names(expr) <= available, (expr, label_names(expr) - available)
+            checked += 1
+    assert checked >= 20
 
     # Every dashboard query runs on the real server's data (Grafana's variables expanded as Grafana would).
     for expr in dashboard_exprs():

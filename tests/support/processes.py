@@ -85,6 +85,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> ServerProcess:
+        import os
         import sys
 
         if self.factory is not None:
@@ -92,9 +93,10 @@ class ServerProcess:
                    str(self.port), "--log-level", "warning"]
         else:
             cmd = [sys.executable, "-m", "service", "serve", "--log-level", "warning"]
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     cwd=Path(__file__).resolve().parents[2])
+        # The child keeps its own copy of the log descriptor, so ours can be closed at once.
+        with open(self.log_path or os.devnull, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=Path(__file__).resolve().parents[2])
         self.wait_ready(timeout_s)
         return self
 

@@ -19,7 +19,6 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.config import Settings
-
 from service.policy.redis_store import RedisStore
 from service.quant.config import KVQuantConfig
 from tests.support.apps import ADMIN_KEY, fake_app, sse_events
