@@ -53,7 +53,7 @@ from service.policy.store import canonical_json
 EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
 KIND_FIT = "calibration_fit"
 KIND_KVQUANT_FIT = "kvquant_fit"
-CODE_VERSION = "dllm-kvq calibration 1"
+CODE_VERSION = "dllm-kvq calibration 2"
 
 T = TypeVar("T")
 
