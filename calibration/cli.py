@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--store-prefix", default="dllm-kvq", help="Redis key prefix (default: %(default)s)")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
         help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")
+    add("--pad-answers", action=argparse.BooleanOptionalAction, default=None,
+        help="EOS-pad answers to a block multiple instead of cutting them (default: pad only for the embedded "
+             "model's training split)")
     add("--samples", type=int, default=defaults.samples)
     add("--seed", type=int, default=defaults.seed)
     add("--shard", type=_shard, default=(0, 1), metavar="I/N", help="handle samples I::N (default 0/1)")
@@ -84,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> JobSettings:
     return JobSettings(
-        model=args.model, buckets=dict(args.bucket), samples=args.samples, seed=args.seed,
+        model=args.model, buckets=dict(args.bucket), pad_answers=args.pad_answers, samples=args.samples,
+        seed=args.seed,
         shard_index=args.shard[0], shard_count=args.shard[1], block_length=args.block_length,
         max_answer_length=args.max_answer_length, steps_per_block=args.steps_per_block, rounds=args.rounds,
         cache_modes=tuple(args.cache_modes), bits=tuple(args.bits), k_group_size=args.k_group_size,

@@ -168,13 +168,16 @@ def prepare(
     max_answer_length: int,
     min_answer_length: int,
     bucket: str = "",
+    pad_id: int | None = None,
 ) -> Sample | None:
     """Turn one record into a sample, or ``None`` when the minimum-length filter drops it.
 
     Text records: prompt through ``encoder.encode_prompt`` (chat template), answer through ``encode_answer``
     with EOS appended when the encoder knows one. Then (both forms) the answer is cut to at most
-    ``max_answer_length`` tokens and down to a multiple of ``block_length``; a result shorter than
-    ``min_answer_length`` tokens (and in any case an empty one) is dropped.
+    ``max_answer_length`` tokens and down to a multiple of ``block_length`` (the paper); with ``pad_id`` it is
+    instead padded with that id up to the next multiple (LLaDA's SFT convention of EOS-padding answers to the
+    response length, for a model trained that way). A result shorter than ``min_answer_length`` tokens (and in
+    any case an empty one) is dropped.
 
     Raises:
         CorpusError: a text record without an encoder, or lengths that are not multiples of the block length.
@@ -192,6 +195,8 @@ def prepare(
         answer = encoder.encode_answer(record.answer)
         if encoder.eos_id is not None:
             answer.append(encoder.eos_id)
+    if pad_id is not None:
+        answer += [pad_id] * (-len(answer) % block_length)
     answer = answer[:max_answer_length]
     answer = answer[: len(answer) - len(answer) % block_length]
     if not prompt or not answer or len(answer) < min_answer_length:
@@ -209,6 +214,7 @@ def mixed_chat(
     min_answer_length: int | None = None,
     weights: Mapping[str, float] | None = None,
     seed: int = 0,
+    pad_id: int | None = None,
 ) -> list[Sample]:
     """The paper's ``mixed_chat`` loader: ``num_samples`` samples drawn from weighted buckets, seeded.
 
@@ -226,6 +232,7 @@ def mixed_chat(
         min_answer_length: shortest answer kept after cutting; default one block.
         weights: bucket name -> weight.
         seed: seed of the bucket draws and shuffles.
+        pad_id: pad answers up to a block multiple with this id instead of cutting them (:func:`prepare`).
 
     Raises:
         CorpusError: unknown/negative weights, or fewer usable records than ``num_samples``.
@@ -263,7 +270,8 @@ def mixed_chat(
                 f"after cutting), fewer than the {num_samples} asked for"
             )
         name = rng.choices(live, weights=[weights[n] for n in live])[0]
-        sample = prepare(queues[name].pop(0), encoder, block_length, max_answer_length, min_answer_length, name)
+        sample = prepare(queues[name].pop(0), encoder, block_length, max_answer_length, min_answer_length, name,
+                         pad_id)
         if sample is not None:
             samples.append(sample)
     return samples

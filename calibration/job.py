@@ -43,14 +43,17 @@ from calibration.kvquant_fit import fit_kvquant_state
 from calibration.report import write_report
 from calibration.trace import Trajectory, rollout, trace
 from service.engine import Engine
+from service.engine.loading import EMBEDDED_DIR
 from service.policy.kvquant_state import KVQuantState
 from service.policy.schema import PolicyTable, Provenance
 from service.policy.store import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
 from service.policy.store import canonical_json
 
+#: The embedded default model's training split, its calibration corpus (issue 3).
+EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
 KIND_FIT = "calibration_fit"
 KIND_KVQUANT_FIT = "kvquant_fit"
-CODE_VERSION = "dllm-kvq calibration 1"
+CODE_VERSION = "dllm-kvq calibration 2"
 
 T = TypeVar("T")
 
@@ -60,7 +63,11 @@ class JobSettings(BaseModel):
 
     Attributes:
         model: checkpoint dir or HF repo id; None = the embedded default model.
-        buckets: bucket name -> JSONL path; empty = the shipped offline corpus (instruction, qa, code).
+        buckets: bucket name -> JSONL path; empty = the embedded model's training split (``train_sample``) when
+            ``model`` is None, else the shipped offline corpus (instruction, qa, code).
+        pad_answers: EOS-pad answers up to a block multiple instead of cutting them; None = pad for the embedded
+            model's training split (it was trained with answers EOS-padded to its response length), cut
+            otherwise (the paper).
         samples: calibration samples drawn by ``mixed_chat``; seed: its seed.
         shard_index, shard_count: this run handles samples ``shard_index::shard_count`` (trace, diagnose, kvquant);
             fit and report always use every sample's sums.
@@ -76,6 +83,7 @@ class JobSettings(BaseModel):
 
     model: str | None = None
     buckets: dict[str, str] = Field(default_factory=dict)
+    pad_answers: bool | None = None
     samples: int = Field(8, gt=0)
     seed: int = 0
     shard_index: int = Field(0, ge=0)
@@ -96,8 +104,20 @@ class JobSettings(BaseModel):
     sparsity_threshold: float = Field(0.99, gt=0, le=1)
     batch_size: int = Field(16, gt=0)
 
+    @property
+    def uses_embedded_split(self) -> bool:
+        return self.model is None and not self.buckets
+
     def bucket_paths(self) -> dict[str, str]:
-        return self.buckets or {name: str(OFFLINE_CORPUS_DIR / f"{name}.jsonl") for name in ("instruction", "qa", "code")}
+        if self.buckets:
+            return dict(self.buckets)
+        if self.uses_embedded_split:
+            return {"train": str(EMBEDDED_TRAIN_SPLIT)}
+        return {name: str(OFFLINE_CORPUS_DIR / f"{name}.jsonl") for name in ("instruction", "qa", "code")}
+
+    @property
+    def pads_answers(self) -> bool:
+        return self.uses_embedded_split if self.pad_answers is None else self.pad_answers
 
 
 def input_key(prefix: str, inputs: Any) -> str:
@@ -138,6 +158,7 @@ class CalibrationJob:
         self.progress = progress
         self.summary = RunSummary()
         self._samples: list[Sample] | None = None
+        self._trajectory_ids: list[str] | None = None
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     @property
@@ -178,7 +199,7 @@ class CalibrationJob:
             self._samples = mixed_chat(
                 self.settings.bucket_paths(), self.settings.samples, encoder,
                 block_length=self.settings.block_length, max_answer_length=self.settings.max_answer_length,
-                seed=self.settings.seed,
+                seed=self.settings.seed, pad_id=self.spec.eos_ids[0] if self.settings.pads_answers else None,
             )
         return self._samples
 
@@ -195,7 +216,10 @@ class CalibrationJob:
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def trace(self) -> list[str]:
-        """TRACE every sample of this shard; returns the trajectory ids (``trajectory`` kind)."""
+        """TRACE every sample of this shard; returns the trajectory ids (``trajectory`` kind). Later steps of the
+        same run call it again and get the ids without another look at the store."""
+        if self._trajectory_ids is not None:
+            return self._trajectory_ids
         started = time.perf_counter()
         forward = logits_forward(self.engine.model)
         ids = []
@@ -206,7 +230,7 @@ class CalibrationJob:
                                max_rounds=self.settings.rounds, batch_size=self.settings.batch_size)
                 return canonical_json(result.model_dump(mode="json"))
             ids.append(self._cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
-        self.summary.trajectories = ids
+        self.summary.trajectories = self._trajectory_ids = ids
         self._timed("trace", started)
         return ids
 
@@ -322,8 +346,9 @@ class CalibrationJob:
         self.kvquant()
         started = time.perf_counter()
         trajectory = self.load_trajectory(self.trajectory_key(self.samples()[0]))
-        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory,
-                            self.settings.model_dump(mode="json"), self.summary.seconds,
+        settings = self.settings.model_dump(mode="json") | {"model": self.spec.model_id}
+        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory, settings,
+                            self.summary.seconds,
                             self.summary.kvquant_states)
         self._timed("report", started)
         self.summary.report = str(path)

@@ -42,7 +42,7 @@ def plot_policy_map(tables: Mapping[str, PolicyTable], path: Path) -> Path:
     ax.set_xticks(range(num_layers))
     ax.set_yticks(range(len(keys)), keys)
     ax.set_xlabel("layer")
-    ax.set_title("dLLM-KVQ policy per layer (A attention, Q qerror, H hybrid; number = p)")
+    ax.set_title("policy per layer: A attention, Q qerror, H hybrid; number = p", fontsize=9)
     fig.colorbar(image, ax=ax, label="high-precision budget p")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -145,7 +145,8 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
     lines += ["", f"![policy map]({policy_map.name})", "",
               "## Trajectory diagnostics (Table 4)", "",
               "Share of records (%) where the selected policy is closer to full recompute than the all-K "
-              "quantized baseline, over the layers it protects; nominal effective K bits over all layers.", "",
+              "quantized baseline (strictly: a tie, such as the same top-1 key, is not a win), over the layers "
+              "it protects; nominal effective K bits over all layers.", "",
               *_table4_markdown(rows), "", f"![win rates]({win_rates.name})", "",
               "## KVQuant states", "", *(f"- {bits} bits: `{state}`" for bits, state in sorted(kvquant_states.items())),
               "", "## K and V cache surfaces", "",

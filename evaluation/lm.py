@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import lm_eval.models  # noqa: F401 - see below
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
@@ -46,6 +47,9 @@ from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import KVReport
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+
+# lm-eval imports its built-in models (hf, local-completions, ...) only while its registry is empty; registering
+# ours first would hide them, so `lm_eval.models` is imported above, before `register_model` runs.
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +149,23 @@ class DllmKvqLM(TemplateLM):
         )
 
     # ---- lm-eval plumbing -------------------------------------------------------------------------------------
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None):
+        """lm-eval's constructor path: ``--batch_size`` / ``--device`` arrive in ``additional_config``; a value
+        also given in ``--model_args`` wins (lm-eval's base class would raise a duplicate-keyword TypeError)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes device "cuda:0" unless told otherwise; on a CPU host keep our default (cpu).
+            log.warning("device %s is not available here; using cpu", extra.pop("device"))
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None):
+        """As `create_from_arg_obj`, from ``key=value,...``."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     @property
     def eot_token_id(self) -> int:
         return self.spec.eos_ids[0]
@@ -260,12 +281,14 @@ class DllmKvqLM(TemplateLM):
         for (params, kv_config), members in groups.items():
             for start in range(0, len(members), size):
                 chunk = members[start:start + size]
+                kv_store = self._new_kv_store(kv_config)
                 report = self.engine.generate(
-                    [p.prompt for p in chunk], params, rows=[p.row for p in chunk],
-                    kv_store=self._new_kv_store(kv_config),
+                    [p.prompt for p in chunk], params, rows=[p.row for p in chunk], kv_store=kv_store,
                 )
-                if report.kv is not None:
-                    self.kv_reports.append(report.kv)
+                # The quantized store keeps its accounting after the engine clears it at the end of the decode.
+                kv = report.kv if report.kv is not None else (kv_store.report() if kv_store is not None else None)
+                if kv is not None:
+                    self.kv_reports.append(kv)
                 for plan, row in zip(chunk, report.rows, strict=True):
                     text = row.text if row.text is not None else self.tok_decode(row.generated_ids)
                     text = cut_at_stop(text, plan.until)

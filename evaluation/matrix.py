@@ -202,6 +202,18 @@ class MatrixSettings:
     include_path: str | None = None
 
 
+def task_manager_for(tasks: list[str], include_path: str | None):
+    """lm-eval's TaskManager over ``include_path`` alone when it defines every task (indexing lm-eval's thousands
+    of built-in tasks takes ~20 s on a small CPU), otherwise over the built-ins too."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        if all(t in own.all_tasks for t in tasks):
+            return own
+    return TaskManager(include_path=include_path) if include_path else TaskManager()
+
+
 def cell_path(out_dir: Path, cell: Cell, task: str) -> Path:
     return out_dir / "cells" / _slug(cell.model) / cell.key / f"{task}.json"
 
@@ -259,10 +271,8 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
         load_engine: model name -> loaded `Engine` (called once per model, only if that model has work left).
         on_result: called with each new cell file's content (accuracy telemetry).
     """
-    from lm_eval.tasks import TaskManager
-
     out = Path(out_dir)
-    task_manager = TaskManager(include_path=settings.include_path) if settings.include_path else TaskManager()
+    task_manager = task_manager_for(settings.tasks, settings.include_path)
     store = None
     if settings.store_url:
         from service.policy.store import open_store

@@ -17,8 +17,14 @@ if [ "$(id -u)" != 0 ]; then
   SUDO="sudo"
 fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-# --no-install-recommends: the node exporter and other recommends are not needed, and the package's own
-# service is never started here (the tests start their own server on loopback).
-$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+# Up to three tries: a mirror hiccup should not fail CI. --no-install-recommends: the node exporter and other
+# recommends are not needed, and the package's own service is never started here (the tests start their own
+# server on loopback).
+for try in 1 2 3; do
+  if $SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; then
+    break
+  fi
+  [ "$try" = 3 ] && { echo "install_tools.sh: apt-get install prometheus failed 3 times" >&2; exit 1; }
+  sleep 5
+done
 command -v prometheus >/dev/null && command -v promtool >/dev/null

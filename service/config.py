@@ -19,6 +19,11 @@ from service.quant.config import KVQuantConfig
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def served_model_name(settings: Settings, model_id: str) -> str:
+    """The name the API serves the model under: the setting, else the checkpoint's directory name (or repo id)."""
+    return settings.served_model_name or model_id.rstrip("/").rsplit("/", 1)[-1] or model_id
+
+
 def key_id(key: str) -> str:
     """A short, non-secret name for a bearer key (audit log, logs): first 12 hex of its SHA-256."""
     return hashlib.sha256(key.encode()).hexdigest()[:12]

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from service.engine.agreement import token_agreement  # noqa: F401 - re-exported; defined with the engine
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 

@@ -12,6 +12,7 @@ import sys
 
 
 def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse type; a bad id is a usage error)."""
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
@@ -44,9 +45,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
+    kv = parser.add_argument_group("KV-cache quantization (cached modes; see service.quant)")
+    kv.add_argument("--kv-quant", choices=["none", "kivi", "kvquant", "dllm_kvq"], default="none",
+                    help="quantize the reused K/V (default none)")
+    kv.add_argument("--kv-bits", type=int, choices=[2, 4, 8], default=4, help="code bits (default 4)")
+    kv.add_argument("--kv-group-size", type=int, default=32, help="K group size in tokens (default 32)")
+    kv.add_argument("--kv-v-group-size", type=int, default=None,
+                    help="V group size in channels (default min(32, head_dim))")
+    kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq")
+    kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant")
+    kv.add_argument("--kv-keep-dequantized", action="store_true",
+                    help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block)")
 
 
 def add_parser(subparsers) -> None:
+    """Register ``generate`` on the ``python -m service`` subparsers."""
     parser = subparsers.add_parser("generate", help="decode one prompt", description=__doc__)
     add_arguments(parser)
     parser.set_defaults(func=run)
@@ -64,6 +77,16 @@ def decode_params(args: argparse.Namespace):
     )
 
 
+def kv_config(args: argparse.Namespace):
+    """The :class:`KVQuantConfig` the ``--kv-*`` flags describe (``pydantic.ValidationError`` if illegal)."""
+    from service.quant.config import KVQuantConfig
+
+    return KVQuantConfig(
+        method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
+        policy_file=args.policy, kvquant_state_file=args.kvquant_state, keep_dequantized=args.kv_keep_dequantized,
+    )
+
+
 def one_line_report(row, timings) -> str:
     """``finish=... tokens=... nfe=... steps/block=[...] tok/s=... time=...s`` for plain output."""
     return (
@@ -73,18 +96,27 @@ def one_line_report(row, timings) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
 
     from service.engine import Engine, EngineInputError
     from service.engine.params import RowOptions
+    from service.policy.schema import ArtifactMismatch
+    from service.quant.errors import KVQuantError
+    from service.quant.store import make_kv_store
 
     try:
         params = decode_params(args)
         row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
+        quant = kv_config(args)
         engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+        # Policy/state files are read and checked against the model here, before any decoding.
+        store = make_kv_store(quant, engine.spec)
         prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
-        report = engine.generate([prompt], params, [row_options])
-    except (EngineInputError, ValidationError) as err:
+        report = engine.generate([prompt], params, [row_options], kv_store=store)
+    except (EngineInputError, ValidationError, KVQuantError, ArtifactMismatch) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
         print(f"error: {err}", file=sys.stderr)
         return 2
     row = report.rows[0]
@@ -93,4 +125,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(row.text if row.text is not None else ",".join(map(str, row.generated_ids)))
         print(one_line_report(row, report.timings))
+        if report.kv is not None:
+            kv = report.kv
+            print(
+                f"[kv={kv.config['method']}/{kv.config['bits']}b K bits nominal={kv.k_nominal_bits:.3f} "
+                f"storage={kv.k_storage_bits:.3f} V bits nominal={kv.v_nominal_bits:.3f} "
+                f"storage={kv.v_storage_bits:.3f} held={kv.bytes_held}B bf16={kv.bf16_bytes}B]"
+            )
     return 0

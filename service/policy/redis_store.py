@@ -120,12 +120,11 @@ class RedisStore(Store):
     def info(self, kind: str, artifact_id: str) -> ArtifactInfo:
         check_kind(kind)
         check_id(artifact_id)
-        with _unavailable_on_connection_error(self.url):
-            with self._client.pipeline(transaction=False) as pipe:
-                pipe.strlen(self._artifact_key(kind, artifact_id))
-                pipe.exists(self._artifact_key(kind, artifact_id))
-                pipe.zscore(self._index_key(kind), artifact_id)
-                size, exists, created = pipe.execute()
+        with _unavailable_on_connection_error(self.url), self._client.pipeline(transaction=False) as pipe:
+            pipe.strlen(self._artifact_key(kind, artifact_id))
+            pipe.exists(self._artifact_key(kind, artifact_id))
+            pipe.zscore(self._index_key(kind), artifact_id)
+            size, exists, created = pipe.execute()
         if not exists:
             raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}")
         return ArtifactInfo(kind=kind, id=artifact_id, size=size, created_at=created or 0.0)

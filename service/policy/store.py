@@ -328,6 +328,8 @@ def open_store(url: str, prefix: str = "dllm-kvq") -> Store:
 
 
 __all__ = [
+    "CACHE_MODES",
+    "KINDS",
     "ActiveChange",
     "ActiveEntry",
     "ArtifactConflict",
@@ -335,9 +337,7 @@ __all__ = [
     "ArtifactInfo",
     "ArtifactNotFound",
     "AuditEntry",
-    "CACHE_MODES",
     "InvalidName",
-    "KINDS",
     "Store",
     "StoreError",
     "StoreUnavailable",

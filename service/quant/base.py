@@ -27,7 +27,7 @@ from service.quant.packing import pack_stream, unpack_stream
 from service.quant.uniform import (
     GroupStats,
     dequantize_k_into,
-    dequantize_v,
+    dequantize_v_into,
     k_group_stats,
     quantize_k_slots,
     quantize_v,
@@ -149,18 +149,19 @@ class KVQuantizer:
         protected = self.protect(layer, x, layout, scores)
         stats = k_group_stats(x, layout, self.bits, protected)
         tensors = {"scale": stats.scale, "mn": stats.mn}
-        quantized, groups, kept = x, layout.group_of_slot, 0
+        codes = quantize_k_slots(x, layout, stats, self.bits)
+        kept = 0
         if protected is not None and bool(protected.any()):
             slots = protected.nonzero().squeeze(1)
             tensors["protected_slots"] = slots.to(torch.int32)
             tensors["protected_values"] = x[slots]
-            quantized, groups, kept = x[~protected], groups[~protected], slots.numel()
-        tensors["codes"] = pack_stream(quantize_k_slots(quantized, groups, stats, self.bits), self.bits)
+            codes, kept = codes[~protected], slots.numel()  # protected tokens hold no code
+        tensors["codes"] = pack_stream(codes, self.bits)
         per_token = x.shape[1] * x.shape[2]
         return PackedTensor(
             tensors=tensors,
             elements=x.shape[0] * per_token,
-            nominal_bitsum=float(per_token * (self.bits * quantized.shape[0] + 16 * kept)),
+            nominal_bitsum=float(per_token * (self.bits * (x.shape[0] - kept) + 16 * kept)),
         )
 
     def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
@@ -177,7 +178,7 @@ class KVQuantizer:
             full = codes.new_zeros(n, h, d)
             full[keep] = codes
             codes = full
-        out = codes.new_zeros((layout.batch_size, h, layout.num_reused, d), dtype=packed.dtype)
+        out = layout.empty_output(h, d, packed.dtype)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:
             layout.scatter_slots(t["protected_values"], protected, out)
@@ -197,14 +198,16 @@ class KVQuantizer:
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
-        return layout.scatter(dequantize_v(codes, t["scale"], t["mn"], torch.float32), dtype=packed.dtype)
+        return dequantize_v_into(layout.empty_output(h, d, packed.dtype), codes, t["scale"], t["mn"], layout)
 
 
 def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        slot = int(bad.flatten(1).any(1).nonzero()[0])
-        raise NonFiniteKVError(
-            f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
-            f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"
-        )
+    # One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
+    # the scan runs only to name the culprit.
+    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
+        return
+    slot = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0])
+    raise NonFiniteKVError(
+        f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
+        f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"
+    )

@@ -69,7 +69,7 @@ class DLLMKVQQuantizer(KVQuantizer):
         """float64 ``[N]``: squared error of each token under plain (p = 0) K QDQ, summed over heads and channels."""
         stats = k_group_stats(x, layout, self.bits)
         groups = layout.group_of_slot
-        codes = quantize_k_slots(x, groups, stats, self.bits)
+        codes = quantize_k_slots(x, layout, stats, self.bits)
         deq = dequantize_codes(codes, stats.scale[groups], stats.mn[groups], x.dtype)
         return (x.double() - deq.double()).square().sum((1, 2))
 

@@ -107,20 +107,49 @@ class SlotLayout:
             runs=tuple(runs),
         )
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy)."""
-        return x[self.rows, :, self.seq_cols]
+    def parts(self):
+        """Blocks of whole groups, for broadcast statistics: per run, its full groups, then its short last group.
 
-    def scatter(self, values: torch.Tensor, out: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-        """Place the values of all slots ``[N, H, D]`` into ``[B, H, T_reused, D]``, run by run.
-
-        ``out`` (created as zeros of ``dtype``, default ``values.dtype``, when None) is filled in place, casting
-        to its dtype, and returned; positions of padding stay zero (the engine masks padding keys, so their
-        value never matters).
+        Yields ``(row, col, slot, n_groups, size, group)``: ``n_groups`` groups of ``size`` tokens starting at
+        reused index ``col``, slot ``slot`` and K group ``group``.
         """
-        if out is None:
-            shape = (self.batch_size, values.shape[1], self.num_reused, values.shape[2])
-            out = values.new_zeros(shape, dtype=dtype or values.dtype)
+        for row, col, slot, length, group in self.runs:
+            full, tail = divmod(length, self.group_size)
+            if full:
+                yield row, col, slot, full, self.group_size, group
+            if tail:
+                offset = full * self.group_size
+                yield row, col + offset, slot + offset, 1, tail, group + full
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run."""
+        pieces = []
+        for row, _, slot, length, _ in self.runs:
+            start = int(self.seq_cols[slot])  # a run is contiguous in the sequence too
+            pieces.append(x[row, :, start : start + length].transpose(0, 1))
+        if not pieces:
+            return x.new_empty(0, x.shape[1], x.shape[3])
+        return torch.cat(pieces)
+
+    def empty_output(self, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[B, H, T_reused, D]`` to be filled run by run: uninitialized except the padding, which is zero (the
+        engine masks padding keys, so their value never matters, but it must be finite)."""
+        device = self.rows.device
+        out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
+        covered = [0] * self.batch_size
+        for row, col, _, length, _ in self.runs:
+            if col > covered[row]:
+                out[row, :, covered[row] : col] = 0
+            covered[row] = col + length
+        for row, end in enumerate(covered):
+            if end < self.num_reused:
+                out[row, :, end:] = 0
+        return out
+
+    def scatter(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Place the values of all slots ``[N, H, D]`` into a new ``[B, H, T_reused, D]`` (``dtype``, default
+        ``values.dtype``), run by run, with zeros on padding."""
+        out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)
         return out

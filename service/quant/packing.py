@@ -7,14 +7,13 @@ Two entry points:
 
 * :func:`pack_along` / :func:`unpack_along` pack one dimension of a tensor, exactly as the reference does (its
   length must be a multiple of ``32 / b``); the golden tests check them bit for bit.
-* :func:`pack_stream` / :func:`unpack_stream` pack a whole tensor as one flat stream of codes, which is what the
-  quantized KV store holds: nothing is spent on per-row or per-group alignment, only the last word of the
-  stream may be partly empty (< 32 bits per packed tensor).
+* :func:`pack_stream` / :func:`unpack_stream` pack a whole tensor as one flat stream of codes (a planar byte
+  layout of our own, see :func:`pack_stream`), which is what the quantized KV store holds: nothing is spent on
+  per-row or per-group alignment, only the last word of the stream may be partly empty (< 32 bits per packed
+  tensor).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -81,41 +80,36 @@ def unpack_along(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack all of ``codes`` (any shape, flattened in C order) into a 1-D int32 stream (the reference layout).
+    """Pack all of ``codes`` (any shape, flattened in C order) into a 1-D int32 stream.
 
-    Returns ``ceil(numel * bits / 32)`` words; :func:`unpack_stream` needs ``numel`` to cut the last word.
+    Stream layout (planar, ours): with ``n`` codes, ``k = 8 / b`` codes per byte and ``m = ceil(n / k)`` bytes,
+    code ``i`` lives in byte ``i mod m`` at bit offset ``(i div m) * b``; the bytes are held as int32 words (the
+    last word zero-padded). Unpacking then writes k contiguous planes instead of interleaving codes, which is
+    what makes a per-layer read cheap. Returns ``ceil(m / 4)`` words; :func:`unpack_stream` needs ``n``.
     """
-    per_word = codes_per_word(bits)
-    flat = codes.reshape(-1).to(torch.uint8)
-    tail = (-flat.numel()) % per_word
-    if tail:
-        flat = torch.cat([flat, flat.new_zeros(tail)])
-    if sys.byteorder != "little":  # pragma: no cover - the byte view below assumes little-endian words
-        return pack_along(flat, bits, 0)
-    # Little-endian: byte j of the stream holds codes 8j/b ... at bit offsets 0, b, ...; building the bytes in
-    # uint8 is several times faster than the int64 word arithmetic of pack_along (the hot path of every write).
+    codes_per_word(bits)  # validates bits
     per_byte = 8 // bits
-    grouped = flat.view(-1, per_byte)
-    packed = torch.empty(grouped.shape[0], dtype=torch.uint8, device=flat.device)
-    packed.copy_(grouped[:, 0])
+    flat = codes.reshape(-1).to(torch.uint8)
+    m = -(-flat.numel() // per_byte)
+    words = -(-m // 4)
+    planes = torch.zeros(per_byte * m, dtype=torch.uint8, device=flat.device)
+    planes[: flat.numel()] = flat
+    planes = planes.view(per_byte, m)
+    packed = torch.zeros(4 * words, dtype=torch.uint8, device=flat.device)
+    body = packed[:m]
+    body.copy_(planes[0])
     for i in range(1, per_byte):
-        packed |= grouped[:, i] << (i * bits)
+        body |= planes[i] << (i * bits)
     return packed.view(torch.int32)
 
 
 def unpack_stream(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_stream`: the first ``numel`` codes, uint8, 1-D."""
     codes_per_word(bits)  # validates bits
-    if sys.byteorder != "little":  # pragma: no cover
-        return unpack_along(words, bits, 0)[:numel]
-    data = words.view(torch.uint8)
     per_byte = 8 // bits
+    m = -(-numel // per_byte)
+    data = words.view(torch.uint8)[:m]
     if per_byte == 1:
-        return data[:numel]
-    needed = -(-numel // per_byte)  # only the bytes holding the first numel codes
-    data = data[:needed]
-    codes = torch.empty(needed, per_byte, dtype=torch.uint8, device=words.device)
-    mask = 2**bits - 1
-    for i in range(per_byte):
-        torch.bitwise_and(data >> (i * bits), mask, out=codes[:, i])
-    return codes.view(-1)[:numel]
+        return data
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)[:, None]
+    return ((data[None, :] >> shifts) & (2**bits - 1)).view(-1)[:numel]

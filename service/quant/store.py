@@ -116,22 +116,22 @@ def make_kv_store(
     through its store, `service.policy.store`).
 
     Raises:
-        KVQuantError: the policy/state is missing, or named by id but not passed; a bad v_group_size.
+        KVQuantError: the policy/state is missing, or named by id but not passed, or its file cannot be read or
+            parsed; a bad v_group_size.
         ArtifactMismatch: the policy/state does not fit the model or the config (message names the field).
-        OSError, ValueError: a policy/state file that cannot be read or parsed.
     """
     if config.method == "none":
         return FullPrecisionKVStore()
     if config.method == "dllm_kvq" and policy is None:
         if config.policy_file is None:
             raise KVQuantError(f"policy_id {config.policy_id!r} must be resolved by the caller and passed as policy")
-        policy = PolicyTable.from_json(Path(config.policy_file).read_text())
+        policy = _load("policy_file", config.policy_file, lambda p: PolicyTable.from_json(Path(p).read_text()))
     if config.method == "kvquant" and state is None:
         if config.kvquant_state_file is None:
             raise KVQuantError(
                 f"kvquant_state_id {config.kvquant_state_id!r} must be resolved by the caller and passed as state"
             )
-        state = KVQuantState.load(config.kvquant_state_file)
+        state = _load("kvquant_state_file", config.kvquant_state_file, KVQuantState.load)
     quantizer = make_quantizer(config, spec, policy=policy, state=state)
     return QuantizedKVStore(
         quantizer,
@@ -139,3 +139,10 @@ def make_kv_store(
         policy_id=policy.id if config.method == "dllm_kvq" else None,
         state_id=state.id if config.method == "kvquant" else None,
     )
+
+
+def _load(field: str, path: str, loader):
+    try:
+        return loader(path)
+    except (OSError, ValueError) as err:
+        raise KVQuantError(f"{field} {path!r} cannot be used: {err}") from err

@@ -53,10 +53,10 @@ def quantize_codes(x: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, bits:
     """Codes of ``x`` for (broadcastable) ``mn`` and ``scale``: uint8 in ``[0, 2^b)``.
 
     Math in the input dtype: ``d = x - mn; u = d / scale; clamp(0, 2^b - 1); round half to even``. Where
-    ``scale == 0`` (zero-range group) the code is 0, which dequantizes to ``mn``, the exact value.
+    ``scale == 0`` (zero-range group) the divisor is 1 instead: ``d`` is 0 there, the code is 0, which
+    dequantizes to ``mn``, the exact value.
     """
-    u = (x - mn) / scale
-    u = torch.where(scale == 0, torch.zeros((), dtype=u.dtype, device=u.device), u)
+    u = (x - mn) / torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale)
     return u.clamp_(0, max_code(bits)).round_().to(torch.uint8)
 
 
@@ -87,26 +87,61 @@ def k_group_stats(
 
     Returns:
         :class:`GroupStats`. A group whose tokens are all protected gets scale 0 and mn 0 (never used).
+        NaN in ``x`` propagates into the statistics (callers check them).
     """
-    excluded = ~layout.group_valid  # [Ng, G] padding of short groups
+    lo = hi = x
     if protected is not None:
-        # The sentinel slot N is "protected" too, so padding stays excluded.
-        excluded = excluded | torch.cat([protected, protected.new_ones(1)])[layout.group_slots]
-    padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[layout.group_slots]  # [Ng, G, H, D]
-    keep = ~excluded[:, :, None, None]
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    mn = torch.where(keep, padded, inf).amin(1)  # [Ng, H, D]
-    mx = torch.where(keep, padded, -inf).amax(1)
-    empty = excluded.all(1)[:, None, None]
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    mn = torch.where(empty, zero, mn)
-    mx = torch.where(empty, zero, mx)
+        lo = x.masked_fill(protected[:, None, None], float("inf"))
+        hi = x.masked_fill(protected[:, None, None], float("-inf"))
+    shape = (layout.num_groups, *x.shape[1:])
+    mn, mx = x.new_empty(shape), x.new_empty(shape)
+    for _, _, slot, n_groups, size, group in layout.parts():
+        span = slice(slot, slot + n_groups * size)
+        mn[group : group + n_groups] = lo[span].view(n_groups, size, *x.shape[1:]).amin(1)
+        mx[group : group + n_groups] = hi[span].view(n_groups, size, *x.shape[1:]).amax(1)
+    if protected is not None:
+        empty = (mn > mx)[:, :1, :1]  # only a group with every token protected has min > max
+        mn = mn.masked_fill(empty, 0)
+        mx = mx.masked_fill(empty, 0)
     return GroupStats(scale=minmax_scale(mn, mx, bits), mn=mn)
 
 
-def quantize_k_slots(x: torch.Tensor, groups: torch.Tensor, stats: GroupStats, bits: int) -> torch.Tensor:
-    """Codes (uint8 ``[n, H, D]``) of K tokens ``x`` ``[n, H, D]`` whose groups are ``groups`` (int64 ``[n]``)."""
-    return quantize_codes(x, stats.mn[groups], stats.scale[groups], bits)
+def quantize_k_slots(x: torch.Tensor, layout: SlotLayout, stats: GroupStats, bits: int) -> torch.Tensor:
+    """Codes (uint8 ``[N, H, D]``) of every slot under its group's statistics, group block by group block."""
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    for _, _, slot, n_groups, size, group in layout.parts():
+        span = slice(slot, slot + n_groups * size)
+        shape = (n_groups, size, *x.shape[1:])
+        g = slice(group, group + n_groups)
+        codes[span].view(shape).copy_(
+            quantize_codes(x[span].view(shape), stats.mn[g, None], stats.scale[g, None], bits)
+        )
+    return codes
+
+
+#: Elements of the float32 work buffer when dequantizing into a 16-bit output (bounds the read's transient memory).
+_WORK_ELEMENTS = 2**20
+
+
+def affine_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:
+    """``dest[...] = float32(codes) * float32(scale) + float32(mn)`` (4-D, shapes broadcast to ``dest``).
+
+    For a float32 ``dest`` the arithmetic runs in place in ``dest`` (one conversion copy, one multiply, one add);
+    otherwise in float32 chunks along dim 1 (about ``_WORK_ELEMENTS`` each) that are then cast into ``dest``, so
+    the result is always the float32 value rounded once, bit for bit :func:`dequantize_codes`.
+    """
+    if dest.dtype == torch.float32:
+        dest.copy_(codes)
+        dest.mul_(scale.to(torch.float32))
+        dest.add_(mn.to(torch.float32))
+        return
+    step = max(1, _WORK_ELEMENTS // max(1, dest[:, :1].numel()))
+    for i in range(0, dest.shape[1], step):
+        part = slice(i, i + step)
+        work = codes[:, part].to(torch.float32)
+        work.mul_(scale[:, part if scale.shape[1] > 1 else slice(None)].to(torch.float32))
+        work.add_(mn[:, part if mn.shape[1] > 1 else slice(None)].to(torch.float32))
+        dest[:, part] = work
 
 
 def dequantize_k_into(
@@ -115,21 +150,39 @@ def dequantize_k_into(
     """Dequantize the codes of every slot (``[N, H, D]`` uint8) into ``out`` ``[B, H, T_reused, D]``.
 
     Run by run (see `SlotLayout.runs`), each run's full groups at once with broadcast statistics, then its
-    short last group: the same float32 ``code * scale + mn`` as :func:`dequantize_codes`, cast to ``out.dtype``.
+    short last group, written straight into ``out`` in its own layout (see :func:`affine_into`).
     """
-    g_size = layout.group_size
     h, d = codes.shape[1], codes.shape[2]
-    for row, col, slot, length, group in layout.runs:
-        full, tail = divmod(length, g_size)
-        parts = [(0, full, g_size)] if full else []
-        if tail:
-            parts.append((full * g_size, 1, tail))
-        for offset, n_groups, size in parts:
-            g0 = group + offset // g_size
-            x = codes[slot + offset : slot + offset + n_groups * size].view(n_groups, size, h, d).to(torch.float32)
-            x.mul_(stats.scale[g0 : g0 + n_groups, None].to(torch.float32))
-            x.add_(stats.mn[g0 : g0 + n_groups, None].to(torch.float32))
-            out[row, :, col + offset : col + offset + n_groups * size] = x.view(-1, h, d).transpose(0, 1)
+    for row, col, slot, n_groups, size, group in layout.parts():
+        dest = out[row, :, col : col + n_groups * size].view(h, n_groups, size, d)
+        part = codes[slot : slot + n_groups * size].view(n_groups, size, h, d)
+        g = slice(group, group + n_groups)
+        # [G, size, H, D] -> [H, G, size, D]; statistics [G, H, D] -> [H, G, 1, D]
+        affine_into(
+            dest,
+            part.permute(2, 0, 1, 3),
+            stats.scale[g].permute(1, 0, 2)[:, :, None],
+            stats.mn[g].permute(1, 0, 2)[:, :, None],
+        )
+    return out
+
+
+def dequantize_v_into(
+    out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: SlotLayout
+) -> torch.Tensor:
+    """Dequantize V codes of every slot (``[N, H, D]``; statistics ``[N, H, D / G]``) into ``out``, run by run."""
+    h, d = codes.shape[1], codes.shape[2]
+    groups = scale.shape[-1]
+    for row, col, slot, length, _ in layout.runs:
+        dest = out[row, :, col : col + length].view(h, length, groups, d // groups)
+        part = codes[slot : slot + length].view(length, h, groups, d // groups)
+        # [T, H, Dg, G] -> [H, T, Dg, G]; statistics [T, H, Dg] -> [H, T, Dg, 1]
+        affine_into(
+            dest,
+            part.permute(1, 0, 2, 3),
+            scale[slot : slot + length].permute(1, 0, 2)[..., None],
+            mn[slot : slot + length].permute(1, 0, 2)[..., None],
+        )
     return out
 
 
@@ -147,7 +200,7 @@ def quantize_k_groups(k: torch.Tensor, group_size: int, bits: int):
     layout = _single_segment_layout(b, t, group_size, k.device)
     x = k.permute(0, 2, 1, 3).reshape(b * t, h, d)  # [N, H, D], slots row by row
     stats = k_group_stats(x, layout, bits)
-    codes = quantize_k_slots(x, layout.group_of_slot, stats, bits)
+    codes = quantize_k_slots(x, layout, stats, bits)
     ng = layout.num_groups // b
 
     def as_bhgd(s: torch.Tensor) -> torch.Tensor:

@@ -166,3 +166,24 @@ def _env_example() -> dict[str, str]:
             key, _, value = line.partition("=")
             out[key.strip()] = value.strip()
     return out
+
+
+def test_calibration_commands_parse_with_the_calibration_cli(gpu_stack, cpu_stack):
+    from calibration.cli import build_parser
+
+    gpu = build_parser().parse_args(gpu_stack["services"]["calibration"]["command"][1:])
+    assert gpu.verb == "all" and gpu.store == "redis://redis:6379/0" and gpu.model
+    cpu = build_parser().parse_args(cpu_stack["services"]["calibration"]["command"][1:])
+    assert cpu.model is None and cpu.store == gpu.store  # None: the embedded default model
+
+
+def test_evaluation_commands_parse_with_the_evaluation_cli(gpu_stack, cpu_stack):
+    from evaluation.cli import matrix_parser
+
+    for stack in (gpu_stack, cpu_stack):
+        command = stack["services"]["evaluation"]["command"]
+        assert command[:2] == ["evaluate", "matrix"]
+        args = matrix_parser().parse_args(command[2:])
+        # Scores go to the api service of the same stack, and the store is the stack's Redis.
+        assert args.server == "http://api:8000" and args.store == "redis://redis:6379/0"
+    assert matrix_parser().parse_args(cpu_stack["services"]["evaluation"]["command"][2:]).models == "embedded"

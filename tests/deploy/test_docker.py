@@ -94,13 +94,15 @@ def test_every_copied_path_exists_and_is_not_dockerignored():
             assert not hit, f"COPY {source} is excluded by .dockerignore {hit}"
 
 
-def _entrypoint(*args: str, path_first: Path | None = None) -> subprocess.CompletedProcess:
+def _entrypoint(
+    *args: str, path_first: Path | None = None, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the image's entrypoint script outside a container, with this environment's python on PATH (or
     ``path_first`` before it)."""
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
     if path_first is not None:
         path = f"{path_first}:{path}"
-    env = {"PATH": path, "OMP_NUM_THREADS": "1"}
+    env = {"PATH": path, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(
         ["sh", str(ENTRYPOINT), *args],
         cwd=REPO,
@@ -183,3 +185,11 @@ def test_healthcheck_fails_when_nothing_listens():
         check=False,
     )
     assert result.returncode == 1 and "not ready" in result.stderr
+
+
+def test_entrypoint_reaches_the_real_evaluation_cli():
+    # The real program behind `evaluate` (the server and calibration jobs run for real in test_real_scrape.py
+    # and test_calibration_job.py).
+    result = _entrypoint("evaluate", "matrix", "--help", env_extra={"PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m evaluation matrix")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -112,3 +117,71 @@ def test_redis_persists_with_an_append_only_file():
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     assert container["args"][:3] == ["redis-server", "--appendonly", "yes"]
     assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+
+
+def calibration_jobs() -> tuple[dict, dict, dict]:
+    docs = documents()
+    return (
+        docs[("ConfigMap", "dllm-kvq-calibration")]["data"],
+        docs[("Job", "dllm-kvq-calibration-shards")],
+        docs[("Job", "dllm-kvq-calibration-merge")],
+    )
+
+
+def job_args(job: dict) -> list[str]:
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"configMapRef": {"name": "dllm-kvq-calibration"}}]
+    return container["args"]
+
+
+def test_calibration_is_an_indexed_job_of_shards_and_a_merge_with_the_same_settings():
+    settings, shards, merge = calibration_jobs()
+    assert shards["spec"]["completionMode"] == "Indexed"
+    assert shards["spec"]["completions"] == int(settings["SHARDS"])
+    shard_args, merge_args = job_args(shards), job_args(merge)
+    assert shard_args[:2] == ["calibrate", "diagnose"] and merge_args[:2] == ["calibrate", "fit"]
+    # Every shard and the merge run with the same settings; only the shard flag differs.
+    i = shard_args.index("--shard")
+    assert shard_args[i + 1] == "$(JOB_COMPLETION_INDEX)/$(SHARDS)"
+    assert shard_args[2:i] + shard_args[i + 2 :] == merge_args[2:]
+    # Every $(VAR) the args use is defined by the settings ConfigMap (or the Job controller).
+    used = set(re.findall(r"\$\((\w+)\)", " ".join(shard_args + merge_args)))
+    assert used == set(settings) | {"JOB_COMPLETION_INDEX"}
+
+
+def test_calibration_flags_are_the_calibration_cli_s():
+    from calibration.cli import build_parser
+
+    # The CLI parses each Job's args once the variables are expanded (the image entrypoint strips `calibrate`).
+    settings, shards, merge = calibration_jobs()
+    env = {**settings, "JOB_COMPLETION_INDEX": "3"}
+    for job in (shards, merge):
+        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in job_args(job)[1:]]
+        parsed = build_parser().parse_args(args)
+        assert parsed.store == settings["STORE"] and parsed.samples == int(settings["SAMPLES"])
+    assert build_parser().parse_args(
+        [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in job_args(shards)[1:]]
+    ).shard == (3, int(settings["SHARDS"]))
+
+
+def test_model_download_job_fills_the_cache_the_api_reads():
+    docs = documents()
+    job = docs[("Job", "dllm-kvq-model-download")]["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    assert container["args"] == ["hf", "download", "$(DLLM_MODEL)"]
+    assert "DLLM_MODEL" in docs[("ConfigMap", "dllm-kvq-config")]["data"]
+    (volume,) = job["volumes"]
+    api = docs[("Deployment", "dllm-kvq-api")]["spec"]["template"]["spec"]
+    assert volume in api["volumes"] and container["volumeMounts"][0] in api["containers"][0]["volumeMounts"]
+    # The command the entrypoint passes through exists where the project is installed (huggingface_hub's CLI).
+    entrypoint = REPO / "deploy" / "docker" / "entrypoint.sh"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    result = subprocess.run(
+        ["sh", str(entrypoint), "hf", "download", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0 and "usage: hf" in result.stdout, result.stderr

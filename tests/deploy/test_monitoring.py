@@ -67,6 +67,16 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def label_names(expr: str) -> set[str]:
+    """Label names a PromQL expression matches on or groups by."""
+    names = set()
+    for matchers in re.findall(r"\{([^}]*)\}", expr):
+        names.update(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", re.sub(r'"(?:[^"\\]|\\.)*"', '""', matchers)))
+    for clause in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
+        names.update(n.strip() for n in clause.split(",") if n.strip())
+    return names
+
+
 def dashboard_exprs() -> list[str]:
     """Every PromQL query in the dashboard: panel targets, template variable queries, annotations."""
     dash = json.loads(DASHBOARD.read_text())
@@ -129,6 +139,9 @@ def test_metric_name_extraction_on_known_queries():
         "histogram_quantile(0.9, sum by (le, cache_mode) (rate(x_bucket[$__rate_interval])))"
     ) == {"x_bucket"}
     assert metric_names("up == 0 and foo offset 5m") == {"up", "foo"}
+    assert label_names(
+        'sum by (cache_mode) (rate(x{instance=~"$i", a="{b}"}[5m])) > on (policy) group_left y'
+    ) == {"cache_mode", "instance", "a", "policy"}
 
 
 def test_rule_queries_name_only_exported_metrics():

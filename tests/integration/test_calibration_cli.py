@@ -9,6 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -18,6 +19,8 @@ from service.engine import Engine
 from service.policy.kvquant_state import KVQuantState
 from service.policy.schema import PolicyTable
 from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, open_store
+from tests.support.apps import ADMIN_KEY
+from tests.support.processes import ServerProcess
 from tests.unit.calibration.test_job import CKPT, token_id_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +75,7 @@ def test_calibration_all_writes_policies_and_states_into_redis(tmp_path, redis_p
     assert surfaces == ["k_surface_layer2_head0_block0.png", "v_surface_layer2_head0_block0.png"]
     for name in ("policy_map.png", "win_rates.png", *surfaces):
         assert (tmp_path / "report" / name).stat().st_size > 10_000
+    _activate_and_serve(tmp_path, redis_prefix, next(p for p in policies if (p.cache_mode, p.bits) == ("dual", 4)))
     rerun = _run("fit", "--model", str(CKPT), "--bucket", f"qa={bucket}", "--samples", "2", "--rounds", "1",
                  "--store", REDIS_URL, "--store-prefix", redis_prefix, "--no-progress")
     assert all(f"policy {p.cache_mode}/{p.bits}: {p.id}" in rerun for p in policies)
@@ -98,3 +102,25 @@ def test_shard_files_merge_with_fit_merge(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["diagnose", *common, "--shard", "2/2"])
     assert "expected I/N with 0 <= I < N" in capsys.readouterr().err
+
+
+def _activate_and_serve(tmp_path: Path, prefix: str, policy: PolicyTable) -> None:
+    """The server (a real ``python -m service serve`` on the same store) activates the fitted policy through the
+    admin endpoint and serves a request with it."""
+    server = ServerProcess({"DLLM_MODEL": str(CKPT), "DLLM_STORE_URL": REDIS_URL, "DLLM_STORE_PREFIX": prefix,
+                            "DLLM_ADMIN_KEY": ADMIN_KEY, "DLLM_THREADS": "1"}, log_path=tmp_path / "server.log")
+    server.start()
+    try:
+        config = {"method": "dllm_kvq", "bits": 4, "k_group_size": policy.k_group_size, "policy_id": policy.id}
+        answer = httpx.put(f"{server.url}/admin/active/dual", json=config, timeout=30,
+                           headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["new"]["policy_id"] == policy.id
+        generated = httpx.post(f"{server.url}/generate", timeout=120, json={
+            "prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], "max_tokens": 64, "cache_mode": "dual"}).json()
+        assert "kv" in generated, generated
+        assert generated["kv"]["policy_id"] == policy.id and generated["rows"][0]["generated_ids"]
+        # The nominal K bits served are those of the fitted per-layer budgets (above 4 when a layer protects).
+        assert (generated["kv"]["k_nominal_bits"] > 4.0) == any(layer.p for layer in policy.layers)
+    finally:
+        server.stop()

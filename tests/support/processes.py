@@ -61,3 +61,73 @@ class RedisProcess:
             self.proc.terminate()
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+class ServerProcess:
+    """The server as a real uvicorn process on a free port.
+
+    ``factory`` is ``module:function`` for ``uvicorn --factory`` (the fake-engine app), or None for the real
+    ``python -m service serve``. ``env`` adds DLLM_* settings.
+    """
+
+    def __init__(self, env: dict[str, str], factory: str | None = None, log_path: Path | None = None) -> None:
+        import os
+
+        self.port = free_port()
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port), "DLLM_HOST": "127.0.0.1",
+                    **env}
+        self.factory = factory
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> ServerProcess:
+        import os
+        import sys
+
+        if self.factory is not None:
+            cmd = [sys.executable, "-m", "uvicorn", "--factory", self.factory, "--host", "127.0.0.1", "--port",
+                   str(self.port), "--log-level", "warning"]
+        else:
+            cmd = [sys.executable, "-m", "service", "serve", "--log-level", "warning"]
+        # The child keeps its own copy of the log descriptor, so ours can be closed at once.
+        with open(self.log_path or os.devnull, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=Path(__file__).resolve().parents[2])
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log()}")
+            try:
+                if httpx.get(self.url + "/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout_s} s; log: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
+
+    def stop(self, sig: int | None = None, timeout_s: float = 30.0) -> int | None:
+        import signal
+
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

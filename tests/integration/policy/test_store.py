@@ -4,6 +4,7 @@ removed after) and a temporary directory."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 import uuid
@@ -126,7 +127,7 @@ def test_concurrent_swaps_are_linearizable(store):
     chain = store.audit(limit=1000)[::-1]
     assert len(chain) == 3 * len(configs)
     assert chain[0].old is None
-    for prev, nxt in zip(chain, chain[1:]):
+    for prev, nxt in itertools.pairwise(chain):
         assert nxt.old == prev.new
     assert store.get_active(FP, "dual").config == chain[-1].new
 

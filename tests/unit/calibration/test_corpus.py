@@ -117,3 +117,37 @@ def test_collect_converts_rows_and_refuses_without_datasets(tmp_path, monkeypatc
     with pytest.raises(collect_module.CollectError, match="offline corpus"):
         collect_module.collect(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_pad_id_pads_answers_to_a_block_multiple_instead_of_cutting():
+    record = Record(prompt_ids=(1,), answer_ids=(5, 6, 7, 8, 9))
+    assert prepare(record, None, 4, 8, 4, pad_id=0).answer_ids == (5, 6, 7, 8, 9, 0, 0, 0)
+    assert prepare(record, None, 4, 4, 4, pad_id=0).answer_ids == (5, 6, 7, 8)  # still capped at the maximum
+    assert prepare(record, None, 4, 8, 4).answer_ids == (5, 6, 7, 8)
+
+
+def test_embedded_training_split_is_a_bucket():
+    from calibration.job import EMBEDDED_TRAIN_SPLIT, JobSettings
+    from service.engine.loading import EMBEDDED_DIR, load_tokenizer
+
+    settings = JobSettings()
+    assert settings.bucket_paths() == {"train": str(EMBEDDED_TRAIN_SPLIT)} and settings.pads_answers
+    assert not JobSettings(model="x").pads_answers and "code" in JobSettings(model="x").bucket_paths()
+    tokenizer = load_tokenizer(EMBEDDED_DIR)
+    end_of_turn, eos = tokenizer.convert_tokens_to_ids(["<|eot_id|>", "<|endoftext|>"])
+    samples = mixed_chat(settings.bucket_paths(), 4, HFEncoder(tokenizer, eos_id=end_of_turn), block_length=32,
+                         max_answer_length=64, pad_id=eos)
+    for sample in samples:
+        # 48 digits, then end of turn, then EOS padding to two blocks of 32 (the model's response length).
+        assert len(sample.answer_ids) == 64 and sample.answer_ids[-1] == eos and end_of_turn in sample.answer_ids
+        assert tokenizer.decode(sample.prompt_ids).rstrip().endswith("<|end_header_id|>")
+
+
+def test_offline_corpus_builder_writes_buckets_and_sources(tmp_path):
+    from calibration.offline_corpus import BUCKET_SIZES, write_corpus
+
+    counts = write_corpus(tmp_path)
+    assert set(counts) == set(BUCKET_SIZES) and all(100 <= counts[b] <= BUCKET_SIZES[b] for b in counts)
+    code = read_bucket(tmp_path / "code.jsonl")
+    assert code[0].answer.splitlines()[1].startswith("    ")  # indentation kept (dedent, not cleandoc)
+    assert "PSF License Agreement" in (tmp_path / "SOURCES.md").read_text()

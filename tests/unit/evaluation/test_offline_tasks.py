@@ -36,7 +36,7 @@ class _ScriptedLM(LM):
 
 @pytest.fixture(scope="module")
 def task_manager(tmp_path_factory):
-    return TaskManager(include_path=str(write_task_dir(tmp_path_factory.mktemp("tasks"))))
+    return TaskManager(include_path=str(write_task_dir(tmp_path_factory.mktemp("tasks"))), include_defaults=False)
 
 
 def _rows(name):

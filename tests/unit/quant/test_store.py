@@ -41,7 +41,9 @@ def test_none_is_the_full_precision_store():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_k_groups_stay_inside_segments_with_short_last_groups(dtype):
+@pytest.mark.parametrize("work_elements", [2**20, 64])  # 64: the 16-bit read path works in many small chunks
+def test_k_groups_stay_inside_segments_with_short_last_groups(dtype, work_elements, monkeypatch):
+    monkeypatch.setattr("service.quant.uniform._WORK_ELEMENTS", work_elements)
     k, v = kv(2, 40, dtype)
     seg = Segments((0, 3), block_start=20, block_end=28, seq_len=40, cache_mode="dual")
     store = store_for("kivi", bits=2)
@@ -135,6 +137,14 @@ def test_kvquant_request_without_state():
         make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_id="kvqstate-x"), SPEC)
 
 
+def test_unreadable_policy_or_state_file_is_a_clear_error(tmp_path):
+    with pytest.raises(KVQuantError, match="policy_file '.*missing.json' cannot be used"):
+        make_kv_store(KVQuantConfig(method="dllm_kvq", policy_file=str(tmp_path / "missing.json")), SPEC)
+    (tmp_path / "bad.safetensors").write_bytes(b"not a state")
+    with pytest.raises(KVQuantError, match="kvquant_state_file .* cannot be used: not a KVQuant state file"):
+        make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_file=str(tmp_path / "bad.safetensors")), SPEC)
+
+
 def test_state_and_policy_must_fit_model_and_config(tmp_path):
     path = tmp_path / "state.safetensors"
     STATE4.save(path)
@@ -203,7 +213,7 @@ def test_kvquant_store_matches_nuq_functions_with_gqa():
     store = store_for("kvquant")
     assert isinstance(store, QuantizedKVStore) and store.pre_rope_keys
     store.write(1, k, v, seg)
-    rk, rv = store.read(1)
+    rk, _ = store.read(1)
     cols = list(range(24)) + list(range(32, 40))
     x2d = k[0][:, cols].transpose(0, 1).reshape(32, -1)  # [T, H*D], column h*D + d
     s = STATE4

@@ -1,0 +1,149 @@
+"""Load on the HTTP server: throughput and latency at 1, 4, 8 and 16 concurrent clients against sequential
+requests, measured in one run against one server process.
+
+Starts ``python -m service serve`` (the embedded default model unless ``--model``; a temporary directory store;
+``--max-batch-size`` 16) on a free port, warms it up, then sends the same ``--requests`` chat completions
+(held-out questions of the embedded model's task, ``max_tokens`` 64 = two blocks of 32) first one after another
+(the baseline), then from 1, 4, 8 and 16 client threads. For each it prints requests/s, generated tokens/s,
+latency p50/p90/p99, the mean batch size the server formed (from ``/metrics``), and the throughput ratio to
+sequential. Targets (issue #5): >= 1.2x at 8 clients on CPU (batching only shares per-forward overhead there),
+never below 1.0x; >= 3x on a GPU.
+
+Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = ROOT / "service" / "assets" / "embedded" / "task" / "test.jsonl"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, port: int, store: str, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store,
+           "--max-batch-size", "16", "--max-queue", "256", "--batch-wait-ms", str(args.batch_wait_ms),
+           "--threads", str(args.threads), "--device", args.device, "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready after 300 s")
+
+
+def batch_stats(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's dllm_batch_size histogram."""
+    total = count = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            if s.name == "dllm_batch_size_sum":
+                total = s.value
+            elif s.name == "dllm_batch_size_count":
+                count = s.value
+    return total, count
+
+
+def one_request(client: httpx.Client, prompt: str) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                  "max_tokens": 64, "temperature": 0})
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+
+def run_level(url: str, prompts: list[str], clients: int) -> dict:
+    """Send every prompt from ``clients`` threads (0 = sequentially from one client); wall time and latencies."""
+    before = batch_stats(url)
+    with httpx.Client(base_url=url, timeout=600) as client:
+        t0 = time.perf_counter()
+        if clients == 0:
+            results = [one_request(client, p) for p in prompts]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                results = list(pool.map(lambda p: one_request(client, p), prompts))
+        wall = time.perf_counter() - t0
+    after = batch_stats(url)
+    latencies = sorted(r[0] for r in results)
+    q = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {
+        "clients": clients,
+        "wall_s": wall,
+        "req_per_s": len(prompts) / wall,
+        "tok_per_s": sum(r[1] for r in results) / wall,
+        "p50_s": q[49],
+        "p90_s": q[89],
+        "p99_s": q[98],
+        "mean_batch": (after[0] - before[0]) / max(1.0, after[1] - before[1]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=48, help="requests per level")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args()
+
+    questions = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]
+    prompts = [questions[i % len(questions)] for i in range(args.requests)]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
+        proc = start_server(args, port, str(Path(tmp) / "store"), log)
+        try:
+            run_level(url, prompts[:4], 4)  # warm-up (first-call costs, allocator)
+            rows = [run_level(url, prompts, c) for c in (0, 1, 4, 8, 16)]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    base = rows[0]["req_per_s"]
+    print(f"serve_load: {args.requests} chat completions per level, max_tokens 64, device {args.device}, "
+          f"{args.threads} torch thread(s)")
+    print(f"{'clients':>10} {'req/s':>7} {'tok/s':>7} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'batch':>6} {'x seq':>6}")
+    for r in rows:
+        name = "sequential" if r["clients"] == 0 else str(r["clients"])
+        print(f"{name:>10} {r['req_per_s']:7.2f} {r['tok_per_s']:7.1f} {r['p50_s']:7.3f} {r['p90_s']:7.3f} "
+              f"{r['p99_s']:7.3f} {r['mean_batch']:6.2f} {r['req_per_s'] / base:6.2f}")
+    at8 = next(r for r in rows if r["clients"] == 8)["req_per_s"] / base
+    worst = min(r["req_per_s"] / base for r in rows[1:])
+    print(f"target >= 1.2x at 8 clients (CPU): {at8:.2f}x {'met' if at8 >= 1.2 else 'NOT met'}; "
+          f"never slower than sequential: {worst:.2f}x {'met' if worst >= 1.0 else 'NOT met'}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Configuration snapshots: resolving a `KVQuantConfig` against the loaded model and the store, and the server's
+active configuration per cache mode, kept in step with the store (DESIGN.md flow 3).
+
+A :class:`ConfigSnapshot` is a validated configuration together with the artifacts it needs (policy table,
+KVQuant state), loaded once; a request takes one at admission and keeps it to the end. :class:`ActiveConfigs`
+holds the current snapshot of each cache mode. It loads the store's active entries at start, applies every
+change event (and reloads everything after the store comes back from an outage), and keeps serving the last
+loaded snapshot while the store is unreachable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from service.engine.kv_store import CacheMode
+from service.engine.spec import ModelSpec
+from service.policy.kvquant_state import KVQuantState
+from service.policy.schema import ArtifactMismatch, PolicyTable
+from service.policy.store import (
+    CACHE_MODES,
+    KIND_KVQUANT_STATE,
+    KIND_POLICY,
+    ActiveChange,
+    AuditEntry,
+    Store,
+    StoreUnavailable,
+)
+from service.quant.config import KVQuantConfig
+from service.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+Source = Literal["active", "default", "request"]
+
+
+class ConfigInvalid(ValueError):
+    """A configuration that cannot be used with the loaded model; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ConfigSnapshot:
+    """A validated KV quantization configuration for one cache mode, with its loaded artifacts.
+
+    Attributes:
+        config: the configuration.
+        cache_mode: the cache mode it applies to.
+        source: ``active`` (the store's active entry), ``default`` (the ``kv_quant`` setting, the store having
+            none), or ``request`` (named by the request itself).
+        policy, state: the loaded policy table (dllm_kvq) or KVQuant state (kvquant), else None.
+        set_at: when the active entry was set (unix seconds), if it came from the store.
+        origin: for a shadow re-decode, the snapshot the served request used (telemetry labels come from it).
+    """
+
+    config: KVQuantConfig
+    cache_mode: CacheMode
+    source: Source
+    policy: PolicyTable | None = None
+    state: KVQuantState | None = None
+    set_at: float | None = None
+    origin: ConfigSnapshot | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """What a report says about the configuration it ran with."""
+        return {
+            "kv_quant": self.config.model_dump(mode="json", exclude_none=True),
+            "cache_mode": self.cache_mode,
+            "source": self.source,
+            "set_at": self.set_at,
+        }
+
+    def unquantized(self) -> ConfigSnapshot:
+        """The same cache mode with the unquantized cache (for the shadow re-decode), remembering ``self``."""
+        return ConfigSnapshot(KVQuantConfig(), self.cache_mode, self.source, origin=self)
+
+
+class ConfigResolver:
+    """Validates configurations against the model and loads the artifacts they name (cached: immutable by id)."""
+
+    def __init__(self, store: Store, spec: ModelSpec) -> None:
+        self.store = store
+        self.spec = spec
+        self._policies: dict[str, PolicyTable] = {}
+        self._states: dict[str, KVQuantState] = {}
+
+    def load_policy(self, policy_id: str) -> PolicyTable:
+        """The stored policy table ``policy_id`` (ArtifactNotFound, StoreUnavailable, ValueError if corrupt)."""
+        if policy_id not in self._policies:
+            self._policies[policy_id] = PolicyTable.from_json(self.store.get(KIND_POLICY, policy_id))
+        return self._policies[policy_id]
+
+    def load_state(self, state_id: str) -> KVQuantState:
+        """The stored KVQuant state ``state_id``."""
+        if state_id not in self._states:
+            self._states[state_id] = KVQuantState.from_bytes(self.store.get(KIND_KVQUANT_STATE, state_id))
+        return self._states[state_id]
+
+    def resolve(self, config: KVQuantConfig, cache_mode: CacheMode, source: Source, set_at: float | None = None
+                ) -> ConfigSnapshot:
+        """Check ``config`` for ``cache_mode`` on the loaded model and load what it names.
+
+        Raises:
+            ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
+                that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
+            service.policy.store.ArtifactNotFound: the policy or state is not stored.
+            service.policy.store.StoreUnavailable: the store cannot be reached to load it.
+        """
+        for name in ("policy_file", "kvquant_state_file"):
+            if getattr(config, name) is not None:
+                raise ConfigInvalid(
+                    f"kv_quant.{name}", "the server reads policies and states from its store only: upload it "
+                    "through /admin and name it by id"
+                )
+        if config.method == "none":
+            return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
+        if cache_mode == "none":
+            raise ConfigInvalid("cache_mode", f"method {config.method!r} quantizes the reused cache, and cache mode "
+                                              "'none' reuses nothing; use 'prefix' or 'dual'")
+        try:
+            v_group = config.resolve_v_group_size(self.spec.head_dim)
+        except ValueError as exc:
+            raise ConfigInvalid("kv_quant.v_group_size", str(exc)) from exc
+        policy = state = None
+        try:
+            if config.method == "dllm_kvq":
+                policy = self.load_policy(config.policy_id)
+                policy.validate_for(self.spec)
+                for name, want in (("cache_mode", cache_mode), ("bits", config.bits),
+                                   ("k_group_size", config.k_group_size), ("v_group_size", v_group)):
+                    if getattr(policy, name) != want:
+                        raise ConfigInvalid(f"kv_quant.{name}", f"the policy {config.policy_id} was fitted for "
+                                            f"{name} {getattr(policy, name)!r}, the configuration asks {want!r}")
+            elif config.method == "kvquant":
+                state = self.load_state(config.kvquant_state_id)
+                state.validate_for(self.spec)
+                if state.bits != config.bits:
+                    raise ConfigInvalid("kv_quant.bits", f"the KVQuant state {config.kvquant_state_id} has "
+                                        f"{state.bits}-bit codebooks, the configuration asks {config.bits}")
+        except ArtifactMismatch as exc:
+            raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
+        return ConfigSnapshot(config, cache_mode, source, policy=policy, state=state, set_at=set_at)
+
+
+class ActiveConfigs:
+    """The current snapshot per cache mode for the loaded model, following the store.
+
+    Args:
+        resolver: validates and loads.
+        default: the ``kv_quant`` setting, used for ``prefix`` and ``dual`` while the store has no active entry
+            (where it does not validate for a mode, that mode falls back to method none with a warning; cache
+            mode ``none`` is always unquantized).
+        telemetry: shows the active configuration and counts changes.
+        model_name: the served model name, for the info metric.
+    """
+
+    def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str):
+        self.resolver = resolver
+        self.telemetry = telemetry
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._defaults: dict[str, ConfigSnapshot] = {}
+        for mode in CACHE_MODES:
+            config = default if mode != "none" else KVQuantConfig()
+            try:
+                self._defaults[mode] = resolver.resolve(config, mode, "default")
+            except (ValueError, KeyError) as exc:
+                log.warning("kv_quant setting does not apply to cache mode %s (%s); using none there", mode, exc)
+                self._defaults[mode] = resolver.resolve(KVQuantConfig(), mode, "default")
+        self._current: dict[str, ConfigSnapshot] = {}
+        for mode, snapshot in self._defaults.items():
+            self._install(snapshot, count=False)
+
+    @property
+    def fingerprint(self) -> str:
+        """The loaded model's weights fingerprint."""
+        return self.resolver.spec.fingerprint
+
+    def snapshot(self, cache_mode: CacheMode) -> ConfigSnapshot:
+        """The snapshot a request admitted now runs with."""
+        return self._current[cache_mode]
+
+    def all(self) -> dict[str, ConfigSnapshot]:
+        """The current snapshot of every cache mode."""
+        return dict(self._current)
+
+    def _install(self, snapshot: ConfigSnapshot, count: bool = True) -> None:
+        with self._lock:
+            old = self._current.get(snapshot.cache_mode)
+            self._current[snapshot.cache_mode] = snapshot
+        cap = snapshot.policy.k_bit_cap if snapshot.policy is not None else None
+        self.telemetry.set_active(self.model_name, snapshot.cache_mode, snapshot.config, snapshot.source, cap)
+        if count and (old is None or old.config != snapshot.config):
+            self.telemetry.config_changes.labels(snapshot.cache_mode).inc()
+
+    def reload(self) -> None:
+        """Load every active entry of this model from the store (start-up, and after a store outage).
+
+        An entry that no longer validates is logged and skipped (the previous snapshot stays).
+        Raises StoreUnavailable if the store cannot be reached.
+        """
+        try:
+            entries = {e.cache_mode: e for e in self.resolver.store.list_active() if e.fingerprint == self.fingerprint}
+            self.telemetry.store_up.set(1)
+        except StoreUnavailable:
+            self.telemetry.store_up.set(0)
+            raise
+        for mode in CACHE_MODES:
+            entry = entries.get(mode)
+            if entry is None:
+                continue
+            try:
+                self._install(self.resolver.resolve(entry.config, mode, "active", entry.set_at))
+            except (ValueError, KeyError, StoreUnavailable) as exc:
+                log.error("active configuration of %s in the store is unusable (%s); keeping the previous", mode, exc)
+
+    def on_change(self, change: ActiveChange) -> None:
+        """Apply a store event (called from the store's listener thread)."""
+        entry = change.entry
+        if entry.fingerprint != self.fingerprint:
+            return
+        current = self._current.get(entry.cache_mode)
+        if current is not None and current.set_at is not None and entry.at < current.set_at:
+            return  # an older change arriving after a newer one this replica already applied
+        try:
+            self._install(self.resolver.resolve(entry.new, entry.cache_mode, "active", entry.at))
+        except (ValueError, KeyError, StoreUnavailable) as exc:
+            log.error("ignoring active configuration change for %s: %s", entry.cache_mode, exc)
+
+    def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str | None) -> AuditEntry:
+        """Validate ``config``, make it the store's active configuration (one atomic write + event) and use it
+        here at once (so a request admitted after this returns already runs with it).
+
+        Raises: ConfigInvalid, ArtifactNotFound, StoreUnavailable (nothing changed in each case).
+        """
+        snapshot = self.resolver.resolve(config, cache_mode, "active")
+        audit = self.resolver.store.set_active(self.fingerprint, cache_mode, config, key_id=key_id)
+        self._install(replace(snapshot, set_at=audit.at))
+        return audit

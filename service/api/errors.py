@@ -1,0 +1,158 @@
+"""The one mapping from typed exceptions to HTTP errors in OpenAI's shape.
+
+Every error answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's body; ``code`` is a short
+machine-readable reason). :data:`MAPPING` decides the status of each exception type raised inside the server;
+anything not listed is a 500 whose message does not leak internals. Whether a worker error is fatal is decided
+by the worker (`service.worker.is_device_fault`), which then fails readiness.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from service.active import ConfigInvalid
+from service.engine.errors import EngineInputError
+from service.policy.schema import ArtifactMismatch
+from service.policy.store import (
+    ArtifactConflict,
+    ArtifactInUse,
+    ArtifactNotFound,
+    InvalidName,
+    StoreUnavailable,
+)
+from service.worker import BatchFailed, JobCancelled, QueueFull, WorkerUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error raised by the API layer itself, with its status, OpenAI ``type``, ``code`` and ``param``."""
+
+    status: int = 400
+    type: str = "invalid_request_error"
+    code: str = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.headers = headers
+
+
+class InvalidRequest(ApiError):
+    """A request the server cannot serve as asked (unhonourable value, prompt too long, no tokenizer ...)."""
+
+
+class ArtifactRejected(ApiError):
+    """An uploaded or activated policy/state that does not fit the loaded model (nothing was stored)."""
+
+    status, code = 422, "artifact_rejected"
+
+
+class Unauthorized(ApiError):
+    """A missing or wrong bearer key (401)."""
+
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class AdminClosed(ApiError):
+    """Admin routes with no admin key configured (403)."""
+
+    status, type, code = 403, "permission_error", "admin_disabled"
+
+
+class NotFound(ApiError):
+    """An unknown model or route (404)."""
+
+    status, type, code = 404, "not_found_error", "not_found"
+
+
+class RequestTimeout(ApiError):
+    """A request older than ``request_timeout_s`` (504)."""
+
+    status, type, code = 504, "timeout_error", "request_timeout"
+
+
+# exception type -> (status, OpenAI type, code). First match in order wins (subclasses before bases).
+MAPPING: list[tuple[type[BaseException], int, str, str]] = [
+    (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
+    (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
+    (BatchFailed, 500, "server_error", "batch_failed"),
+    (JobCancelled, 499, "invalid_request_error", "cancelled"),
+    (ArtifactNotFound, 404, "not_found_error", "artifact_not_found"),
+    (ArtifactInUse, 409, "conflict_error", "artifact_in_use"),
+    (ArtifactConflict, 409, "conflict_error", "artifact_conflict"),
+    (ArtifactMismatch, 422, "invalid_request_error", "artifact_rejected"),
+    (ConfigInvalid, 400, "invalid_request_error", "invalid_config"),
+    (InvalidName, 400, "invalid_request_error", "invalid_name"),
+    (EngineInputError, 400, "invalid_request_error", "invalid_input"),
+]
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None) -> dict[str, Any]:
+    """The OpenAI error body."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | None]:
+    """Status, body and headers for any exception (the one place that decides)."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_body(str(exc), exc.type, exc.code, exc.param), exc.headers
+    for cls, status, type_, code in MAPPING:
+        if isinstance(exc, cls):
+            param = getattr(exc, "field", None)
+            headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+            message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+            return status, error_body(message, type_, code, param), headers
+    if isinstance(exc, RequestValidationError | ValidationError):
+        return _validation(exc)
+    if isinstance(exc, StarletteHTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return exc.status_code, error_body(str(exc.detail), type_, str(exc.status_code), None), exc.headers
+    log.error("unhandled error", exc_info=exc)
+    return 500, error_body("internal server error", "server_error", "internal_error", None), None
+
+
+def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dict[str, Any], None]:
+    """400 naming the first bad field (``messages.0.role``); malformed JSON says so."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
+    loc = [p for p in loc if not (p.startswith(("list[", "str", "int", "function-")) or p in ("float", "bool"))]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return 400, error_body(f"malformed JSON: {first.get('msg')}", "invalid_request_error", "invalid_json",
+                               None), None
+    if first.get("type") == "extra_forbidden":
+        message = f"unknown field {param!r}: neither an OpenAI field nor one of this server's"
+        return 400, error_body(message, "invalid_request_error", "unknown_field", param), None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return 400, error_body(message, "invalid_request_error", "invalid_value", param), None
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The JSON error response of any exception."""
+    status, body, headers = classify(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install(app: FastAPI) -> None:
+    """Route every exception through :func:`classify`."""
+
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(exc)
+
+    app.add_exception_handler(Exception, handler)
+    app.add_exception_handler(StarletteHTTPException, handler)
+    app.add_exception_handler(RequestValidationError, handler)
+    for cls, *_ in MAPPING:
+        app.add_exception_handler(cls, handler)
+    app.add_exception_handler(ApiError, handler)

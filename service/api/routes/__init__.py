@@ -1,0 +1,1 @@
+"""HTTP routes: thin functions that parse, call one method of a long-lived object, and shape the answer."""

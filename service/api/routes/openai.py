@@ -1,0 +1,41 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from service.api import schemas as s
+from service.api.deps import ServingDep, require_api_key
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@router.get("/models")
+def list_models(serving: ServingDep) -> s.ModelList:
+    """The served model (one)."""
+    return serving.models()
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: s.CompletionRequest, request: Request, serving: ServingDep
+                      ) -> s.CompletionResponse | StreamingResponse:
+    """OpenAI completions; SSE when ``stream`` (jobs admitted first, so a full queue is a 429)."""
+    plan = serving.plan_completion(body)
+    if plan.stream:
+        serving.submit(plan)
+        return StreamingResponse(serving.stream(plan), media_type="text/event-stream", headers=SSE_HEADERS)
+    return serving.completion_response(plan, await serving.run(plan, request))
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: s.ChatCompletionRequest, request: Request, serving: ServingDep
+                           ) -> s.ChatCompletionResponse | StreamingResponse:
+    """OpenAI chat completions; SSE when ``stream``."""
+    plan = serving.plan_chat(body)
+    if plan.stream:
+        serving.submit(plan)
+        return StreamingResponse(serving.stream(plan), media_type="text/event-stream", headers=SSE_HEADERS)
+    return serving.chat_response(plan, await serving.run(plan, request))

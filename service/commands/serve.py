@@ -1,0 +1,73 @@
+"""``python -m service serve``: start the HTTP server (uvicorn, one process: one worker owns the model).
+
+Every setting of `service.config.Settings` is also a flag (``--max-batch-size 8``); a flag overrides the
+``DLLM_*`` environment. With no ``--model`` (and no ``DLLM_MODEL``) the embedded default model is served.
+SIGTERM: readiness fails and new requests are refused at once, admitted ones finish (up to ``drain_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from service.config import Settings
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serve`` with one flag per setting."""
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server", description=__doc__)
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=field.description)
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings: environment, overridden by the flags given (JSON for structured settings such as kv_quant)."""
+    overrides: dict[str, Any] = {}
+    for name, field in Settings.model_fields.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, str):
+            value = json.loads(value)
+        overrides[name] = value
+    return Settings(**overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the settings, the app and a uvicorn server that drains on SIGTERM; run until stopped."""
+    import uvicorn
+
+    from service.main import create_app
+
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, json.JSONDecodeError) as exc:
+        print(f"error: bad setting: {exc}")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT, stop admitting before uvicorn stops accepting connections."""
+
+        def handle_exit(self, sig, frame) -> None:
+            worker = getattr(app.state, "worker", None)
+            if worker is not None:
+                worker.stop_accepting()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+    DrainingServer(config).run()
+    return 0

@@ -1,0 +1,164 @@
+"""The app factory and its lifespan: the model, worker, stores and metrics are built once and kept on ``app.state``.
+
+``create_app(settings)`` gives a FastAPI app; the lifespan (FastAPI's startup/shutdown) loads the engine (unless
+one is handed in, as HTTP-shape tests do with a fake engine), opens the store, loads the active configurations
+and subscribes to their changes, starts the worker and runs the readiness probe (one denoising step of a tiny
+input through the worker). Shutdown drains the worker (``drain_timeout_s``) and closes the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
+from service.api import errors
+from service.api.admin import Admin
+from service.api.routes import admin, health, native, openai
+from service.api.serving import Serving
+from service.config import Settings, served_model_name
+from service.engine.kv_store import KVStore
+from service.engine.params import DecodeParams, RowOptions
+from service.engine.spec import ModelSpec
+from service.policy.store import StoreUnavailable, open_store
+from service.quant.config import KVQuantConfig
+from service.telemetry import Telemetry
+from service.worker import EngineLike, Job, Worker
+
+log = logging.getLogger(__name__)
+
+GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+def default_kv_store_factory(spec: ModelSpec) -> Callable[[ConfigSnapshot], KVStore | None]:
+    """KV store of a batch: None (the engine's full-precision store) for method none, else the quantized store
+    `service.quant.make_kv_store` builds from the snapshot's config and loaded policy or state."""
+
+    def factory(snapshot: ConfigSnapshot) -> KVStore | None:
+        if snapshot.config.method == "none":
+            return None
+        from service.quant.store import make_kv_store
+
+        return make_kv_store(snapshot.config, spec, snapshot.policy, snapshot.state)
+
+    return factory
+
+
+def load_engine(settings: Settings) -> EngineLike:
+    """The engine the settings name (None: the embedded default model)."""
+    from service.engine import Engine
+
+    return Engine.load(settings.model, dtype=settings.dtype, device=settings.device, threads=settings.threads)
+
+
+class MetricsMiddleware:
+    """Counts every request by route and status, and times the generation endpoints (streams included: the
+    time runs until the last byte). Pure ASGI, so streaming and disconnect detection are untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        status = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            telemetry: Telemetry | None = getattr(scope["app"].state, "telemetry", None)
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "other"
+            if telemetry is not None:
+                telemetry.requests.labels(endpoint, str(status["code"])).inc()
+                if endpoint in GENERATION_ENDPOINTS:
+                    telemetry.latency.labels(endpoint).observe(time.monotonic() - start)
+
+
+async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeout_s: float) -> None:
+    """One denoising step of a one-token prompt and a 4-position response through the worker (readiness)."""
+    params = DecodeParams(gen_length=4, block_length=4, cache_mode="none", threshold=None, steps=1)
+    job = worker.submit(Job([spec.pad_id if spec.pad_id != spec.mask_id else 0], params, RowOptions(), snapshot,
+                            internal=True))
+    await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=timeout_s)
+
+
+def create_app(
+    settings: Settings | None = None,
+    engine: EngineLike | None = None,
+    kv_store_factory: Callable[[ConfigSnapshot], KVStore | None] | None = None,
+) -> FastAPI:
+    """The server app. ``settings`` default to the environment's; ``engine`` to the one the settings name."""
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        eng = engine if engine is not None else await asyncio.to_thread(load_engine, settings)
+        telemetry = Telemetry()
+        store = open_store(settings.store_url, prefix=settings.store_prefix)
+        model_name = served_model_name(settings, eng.spec.model_id)
+        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name)
+        try:
+            active.reload()
+        except StoreUnavailable as exc:
+            log.warning("store unreachable at start-up (%s); serving the default configuration until it returns", exc)
+
+        def reload_after_outage() -> None:
+            with contextlib.suppress(StoreUnavailable):
+                active.reload()
+
+        subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
+        worker = Worker(
+            eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry,
+            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
+            batch_wait_s=settings.batch_wait_ms / 1000, retry_after_s=settings.retry_after_s,
+            shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
+        )
+        worker.start()
+        app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
+        app.state.store, app.state.active, app.state.worker = store, active, worker
+        app.state.serving = Serving(eng, worker, active, settings, telemetry, model_name)
+        app.state.admin = Admin(store, active, telemetry)
+        app.state.probe_error = None
+        try:
+            await probe(worker, ConfigSnapshot(KVQuantConfig(), "none", "default"), eng.spec, timeout_s=120)
+            telemetry.ready.set(1)
+        except Exception as exc:  # the server still starts, so /health/ready can say why it is not ready
+            log.exception("readiness probe failed")
+            app.state.probe_error = f"{type(exc).__name__}: {exc}"
+            telemetry.ready.set(0)
+        try:
+            yield
+        finally:
+            telemetry.ready.set(0)
+            finished = await asyncio.to_thread(worker.drain, settings.drain_timeout_s)
+            if not finished:
+                log.warning("drain timed out after %.0f s; cancelled what was left", settings.drain_timeout_s)
+            subscription.close()
+            store.close()
+
+    app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    for router in (openai.router, native.router, health.router, admin.router):
+        app.include_router(router)
+    app.add_middleware(MetricsMiddleware)
+    return app
+
+
+def app_from_env() -> Any:
+    """``uvicorn --factory service.main:app_from_env``: the app with settings from the environment."""
+    return create_app()

@@ -1,0 +1,66 @@
+"""API keys on the serving routes, and the admin routes for KVQuant states (upload validated against the model,
+read, raw bytes, activate, refuse deletion while active), in-process with a fake engine and a directory store."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.config import Settings
+from tests.support.apps import ADMIN_KEY, fake_app
+from tests.support.artifacts import kvquant_state_for
+from tests.support.fake_engine import FakeEngine
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+SPEC = FakeEngine().spec
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    settings = Settings(store_url=str(tmp_path_factory.mktemp("store")), block_length=4, admin_key=ADMIN_KEY,
+                        api_keys=["user-key-1", "user-key-2"])
+    with TestClient(fake_app(settings)) as c:
+        yield c
+
+
+def test_api_keys_guard_serving_routes_not_health(client):
+    body = {"prompt": "ab", "max_tokens": 4}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer user-key-2"}).status_code == 200
+    assert client.post("/generate", json=body).status_code == 401
+    assert client.get("/health/ready").status_code == 200 and client.get("/metrics").status_code == 200
+    # The admin key is not an API key, and an API key is not the admin key.
+    assert client.get("/admin/policies", headers={"Authorization": "Bearer user-key-1"}).status_code == 401
+
+
+def test_kvquant_state_upload_read_activate_delete(client):
+    wrong = kvquant_state_for(SPEC, num_layers=SPEC.num_layers + 1)
+    r = client.post("/admin/kvquant_states", content=wrong.to_bytes(), headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "num_layers"
+    r = client.post("/admin/kvquant_states", content=b"not safetensors", headers=ADMIN)
+    assert r.status_code == 422
+    assert client.get("/admin/kvquant_states", headers=ADMIN).json()["data"] == []
+
+    state = kvquant_state_for(SPEC, bits=2)
+    r = client.post("/admin/kvquant_states", content=state.to_bytes(), headers=ADMIN)
+    assert r.status_code == 201 and r.json()["id"] == state.id
+    assert client.get(f"/admin/kvquant_states/{state.id}", headers=ADMIN).json()["bits"] == 2
+    assert client.get(f"/admin/kvquant_states/{state.id}/raw", headers=ADMIN).content == state.to_bytes()
+
+    r = client.put("/admin/active/dual", json={"method": "kvquant", "bits": 4, "kvquant_state_id": state.id},
+                   headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "kv_quant.bits"
+    r = client.put("/admin/active/dual", json={"method": "kvquant", "bits": 2, "kvquant_state_id": state.id},
+                   headers=ADMIN)
+    assert r.status_code == 200 and r.json()["old"]["method"] == "none"
+    gen = client.post("/generate", json={"prompt": "ab", "max_tokens": 4}, headers={"Authorization": "Bearer user-key-1"})
+    assert gen.json()["kv_config"]["kv_quant"]["kvquant_state_id"] == state.id
+    assert client.delete(f"/admin/kvquant_states/{state.id}", headers=ADMIN).status_code == 409
+    assert client.put("/admin/active/dual", json={"method": "none"}, headers=ADMIN).status_code == 200
+    assert client.delete(f"/admin/kvquant_states/{state.id}", headers=ADMIN).status_code == 204
+    assert client.get(f"/admin/kvquant_states/{state.id}", headers=ADMIN).status_code == 404
+    assert client.get("/admin/widgets", headers=ADMIN).json()["error"]["param"] == "kind"
+    audit = client.get("/admin/audit", headers=ADMIN).json()
+    assert [a["new"]["method"] for a in audit] == ["none", "kvquant"]

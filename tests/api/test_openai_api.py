@@ -1,0 +1,161 @@
+"""HTTP shapes of the OpenAI-compatible, native and tokenizer routes, in-process with a fake engine (the worker,
+store and error mapping are the real ones)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.config import Settings
+from tests.support.apps import fake_app, sse_events
+from tests.support.fake_engine import BOS, EOS, OFFSET
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    settings = Settings(store_url=str(tmp_path_factory.mktemp("store")), block_length=4, default_max_tokens=16)
+    with TestClient(fake_app(settings)) as c:
+        yield c
+
+
+def ids(text: str) -> list[int]:
+    from tests.support.fake_engine import ALPHABET
+
+    return [OFFSET + ALPHABET.index(ch) for ch in text]
+
+
+def test_completion_text_usage_and_config(client):
+    r = client.post("/v1/completions", json={"model": "fake-llada", "prompt": "hello", "max_tokens": 16})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-llada"
+    assert body["choices"] == [{"index": 0, "text": "olleh", "logprobs": None, "finish_reason": "stop"}]
+    # BOS + 5 prompt tokens; 5 answer tokens + EOS.
+    assert body["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert body["kv_config"]["kv_quant"]["method"] == "none" and body["kv_config"]["source"] == "default"
+
+
+@pytest.mark.parametrize(
+    "prompt,texts",
+    [(["ab", "xyz"], ["ba", "zyx"]), (ids("abc"), ["cba"]), ([ids("ab"), ids("cd")], ["ba", "dc"])],
+)
+def test_completion_prompt_forms(client, prompt, texts):
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == texts
+
+
+def test_max_tokens_rounds_up_to_whole_blocks_and_stop_strings_never_leak(client):
+    # max_tokens 5 with block_length 4 -> 8 response positions: 8 of the 10 reversed characters.
+    r = client.post("/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 5})
+    assert r.json()["choices"][0] == {"index": 0, "text": "jihgfedc", "logprobs": None, "finish_reason": "length"}
+    r = client.post("/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 12, "stop": ["fe", "zz"]})
+    assert r.json()["choices"][0]["text"] == "jihg" and r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_completion(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": " tnatsissaih resu"}
+
+
+def test_streaming_one_chunk_per_block_then_finish_usage_done(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 12, "stream": True,
+                                                       "stop": "dc"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    # 3 blocks of 4: "jihg", "fe" (the "dc" that follows is a stop string, held back and cut), then the finish.
+    assert [c["choices"][0]["text"] for c in chunks] == ["jihg", "fe", "", ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["prompt_tokens"] == 11
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_chat_streaming_starts_with_role(client):
+    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}],
+                                                            "max_tokens": 8, "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"]["content"] or "" for e in events[1:-1]) == " tnatsis"
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def test_native_generate_returns_the_report(client):
+    r = client.post("/generate", json={"prompt": ids("abc"), "max_tokens": 4, "cache_mode": "prefix"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["rows"][0]["generated_ids"] == ids("cba") + [EOS]
+    assert body["rows"][0]["text"] == "cba" and body["rows"][0]["nfe"] == 1
+    assert body["params"]["gen_length"] == 4 and body["params"]["cache_mode"] == "prefix"
+    assert body["kv_config"]["cache_mode"] == "prefix" and body["prompt_tokens"] == 3 and body["batch_size"] == 1
+
+
+def test_models_and_tokenizer_endpoints(client):
+    assert client.get("/v1/models").json()["data"][0]["id"] == "fake-llada"
+    tok = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()
+    assert tok == {"tokens": ids("ab"), "count": 2, "max_model_len": 512}
+    assert client.post("/tokenize", json={"prompt": "ab"}).json()["tokens"] == [BOS] + ids("ab")
+    assert client.post("/detokenize", json={"tokens": ids("ab")}).json() == {"prompt": "ab"}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<eos>" and "messages" in info["chat_template"]
+
+
+def test_health_ready_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health/ready").status_code == 200
+    assert "dllm_requests_total" in client.get("/metrics").text
+
+
+BAD = [
+    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "top_p": 0.5}, "top_p"),
+    ({"prompt": "a", "logprobs": 1}, "logprobs"),
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "a" * 600, "max_tokens": 4}, "prompt"),
+    ({"prompt": "a", "kv_quant": {"method": "gptq"}}, "kv_quant.method"),
+    ({"prompt": "a", "kv_quant": {"method": "kivi", "bits": 3}}, "kv_quant.bits"),
+    ({"prompt": "a", "kv_quant": {"method": "kivi", "bits": 4}, "cache_mode": "none"}, "cache_mode"),
+    ({"prompt": "a", "kv_quant": {"method": "dllm_kvq", "policy_file": "/etc/passwd"}}, "kv_quant.policy_file"),
+    ({"prompt": "a", "cache_mode": "triple"}, "cache_mode"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [], "max_tokens": 4}, "prompt"),
+    ({"prompt": [5, 10**6]}, "prompt"),
+    ({"prompt": "a", "model": "gpt-4"}, "model"),
+    ({"prompt": "a", "steps": 3, "max_tokens": 8}, "steps"),
+]
+
+
+@pytest.mark.parametrize("payload,param", BAD, ids=[p for _, p in BAD])
+def test_bad_completion_input_is_a_400_naming_the_field(client, payload, param):
+    r = client.post("/v1/completions", json=payload)
+    assert r.status_code in (400, 404), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"]
+    assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_and_unknown_route(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_chat_bad_input(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                  "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_admin_closed_without_key(client):
+    r = client.get("/admin/policies")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"

@@ -1,0 +1,61 @@
+"""``python -m service generate --kv-quant ...``: quantized decoding from the command line, and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.policy.schema import LayerPolicy, PolicyTable, Provenance
+from tests.support.fastdllm import CKPT, REPO_ROOT, four_prompts
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prompt = ",".join(map(str, four_prompts("llada")[1]))
+    return subprocess.run(
+        [sys.executable, "-m", "service", "generate", "--threads", "1", "--model", str(CKPT["llada"]),
+         "--prompt-ids", prompt, "--gen-length", "64", "--ignore-eos", *args],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec():
+    from service.engine import Engine
+
+    return Engine.load(CKPT["llada"]).spec
+
+
+def _policy(spec, layers: int) -> PolicyTable:
+    return PolicyTable(
+        model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=2, k_group_size=32,
+        v_group_size=16, k_bit_cap=4.9, provenance=Provenance(data="none", code="tests"),
+        layers=[LayerPolicy(score_type="hybrid", p=1)] * layers,
+    )
+
+
+def test_dllm_kvq_from_a_policy_file_reports_kv(tmp_path, spec):
+    """The --json report carries the kv field (plain output adds a [kv=...] line)."""
+    table = _policy(spec, spec.num_layers)
+    path = tmp_path / "policy.json"
+    path.write_text(table.to_json())
+    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--json")
+    assert out.returncode == 0, out.stderr
+    kv = json.loads(out.stdout)["kv"]
+    assert kv["config"]["method"] == "dllm_kvq" and kv["config"]["bits"] == 2 and kv["policy_id"] == table.id
+    assert kv["k_nominal_bits"] > 2 and kv["v_nominal_bits"] == 2 and len(kv["per_layer"]) == spec.num_layers
+
+
+def test_bad_kv_input_exits_2_with_what_is_legal(tmp_path, spec):
+    out = _cli("--kv-quant", "kvquant")
+    assert out.returncode == 2 and "needs exactly one of kvquant_state_id or kvquant_state_file" in out.stderr
+    path = tmp_path / "policy.json"
+    path.write_text(_policy(spec, spec.num_layers + 1).to_json())
+    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path))
+    assert out.returncode == 2 and "layers: the policy has 4 layer entries, the model has 3" in out.stderr
+    out = _cli("--kv-quant", "kivi", "--kv-bits", "3")
+    assert out.returncode == 2 and "invalid choice: 3 (choose from 2, 4, 8)" in out.stderr
