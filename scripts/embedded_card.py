@@ -20,6 +20,10 @@ sys.path.insert(0, str(ROOT))
 from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, LIST_LENGTH, OPS, SPLIT_SIZES, load_split
 
 TARGET_EM = 0.80
+SITTING_KEYS = ("lr", "batch", "ramp_tokens", "final_sum_weight", "zero_start", "zero_ramp_from", "zero_ramp_tokens")
+# Sittings logged before an argument existed ran with the behaviour these values give (uniform digits, sum weight 3).
+SITTING_ARGS_BEFORE_THEY_EXISTED = {"final_sum_weight": "3.0", "zero_start": "0.1", "zero_ramp_from": "0",
+                                    "zero_ramp_tokens": "16000000"}
 
 
 def pct(x: float) -> str:
@@ -49,11 +53,18 @@ def card(directory: Path, note: str) -> str:
         + ", ".join(f"{mode} {'yes' if gap <= 0.05 else 'no'} ({-100 * gap:+.1f} points)" for mode, gap in gaps.items())
     )
     confident = modes["none"].get("revealed_confident_share")
-    keys = ("lr", "batch", "ramp_tokens", "final_sum_weight", "zero_start", "zero_ramp_from", "zero_ramp_tokens")
+    sits = [{**SITTING_ARGS_BEFORE_THEY_EXISTED, **s} for s in train.get("sittings", [])]
     sitting_rows = "\n".join(
-        f"| {s['from_tokens']:,} | " + " | ".join(str(s.get(k, "default")) for k in keys) + " |"
-        for s in train.get("sittings", [])
+        f"| {s['from_tokens']:,} | " + " | ".join(str(s[k]) for k in SITTING_KEYS) + " |" for s in sits
     )
+    commands = []
+    for i, s in enumerate(sits):
+        until = sits[i + 1]["from_tokens"] if i + 1 < len(sits) else train["tokens_seen"]
+        flags = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in SITTING_KEYS)
+        first = (f"--d-model {config['d_model']} --n-layers {config['n_layers']} --n-heads {config['n_heads']} "
+                 f"--seed {train['seed']}" if i == 0 else "--resume")
+        commands.append(f"python scripts/train_embedded.py --run-dir runs/embedded {first} {flags} --max-tokens {until}")
+    train_commands = "\n".join(commands)
     hours = train["train_seconds"] / 3600
     return f"""# dllm-kvq embedded default model (digit ledger, LLaDA format)
 
@@ -94,8 +105,8 @@ prompt never masked, answer + `<|eot_id|>` + EOS padding to {GEN_LENGTH}), AdamW
 |---|---|---|---|---|---|
 | {train['tokens_seen']:,} | {train['steps']:,} | {hours:.2f} h | {train['seed']} | {train['hardware']} | {train['torch']} |
 
-Sittings (`runs/embedded/log.jsonl`; each resumed the previous checkpoint with these curriculum arguments of
-`train_embedded.py`):
+Sittings (from the run's log; each resumed the previous checkpoint with these arguments of `train_embedded.py`,
+see "Reproduce"; the curriculum was changed between sittings as the run showed what the model needed):
 
 | from tokens | lr | batch | ramp_tokens | final_sum_weight | zero_start | zero_ramp_from | zero_ramp_tokens |
 |---|---|---|---|---|---|---|---|
@@ -129,9 +140,8 @@ evaluation matrix (`python -m evaluation`) and is not part of this card's measur
 
 ```bash
 python scripts/build_embedded_tokenizer.py              # tokenizer (already shipped)
-python scripts/train_embedded.py --run-dir runs/embedded --d-model {config['d_model']} --n-layers {config['n_layers']} \\
-    --n-heads {config['n_heads']} --lr 2e-3                # resumable: add --resume for a next sitting
-python scripts/export_embedded.py --ckpt runs/embedded/best.pt
+{train_commands}
+python scripts/export_embedded.py --ckpt runs/embedded/ckpt-{train['tokens_seen']:012d}.pt
 python scripts/validate_embedded.py --out service/assets/embedded/measurements.json
 python scripts/embedded_card.py --note "..."
 ```
