@@ -46,7 +46,7 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, generate, make_question, score
+from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, generate, make_question, response_text, score
 from service.engine.models import LLaDAModel
 
 TOKENIZER_DIR = ROOT / "service/assets/embedded"
@@ -113,7 +113,7 @@ class Stream:
         p = self.tok.encode(text, add_special_tokens=False)
         if answer is None:
             return p, None
-        r = self.tok.encode(answer, add_special_tokens=False) + [self.eot]
+        r = self.tok.encode(response_text(answer), add_special_tokens=False) + [self.eot]
         assert len(r) <= GEN_LENGTH, "answer longer than GEN_LENGTH"
         return p, r + [self.tok.eos_token_id] * (GEN_LENGTH - len(r))
 

@@ -132,6 +132,13 @@ def generate(split: str, count: int | None = None, seed: int | None = None,
         index += 1
 
 
+def response_text(answer: str) -> str:
+    """The text the model is trained to produce for ``answer``: a leading space, so that every answer digit is the
+    same ``" d"`` token as in the prompt (without it the first digit is a different token, ``"d"``, and the
+    running sum had to learn the step after it separately). Scoring ignores whitespace, so both forms match."""
+    return " " + answer
+
+
 def normalize(text: str) -> str:
     """The scoring filter: drop all whitespace (so only the digits and their order count)."""
     return _WHITESPACE.sub("", text)

@@ -77,7 +77,7 @@ def test_response_is_answer_eot_then_eos_padding(train):
     stream = train.Stream(tok, seed=0)
     prompt, response = stream.encode("copy: 1 2", "1 2")
     assert len(response) == train.GEN_LENGTH
-    assert tok.decode(response[:2]) == "1 2"
+    assert tok.decode(response[:2]) == " 1 2"  # every digit the " d" token, as in the prompt
     assert response[2] == tok.convert_tokens_to_ids("<|eot_id|>")
     assert set(response[3:]) == {tok.eos_token_id}
     assert prompt == tok.apply_chat_template([{"role": "user", "content": "copy: 1 2"}], add_generation_prompt=True)
