@@ -50,7 +50,7 @@ def test_spec_matches_config_and_tokenizer(engine):
     assert generation["mask_token_id"] == spec.mask_id and generation["bos_token_id"] == tok.bos_token_id
 
 
-@pytest.mark.parametrize("op", ["copy", "next"])
+@pytest.mark.parametrize("op", ["copy", "next", "sum"])
 def test_answers_a_held_out_question_in_dual_mode(engine, op):
     q = next(q for q in load_split("validation") if q.op == op)
     params = DecodeParams(gen_length=GEN_LENGTH, block_length=BLOCK_LENGTH, cache_mode="dual", threshold=0.9)
