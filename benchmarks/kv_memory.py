@@ -207,6 +207,7 @@ def main() -> None:
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--peak", action="store_true", help="also measure block peaks in fresh processes")
+    ap.add_argument("--no-sizes", action="store_true", help="skip the bytes-held table (with --peak)")
     ap.add_argument("--child", nargs=3, metavar=("METHOD", "BITS", "KEEP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -214,7 +215,8 @@ def main() -> None:
         args.child_method, args.child_bits, args.child_keep = args.child[0], int(args.child[1]), args.child[2] == "1"
         peak_child(args)
         return
-    sizes(args)
+    if not args.no_sizes:
+        sizes(args)
     if args.peak:
         peaks(args)
 

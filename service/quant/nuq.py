@@ -29,22 +29,27 @@ import torch
 
 #: torch.quantile refuses inputs above 2^24 elements; quantiles are taken in row chunks below that.
 _QUANTILE_MAX_ELEMENTS = 2**24
+#: Elements per chunk of the nearest-codebook search.
+_NEAREST_CHUNK = 2**15
 
 
 def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the nearest ``lut`` entry to each element of ``u`` (ties: the earlier entry).
 
-    Equivalent to the reference's ``argmin`` over ``|u - c|`` (first minimum wins) without materializing the
-    ``[..., 2^b]`` distance tensor.
+    The reference's ``argmin`` over ``|u - c|`` (the first minimum wins), computed in chunks of elements so the
+    ``[chunk, 2^b]`` distance matrix stays small.
     """
-    best = (u - lut[0]).abs()
-    code = torch.zeros(u.shape, dtype=torch.uint8, device=u.device)
-    for i in range(1, lut.numel()):
-        dist = (u - lut[i]).abs()
-        closer = dist < best  # strict: an equal distance keeps the earlier entry
-        best = torch.where(closer, dist, best)
-        code[closer] = i
-    return code
+    flat = u.reshape(-1)
+    code = torch.empty(flat.numel(), dtype=torch.uint8, device=u.device)
+    for i in range(0, flat.numel(), _NEAREST_CHUNK):
+        part = flat[i : i + _NEAREST_CHUNK]
+        code[i : i + _NEAREST_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
+    return code.view(u.shape)
+
+
+def _lookup(lut: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``lut[codes]`` with an int32 index (a quarter of the int64 index's memory traffic)."""
+    return lut.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def _normalized(x: torch.Tensor, offset: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
@@ -83,7 +88,7 @@ def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut
 def dequantize_keys(codes: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """float32 ``[N, C]``: ``lut[code] * range + offset`` (outliers are filled in by the caller)."""
     offset, half_range = key_offset_range(upper, lower)
-    return lut[codes.long()] * half_range + offset
+    return _lookup(lut, codes) * half_range + offset
 
 
 def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
@@ -126,7 +131,7 @@ def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, spa
 
 def dequantize_values(codes, offset, half_range, lut) -> torch.Tensor:
     """float32 ``[N, C]``: ``lut[code] * range + offset`` per token (outliers are filled in by the caller)."""
-    return lut[codes.long()] * half_range[:, None] + offset[:, None]
+    return _lookup(lut, codes) * half_range[:, None] + offset[:, None]
 
 
 def fit_layer(

@@ -34,21 +34,27 @@ def states(engines):
     """A KVQuant state per (arch, bits), fitted on the model's own pre-RoPE keys and values of two prompts."""
     fitted = {}
     for arch, engine in engines.items():
-        keys, values = {}, {}
-
-        def hook(layer, q, k_pre, k, v):
-            keys.setdefault(layer, []).append(k_pre)
-            values.setdefault(layer, []).append(v)
-
-        with torch.inference_mode():
-            for prompt in _four_prompts(arch)[1:3]:
-                engine.model(torch.tensor([prompt]), None, kv_hook=hook)
+        keys, values = _capture_pre_rope(engine, _four_prompts(arch)[1:3])
         layers = range(engine.spec.num_layers)
         k = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in keys[i]]) for i in layers]
         v = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in values[i]]) for i in layers]
         for bits in (2, 4):
             fitted[arch, bits] = fit_state(k, v, bits, engine.spec, PROV)
     return fitted
+
+
+def _capture_pre_rope(engine, prompts):
+    """Per layer, the pre-RoPE keys and the values of full forwards over ``prompts``."""
+    keys, values = {}, {}
+
+    def hook(layer, q, k_pre, k, v):
+        keys.setdefault(layer, []).append(k_pre)
+        values.setdefault(layer, []).append(v)
+
+    with torch.inference_mode():
+        for prompt in prompts:
+            engine.model(torch.tensor([prompt]), None, kv_hook=hook)
+    return keys, values
 
 
 def policy_for(spec, bits: int, p: int = 1) -> PolicyTable:

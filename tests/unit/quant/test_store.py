@@ -213,7 +213,7 @@ def test_kvquant_store_matches_nuq_functions_with_gqa():
     store = store_for("kvquant")
     assert isinstance(store, QuantizedKVStore) and store.pre_rope_keys
     store.write(1, k, v, seg)
-    rk, rv = store.read(1)
+    rk, _ = store.read(1)
     cols = list(range(24)) + list(range(32, 40))
     x2d = k[0][:, cols].transpose(0, 1).reshape(32, -1)  # [T, H*D], column h*D + d
     s = STATE4
