@@ -174,10 +174,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--methods", default=None,
+        help=f"comma-separated method names to run (default: all; always includes {BASELINE!r} and {CACHE_BASELINE!r})",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=1, help="decodes per method, interleaved across methods; the fastest counts"
     )
     parser.add_argument("--lm-head-scale", type=float, default=10.0, help="raises random-weight confidence")
     args = parser.parse_args(argv)
+    methods = METHODS
+    if args.methods is not None:
+        wanted = {name.strip() for name in args.methods.split(",")} | {BASELINE, CACHE_BASELINE}
+        unknown = wanted - {m.name for m in METHODS}
+        if unknown:
+            parser.error(f"unknown methods {sorted(unknown)}; legal: {', '.join(m.name for m in METHODS)}")
+        methods = [m for m in METHODS if m.name in wanted]
 
     torch.set_num_threads(args.threads)
     from service.engine.loading import resolve_dtype
@@ -213,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, Measurement] = {}
         # Interleaved repeats: on a shared machine the load drifts; the fastest decode of each method counts.
         for _ in range(args.repeats):
-            for method in METHODS:
+            for method in methods:
                 params = DecodeParams(
                     gen_length=args.gen_length, block_length=args.block_length, cache_mode=method.cache_mode,
                     ignore_eos=True, **schedule,
