@@ -106,7 +106,7 @@ def collect(out: str | Path, sources=SOURCES) -> dict[str, int]:
         import datasets  # optional: only hosts with internet run collect
     except ImportError as error:
         raise CollectError(
-            "collect needs the 'datasets' package and internet access (pip install datasets); "
+            "collect needs the 'datasets' package and internet access (pip install 'dllm-kvq[collect]'); "
             "without them use the shipped offline corpus (calibration/data/offline)"
         ) from error
     out = Path(out)

@@ -176,7 +176,8 @@ def score_matrix(prompt_ids: Sequence[int], answer_ids: Sequence[int], assignmen
     return scores
 
 
-def solve_assignment(scores: np.ndarray, schedule: Schedule, scale: int = COST_SCALE) -> tuple[int, ...]:
+def solve_assignment(scores: np.ndarray, schedule: Schedule, scale: int = COST_SCALE,
+                     previous: Sequence[int] | None = None) -> tuple[int, ...]:
     """The assignment maximizing ``sum_i S[i, a_i]`` under the windows and budgets, by min-cost flow.
 
     Graph as in the paper's "TRACE Flow Construction": source -> token ``i`` (capacity 1, cost 0), token ->
@@ -184,6 +185,12 @@ def solve_assignment(scores: np.ndarray, schedule: Schedule, scale: int = COST_S
     ``k_t``, cost 0); the source supplies ``L`` units and the sink takes ``L``, so every token is assigned once and
     every step gets exactly ``k_t``. Integer costs keep networkx's network simplex exact; the optimum found is
     within ``L / (2 * scale)`` nats of the real-valued one.
+
+    Ties: with ``previous`` (the current assignment), every cost is multiplied by ``L + 1`` and the edge of each
+    token's current step gets one unit less, so among assignments of equal (rounded) score the solver keeps the
+    current one; the bonus sums to at most ``L`` units, less than one unit of score, so it never outweighs a real
+    difference. Without it, interchangeable tokens (such as the EOS padding of an answer) could swap steps in every
+    round and the refinement would never see a stable assignment.
 
     Args:
         scores: float ``[L, num_steps]``; entries outside the windows are ignored; legal ones must be finite.
@@ -202,7 +209,10 @@ def solve_assignment(scores: np.ndarray, schedule: Schedule, scale: int = COST_S
         for step in schedule.window(i):
             if not np.isfinite(scores[i, step]):
                 raise ScheduleError(f"score of token {i} at legal step {step} is {scores[i, step]}")
-            graph.add_edge(("token", i), ("step", step), capacity=1, weight=-int(round(scores[i, step] * scale)))
+            weight = -int(round(scores[i, step] * scale))
+            if previous is not None:
+                weight = weight * (schedule.answer_length + 1) - int(previous[i] == step)
+            graph.add_edge(("token", i), ("step", step), capacity=1, weight=weight)
     for step, budget in enumerate(schedule.budgets):
         graph.add_edge(("step", step), "sink", capacity=budget, weight=0)
     try:
@@ -263,7 +273,7 @@ def trace(prompt_ids: Sequence[int], answer_ids: Sequence[int], forward: Forward
     objectives = []
     for _ in range(max_rounds):
         scores = score_matrix(prompt_ids, answer_ids, assignment, schedule, mask_id, forward, batch_size)
-        following = solve_assignment(scores, schedule)
+        following = solve_assignment(scores, schedule, previous=assignment)
         objectives.append(float(scores[np.arange(len(following)), following].sum()))
         stable = following == assignment
         assignment = following

@@ -149,6 +149,23 @@ class DllmKvqLM(TemplateLM):
         )
 
     # ---- lm-eval plumbing -------------------------------------------------------------------------------------
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None):
+        """lm-eval's constructor path: ``--batch_size`` / ``--device`` arrive in ``additional_config``; a value
+        also given in ``--model_args`` wins (lm-eval's base class would raise a duplicate-keyword TypeError)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        if str(extra.get("device", "")).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes device "cuda:0" unless told otherwise; on a CPU host keep our default (cpu).
+            log.warning("device %s is not available here; using cpu", extra.pop("device"))
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None):
+        """As `create_from_arg_obj`, from ``key=value,...``."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     @property
     def eot_token_id(self) -> int:
         return self.spec.eos_ids[0]

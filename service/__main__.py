@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: the process arguments) and run the chosen command; returns its exit code."""
     args = build_parser().parse_args(argv)
     return args.func(args)
 

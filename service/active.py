@@ -178,6 +178,7 @@ class ActiveConfigs:
 
     @property
     def fingerprint(self) -> str:
+        """The loaded model's weights fingerprint."""
         return self.resolver.spec.fingerprint
 
     def snapshot(self, cache_mode: CacheMode) -> ConfigSnapshot:
@@ -185,6 +186,7 @@ class ActiveConfigs:
         return self._current[cache_mode]
 
     def all(self) -> dict[str, ConfigSnapshot]:
+        """The current snapshot of every cache mode."""
         return dict(self._current)
 
     def _install(self, snapshot: ConfigSnapshot, count: bool = True) -> None:

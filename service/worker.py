@@ -117,6 +117,7 @@ class JobResult:
 
     @property
     def row(self) -> RowReport:
+        """The job's row report."""
         return self.report.rows[0]
 
 
@@ -148,10 +149,12 @@ class Job:
 
     @property
     def cancelled(self) -> bool:
+        """Whether the job was cancelled."""
         return self.cancel_event.is_set()
 
     @property
     def batch_key(self) -> tuple[Any, ...]:
+        """Jobs with equal keys can share a batch: decode params, snapshot, shadow or not, internal or not."""
         return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal)
 
 
@@ -220,11 +223,14 @@ class Worker:
 
     @property
     def healthy(self) -> bool:
-        """False after an unrecoverable device fault or once the thread is gone."""
-        return self.fault is None and self._thread.is_alive()
+        """False after an unrecoverable device fault or once the thread is gone (jobs submitted before
+        :meth:`start` wait for it)."""
+        started = self._thread.ident is not None
+        return self.fault is None and (not started or self._thread.is_alive())
 
     @property
     def accepting(self) -> bool:
+        """Whether :meth:`submit` admits jobs (not draining, no device fault)."""
         return self._accepting and self.healthy
 
     def stop_accepting(self) -> None:
@@ -287,10 +293,12 @@ class Worker:
 
     @property
     def num_waiting(self) -> int:
+        """Jobs in the queue."""
         return len(self._queue)
 
     @property
     def num_running(self) -> int:
+        """Jobs in the batch being decoded."""
         return len(self._running)
 
     def _purge_cancelled(self) -> None:

@@ -52,6 +52,7 @@ class Admin:
 
     @staticmethod
     def kind(segment: str) -> str:
+        """The store kind of a URL segment (``policies``, ``kvquant_states``; 400 otherwise)."""
         if segment not in ARTIFACT_KINDS:
             raise InvalidRequest(f"unknown artifact kind {segment!r}; legal: {', '.join(ARTIFACT_KINDS)}",
                                  param="kind")
@@ -59,6 +60,7 @@ class Admin:
 
     # ---- artifacts ---------------------------------------------------------------------------------------------
     def list(self, segment: str) -> s.ArtifactList:
+        """Every stored artifact of a kind with its size and creation time."""
         kind = self.kind(segment)
         ids = self._tracked(self.store.list, kind)
         return s.ArtifactList(kind=kind, data=[self._tracked(self.store.info, kind, i).model_dump() for i in ids])
@@ -72,6 +74,7 @@ class Admin:
         return KVQuantState.from_bytes(data).meta.model_dump(mode="json") | {"id": artifact_id}
 
     def read_bytes(self, segment: str, artifact_id: str) -> bytes:
+        """An artifact's stored bytes."""
         return self._tracked(self.store.get, self.kind(segment), artifact_id)
 
     def upload(self, segment: str, body: bytes) -> dict[str, Any]:
@@ -96,10 +99,12 @@ class Admin:
         return {"kind": kind, "id": artifact_id}
 
     def delete(self, segment: str, artifact_id: str) -> None:
+        """Delete an artifact (ArtifactInUse if an active configuration names it)."""
         self._tracked(self.store.delete, self.kind(segment), artifact_id)
 
     # ---- active configuration ----------------------------------------------------------------------------------
     def view_active(self) -> s.ActiveView:
+        """Serving snapshots per cache mode, and the store's entries (None when it is unreachable)."""
         serving = {mode: snap.describe() for mode, snap in self.active.all().items()}
         try:
             entries = self._tracked(self.store.list_active)
@@ -123,6 +128,7 @@ class Admin:
                                   key_id=audit.key_id, old=audit.old or served, new=audit.new)
 
     def audit(self, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` audit entries."""
         return [e.model_dump(mode="json") for e in self._tracked(self.store.audit, limit)]
 
     # ---- evaluation scores -------------------------------------------------------------------------------------

@@ -19,30 +19,37 @@ from service.worker import Worker
 
 
 def get_settings(request: Request) -> Settings:
+    """The settings the app was built with."""
     return request.app.state.settings
 
 
 def get_worker(request: Request) -> Worker:
+    """The worker that owns the engine."""
     return request.app.state.worker
 
 
 def get_store(request: Request) -> Store:
+    """The policy/state store."""
     return request.app.state.store
 
 
 def get_active(request: Request) -> ActiveConfigs:
+    """The active configurations."""
     return request.app.state.active
 
 
 def get_telemetry(request: Request) -> Telemetry:
+    """The metrics."""
     return request.app.state.telemetry
 
 
 def get_serving(request: Request) -> Serving:
+    """The serving logic."""
     return request.app.state.serving
 
 
 def get_admin(request: Request) -> Admin:
+    """The admin logic."""
     return request.app.state.admin
 
 

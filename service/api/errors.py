@@ -56,18 +56,26 @@ class ArtifactRejected(ApiError):
 
 
 class Unauthorized(ApiError):
+    """A missing or wrong bearer key (401)."""
+
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
 
 class AdminClosed(ApiError):
+    """Admin routes with no admin key configured (403)."""
+
     status, type, code = 403, "permission_error", "admin_disabled"
 
 
 class NotFound(ApiError):
+    """An unknown model or route (404)."""
+
     status, type, code = 404, "not_found_error", "not_found"
 
 
 class RequestTimeout(ApiError):
+    """A request older than ``request_timeout_s`` (504)."""
+
     status, type, code = 504, "timeout_error", "request_timeout"
 
 
@@ -131,6 +139,7 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
 
 
 def error_response(exc: BaseException) -> JSONResponse:
+    """The JSON error response of any exception."""
     status, body, headers = classify(exc)
     return JSONResponse(body, status_code=status, headers=headers)
 

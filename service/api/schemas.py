@@ -26,6 +26,8 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
+    """OpenAI's ``stream_options`` (usage is always sent in the last chunk)."""
+
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
@@ -36,7 +38,7 @@ class DiffusionKnobs(StrictModel):
 
     cache_mode: CacheMode | None = None
     block_length: int | None = Field(None, gt=0)
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
     steps: int | None = Field(None, gt=0, description="total denoising steps (fixed schedule instead of threshold)")
     remasking: Literal["low_confidence", "random"] | None = None
     ignore_eos: bool = False
@@ -72,17 +74,22 @@ class CompletionRequest(OpenAISampling):
 
 
 class TextPart(StrictModel):
+    """A text part of a message's content (other part types are refused)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(StrictModel):
+    """One chat message; ``developer`` is treated as ``system``."""
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     @property
     def text(self) -> str:
+        """The content as one string (parts joined)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -159,16 +166,21 @@ def _now() -> int:
 
 
 def new_id(prefix: str) -> str:
+    """A request id such as ``cmpl-<32 hex>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class Usage(BaseModel):
+    """Token counts: prompt, completion (up to and including EOS), total."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class CompletionChoice(BaseModel):
+    """One choice of a completion (or of a streamed completion chunk)."""
+
     index: int
     text: str
     logprobs: None = None
@@ -176,6 +188,8 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
+    """OpenAI's completion object; ``kv_config`` is our addition."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
@@ -186,11 +200,15 @@ class CompletionResponse(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
+    """The assistant's message."""
+
     role: Literal["assistant"] = "assistant"
     content: str
 
 
 class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
     index: int
     message: ChatMessageOut
     logprobs: None = None
@@ -198,6 +216,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """OpenAI's chat completion object; ``kv_config`` is our addition."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
@@ -208,11 +228,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """The text delta of a streamed chat chunk."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):
+    """One choice of a streamed chat chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: None = None
@@ -220,6 +244,8 @@ class ChatChunkChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """OpenAI's chat completion chunk."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
@@ -229,6 +255,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One model of ``/v1/models`` (vLLM's fields)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
@@ -238,6 +266,8 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """``/v1/models``."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
@@ -268,6 +298,8 @@ class GenerateResponse(DecodeReport):
 
 # ---- tokenizer (lm-eval's RemoteTokenizer and vLLM's shapes) ---------------------------------------------------------
 class TokenizeRequest(StrictModel):
+    """``/tokenize``: a prompt, or chat messages rendered through the chat template."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -276,22 +308,30 @@ class TokenizeRequest(StrictModel):
 
 
 class TokenizeResponse(BaseModel):
+    """Token ids, their count and the model's context length."""
+
     tokens: list[int]
     count: int
     max_model_len: int
 
 
 class DetokenizeRequest(StrictModel):
+    """``/detokenize``: token ids."""
+
     model: str | None = None
     tokens: list[int]
 
 
 class DetokenizeResponse(BaseModel):
+    """The text of the token ids."""
+
     prompt: str
 
 
 # ---- admin -----------------------------------------------------------------------------------------------------------
 class ArtifactList(BaseModel):
+    """Stored artifacts of one kind with their size and creation time."""
+
     kind: str
     data: list[dict[str, Any]]
 
@@ -306,6 +346,8 @@ class ActiveView(BaseModel):
 
 
 class ActivateResponse(BaseModel):
+    """The change made: old and new configuration, when, by which key id."""
+
     fingerprint: str
     cache_mode: CacheMode
     at: float
@@ -327,5 +369,7 @@ class EvalScoreReport(StrictModel):
 
 
 class EvalScoreAck(BaseModel):
+    """Where the evaluation report was stored, and when."""
+
     id: str = Field(description="store id of the stored report (kind eval_scores)")
     at: float

@@ -94,6 +94,7 @@ class Serving:
 
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
+        """``/v1/models``: the one served model."""
         return s.ModelList(data=[s.ModelCard(id=self.model_name, max_model_len=self.spec.max_length,
                                              root=self.spec.model_id)])
 
@@ -104,6 +105,7 @@ class Serving:
 
     @property
     def tokenizer(self):
+        """The engine's tokenizer (400 when the checkpoint has none)."""
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: send token ids instead of text",
@@ -118,6 +120,7 @@ class Serving:
         return list(tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True))
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
+        """``/tokenize``: ids of a prompt or of chat messages (through the chat template)."""
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
@@ -128,6 +131,7 @@ class Serving:
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.spec.max_length)
 
     def detokenize(self, req: s.DetokenizeRequest) -> s.DetokenizeResponse:
+        """``/detokenize``: the text of token ids."""
         self._check_model(req.model)
         self._check_ids(req.tokens, "tokens")
         return s.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
@@ -161,6 +165,9 @@ class Serving:
         if gen_length > self.spec.max_length:
             raise InvalidRequest(f"max_tokens {max_tokens} (rounded up to {gen_length} response positions) exceeds "
                                  f"the model's context of {self.spec.max_length} tokens", param="max_tokens")
+        if req.steps is not None and req.threshold is not None:
+            raise InvalidRequest("give threshold (confidence-threshold decoding) or steps (fixed schedule), not both",
+                                 param="threshold")
         if req.steps is not None and req.steps % (gen_length // block_length):
             raise InvalidRequest(f"steps {req.steps} must be a multiple of the number of blocks "
                                  f"{gen_length // block_length} (response {gen_length} / block {block_length})",
@@ -169,7 +176,8 @@ class Serving:
             gen_length=gen_length,
             block_length=block_length,
             cache_mode=req.cache_mode or self.settings.cache_mode,
-            threshold=None if req.steps is not None else (req.threshold or self.settings.threshold),
+            threshold=None if req.steps is not None else (
+                req.threshold if req.threshold is not None else self.settings.threshold),
             steps=req.steps,
             remasking=req.remasking or "low_confidence",
             ignore_eos=req.ignore_eos,
@@ -330,6 +338,7 @@ class Serving:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
+        """The ``/v1/completions`` answer: one choice per prompt, summed usage."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
             fin = self.finish(plan, result.row)
@@ -344,6 +353,7 @@ class Serving:
         )
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
+        """The ``/v1/chat/completions`` answer."""
         fin = self.finish(plan, results[0].row)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
@@ -355,6 +365,7 @@ class Serving:
         )
 
     def generate_response(self, plan: Plan, result: JobResult) -> s.GenerateResponse:
+        """The ``/generate`` answer: the one-row report with its text cut at EOS and stop strings."""
         fin = self.finish(plan, result.row)
         report = result.report.model_copy(update={"rows": [result.row.model_copy(update={"text": fin.text})]})
         return s.GenerateResponse(

@@ -12,6 +12,7 @@ import sys
 
 
 def _token_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse type; a bad id is a usage error)."""
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
@@ -58,6 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> None:
+    """Register ``generate`` on the ``python -m service`` subparsers."""
     parser = subparsers.add_parser("generate", help="decode one prompt", description=__doc__)
     add_arguments(parser)
     parser.set_defaults(func=run)
@@ -94,6 +96,7 @@ def one_line_report(row, timings) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
 
     from service.engine import Engine, EngineInputError

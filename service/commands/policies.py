@@ -56,6 +56,7 @@ def copy_artifacts(src: Store, dst: Store, kinds: tuple[str, ...] = KINDS) -> Co
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``policies export|import``."""
     p = subparsers.add_parser("policies", help="export/import policies and KVQuant states", description=__doc__)
     verbs = p.add_subparsers(dest="verb", required=True)
     for verb, helptext in (("export", "store -> directory"), ("import", "directory -> store")):
@@ -68,6 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Copy between the store and the directory; exit 1 if anything was refused or the store failed."""
     from service.config import Settings
 
     settings = Settings()

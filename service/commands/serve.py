@@ -18,6 +18,7 @@ from service.config import Settings
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serve`` with one flag per setting."""
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server", description=__doc__)
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
@@ -44,6 +45,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Build the settings, the app and a uvicorn server that drains on SIGTERM; run until stopped."""
     import uvicorn
 
     from service.main import create_app

@@ -48,13 +48,13 @@ class ReuseRead:
         segments: that pass's layout.
         rows: int64 ``[B_step]`` indices, into the rows of the initial pass, of the rows in this step (None = all).
         rope: the model's rotary embedding (to rotate pre-RoPE reused keys).
-        reused_positions: int64 ``[B_step, T_reused]`` RoPE positions of the reused columns (only used for
-            pre-RoPE stores).
+        reused_positions: int64 ``[B_step, T_reused]`` RoPE positions of the reused columns; needed (and only
+            used) when the store keeps pre-RoPE keys.
     """
 
     def __init__(
         self, store: KVStore, segments: Segments, rows: torch.Tensor | None, rope: RotaryEmbedding,
-        reused_positions: torch.Tensor,
+        reused_positions: torch.Tensor | None,
     ) -> None:
         self.store, self.segments, self.rows, self.rope = store, segments, rows, rope
         self.reused_positions = reused_positions

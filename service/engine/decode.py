@@ -172,6 +172,7 @@ class Decoder:
         ``gen_length / block_length`` (the reference eval scripts' choice), so the quota is ``block_length`` tokens
         per call plus what earlier calls rejected; when the last step rejects, the loop is extended by one step with
         a zero base quota. Fixed schedule: Dream's timestep truncation over ``params.steps`` (entropy confidence).
+        The whole response is one canvas, so each row's ``steps_per_block`` has a single entry.
         """
         params, start, end = self.params, self.response_start, self.seq_len
         threshold = params.threshold
@@ -230,7 +231,9 @@ class Decoder:
         selection = None
         if rows != block_rows:
             selection = torch.tensor([block_rows.index(r) for r in rows], device=self.x.device)
-        reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
+        reused_positions = None
+        if self.store.pre_rope_keys:
+            reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
         hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
         return self.model(
             self.x[rows, start:window_end], positions=self.positions[rows, start:window_end],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from service.engine import EngineInputError
@@ -49,7 +51,7 @@ def test_rows_must_match_prompts(engines):
 def test_pad_equal_to_mask_is_refused(engines):
     engine = engines["llada"]
     spec = engine.spec
-    engine.spec = spec.__class__(**{**spec.__dict__, "pad_id": spec.mask_id})
+    engine.spec = dataclasses.replace(spec, pad_id=spec.mask_id)
     try:
         with pytest.raises(EngineInputError, match="pad id equals mask id"):
             engine.generate([OK], _params())

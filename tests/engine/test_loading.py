@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ def _logits(engine):
 def test_sharded_checkpoint_loads_the_same_model(engines, tmp_path, arch):
     _shard(CKPT[arch], tmp_path / "sharded")
     sharded = Engine.load(tmp_path / "sharded")
-    assert sharded.spec == engines[arch].spec.__class__(**{**engines[arch].spec.__dict__, "model_id": str(tmp_path / "sharded")})
+    assert sharded.spec == dataclasses.replace(engines[arch].spec, model_id=str(tmp_path / "sharded"))
     torch.testing.assert_close(_logits(sharded), _logits(engines[arch]), atol=0, rtol=0)
 
 
@@ -82,10 +83,17 @@ def test_bad_load_arguments_say_what_is_legal(tmp_path):
         Engine.load("no-such-org/no-such-model")
 
 
-@pytest.mark.skipif((EMBEDDED_DIR / "config.json").is_file(), reason="the embedded default model is installed")
-def test_missing_embedded_default_is_a_clear_error():
+def test_missing_embedded_default_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("service.engine.loading.EMBEDDED_DIR", tmp_path)
     with pytest.raises(EngineInputError, match="embedded default model"):
         Engine.load(None)
+
+
+@pytest.mark.skipif(not (EMBEDDED_DIR / "config.json").is_file(), reason="no embedded default model in this tree")
+def test_embedded_default_loads_with_its_tokenizer():
+    engine = Engine.load(None)
+    assert engine.spec.model_id == "embedded" and engine.tokenizer is not None
+    assert engine.encode_prompt("2 + 3", chat=True)
 
 
 def test_repo_id_from_offline_hf_cache(tmp_path):

@@ -13,11 +13,13 @@ router = APIRouter()
 
 @router.get("/health")
 def health() -> dict[str, str]:
+    """Alive."""
     return {"status": "ok"}
 
 
 @router.get("/health/ready")
 def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[str, str]:
+    """Ready to serve: the start-up denoise passed and the worker accepts (503 otherwise)."""
     probe_error = request.app.state.probe_error
     if probe_error is not None:
         raise WorkerUnavailable(f"the start-up denoise check failed: {probe_error}")
@@ -31,4 +33,5 @@ def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[
 
 @router.get("/metrics")
 def metrics(telemetry: TelemetryDep) -> Response:
+    """Prometheus exposition of `service.telemetry`."""
     return Response(telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

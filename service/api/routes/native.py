@@ -15,6 +15,7 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.post("/generate")
 async def generate(body: s.GenerateRequest, request: Request, serving: ServingDep) -> s.GenerateResponse:
+    """One prompt in, the engine's `DecodeReport` out (with the configuration snapshot it ran with)."""
     plan = serving.plan_generate(body)
     (result,) = await serving.run(plan, request)
     return serving.generate_response(plan, result)
@@ -22,14 +23,17 @@ async def generate(body: s.GenerateRequest, request: Request, serving: ServingDe
 
 @router.post("/tokenize")
 def tokenize(body: s.TokenizeRequest, serving: ServingDep) -> s.TokenizeResponse:
+    """Token ids of a text or of chat messages (vLLM's shape)."""
     return serving.tokenize(body)
 
 
 @router.post("/detokenize")
 def detokenize(body: s.DetokenizeRequest, serving: ServingDep) -> s.DetokenizeResponse:
+    """Text of token ids (vLLM's shape)."""
     return serving.detokenize(body)
 
 
 @router.get("/tokenizer_info")
 def tokenizer_info(serving: ServingDep) -> dict[str, Any]:
+    """Special tokens and chat template (what lm-eval's RemoteTokenizer reads)."""
     return serving.tokenizer_info()

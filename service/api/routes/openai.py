@@ -15,12 +15,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @router.get("/models")
 def list_models(serving: ServingDep) -> s.ModelList:
+    """The served model (one)."""
     return serving.models()
 
 
 @router.post("/completions", response_model=None)
 async def completions(body: s.CompletionRequest, request: Request, serving: ServingDep
                       ) -> s.CompletionResponse | StreamingResponse:
+    """OpenAI completions; SSE when ``stream`` (jobs admitted first, so a full queue is a 429)."""
     plan = serving.plan_completion(body)
     if plan.stream:
         serving.submit(plan)
@@ -31,6 +33,7 @@ async def completions(body: s.CompletionRequest, request: Request, serving: Serv
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(body: s.ChatCompletionRequest, request: Request, serving: ServingDep
                            ) -> s.ChatCompletionResponse | StreamingResponse:
+    """OpenAI chat completions; SSE when ``stream``."""
     plan = serving.plan_chat(body)
     if plan.stream:
         serving.submit(plan)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import uuid
 
 import httpx
@@ -15,9 +16,9 @@ import pytest
 
 from service.engine import Engine
 from service.policy.redis_store import RedisStore
-from tests.integration.server.test_server_process import metric_sum, metrics
 from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
+from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -97,8 +98,6 @@ def test_quantized_request_reports_bits_and_metrics_and_shadow(server):
     for _ in range(100):
         if metric_sum(metrics(server.url), "dllm_shadow_requests_total", **labels) >= 1:
             break
-        import time
-
         time.sleep(0.1)
     m = metrics(server.url)
     assert metric_sum(m, "dllm_shadow_requests_total", **labels) == 1

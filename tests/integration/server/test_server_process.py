@@ -16,7 +16,6 @@ import openai
 import pytest
 import redis
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.config import Settings
 from service.policy.redis_store import RedisStore
@@ -24,6 +23,7 @@ from service.quant.config import KVQuantConfig
 from tests.support.apps import ADMIN_KEY, fake_app, sse_events
 from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine
+from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,19 +31,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FACTORY = "tests.support.apps:fake_app_from_env"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 SPEC = FakeEngine().spec
-
-
-def metrics(url: str) -> dict:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric_sum(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +217,14 @@ def test_full_queue_429_disconnect_frees_the_slot_and_sigterm_drains(tmp_path, p
             queued.join(timeout=10)
             assert box["r"].status_code == 200 and time.monotonic() - left < 2.0
             assert box["r"].json()["choices"][0]["text"] == "deue"
+        # A non-streaming client that gives up (read timeout: it closes the connection) frees its slot too.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={**long, "stream": False}, timeout=0.5)
+        left = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and time.monotonic() - left < 2.0
         m = metrics(srv.url)
+        assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="499") == 1
         assert metric_sum(m, "dllm_requests_total", status="429") == 1
         assert metric_sum(m, "dllm_requests_running") == 0 and metric_sum(m, "dllm_requests_waiting") == 0
 

@@ -141,3 +141,13 @@ def test_embedded_training_split_is_a_bucket():
         # 48 digits, then end of turn, then EOS padding to two blocks of 32 (the model's response length).
         assert len(sample.answer_ids) == 64 and sample.answer_ids[-1] == eos and end_of_turn in sample.answer_ids
         assert tokenizer.decode(sample.prompt_ids).rstrip().endswith("<|end_header_id|>")
+
+
+def test_offline_corpus_builder_writes_buckets_and_sources(tmp_path):
+    from calibration.offline_corpus import BUCKET_SIZES, write_corpus
+
+    counts = write_corpus(tmp_path)
+    assert set(counts) == set(BUCKET_SIZES) and all(100 <= counts[b] <= BUCKET_SIZES[b] for b in counts)
+    code = read_bucket(tmp_path / "code.jsonl")
+    assert code[0].answer.splitlines()[1].startswith("    ")  # indentation kept (dedent, not cleandoc)
+    assert "PSF License Agreement" in (tmp_path / "SOURCES.md").read_text()

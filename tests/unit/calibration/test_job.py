@@ -149,3 +149,68 @@ def test_kvquant_state_from_traces_with_and_without_fisher_weights(engine):
     torch.testing.assert_close(plain.k_upper[0].float(), keys.quantile(0.995, dim=0), atol=2e-3, rtol=2e-3)
     with pytest.raises(ValueError, match="at least one cache trace"):
         fit_kvquant_state([], 2, engine.spec, 0.99, provenance)
+
+
+def test_diagnostic_records_assembled_by_hand(engine):
+    from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
+    from calibration.fit import FIXED_POINT, cell_key
+    from calibration.forward import cached_step, capture_qkv
+    from calibration.metrics import METRICS, attention_scores, behaviour_metrics, improvements
+    from calibration.trace import Trajectory, rollout
+    from service.engine.models.layers import attention_scores as block_attention
+
+    prompt = list(range(10, 30))
+    trajectory = Trajectory(prompt_ids=tuple(prompt), answer_ids=tuple(range(40, 56)),
+                            assignment=(0, 1, 1, 0, 0, 1, 0, 1, 3, 2, 2, 3, 3, 3, 2, 2), block_length=8,
+                            steps_per_block=2, budgets=(4, 4, 4, 4), model_fingerprint=engine.spec.fingerprint,
+                            rounds=1, objectives=(0.0,))
+    settings = DiagnoseSettings(bits=(2,), k_group_size=4, score_types=("attention",), budgets=(1,))
+    sums = diagnose_trajectory(engine.model, engine.spec, trajectory, "s", settings)
+    states = rollout(prompt, trajectory.answer_ids, trajectory.assignment, trajectory.schedule, engine.spec.mask_id)
+    for mode, tokens in (("prefix", 20 + 28), ("dual", 28 + 28)):  # dual: block 0 also reuses its 8-token suffix
+        expected = {(layer, name): 0.0 for layer in range(engine.spec.num_layers) for name in METRICS}
+        for block in range(2):  # one record per block: its second step
+            start, end = 20 + 8 * block, 28 + 8 * block
+            _, initial = capture_qkv(engine.model, states[2 * block][None])
+            _, reference = capture_qkv(engine.model, states[2 * block + 1][None])
+            _, fresh = cached_step(engine.model, states[2 * block + 1], mode, start, end, initial)
+            segments = Segments((0,), start, end, 36, mode)
+            reused = torch.zeros(36, dtype=torch.bool)
+            reused[segments.reused_columns] = True
+            for layer in range(engine.spec.num_layers):
+                attention = block_attention(initial[layer].q[:, :, start:end], initial[layer].k, None)
+                variants = reused_key_variants(engine.spec, layer, initial[layer].k, initial[layer].v, segments, 2,
+                                               4, attention, [("attention", 1)])
+                q = fresh[layer].q_block
+                s_ref = attention_scores(q, reference[layer].k[0])
+                metrics = []
+                for variant in variants:  # baseline, then the candidate
+                    keys = reference[layer].k[0].clone()
+                    keys[:, ~reused] = fresh[layer].k_fresh
+                    keys[:, reused] = variant
+                    metrics.append(behaviour_metrics(s_ref, attention_scores(q, keys), reused))
+                for name, value in improvements(metrics[1], metrics[0]).items():
+                    expected[(layer, name)] += float(value)
+        for layer in range(engine.spec.num_layers):
+            cell = sums.cells[cell_key(mode, 2, layer, "attention", 1)]
+            assert cell.records == 2 and cell.tokens == tokens
+            for name in METRICS:
+                assert cell.delta[name] / FIXED_POINT == pytest.approx(expected[(layer, name)], abs=1e-9)
+
+
+def test_work_items_are_keyed_by_the_engine_dtype(engine, tmp_path):
+    """A bf16 run must not reuse fp32 trajectories (their score matrices differ), so dtype is part of the key."""
+    store = open_store(str(tmp_path / "store"))
+    fp32 = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    bf16 = CalibrationJob(_settings(tmp_path), store, Engine.load(CKPT, dtype="bfloat16"), progress=False)
+    sample = fp32.samples()[0]
+    assert fp32.trajectory_key(sample) != bf16.trajectory_key(sample)
+    assert fp32.trajectory_key(sample) == CalibrationJob(_settings(tmp_path), store, engine).trajectory_key(sample)
+
+
+def test_cli_passes_dtype_and_device_to_the_engine():
+    from calibration.cli import build_parser
+
+    args = build_parser().parse_args(["trace", "--dtype", "bfloat16", "--device", "cuda:1"])
+    assert (args.dtype, args.device) == ("bfloat16", "cuda:1")
+    assert build_parser().parse_args(["fit"]).dtype == "float32"

@@ -1,0 +1,112 @@
+"""The worker without HTTP: batching rules, cancellation, queue bound, drain, fault classification, shadow
+re-decodes (with the fake engine, which records the size of every batch it is given)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from service.active import ConfigSnapshot
+from service.engine.params import DecodeParams, RowOptions
+from service.quant.config import KVQuantConfig
+from service.telemetry import Telemetry
+from service.worker import (
+    DeviceFault,
+    Job,
+    JobCancelled,
+    QueueFull,
+    Worker,
+    WorkerUnavailable,
+    is_device_fault,
+)
+from tests.support.fake_engine import ALPHABET, OFFSET, FakeEngine
+
+NONE = ConfigSnapshot(KVQuantConfig(), "dual", "default")
+KIVI = ConfigSnapshot(KVQuantConfig(method="kivi", bits=2), "dual", "active")
+
+
+def job(gen=4, snapshot=NONE, prompt=(10, 11)) -> Job:
+    return Job(list(prompt), DecodeParams(gen_length=gen, block_length=4), RowOptions(), snapshot)
+
+
+def make_worker(engine: FakeEngine, **kw) -> Worker:
+    return Worker(engine, lambda snap: None, Telemetry(), **kw)
+
+
+def test_compatible_jobs_batch_in_queue_order_up_to_the_limit():
+    engine = FakeEngine()
+    worker = make_worker(engine, max_batch_size=3, batch_wait_s=0.0)
+    jobs = [job(4), job(8), job(4), job(4), job(4, KIVI), job(4)]
+    for j in jobs:  # queued before the thread starts, so the batches are deterministic
+        worker.submit(j)
+    worker.start()
+    results = [j.future.result(timeout=10) for j in jobs]
+    # The head job(4) takes the next two compatible ones (limit 3); then job(8) alone; the kivi job has another
+    # snapshot, so it runs alone, and so does the last job(4).
+    assert engine.calls == [3, 1, 1, 1]
+    assert [r.batch_size for r in results] == [3, 1, 3, 3, 1, 1]
+    assert results[4].snapshot is KIVI
+    worker.stop()
+
+
+def test_queue_bound_cancel_frees_a_slot_and_drain_refuses_new_jobs():
+    engine = FakeEngine()
+    worker = make_worker(engine, max_queue=2)
+    a, b = worker.submit(job()), worker.submit(job())
+    with pytest.raises(QueueFull) as full:
+        worker.submit(job())
+    assert full.value.retry_after_s == 1
+    worker.cancel(a)
+    with pytest.raises(JobCancelled):
+        a.future.result(timeout=1)
+    c = worker.submit(job())  # the cancelled job's slot is free
+    worker.start()
+    assert worker.drain(timeout_s=10) is True
+    assert b.future.result().row.generated_ids and c.future.result().row.generated_ids
+    with pytest.raises(WorkerUnavailable, match="shutting down"):
+        worker.submit(job())
+
+
+def test_batch_failure_and_device_fault():
+    engine = FakeEngine()
+    worker = make_worker(engine, batch_wait_s=0.0)
+    worker.start()
+    bad = worker.submit(job(prompt=(OFFSET + ALPHABET.index("!"),)))  # "!" makes the fake engine raise
+    with pytest.raises(Exception, match="injected fault"):
+        bad.future.result(timeout=10)
+    assert worker.submit(job()).future.result(timeout=10).row.generated_ids == [11, 10, 2]
+    assert worker.healthy
+    fatal = worker.submit(job(prompt=(OFFSET + ALPHABET.index("#"),)))
+    with pytest.raises(Exception, match="illegal memory access"):
+        fatal.future.result(timeout=10)
+    with pytest.raises(WorkerUnavailable, match="device fault"):
+        worker.submit(job())
+    assert not worker.healthy
+
+
+@pytest.mark.parametrize("exc,fatal", [
+    (DeviceFault("x"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("shape mismatch"), False),
+    (type("OutOfMemoryError", (RuntimeError,), {})("CUDA error: out of memory"), False),
+    (ValueError("CUDA error"), False),
+])
+def test_device_fault_classification(exc, fatal):
+    assert is_device_fault(exc) is fatal
+
+
+def test_shadow_re_decode_only_for_quantized_jobs_and_labelled_by_the_served_config():
+    engine = FakeEngine()
+    worker = make_worker(engine, batch_wait_s=0.0, shadow_rate=1.0, seed=0)
+    done = threading.Event()
+    observed = []
+    worker.telemetry.observe_shadow = lambda config, mode, agreement, exact: (observed.append(
+        (config.method, mode, agreement, exact)), done.set())
+    worker.start()
+    worker.submit(job()).future.result(timeout=10)
+    worker.submit(job(snapshot=KIVI)).future.result(timeout=10)
+    assert done.wait(10)
+    worker.drain(10)
+    assert observed == [("kivi", "dual", 1.0, True)]  # the fake engine ignores the cache: full agreement
+    assert engine.calls == [1, 1, 1]
