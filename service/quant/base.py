@@ -165,6 +165,7 @@ class KVQuantizer:
         )
 
     def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype; protected tokens exact, padding zero."""
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
         n = layout.num_slots
@@ -193,6 +194,7 @@ class KVQuantizer:
         )
 
     def dequantize_v(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype; padding zero."""
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
