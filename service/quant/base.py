@@ -176,7 +176,7 @@ class KVQuantizer:
             # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
             keep = torch.ones(n, dtype=torch.bool, device=codes.device)
             keep[protected] = False
-            codes = codes.new_zeros(n, h, d).index_copy_(0, keep.nonzero().squeeze(1), codes)
+            codes = _expand_rows(codes, keep.nonzero().squeeze(1), n)
         out = layout.empty_output(h, d, packed.dtype)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:
@@ -199,6 +199,20 @@ class KVQuantizer:
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
         return dequantize_v_into(layout.empty_output(h, d, packed.dtype), codes, t["scale"], t["mn"], layout)
+
+
+def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, H, D]`` zeros with ``codes`` ``[len(rows), H, D]`` (uint8) copied into ``rows``.
+
+    Rows are moved as int64 words when their byte length allows (8x fewer elements for ``index_copy_``).
+    """
+    full = codes.new_zeros(n, *codes.shape[1:])
+    width = codes[0].numel() if codes.shape[0] else 0
+    if width and width % 8 == 0:
+        full.view(n, width).view(torch.int64).index_copy_(0, rows, codes.reshape(-1, width).view(torch.int64))
+    else:
+        full.index_copy_(0, rows, codes)
+    return full
 
 
 def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:
