@@ -117,21 +117,15 @@ class KVQuantizer:
             NonFiniteKVError: NaN or +/-inf in a reused K or V entry (the message names layer, row and column).
             KVQuantError: scores missing or not finite when the method needs them.
         """
-        xk, xv = layout.gather(k), layout.gather(v)  # [N, H, D]
-        _check_finite(layer, "K", xk, layout)
-        _check_finite(layer, "V", xv, layout)
         slot_scores = None
         if scores is not None:
             slot_scores = scores[layout.rows, layout.seq_cols].float()
             if not torch.isfinite(slot_scores).all():
                 raise KVQuantError(f"layer {layer}: attention scores hold NaN or inf")
-        return PackedLayer(
-            k=self.quantize_k(layer, xk, layout, slot_scores),
-            v=self.quantize_v(layer, xv),
-            dtype=k.dtype,
-            num_heads=k.shape[1],
-            head_dim=k.shape[3],
-        )
+        # One of K and V at a time, so the write's transient memory is one tensor's slots and temporaries.
+        packed_k = self.quantize_k(layer, _finite_slots(layer, "K", k, layout), layout, slot_scores)
+        packed_v = self.quantize_v(layer, _finite_slots(layer, "V", v, layout))
+        return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
 
     def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
@@ -215,12 +209,16 @@ def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
     return full
 
 
-def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:
-    # One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
-    # the scan runs only to name the culprit.
-    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        return
-    slot = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0])
+def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf.
+
+    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
+    the scan runs only to name the culprit.
+    """
+    slots = layout.gather(x)
+    if bool(torch.isfinite(slots.sum(dtype=torch.float32))):
+        return slots
+    slot = int((~torch.isfinite(slots)).flatten(1).any(1).nonzero()[0])
     raise NonFiniteKVError(
         f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
         f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"
