@@ -41,6 +41,13 @@ def card(directory: Path, note: str) -> str:
             f"| {mode} | {pct(m['exact_match'])} | {per_op} | {m['mean_nfe']:.1f} | {m['latency_mean_s']:.3f} | "
             f"{m['latency_p90_s']:.3f} | {pct(m['token_agreement_with_none'])} |"
         )
+    fixed = meas.get("slice")
+    slice_line = (
+        f"- Fixed slice (the first {fixed['questions']} {fixed['split']} questions, `slice` in `measurements.json`, "
+        "what `tests/integration/e2e` checks the served model against): exact match "
+        + ", ".join(f"{mode} {pct(em)}" for mode, em in fixed["exact_match"].items()) + "."
+        if fixed else "- Fixed slice: not measured (fewer questions than the slice)."
+    )
     none_em = modes["none"]["exact_match"]
     gaps = {mode: none_em - modes[mode]["exact_match"] for mode in ("prefix", "dual")}
     target_line = (
@@ -104,6 +111,7 @@ full-recompute output of the same question.
   took {meas['load_first_in_process_s']:.2f} s, the difference is one-time lazy imports.
 - Revealed tokens with top-1 probability >= {meas['threshold']} (full recompute):
   {pct(confident) if confident is not None else 'not measured'} of {modes['none'].get('revealed_tokens', 0):,}.
+{slice_line}
 {target_line}
 
 {note}
