@@ -118,6 +118,8 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
     parser.add_argument("--server", help="server base URL to push each finished score to (accuracy telemetry)")
+    parser.add_argument("--card", metavar="DIR",
+                        help="model folder whose card gets the table (quantization.json + README section; one model)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
                         help="environment variable holding the server's admin key (default DLLM_ADMIN_KEY)")
     return parser
@@ -166,11 +168,32 @@ def run_matrix_command(argv: list[str]) -> int:
         extra_md, extra_json = "\n" + table4_markdown(rows), {"table4": rows}
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
                                  {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}})
+    if args.card:
+        _write_card(args, argv, Path(args.out), paths["md"].read_text())
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
           f"{summary['already_done']} already done; {len(summary['skipped'])} cells skipped")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _write_card(args: argparse.Namespace, argv: list[str], out: Path, markdown: str) -> None:
+    """``--card``: the matrix into the model card (`evaluation.card`), from the cell files of one model."""
+    import json
+    import platform
+    import shlex
+
+    from evaluation.card import write_card
+
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("cells/*/*/*.json"))]
+    fingerprints = {r["fingerprint"] for r in results}
+    if len(fingerprints) != 1:
+        raise SystemExit(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+    host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
+        f", {args.threads} torch thread(s)" if args.threads else "")
+    write_card(args.card, markdown=markdown, fingerprint=fingerprints.pop(), documents=args.limit,
+               command="python -m evaluation matrix " + shlex.join(argv),
+               wall_seconds=sum(r["seconds"] for r in results), host=host)
 
 
 COMMANDS = {"lm-eval": run_lm_eval, "tasks": run_tasks, "matrix": run_matrix_command}
