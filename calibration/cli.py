@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information")
     add("--sparsity-threshold", type=float, default=defaults.sparsity_threshold)
     add("--batch-size", type=int, default=defaults.batch_size)
+    add("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32); part of every work "
+        "item's key, since trajectories and diagnostics depend on it")
+    add("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     add("--threads", type=int, default=1, help="torch threads (default 1)")
     add("--out", type=Path, default=Path("calibration-report"), help="report directory (report, all)")
     add("--no-progress", action="store_true")
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     settings = settings_from(args)
     store = open_store(args.store, prefix=args.store_prefix)
-    job = CalibrationJob(settings, store, Engine.load(settings.model, threads=args.threads),
+    job = CalibrationJob(settings, store, Engine.load(settings.model, dtype=args.dtype, device=args.device,
+                                                         threads=args.threads),
                          progress=not args.no_progress)
     if args.verb == "trace":
         job.trace()

@@ -6,7 +6,7 @@ Artifacts go to a :class:`service.policy.store.Store` (Redis or a local director
 ==================  ========================================================================================
 kind                id and content
 ==================  ========================================================================================
-trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fingerprint, schedule, rounds);
+trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fingerprint, dtype, schedule, rounds);
                     the :class:`~calibration.trace.Trajectory` JSON, which those inputs determine
 calibration_sums    ``diag-<h>``, h = hash of (trajectory id, diagnose settings); one sample's
                     :class:`~calibration.fit.DiagnosticSums`
@@ -208,7 +208,7 @@ class CalibrationJob:
         s = self.settings
         return input_key("trace", {
             "prompt_ids": list(sample.prompt_ids), "answer_ids": list(sample.answer_ids),
-            "fingerprint": self.spec.fingerprint, "block_length": s.block_length,
+            "fingerprint": self.spec.fingerprint, "dtype": str(self.engine.dtype), "block_length": s.block_length,
             "steps_per_block": s.steps_per_block, "rounds": s.rounds, "code": CODE_VERSION,
         })
 

@@ -20,6 +20,7 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from evaluation.protocol import PRESETS, get_preset
@@ -39,28 +40,37 @@ def _task_dir(out: Path, gsm8k_dir: str | None) -> Path:
     return write_task_dir(out, gsm8k_dir, extra=embedded_task_configs())
 
 
-def run_lm_eval(argv: list[str]) -> int:
-    """The ``lm-eval`` subcommand (module docstring)."""
+def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> list[list[str]]:
+    """The lm-eval CLI argument lists the ``lm-eval`` subcommand runs, in order (module docstring).
+
+    Args:
+        argv: the subcommand's arguments (ours and lm-eval's, mixed).
+        task_dir: gsm8k folder or None -> folder of the written offline tasks (called only without
+            ``--include_path``).
+    """
     parser = argparse.ArgumentParser(prog="python -m evaluation lm-eval", add_help=False)
     parser.add_argument("--preset", choices=sorted(PRESETS))
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl (gsm8k_local)")
     ours, rest = parser.parse_known_args(argv)
+    if "--include_path" not in rest:
+        rest += ["--include_path", str(task_dir(ours.gsm8k_dir))]
+    command = "run"
+    if rest and rest[0] in ("ls", "validate", "run"):
+        command, rest = rest[0], rest[1:]
+    if not ours.preset:
+        return [[command, *rest]]
+    preset = get_preset(ours.preset)
+    # Preset first so that the caller's own --gen_kwargs / --num_fewshot, given later, override it.
+    return [[command, "--tasks", task, "--num_fewshot", str(shots), "--gen_kwargs", *preset.gen_kwargs(), *rest]
+            for task, shots in preset.tasks.items()]
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run."""
     import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
     from lm_eval.__main__ import cli_evaluate
 
-    if "--include_path" not in rest:
-        rest += ["--include_path", str(_task_dir(DEFAULT_TASK_DIR, ours.gsm8k_dir))]
-    if rest and rest[0] in ("ls", "validate", "run"):
-        command, rest = rest[0], rest[1:]
-    else:
-        command = "run"
-    runs = [[command, *rest]]
-    if ours.preset:
-        preset = get_preset(ours.preset)
-        # Preset first so that the caller's own --gen_kwargs / --num_fewshot, given later, override it.
-        runs = [[command, "--tasks", task, "--num_fewshot", str(shots), "--gen_kwargs", *preset.gen_kwargs(), *rest]
-                for task, shots in preset.tasks.items()]
-    for args in runs:
+    for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
         sys.argv = ["lm-eval", *args]
         cli_evaluate()
     return 0
@@ -108,6 +118,8 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
     parser.add_argument("--server", help="server base URL to push each finished score to (accuracy telemetry)")
+    parser.add_argument("--card", metavar="DIR",
+                        help="model folder whose card gets the table (quantization.json + README section; one model)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
                         help="environment variable holding the server's admin key (default DLLM_ADMIN_KEY)")
     return parser
@@ -156,11 +168,32 @@ def run_matrix_command(argv: list[str]) -> int:
         extra_md, extra_json = "\n" + table4_markdown(rows), {"table4": rows}
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
                                  {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}})
+    if args.card:
+        _write_card(args, argv, Path(args.out), paths["md"].read_text())
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
           f"{summary['already_done']} already done; {len(summary['skipped'])} cells skipped")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _write_card(args: argparse.Namespace, argv: list[str], out: Path, markdown: str) -> None:
+    """``--card``: the matrix into the model card (`evaluation.card`), from the cell files of one model."""
+    import json
+    import platform
+    import shlex
+
+    from evaluation.card import write_card
+
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("cells/*/*/*.json"))]
+    fingerprints = {r["fingerprint"] for r in results}
+    if len(fingerprints) != 1:
+        raise SystemExit(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+    host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
+        f", {args.threads} torch thread(s)" if args.threads else "")
+    write_card(args.card, markdown=markdown, fingerprint=fingerprints.pop(), documents=args.limit,
+               command="python -m evaluation matrix " + shlex.join(argv),
+               wall_seconds=sum(r["seconds"] for r in results), host=host)
 
 
 COMMANDS = {"lm-eval": run_lm_eval, "tasks": run_tasks, "matrix": run_matrix_command}

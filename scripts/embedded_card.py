@@ -26,6 +26,24 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def quantization_section(directory: Path) -> str:
+    """The KV-quantization table as the evaluation matrix wrote it (``quantization.json``, `evaluation.card`), while
+    it was measured on these weights; otherwise how to make it."""
+    from evaluation.card import CARD_FILE, SECTION, card_section
+    from service.engine.loading import read_checkpoint_tensors, weights_fingerprint
+
+    path = directory / CARD_FILE
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data["fingerprint"] == weights_fingerprint(read_checkpoint_tensors(directory)):
+            return card_section(data)
+        how = f"`{data['command']}`"
+    else:
+        how = "`python -m evaluation matrix --models embedded --tasks digit_ledger --card service/assets/embedded ...`"
+    return (f"{SECTION}\n\nThe KV-quantization table (methods x bits x cache modes, accuracy and agreement) comes from "
+            f"the evaluation matrix and has not been measured on these weights yet: run {how}.\n")
+
+
 def card(directory: Path, note: str) -> str:
     """The card's markdown text."""
     config = json.loads((directory / "config.json").read_text())
@@ -116,11 +134,7 @@ full-recompute output of the same question.
 
 {note}
 
-## Quantization
-
-The KV-quantization table for this model (methods x bits x cache modes, accuracy and agreement) is produced by the
-evaluation matrix (`python -m evaluation`) and is not part of this card's measurements.
-
+{quantization_section(directory)}
 ## Reproduce
 
 ```bash

@@ -175,9 +175,7 @@ class KVQuantizer:
             # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
             keep = torch.ones(n, dtype=torch.bool, device=codes.device)
             keep[protected] = False
-            full = codes.new_zeros(n, h, d)
-            full[keep] = codes
-            codes = full
+            codes = codes.new_zeros(n, h, d).index_copy_(0, keep.nonzero().squeeze(1), codes)
         out = layout.empty_output(h, d, packed.dtype)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:

@@ -6,6 +6,8 @@ store."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import subprocess
 import sys
 import uuid
@@ -31,7 +33,17 @@ from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
-LIMIT = 8
+LIMIT = 16  # the README command's --limit
+
+
+def readme_command(model: str) -> list[str]:
+    """The README's copy-paste command (section "Evaluate with lm-eval") for ``--model <model>``, as argv."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Evaluate with lm-eval"):]
+    block = section[section.index("```bash") + 7: section.index("```", section.index("```bash") + 7)]
+    commands = block.replace("\\\n", " ").strip().splitlines()
+    (line,) = [c for c in commands if f"--model {model} " in c]
+    return shlex.split(line)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +85,15 @@ def _in_process(engine, task_dir, task, batch_size, **kwargs):
 
 
 def test_chat_command_from_the_readme_equals_in_process(server, engine, task_dir, tmp_path):
-    # The README's command (section "Evaluate with lm-eval"), with this server's port.
+    # The README's command, with this server's port and the test's output folders.
+    cmd = readme_command("local-chat-completions")
+    assert cmd[:4] == [".venv/bin/python", "-m", "evaluation", "lm-eval"] and cmd[cmd.index("--limit") + 1] == "16"
+    cmd = [sys.executable, *cmd[1:]]
+    cmd = [a.replace("http://127.0.0.1:8000", server.url) for a in cmd]
     out = tmp_path / "http"
-    cmd = [sys.executable, "-m", "evaluation", "lm-eval", "--model", "local-chat-completions", "--model_args",
-           f"model=embedded,base_url={server.url}/v1/chat/completions,max_retries=1",
-           "--tasks", "digit_ledger", "--apply_chat_template", "--limit", str(LIMIT),
-           "--output_path", str(out), "--log_samples", "--include_path", str(task_dir)]
+    cmd += ["--output_path", str(out), "--log_samples", "--include_path", str(task_dir)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     (results,) = out.glob("*/results_*.json")
     http_score = json.loads(results.read_text())["results"]["digit_ledger"]["exact_match,none"]
