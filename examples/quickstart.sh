@@ -61,5 +61,5 @@ $PY -m evaluation lm-eval --model local-chat-completions \
 step "the paper-style table for the same slice (in-process lm-eval; scores also pushed to the server)"
 # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
 $PY -m evaluation matrix --tasks digit_ledger --limit "${LIMIT:-32}" --threads 1 --store "$STORE" \
-  --server "$URL" --out "$RUNS/matrix" ${MATRIX_ARGS:---cache-modes dual --bits 2}
+  --from-calibration latest --server "$URL" --out "$RUNS/matrix" ${MATRIX_ARGS:---cache-modes dual --bits 2}
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-end.txt" > /dev/null

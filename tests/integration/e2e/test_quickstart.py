@@ -133,6 +133,9 @@ def test_table_rows_served_score_and_the_cards_slice(run):
     assert all(rows[label]["kv"]["bytes_held"] > 0 for label in ROWS[2:])
     md = (run / "matrix" / "matrix.md").read_text()
     assert all(f"| {label}" in md for label in ROWS)
+    # The calibration run's diagnostics (--from-calibration latest) for the policy that was activated and served.
+    policy = _json(run / "calibration" / "activate" / "dllm_kvq-dual-2bit.json")["policy_id"]
+    assert "Table 4" in md and [r["policy_id"] for r in table["table4"]] == [policy]
 
     fixed = _json(MEASUREMENTS)["slice"]  # measured by scripts/validate_embedded.py, shown on the model card
     assert fixed["questions"] == 32
@@ -146,5 +149,6 @@ def test_table_rows_served_score_and_the_cards_slice(run):
     (samples,) = (run / "lm-eval").glob("*/samples_digit_ledger_*.jsonl")
     http = {s["doc_id"]: s["resps"][0][0] for s in map(json.loads, samples.read_text().splitlines())}
     cell = _json(run / "matrix" / "cells" / "embedded" / "dual-dllm_kvq-2" / "digit_ledger.json")
+    assert cell["artifact_id"] == policy
     assert {r["doc_id"]: r["text"] for r in cell["records"]} == http and len(http) == 32
     assert "digit_ledger" in (run / "quickstart.out").read_text()
