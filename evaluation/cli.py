@@ -170,9 +170,11 @@ def run_matrix_command(argv: list[str]) -> int:
         rows = table4_rows(args.store, args.from_calibration)
         extra_md, extra_json = "\n" + table4_markdown(rows), {"table4": rows}
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
-                                 {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}})
+                                 {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}},
+                                 fingerprints=summary["fingerprints"].values())
     if args.card:
-        _write_card(args, argv, Path(args.out), paths["md"].read_text())
+        _write_card(args, argv, matrix.load_results(args.out, summary["fingerprints"].values()),
+                    paths["md"].read_text())
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
           f"{summary['already_done']} already done; {len(summary['skipped'])} cells skipped")
@@ -180,15 +182,13 @@ def run_matrix_command(argv: list[str]) -> int:
     return 0
 
 
-def _write_card(args: argparse.Namespace, argv: list[str], out: Path, markdown: str) -> None:
-    """``--card``: the matrix into the model card (`evaluation.card`), from the cell files of one model."""
-    import json
+def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], markdown: str) -> None:
+    """``--card``: the matrix into the model card (`evaluation.card`), from this run's cell files of one model."""
     import platform
     import shlex
 
     from evaluation.card import write_card
 
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("cells/*/*/*.json"))]
     fingerprints = {r["fingerprint"] for r in results}
     if len(fingerprints) != 1:
         raise SystemExit(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
