@@ -138,6 +138,7 @@ class RunSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     report: str | None = None
+    activation_configs: list[str] = field(default_factory=list)
 
 
 class CalibrationJob:
