@@ -98,6 +98,8 @@ def test_each_answer_ran_with_the_configuration_activated(run):
         assert {k: config["kv_quant"].get(k) for k in body} == body
     for mode in ("none", "prefix"):  # nothing was activated for them: unquantized
         assert asked["tokens_per_s"][mode]["kv_config"]["kv_quant"]["method"] == "none"
+    own = asked["tokens_per_s"]["dual-unquantized"]["kv_config"]  # the request's own configuration wins
+    assert own["source"] == "request" and own["kv_quant"]["method"] == "none"
     assert _json(run / "ask-kivi.json")["tokens_per_s"]["dual"]["kv_config"]["kv_quant"]["method"] == "kivi"
     for answer in asked["answers"]:  # well-formed: digits, cut at the end of turn or at the window's end
         assert set(answer["text"]) <= set("0123456789 ") and 0 < answer["completion_tokens"] <= 64
@@ -137,7 +139,9 @@ def test_table_rows_served_score_and_the_cards_slice(run):
     policy = _json(run / "calibration" / "activate" / "dllm_kvq-dual-2bit.json")["policy_id"]
     assert "Table 4" in md and [r["policy_id"] for r in table["table4"]] == [policy]
 
-    fixed = _json(MEASUREMENTS)["slice"]  # measured by scripts/validate_embedded.py, shown on the model card
+    measured = _json(MEASUREMENTS)  # by scripts/validate_embedded.py, shown on the model card
+    assert "slice" in measured, "measurements.json has no fixed slice: rerun scripts/validate_embedded.py --out ..."
+    fixed = measured["slice"]
     assert fixed["questions"] == 32
     assert rows["No cache (full recompute)"]["scores"]["digit_ledger"] == pytest.approx(100 * fixed["exact_match"]["none"])
     assert rows["Cache only"]["scores"]["digit_ledger"] == pytest.approx(100 * fixed["exact_match"]["dual"])
