@@ -40,6 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from evaluation.artifacts import load_artifacts
 from evaluation.likelihood import greedy_check, mc_loglikelihood
 from evaluation.model_args import EvalModelArgs
 from service.engine import Engine
@@ -213,8 +214,6 @@ class DllmKvqLM(TemplateLM):
     def _artifacts_for(self, config: KVQuantConfig) -> tuple[Any, Any]:
         """(policy table, KVQuant state) that ``config`` names, loaded once and validated against the model."""
         if config not in self._artifacts:
-            from evaluation.artifacts import load_artifacts
-
             self._artifacts[config] = load_artifacts(config, self.spec, self.args.store)
         return self._artifacts[config]
 

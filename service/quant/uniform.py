@@ -56,7 +56,8 @@ def quantize_codes(x: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, bits:
     ``scale == 0`` (zero-range group) the divisor is 1 instead: ``d`` is 0 there, the code is 0, which
     dequantizes to ``mn``, the exact value.
     """
-    u = (x - mn) / torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale)
+    u = x - mn
+    u.div_(torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale))
     return u.clamp_(0, max_code(bits)).round_().to(torch.uint8)
 
 
