@@ -142,6 +142,7 @@ def test_table_rows_served_score_and_the_cards_slice(run):
     measured = _json(MEASUREMENTS)  # by scripts/validate_embedded.py, shown on the model card
     assert "slice" in measured, "measurements.json has no fixed slice: rerun scripts/validate_embedded.py --out ..."
     fixed = measured["slice"]
+    assert {"none", "dual"} <= set(fixed["exact_match"]), "the card's slice needs the none and dual modes measured"
     assert fixed["questions"] == 32
     assert rows["No cache (full recompute)"]["scores"]["digit_ledger"] == pytest.approx(100 * fixed["exact_match"]["none"])
     assert rows["Cache only"]["scores"]["digit_ledger"] == pytest.approx(100 * fixed["exact_match"]["dual"])
