@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.processes import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# The whole flow runs once, in the module fixture, under the first test's clock: more than the default 600 s.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parents[3]
 MEASUREMENTS = REPO / "service" / "assets" / "embedded" / "measurements.json"
 ADMIN_KEY = "e2e-quickstart-admin-key-0123"
@@ -56,7 +57,7 @@ def run(tmp_path_factory, store_url):
     proc = subprocess.Popen(["bash", "examples/quickstart.sh"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=900)
+        out, _ = proc.communicate(timeout=1200)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
