@@ -1,6 +1,7 @@
 """Ask the running server questions from the embedded model's held-out test split with the official ``openai``
 client: chat completions, streamed chat completions and plain completions (the chat template rendered on the
-client with the model's own tokenizer), then the same questions once per cache mode for tokens/s.
+client with the model's own tokenizer), then the same questions once per cache mode for tokens/s (the dual cache twice: unquantized, by the request's own
+``kv_quant``, and with the server's active configuration).
 
 Prints each answer, whether it is right (``service.embedded_task.score``: exact match of the digits), the
 configuration the server says it ran with (``kv_config``), and tokens/s per cache mode (completion tokens over
@@ -79,19 +80,22 @@ def main(argv: list[str] | None = None) -> dict:
     out["answers"].append(_record("completion", q, r.choices[0].text, r.choices[0].finish_reason, r.usage,
                                   getattr(r, "kv_config", None)))
 
-    for mode in ("none", "prefix", "dual"):
+    # Per cache mode; the dual cache also once with the request's own unquantized configuration beside the active one.
+    runs = {"none": {"cache_mode": "none"}, "prefix": {"cache_mode": "prefix"},
+            "dual-unquantized": {"cache_mode": "dual", "kv_quant": {"method": "none"}}, "dual": {"cache_mode": "dual"}}
+    for mode, extra in runs.items():
         tokens, right, config = 0, 0, None
         started = time.perf_counter()
         for q in questions:
             r = client.chat.completions.create(model=args.model, messages=[{"role": "user", "content": q.prompt}],
-                                               max_tokens=GEN_LENGTH, extra_body={"cache_mode": mode})
+                                               max_tokens=GEN_LENGTH, extra_body=extra)
             tokens += r.usage.completion_tokens
             right += score(r.choices[0].message.content or "", q.answer)
             config = getattr(r, "kv_config", None)
         seconds = time.perf_counter() - started
         out["tokens_per_s"][mode] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                                      "right": right, "questions": len(questions), "kv_config": config}
-        print(f"cache mode {mode:<6} {tokens / seconds:7.1f} tokens/s  {right}/{len(questions)} right  "
+        print(f"cache mode {mode:<16} {tokens / seconds:7.1f} tokens/s  {right}/{len(questions)} right  "
               f"(kv: {_describe(config)})")
     chat = [a for a in out["answers"] if a["kind"] == "chat"]
     print(f"chat answers right: {sum(a['right'] for a in chat)}/{len(chat)}, served with "
