@@ -1,18 +1,21 @@
 """Decode speed of the three cache modes on one random-weight LLaDA-shaped model, measured in one run.
 
 Prints, for a fixed schedule (8 steps per block) and for threshold 0.9, the tokens/s and NFE of each method and its
-ratio to no cache. Random weights (no download) at a shape where compute, not Python overhead, dominates: d_model
-512, 8 layers, 8 heads, MLP 1536, vocabulary 4096, prompt 200 tokens, 256 generated, block 32. The LM head's
-weights are scaled up (``--lm-head-scale``, default 10) so that random weights give confident predictions; even so,
-all masks of a block look alike to a random model, so threshold decoding reveals either the whole block or one
-token per call: the threshold figures are indicative, the fixed schedule is the controlled comparison. Compute bound with 8 steps per block (linear layers only): dual 8T / (T + 7 x 32)
-= 5.4x, prefix 8T / (T + 7 x 144) = 2.5x with T = 456.
+ratio to no cache, by wall clock and by this process's CPU time: on a shared machine other jobs slow the wall clock
+unevenly across methods, while with one thread the CPU-time figures are close to what an idle machine shows. Random
+weights (no download) at a shape where compute, not Python overhead, dominates: d_model 512, 8 layers, 8 heads, MLP
+1536, vocabulary 4096, prompt 200 tokens, 256 generated, block 32. The LM head's weights are scaled up
+(``--lm-head-scale``, default 10) so that random weights give confident predictions; even so, all masks of a block look
+alike to a random model, so threshold decoding reveals either the whole block or one token per call: the threshold
+figures are indicative, the fixed schedule is the controlled comparison. Compute bound with 8 steps per block
+(linear layers only): dual 8T / (T + 7 x 32) = 5.4x, prefix 8T / (T + 7 x 144) = 2.5x with T = 456.
 
 Methods are rows of ``METHODS``: a name, a cache mode and a KV-store factory (None = the engine's default
 full-precision store). The quantized rows hold the dual cache's reused K/V with `service.quant` at 4 bits (KIVI,
 dLLM-KVQ with p = 1 on every layer, KVQuant), per layer (each later step dequantizes a layer while it runs; the
 issue's target: <= 1.15x the time of the dual cache alone) and with the dequantized copies kept for the block
-("keep": faster, saves no memory within a block); the last column is each row's time relative to dual cache.
+("keep": faster, saves no memory within a block); the last two columns are each row's time relative to dual cache
+(wall clock, CPU time).
 
 Usage: ``python benchmarks/decode_speed.py [--threads 1] [--repeats 2] [--preset small|8b|tiny] [--device cpu]
 [--dtype float32]``.
@@ -128,16 +131,34 @@ def random_engine(preset: str, dtype: torch.dtype, device: str, lm_head_scale: f
     return Engine(model, spec, None, dtype, torch.device(device))
 
 
-def measure(engine: Engine, prompts: list[list[int]], params: DecodeParams, method: Method) -> tuple[float, float]:
-    """(generated tokens per second over the batch, mean NFE per row) of one decode."""
+@dataclass(frozen=True)
+class Measurement:
+    """One decode: generated tokens per wall-clock second and per CPU second of this process, mean NFE per row."""
+
+    tokens_per_s: float
+    tokens_per_cpu_s: float
+    nfe: float
+
+    def best(self, other: Measurement | None) -> Measurement:
+        """The faster of two decodes of the same method, per clock."""
+        if other is None:
+            return self
+        return Measurement(
+            max(self.tokens_per_s, other.tokens_per_s), max(self.tokens_per_cpu_s, other.tokens_per_cpu_s), self.nfe
+        )
+
+
+def measure(engine: Engine, prompts: list[list[int]], params: DecodeParams, method: Method) -> Measurement:
+    """Decode once with ``method``'s store and time it (wall clock and process CPU time)."""
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    started = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.process_time()
     report = engine.generate(prompts, params, kv_store=method.make_store(engine))
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    return params.gen_length * len(prompts) / seconds, sum(r.nfe for r in report.rows) / len(report.rows)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = params.gen_length * len(prompts)
+    return Measurement(tokens / wall, tokens / cpu, sum(r.nfe for r in report.rows) / len(report.rows))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,10 +174,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--methods", default=None,
+        help=f"comma-separated method names to run (default: all; always includes {BASELINE!r} and {CACHE_BASELINE!r})",
+    )
+    parser.add_argument(
         "--repeats", type=int, default=1, help="decodes per method, interleaved across methods; the fastest counts"
     )
     parser.add_argument("--lm-head-scale", type=float, default=10.0, help="raises random-weight confidence")
     args = parser.parse_args(argv)
+    methods = METHODS
+    if args.methods is not None:
+        wanted = {name.strip() for name in args.methods.split(",")} | {BASELINE, CACHE_BASELINE}
+        unknown = wanted - {m.name for m in METHODS}
+        if unknown:
+            parser.error(f"unknown methods {sorted(unknown)}; legal: {', '.join(m.name for m in METHODS)}")
+        methods = [m for m in METHODS if m.name in wanted]
 
     torch.set_num_threads(args.threads)
     from service.engine.loading import resolve_dtype
@@ -185,19 +217,26 @@ def main(argv: list[str] | None = None) -> None:
     engine.generate(prompts[:1], warm)
     for label, schedule in schedules.items():
         print(f"\n{label}")
-        print(f"  {'method':<24}{'tokens/s':>10}{'NFE':>8}{'vs ' + BASELINE:>14}{'time vs dual':>14}")
-        results: dict[str, tuple[float, float]] = {}
+        print(
+            f"  {'method':<24}{'tokens/s':>10}{'tokens/CPU-s':>14}{'NFE':>8}{'vs no cache':>13}{'(CPU)':>8}"
+            f"{'time vs dual':>14}{'(CPU)':>8}"
+        )
+        results: dict[str, Measurement] = {}
         # Interleaved repeats: on a shared machine the load drifts; the fastest decode of each method counts.
         for _ in range(args.repeats):
-            for method in METHODS:
+            for method in methods:
                 params = DecodeParams(
                     gen_length=args.gen_length, block_length=args.block_length, cache_mode=method.cache_mode,
                     ignore_eos=True, **schedule,
                 )
-                results[method.name] = max(results.get(method.name, (0.0, 0.0)), measure(engine, prompts, params, method))
-        base, dual = results[BASELINE][0], results[CACHE_BASELINE][0]
-        for name, (tps, nfe) in results.items():
-            print(f"  {name:<24}{tps:>10.1f}{nfe:>8.1f}{tps / base:>13.2f}x{dual / tps:>13.3f}x")
+                results[method.name] = measure(engine, prompts, params, method).best(results.get(method.name))
+        base, dual = results[BASELINE], results[CACHE_BASELINE]
+        for name, m in results.items():
+            print(
+                f"  {name:<24}{m.tokens_per_s:>10.1f}{m.tokens_per_cpu_s:>14.1f}{m.nfe:>8.1f}"
+                f"{m.tokens_per_s / base.tokens_per_s:>12.2f}x{m.tokens_per_cpu_s / base.tokens_per_cpu_s:>7.2f}x"
+                f"{dual.tokens_per_s / m.tokens_per_s:>13.3f}x{dual.tokens_per_cpu_s / m.tokens_per_cpu_s:>7.3f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -190,7 +191,10 @@ def peaks(args) -> None:
         cmd = [sys.executable, __file__, "--child", method, str(bits), str(int(keep)),
                "--layers", str(args.layers), "--heads", str(args.heads), "--head-dim", str(args.head_dim),
                "--tokens", str(args.tokens)]
-        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        # glibc keeps freed heap pages resident; with every allocation >= 64 KiB mmapped (and unmapped on free)
+        # the resident set follows the live tensors, so the high-water mark is the block's real peak.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout)
         base = out["peak_mib"] if method == "none" else base
         mode = "keep-copies" if keep else "per-layer"
         print(f"{method:9} {bits:>4} {mode:12} peak {out['peak_mib']:9.1f} MiB  ({out['peak_mib'] / base:6.3f} x "

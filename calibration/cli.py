@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information")
     add("--sparsity-threshold", type=float, default=defaults.sparsity_threshold)
     add("--batch-size", type=int, default=defaults.batch_size)
+    add("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32); part of every work "
+        "item's key, since trajectories and diagnostics depend on it")
+    add("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     add("--threads", type=int, default=1, help="torch threads (default 1)")
     add("--out", type=Path, default=Path("calibration-report"), help="report directory (report, all)")
     add("--no-progress", action="store_true")
@@ -98,6 +101,35 @@ def settings_from(args: argparse.Namespace) -> JobSettings:
     )
 
 
+def write_activation_configs(summary: RunSummary, k_group_size: int, v_group_size: int, out: Path) -> list[Path]:
+    """Write one ready-to-send ``KVQuantConfig`` body per fitted artifact into ``out/activate/``.
+
+    ``dllm_kvq-<cache mode>-<bits>bit.json`` names a policy (with the group sizes it was fitted for) and
+    ``kvquant-<bits>bit.json`` a KVQuant state, so activating one is a single ``PUT /admin/active/{cache_mode}``
+    with the file as the body (``curl --data @FILE``); the job itself still activates nothing.
+
+    Returns:
+        The written paths, sorted.
+    """
+    from service.quant.config import KVQuantConfig
+
+    configs: dict[str, KVQuantConfig] = {}
+    for key, policy_id in summary.policies.items():
+        mode, bits = key.split("/")
+        configs[f"dllm_kvq-{mode}-{bits}bit"] = KVQuantConfig(
+            method="dllm_kvq", bits=int(bits), k_group_size=k_group_size, v_group_size=v_group_size,
+            policy_id=policy_id)
+    for bits, state_id in summary.kvquant_states.items():
+        configs[f"kvquant-{bits}bit"] = KVQuantConfig(method="kvquant", bits=int(bits), kvquant_state_id=state_id)
+    folder = out / "activate"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, config in sorted(configs.items()):
+        paths.append(folder / f"{name}.json")
+        paths[-1].write_text(config.model_dump_json(exclude_none=True) + "\n")
+    return paths
+
+
 def print_summary(summary: RunSummary, seconds: float, out=None) -> None:
     """The end-of-run summary: what was computed or found done, ids, Table 4, time (to ``out``, default stdout)."""
     out = out or sys.stdout
@@ -115,6 +147,9 @@ def print_summary(summary: RunSummary, seconds: float, out=None) -> None:
         print(f"  kvquant state {bits} bits: {state_id}", file=out)
     if summary.report:
         print(f"  report: {summary.report}", file=out)
+    if summary.activation_configs:
+        print("  activation bodies (PUT /admin/active/{cache_mode}): " + ", ".join(summary.activation_configs),
+              file=out)
     print("  nothing was activated; use the admin endpoint to activate a policy or state", file=out)
 
 
@@ -132,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     settings = settings_from(args)
     store = open_store(args.store, prefix=args.store_prefix)
-    job = CalibrationJob(settings, store, Engine.load(settings.model, threads=args.threads),
+    job = CalibrationJob(settings, store, Engine.load(settings.model, dtype=args.dtype, device=args.device,
+                                                         threads=args.threads),
                          progress=not args.no_progress)
     if args.verb == "trace":
         job.trace()
@@ -154,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         job.report(args.out)
     else:
         job.run_all(args.out)
+    if args.verb in ("report", "all"):
+        paths = write_activation_configs(job.summary, settings.k_group_size, job.v_group_size, args.out)
+        job.summary.activation_configs = [str(p) for p in paths]
     print_summary(job.summary, time.perf_counter() - started)
     store.close()
     return 0
 
 
-__all__ = ["build_parser", "main", "print_summary", "settings_from"]
+__all__ = ["build_parser", "main", "print_summary", "settings_from", "write_activation_configs"]

@@ -6,7 +6,7 @@ Artifacts go to a :class:`service.policy.store.Store` (Redis or a local director
 ==================  ========================================================================================
 kind                id and content
 ==================  ========================================================================================
-trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fingerprint, schedule, rounds);
+trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fingerprint, dtype, schedule, rounds);
                     the :class:`~calibration.trace.Trajectory` JSON, which those inputs determine
 calibration_sums    ``diag-<h>``, h = hash of (trajectory id, diagnose settings); one sample's
                     :class:`~calibration.fit.DiagnosticSums`
@@ -138,6 +138,7 @@ class RunSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     report: str | None = None
+    activation_configs: list[str] = field(default_factory=list)
 
 
 class CalibrationJob:
@@ -207,7 +208,7 @@ class CalibrationJob:
         s = self.settings
         return input_key("trace", {
             "prompt_ids": list(sample.prompt_ids), "answer_ids": list(sample.answer_ids),
-            "fingerprint": self.spec.fingerprint, "block_length": s.block_length,
+            "fingerprint": self.spec.fingerprint, "dtype": str(self.engine.dtype), "block_length": s.block_length,
             "steps_per_block": s.steps_per_block, "rounds": s.rounds, "code": CODE_VERSION,
         })
 

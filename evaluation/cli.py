@@ -12,6 +12,9 @@ Subcommands:
     Writes the offline task YAMLs to DIR (to pass as lm-eval's ``--include_path`` yourself).
 ``matrix ...``
     The paper's result matrix (`evaluation.matrix`); ``--help`` lists the options.
+``push-scores RESULTS_JSON [--server URL] [--store URL] [--cache-mode M --kv-quant JSON]``
+    Sends the task scores of an lm-eval results file to the server's evaluation-score endpoint (accuracy
+    telemetry; `evaluation.scores`).
 """
 
 from __future__ import annotations
@@ -118,6 +121,8 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
     parser.add_argument("--server", help="server base URL to push each finished score to (accuracy telemetry)")
+    parser.add_argument("--card", metavar="DIR",
+                        help="model folder whose card gets the table (quantization.json + README section; one model)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
                         help="environment variable holding the server's admin key (default DLLM_ADMIN_KEY)")
     return parser
@@ -165,7 +170,11 @@ def run_matrix_command(argv: list[str]) -> int:
         rows = table4_rows(args.store, args.from_calibration)
         extra_md, extra_json = "\n" + table4_markdown(rows), {"table4": rows}
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
-                                 {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}})
+                                 {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}},
+                                 fingerprints=summary["fingerprints"].values())
+    if args.card:
+        _write_card(args, argv, matrix.load_results(args.out, summary["fingerprints"].values()),
+                    paths["md"].read_text())
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
           f"{summary['already_done']} already done; {len(summary['skipped'])} cells skipped")
@@ -173,7 +182,47 @@ def run_matrix_command(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"lm-eval": run_lm_eval, "tasks": run_tasks, "matrix": run_matrix_command}
+def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], markdown: str) -> None:
+    """``--card``: the matrix into the model card (`evaluation.card`), from this run's cell files of one model."""
+    import platform
+    import shlex
+
+    from evaluation.card import write_card
+
+    fingerprints = {r["fingerprint"] for r in results}
+    if len(fingerprints) != 1:
+        raise SystemExit(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+    host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
+        f", {args.threads} torch thread(s)" if args.threads else "")
+    write_card(args.card, markdown=markdown, fingerprint=fingerprints.pop(), documents=args.limit,
+               command="python -m evaluation matrix " + shlex.join(argv),
+               wall_seconds=sum(r["seconds"] for r in results), host=host)
+
+
+def run_push_scores(argv: list[str]) -> int:
+    """The ``push-scores`` subcommand: an lm-eval results file's scores to the server and/or the store."""
+    import json
+
+    from evaluation.scores import ScoreReporter, reports_from_lm_eval
+
+    parser = argparse.ArgumentParser(prog="python -m evaluation push-scores",
+                                     description="Send the task scores of an lm-eval results_*.json file to the "
+                                                 "server's /admin/eval_scores (and so the store).")
+    parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
+    parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
+    parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
+    parser.add_argument("--store", help="store URL, used when no server is given")
+    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
+    parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}')
+    args = parser.parse_args(argv)
+    reporter = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=args.store)
+    results = json.loads(Path(args.results).read_text())
+    for report in reports_from_lm_eval(results, args.cache_mode, args.kv_quant):
+        print(report["task"], reporter.send(report))
+    return 0
+
+
+COMMANDS = {"lm-eval": run_lm_eval, "tasks": run_tasks, "matrix": run_matrix_command, "push-scores": run_push_scores}
 
 
 def main(argv: list[str] | None = None) -> int:

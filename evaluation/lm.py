@@ -40,6 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from evaluation.artifacts import load_artifacts
 from evaluation.likelihood import greedy_check, mc_loglikelihood
 from evaluation.model_args import EvalModelArgs
 from service.engine import Engine
@@ -85,23 +86,13 @@ class GenerationRecord:
 
 @dataclass
 class _Plan:
+    """One request ready for the engine: its prompt ids, decode settings and row options."""
+
     index: int
     prompt: list[int]
-    until: tuple[str, ...]
     params: DecodeParams
     kv_config: KVQuantConfig
     row: RowOptions
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...] | list[str]) -> str:
-    """``text`` up to (not including) the earliest occurrence of any non-empty stop string."""
-    cut = len(text)
-    for stop in stops:
-        if stop:
-            at = text.find(stop)
-            if at != -1:
-                cut = min(cut, at)
-    return text[:cut]
 
 
 def _prompt_sha(ids: list[int]) -> str:
@@ -168,19 +159,23 @@ class DllmKvqLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
+        """The model's first EOS id (lm-eval's end of text)."""
         return self.spec.eos_ids[0]
 
     @property
     def prefix_token_id(self) -> int:
+        """Context token for an empty context: BOS, else EOS (lm-eval's convention)."""
         bos = getattr(self.tokenizer, "bos_token_id", None)
         return bos if bos is not None else self.eot_token_id
 
     @property
     def max_length(self) -> int:
+        """Longest prompt + response in tokens (the model's)."""
         return self.spec.max_length
 
     @property
     def tokenizer_name(self) -> str:
+        """Identifies the tokenizer in lm-eval's request cache keys."""
         return str(self.spec.model_id).replace("/", "__")
 
     def _need_tokenizer(self) -> None:
@@ -197,6 +192,7 @@ class DllmKvqLM(TemplateLM):
         return list(self.tokenizer(string, add_special_tokens=add_special_tokens)["input_ids"])
 
     def tok_decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` without special tokens."""
         self._need_tokenizer()
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -218,8 +214,6 @@ class DllmKvqLM(TemplateLM):
     def _artifacts_for(self, config: KVQuantConfig) -> tuple[Any, Any]:
         """(policy table, KVQuant state) that ``config`` names, loaded once and validated against the model."""
         if config not in self._artifacts:
-            from evaluation.artifacts import load_artifacts
-
             self._artifacts[config] = load_artifacts(config, self.spec, self.args.store)
         return self._artifacts[config]
 
@@ -267,7 +261,7 @@ class DllmKvqLM(TemplateLM):
                         len(prompt), room, self.spec.max_length, params.gen_length)
             prompt = prompt[-room:]
         row = RowOptions(temperature=temperature, seed=self.args.seed, stop=until)
-        return _Plan(index, prompt, until, params, kv_config, row)
+        return _Plan(index, prompt, params, kv_config, row)
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Decode every request (module docstring); batches group requests with equal decode settings."""
@@ -290,8 +284,7 @@ class DllmKvqLM(TemplateLM):
                 if kv is not None:
                     self.kv_reports.append(kv)
                 for plan, row in zip(chunk, report.rows, strict=True):
-                    text = row.text if row.text is not None else self.tok_decode(row.generated_ids)
-                    text = cut_at_stop(text, plan.until)
+                    text = row.text  # cut at EOS and at the first stop string by the engine (RowOptions.stop)
                     req = requests[plan.index]
                     out[plan.index] = text
                     self.records.append(GenerationRecord(

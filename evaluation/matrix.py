@@ -4,8 +4,9 @@
 --methods none,kivi,kvquant,dllm_kvq --out DIR`` plans the cells (`plan_cells`): per model one **no-cache
 reference** row (full recompute), and per cache mode a **cache-only** row (method ``none``) and one row per
 quantized method and bit width. Each (cell, task) is one lm-eval run of the in-process model `DllmKvqLM` on one
-loaded engine; its result goes to ``DIR/cells/<model>/<cell>/<task>.json`` as soon as it finishes (written to a
-temporary file, then renamed), so an interrupted matrix **resumes** by skipping finished files.
+loaded engine; its result goes to ``DIR/cells/<model>/<weights fingerprint>/<cell>/<task>.json`` as soon as it
+finishes (written to a temporary file, then renamed), so an interrupted matrix **resumes** by skipping finished
+files, and a retrained model of the same name does not reuse its predecessor's cells.
 
 Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
 per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
@@ -214,8 +215,10 @@ def task_manager_for(tasks: list[str], include_path: str | None):
     return TaskManager(include_path=include_path) if include_path else TaskManager()
 
 
-def cell_path(out_dir: Path, cell: Cell, task: str) -> Path:
-    return out_dir / "cells" / _slug(cell.model) / cell.key / f"{task}.json"
+def cell_path(out_dir: Path, cell: Cell, task: str, fingerprint: str) -> Path:
+    """``out/cells/<model>/<fingerprint[:16]>/<cell key>/<task>.json``: keyed by the weights, so retraining a model
+    of the same name starts its cells afresh instead of resuming from the old weights' results."""
+    return out_dir / "cells" / _slug(cell.model) / fingerprint[:16] / cell.key / f"{task}.json"
 
 
 def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_manager,
@@ -268,8 +271,12 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
     Args:
         cells: from `plan_cells`.
         out_dir: the matrix folder (cell files under ``cells/``).
-        load_engine: model name -> loaded `Engine` (called once per model, only if that model has work left).
+        load_engine: model name -> loaded `Engine` (called once per model: its weights' fingerprint keys the
+            cell files).
         on_result: called with each new cell file's content (accuracy telemetry).
+
+    Returns:
+        ``{"ran", "skipped", "already_done", "seconds", "fingerprints"}`` (``fingerprints``: model -> weights).
     """
     out = Path(out_dir)
     task_manager = task_manager_for(settings.tasks, settings.include_path)
@@ -284,13 +291,14 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
     artifacts: dict[str, dict] = {}
     try:
         for cell in cells:
-            todo = [t for t in settings.tasks if not cell_path(out, cell, t).exists()]
-            done += len(settings.tasks) - len(todo)
-            if not todo:
-                continue
             if cell.model not in engines:
                 engines[cell.model] = load_engine(cell.model)
                 artifacts[cell.model] = find_artifacts(store, engines[cell.model].spec.fingerprint) if store else {}
+            fingerprint = engines[cell.model].spec.fingerprint
+            todo = [t for t in settings.tasks if not cell_path(out, cell, t, fingerprint).exists()]
+            done += len(settings.tasks) - len(todo)
+            if not todo:
+                continue
             artifact_id = None
             if cell.method in ("dllm_kvq", "kvquant"):
                 artifact_id = artifacts[cell.model].get((cell.method, cell.cache_mode, cell.bits))
@@ -303,20 +311,25 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
             for task in todo:
                 log.info("run %s %s %s", cell.model, cell.key, task)
                 result = run_cell_task(engines[cell.model], cell, task, settings, task_manager, artifact_id)
-                _write_atomic(cell_path(out, cell, task), json.dumps(result))
+                _write_atomic(cell_path(out, cell, task, fingerprint), json.dumps(result))
                 ran.append({"model": cell.model, "cell": cell.key, "task": task, "seconds": result["seconds"]})
                 if on_result is not None:
                     on_result(result)
     finally:
         if store is not None:
             store.close()
-    return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started}
+    return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started,
+            "fingerprints": {model: engine.spec.fingerprint for model, engine in engines.items()}}
 
 
 # ---- tables --------------------------------------------------------------------------------------------------
-def load_results(out_dir: str | Path) -> list[dict[str, Any]]:
-    """Every finished cell file under ``out_dir/cells``."""
-    return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("cells/*/*/*.json"))]
+def load_results(out_dir: str | Path, fingerprints: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Every finished cell file under ``out_dir/cells``; only those of the given weights when ``fingerprints``."""
+    results = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("cells/*/*/*/*.json"))]
+    if fingerprints is not None:
+        keep = set(fingerprints)
+        results = [r for r in results if r["fingerprint"] in keep]
+    return results
 
 
 def _agreement(rows: list[dict], refs: list[dict]) -> tuple[float, float, int] | None:
@@ -441,10 +454,12 @@ def _csv(value: float | None) -> str:
 
 
 def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: list[dict] | None = None,
-                  extra_markdown: str = "", extra_json: dict[str, Any] | None = None) -> dict[str, Path]:
-    """Write ``matrix.md``, ``matrix.csv`` and ``matrix.json`` from the cell files in ``out_dir``."""
+                  extra_markdown: str = "", extra_json: dict[str, Any] | None = None,
+                  fingerprints: Iterable[str] | None = None) -> dict[str, Path]:
+    """Write ``matrix.md``, ``matrix.csv`` and ``matrix.json`` from the cell files in ``out_dir`` (only those of
+    the given weights when ``fingerprints``: the models as loaded in this run)."""
     out = Path(out_dir)
-    tables = build_tables(load_results(out), tasks)
+    tables = build_tables(load_results(out, fingerprints), tasks)
     paths = {"md": out / "matrix.md", "csv": out / "matrix.csv", "json": out / "matrix.json"}
     _write_atomic(paths["md"], render_markdown(tables, skipped) + extra_markdown)
     _write_atomic(paths["csv"], render_csv(tables))

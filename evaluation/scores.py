@@ -63,7 +63,11 @@ class ScoreReporter:
         self.sent: list[str] = []  # ids of the stored reports, in order
 
     def __call__(self, result: dict[str, Any]) -> str:
-        report = score_report(result)
+        """Send one matrix result (`evaluation.matrix.run_cell_task`); returns the stored report's id."""
+        return self.send(score_report(result))
+
+    def send(self, report: dict[str, Any]) -> str:
+        """Send one ``EvalScoreReport`` body; returns the stored report's id."""
         if self.server_url:
             resp = httpx.post(f"{self.server_url}/admin/eval_scores", json=report, timeout=self.timeout_s,
                               headers={"Authorization": f"Bearer {self.admin_key}"})
@@ -80,3 +84,45 @@ class ScoreReporter:
             raise ValueError("ScoreReporter needs a server_url or a store_url")
         self.sent.append(artifact_id)
         return artifact_id
+
+
+def reports_from_lm_eval(results: dict[str, Any], cache_mode: str | None = None,
+                         kv_quant: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One ``EvalScoreReport`` body per task of an lm-eval results file (``--output_path``'s ``results_*.json``).
+
+    The configuration is read from the run where lm-eval recorded it: ``dllm-kvq``'s model_args, then request
+    fields in ``gen_kwargs`` (``cache_mode``, ``kv_quant``), then ``cache_mode`` / ``kv_quant`` given here, which
+    win. An HTTP run that relied on the server's active configuration recorded none of it: then both must be given.
+
+    Raises:
+        ValueError: the configuration cannot be determined (the message says what to pass).
+    """
+    from evaluation.model_args import EvalModelArgs
+
+    config = results.get("config", {})
+    gen_kwargs = config.get("gen_kwargs") or {}
+    mode, kv = gen_kwargs.get("cache_mode"), gen_kwargs.get("kv_quant")
+    if config.get("model") == "dllm-kvq":
+        raw = config.get("model_args") or {}
+        if isinstance(raw, str):
+            from lm_eval.utils import simple_parse_args_string
+
+            raw = simple_parse_args_string(raw)
+        args = EvalModelArgs.parse({k: v for k, v in raw.items() if v is not None})
+        mode = mode or args.cache_mode
+        kv = kv or args.kv_config.model_dump(mode="json")
+    mode, kv = cache_mode or mode, kv_quant or kv
+    if mode is None or kv is None:
+        raise ValueError(f"lm-eval's results do not say which cache mode and KV quantization {config.get('model')} "
+                         "served; pass --cache-mode and --kv-quant (the server's active configuration)")
+    limit = config.get("limit")
+    reports = []
+    for task, metrics in results["results"].items():
+        scores = {k: float(v) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and "stderr" not in k and k != "sample_len"}
+        if scores:
+            reports.append({"task": task, "scores": scores, "kv_quant": kv, "cache_mode": mode,
+                            "limit": int(limit) if limit else None,
+                            "details": {"lm_eval_model": config.get("model"), "n_samples": results.get(
+                                "n-samples", {}).get(task)}})
+    return reports

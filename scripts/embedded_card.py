@@ -30,6 +30,24 @@ def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def quantization_section(directory: Path) -> str:
+    """The KV-quantization table as the evaluation matrix wrote it (``quantization.json``, `evaluation.card`), while
+    it was measured on these weights; otherwise how to make it."""
+    from evaluation.card import CARD_FILE, SECTION, card_section
+    from service.engine.loading import read_checkpoint_tensors, weights_fingerprint
+
+    path = directory / CARD_FILE
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data["fingerprint"] == weights_fingerprint(read_checkpoint_tensors(directory)):
+            return card_section(data)
+        how = f"`{data['command']}`"
+    else:
+        how = "`python -m evaluation matrix --models embedded --tasks digit_ledger --card service/assets/embedded ...`"
+    return (f"{SECTION}\n\nThe KV-quantization table (methods x bits x cache modes, accuracy and agreement) comes from "
+            f"the evaluation matrix and has not been measured on these weights yet: run {how}.\n")
+
+
 def card(directory: Path, note: str) -> str:
     """The card's markdown text."""
     config = json.loads((directory / "config.json").read_text())
@@ -45,6 +63,13 @@ def card(directory: Path, note: str) -> str:
             f"| {mode} | {pct(m['exact_match'])} | {per_op} | {m['mean_nfe']:.1f} | {m['latency_mean_s']:.3f} | "
             f"{m['latency_p90_s']:.3f} | {pct(m['token_agreement_with_none'])} |"
         )
+    fixed = meas.get("slice")
+    slice_line = (
+        f"- Fixed slice (the first {fixed['questions']} {fixed['split']} questions, `slice` in `measurements.json`, "
+        "what `tests/integration/e2e` checks the served model against): exact match "
+        + ", ".join(f"{mode} {pct(em)}" for mode, em in fixed["exact_match"].items()) + "."
+        if fixed else "- Fixed slice: not measured (fewer questions than the slice)."
+    )
     none_em = modes["none"]["exact_match"]
     gaps = {mode: none_em - modes[mode]["exact_match"] for mode in ("prefix", "dual")}
     target_line = (
@@ -127,15 +152,12 @@ full-recompute output of the same question.
   took {meas['load_first_in_process_s']:.2f} s, the difference is one-time lazy imports.
 - Revealed tokens with top-1 probability >= {meas['threshold']} (full recompute):
   {pct(confident) if confident is not None else 'not measured'} of {modes['none'].get('revealed_tokens', 0):,}.
+{slice_line}
 {target_line}
 
 {note}
 
-## Quantization
-
-The KV-quantization table for this model (methods x bits x cache modes, accuracy and agreement) is produced by the
-evaluation matrix (`python -m evaluation`) and is not part of this card's measurements.
-
+{quantization_section(directory)}
 ## Reproduce
 
 ```bash

@@ -3,11 +3,13 @@
 For each cache mode (none = full recompute, prefix, dual) the held-out test split is decoded one question at a
 time with ``Engine.generate`` (threshold 0.9, ``GEN_LENGTH`` positions in blocks of ``BLOCK_LENGTH``, greedy,
 unquantized cache) and scored with ``service.embedded_task.score``. Reported per mode: exact match (overall and
-per operation), mean NFE, per-question latency (mean and p50/p90 wall seconds of ``generate``), token agreement
+per operation, and whether each question was answered right, in split order), mean NFE, per-question latency (mean and p50/p90 wall seconds of ``generate``), token agreement
 with full recompute; and once: the load time of ``Engine.load`` (first call in the process, which includes lazy imports, and a
 second call) and, in full recompute, the share of revealed
 tokens whose top-1 probability was at least the threshold (read from the logits of each forward call through a
-forward hook on the model, so it is exactly what the decoder saw).
+forward hook on the model, so it is exactly what the decoder saw); and the exact match per mode on the fixed slice
+of the first ``SLICE`` (32) test questions, the figure the end-to-end test (``tests/integration/e2e``) checks the
+served model against.
 
 Usage: ``python scripts/validate_embedded.py [--model DIR] [--split test] [--limit N] [--out FILE.json]``
 """
@@ -33,6 +35,9 @@ from service.engine.params import DecodeParams
 
 THRESHOLD = 0.9
 MODES = ("none", "prefix", "dual")
+#: The fixed held-out slice the end-to-end test scores through the server (the first questions of the test split,
+#: lm-eval's ``--limit`` order): its exact match per mode is recorded under ``slice``.
+SLICE = 32
 
 
 class RevealConfidence:
@@ -84,6 +89,7 @@ def measure(model: str | None, split: str, limit: int | None, modes: tuple[str, 
         hook = RevealConfidence(eng.spec.mask_id) if mode == "none" else None
         handle = eng.model.register_forward_hook(hook, with_kwargs=True) if hook else None
         hits, by_op, latencies, nfes, outputs, confs = 0, {op: [0, 0] for op in OPS}, [], [], [], []
+        correct: list[bool] = []
         for q, ids in zip(questions, prompts):
             t = time.perf_counter()
             report = eng.generate([ids], params)
@@ -95,6 +101,7 @@ def measure(model: str | None, split: str, limit: int | None, modes: tuple[str, 
                 final = torch.tensor(ids + row.generated_ids + [eng.spec.mask_id] * (GEN_LENGTH - len(row.generated_ids)))
                 confs += hook.confidences(final)
             ok = score(eng.decode_text(row.generated_ids), q.answer)
+            correct.append(bool(ok))
             hits += ok
             by_op[q.op][0] += ok
             by_op[q.op][1] += 1
@@ -105,6 +112,7 @@ def measure(model: str | None, split: str, limit: int | None, modes: tuple[str, 
         lat = sorted(latencies)
         results["modes"][mode] = {
             "exact_match": hits / len(questions),
+            "correct": correct,
             "exact_match_per_op": {op: h / max(n, 1) for op, (h, n) in by_op.items()},
             "mean_nfe": statistics.mean(nfes),
             "generated_tokens": sum(len(o) for o in outputs),
@@ -119,6 +127,10 @@ def measure(model: str | None, split: str, limit: int | None, modes: tuple[str, 
             results["modes"][mode]["revealed_confident_share"] = sum(c >= THRESHOLD for c in confs) / len(confs)
             results["modes"][mode]["revealed_tokens"] = len(confs)
         print(json.dumps({mode: results["modes"][mode]}), flush=True)
+    if len(questions) >= SLICE:
+        results["slice"] = {"split": split, "questions": SLICE, "ids": [q.id for q in questions[:SLICE]],
+                            "exact_match": {mode: sum(m["correct"][:SLICE]) / SLICE
+                                            for mode, m in results["modes"].items()}}
     return results
 
 

@@ -44,7 +44,7 @@ class Settings(BaseSettings):
     # ---- decoding defaults ---------------------------------------------------------------------------------------
     cache_mode: CacheMode = Field("dual", description="default cache mode: none, prefix or dual")
     block_length: int = Field(32, gt=0, description="default block length in tokens")
-    threshold: float = Field(0.9, gt=0.0, le=1.0, description="default confidence threshold")
+    threshold: float = Field(0.9, ge=0.0, le=1.0, description="default confidence threshold")
     default_max_tokens: int = Field(64, gt=0, description="response positions when a request gives no max_tokens")
     kv_quant: KVQuantConfig = Field(
         default_factory=KVQuantConfig,

@@ -38,7 +38,7 @@ class DiffusionKnobs(StrictModel):
 
     cache_mode: CacheMode | None = None
     block_length: int | None = Field(None, gt=0)
-    threshold: float | None = Field(None, gt=0.0, le=1.0)
+    threshold: float | None = Field(None, ge=0.0, le=1.0)
     steps: int | None = Field(None, gt=0, description="total denoising steps (fixed schedule instead of threshold)")
     remasking: Literal["low_confidence", "random"] | None = None
     ignore_eos: bool = False

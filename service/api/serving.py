@@ -165,6 +165,9 @@ class Serving:
         if gen_length > self.spec.max_length:
             raise InvalidRequest(f"max_tokens {max_tokens} (rounded up to {gen_length} response positions) exceeds "
                                  f"the model's context of {self.spec.max_length} tokens", param="max_tokens")
+        if req.steps is not None and req.threshold is not None:
+            raise InvalidRequest("give threshold (confidence-threshold decoding) or steps (fixed schedule), not both",
+                                 param="threshold")
         if req.steps is not None and req.steps % (gen_length // block_length):
             raise InvalidRequest(f"steps {req.steps} must be a multiple of the number of blocks "
                                  f"{gen_length // block_length} (response {gen_length} / block {block_length})",
@@ -173,7 +176,8 @@ class Serving:
             gen_length=gen_length,
             block_length=block_length,
             cache_mode=req.cache_mode or self.settings.cache_mode,
-            threshold=None if req.steps is not None else (req.threshold or self.settings.threshold),
+            threshold=None if req.steps is not None else (
+                req.threshold if req.threshold is not None else self.settings.threshold),
             steps=req.steps,
             remasking=req.remasking or "low_confidence",
             ignore_eos=req.ignore_eos,

@@ -264,11 +264,12 @@ class Decoder:
                 chosen = torch.zeros(1, dtype=torch.long, device=tokens.device)
             elif self.spec.arch == "dream":
                 row_logits = logits[j, candidates - start]
-                fixed = params.threshold is None
+                fixed = params.threshold is None  # fixed schedule: negative-entropy confidence (SPEC 3.6)
                 tokens, confidence = dream_tokens_and_confidence(row_logits, state.temperature, state.generator, fixed)
-                steps_per_block = params.steps // self.num_blocks if fixed else 0
-                count = dream_fixed_count(int(candidates.numel()), step, steps_per_block) if fixed else candidates.numel()
-                chosen = select_reveals(confidence, int(count), params.threshold)
+                count = int(candidates.numel())
+                if fixed:
+                    count = dream_fixed_count(count, step, params.steps // self.num_blocks)
+                chosen = select_reveals(confidence, count, params.threshold)
             else:
                 row_logits = logits[j, candidates - start]
                 tokens, confidence = llada_tokens_and_confidence(

@@ -117,21 +117,15 @@ class KVQuantizer:
             NonFiniteKVError: NaN or +/-inf in a reused K or V entry (the message names layer, row and column).
             KVQuantError: scores missing or not finite when the method needs them.
         """
-        xk, xv = layout.gather(k), layout.gather(v)  # [N, H, D]
-        _check_finite(layer, "K", xk, layout)
-        _check_finite(layer, "V", xv, layout)
         slot_scores = None
         if scores is not None:
             slot_scores = scores[layout.rows, layout.seq_cols].float()
             if not torch.isfinite(slot_scores).all():
                 raise KVQuantError(f"layer {layer}: attention scores hold NaN or inf")
-        return PackedLayer(
-            k=self.quantize_k(layer, xk, layout, slot_scores),
-            v=self.quantize_v(layer, xv),
-            dtype=k.dtype,
-            num_heads=k.shape[1],
-            head_dim=k.shape[3],
-        )
+        # One of K and V at a time, so the write's transient memory is one tensor's slots and temporaries.
+        packed_k = self.quantize_k(layer, _finite_slots(layer, "K", k, layout), layout, slot_scores)
+        packed_v = self.quantize_v(layer, _finite_slots(layer, "V", v, layout))
+        return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
 
     def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
@@ -165,6 +159,7 @@ class KVQuantizer:
         )
 
     def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype; protected tokens exact, padding zero."""
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
         n = layout.num_slots
@@ -175,9 +170,7 @@ class KVQuantizer:
             # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
             keep = torch.ones(n, dtype=torch.bool, device=codes.device)
             keep[protected] = False
-            full = codes.new_zeros(n, h, d)
-            full[keep] = codes
-            codes = full
+            codes = _expand_rows(codes, keep.nonzero().squeeze(1), n)
         out = layout.empty_output(h, d, packed.dtype)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:
@@ -195,18 +188,37 @@ class KVQuantizer:
         )
 
     def dequantize_v(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype; padding zero."""
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
         return dequantize_v_into(layout.empty_output(h, d, packed.dtype), codes, t["scale"], t["mn"], layout)
 
 
-def _check_finite(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> None:
-    # One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
-    # the scan runs only to name the culprit.
-    if bool(torch.isfinite(x.sum(dtype=torch.float32))):
-        return
-    slot = int((~torch.isfinite(x)).flatten(1).any(1).nonzero()[0])
+def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, H, D]`` zeros with ``codes`` ``[len(rows), H, D]`` (uint8) copied into ``rows``.
+
+    Rows are moved as int64 words when their byte length allows (8x fewer elements for ``index_copy_``).
+    """
+    full = codes.new_zeros(n, *codes.shape[1:])
+    width = codes[0].numel() if codes.shape[0] else 0
+    if width and width % 8 == 0:
+        full.view(n, width).view(torch.int64).index_copy_(0, rows, codes.reshape(-1, width).view(torch.int64))
+    else:
+        full.index_copy_(0, rows, codes)
+    return full
+
+
+def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
+    """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf.
+
+    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
+    the scan runs only to name the culprit.
+    """
+    slots = layout.gather(x)
+    if bool(torch.isfinite(slots.sum(dtype=torch.float32))):
+        return slots
+    slot = int((~torch.isfinite(slots)).flatten(1).any(1).nonzero()[0])
     raise NonFiniteKVError(
         f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
         f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"

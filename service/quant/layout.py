@@ -121,6 +121,19 @@ class SlotLayout:
                 offset = full * self.group_size
                 yield row, col + offset, slot + offset, 1, tail, group + full
 
+    def spans(self):
+        """Runs merged where they touch (a row's prefix and suffix are adjacent on the reused axis and in slot
+        order): ``(row, col, slot, length)``, at most one per row. For per-token formats (V), which need no
+        group boundaries, this halves the work items of a dual-cache read."""
+        merged: list[list[int]] = []
+        for row, col, slot, length, _ in self.runs:
+            last = merged[-1] if merged else None
+            if last and last[0] == row and last[1] + last[3] == col and last[2] + last[3] == slot:
+                last[3] += length
+            else:
+                merged.append([row, col, slot, length])
+        return [tuple(span) for span in merged]
+
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run."""
         pieces = []

@@ -27,8 +27,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-#: torch.quantile refuses inputs above 2^24 elements; quantiles are taken in row chunks below that.
-_QUANTILE_MAX_ELEMENTS = 2**24
 #: Elements per chunk of the nearest-codebook search.
 _NEAREST_CHUNK = 2**15
 
@@ -36,14 +34,24 @@ _NEAREST_CHUNK = 2**15
 def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the nearest ``lut`` entry to each element of ``u`` (ties: the earlier entry).
 
-    The reference's ``argmin`` over ``|u - c|`` (the first minimum wins), computed in chunks of elements so the
-    ``[chunk, 2^b]`` distance matrix stays small.
+    The reference's ``argmin`` over ``|u - c|`` (the first minimum wins). A strictly increasing codebook (what
+    :func:`fit_layer` makes) takes a fast path: the nearest entry is one of the two neighbours of ``u``, found by
+    binary search, and the same ``|u - c|`` comparison between them picks it (a tie keeps the lower, earlier
+    one). Any other codebook (the reference's k-means order) is searched exhaustively, in chunks of elements so
+    the ``[chunk, 2^b]`` distance matrix stays small.
     """
     flat = u.reshape(-1)
     code = torch.empty(flat.numel(), dtype=torch.uint8, device=u.device)
+    ascending = lut.numel() > 1 and bool((lut[1:] > lut[:-1]).all())
     for i in range(0, flat.numel(), _NEAREST_CHUNK):
         part = flat[i : i + _NEAREST_CHUNK]
-        code[i : i + _NEAREST_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
+        if ascending:
+            right = torch.searchsorted(lut, part).clamp_(1, lut.numel() - 1)
+            left = right - 1
+            closer_right = (part - lut[right]).abs() < (part - lut[left]).abs()
+            code[i : i + _NEAREST_CHUNK] = torch.where(closer_right, right, left)
+        else:
+            code[i : i + _NEAREST_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
     return code.view(u.shape)
 
 
@@ -91,16 +99,33 @@ def dequantize_keys(codes: torch.Tensor, upper: torch.Tensor, lower: torch.Tenso
     return _lookup(lut, codes) * half_range + offset
 
 
+def tail_quantiles(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` ``[N, C]`` (float32), the ``t`` and ``1 - t`` quantiles (``t`` near 1), each ``[N, 1]``.
+
+    Exactly ``torch.quantile(x, [t, 1 - t], dim=-1)`` (linear interpolation: rank ``q (C - 1)`` in float32,
+    ``lerp`` of the order statistics below and above it, as the reference's ``get_outliers_dynamic`` computes),
+    but the few order statistics in each tail come from ``topk`` instead of a full sort of every row (about 30x
+    faster at head_dim 128 x 32 heads).
+    """
+    n = x.shape[-1]
+    ranks = torch.tensor([t, 1 - t], dtype=torch.float32) * (n - 1)
+    below, above = ranks.long(), ranks.ceil().long()
+    weights = (ranks - below).to(x.device)
+    largest = x.topk(n - int(below[0]), dim=-1, largest=True, sorted=True).values  # [:, j] = sorted[n - 1 - j]
+    smallest = x.topk(int(above[1]) + 1, dim=-1, largest=False, sorted=True).values  # [:, j] = sorted[j]
+    upper = largest[:, n - 1 - int(below[0])].lerp(largest[:, n - 1 - int(above[0])], weights[0])
+    lower = smallest[:, int(below[1])].lerp(smallest[:, int(above[1])], weights[1])
+    return upper[:, None], lower[:, None]
+
+
 def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
     """bool ``[N, C]``: entries at or beyond each token's ``t`` / ``1 - t`` quantiles (``get_outliers_dynamic``)."""
     t = 1 - (1 - sparsity_threshold) / 2
     xf = x.float()
-    rows = max(1, _QUANTILE_MAX_ELEMENTS // max(1, xf.shape[-1]))
-    masks = []
-    for chunk in xf.split(rows):
-        q = torch.quantile(chunk, torch.tensor([t, 1 - t], device=x.device), dim=-1, keepdim=True)
-        masks.append((chunk <= q[1]) | (chunk >= q[0]))
-    return torch.cat(masks) if masks else torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+    if xf.shape[0] == 0:
+        return torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+    upper, lower = tail_quantiles(xf, t)
+    return (xf <= lower) | (xf >= upper)
 
 
 def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99):

@@ -56,7 +56,8 @@ def quantize_codes(x: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, bits:
     ``scale == 0`` (zero-range group) the divisor is 1 instead: ``d`` is 0 there, the code is 0, which
     dequantizes to ``mn``, the exact value.
     """
-    u = (x - mn) / torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale)
+    u = x - mn
+    u.div_(torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale))
     return u.clamp_(0, max_code(bits)).round_().to(torch.uint8)
 
 
@@ -170,10 +171,11 @@ def dequantize_k_into(
 def dequantize_v_into(
     out: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: SlotLayout
 ) -> torch.Tensor:
-    """Dequantize V codes of every slot (``[N, H, D]``; statistics ``[N, H, D / G]``) into ``out``, run by run."""
+    """Dequantize V codes of every slot (``[N, H, D]``; statistics ``[N, H, D / G]``) into ``out``, span by span
+    (`SlotLayout.spans`)."""
     h, d = codes.shape[1], codes.shape[2]
     groups = scale.shape[-1]
-    for row, col, slot, length, _ in layout.runs:
+    for row, col, slot, length in layout.spans():
         dest = out[row, :, col : col + length].view(h, length, groups, d // groups)
         part = codes[slot : slot + length].view(length, h, groups, d // groups)
         # [T, H, Dg, G] -> [H, T, Dg, G]; statistics [T, H, Dg] -> [H, T, Dg, 1]

@@ -129,6 +129,8 @@ BAD = [
     ({"prompt": [5, 10**6]}, "prompt"),
     ({"prompt": "a", "model": "gpt-4"}, "model"),
     ({"prompt": "a", "steps": 3, "max_tokens": 8}, "steps"),
+    ({"prompt": "a", "steps": 2, "threshold": 0.5, "max_tokens": 8}, "threshold"),
+    ({"prompt": "a", "threshold": 1.5}, "threshold"),
 ]
 
 

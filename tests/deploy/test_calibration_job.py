@@ -56,6 +56,8 @@ def calibrate(tmp_path: Path, name: str, shards: int) -> tuple[list[str], list[s
     env = {
         **settings,
         "MODEL": str(CKPT),
+        "DTYPE": "float32",
+        "DEVICE": "cpu",
         "STORE": str(store),
         "SAMPLES": "3",
         "ROUNDS": "1",

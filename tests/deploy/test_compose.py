@@ -173,6 +173,7 @@ def test_calibration_commands_parse_with_the_calibration_cli(gpu_stack, cpu_stac
 
     gpu = build_parser().parse_args(gpu_stack["services"]["calibration"]["command"][1:])
     assert gpu.verb == "all" and gpu.store == "redis://redis:6379/0" and gpu.model
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16")  # the GPU it reserves is the one it uses
     cpu = build_parser().parse_args(cpu_stack["services"]["calibration"]["command"][1:])
     assert cpu.model is None and cpu.store == gpu.store  # None: the embedded default model
 

@@ -54,6 +54,7 @@ def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
                                  "reason": "no KVQuant state for (dual, 4-bit) in the store"}]
     assert [r["artifact_id"] for r in reported] == [None, None, None, policy_id]
 
+    assert len(list(out.glob(f"cells/tiny/{engine.spec.fingerprint[:16]}/*/tiny_echo.json"))) == 4
     # Resume: finished cells are not run again; the skipped one is looked up again (a state may exist by now).
     again = run_matrix(cells, settings, out, lambda name: engine)
     assert again["ran"] == [] and again["already_done"] == 4 and again["skipped"] == first["skipped"]

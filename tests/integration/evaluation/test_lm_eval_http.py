@@ -105,18 +105,25 @@ def test_chat_command_from_the_readme_equals_in_process(server, engine, task_dir
     assert {r.doc_id: [[r.text]] for r in lm.records} == http
 
 
-def test_completions_with_remote_tokenizer_equal_in_process(server, engine, task_dir, tmp_path):
-    gen = {"max_gen_toks": 32}
+@pytest.mark.parametrize("gen", [
+    {"max_gen_toks": 32},
+    # The server's extra request fields, given the same way to both paths: a quantized prefix cache.
+    {"max_gen_toks": 32, "cache_mode": "prefix", "kv_quant": {"method": "kivi", "bits": 2}},
+], ids=["default", "prefix-kivi2"])
+def test_completions_with_remote_tokenizer_equal_in_process(server, engine, task_dir, gen):
+    manager = task_manager_for(["gsm8k_local"], str(task_dir))
     http = lm_eval.simple_evaluate(
-        model="local-completions", task_manager=task_manager_for(["gsm8k_local"], str(task_dir)),
+        model="local-completions", task_manager=manager,
         model_args=f"model=embedded,base_url={server.url}/v1/completions,tokenizer_backend=remote,max_retries=1",
-        tasks=["gsm8k_local"], limit=3, gen_kwargs=gen, bootstrap_iters=0, log_samples=True)
+        tasks=["gsm8k_local"], limit=3, gen_kwargs=dict(gen), bootstrap_iters=0, log_samples=True)
     lm = DllmKvqLM(engine=engine, batch_size=3)
-    local = lm_eval.simple_evaluate(model=lm, tasks=["gsm8k_local"], limit=3, gen_kwargs=gen, bootstrap_iters=0,
-                                    task_manager=task_manager_for(["gsm8k_local"], str(task_dir)), log_samples=True)
+    local = lm_eval.simple_evaluate(model=lm, tasks=["gsm8k_local"], limit=3, gen_kwargs=dict(gen), bootstrap_iters=0,
+                                    task_manager=manager, log_samples=True)
     assert http["results"]["gsm8k_local"] == local["results"]["gsm8k_local"]
     assert [s["resps"] for s in http["samples"]["gsm8k_local"]] == [s["resps"] for s in local["samples"]["gsm8k_local"]]
     assert any(s["resps"][0][0].strip() for s in local["samples"]["gsm8k_local"])
+    if "kv_quant" in gen:
+        assert lm.kv_reports and all(r.k_nominal_bits == 2.0 for r in lm.kv_reports)
 
 
 def test_likelihood_payload_gets_an_explicit_400(server):

@@ -196,3 +196,21 @@ def test_diagnostic_records_assembled_by_hand(engine):
             assert cell.records == 2 and cell.tokens == tokens
             for name in METRICS:
                 assert cell.delta[name] / FIXED_POINT == pytest.approx(expected[(layer, name)], abs=1e-9)
+
+
+def test_work_items_are_keyed_by_the_engine_dtype(engine, tmp_path):
+    """A bf16 run must not reuse fp32 trajectories (their score matrices differ), so dtype is part of the key."""
+    store = open_store(str(tmp_path / "store"))
+    fp32 = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
+    bf16 = CalibrationJob(_settings(tmp_path), store, Engine.load(CKPT, dtype="bfloat16"), progress=False)
+    sample = fp32.samples()[0]
+    assert fp32.trajectory_key(sample) != bf16.trajectory_key(sample)
+    assert fp32.trajectory_key(sample) == CalibrationJob(_settings(tmp_path), store, engine).trajectory_key(sample)
+
+
+def test_cli_passes_dtype_and_device_to_the_engine():
+    from calibration.cli import build_parser
+
+    args = build_parser().parse_args(["trace", "--dtype", "bfloat16", "--device", "cuda:1"])
+    assert (args.dtype, args.device) == ("bfloat16", "cuda:1")
+    assert build_parser().parse_args(["fit"]).dtype == "float32"

@@ -92,10 +92,13 @@ def test_markdown_and_csv_layout(results):
 
 def test_write_outputs_reads_cell_files(tmp_path, results):
     for r in results:
-        path = tmp_path / "cells" / r["model"] / Cell(**r["cell"]).key / f"{r['task']}.json"
+        path = tmp_path / "cells" / r["model"] / "f" / Cell(**r["cell"]).key / f"{r['task']}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(r))
     paths = write_outputs(tmp_path, ["a", "b"])
     data = json.loads(paths["json"].read_text())
     assert data["blocks"][0]["rows"][2]["average"] == 50.0
     assert "KIVI (4-bit)" in paths["md"].read_text()
+    # Cells of other weights (a retrained model of the same name) are left out when fingerprints are given.
+    assert write_outputs(tmp_path, ["a", "b"], fingerprints=["other"]) and \
+        json.loads(paths["json"].read_text())["blocks"] == []

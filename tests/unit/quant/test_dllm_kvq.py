@@ -101,3 +101,12 @@ def test_protection_covers_short_groups():
     store.write(0, k, v, seg)
     assert torch.equal(store.read(0)[0], k[:, :, :3])
     assert store.report().k_nominal_bits == 16
+
+
+@pytest.mark.parametrize("width", [(2, 16), (1, 6)])  # int64 row moves, and the byte fallback
+def test_code_rows_expand_around_protected_slots(width):
+    from service.quant.base import _expand_rows
+
+    codes = torch.randint(0, 16, (3, *width), dtype=torch.uint8)
+    full = _expand_rows(codes, torch.tensor([0, 2, 3]), 5)
+    assert torch.equal(full[[0, 2, 3]], codes) and not full[[1, 4]].any()

@@ -68,3 +68,16 @@ def test_constant_group_is_exact_and_leaves_neighbours_intact(case):
         grp = pos[2] // size
         expected = ((x[tuple(pos)] - mn[0, 0, grp, 5]) / scale[0, 0, grp, 5]).clamp(0, 2**bits - 1).round()
         assert codes[tuple(pos)] == expected
+
+
+def test_short_last_group_has_its_own_statistics():
+    """Departure from the reference (which asserts T % G == 0): T = 70, G = 32 gives groups of 32, 32 and 6."""
+    x = torch.randn(1, 2, 70, 16, generator=torch.Generator().manual_seed(0)).half()
+    codes, scale, mn = quantize_k_groups(x, 32, 2)
+    assert scale.shape == (1, 2, 3, 16)
+    tail = x[:, :, 64:]
+    assert torch.equal(mn[:, :, 2], tail.amin(2))
+    assert torch.equal(scale[:, :, 2], (tail.amax(2) - tail.amin(2)) / 3)
+    # The full groups are exactly the reference's on the first 64 tokens.
+    ref_codes, ref_scale, _ = quantize_k_groups(x[:, :, :64], 32, 2)
+    assert torch.equal(codes[:, :, :64], ref_codes) and torch.equal(scale[:, :, :2], ref_scale)

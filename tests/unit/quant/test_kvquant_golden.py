@@ -56,3 +56,22 @@ def test_fitter_reproduces_reference_kmeans_and_thresholds():
     upper, lower, _, v_lut = nuq.fit_layer(t["k_cal_2d"], t["v_cal_2d"], 4, 0.99)
     assert torch.equal(upper, t["k_upper"].flatten().half()) and torch.equal(lower, t["k_lower"].flatten().half())
     assert v_lut.shape == (16,) and bool((v_lut.diff() > 0).all()) and v_lut.abs().max() <= 1
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_sorted_codebook_fast_path_equals_exhaustive_search(bits):
+    gen = torch.Generator().manual_seed(bits)
+    lut = torch.rand(2**bits, generator=gen).mul(2).sub(1).sort().values
+    u = torch.cat([torch.randn(5000, generator=gen), lut, (lut[1:] + lut[:-1]) / 2, torch.tensor([-9.0, 9.0])])
+    fast = nuq.nearest_code(u, lut)
+    exhaustive = (u[:, None] - lut).abs().argmin(-1)  # the reference's rule
+    assert torch.equal(fast.long(), exhaustive)
+
+
+@pytest.mark.parametrize("channels", [16, 33, 70, 512, 4096])
+def test_tail_quantiles_equal_torch_quantile(channels):
+    x = torch.randn(40, channels, generator=torch.Generator().manual_seed(channels))
+    x[0] = 1.5  # a constant row: ties everywhere
+    upper, lower = nuq.tail_quantiles(x, 0.995)
+    expected = torch.quantile(x, torch.tensor([0.995, 0.005]), dim=-1, keepdim=True)
+    assert torch.equal(upper, expected[0]) and torch.equal(lower, expected[1])

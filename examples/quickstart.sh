@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The README's Quickstart as one script: the embedded default model served with Redis as the store, calibrated,
+# a 2-bit dLLM-KVQ dual-cache policy activated through the admin endpoint, questions through the official openai
+# client, the Prometheus metrics, a swap to KIVI and back, lm-eval over HTTP on the model's task, and the
+# paper-style table. Each step is the README's command; what they print and write lands in $RUNS.
+#
+# Run from the repository root after `bash scripts/setup.sh`, with redis-server answering at $STORE:
+#   bash examples/quickstart.sh
+# Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (redis://127.0.0.1:6379/0), RUNS
+# (runs/quickstart), DLLM_ADMIN_KEY, CALIBRATION_ARGS (extra `calibration all` flags, e.g. "--samples 2 --rounds 1
+# --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS ("--cache-modes dual
+# --bits 2"). tests/integration/e2e runs this script with small settings and checks what it wrote.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+PORT=${PORT:-8000}
+STORE=${STORE:-redis://127.0.0.1:6379/0}
+RUNS=${RUNS:-runs/quickstart}
+export DLLM_ADMIN_KEY=${DLLM_ADMIN_KEY:-quickstart-admin-key-0123456789}
+URL=http://127.0.0.1:$PORT
+AUTH="Authorization: Bearer $DLLM_ADMIN_KEY"
+mkdir -p "$RUNS"
+step() { printf '\n== %s\n' "$*"; }
+
+step "start the server on the embedded default model, Redis as the store, every quantized request re-decoded unquantized (agreement)"
+$PY -m service serve --store-url "$STORE" --shadow-rate 1 --threads 1 --port "$PORT" > "$RUNS/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+curl -sf --retry 180 --retry-delay 1 --retry-all-errors "$URL/health/ready"; echo
+
+step "calibrate the embedded model on its own training split (policies and KVQuant states go to Redis)"
+# shellcheck disable=SC2086  # CALIBRATION_ARGS is a list of flags
+$PY -m calibration all --store "$STORE" --out "$RUNS/calibration" --no-progress ${CALIBRATION_ARGS:-}
+
+step "activate the 2-bit dLLM-KVQ policy for the dual cache"
+curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+  --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-dllm_kvq.json"; echo
+$PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-before.txt"
+
+step "ask questions with the openai client (chat, streamed chat, completions; tokens/s per cache mode)"
+$PY examples/ask.py --base-url "$URL/v1" --questions "${ASK_QUESTIONS:-8}" --json "$RUNS/ask-dllm_kvq.json"
+
+step "read the metrics: effective bits, bytes held against bf16, agreement with the unquantized cache"
+$PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-dllm_kvq.txt"
+
+step "swap the dual cache to 2-bit KIVI, ask again, read the metrics"
+curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+  -d '{"method": "kivi", "bits": 2}' | tee "$RUNS/activate-kivi.json"; echo
+$PY examples/ask.py --base-url "$URL/v1" --questions 4 --json "$RUNS/ask-kivi.json"
+$PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-kivi.txt"
+
+step "and back to the dLLM-KVQ policy"
+curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+  --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-back.json"; echo
+
+step "lm-eval over HTTP on the embedded model's task (the first ${LIMIT:-32} held-out questions)"
+$PY -m evaluation lm-eval --model local-chat-completions \
+  --model_args "model=embedded,base_url=$URL/v1/chat/completions" --tasks digit_ledger --apply_chat_template \
+  --limit "${LIMIT:-32}" --output_path "$RUNS/lm-eval" --log_samples
+
+step "the paper-style table for the same slice (in-process lm-eval; scores also pushed to the server)"
+# shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
+$PY -m evaluation matrix --tasks digit_ledger --limit "${LIMIT:-32}" --threads 1 --store "$STORE" \
+  --from-calibration latest --server "$URL" --out "$RUNS/matrix" ${MATRIX_ARGS:---cache-modes dual --bits 2}
+$PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-end.txt" > /dev/null
