@@ -7,9 +7,9 @@ the same template); the matrix always does.
 
 Scoring is exact match after a filter that removes all whitespace from the response and from the reference
 (`service.embedded_task.normalize`, so only the digits and their order count); lm-eval's ``exact_match`` with
-``regexes_to_ignore: ["\\s+"]`` applies exactly that to both sides. The response window is the answer's digits
-plus the end of turn (``max_gen_toks = LIST_LENGTH + 1``), rounded up to whole blocks by both paths
-(`service.engine.params.response_length`): 64 positions at block length 32. Stop strings: none; the engine cuts at
+``regexes_to_ignore: ["\\s+"]`` applies exactly that to both sides. The response window is the task's
+``GEN_LENGTH`` (64 positions: the answer's digits, the end of turn and EOS padding, two blocks of 32), rounded up
+to whole blocks by both paths (`service.engine.params.response_length`). Stop strings: none; the engine cuts at
 the end of turn / EOS.
 """
 
@@ -33,7 +33,7 @@ def embedded_task_configs() -> dict[str, dict]:
         FileNotFoundError: the shipped split files are missing from the installed package.
     """
     from evaluation.tasks import OFFLINE_TAG
-    from service.embedded_task import LIST_LENGTH
+    from service.embedded_task import GEN_LENGTH
 
     files = {split: _split_file(split) for split in ("validation", "test")}
     for path in files.values():
@@ -51,7 +51,7 @@ def embedded_task_configs() -> dict[str, dict]:
             "doc_to_text": "{{prompt}}",
             "doc_to_target": "{{answer}}",
             "num_fewshot": 0,
-            "generation_kwargs": {"until": [], "max_gen_toks": LIST_LENGTH + 1, "do_sample": False},
+            "generation_kwargs": {"until": [], "max_gen_toks": GEN_LENGTH, "do_sample": False},
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
                              "ignore_case": False, "ignore_punctuation": False, "regexes_to_ignore": ["\\s+"]}],
             "metadata": {"version": 1.0},
