@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -39,9 +40,22 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             continue
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, str):
-            value = json.loads(value)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{name}: not valid JSON ({exc.msg} at char {exc.pos})") from None
         overrides[name] = value
     return Settings(**overrides)
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One line per bad setting, naming it and saying why, WITHOUT the input values: pydantic's own message
+    repeats every setting it was given, admin and API keys included, into the logs."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +66,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         settings = settings_from_args(args)
-    except (ValidationError, json.JSONDecodeError) as exc:
-        print(f"error: bad setting: {exc}")
+    except ValidationError as exc:
+        print(f"error: bad setting: {describe_settings_error(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: bad setting: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)

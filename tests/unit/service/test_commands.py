@@ -60,3 +60,25 @@ def test_cli_help_lists_serve_and_policies(capsys):
         build_parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "serve" in out and "policies" in out
+
+
+def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
+    """pydantic's message repeats every input, keys included; the serve command must not print them."""
+    from service.commands.serve import run
+
+    admin_key, api_key = "S3cretAdmin!xyz", "apikey-secret-1"  # admin key too short: start-up refused
+    monkeypatch.setenv("DLLM_ADMIN_KEY", admin_key)
+    monkeypatch.setenv("DLLM_API_KEYS", api_key)
+    assert run(build_parser().parse_args(["serve", "--port", "18433"])) == 2
+    err = capsys.readouterr().err
+    assert "admin_key must have at least 16 characters" in err
+    for secret in (admin_key, api_key):
+        for cut in range(0, len(secret) - 4):  # no 5-character piece of a key either
+            assert secret[cut:cut + 5] not in err
+
+
+def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
+    from service.commands.serve import run
+
+    assert run(build_parser().parse_args(["serve", "--kv-quant", "notjson"])) == 2
+    assert "kv_quant: not valid JSON" in capsys.readouterr().err
