@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from service.engine.kv_store import CacheMode
 from service.engine.report import DecodeReport
@@ -49,7 +49,7 @@ class OpenAISampling(DiffusionKnobs):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1)
@@ -101,7 +101,7 @@ class ChatCompletionRequest(OpenAISampling):
     """``POST /v1/chat/completions``: OpenAI's chat completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     response_format: dict[str, Any] | None = None
@@ -278,7 +278,7 @@ class GenerateRequest(DiffusionKnobs):
 
     prompt: str | list[int]
     chat: bool = Field(False, description="wrap a text prompt in the chat template as one user turn")
-    max_tokens: int | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None

@@ -117,6 +117,8 @@ BAD = [
     ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "8"}, "max_tokens"),  # OpenAI refuses numeric strings and booleans too
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
     ({"prompt": "a", "max_tokens": 10**9}, "max_tokens"),
     ({"prompt": "a" * 600, "max_tokens": 4}, "prompt"),
     ({"prompt": "a", "kv_quant": {"method": "gptq"}}, "kv_quant.method"),
@@ -141,6 +143,12 @@ def test_bad_completion_input_is_a_400_naming_the_field(client, payload, param):
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
     assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_native_generate_names_an_unknown_field_even_when_it_looks_like_a_union_tag(client):
+    r = client.post("/generate", json={"prompt": "hi", "stream": True, "max_tokens": 32})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "stream" and "'stream'" in r.json()["error"]["message"]
 
 
 def test_malformed_json_and_unknown_route(client):
