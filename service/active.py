@@ -29,6 +29,7 @@ from service.policy.store import (
     StoreUnavailable,
 )
 from service.quant.config import KVQuantConfig
+from service.quant.errors import KVQuantError
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -119,9 +120,10 @@ class ConfigResolver:
                 )
         if config.method == "none":
             return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
-        if cache_mode == "none":
-            raise ConfigInvalid("cache_mode", f"method {config.method!r} quantizes the reused cache, and cache mode "
-                                              "'none' reuses nothing; use 'prefix' or 'dual'")
+        try:
+            config.check_cache_mode(cache_mode)
+        except KVQuantError as exc:
+            raise ConfigInvalid("cache_mode", str(exc)) from exc
         try:
             v_group = config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:

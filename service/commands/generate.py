@@ -109,14 +109,13 @@ def run(args: argparse.Namespace) -> int:
         params = decode_params(args)
         row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
         quant = kv_config(args)
+        quant.check_cache_mode(params.cache_mode)
         engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
         # Policy/state files are read and checked against the model here, before any decoding.
         store = make_kv_store(quant, engine.spec)
         prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
         report = engine.generate([prompt], params, [row_options], kv_store=store)
     except (EngineInputError, ValidationError, KVQuantError, ArtifactMismatch) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
         print(f"error: {err}", file=sys.stderr)
         return 2
     row = report.rows[0]

@@ -67,6 +67,18 @@ class KVQuantConfig(BaseModel):
             )
         return size
 
+    def check_cache_mode(self, cache_mode: str) -> None:
+        """Refuse a quantizing method with cache mode ``none``: quantization acts only on the reused regions
+        (DESIGN.md, "Rules that hold everywhere"), and full recompute reuses nothing, so the request would run
+        unquantized while claiming a method.
+
+        Raises:
+            KVQuantError: ``method`` is not ``none`` and ``cache_mode`` is ``none``.
+        """
+        if self.method != "none" and cache_mode == "none":
+            raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
+                               "nothing; use 'prefix' or 'dual'")
+
 
 def legal_v_group_sizes(head_dim: int) -> list[int]:
     """The V group sizes (channels) that divide ``head_dim``."""

@@ -59,3 +59,6 @@ def test_bad_kv_input_exits_2_with_what_is_legal(tmp_path, spec):
     assert out.returncode == 2 and "layers: the policy has 4 layer entries, the model has 3" in out.stderr
     out = _cli("--kv-quant", "kivi", "--kv-bits", "3")
     assert out.returncode == 2 and "invalid choice: 3 (choose from 2, 4, 8)" in out.stderr
+    # Full recompute reuses nothing: the server refuses this (400), so does the CLI.
+    out = _cli("--kv-quant", "kivi", "--kv-bits", "2", "--cache-mode", "none")
+    assert out.returncode == 2 and "cache mode 'none' reuses nothing" in out.stderr
