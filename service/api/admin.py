@@ -7,6 +7,7 @@ from every method; serving is not affected (it uses the snapshots already loaded
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -24,6 +25,20 @@ from service.telemetry import Telemetry
 
 #: URL segment -> store kind of the artifacts the admin API manages.
 ARTIFACT_KINDS = {"policies": KIND_POLICY, "kvquant_states": KIND_KVQUANT_STATE}
+
+
+def _without_id(body: bytes) -> tuple[str | None, bytes]:
+    """Split the ``id`` that :meth:`AdminService.read` adds to a policy off an uploaded body, so that a downloaded
+    policy uploads as it is (the id is then checked against the content). Bodies that are not a JSON object pass
+    through untouched for the schema to reject."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None, body
+    if not isinstance(parsed, dict) or "id" not in parsed:
+        return None, body
+    claimed = parsed.pop("id")
+    return (claimed if isinstance(claimed, str) else repr(claimed)), json.dumps(parsed).encode()
 
 
 def _first_error_field(exc: ValidationError) -> str | None:
@@ -82,6 +97,7 @@ class Admin:
         kind = self.kind(segment)
         try:
             if kind == KIND_POLICY:
+                claimed_id, body = _without_id(body)
                 artifact = PolicyTable.from_json(body)
                 data = artifact.to_json().encode()
             else:
@@ -95,6 +111,8 @@ class Admin:
             raise ArtifactRejected(str(exc), param=str(exc).split(":", 1)[0]) from exc
         except ValueError as exc:
             raise ArtifactRejected(f"not a valid {kind}: {exc}") from exc
+        if kind == KIND_POLICY and claimed_id is not None and claimed_id != artifact.id:
+            raise ArtifactRejected(f"id {claimed_id!r} is not the table's content id {artifact.id!r}", param="id")
         artifact_id = self._tracked(self.store.put, kind, data, artifact.id)
         return {"kind": kind, "id": artifact_id}
 

@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from service.config import Settings
 from tests.support.apps import ADMIN_KEY, fake_app
-from tests.support.artifacts import kvquant_state_for
+from tests.support.artifacts import kvquant_state_for, policy_for
 from tests.support.fake_engine import FakeEngine
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -64,3 +64,17 @@ def test_kvquant_state_upload_read_activate_delete(client):
     assert client.get("/admin/widgets", headers=ADMIN).json()["error"]["param"] == "kind"
     audit = client.get("/admin/audit", headers=ADMIN).json()
     assert [a["new"]["method"] for a in audit] == ["none", "kvquant"]
+
+
+def test_a_downloaded_policy_uploads_as_it_is_and_its_id_is_checked(client):
+    policy = policy_for(SPEC, bits=2)
+    assert client.post("/admin/policies", content=policy.to_json(), headers=ADMIN).status_code == 201
+    downloaded = client.get(f"/admin/policies/{policy.id}", headers=ADMIN).json()
+    assert downloaded["id"] == policy.id
+    r = client.post("/admin/policies", json=downloaded, headers=ADMIN)
+    assert r.status_code == 201 and r.json()["id"] == policy.id
+    # An id that is not the content's is refused and nothing is stored under it.
+    r = client.post("/admin/policies", json=downloaded | {"bits": 4}, headers=ADMIN)
+    assert r.status_code == 422 and r.json()["error"]["param"] == "id"
+    ids = [a["id"] for a in client.get("/admin/policies", headers=ADMIN).json()["data"]]
+    assert ids == [policy.id]
