@@ -251,6 +251,9 @@ class Worker:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             finished = not (self._queue or self._running)
             for job in [*self._queue, *self._running]:
+                # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
+                _set_exception(job, WorkerUnavailable(f"the server is shutting down and the drain timeout "
+                                                      f"({timeout_s:.0f} s) ran out before this request finished"))
                 job.cancel()
             self._stopping = True
             self._cond.notify_all()

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -29,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         else:
             p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
     p.set_defaults(func=run)
+
+
+# Seconds uvicorn waits beyond the worker's drain, for the 503s of what the drain cancelled to be written.
+DRAIN_MARGIN_S = 5
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -81,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
         def handle_exit(self, sig, frame) -> None:
             worker = getattr(app.state, "worker", None)
             if worker is not None:
-                worker.stop_accepting()
+                # The worker's drain ends first and answers what is left with a JSON 503; uvicorn's own
+                # graceful timeout (later, below) would cut those requests with a plain-text 500.
+                threading.Thread(target=worker.drain, args=(settings.drain_timeout_s,), daemon=True).start()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s) + DRAIN_MARGIN_S)
     DrainingServer(config).run()
     return 0
