@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
 
+    from service.commands import describe_validation_error
     from service.engine import Engine, EngineInputError
     from service.engine.params import RowOptions
     from service.policy.schema import ArtifactMismatch
@@ -115,7 +116,10 @@ def run(args: argparse.Namespace) -> int:
         store = make_kv_store(quant, engine.spec)
         prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
         report = engine.generate([prompt], params, [row_options], kv_store=store)
-    except (EngineInputError, ValidationError, KVQuantError, ArtifactMismatch) as err:
+    except ValidationError as err:
+        print(f"error: {describe_validation_error(err)}", file=sys.stderr)
+        return 2
+    except (EngineInputError, KVQuantError, ArtifactMismatch) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     row = report.rows[0]

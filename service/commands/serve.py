@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from service.commands import describe_validation_error
 from service.config import Settings
 
 
@@ -53,16 +54,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def describe_settings_error(exc: ValidationError) -> str:
-    """One line per bad setting, naming it and saying why, WITHOUT the input values: pydantic's own message
-    repeats every setting it was given, admin and API keys included, into the logs."""
-    lines = []
-    for error in exc.errors(include_url=False, include_input=False, include_context=False):
-        where = ".".join(str(part) for part in error["loc"]) or "settings"
-        lines.append(f"{where}: {error['msg']}")
-    return "; ".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Build the settings, the app and a uvicorn server that drains on SIGTERM; run until stopped."""
     import uvicorn
@@ -72,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"error: bad setting: {describe_settings_error(exc)}", file=sys.stderr)
+        print(f"error: bad setting: {describe_validation_error(exc)}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"error: bad setting: {exc}", file=sys.stderr)

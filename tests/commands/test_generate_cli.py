@@ -63,3 +63,7 @@ def test_bad_input_exits_2_with_what_is_legal():
     assert "not a multiple of block_length" in out.stderr
     out = _cli("--model", str(CKPT["llada"]), "--prompt-ids", "1,x")
     assert out.returncode == 2 and "comma-separated token ids" in out.stderr
+    # Settings the pydantic models refuse are named plainly, without pydantic's dump and links.
+    out = _cli("--model", str(CKPT["llada"]), "--prompt-ids", "1,2", "--gen-length", "0")
+    assert out.returncode == 2 and "gen_length: Input should be greater than 0" in out.stderr
+    assert "errors.pydantic.dev" not in out.stderr and "input_value" not in out.stderr
