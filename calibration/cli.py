@@ -1,7 +1,8 @@
 """``python -m calibration collect | trace | diagnose | fit | kvquant | report | all`` (issue 6 item 7).
 
 Every verb takes the same settings (:class:`calibration.job.JobSettings`, one flag each) and a store
-(``--store``: ``redis://host:port/db`` or a directory). Sharding for parallel runs (a Kubernetes Indexed Job):
+(``--store``: ``redis://host:port/db`` or a directory; default the server's, ``DLLM_STORE_URL`` else
+``.dllm-kvq/store``, so what calibration stores the server finds). Sharding for parallel runs (a Kubernetes Indexed Job):
 ``--shard I/N`` makes ``trace``, ``diagnose`` and ``kvquant`` handle samples ``I::N``; then one ``fit`` (or
 ``report``/``all``) run merges every sample's sums from the shared store. Without a shared store, each shard
 writes its sums with ``diagnose --sums-out FILE`` and ``fit --merge FILE ...`` merges them: the result equals one
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from calibration.job import CalibrationJob, JobSettings, RunSummary
+from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
 
@@ -43,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
     add("--model", default=None, help="checkpoint dir or HF repo id (default: the embedded model)")
-    add("--store", default="calibration-store", help="redis://host:port/db or a directory (default: %(default)s)")
-    add("--store-prefix", default="dllm-kvq", help="Redis key prefix (default: %(default)s)")
+    add("--store", default=None, help=STORE_HELP)
+    add("--store-prefix", default=None,
+        help=f"Redis key prefix (default: DLLM_STORE_PREFIX, else {DEFAULT_STORE_PREFIX})")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
         help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")
     add("--pad-answers", action=argparse.BooleanOptionalAction, default=None,
@@ -129,10 +132,13 @@ def write_activation_configs(summary: RunSummary, k_group_size: int, v_group_siz
     return paths
 
 
-def print_summary(summary: RunSummary, seconds: float, out=None) -> None:
-    """The end-of-run summary: what was computed or found done, ids, Table 4, time (to ``out``, default stdout)."""
+def print_summary(summary: RunSummary, seconds: float, out=None, store: str | None = None) -> None:
+    """The end-of-run summary: what was computed or found done, ids, Table 4, time, and the store they are in
+    (``store``: its location) (to ``out``, default stdout)."""
     out = out or sys.stdout
     print(f"\ncalibration finished in {seconds:.1f} s", file=out)
+    if store:
+        print(f"  stored in {store}", file=out)
     for kind in sorted(set(summary.computed) | set(summary.skipped)):
         print(f"  {kind}: {summary.computed.get(kind, 0)} computed, {summary.skipped.get(kind, 0)} already stored",
               file=out)
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     settings = settings_from(args)
-    store = open_store(args.store, prefix=args.store_prefix)
+    store = open_store(*default_store(args.store, args.store_prefix))
     job = CalibrationJob(settings, store, Engine.load(settings.model, dtype=args.dtype, device=args.device,
                                                          threads=args.threads),
                          progress=not args.no_progress)
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb in ("report", "all"):
         paths = write_activation_configs(job.summary, settings.k_group_size, job.v_group_size, args.out)
         job.summary.activation_configs = [str(p) for p in paths]
-    print_summary(job.summary, time.perf_counter() - started)
+    print_summary(job.summary, time.perf_counter() - started, store=store.location)
     store.close()
     return 0
 

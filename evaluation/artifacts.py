@@ -6,6 +6,7 @@ from pathlib import Path
 
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
+from service.config import default_store
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, open_store
@@ -19,19 +20,17 @@ def load_artifacts(config: KVQuantConfig, spec: ModelSpec, store_url: str | None
         config: names the policy (``policy_id`` / ``policy_file``) or the state (``kvquant_state_id`` /
             ``kvquant_state_file``).
         spec: the loaded model; every artifact is checked with its ``validate_for``.
-        store_url: store for ids (``redis://...`` or a directory); only needed when an id is given.
+        store_url: store for ids (``redis://...`` or a directory); None: the default store
+            (`service.config.default_store`).
 
     Raises:
-        ValueError: an id without a store URL.
         service.store.base.ArtifactNotFound: no artifact with that id.
         service.artifacts.base.ArtifactMismatch: the artifact was fitted on another model or has the wrong shape.
         OSError: an unreadable file.
     """
     policy = state = None
     if config.policy_id is not None or config.kvquant_state_id is not None:
-        if store_url is None:
-            raise ValueError("policy_id / kvquant_state_id need a store URL (store=redis://... or a directory)")
-        store = open_store(store_url)
+        store = open_store(*default_store(store_url))
         try:
             if config.policy_id is not None:
                 policy = store.get_model(KIND_POLICY, config.policy_id, PolicyTable)

@@ -32,7 +32,8 @@ class EvalModelArgs(BaseModel):
         batch_size: prompts decoded together (rows of one engine batch); results do not depend on it.
         max_gen_toks: response tokens when the task gives no ``max_gen_toks`` (lm-eval's API models use the
             same name and default, 256); the decoded window is ``response_length(max_gen_toks, block_length)``.
-        store: store URL (``redis://...`` or a directory) for ``policy_id`` / ``kvquant_state_id``.
+        store: store URL (``redis://...`` or a directory) for ``policy_id`` / ``kvquant_state_id``; None: the
+            default store (``DLLM_STORE_URL``, else ``.dllm-kvq/store``, as every command).
         method, bits, k_group_size, v_group_size, policy_id, policy_file, kvquant_state_id, kvquant_state_file,
             keep_dequantized: the `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
         mc_num, mc_batch_size: Monte-Carlo samples per likelihood and samples per forward pass
@@ -74,8 +75,6 @@ class EvalModelArgs(BaseModel):
             raise ValueError("give exactly one of threshold (e.g. 0.9) and steps (then threshold=none)")
         if self.mc_num % self.mc_batch_size:
             raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
-        if (self.policy_id or self.kvquant_state_id) and self.store is None:
-            raise ValueError("policy_id / kvquant_state_id need store=<redis://... or a directory>")
         self.kv_config  # noqa: B018 - validates the KV fields now, with KVQuantConfig's messages
         return self
 

@@ -18,6 +18,13 @@ from service.quant.config import KVQuantConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
+#: The one default store of every command (server, calibration, evaluation, policies) when neither a flag nor
+#: ``DLLM_STORE_URL`` names one: a directory under the working directory.
+DEFAULT_STORE_URL = ".dllm-kvq/store"
+DEFAULT_STORE_PREFIX = "dllm-kvq"
+#: The ``--store`` help of every offline command, so each names the same default.
+STORE_HELP = f"store URL, redis://host:port/db or a directory (default: DLLM_STORE_URL, else {DEFAULT_STORE_URL})"
+
 
 def served_model_name(settings: Settings, model_id: str) -> str:
     """The name the API serves the model under: the setting, else the checkpoint's directory name (or repo id)."""
@@ -64,8 +71,11 @@ class Settings(BaseSettings):
     shadow_queue: int = Field(16, gt=0, description="most shadow re-decodes waiting; beyond it they are dropped")
 
     # ---- stores and keys -------------------------------------------------------------------------------------------
-    store_url: str = Field(".dllm-kvq/store", description="redis://host:port/db or a local directory")
-    store_prefix: str = Field("dllm-kvq", min_length=1, description="Redis key prefix")
+    store_url: str = Field(
+        DEFAULT_STORE_URL,
+        description=f"redis://host:port/db or a local directory; default {DEFAULT_STORE_URL}, the store every command uses",
+    )
+    store_prefix: str = Field(DEFAULT_STORE_PREFIX, min_length=1, description="Redis key prefix")
     admin_key: SecretStr | None = Field(None, description="bearer key of /admin; empty: admin closed (403)")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="bearer keys for /v1 and /generate, comma-separated; empty: open"
@@ -103,3 +113,22 @@ class Settings(BaseSettings):
                 f"{' / '.join(LOCAL_HOSTS)}, or set DLLM_ALLOW_UNAUTHENTICATED=true"
             )
         return self
+
+
+class StoreSettings(BaseSettings):
+    """The store settings alone (``DLLM_STORE_URL``, ``DLLM_STORE_PREFIX``) for the offline commands, which default
+    to the server's store without validating the server's other settings."""
+
+    model_config = SettingsConfigDict(env_prefix="DLLM_", extra="ignore")
+
+    store_url: str = DEFAULT_STORE_URL
+    store_prefix: str = Field(DEFAULT_STORE_PREFIX, min_length=1)
+
+
+def default_store(url: str | None = None, prefix: str | None = None) -> tuple[str, str]:
+    """The store URL and Redis key prefix a command uses: the ones given, else the environment's, else the
+    defaults (``DEFAULT_STORE_URL``, ``DEFAULT_STORE_PREFIX``)."""
+    if url and prefix:
+        return url, prefix
+    env = StoreSettings()
+    return url or env.store_url, prefix or env.store_prefix

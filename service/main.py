@@ -28,7 +28,7 @@ from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
-from service.store.base import StoreUnavailable, open_store
+from service.store.base import Store, StoreUnavailable, open_store
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
 
@@ -97,6 +97,23 @@ async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeo
     await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=timeout_s)
 
 
+def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveConfigs, ready: bool) -> str:
+    """The one line the server logs once started: model, weights fingerprint, store, readiness and the active
+    configuration of every cache mode (method, bits, policy or state id, where it came from)."""
+
+    def describe(snapshot: ConfigSnapshot) -> str:
+        c = snapshot.config
+        if c.method == "none":
+            return f"unquantized ({snapshot.source})"
+        artifact = c.policy_id or c.kvquant_state_id
+        return f"{c.method} {c.bits}-bit{' ' + artifact if artifact else ''} ({snapshot.source})"
+
+    configs = ", ".join(f"{mode}={describe(snap)}" for mode, snap in sorted(active.all().items()))
+    # The KV memory budget joins this line once the scheduler has one (issue: admission by KV bytes).
+    return (f"serving {model_name!r} ({spec.model_id}, {spec.arch}, {spec.num_layers} layers), weights fingerprint "
+            f"{spec.fingerprint}; store {store.location}; active: {configs}; {'ready' if ready else 'NOT ready'}")
+
+
 def create_app(
     settings: Settings | None = None,
     engine: EngineLike | None = None,
@@ -141,6 +158,7 @@ def create_app(
             log.exception("readiness probe failed")
             app.state.probe_error = f"{type(exc).__name__}: {exc}"
             telemetry.ready.set(0)
+        log.info(startup_line(model_name, eng.spec, store, active, app.state.probe_error is None))
         try:
             yield
         finally:

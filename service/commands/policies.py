@@ -1,5 +1,5 @@
 """``python -m service policies export|import``: copy policy tables and KVQuant states between the server's store
-(Redis or a directory; ``--store``, default ``DLLM_STORE_URL``) and a local directory (the directory-store
+(Redis or a directory; ``--store``, default ``DLLM_STORE_URL``, else ``.dllm-kvq/store``) and a local directory (the directory-store
 layout, ``artifacts/<kind>/<id>``).
 
 Artifacts keep their content-derived ids; each is parsed and its id recomputed before it is written, so a
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
+from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreError, open_store
 
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
@@ -62,18 +63,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for verb, helptext in (("export", "store -> directory"), ("import", "directory -> store")):
         v = verbs.add_parser(verb, help=helptext)
         v.add_argument("directory", help="local directory (created on export)")
-        v.add_argument("--store", default=None, help="store URL (default: DLLM_STORE_URL)")
-        v.add_argument("--store-prefix", default=None, help="Redis key prefix (default: DLLM_STORE_PREFIX)")
+        v.add_argument("--store", default=None, help=STORE_HELP)
+        v.add_argument("--store-prefix", default=None,
+                       help=f"Redis key prefix (default: DLLM_STORE_PREFIX, else {DEFAULT_STORE_PREFIX})")
         v.add_argument("--kind", choices=KINDS, action="append", help="only this kind (repeatable)")
         v.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Copy between the store and the directory; exit 1 if anything was refused or the store failed."""
-    from service.config import Settings
-
-    settings = Settings()
-    store = open_store(args.store or settings.store_url, prefix=args.store_prefix or settings.store_prefix)
+    store = open_store(*default_store(args.store, args.store_prefix))
     directory = open_store(args.directory)
     src, dst = (store, directory) if args.verb == "export" else (directory, store)
     try:

@@ -187,6 +187,15 @@ class Store(ABC):
 
     url: str
 
+    @property
+    def location(self) -> str:
+        """Where the store is, for messages and logs (never a password)."""
+        return self.url
+
+    def not_found(self, kind: str, artifact_id: str) -> ArtifactNotFound:
+        """The error for an artifact that is not stored, naming the store it was looked for in."""
+        return ArtifactNotFound(f"no {kind} with id {artifact_id!r} in the store {self.location}")
+
     # ---- artifacts -------------------------------------------------------------------------------------------
     @abstractmethod
     def _put(self, kind: str, artifact_id: str, data: bytes) -> bool:

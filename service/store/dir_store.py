@@ -77,6 +77,10 @@ class DirectoryStore(Store):
             raise StoreUnavailable(f"cannot use {self.root} as a store directory: {exc}") from exc
 
     @property
+    def location(self) -> str:
+        return str(self.root.resolve())
+
+    @property
     def _audit_path(self) -> Path:
         return self.root / "audit.jsonl"
 
@@ -116,13 +120,13 @@ class DirectoryStore(Store):
         try:
             return self._artifact_path(kind, artifact_id).read_bytes()
         except FileNotFoundError:
-            raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}") from None
+            raise self.not_found(kind, artifact_id) from None
 
     def info(self, kind: str, artifact_id: str) -> ArtifactInfo:
         try:
             st = self._artifact_path(kind, artifact_id).stat()
         except FileNotFoundError:
-            raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}") from None
+            raise self.not_found(kind, artifact_id) from None
         return ArtifactInfo(kind=kind, id=artifact_id, size=st.st_size, created_at=st.st_mtime)
 
     def list(self, kind: str) -> list[str]:
@@ -139,7 +143,7 @@ class DirectoryStore(Store):
         path = self._artifact_path(kind, artifact_id)
         with self._locked():
             if not path.exists():
-                raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}")
+                raise self.not_found(kind, artifact_id)
             for entry in self.list_active():
                 if (kind, artifact_id) in referenced_ids(entry.config):
                     raise ArtifactInUse(
@@ -168,7 +172,9 @@ class DirectoryStore(Store):
         with self._locked():
             for kind, artifact_id in sorted(referenced_ids(entry.config)):
                 if not self.exists(kind, artifact_id):
-                    raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
+                    raise ArtifactNotFound(
+                        f"config names {kind} {artifact_id!r}, which is not in the store {self.location}"
+                    )
             old_entry = self.get_active(entry.fingerprint, entry.cache_mode)
             audit = AuditEntry(
                 at=entry.set_at,

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -67,6 +68,15 @@ class RedisStore(Store):
             health_check_interval=10,
         )
 
+    @property
+    def location(self) -> str:
+        """The URL without its password, and the key prefix."""
+        parts = urlsplit(self.url)
+        netloc = parts.netloc.rpartition("@")[2]
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:***@{netloc}"
+        return f"{urlunsplit(parts._replace(netloc=netloc))} (key prefix {self.prefix})"
+
     # ---- keys ------------------------------------------------------------------------------------------------
     def _artifact_key(self, kind: str, artifact_id: str) -> str:
         return f"{self.prefix}:artifact:{kind}:{artifact_id}"
@@ -114,7 +124,7 @@ class RedisStore(Store):
         with _unavailable_on_connection_error(self.url):
             data = self._client.get(self._artifact_key(kind, artifact_id))
         if data is None:
-            raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}")
+            raise self.not_found(kind, artifact_id)
         return data
 
     def info(self, kind: str, artifact_id: str) -> ArtifactInfo:
@@ -126,7 +136,7 @@ class RedisStore(Store):
             pipe.zscore(self._index_key(kind), artifact_id)
             size, exists, created = pipe.execute()
         if not exists:
-            raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}")
+            raise self.not_found(kind, artifact_id)
         return ArtifactInfo(kind=kind, id=artifact_id, size=size, created_at=created or 0.0)
 
     def list(self, kind: str) -> list[str]:
@@ -149,7 +159,7 @@ class RedisStore(Store):
                 try:
                     pipe.watch(self._active_key, key)
                     if not pipe.exists(key):
-                        raise ArtifactNotFound(f"no {kind} with id {artifact_id!r}")
+                        raise self.not_found(kind, artifact_id)
                     for raw in pipe.hvals(self._active_key):
                         entry = ActiveEntry.model_validate_json(raw)
                         if (kind, artifact_id) in referenced_ids(entry.config):
@@ -189,7 +199,9 @@ class RedisStore(Store):
                     pipe.watch(self._active_key, *ref_keys)
                     for (kind, artifact_id), key in zip(refs, ref_keys, strict=True):
                         if not pipe.exists(key):
-                            raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
+                            raise ArtifactNotFound(
+                                f"config names {kind} {artifact_id!r}, which is not in the store {self.location}"
+                            )
                     raw_old = pipe.hget(self._active_key, field)
                     old = None if raw_old is None else ActiveEntry.model_validate_json(raw_old).config
                     audit = AuditEntry(

@@ -2,7 +2,8 @@
 
 ``GET/POST /admin/{policies|kvquant_states}``, ``GET/DELETE /admin/{kind}/{id}`` (``GET .../{id}/raw`` gives a
 state's safetensors bytes), ``GET /admin/active``, ``PUT /admin/active/{cache_mode}`` (a `KVQuantConfig`),
-``GET /admin/audit``, ``POST /admin/eval_scores``.
+``GET /admin/audit``, ``POST /admin/eval_scores``. Answers are indented for ``curl``-like clients
+(`service.api.readable`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api import schemas as s
 from service.api.deps import AdminDep, AdminKeyDep, require_admin
+from service.api.readable import ReadableJSONRoute
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
-router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=ReadableJSONRoute)
 
 
 @router.get("/active")
