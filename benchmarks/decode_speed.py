@@ -101,11 +101,11 @@ CACHE_BASELINE = "dual cache"  # the quantized rows' reference: the same cache m
 
 PRESETS = {
     # width, layers, heads, MLP hidden, vocabulary
-    "small": dict(width=512, num_layers=8, num_heads=8, mlp_hidden=1536, vocab_size=4096),
+    "small": {"width": 512, "num_layers": 8, "num_heads": 8, "mlp_hidden": 1536, "vocab_size": 4096},
     # A quick check that the script runs (not a measurement).
-    "tiny": dict(width=64, num_layers=2, num_heads=4, mlp_hidden=128, vocab_size=256),
+    "tiny": {"width": 64, "num_layers": 2, "num_heads": 4, "mlp_hidden": 128, "vocab_size": 256},
     # LLaDA-8B-Instruct's geometry (golden SPEC 1.1), for a GPU.
-    "8b": dict(width=4096, num_layers=32, num_heads=32, mlp_hidden=12288, vocab_size=126464),
+    "8b": {"width": 4096, "num_layers": 32, "num_heads": 32, "mlp_hidden": 12288, "vocab_size": 126464},
 }
 
 
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     blocks = args.gen_length // args.block_length
     schedules = {
-        f"fixed {args.steps_per_block} steps/block": dict(threshold=None, steps=args.steps_per_block * blocks),
-        f"threshold {args.threshold}": dict(threshold=args.threshold, steps=None),
+        f"fixed {args.steps_per_block} steps/block": {"threshold": None, "steps": args.steps_per_block * blocks},
+        f"threshold {args.threshold}": {"threshold": args.threshold, "steps": None},
     }
     c = engine.model.config
     print(
@@ -241,4 +241,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from machine import Run  # benchmarks/machine.py, beside this script
+
+    with Run():
+        main()

@@ -14,9 +14,16 @@ quantized store, layer by layer as the engine's block-initial pass does, and pri
   quantizer's temporaries and the packed layers so far) and then one later step (each layer read and dropped in
   turn), next to the unquantized store (`FullPrecisionKVStore`) in the same run.
 
+With ``--models``, instead: the GPU memory the real models need in bf16, weights (the project's own LLaDA and
+Dream modules built on the meta device from the checkpoints' ``config.json`` values, parameters x 2 bytes) and the
+reused K/V of one sequence at 1k, 4k and 32k cached tokens, unquantized and in each quantized store. One layer is
+written into the store at the model's kv heads and head_dim and its bytes (`KVAccounting`, every scale, zero point,
+index and outlier included) are multiplied by the layer count, plus the block's shared index tensors once; every
+layer holds the same bytes for KIVI and dLLM-KVQ (KVQuant: up to its data-dependent outlier count).
+
 Data are random normal tensors: the bytes do not depend on the values except KVQuant's outlier count.
 
-Usage: ``python benchmarks/kv_memory.py [--layers 32] [--peak]``
+Usage: ``python benchmarks/kv_memory.py [--layers 32] [--peak]`` or ``python benchmarks/kv_memory.py --models``
 """
 
 from __future__ import annotations
@@ -34,17 +41,34 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.artifacts.base import Provenance  # noqa: E402
-from service.artifacts.kvquant_state import KVQuantState  # noqa: E402
-from service.artifacts.policy import LayerPolicy, PolicyTable  # noqa: E402
-from service.engine.kv_store import FullPrecisionKVStore, Segments  # noqa: E402
-from service.engine.spec import ModelSpec  # noqa: E402
-from service.quant.config import KVQuantConfig  # noqa: E402
-from service.quant.kvquant import fit_state  # noqa: E402
-from service.quant.store import make_kv_store  # noqa: E402
+from service.artifacts.base import Provenance
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import LayerPolicy, PolicyTable
+from service.engine.kv_store import FullPrecisionKVStore, Segments
+from service.engine.loading import detect_arch
+from service.engine.models import MODEL_CLASSES
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.quant.kvquant import fit_state
+from service.quant.store import make_kv_store
 
 PROV = Provenance(data="random normal tensors", code="benchmarks/kv_memory.py")
 METHODS = ("kivi", "dllm_kvq", "kvquant")
+#: The ``config.json`` values that set the real models' size: LLaDA from golden SPEC 1.1 (its shard index's
+#: total_size, 16,031,162,368 bytes, is 2 x the parameters these give); Dream from SPEC 2.1 (Qwen2.5-7B layout,
+#: from third-party copies of the config, not checked against the Hugging Face repo).
+REAL_MODELS = {
+    "GSAI-ML/LLaDA-8B-Instruct": {
+        "model_type": "llada", "d_model": 4096, "n_heads": 32, "n_kv_heads": 32, "n_layers": 32,
+        "mlp_hidden_size": 12288, "vocab_size": 126464, "embedding_size": 126464,
+    },
+    "Dream-org/Dream-v0-Base-7B": {
+        "model_type": "Dream", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "num_hidden_layers": 28, "intermediate_size": 18944, "vocab_size": 152064,
+    },
+}
+CONTEXTS = (1024, 4096, 32768)
+GIB = 2**30
 
 
 def make_spec(args) -> ModelSpec:
@@ -156,6 +180,55 @@ def sizes(args) -> None:
     print(f"bf16 bytes of the same K/V: {bf16_total / 2**20:.2f} MiB")
 
 
+def model_bytes(name: str) -> tuple[int, ModelSpec]:
+    """bf16 bytes of a real model's weights (its module built on the meta device) and its one-layer spec."""
+    hf = REAL_MODELS[name]
+    cls = MODEL_CLASSES[detect_arch(hf)]
+    config = cls.config_from_hf(hf)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in cls(config).parameters())
+    spec = ModelSpec(
+        arch=config.arch, model_id=name, fingerprint="benchmark", num_layers=1, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+        mask_id=config.mask_id, eos_ids=(config.eos_id,), pad_id=config.pad_id, max_length=config.max_length,
+    )
+    return 2 * params, dataclasses.replace(spec, num_layers=config.num_layers)
+
+
+def cache_bytes(method: str, bits: int, spec: ModelSpec, tokens: int) -> int:
+    """Bytes the reused K/V of one sequence with ``tokens`` cached tokens takes in a store: one layer written and
+    counted by the store's accounting, times the layers, plus the block's shared index tensors once."""
+    one = dataclasses.replace(spec, num_layers=1)
+    args = argparse.Namespace(tokens=tokens, block_length=32)
+    segments, seq = block(args)
+    store = make_store(method, bits, one)
+    k, v = layer_kv(one, seq, 0)
+    store.write(0, k, v, segments, torch.rand(1, seq, generator=torch.Generator().manual_seed(7)))
+    if method == "none":
+        return spec.num_layers * held_bytes(store)
+    shared = store._layout.nbytes
+    return shared + spec.num_layers * (store.bytes_held - shared)
+
+
+def models(args) -> None:
+    """The GPU memory table of the real models (``--models``), as Markdown."""
+    rows = [(m, b) for b in args.bits for m in args.methods]
+    print("GPU memory in bf16 of one sequence's reused K/V (dual cache: everything but the active block) and of the "
+          "weights; activations and the CUDA context not included. GiB = 2^30 bytes.\n")
+    print("| model | weights GiB | cached tokens | K/V bf16 GiB | " + " | ".join(f"{m} {b}-bit GiB (/ bf16)" for m, b in rows)
+          + " |")
+    print("|---" * (4 + len(rows)) + "|")
+    for name in REAL_MODELS:
+        weights, spec = model_bytes(name)
+        for tokens in CONTEXTS:
+            base = cache_bytes("none", 16, spec, tokens)
+            cells = [cache_bytes(m, b, spec, tokens) for m, b in rows]
+            print(f"| {name} | {weights / GIB:.2f} | {tokens:,} | {base / GIB:.3f} | "
+                  + " | ".join(f"{c / GIB:.3f} ({c / base:.3f})" for c in cells) + " |", flush=True)
+        print(f"\n{name}: {spec.num_layers} layers x {spec.num_kv_heads} kv heads x head_dim {spec.head_dim}; "
+              f"{weights / 2:,.0f} parameters\n", flush=True)
+
+
 def _rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -213,6 +286,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--peak", action="store_true", help="also measure block peaks in fresh processes")
     ap.add_argument("--no-sizes", action="store_true", help="skip the bytes-held table (with --peak)")
+    ap.add_argument("--models", action="store_true",
+                    help="GPU memory of LLaDA-8B-Instruct and Dream-v0-Base-7B in bf16: weights and K/V at 1k/4k/32k")
     ap.add_argument("--child", nargs=3, metavar=("METHOD", "BITS", "KEEP"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -220,10 +295,16 @@ def main() -> None:
         args.child_method, args.child_bits, args.child_keep = args.child[0], int(args.child[1]), args.child[2] == "1"
         peak_child(args)
         return
-    if not args.no_sizes:
-        sizes(args)
-    if args.peak:
-        peaks(args)
+    from machine import Run  # benchmarks/machine.py, beside this script
+
+    with Run():
+        if args.models:
+            models(args)
+            return
+        if not args.no_sizes:
+            sizes(args)
+        if args.peak:
+            peaks(args)
 
 
 if __name__ == "__main__":

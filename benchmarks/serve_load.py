@@ -139,11 +139,16 @@ def main() -> None:
               f"{r['p99_s']:7.3f} {r['mean_batch']:6.2f} {r['req_per_s'] / base:6.2f}")
     at8 = next(r for r in rows if r["clients"] == 8)["req_per_s"] / base
     worst = min(r["req_per_s"] / base for r in rows[1:])
-    print(f"target >= 1.2x at 8 clients (CPU): {at8:.2f}x {'met' if at8 >= 1.2 else 'NOT met'}; "
-          f"never slower than sequential: {worst:.2f}x {'met' if worst >= 1.0 else 'NOT met'}")
+    # The ratios and the targets, without a verdict: on a shared machine the load moves them by more than the
+    # margin (docs/benchmarks.md quotes runs with their date and load).
+    print(f"at 8 clients: {at8:.2f}x sequential (target >= 1.2x on CPU, >= 3x on a GPU); slowest level: "
+          f"{worst:.2f}x sequential (target >= 1.0x)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    from machine import Run  # benchmarks/machine.py, beside this script
+
+    with Run():
+        main()

@@ -7,13 +7,16 @@ Prints each answer, whether it is right (``service.embedded_task.score``: exact 
 configuration the server says it ran with (``kv_config``), and tokens/s per cache mode (completion tokens over
 wall seconds, requests one after another). ``--json FILE`` also writes everything it printed as JSON.
 
-Usage: ``python examples/ask.py [--base-url http://127.0.0.1:8000/v1] [--questions 8] [--json FILE]``
+Usage: ``python examples/ask.py [--base-url http://127.0.0.1:8000/v1] [--questions 8] [--json FILE]``. The
+server's address: ``--base-url``, else ``$DLLM_SERVER_URL/v1`` (``DLLM_SERVER_URL=http://127.0.0.1:8001``), else
+``http://127.0.0.1:8000/v1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +26,8 @@ from transformers import AutoTokenizer
 from service.embedded_task import GEN_LENGTH, load_split, score
 
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "service" / "assets" / "embedded"
+#: The server's root URL when no flag gives one (shared with ``examples/kv_metrics.py``).
+SERVER_URL = os.environ.get("DLLM_SERVER_URL", "http://127.0.0.1:8000").rstrip("/")
 
 
 def _record(kind: str, question, text: str, finish: str | None, usage, kv_config) -> dict:
@@ -45,7 +50,8 @@ def _describe(kv_config: dict | None) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Run the questions; returns (and with ``--json`` writes) what was printed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--base-url", default=SERVER_URL + "/v1",
+                    help="the server's /v1 URL (default: $DLLM_SERVER_URL/v1, else %(default)s)")
     ap.add_argument("--api-key", default="unused", help="a key from DLLM_API_KEYS when the server has any")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--questions", type=int, default=8, help="held-out test questions to ask (from the first)")

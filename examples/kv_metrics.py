@@ -3,12 +3,14 @@ the quantized cache costs and keeps: the active configuration per cache mode, ef
 K and V) and bytes held against bf16 per configuration served, and the online agreement with the unquantized cache
 (shadow re-decodes, ``--shadow-rate``).
 
-Usage: ``python examples/kv_metrics.py [--url http://127.0.0.1:8000] [--save FILE]`` (``--save``: the raw text)
+Usage: ``python examples/kv_metrics.py [--url http://127.0.0.1:8000] [--save FILE]`` (``--save``: the raw text).
+The server's address: ``--url``, else ``$DLLM_SERVER_URL``, else ``http://127.0.0.1:8000``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -74,7 +76,8 @@ def report(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> str:
     """Scrape, print, optionally save; returns the raw text."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--url", default=os.environ.get("DLLM_SERVER_URL", "http://127.0.0.1:8000").rstrip("/"),
+                    help="the server's root URL (default: $DLLM_SERVER_URL, else http://127.0.0.1:8000)")
     ap.add_argument("--save", type=Path, help="write the raw metrics text here")
     args = ap.parse_args(argv)
     text = httpx.get(f"{args.url}/metrics", timeout=30).raise_for_status().text

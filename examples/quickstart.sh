@@ -8,8 +8,8 @@
 #   bash examples/quickstart.sh
 # Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (redis://127.0.0.1:6379/0), RUNS
 # (runs/quickstart), DLLM_ADMIN_KEY, CALIBRATION_ARGS (extra `calibration all` flags, e.g. "--samples 2 --rounds 1
-# --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS ("--cache-modes dual
-# --bits 2"). tests/integration/e2e runs this script with small settings and checks what it wrote.
+# --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS (extra `evaluation matrix`
+# flags after the README's, which they override, e.g. "--cache-modes prefix,dual --bits 4,2"). tests/integration/e2e runs this script with small settings and checks what it wrote.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -61,5 +61,5 @@ $PY -m evaluation lm-eval --model local-chat-completions \
 step "the paper-style table for the same slice (in-process lm-eval; scores also pushed to the server)"
 # shellcheck disable=SC2086  # MATRIX_ARGS is a list of flags
 $PY -m evaluation matrix --tasks digit_ledger --limit "${LIMIT:-32}" --threads 1 --store "$STORE" \
-  --from-calibration latest --server "$URL" --out "$RUNS/matrix" ${MATRIX_ARGS:---cache-modes dual --bits 2}
+  --from-calibration latest --server "$URL" --out "$RUNS/matrix" --cache-modes dual --bits 2 ${MATRIX_ARGS:-}
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-end.txt" > /dev/null

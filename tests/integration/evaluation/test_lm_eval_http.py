@@ -1,5 +1,5 @@
 """lm-eval against ``python -m service serve`` (embedded model, real uvicorn process, Redis on 127.0.0.1:6379
-under its own key prefix): the README's commands work unchanged, over-HTTP scores and responses equal the
+under its own key prefix): the documented command (docs/evaluation.md) works unchanged, over-HTTP scores and responses equal the
 in-process ones on the same slice, the likelihood payload gets an explicit 400, and scores reach /metrics and the
 store."""
 
@@ -33,13 +33,14 @@ from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[3]
-LIMIT = 16  # the README command's --limit
+LIMIT = 16  # the documented command's --limit
+PAGE = REPO / "docs" / "evaluation.md"  # tests/docs/test_doc_blocks.py leaves this page's HTTP chat block to us
 
 
 def readme_command(model: str) -> list[str]:
-    """The README's copy-paste command (section "Evaluate with lm-eval") for ``--model <model>``, as argv."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Evaluate with lm-eval"):]
+    """The documented copy-paste command (docs/evaluation.md, "lm-eval over HTTP") for ``--model <model>``, as argv."""
+    text = PAGE.read_text()
+    section = text[text.index("## lm-eval over HTTP"):]
     block = section[section.index("```bash") + 7: section.index("```", section.index("```bash") + 7)]
     commands = block.replace("\\\n", " ").strip().splitlines()
     (line,) = [c for c in commands if f"--model {model} " in c]
@@ -85,10 +86,11 @@ def _in_process(engine, task_dir, task, batch_size, **kwargs):
 
 
 def test_chat_command_from_the_readme_equals_in_process(server, engine, task_dir, tmp_path):
-    # The README's command, with this server's port and the test's output folders.
+    # The documented command (the console command is `python -m evaluation`), with this server's port and the
+    # test's output folders.
     cmd = readme_command("local-chat-completions")
-    assert cmd[:4] == [".venv/bin/python", "-m", "evaluation", "lm-eval"] and cmd[cmd.index("--limit") + 1] == "16"
-    cmd = [sys.executable, *cmd[1:]]
+    assert cmd[:3] == [".venv/bin/dllm-kvq", "evaluate", "lm-eval"] and cmd[cmd.index("--limit") + 1] == "16"
+    cmd = [sys.executable, "-m", "evaluation", *cmd[2:]]
     cmd = [a.replace("http://127.0.0.1:8000", server.url) for a in cmd]
     out = tmp_path / "http"
     cmd += ["--output_path", str(out), "--log_samples", "--include_path", str(task_dir)]
