@@ -218,6 +218,7 @@ def models(args) -> None:
     print("| model | weights GiB | cached tokens | K/V bf16 GiB | " + " | ".join(f"{m} {b}-bit GiB (/ bf16)" for m, b in rows)
           + " |")
     print("|---" * (4 + len(rows)) + "|")
+    notes = []
     for name in REAL_MODELS:
         weights, spec = model_bytes(name)
         for tokens in CONTEXTS:
@@ -225,8 +226,9 @@ def models(args) -> None:
             cells = [cache_bytes(m, b, spec, tokens) for m, b in rows]
             print(f"| {name} | {weights / GIB:.2f} | {tokens:,} | {base / GIB:.3f} | "
                   + " | ".join(f"{c / GIB:.3f} ({c / base:.3f})" for c in cells) + " |", flush=True)
-        print(f"\n{name}: {spec.num_layers} layers x {spec.num_kv_heads} kv heads x head_dim {spec.head_dim}; "
-              f"{weights / 2:,.0f} parameters\n", flush=True)
+        notes.append(f"{name}: {spec.num_layers} layers x {spec.num_kv_heads} kv heads x head_dim {spec.head_dim}; "
+                     f"{weights / 2:,.0f} parameters")
+    print("\n" + "\n".join(notes))
 
 
 def _rss_kib(field: str) -> int:

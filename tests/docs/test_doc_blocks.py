@@ -181,7 +181,7 @@ def checkout(tmp_path_factory) -> Path:
         if source.is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / name)
-    (root / ".venv").symlink_to(Path(sys.executable).resolve().parents[1])
+    (root / ".venv").symlink_to(Path(sys.prefix))  # the venv running this test
     return root
 
 
