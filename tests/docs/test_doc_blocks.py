@@ -114,6 +114,32 @@ def test_covered_block_is_read_by_its_test(block):
     assert Path(block.page).name in test_file.read_text(), f"{block.value} does not read {block.page}"
 
 
+LINK = re.compile(r"\[[^\]]+\]\((?P<target>[^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_links_resolve(page):
+    """Every relative link of a page names a file of the repository and, with ``#``, one of its headings."""
+    broken = []
+    for target in LINK.findall((REPO / page).read_text()):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (REPO / page).parent / path if path else REPO / page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = [slug(line.lstrip("#")) for line in file.read_text().splitlines() if line.startswith("#")]
+            if anchor not in headings:
+                broken.append(target)
+    assert broken == []
+
+
 # ---- quickstart: the README's commands are the script's -------------------------------------------------------
 
 # The console command's subcommands and what the script runs for them (`dllm_kvq/cli.py`).
