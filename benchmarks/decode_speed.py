@@ -71,7 +71,7 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
                 k_group_size=32, v_group_size=min(32, spec.head_dim), k_bit_cap=16.0, provenance=prov,
                 layers=[LayerPolicy(score_type="attention", p=1)] * spec.num_layers,
             )
-            return make_kv_store(KVQuantConfig(**config, policy_id=table.id), spec, policy=table)
+            return make_kv_store(KVQuantConfig(**config, policy_id=table.id), spec, artifact=table)
         if method == "kvquant":
             key = f"{spec.model_id}/{KV_BITS}"
             if key not in _STATES:
@@ -80,7 +80,7 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
                           for _ in range(spec.num_layers)]
                 _STATES[key] = fit_state(sample, sample, KV_BITS, spec, prov)
             state = _STATES[key]
-            return make_kv_store(KVQuantConfig(**config, kvquant_state_id=state.id), spec, state=state)
+            return make_kv_store(KVQuantConfig(**config, kvquant_state_id=state.id), spec, artifact=state)
         return make_kv_store(KVQuantConfig(**config), spec)
 
     return make

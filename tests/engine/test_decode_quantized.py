@@ -72,11 +72,11 @@ def store_for(engine, method, bits, states=None, p=1):
     if method == "dllm_kvq":
         table = policy_for(spec, bits, p)
         return make_kv_store(
-            KVQuantConfig(method=method, bits=bits, k_group_size=G, policy_id=table.id), spec, policy=table
+            KVQuantConfig(method=method, bits=bits, k_group_size=G, policy_id=table.id), spec, artifact=table
         )
     if method == "kvquant":
         state = states[spec.arch, bits]
-        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, state=state)
+        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, artifact=state)
     return make_kv_store(KVQuantConfig(method=method, bits=bits, k_group_size=G), spec)
 
 
