@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from service.artifacts.base import legal_v_group_sizes
+from service.artifacts.base import default_v_group_size, legal_v_group_sizes
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
@@ -101,7 +101,7 @@ class KVQuantConfig(BaseModel):
         Raises:
             KVQuantError: the group size does not divide ``head_dim`` (the message lists the legal sizes).
         """
-        size = self.v_group_size if self.v_group_size is not None else min(32, head_dim)
+        size = self.v_group_size if self.v_group_size is not None else default_v_group_size(head_dim)
         if head_dim % size:
             raise KVQuantError(
                 f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}"
