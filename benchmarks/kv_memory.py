@@ -91,7 +91,7 @@ def make_store(method: str, bits: int, spec: ModelSpec, keep: bool = False):
             layers=[LayerPolicy(score_type="attention", p=1)] * spec.num_layers,
         )
         cfg = KVQuantConfig(method=method, bits=bits, policy_id=table.id, keep_dequantized=keep)
-        return make_kv_store(cfg, spec, policy=table)
+        return make_kv_store(cfg, spec, artifact=table)
     if method == "kvquant":
         gen = torch.Generator().manual_seed(1)
         sample = torch.randn(1, spec.num_kv_heads, 256, spec.head_dim, generator=gen)
@@ -101,7 +101,7 @@ def make_store(method: str, bits: int, spec: ModelSpec, keep: bool = False):
             *(t.expand(spec.num_layers, -1).contiguous() for t in (one.k_upper, one.k_lower, one.k_lut, one.v_lut)),
         )
         cfg = KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id, keep_dequantized=keep)
-        return make_kv_store(cfg, spec, state=state)
+        return make_kv_store(cfg, spec, artifact=state)
     return make_kv_store(KVQuantConfig(method=method, bits=bits, keep_dequantized=keep), spec)
 
 
