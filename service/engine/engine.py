@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
-from service.engine.decode import Cancelled, Decoder, OnBlock
+from service.engine.batch import RunningBatch
+from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.loading import load_checkpoint
+from service.engine.models import reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.spec import ModelSpec
@@ -103,28 +105,55 @@ class Engine:
         Raises:
             EngineInputError: any input outside what is legal (see :func:`validate_request`); nothing has run.
         """
+        batch = self.batch()
+        cohort = self.cohort(prompts, params, rows, kv_store, on_block, cancelled)
+        batch.join(cohort)
+        try:
+            with torch.inference_mode():
+                while batch.cohorts:
+                    batch.step()
+        finally:
+            cohort.store.clear()
+        return self.report(cohort)
+
+    def batch(self) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`)."""
+        return RunningBatch(self.model, self.spec.pad_id)
+
+    def cohort(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: OnBlock | None = None,
+        cancelled: Cancelled | None = None,
+    ) -> Cohort:
+        """Validate a request and make its :class:`Cohort` (arguments as :meth:`generate`), ready to join a batch.
+
+        Raises:
+            EngineInputError: see :func:`validate_request`.
+        """
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         validate_request(self.spec, prompts, params, rows)
         store = kv_store if kv_store is not None else FullPrecisionKVStore()
-        decoder = Decoder(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
-        started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                decoder.run()
-        finally:
-            store.clear()
-        total = time.perf_counter() - started
-        reports = [self._row_report(decoder, r, opts, total) for r, opts in enumerate(rows)]
+        return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
+
+    def report(self, cohort: Cohort) -> DecodeReport:
+        """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""
+        end = cohort.finished_s or time.perf_counter()
+        total = end - cohort.started_s if cohort.started_s else 0.0
+        reports = [self._row_report(cohort, r, opts, total) for r, opts in enumerate(cohort.row_options)]
         return DecodeReport(
             rows=reports,
-            params=params,
-            timings=Timings(total_s=total, first_block_s=decoder.first_block_s),
-            kv=store.report(),
+            params=cohort.params,
+            timings=Timings(total_s=total, first_block_s=cohort.first_block_s),
+            kv=cohort.store.report(),
         )
 
-    def _row_report(self, decoder: Decoder, row: int, options: RowOptions, total_s: float) -> RowReport:
-        state = decoder.rows[row]
-        ids = decoder.response_ids(row)
+    def _row_report(self, cohort: Cohort, row: int, options: RowOptions, total_s: float) -> RowReport:
+        state = cohort.rows[row]
+        ids = cohort.response_ids(row)
         eos = set(self.spec.eos_ids)
         before_eos = next((ids[:i] for i, token in enumerate(ids) if token in eos), ids)
         text = self.decode_text(before_eos)
@@ -155,8 +184,9 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         EngineInputError: no prompts; rows not matching prompts; an empty prompt; a token id outside
             ``[0, vocab_size)``; the mask id inside a prompt; pad id equal to mask id; gen length not a multiple of
             block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
-            multiple of the number of blocks; Dream's fixed schedule with < 2 steps per block in block mode;
-            random remasking for Dream; unknown cache mode; prompt + response longer than the model's context.
+            multiple of the number of blocks; what the model family's reveal rule refuses
+            (`service.engine.reveal`, e.g. Dream's fixed schedule with < 2 steps per block in block mode); unknown
+            cache mode or architecture; prompt + response longer than the model's context.
     """
     if not prompts:
         raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)")
@@ -190,14 +220,7 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             f"steps {params.steps} must be a positive multiple of the number of blocks {num_blocks} "
             f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}"
         )
-    dream_block_mode = spec.arch == "dream" and (params.cache_mode != "none" or params.dream_schedule == "block")
-    if dream_block_mode and params.steps is not None and params.steps // num_blocks < 2:
-        raise EngineInputError(
-            f"Dream's fixed schedule in block mode needs at least 2 steps per block (the block-initial pass reveals "
-            f"only the block's first token); got {params.steps // num_blocks}: use steps >= {2 * num_blocks}"
-        )
-    if spec.arch == "dream" and params.remasking != "low_confidence":
-        raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'")
+    reveal_rule(spec.arch).check(params)
     longest = max(len(p) for p in prompts) + params.gen_length
     if longest > spec.max_length:
         raise EngineInputError(
