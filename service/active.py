@@ -24,6 +24,7 @@ from service.policy.store import (
     KIND_KVQUANT_STATE,
     KIND_POLICY,
     ActiveChange,
+    ArtifactNotFound,
     AuditEntry,
     Store,
     StoreUnavailable,
@@ -123,7 +124,7 @@ class ConfigResolver:
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
-            raise ConfigInvalid("cache_mode", str(exc)) from exc
+            raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
             v_group = config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:
@@ -145,7 +146,10 @@ class ConfigResolver:
                     raise ConfigInvalid("kv_quant.bits", f"the KVQuant state {config.kvquant_state_id} has "
                                         f"{state.bits}-bit codebooks, the configuration asks {config.bits}")
         except ArtifactMismatch as exc:
-            raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
+            raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+        except ArtifactNotFound as exc:
+            id_field = "policy_id" if config.method == "dllm_kvq" else "kvquant_state_id"
+            raise ArtifactNotFound(str(exc), f"kv_quant.{id_field}") from exc
         return ConfigSnapshot(config, cache_mode, source, policy=policy, state=state, set_at=set_at)
 
 

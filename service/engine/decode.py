@@ -45,6 +45,7 @@ from service.engine.cache_hooks import BlockInitialWrite, ReuseRead
 from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.response import cut_response
 from service.engine.sampling import (
     dream_fixed_count,
     dream_threshold_reveals,
@@ -326,12 +327,7 @@ class Decoder:
             if committed_only:
                 cut -= cut % self.params.block_length
             response = response[:cut]
-        if not self.params.ignore_eos:
-            eos = set(self.spec.eos_ids)
-            for i, token in enumerate(response):
-                if token in eos:
-                    return response[: i + 1]
-        return response
+        return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
     def _committed_blocks(self, row: int) -> int:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""

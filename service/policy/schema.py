@@ -28,8 +28,13 @@ POLICY_CACHE_MODES: tuple[str, ...] = ("prefix", "dual")
 class ArtifactMismatch(ValueError):
     """A policy table or KVQuant state does not fit the loaded model or the requested configuration.
 
-    The message starts with the name of the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...).
+    ``field`` names the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...), ``detail`` says
+    why; the message is ``"<field>: <detail>"``.
     """
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field, self.detail = field, detail
 
 
 class Provenance(BaseModel):
@@ -138,11 +143,11 @@ class PolicyTable(BaseModel):
         check_fingerprint(self.weights_fingerprint, spec)
         if self.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"layers: the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
+                "layers", f"the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
             )
         if spec.head_dim % self.v_group_size:
             raise ArtifactMismatch(
-                f"v_group_size: {self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
+                "v_group_size", f"{self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
                 f"{legal_v_group_sizes(spec.head_dim)}"
             )
 
@@ -156,6 +161,6 @@ def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:
     """Raise :class:`ArtifactMismatch` (field ``weights_fingerprint``) unless it equals ``spec.fingerprint``."""
     if fingerprint != spec.fingerprint:
         raise ArtifactMismatch(
-            f"weights_fingerprint: the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
+            "weights_fingerprint", f"the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
             f"{spec.model_id!r} has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
         )

@@ -62,4 +62,4 @@ def make_quantizer(
 
 def _same(field: str, artifact_value, config_value) -> None:
     if artifact_value != config_value:
-        raise ArtifactMismatch(f"{field}: the artifact has {artifact_value!r}, the configuration asks for {config_value!r}")
+        raise ArtifactMismatch(field, f"the artifact has {artifact_value!r}, the configuration asks for {config_value!r}")

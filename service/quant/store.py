@@ -145,4 +145,4 @@ def _load(field: str, path: str, loader):
     try:
         return loader(path)
     except (OSError, ValueError) as err:
-        raise KVQuantError(f"{field} {path!r} cannot be used: {err}") from err
+        raise KVQuantError(f"{field} {path!r} cannot be used: {err}", field) from err
