@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
-from service.engine.kv_store import CacheMode
-from service.engine.params import DecodeParams, DecodeSettings, optional_fields, resolve
+from service.engine.params import CacheMode, DecodeParams, DecodeSettings, optional_fields, resolve
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 

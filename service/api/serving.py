@@ -26,7 +26,6 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from service.active import ActiveConfigs, ConfigSnapshot
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
@@ -34,6 +33,7 @@ from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_text
 from service.engine.response import Cut, cut_response
+from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, JobCancelled, JobResult, Worker
 

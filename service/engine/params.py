@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.engine.kv_store import CacheMode
+#: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
+CacheMode = Literal["none", "prefix", "dual"]
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")
