@@ -53,10 +53,15 @@ class DecodeSettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _steps_clear_threshold(cls, data: Any) -> Any:
-        """``steps`` given without ``threshold``: the fixed schedule replaces the default threshold."""
-        if isinstance(data, dict) and data.get("steps") is not None and "threshold" not in data:
-            data = {**data, "threshold": None}
+    def _schedule(cls, data: Any) -> Any:
+        """``steps`` given without ``threshold``: the fixed schedule replaces the default threshold. From text
+        (CLI flags, lm-eval model_args, the environment) ``none`` means None for either."""
+        if not isinstance(data, dict):
+            return data
+        data = {**data, **{k: None for k in SCHEDULE_FIELDS
+                           if isinstance(data.get(k), str) and data[k].strip().lower() in ("none", "null")}}
+        if data.get("steps") is not None and "threshold" not in data:
+            data["threshold"] = None
         return data
 
     def decode_settings(self) -> dict[str, Any]:
