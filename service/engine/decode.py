@@ -51,6 +51,7 @@ from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import KVHook
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.response import cut_response
 from service.engine.reveal import Canvas
 from service.engine.spec import ModelSpec
 
@@ -322,12 +323,7 @@ class Cohort:
             if committed_only:
                 cut -= cut % self.params.block_length
             response = response[:cut]
-        if not self.params.ignore_eos:
-            eos = set(self.spec.eos_ids)
-            for i, token in enumerate(response):
-                if token in eos:
-                    return response[: i + 1]
-        return response
+        return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
     def _committed_blocks(self, row: int) -> int:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""

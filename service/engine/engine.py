@@ -14,7 +14,9 @@ from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.loading import load_checkpoint
 from service.engine.models import reveal_rule
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prompts import encode_prompt
 from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
 
 
@@ -57,22 +59,13 @@ class Engine:
         return cls(loaded.model, loaded.spec, loaded.tokenizer, weight.dtype, weight.device)
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
-        """Token ids of ``text``; with ``chat`` the tokenizer's chat template wraps it as one user turn and adds the
-        assistant generation prompt.
+        """Token ids of ``text``; with ``chat`` the chat template wraps it as one user turn and adds the assistant
+        generation prompt (`service.engine.prompts.encode_prompt`).
 
         Raises:
             EngineInputError: the checkpoint has no tokenizer, or no chat template when ``chat`` is asked for.
         """
-        if self.tokenizer is None:
-            raise EngineInputError(f"{self.spec.model_id} has no tokenizer files; pass token ids instead of text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise EngineInputError(f"{self.spec.model_id} has no chat template; send plain text (chat=False)")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids)
-        return list(self.tokenizer(text)["input_ids"])
+        return encode_prompt(self.tokenizer, text, self.spec.model_id, chat)
 
     def decode_text(self, ids: list[int]) -> str | None:
         """Text of ``ids`` without special tokens, or None without a tokenizer."""
@@ -153,27 +146,16 @@ class Engine:
 
     def _row_report(self, cohort: Cohort, row: int, options: RowOptions, total_s: float) -> RowReport:
         state = cohort.rows[row]
-        ids = cohort.response_ids(row)
-        eos = set(self.spec.eos_ids)
-        before_eos = next((ids[:i] for i, token in enumerate(ids) if token in eos), ids)
-        text = self.decode_text(before_eos)
-        stopped = len(before_eos) < len(ids)
-        if text is not None:
-            cuts = [text.find(stop) for stop in options.stop if stop and stop in text]
-            if cuts:
-                text, stopped = text[: min(cuts)], True
-        if state.status == "cancelled":
-            reason = "cancelled"
-        else:
-            reason = "stop" if stopped else "length"
+        cut = cut_response(cohort.response_ids(row), self.spec.eos_ids, cohort.params.ignore_eos,
+                           options.max_tokens, options.stop, self.decode_text)
         return RowReport(
-            generated_ids=ids,
-            text=text,
-            finish_reason=reason,
+            generated_ids=cut.ids,
+            text=cut.text,
+            finish_reason="cancelled" if state.status == "cancelled" else cut.finish_reason,
             nfe=state.nfe,
             steps_per_block=state.steps_per_block,
             reveals_per_step=state.reveals,
-            tokens_per_second=len(before_eos) / total_s if total_s > 0 else 0.0,
+            tokens_per_second=len(cut.ids) / total_s if total_s > 0 else 0.0,
         )
 
 
@@ -189,41 +171,47 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             cache mode or architecture; prompt + response longer than the model's context.
     """
     if not prompts:
-        raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)")
+        raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)", "prompt")
     if len(rows) != len(prompts):
         raise EngineInputError(f"rows has {len(rows)} entries for {len(prompts)} prompts; give one per prompt or None")
     if spec.pad_id == spec.mask_id:
         raise EngineInputError(f"pad id equals mask id ({spec.mask_id}); the pad id must be a non-mask token")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise EngineInputError(f"prompt {i} is empty; a prompt needs at least one token")
+            raise EngineInputError(f"prompt {i} is empty; a prompt needs at least one token", "prompt")
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < spec.vocab_size)]
         if bad:
-            raise EngineInputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {spec.vocab_size})")
+            raise EngineInputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {spec.vocab_size})",
+                                   "prompt")
         if spec.mask_id in prompt:
             raise EngineInputError(
-                f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)"
+                f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)",
+                "prompt",
             )
     if params.cache_mode not in ("none", "prefix", "dual"):
-        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual")
+        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual", "cache_mode")
     if params.gen_length % params.block_length:
         raise EngineInputError(
-            f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}"
+            f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}", "gen_length"
         )
     if (params.threshold is None) == (params.steps is None):
-        raise EngineInputError("set exactly one of threshold (confidence-threshold decoding) and steps (fixed schedule)")
+        raise EngineInputError(
+            "set exactly one of threshold (confidence-threshold decoding) and steps (fixed schedule)", "threshold"
+        )
     if params.threshold is not None and not 0.0 <= params.threshold <= 1.0:
-        raise EngineInputError(f"threshold {params.threshold} is outside [0, 1] (0 reveals a whole block at once)")
+        raise EngineInputError(f"threshold {params.threshold} is outside [0, 1] (0 reveals a whole block at once)",
+                               "threshold")
     num_blocks = params.gen_length // params.block_length
     if params.steps is not None and (params.steps <= 0 or params.steps % num_blocks):
         raise EngineInputError(
             f"steps {params.steps} must be a positive multiple of the number of blocks {num_blocks} "
-            f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}"
+            f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}", "steps"
         )
     reveal_rule(spec.arch).check(params)
-    longest = max(len(p) for p in prompts) + params.gen_length
-    if longest > spec.max_length:
+    longest = max(len(p) for p in prompts)
+    if longest + params.gen_length > spec.max_length:
         raise EngineInputError(
-            f"prompt ({longest - params.gen_length} tokens) + response ({params.gen_length}) = {longest} tokens is over "
-            f"the model's context of {spec.max_length}"
+            f"prompt ({longest} tokens) + response ({params.gen_length} positions) = {longest + params.gen_length} "
+            f"tokens is over the model's context of {spec.max_length}",
+            "prompt" if longest >= spec.max_length else "gen_length",
         )

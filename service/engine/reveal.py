@@ -108,13 +108,13 @@ class DreamRule(RevealRule):
 
     def check(self, params: DecodeParams) -> None:
         if params.remasking != "low_confidence":
-            raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'")
+            raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'", "remasking")
         num_blocks = params.gen_length // params.block_length
         if not self.uses_canvas(params) and params.steps is not None and params.steps // num_blocks < 2:
             raise EngineInputError(
                 f"Dream's fixed schedule in block mode needs at least 2 steps per block (the block-initial pass "
                 f"reveals only the block's first token); got {params.steps // num_blocks}: use steps >= "
-                f"{2 * num_blocks}"
+                f"{2 * num_blocks}", "steps"
             )
 
     def uses_canvas(self, params: DecodeParams) -> bool:

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.artifacts.base import legal_v_group_sizes
 from service.quant.errors import KVQuantError
 
 Method = Literal["none", "kivi", "kvquant", "dllm_kvq"]
@@ -63,7 +64,8 @@ class KVQuantConfig(BaseModel):
         size = self.v_group_size if self.v_group_size is not None else min(32, head_dim)
         if head_dim % size:
             raise KVQuantError(
-                f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}"
+                f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}",
+                "v_group_size",
             )
         return size
 
@@ -77,9 +79,5 @@ class KVQuantConfig(BaseModel):
         """
         if self.method != "none" and cache_mode == "none":
             raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
-                               "nothing; use 'prefix' or 'dual'")
+                               "nothing; use 'prefix' or 'dual'", "cache_mode")
 
-
-def legal_v_group_sizes(head_dim: int) -> list[int]:
-    """The V group sizes (channels) that divide ``head_dim``."""
-    return [g for g in range(1, head_dim + 1) if head_dim % g == 0]

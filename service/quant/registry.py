@@ -6,9 +6,10 @@ tokens (32 in the paper's adaptation), V per token over groups of ``v_group_size
 
 from __future__ import annotations
 
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
 from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
 from service.quant.dllm_kvq import DLLMKVQQuantizer
@@ -62,4 +63,4 @@ def make_quantizer(
 
 def _same(field: str, artifact_value, config_value) -> None:
     if artifact_value != config_value:
-        raise ArtifactMismatch(f"{field}: the artifact has {artifact_value!r}, the configuration asks for {config_value!r}")
+        raise ArtifactMismatch(field, f"the artifact has {artifact_value!r}, the configuration asks for {config_value!r}")

@@ -15,21 +15,23 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.engine.kv_store import CacheMode
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
-from service.policy.store import (
+from service.quant.config import KVQuantConfig
+from service.quant.errors import KVQuantError
+from service.store.base import (
     CACHE_MODES,
     KIND_KVQUANT_STATE,
     KIND_POLICY,
     ActiveChange,
+    ArtifactNotFound,
     AuditEntry,
     Store,
     StoreUnavailable,
 )
-from service.quant.config import KVQuantConfig
-from service.quant.errors import KVQuantError
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -109,8 +111,8 @@ class ConfigResolver:
         Raises:
             ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
                 that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
-            service.policy.store.ArtifactNotFound: the policy or state is not stored.
-            service.policy.store.StoreUnavailable: the store cannot be reached to load it.
+            service.store.base.ArtifactNotFound: the policy or state is not stored.
+            service.store.base.StoreUnavailable: the store cannot be reached to load it.
         """
         for name in ("policy_file", "kvquant_state_file"):
             if getattr(config, name) is not None:
@@ -123,7 +125,7 @@ class ConfigResolver:
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
-            raise ConfigInvalid("cache_mode", str(exc)) from exc
+            raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
             v_group = config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:
@@ -145,7 +147,10 @@ class ConfigResolver:
                     raise ConfigInvalid("kv_quant.bits", f"the KVQuant state {config.kvquant_state_id} has "
                                         f"{state.bits}-bit codebooks, the configuration asks {config.bits}")
         except ArtifactMismatch as exc:
-            raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
+            raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+        except ArtifactNotFound as exc:
+            id_field = "policy_id" if config.method == "dllm_kvq" else "kvquant_state_id"
+            raise ArtifactNotFound(str(exc), f"kv_quant.{id_field}") from exc
         return ConfigSnapshot(config, cache_mode, source, policy=policy, state=state, set_at=set_at)
 
 

@@ -29,9 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from service.artifacts.base import ArtifactMismatch, Provenance, canonical_json, check_fingerprint
 from service.engine.spec import ModelSpec
-from service.policy.schema import ArtifactMismatch, Provenance, check_fingerprint
-from service.policy.store import canonical_json
 
 _META_KEY = "dllm_kvq.kvquant_state"
 _TENSORS = ("k_upper", "k_lower", "k_lut", "v_lut")
@@ -144,11 +143,11 @@ class KVQuantState:
         check_fingerprint(self.meta.weights_fingerprint, spec)
         if self.meta.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"num_layers: the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
+                "num_layers", f"the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
             )
         channels = spec.num_kv_heads * spec.head_dim
         if self.meta.channels != channels:
             raise ArtifactMismatch(
-                f"channels: the state has {self.meta.channels} key/value channels per token, the model has "
+                "channels", f"the state has {self.meta.channels} key/value channels per token, the model has "
                 f"num_kv_heads * head_dim = {spec.num_kv_heads} * {spec.head_dim} = {channels}"
             )
