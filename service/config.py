@@ -53,9 +53,20 @@ class Settings(BaseSettings, DecodeSettings):
     )
 
     # ---- worker ----------------------------------------------------------------------------------------------------
-    max_batch_size: int = Field(8, gt=0, description="most requests decoded together")
+    scheduler: Literal["continuous", "batch"] = Field(
+        "continuous", description="continuous: rows join and leave a running batch, admitted by KV memory; "
+        "batch: the legacy worker (identical settings batched, run to the end)"
+    )
+    max_batch_size: int = Field(8, gt=0, description="most rows decoded together (a cap; memory admits)")
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
-    batch_wait_ms: float = Field(5.0, ge=0.0, description="how long the worker waits to fill a batch")
+    batch_wait_ms: float = Field(5.0, ge=0.0, description="batch scheduler: how long it waits to fill a batch")
+    kv_budget_bytes: int | None = Field(
+        None, gt=0, description="memory for running rows' KV + the largest forward; empty: a fraction of free "
+        "GPU memory, 1 GiB on CPU"
+    )
+    kv_budget_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
+    )
     request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
     retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")
     drain_timeout_s: float = Field(30.0, ge=0.0, description="SIGTERM: how long in-flight requests may finish")

@@ -28,7 +28,7 @@ from service.store.base import (
     InvalidName,
     StoreUnavailable,
 )
-from service.worker import BatchFailed, JobCancelled, QueueFull, WorkerUnavailable
+from service.worker import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class RequestTimeout(ApiError):
 # exception type -> (status, OpenAI type, code). First match in order wins (subclasses before bases).
 MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),

@@ -35,7 +35,7 @@ from service.engine.prompts import encode_chat, encode_text
 from service.engine.response import Cut, cut_response
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import EngineLike, Job, JobCancelled, JobResult, Worker
+from service.worker import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 
 Kind = Literal["completion", "chat", "generate"]
 
@@ -227,9 +227,11 @@ class Serving:
         try:
             for job in plan.jobs:
                 admitted.append(self.worker.submit(job))
-        except BaseException:
+        except BaseException as exc:
             for job in admitted:
                 self.worker.cancel(job)
+            if isinstance(exc, RequestTooLarge) and exc.field == "prompt" and plan.kind == "chat":
+                exc.field = "messages"  # the chat route's prompt
             raise
 
     def _cancel(self, plan: Plan) -> None:
