@@ -7,13 +7,13 @@ A running request holds two kinds of memory:
   block: ``seq_len - block_length`` tokens (prefix and dual); cache mode ``none`` holds nothing. Bytes per reused
   token are measured once per configuration by writing every layer of the configuration's own store with a probe
   of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
-* **Transient bytes** of the largest forward the batch runs: a full pass of every running row at the longest
-  sequence (activations of one layer, attention probabilities, the K/V of one layer with GQA repeats and a
-  dequantized copy, the LM head's logits in float32).
+* **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
+  (activations of one layer, the K/V of one layer with GQA repeats and a dequantized copy, the LM head's logits).
 
-The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + transient(batch with it)``
-fits the budget. The estimate is an upper bound of what the batch holds at once, not of what torch's allocator
-keeps cached.
+The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
+them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Merged
+forwards hold one such transient per row in the forward; ``max_batch_size`` caps how many, and the budget should
+leave room for that (it is not what torch's allocator keeps cached either).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ PROBE_TOKENS = 256
 
 @dataclass(frozen=True)
 class Cost:
-    """Memory of one request: ``kv`` bytes held at its longest, and its sequence length (tokens)."""
+    """Memory of one request: ``kv`` bytes held at its longest, ``transient`` bytes of its largest forward."""
 
     kv: int
-    seq_len: int
+    transient: int
 
 
 class MemoryModel:
@@ -97,19 +97,25 @@ class MemoryModel:
         return held
 
     def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
-        """The request's KV bytes at its longest and its sequence length."""
+        """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
         seq_len = prompt_len + params.gen_length
         reused = 0 if params.cache_mode == "none" else seq_len - params.block_length
-        return Cost(int(bytes_per_token * reused), seq_len)
+        # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
+        cols = params.gen_length if params.cache_mode == "none" else params.block_length
+        return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
 
-    def transient(self, rows: int, seq_len: int) -> int:
-        """Bytes of a full forward of ``rows`` rows of ``seq_len`` columns (the largest forward of a batch)."""
+    def transient(self, seq_len: int, logits_cols: int) -> int:
+        """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns.
+
+        Activations of one layer (residual, norm, q/k/v/o, MLP gate/up/act), the K/V of one layer repeated for GQA
+        plus a dequantized copy, float32 logits. Attention probabilities are not materialised (torch's SDPA runs a
+        flash / memory-efficient kernel with a key mask on CPU and CUDA).
+        """
         s, e = self.spec, self.element_size
-        activations = rows * seq_len * (4 * self.width + 3 * self.mlp_hidden) * e
-        attention = rows * s.num_heads * seq_len * seq_len * 4
-        kv_layer = 3 * rows * 2 * s.num_heads * seq_len * s.head_dim * e  # fresh, repeated for GQA, dequantized
-        logits = rows * seq_len * s.vocab_size * 4
-        return activations + attention + kv_layer + logits
+        activations = seq_len * (6 * self.width + 3 * self.mlp_hidden) * e
+        kv_layer = 3 * 2 * s.num_heads * seq_len * s.head_dim * e
+        logits = logits_cols * s.vocab_size * 4
+        return activations + kv_layer + logits
 
 
 def default_budget(device: torch.device | str, fraction: float, cpu_bytes: int) -> int:

@@ -95,23 +95,23 @@ class ContinuousWorker(Worker):
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
         """
         cost = self._cost(job)
-        if cost.kv + self.memory.transient(1, cost.seq_len) > self.budget_bytes:
+        if cost.kv + cost.transient > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
-            fits_short = short.kv + self.memory.transient(1, short.seq_len) <= self.budget_bytes
+            fits_short = short.kv + short.transient <= self.budget_bytes
             field = "max_tokens" if fits_short else "prompt"
             raise RequestTooLarge(
-                f"this request needs about {cost.kv + self.memory.transient(1, cost.seq_len):,} bytes (KV "
-                f"{cost.kv:,} at {cost.seq_len} tokens + its forward), over the server's memory budget of "
-                f"{self.budget_bytes:,} bytes even alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
+                f"this request needs about {cost.kv + cost.transient:,} bytes (KV {cost.kv:,} + its largest "
+                f"forward {cost.transient:,}), over the server's memory budget of {self.budget_bytes:,} bytes even "
+                f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
                 field,
             )
         return super().submit(job)
 
     def _fits(self, cost: Cost) -> bool:
         held = sum(m.cost.kv for m in self._members)
-        longest = max([cost.seq_len, *(m.cost.seq_len for m in self._members)])
-        return held + cost.kv + self.memory.transient(len(self._members) + 1, longest) <= self.budget_bytes
+        transient = max([cost.transient, *(m.cost.transient for m in self._members)])
+        return held + cost.kv + transient <= self.budget_bytes
 
     def _admit(self) -> list[_Running]:
         """Move jobs from the queues into the batch while they fit (caller holds the lock)."""
