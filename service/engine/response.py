@@ -56,7 +56,8 @@ def cut_response(
         ignore_eos: keep tokens after an EOS (EOS text is empty when decoded without special tokens).
         max_tokens: the most tokens returned; None: no bound.
         stops: stop strings (empty ones are ignored).
-        decode: ids -> text (special tokens skipped); None: no text, and stop strings cannot apply.
+        decode: ids -> text (special tokens skipped), or None (or returning None: no text, and stop strings
+            cannot apply).
 
     Returns:
         The :class:`Cut`.
@@ -71,9 +72,9 @@ def cut_response(
             kept, ended = kept[: at + 1], True
         elif len(kept) < len(ids) and ids[len(kept)] in eos:
             ended = True  # the max_tokens cut removed only the EOS that ended the response
-    if decode is None:
+    text = decode(kept) if decode is not None else None
+    if text is None:  # no tokenizer: ids only, stop strings cannot apply
         return Cut(kept, None, "stop" if ended else "length")
-    text = decode(kept) or ""
     at = first_stop(text, stops)
     if at < 0:
         return Cut(kept, text, "stop" if ended else "length")
