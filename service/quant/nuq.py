@@ -128,6 +128,18 @@ def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
     return (xf <= lower) | (xf >= upper)
 
 
+def midpoint_and_half_range(mx: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mx + mn) / 2`` and ``(mx - mn) / 2`` (float32), the reference's formulas, which overflow to inf for
+    finite values near the dtype's limit (a token constant at 3e38, or +/-3e38 in one token when no outliers are
+    kept). Where they do, the halves are taken first (``mx / 2 +/- mn / 2``, finite for any finite input);
+    elsewhere the result is the reference's, bit for bit.
+    """
+    offset, half_range = (mx + mn) / 2, (mx - mn) / 2
+    offset = torch.where(torch.isfinite(offset), offset, mx / 2 + mn / 2)
+    half_range = torch.where(torch.isfinite(half_range), half_range, mx / 2 - mn / 2)
+    return offset, half_range
+
+
 def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99):
     """Per-token dynamic NUQ of values.
 
@@ -148,8 +160,7 @@ def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, spa
     else:
         outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
         dense = xf
-    mx, mn = dense.amax(-1), dense.amin(-1)
-    offset, half_range = (mx + mn) / 2, (mx - mn) / 2
+    offset, half_range = midpoint_and_half_range(dense.amax(-1), dense.amin(-1))
     codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut)
     return codes, offset, half_range, outliers
 
