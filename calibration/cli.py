@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from calibration.job import CalibrationJob, JobSettings, RunSummary
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from calibration.fit import DiagnosticSums
     from service.engine import Engine
-    from service.policy.store import open_store
+    from service.store.base import open_store
 
     started = time.perf_counter()
     settings = settings_from(args)
