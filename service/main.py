@@ -146,6 +146,7 @@ def create_app(
         finally:
             telemetry.ready.set(0)
             finished = await asyncio.to_thread(worker.drain, settings.drain_timeout_s)
+            app.state.drained = worker.cut_by_drain == 0  # also counts what SIGTERM's own drain cut
             if not finished:
                 log.warning("drain timed out after %.0f s; cancelled what was left", settings.drain_timeout_s)
             subscription.close()
