@@ -29,6 +29,7 @@ from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import StoreUnavailable, open_store
+from service.store.monitor import StoreMonitor
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
 
@@ -111,7 +112,8 @@ def create_app(
         telemetry = Telemetry()
         store = open_store(settings.store_url, prefix=settings.store_prefix)
         model_name = served_model_name(settings, eng.spec.model_id)
-        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name)
+        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name,
+                               restore=settings.store_restore_active)
         try:
             active.reload()
         except StoreUnavailable as exc:
@@ -122,6 +124,7 @@ def create_app(
                 active.reload()
 
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
+        monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s)
         worker = Worker(
             eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry,
             max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
@@ -149,6 +152,7 @@ def create_app(
             app.state.drained = worker.cut_by_drain == 0  # also counts what SIGTERM's own drain cut
             if not finished:
                 log.warning("drain timed out after %.0f s; cancelled what was left", settings.drain_timeout_s)
+            monitor.close()
             subscription.close()
             store.close()
 

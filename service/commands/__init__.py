@@ -1,6 +1,10 @@
 """Subcommands of ``python -m service``; each module exposes ``add_parser(subparsers)`` (see `service.__main__`)."""
 
+import argparse
+
 from pydantic import ValidationError
+
+from service.store.base import InvalidName, check_store_url
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -11,3 +15,12 @@ def describe_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "settings"
         lines.append(f"{where}: {error['msg']}")
     return "; ".join(lines)
+
+
+def store_url_arg(value: str) -> str:
+    """argparse ``type`` of a ``--store`` flag: an unknown URL scheme is a one-line usage error naming the flag."""
+    try:
+        check_store_url(value)
+    except InvalidName as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
