@@ -234,7 +234,7 @@ class ActiveConfigs:
 
     def _lost(self, snapshot: ConfigSnapshot) -> None:
         """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless
-        configured otherwise write it back (its policy or state first: a store restarted empty lost those too)
+        configured otherwise write it back (its artifact first: a store restarted empty lost that too)
         with an audit entry, only where no entry has appeared meanwhile, so that every replica converges on it
         (through the event) and a new replica starts with it."""
         mode = snapshot.cache_mode
@@ -248,13 +248,12 @@ class ActiveConfigs:
             return
         store = self.resolver.store
         try:
-            for kind, artifact in ((KIND_POLICY, snapshot.policy), (KIND_KVQUANT_STATE, snapshot.state)):
-                if artifact is not None:
-                    data = artifact.to_json().encode() if kind == KIND_POLICY else artifact.to_bytes()
-                    try:
-                        store.put(kind, data, artifact.id)
-                    except ArtifactConflict:
-                        pass  # still stored (bytes written by another tool): the id names the same content
+            artifact = snapshot.artifact
+            if artifact is not None:
+                try:
+                    store.put(artifact.KIND, artifact.to_bytes(), artifact.id)
+                except ArtifactConflict:
+                    pass  # still stored (bytes written by another tool): the id names the same content
             audit = store.restore_active(self.fingerprint, mode, snapshot.config, key_id=RESTORE_KEY_ID)
         except StoreError as exc:
             loss.note = f"not written back: {exc}"

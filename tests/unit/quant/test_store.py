@@ -162,7 +162,7 @@ def test_kvquant_dense_value_ranges_do_not_overflow(bad):
     keys, values = zip(*(kv(4, 64, seed=1 + i) for i in range(SPEC.num_layers)))
     dense = fit_state(list(keys), list(values), 4, SPEC, PROV, sparsity_threshold=1.0)
     cfg = KVQuantConfig(method="kvquant", bits=4, k_group_size=8, kvquant_state_file="unused.safetensors")
-    store = make_kv_store(cfg, SPEC, state=dense)
+    store = make_kv_store(cfg, SPEC, artifact=dense)
     k, v = kv(1, 24)
     v[0, :, 6, :8], v[0, :, 6, 8:] = bad  # one token: all of its H x D entries are at the extremes
     seg = Segments((0,), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
