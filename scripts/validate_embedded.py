@@ -2,7 +2,7 @@
 
 For each cache mode (none = full recompute, prefix, dual) the held-out test split is decoded one question at a
 time with ``Engine.generate`` (threshold 0.9, ``GEN_LENGTH`` positions in blocks of ``BLOCK_LENGTH``, greedy,
-unquantized cache) and scored with ``service.embedded_task.score``. Reported per mode: exact match (overall and
+unquantized cache) and scored with ``evaluation.embedded_task.score``. Reported per mode: exact match (overall and
 per operation, and whether each question was answered right, in split order), mean NFE, per-question latency (mean and p50/p90 wall seconds of ``generate``), token agreement
 with full recompute; and once: the load time of ``Engine.load`` (first call in the process, which includes lazy imports, and a
 second call) and, in full recompute, the share of revealed
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, load_split, score
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, load_split, score
 from service.engine import Engine
 from service.engine.agreement import token_agreement
 from service.engine.params import DecodeParams
