@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from calibration.job import CalibrationJob, JobSettings, RunSummary
+from service.commands import store_url_arg
 from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
     add("--model", default=None, help="checkpoint dir or HF repo id (default: the embedded model)")
-    add("--store", default=None, help=STORE_HELP)
+    add("--store", default=None, type=store_url_arg, help=STORE_HELP)
     add("--store-prefix", default=None,
         help=f"Redis key prefix (default: DLLM_STORE_PREFIX, else {DEFAULT_STORE_PREFIX})")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from evaluation.protocol import PRESETS, get_preset
+from service.commands import store_url_arg
 from service.config import STORE_HELP, default_store
 
 #: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
@@ -118,7 +119,7 @@ def matrix_parser() -> argparse.ArgumentParser:
                         help="comma list of tasks run with the chat template (the embedded task always is)")
     parser.add_argument("--confirm-run-unsafe-code", action="store_true",
                         help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox")
-    parser.add_argument("--store", help="policies, states and scores: " + STORE_HELP)
+    parser.add_argument("--store", type=store_url_arg, help="policies, states and scores: " + STORE_HELP)
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
@@ -214,7 +215,7 @@ def run_push_scores(argv: list[str]) -> int:
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
     parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
-    parser.add_argument("--store", help="used when no --server is given: " + STORE_HELP)
+    parser.add_argument("--store", type=store_url_arg, help="used when no --server is given: " + STORE_HELP)
     parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
     parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}')
     args = parser.parse_args(argv)

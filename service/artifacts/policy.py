@@ -106,6 +106,10 @@ class PolicyTable(BaseModel):
         """Canonical JSON (sorted keys, no spaces); :meth:`from_json` gives back an equal table with the same id."""
         return canonical_json(self.model_dump(mode="json")).decode()
 
+    def to_bytes(self) -> bytes:
+        """The bytes a store holds (:meth:`to_json`, UTF-8): the artifact protocol's writer."""
+        return self.to_json().encode()
+
     @classmethod
     def from_json(cls, text: str | bytes) -> PolicyTable:
         """Parse and validate a table (``pydantic.ValidationError`` naming the field if it is not one)."""
@@ -126,11 +130,11 @@ class PolicyTable(BaseModel):
         check_fingerprint(self.weights_fingerprint, spec)
         if self.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"layers: the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
+                "layers", f"the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
             )
         if spec.head_dim % self.v_group_size:
             raise ArtifactMismatch(
-                f"v_group_size: {self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
+                "v_group_size", f"{self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
                 f"{legal_v_group_sizes(spec.head_dim)}"
             )
 

@@ -58,4 +58,5 @@ def test_one_start_up_line(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
     spec = FakeEngine().spec
     assert spec.fingerprint in line and str(tmp_path.resolve()) in line
-    assert "none=unquantized (default)" in line and "dual=unquantized (default)" in line and line.endswith("ready")
+    assert "none=unquantized (default)" in line and "dual=unquantized (default)" in line and line.endswith("; ready")
+    assert "KV budget " in line
