@@ -103,7 +103,8 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     """The worker the settings ask for: the continuous scheduler (admission by the KV memory budget) or the
     legacy batch worker."""
     common = {"max_queue": settings.max_queue, "retry_after_s": settings.retry_after_s,
-              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue}
+              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue,
+              "max_work": settings.max_request_work}
     if settings.scheduler == "batch":
         return Worker(engine, kv_store_factory, telemetry, max_batch_size=settings.max_batch_size,
                       batch_wait_s=settings.batch_wait_ms / 1000, **common)

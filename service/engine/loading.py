@@ -232,5 +232,6 @@ def load_checkpoint(
         eos_ids=_eos_ids(directory, config.eos_id, tokenizer),
         pad_id=config.pad_id,
         max_length=config.max_length,
+        tokenizer_size=len(tokenizer) if tokenizer is not None else None,
     )
     return LoadedCheckpoint(model=net, spec=spec, tokenizer=tokenizer, directory=directory)

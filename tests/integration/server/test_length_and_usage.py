@@ -49,12 +49,13 @@ def test_max_tokens_is_a_hard_bound_with_finish_reason_length(client, max_tokens
 def test_streamed_chunks_never_go_past_the_cut(server, client):
     whole = client.chat.completions.create(model="embedded", messages=COPY, max_tokens=33)
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120, json={
-            "model": "embedded", "messages": COPY, "max_tokens": 33, "stream": True}) as r:
+            "model": "embedded", "messages": COPY, "max_tokens": 33, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
         events = sse_events(r.iter_lines())
-    chunks = events[:-1]
+    chunks, usage = events[:-2], events[-2]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == whole.choices[0].message.content
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == 33
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 33
 
 
 def test_usage_counts_the_tokens_returned_when_a_stop_string_cuts(server, client):

@@ -55,12 +55,19 @@ def test_openai_client_completions_chat_and_streaming(client):
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens <= 64
 
     chunks = list(client.chat.completions.create(
-        model="embedded", messages=[{"role": "user", "content": f"copy: {DIGITS}"}], max_tokens=64, stream=True))
+        model="embedded", messages=[{"role": "user", "content": f"copy: {DIGITS}"}], max_tokens=64, stream=True,
+        stream_options={"include_usage": True}))
     contents = [c.choices[0].delta.content for c in chunks if c.choices]
-    # A role chunk, one chunk per committed block (2 blocks of 32), then the finish chunk with the usage.
-    assert len(chunks) == 4 and contents[0] == ""
+    # A role chunk, one chunk per committed block (2 blocks of 32), the finish chunk, then the usage chunk with
+    # no choices (OpenAI's stream_options.include_usage), parsed by the openai client.
+    assert len(chunks) == 5 and contents[0] == ""
     assert "".join(contents).split() == DIGITS.split()
-    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].usage.total_tokens > 0
+    assert chunks[-2].choices[0].finish_reason == "stop" and all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == (
+        chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens) > 0
+    plain = list(client.chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "copy: 1 2"}], max_tokens=8, stream=True))
+    assert all(c.usage is None and c.choices for c in plain)
 
     done = client.completions.create(model="embedded", prompt="copy: 1 2 3", max_tokens=8, stop=["3"])
     assert "3" not in done.choices[0].text and done.choices[0].finish_reason in ("stop", "length")
