@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.api import errors
+from service.api import errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
@@ -165,6 +165,7 @@ def create_app(
 
     app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
     errors.install(app)
+    openapi.install(app)
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)
