@@ -27,7 +27,7 @@ def _store(engine, kind: str | None):
     if kind == "dllm_kvq":
         table = policy_for(engine.spec, 2)
         config = KVQuantConfig(method="dllm_kvq", bits=2, k_group_size=8, policy_id=table.id)
-        return make_kv_store(config, engine.spec, policy=table)
+        return make_kv_store(config, engine.spec, artifact=table)
     return make_kv_store(KVQuantConfig(method="kivi", bits=int(kind[-1]), k_group_size=8), engine.spec)
 
 
