@@ -50,6 +50,6 @@ def test_schemathesis_finds_no_failure(server, tmp_path, auth):
            "--continue-on-failure", "--request-timeout", "10", "--report-dir", str(tmp_path)]
     if auth:
         cmd += ["-H", f"Authorization: Bearer {ADMIN_KEY}", "--include-path-regex", "^/admin"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-6000:] + server.log()
     assert re.search(r"(\d+) generated, \1 passed", run.stdout), run.stdout[-3000:]  # every case passed
