@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
 
 from service.engine.params import (
     TOKENS_CEILING,
@@ -372,7 +372,7 @@ class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
     task: str = Field(min_length=1, max_length=200)
-    scores: dict[str, float] = Field(min_length=1, description="metric name -> value")
+    scores: dict[str, StrictFloat] = Field(min_length=1, description="metric name -> value")
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
     model_fingerprint: str | None = Field(None, description="must be the loaded model's when given")
