@@ -10,6 +10,9 @@ Protocol (Fast-dLLM cache reuse, paper "Preliminary: dLLM Cache"):
 * Every later step of the block calls ``read(layer)`` and gets back the K/V of the **reused positions** only,
   in sequence order (prefix positions, then, in dual mode, suffix positions). The engine puts the fresh
   active-block (and, in prefix mode, block + suffix) K/V next to them.
+* A store may instead compute the step's attention itself, straight from what it holds: ``attend(layer, q, k,
+  v, rows, positions, rope)`` returns the attention output, or None to fall back to ``read`` (the default; a
+  quantized store answers on CUDA with a fused kernel over its packed cache, `service.quant.kernels`).
 * The next block's initial pass overwrites every layer.
 
 Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head dim.
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
+    from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
 
 CacheMode = Literal["none", "prefix", "dual"]
@@ -126,6 +130,35 @@ class KVStore:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the reused columns of one layer: ``[B, H, T_reused, D]`` each, model dtype."""
         raise NotImplementedError
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor | None:
+        """A later step's attention over this layer's reused K/V and the fresh window, or None (then the engine
+        calls :meth:`read` and attends itself; this default).
+
+        Args:
+            layer: layer index.
+            q: ``[B_step, H, T_w, D]`` post-RoPE queries of the window; k, v: ``[B_step, H_kv, T_w, D]`` the
+                window's fresh K (post-RoPE) and V, never padding.
+            rows: int64 ``[B_step]``, the rows of the block-initial pass in this step (None = all, in order).
+            positions: int64 ``[B_step, T_reused]`` RoPE positions of the reused columns (only with
+                ``pre_rope_keys``).
+            rope: the model's rotary embedding.
+
+        Returns:
+            ``[B_step, H, T_w, D]`` in q's dtype: softmax(q K^T / sqrt(D)) V over the reused real tokens and the
+            window (GQA: query head h reads kv head ``h // (H / H_kv)``), the same as :meth:`read` + SDPA up to
+            round-off.
+        """
+        return None
 
     def clear(self) -> None:
         """Drop everything held (end of a request)."""

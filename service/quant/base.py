@@ -22,6 +22,7 @@ import torch
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
+from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
 from service.quant.packing import pack_stream, unpack_stream
 from service.quant.uniform import (
@@ -130,6 +131,10 @@ class KVQuantizer:
     def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
         return self.dequantize_k(layer, packed, layout), self.dequantize_v(layer, packed, layout)
+
+    def kernel_operands(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> KernelOperands:
+        """What the fused attention kernel reads of one packed layer (`service.quant.kernels.operands`)."""
+        return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
 
     # ---- K: per channel over token groups, protected tokens excluded from the statistics ---------------------
     def protect(

@@ -21,6 +21,7 @@ from service.policy.schema import Provenance
 from service.quant import nuq
 from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig
+from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.layout import SlotLayout
 from service.quant.packing import pack_stream, unpack_stream
 
@@ -69,6 +70,15 @@ class KVQuantQuantizer(KVQuantizer):
         codes = self._codes(t, layout, packed)
         lut = self.state.v_lut[layer].to(codes.device)
         return self._finish(nuq.dequantize_values(codes, t["offset"], t["half_range"], lut), t, layout, packed)
+
+    def kernel_operands(self, layer, packed, layout) -> KernelOperands:
+        s = self.state
+        device = packed.k.tensors["codes"].device
+        offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
+        return nuq_operands(
+            packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, offset, half_range,
+            s.k_lut[layer].to(device, torch.float32), s.v_lut[layer].to(device, torch.float32),
+        )
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
     def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:

@@ -6,11 +6,17 @@ regions of every layer (prefix; in dual mode prefix and suffix) are quantized la
 runs, so the peak is the packed bytes plus one layer's dequantized copy. With ``keep_dequantized`` the
 dequantized copies are kept for the rest of the block (they do not change within a block): faster, but it saves
 no memory within a block. The active block is never handed to the store, so it is never quantized.
+
+On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
+(`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
+of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
+interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -23,6 +29,7 @@ from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
+from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer
 
@@ -34,6 +41,8 @@ class QuantizedKVStore(KVStore):
         quantizer: the method (see `service.quant.registry`).
         keep_dequantized: keep each layer's dequantized copy until the next block.
         policy_id, state_id: recorded in the report.
+        attention: ``auto`` (the fused kernel on CUDA when Triton is installed, the PyTorch path elsewhere),
+            ``triton`` (always the kernel) or ``torch`` (never).
 
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
@@ -46,8 +55,12 @@ class QuantizedKVStore(KVStore):
         keep_dequantized: bool = False,
         policy_id: str | None = None,
         state_id: str | None = None,
+        attention: AttentionPath = "auto",
     ) -> None:
+        if attention not in ATTENTION_PATHS:
+            raise KVQuantError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
         self.quantizer = quantizer
+        self.attention = attention
         self.needs_scores = quantizer.needs_scores
         self.pre_rope_keys = quantizer.pre_rope_keys
         self.keep_dequantized = keep_dequantized
@@ -58,6 +71,8 @@ class QuantizedKVStore(KVStore):
         self._layout: SlotLayout | None = None
         self._packed: dict[int, PackedLayer] = {}
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._maps: BlockMaps | None = None
+        self._operands: dict[int, KernelOperands] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -76,12 +91,42 @@ class QuantizedKVStore(KVStore):
             self._dequantized[layer] = kv
         return kv
 
+    def attend(self, layer, q, k, v, rows, positions, rope):
+        """The fused kernel's attention over the packed layer and the window (see the module doc), or None on
+        the PyTorch path. The kernel's index maps are built at the layer's first step of a block."""
+        if not self._fused(q.device):
+            return None
+        from service.quant.kernels.attention import fused_reuse_attention  # imports Triton
+
+        if layer not in self._packed:
+            raise KVQuantError(f"layer {layer} was not written in this block's initial pass")
+        if self._maps is None:
+            self._maps = BlockMaps.from_layout(self._layout)
+        if layer not in self._operands:
+            self._operands[layer] = self.quantizer.kernel_operands(layer, self._packed[layer], self._layout)
+        if rows is None:
+            rows = torch.arange(q.shape[0], device=q.device)
+        pre_rope = self.pre_rope_keys
+        return fused_reuse_attention(
+            q, k, v, self._operands[layer], self._maps, rows,
+            positions=positions if pre_rope else None,
+            inv_freq=rope.inv_freq(q.device) if pre_rope else None,
+            rope_full_precision=rope.full_precision,
+        )
+
+    def _fused(self, device: torch.device) -> bool:
+        if self.attention == "auto":
+            return device.type == "cuda" and _triton_available()
+        return self.attention == "triton"
+
     def clear(self) -> None:
         """Drop the held tensors; the accounting stays for :meth:`report`."""
         self._segments = None
         self._layout = None
         self._packed.clear()
         self._dequantized.clear()
+        self._maps = None
+        self._operands.clear()
 
     @property
     def bytes_held(self) -> int:
@@ -103,17 +148,31 @@ class QuantizedKVStore(KVStore):
         self.accounting.start_block(self._layout.nbytes)
 
 
+AttentionPath = Literal["auto", "triton", "torch"]
+ATTENTION_PATHS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def make_kv_store(
     config: KVQuantConfig,
     spec: ModelSpec,
     policy: PolicyTable | None = None,
     state: KVQuantState | None = None,
+    attention: AttentionPath = "auto",
 ) -> KVStore:
     """The KV store for one request's configuration.
 
     ``method="none"`` gives the engine's :class:`FullPrecisionKVStore`. A policy (dllm_kvq) or state (kvquant)
     named by file in the config is loaded here; one named by id must be passed in (the caller resolves ids
-    through its store, `service.policy.store`).
+    through its store, `service.policy.store`). ``attention`` picks the later steps' path (see
+    :class:`QuantizedKVStore`).
 
     Raises:
         KVQuantError: the policy/state is missing, or named by id but not passed, or its file cannot be read or
@@ -138,6 +197,7 @@ def make_kv_store(
         keep_dequantized=config.keep_dequantized,
         policy_id=policy.id if config.method == "dllm_kvq" else None,
         state_id=state.id if config.method == "kvquant" else None,
+        attention=attention,
     )
 
 
