@@ -76,7 +76,8 @@ class KVQuantQuantizer(KVQuantizer):
         device = packed.k.tensors["codes"].device
         offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
         return nuq_operands(
-            packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, offset, half_range,
+            packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, packed.num_heads, packed.head_dim,
+            offset, half_range,
             s.k_lut[layer].to(device, torch.float32), s.v_lut[layer].to(device, torch.float32),
         )
 

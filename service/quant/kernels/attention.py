@@ -45,47 +45,37 @@ def _code(codes_ptr, i, m, mask, BITS: tl.constexpr):
 
 
 @triton.jit
-def _outlier(index_ptr, values_ptr, n, target, value, mask, STEPS: tl.constexpr):
-    """``value`` where ``target`` is not in the sorted ``index[:n]``, the stored outlier where it is (binary
-    search, ``STEPS >= log2(n + 1)`` rounds)."""
-    lo = tl.zeros(target.shape, dtype=tl.int32)
-    hi = tl.zeros(target.shape, dtype=tl.int32) + n
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        probe = tl.load(index_ptr + mid, mask=mask & active, other=0)
-        right = probe < target
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (probe >= target), mid, hi)
-    inside = mask & (lo < n)
-    found = inside & (tl.load(index_ptr + lo, mask=inside, other=-1) == target)
-    stored = tl.load(values_ptr + lo, mask=found, other=0.0).to(tl.float32)
-    return tl.where(found, stored, value)
-
-
-@triton.jit
-def _nuq_entries(codes_ptr, m, lut_ptr, scale, offset, out_index_ptr, out_values_ptr, n_out, flat, mask,
-                 BITS: tl.constexpr, OUT_STEPS: tl.constexpr):
-    """KVQuant entries at flat indices ``flat`` (float32): ``lut[code] * range + offset``, outliers exact."""
+def _nuq_entries(codes_ptr, m, lut_ptr, scale, offset, out_start_ptr, out_index_ptr, out_values_ptr, most,
+                 row, d, valid, mask, D: tl.constexpr, BITS: tl.constexpr):
+    """KVQuant entries of (slot, kv head) rows ``row`` ``[T]`` at channels ``d`` (float32):
+    ``lut[code] * range + offset``, then each row's few sparse outliers (CSR, at most ``most``) put in exactly."""
+    flat = row[:, None] * D + d[None, :]
     code = _code(codes_ptr, flat, m, mask, BITS)
     value = tl.load(lut_ptr + code, mask=mask, other=0.0) * scale + offset
-    if OUT_STEPS > 0:
-        value = _outlier(out_index_ptr, out_values_ptr, n_out, flat, value, mask, OUT_STEPS)
+    start = tl.load(out_start_ptr + row, mask=valid, other=0)
+    end = tl.load(out_start_ptr + row + 1, mask=valid, other=0)
+    for j in range(most):
+        at = start + j
+        has = valid & (at < end)
+        column = tl.load(out_index_ptr + at, mask=has, other=0) - row * D
+        stored = tl.load(out_values_ptr + at, mask=has, other=0.0).to(tl.float32)
+        hit = has[:, None] & (column[:, None] == d[None, :])
+        value = tl.where(hit, stored[:, None], value)
     return value
 
 
 @triton.jit
-def _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_oi, k_ov, n_k_out,
+def _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_os, k_oi, k_ov, k_most,
               slot, valid, hkv, d, dmask, DTYPE: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-              BITS: tl.constexpr, NUQ: tl.constexpr, PROTECTED: tl.constexpr, K_STEPS: tl.constexpr):
+              BITS: tl.constexpr, NUQ: tl.constexpr, PROTECTED: tl.constexpr):
     """Dequantized K ``[BLOCK_T, BLOCK_D]`` (float32 holding model-dtype values) of ``slot`` at channels ``d``."""
     mask = valid[:, None] & dmask[None, :]
     if NUQ:
         c = hkv * D + d
-        flat = slot[:, None] * (HKV * D) + c[None, :]
         scale = tl.load(k_scale + c, mask=dmask, other=0.0)[None, :]
         offset = tl.load(k_mn + c, mask=dmask, other=0.0)[None, :]
-        k = _nuq_entries(k_codes, k_m, k_lut, scale, offset, k_oi, k_ov, n_k_out, flat, mask, BITS, K_STEPS)
+        k = _nuq_entries(k_codes, k_m, k_lut, scale, offset, k_os, k_oi, k_ov, k_most, slot * HKV + hkv, d,
+                         valid, mask, D, BITS)
     else:
         row = slot
         if PROTECTED:
@@ -108,14 +98,14 @@ def _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, 
 @triton.jit
 def _fused_reuse_attention(
     out_ptr, q_ptr, kf_ptr, vf_ptr, rows_ptr, slot_of_ptr, group_ptr,
-    k_codes, k_m, k_row_ptr, k_scale, k_mn, k_prot, k_lut, k_oi, k_ov, n_k_out,
-    v_codes, v_m, v_scale, v_mn, v_lut, v_oi, v_ov, n_v_out,
+    k_codes, k_m, k_row_ptr, k_scale, k_mn, k_prot, k_lut, k_os, k_oi, k_ov, k_most,
+    v_codes, v_m, v_scale, v_mn, v_lut, v_os, v_oi, v_ov, v_most,
     pos_ptr, inv_freq_ptr,
     Tq, Tw, Tr, sm_scale,
     sob, soh, sot, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spb,
     DTYPE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, NUQ: tl.constexpr, PROTECTED: tl.constexpr, VG: tl.constexpr,
-    K_STEPS: tl.constexpr, V_STEPS: tl.constexpr, ROPE: tl.constexpr, ROPE_FP32: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_FP32: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -158,13 +148,13 @@ def _fused_reuse_attention(
         slot = tl.load(slot_of_ptr + srow * Tr + t, mask=tmask, other=-1)
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
-        k = _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_oi, k_ov, n_k_out,
-                      slot, valid, hkv, d, dmask, DTYPE, HKV, D, BITS, NUQ, PROTECTED, K_STEPS)
+        k = _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_os, k_oi, k_ov, k_most,
+                      slot, valid, hkv, d, dmask, DTYPE, HKV, D, BITS, NUQ, PROTECTED)
         if ROPE:
             # rotate-half: channel d pairs with d + D/2 (mod D); angle = position * inv_freq[d mod D/2]
             partner = (d + k_len) % D
-            kp = _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_oi, k_ov, n_k_out,
-                           slot, valid, hkv, partner, dmask, DTYPE, HKV, D, BITS, NUQ, PROTECTED, K_STEPS)
+            kp = _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, k_os, k_oi, k_ov,
+                           k_most, slot, valid, hkv, partner, dmask, DTYPE, HKV, D, BITS, NUQ, PROTECTED)
             rotated = tl.where((d < k_len)[None, :], -kp, kp)
             pos = tl.load(pos_ptr + b * spb + t, mask=tmask, other=0).to(tl.float32)
             inv = tl.load(inv_freq_ptr + d % k_len, mask=dmask, other=0.0)
@@ -182,10 +172,10 @@ def _fused_reuse_attention(
                 k = (first + second).to(DTYPE).to(tl.float32)
         vmask = valid[:, None] & dmask[None, :]
         if NUQ:
-            flat = slot[:, None] * (HKV * D) + (hkv * D + d)[None, :]
             vscale = tl.load(v_scale + slot, mask=valid, other=0.0)[:, None]
             voffset = tl.load(v_mn + slot, mask=valid, other=0.0)[:, None]
-            v = _nuq_entries(v_codes, v_m, v_lut, vscale, voffset, v_oi, v_ov, n_v_out, flat, vmask, BITS, V_STEPS)
+            v = _nuq_entries(v_codes, v_m, v_lut, vscale, voffset, v_os, v_oi, v_ov, v_most, slot * HKV + hkv, d,
+                             valid, vmask, D, BITS)
         else:
             code = _code(v_codes, (slot[:, None] * HKV + hkv) * D + d[None, :], v_m, vmask, BITS)
             stat = (slot[:, None] * HKV + hkv) * (D // VG) + (d // VG)[None, :]
@@ -209,11 +199,8 @@ def _fused_reuse_attention(
 _DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _search_steps(n: int) -> int:
-    """Binary-search rounds for ``n`` sorted indices, rounded up to a multiple of 4 (fewer kernel variants)."""
-    if n == 0:
-        return 0
-    return 4 * math.ceil(math.ceil(math.log2(n + 1)) / 4)
+def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    return dummy if tensor is None else tensor
 
 
 def _stream_bytes(n_codes: int, bits: int) -> int:
@@ -281,9 +268,9 @@ def fused_reuse_attention(
     _fused_reuse_attention[grid](
         out, q, k_fresh, v_fresh, rows.to(torch.int32), maps.slot_of, maps.group_of_slot,
         ops.k_codes, _stream_bytes(n_k_codes, ops.bits), k_row, ops.k_scale, ops.k_mn, ops.k_protected,
-        ops.k_lut, ops.k_outlier_index, ops.k_outlier_values, ops.k_outlier_index.numel(),
+        ops.k_lut, _or(ops.k_outlier_start, k_row), ops.k_outlier_index, ops.k_outlier_values, ops.k_outlier_most,
         ops.v_codes, _stream_bytes(n_entries, ops.bits), ops.v_scale, ops.v_mn, ops.v_lut,
-        ops.v_outlier_index, ops.v_outlier_values, ops.v_outlier_index.numel(),
+        _or(ops.v_outlier_start, k_row), ops.v_outlier_index, ops.v_outlier_values, ops.v_outlier_most,
         pos, inv,
         tq, tw, tr, 1.0 / math.sqrt(d),
         out.stride(0), out.stride(1), out.stride(2), q.stride(0), q.stride(1), q.stride(2),
@@ -291,8 +278,6 @@ def fused_reuse_attention(
         v_fresh.stride(2), pos.stride(0),
         DTYPE=_DTYPES[q.dtype], H=h, HKV=hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BITS=ops.bits, NUQ=ops.fmt == "nuq", PROTECTED=ops.k_row is not None, VG=ops.v_group_size,
-        K_STEPS=_search_steps(ops.k_outlier_index.numel()) if rope else 0,
-        V_STEPS=_search_steps(ops.v_outlier_index.numel()) if rope else 0,
         ROPE=rope, ROPE_FP32=rope_full_precision, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_Q=block_q, BLOCK_T=block_t,
     )

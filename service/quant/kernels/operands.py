@@ -62,6 +62,9 @@ class KernelOperands:
         k_lut, v_lut: nuq: float32 ``[2^b]`` codebooks.
         k_outlier_index, k_outlier_values, v_outlier_index, v_outlier_values: nuq: sorted int32 flat indices
             into ``[N, C]`` and their values.
+        k_outlier_start, v_outlier_start: nuq: int32 ``[N * H + 1]``, where the outliers of each (slot, kv head)
+            row of D entries start in the sorted index (CSR row pointers, built once per block).
+        k_outlier_most, v_outlier_most: nuq: the most outliers any (slot, kv head) row holds.
         v_scale, v_mn: uniform: ``[N, H, D / G]`` (model dtype); nuq: float32 ``[N]`` half range and offset.
         v_group_size: uniform V channels per group (nuq: D).
     """
@@ -84,6 +87,19 @@ class KernelOperands:
     v_outlier_index: torch.Tensor
     v_outlier_values: torch.Tensor
     v_group_size: int
+    k_outlier_start: torch.Tensor | None = None
+    v_outlier_start: torch.Tensor | None = None
+    k_outlier_most: int = 0
+    v_outlier_most: int = 0
+
+
+def outlier_rows(index: torch.Tensor, rows: int, row_width: int) -> tuple[torch.Tensor, int]:
+    """CSR pointers of sorted flat outlier indices over rows of ``row_width`` entries: int32 ``[rows + 1]``,
+    and the largest count in a row. The kernel scans a row's few outliers instead of searching them all."""
+    bounds = torch.arange(rows + 1, device=index.device, dtype=torch.int64) * row_width
+    start = torch.searchsorted(index.long(), bounds).to(torch.int32)
+    most = int((start[1:] - start[:-1]).max()) if rows else 0
+    return start, most
 
 
 def _dummy(device, dtype=torch.float32) -> torch.Tensor:
@@ -116,12 +132,15 @@ def uniform_operands(tensors_k: dict, tensors_v: dict, bits: int, num_slots: int
 
 
 def nuq_operands(
-    tensors_k: dict, tensors_v: dict, bits: int, num_slots: int, k_offset: torch.Tensor,
-    k_half_range: torch.Tensor, k_lut: torch.Tensor, v_lut: torch.Tensor,
+    tensors_k: dict, tensors_v: dict, bits: int, num_slots: int, num_heads: int, head_dim: int,
+    k_offset: torch.Tensor, k_half_range: torch.Tensor, k_lut: torch.Tensor, v_lut: torch.Tensor,
 ) -> KernelOperands:
     """Operands of KVQuant's format; ``k_offset``/``k_half_range`` are the layer's float32 ``[C]`` key ranges
-    (`service.quant.nuq.key_offset_range`, computed once per store), the codebooks float32 ``[2^b]``."""
+    (`service.quant.nuq.key_offset_range`), the codebooks float32 ``[2^b]``."""
     device = tensors_k["codes"].device
+    rows = num_slots * num_heads
+    k_start, k_most = outlier_rows(tensors_k["outlier_index"], rows, head_dim)
+    v_start, v_most = outlier_rows(tensors_v["outlier_index"], rows, head_dim)
     return KernelOperands(
         fmt="nuq", bits=bits, num_slots=num_slots,
         k_codes=tensors_k["codes"].view(torch.uint8), v_codes=tensors_v["codes"].view(torch.uint8), k_row=None,
@@ -129,5 +148,6 @@ def nuq_operands(
         k_outlier_index=tensors_k["outlier_index"], k_outlier_values=tensors_k["outlier_values"],
         v_scale=tensors_v["half_range"], v_mn=tensors_v["offset"], v_lut=v_lut,
         v_outlier_index=tensors_v["outlier_index"], v_outlier_values=tensors_v["outlier_values"],
-        v_group_size=1,
+        v_group_size=1, k_outlier_start=k_start, v_outlier_start=v_start, k_outlier_most=k_most,
+        v_outlier_most=v_most,
     )

@@ -14,6 +14,8 @@ import zlib
 import pytest
 import torch
 
+pytest.importorskip("triton")
+
 from service.engine.cache_hooks import ReuseRead
 from service.engine.kv_store import Segments
 from service.engine.models.layers import RotaryEmbedding, attend
