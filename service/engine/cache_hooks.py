@@ -63,15 +63,4 @@ class ReuseRead:
         fused = self.store.attend(layer, q, k, v, self.rows, self.reused_positions, self.rope)
         if fused is not None:  # the store attended straight from its packed cache: [B, H, T_w, D]
             return fused
-        k_reused, v_reused = self.store.read(layer)  # [B, H_kv, T_reused, D]
-        if self.rows is not None:
-            k_reused, v_reused = k_reused.index_select(0, self.rows), v_reused.index_select(0, self.rows)
-        if self.store.pre_rope_keys:
-            k_reused = self.rope.rotate(k_reused, self.reused_positions)
-        start = self.segments.block_start
-        if self.segments.cache_mode == "prefix":  # reused [0, s) | fresh [s, T)
-            return torch.cat([k_reused, k], dim=2), torch.cat([v_reused, v], dim=2)
-        # dual: reused prefix [0, s) | fresh block [s, e) | reused suffix [e, T)
-        k_all = torch.cat([k_reused[:, :, :start], k, k_reused[:, :, start:]], dim=2)
-        v_all = torch.cat([v_reused[:, :, :start], v, v_reused[:, :, start:]], dim=2)
-        return k_all, v_all
+        return self.store.window_kv(layer, k, v, self.segments, self.rows, self.reused_positions, self.rope)

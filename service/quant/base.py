@@ -128,9 +128,13 @@ class KVQuantizer:
         packed_v = self.quantize_v(layer, _finite_slots(layer, "V", v, layout))
         return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
 
-    def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
-        return self.dequantize_k(layer, packed, layout), self.dequantize_v(layer, packed, layout)
+    def dequantize(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero); into the
+        ``out`` buffers (K, V) when given."""
+        k_out, v_out = out if out is not None else (None, None)
+        return self.dequantize_k(layer, packed, layout, k_out), self.dequantize_v(layer, packed, layout, v_out)
 
     def kernel_operands(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> KernelOperands:
         """What the fused attention kernel reads of one packed layer (`service.quant.kernels.operands`)."""
@@ -163,8 +167,11 @@ class KVQuantizer:
             nominal_bitsum=float(per_token * (self.bits * (x.shape[0] - kept) + 16 * kept)),
         )
 
-    def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
-        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype; protected tokens exact, padding zero."""
+    def dequantize_k(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype (or into ``out``); protected tokens exact,
+        padding zero."""
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
         n = layout.num_slots
@@ -176,7 +183,7 @@ class KVQuantizer:
             keep = torch.ones(n, dtype=torch.bool, device=codes.device)
             keep[protected] = False
             codes = _expand_rows(codes, keep.nonzero().squeeze(1), n)
-        out = layout.empty_output(h, d, packed.dtype)
+        out = layout.empty_output(h, d, packed.dtype, out)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:
             layout.scatter_slots(t["protected_values"], protected, out)
@@ -192,12 +199,15 @@ class KVQuantizer:
             nominal_bitsum=float(self.bits * x.numel()),
         )
 
-    def dequantize_v(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
-        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype; padding zero."""
+    def dequantize_v(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype (or into ``out``); padding zero."""
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
-        return dequantize_v_into(layout.empty_output(h, d, packed.dtype), codes, t["scale"], t["mn"], layout)
+        out = layout.empty_output(h, d, packed.dtype, out)
+        return dequantize_v_into(out, codes, t["scale"], t["mn"], layout)
 
 
 def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ instead; the short last group is our departure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -144,11 +144,15 @@ class SlotLayout:
             return x.new_empty(0, x.shape[1], x.shape[3])
         return torch.cat(pieces)
 
-    def empty_output(self, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    def empty_output(
+        self, num_heads: int, head_dim: int, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[B, H, T_reused, D]`` to be filled run by run: uninitialized except the padding, which is zero (the
-        engine masks padding keys, so their value never matters, but it must be finite)."""
+        engine masks padding keys, so their value never matters, but it must be finite). ``out``: fill this
+        buffer instead of a new one (a scratch reused from step to step)."""
         device = self.rows.device
-        out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
         covered = [0] * self.batch_size
         for row, col, _, length, _ in self.runs:
             if col > covered[row]:
@@ -159,10 +163,23 @@ class SlotLayout:
                 out[row, :, end:] = 0
         return out
 
-    def scatter(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def on_sequence(self, segments: Segments) -> SlotLayout:
+        """The same slots and groups placed at their **sequence** columns (``T_reused`` becomes ``seq_len``): a
+        dequantization with this layout writes straight into a ``[B, H, T, D]`` buffer around the active window
+        (which it leaves zero), so no reused-only copy and no concatenation is needed."""
+        gap = segments.block_end - segments.block_start
+        runs = tuple(
+            (row, col if col < segments.block_start else col + gap, slot, length, group)
+            for row, col, slot, length, group in self.runs
+        )
+        return replace(self, num_reused=segments.seq_len, cols=self.seq_cols, runs=runs)
+
+    def scatter(
+        self, values: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Place the values of all slots ``[N, H, D]`` into a new ``[B, H, T_reused, D]`` (``dtype``, default
-        ``values.dtype``), run by run, with zeros on padding."""
-        out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype)
+        ``values.dtype``; or into ``out``), run by run, with zeros on padding."""
+        out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype, out)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)
         return out

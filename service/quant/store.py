@@ -2,8 +2,11 @@
 
 Where it acts (paper "KIVI and KVQuant Adaptations", DESIGN.md): right after the block-initial pass, the reused
 regions of every layer (prefix; in dual mode prefix and suffix) are quantized layer by layer as the engine calls
-``write``, and held packed. Later steps call ``read(layer)`` and get that layer dequantized for the time the layer
-runs, so the peak is the packed bytes plus one layer's dequantized copy. With ``keep_dequantized`` the
+``write``, and held packed. Later steps call ``window_kv(layer, ...)``: the layer is dequantized straight into a
+scratch pair ``[B, H, T, D]`` at its sequence columns, the fresh window is copied into the gap, and attention reads
+that; the scratch is reused by every layer and step of the block, so it is the only full-precision copy of reused
+K/V alive (the unquantized path makes the same-sized concatenation at every layer), and there is no separate
+dequantized tensor and no concatenation. With ``keep_dequantized`` the
 dequantized copies are kept for the rest of the block (they do not change within a block): faster, but it saves
 no memory within a block. The active block is never handed to the store, so it is never quantized.
 
@@ -73,6 +76,9 @@ class QuantizedKVStore(KVStore):
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._maps: BlockMaps | None = None
         self._operands: dict[int, KernelOperands] = {}
+        self._on_sequence: SlotLayout | None = None
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -90,6 +96,38 @@ class QuantizedKVStore(KVStore):
         if self.keep_dequantized:
             self._dequantized[layer] = kv
         return kv
+
+    def window_kv(self, layer, k, v, segments, rows, positions, rope):
+        """The step's keys and values, ``[B_step, H, T, D]``, in a buffer the layer was dequantized into at its
+        sequence columns (module doc): the shared scratch pair (valid until the next layer's call), or with
+        ``keep_dequantized`` the layer's own pair, filled at its first step of the block (pre-RoPE keys rotated
+        then too when every row of the block takes part; otherwise at every step)."""
+        if layer not in self._packed:
+            raise KVQuantError(f"layer {layer} was not written in this block's initial pass")
+        if self._on_sequence is None:
+            self._on_sequence = self._layout.on_sequence(segments)
+        start, end = segments.block_start, segments.block_start + k.shape[2]
+        rotate = self.pre_rope_keys
+        if self.keep_dequantized:
+            if layer not in self._kept:
+                kept = self.quantizer.dequantize(layer, self._packed[layer], self._on_sequence)
+                if rotate and rows is None:
+                    _rotate_reused(kept[0], positions, rope, start, end)
+                self._kept[layer] = (*kept, rotate and rows is None)
+            k_all, v_all, rotated = self._kept[layer]
+            rotate = rotate and not rotated
+        else:
+            shape = (self._layout.batch_size, k.shape[1], segments.seq_len, k.shape[3])
+            if self._scratch is None or self._scratch[0].shape != shape or self._scratch[0].dtype != k.dtype:
+                self._scratch = (k.new_empty(shape), v.new_empty(shape))
+            k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], self._on_sequence, self._scratch)
+        if rows is not None:
+            k_all, v_all = k_all.index_select(0, rows), v_all.index_select(0, rows)
+        if rotate:
+            _rotate_reused(k_all, positions, rope, start, end)
+        k_all[:, :, start:end] = k
+        v_all[:, :, start:end] = v
+        return k_all, v_all
 
     def attend(self, layer, q, k, v, rows, positions, rope):
         """The fused kernel's attention over the packed layer and the window (see the module doc), or None on
@@ -127,11 +165,17 @@ class QuantizedKVStore(KVStore):
         self._dequantized.clear()
         self._maps = None
         self._operands.clear()
+        self._on_sequence = None
+        self._scratch = None
+        self._kept.clear()
 
     @property
     def bytes_held(self) -> int:
-        """Bytes held now: packed layers, the block's index tensors, and kept dequantized copies."""
+        """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, and the later
+        steps' scratch pair (the size of the concatenation the unquantized path makes at every layer)."""
         held = sum(p.nbytes for p in self._packed.values())
+        buffers = [*(self._scratch or ()), *(t for k, v, _ in self._kept.values() for t in (k, v))]
+        held += sum(t.numel() * t.element_size() for t in buffers)
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
         return held + (self._layout.nbytes if self._layout is not None else 0)
 
@@ -146,6 +190,14 @@ class QuantizedKVStore(KVStore):
         self._segments = segments
         self._layout = SlotLayout.from_segments(segments, self.quantizer.k_group_size, device)
         self.accounting.start_block(self._layout.nbytes)
+
+
+def _rotate_reused(k_all: torch.Tensor, positions: torch.Tensor, rope, start: int, end: int) -> None:
+    """Rotate the reused columns of ``k_all`` ``[B, H, T, D]`` in place: ``[0, start)`` and ``[end, T)``, whose
+    positions are ``positions`` ``[B, T_reused]`` in reused-axis order."""
+    k_all[:, :, :start] = rope.rotate(k_all[:, :, :start], positions[:, :start])
+    if end < k_all.shape[2]:
+        k_all[:, :, end:] = rope.rotate(k_all[:, :, end:], positions[:, start:])
 
 
 AttentionPath = Literal["auto", "triton", "torch"]
