@@ -174,6 +174,17 @@ class SlotLayout:
         )
         return replace(self, num_reused=segments.seq_len, cols=self.seq_cols, runs=runs)
 
+    def select_rows(self, rows: list[int]) -> SlotLayout:
+        """The layout of some rows only (a later step that not every row of the block takes part in): row ``rows[i]``
+        becomes row ``i``; the slots of the other rows go to one extra row ``len(rows)`` (a buffer row the caller
+        discards), so per-slot writes need no filtering. Runs of the other rows are dropped, so their codes are
+        never dequantized."""
+        position = {row: i for i, row in enumerate(rows)}
+        table = torch.full((self.batch_size,), len(rows), dtype=torch.int64, device=self.rows.device)
+        table[list(rows)] = torch.arange(len(rows), device=self.rows.device)
+        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in self.runs if r in position)
+        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs)
+
     def scatter(
         self, values: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
     ) -> torch.Tensor:

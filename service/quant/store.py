@@ -79,6 +79,7 @@ class QuantizedKVStore(KVStore):
         self._on_sequence: SlotLayout | None = None
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self._row_layouts: dict[tuple[int, ...], SlotLayout] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -116,13 +117,22 @@ class QuantizedKVStore(KVStore):
                 self._kept[layer] = (*kept, rotate and rows is None)
             k_all, v_all, rotated = self._kept[layer]
             rotate = rotate and not rotated
+            if rows is not None:
+                k_all, v_all = k_all.index_select(0, rows), v_all.index_select(0, rows)
         else:
-            shape = (self._layout.batch_size, k.shape[1], segments.seq_len, k.shape[3])
-            if self._scratch is None or self._scratch[0].shape != shape or self._scratch[0].dtype != k.dtype:
+            layout = self._on_sequence
+            if rows is not None:  # only the step's rows are dequantized (plus one discarded buffer row)
+                key = tuple(rows.tolist())
+                if key not in self._row_layouts:
+                    self._row_layouts[key] = layout.select_rows(list(key))
+                layout = self._row_layouts[key]
+            shape = (layout.batch_size, k.shape[1], segments.seq_len, k.shape[3])
+            held = self._scratch[0] if self._scratch is not None else None
+            if held is None or held.shape[1:] != shape[1:] or held.dtype != k.dtype or held.shape[0] < shape[0]:
                 self._scratch = (k.new_empty(shape), v.new_empty(shape))
-            k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], self._on_sequence, self._scratch)
-        if rows is not None:
-            k_all, v_all = k_all.index_select(0, rows), v_all.index_select(0, rows)
+            scratch = (self._scratch[0][: shape[0]], self._scratch[1][: shape[0]])
+            k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], layout, scratch)
+            k_all, v_all = k_all[: k.shape[0]], v_all[: k.shape[0]]
         if rotate:
             _rotate_reused(k_all, positions, rope, start, end)
         k_all[:, :, start:end] = k
@@ -168,6 +178,7 @@ class QuantizedKVStore(KVStore):
         self._on_sequence = None
         self._scratch = None
         self._kept.clear()
+        self._row_layouts.clear()
 
     @property
     def bytes_held(self) -> int:
