@@ -36,6 +36,8 @@ class SlotLayout:
             index, first slot, number of slots and first K group (its groups are consecutive, all full but the
             last). Dequantization works run by run with broadcast statistics, which is several times faster
             than gathering per-slot statistics.
+        zero_padding: :meth:`empty_output` zeroes the padding of a given buffer; False for a scratch buffer
+            whose padding is known to be zero already (filled before with this layout).
     """
 
     batch_size: int
@@ -47,6 +49,7 @@ class SlotLayout:
     group_slots: torch.Tensor
     group_size: int
     runs: tuple[tuple[int, int, int, int, int], ...]
+    zero_padding: bool = True
 
     @property
     def num_slots(self) -> int:
@@ -153,6 +156,8 @@ class SlotLayout:
         device = self.rows.device
         if out is None:
             out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
+        elif not self.zero_padding:
+            return out
         covered = [0] * self.batch_size
         for row, col, _, length, _ in self.runs:
             if col > covered[row]:

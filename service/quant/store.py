@@ -18,6 +18,7 @@ interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` ne
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -80,6 +81,8 @@ class QuantizedKVStore(KVStore):
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self._row_layouts: dict[tuple[int, ...], SlotLayout] = {}
+        self._scratch_layout: SlotLayout | None = None
+        self._refills: dict[int, SlotLayout] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -130,7 +133,12 @@ class QuantizedKVStore(KVStore):
             held = self._scratch[0] if self._scratch is not None else None
             if held is None or held.shape[1:] != shape[1:] or held.dtype != k.dtype or held.shape[0] < shape[0]:
                 self._scratch = (k.new_empty(shape), v.new_empty(shape))
+                self._scratch_layout = None
             scratch = (self._scratch[0][: shape[0]], self._scratch[1][: shape[0]])
+            if self._scratch_layout is layout:  # padding still zero from the last fill: only runs are written
+                layout = self._refills.setdefault(id(layout), replace(layout, zero_padding=False))
+            else:
+                self._scratch_layout = layout
             k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], layout, scratch)
             k_all, v_all = k_all[: k.shape[0]], v_all[: k.shape[0]]
         if rotate:
@@ -179,6 +187,8 @@ class QuantizedKVStore(KVStore):
         self._scratch = None
         self._kept.clear()
         self._row_layouts.clear()
+        self._scratch_layout = None
+        self._refills.clear()
 
     @property
     def bytes_held(self) -> int:
