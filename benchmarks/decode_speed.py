@@ -67,7 +67,8 @@ def quantized_store(method: str, keep: bool, bits: int = KV_BITS) -> Callable[[E
     """A factory of `service.quant` stores at ``bits`` bits: KIVI (G = 32), dLLM-KVQ (attention score, p = 1 on
     every layer), KVQuant (a state fitted once per model on random tensors of its K/V shape); ``keep`` keeps the
     dequantized copies for the block instead of dequantizing each layer at every step."""
-    from service.policy.schema import LayerPolicy, PolicyTable, Provenance
+    from service.artifacts.base import Provenance, default_v_group_size
+    from service.artifacts.policy import LayerPolicy, PolicyTable
     from service.quant.config import KVQuantConfig
     from service.quant.kvquant import fit_state
     from service.quant.store import make_kv_store
@@ -81,10 +82,11 @@ def quantized_store(method: str, keep: bool, bits: int = KV_BITS) -> Callable[[E
         if method == "dllm_kvq":
             table = PolicyTable(
                 model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=bits,
-                k_group_size=32, v_group_size=min(32, spec.head_dim), k_bit_cap=16.0, provenance=prov,
+                k_group_size=32, v_group_size=default_v_group_size(spec.head_dim), k_bit_cap=16.0, provenance=prov,
                 layers=[LayerPolicy(score_type="attention", p=1)] * spec.num_layers,
             )
-            return make_kv_store(KVQuantConfig(**config, policy_id=table.id), spec, policy=table, attention=path)
+            config = KVQuantConfig(**config, policy_id=table.id)
+            return make_kv_store(config, spec, artifact=table, attention=path)
         if method == "kvquant":
             key = f"{spec.model_id}/{bits}"
             if key not in _STATES:
@@ -93,9 +95,8 @@ def quantized_store(method: str, keep: bool, bits: int = KV_BITS) -> Callable[[E
                           for _ in range(spec.num_layers)]
                 _STATES[key] = fit_state(sample, sample, bits, spec, prov)
             state = _STATES[key]
-            return make_kv_store(
-                KVQuantConfig(**config, kvquant_state_id=state.id), spec, state=state, attention=path
-            )
+            config = KVQuantConfig(**config, kvquant_state_id=state.id)
+            return make_kv_store(config, spec, artifact=state, attention=path)
         return make_kv_store(KVQuantConfig(**config), spec, attention=path)
 
     return make

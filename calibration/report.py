@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 from calibration.forward import capture_qkv  # noqa: E402
 from calibration.metrics import METRICS  # noqa: E402
 from calibration.trace import Trajectory, rollout  # noqa: E402
+from service.artifacts.policy import SCORE_TYPES, PolicyTable  # noqa: E402
 from service.engine.models import DiffusionLM  # noqa: E402
-from service.policy.schema import SCORE_TYPES, PolicyTable  # noqa: E402
 
 _SCORE_MARK = {"attention": "A", "qerror": "Q", "hybrid": "H"}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.policy.store import open_store
+from service.store.base import open_store
 
 #: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
 KIND_CALIBRATION_FIT = "calibration_fit"
@@ -24,7 +24,7 @@ def table4_rows(store_url: str | None, run_id: str) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: no store URL, or the store has no calibration run.
-        service.policy.store.ArtifactNotFound: no run with that id.
+        service.store.base.ArtifactNotFound: no run with that id.
     """
     if not store_url:
         raise ValueError("--from-calibration needs --store (the store the calibration job wrote to)")

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from evaluation.protocol import PRESETS, get_preset
+from service.commands import store_url_arg
 
 #: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
 DEFAULT_TASK_DIR = Path.home() / ".cache" / "dllm-kvq" / "lm-eval-tasks"
@@ -70,8 +71,9 @@ def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> lis
 
 def run_lm_eval(argv: list[str]) -> int:
     """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run."""
-    import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
     from lm_eval.__main__ import cli_evaluate
+
+    import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
 
     for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
         sys.argv = ["lm-eval", *args]
@@ -116,7 +118,7 @@ def matrix_parser() -> argparse.ArgumentParser:
                         help="comma list of tasks run with the chat template (the embedded task always is)")
     parser.add_argument("--confirm-run-unsafe-code", action="store_true",
                         help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox")
-    parser.add_argument("--store", help="store URL (redis://... or a directory): policies, states, scores")
+    parser.add_argument("--store", type=store_url_arg, help="store URL (redis://... or a directory): policies, states, scores")
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
@@ -211,7 +213,7 @@ def run_push_scores(argv: list[str]) -> int:
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
     parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
-    parser.add_argument("--store", help="store URL, used when no server is given")
+    parser.add_argument("--store", type=store_url_arg, help="store URL, used when no server is given")
     parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
     parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}')
     args = parser.parse_args(argv)
@@ -230,6 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         print(f"commands: {', '.join(COMMANDS)}")
-        return 2
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return COMMANDS[argv[0]](argv[1:])

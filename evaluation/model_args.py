@@ -1,7 +1,8 @@
 """`EvalModelArgs`: the ``--model_args`` of the in-process lm-eval model ``dllm-kvq`` (validated, typed).
 
 lm-eval parses ``--model_args key=value,...`` (or a JSON object) into keyword arguments; this model turns them into
-the engine's load arguments, `DecodeParams` fields and a `KVQuantConfig`. Unknown keys are refused with the list
+the engine's load arguments, the decoding settings (`DecodeSettings`, inherited: the same fields, bounds and
+defaults as the server's) and a `KVQuantConfig`. Unknown keys are refused with the list
 of legal ones (a typo must not silently fall back to a default).
 """
 
@@ -9,32 +10,30 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from service.engine.kv_store import CacheMode
+from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
 
-#: Fields of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``).
-KV_FIELDS: tuple[str, ...] = tuple(KVQuantConfig.model_fields)
+#: Keys of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``): its fields
+#: and the registered methods' spellings of the artifact reference.
+KV_FIELDS: tuple[str, ...] = KVQuantConfig.accepted_keys()
 
 
-class EvalModelArgs(BaseModel):
+class EvalModelArgs(DecodeSettings):
     """Every model_arg of ``dllm-kvq`` (README "Evaluate with lm-eval" has the table).
 
     Attributes:
         model: checkpoint dir or HF repo id (offline cache); None = the embedded default model.
         dtype, device, threads: `Engine.load` arguments (``threads`` sets torch's intra-op threads).
-        cache_mode: ``none`` (full recompute), ``prefix`` or ``dual``.
-        block_length: tokens per block (paper: 32).
-        threshold: confidence threshold of parallel decoding (paper: 0.9); set ``steps`` instead for a fixed
-            schedule (then pass ``threshold=none``).
-        steps: total denoising steps over all blocks (fixed schedule), or None with a threshold.
+        cache_mode, block_length, threshold, steps, remasking, ignore_eos, dream_schedule: the decoding settings
+            (`service.engine.params.DecodeSettings`; paper: dual, 32, 0.9). ``steps`` alone replaces the threshold.
         batch_size: prompts decoded together (rows of one engine batch); results do not depend on it.
         max_gen_toks: response tokens when the task gives no ``max_gen_toks`` (lm-eval's API models use the
             same name and default, 256); the decoded window is ``response_length(max_gen_toks, block_length)``.
-        store: store URL (``redis://...`` or a directory) for ``policy_id`` / ``kvquant_state_id``.
-        method, bits, k_group_size, v_group_size, policy_id, policy_file, kvquant_state_id, kvquant_state_file,
-            keep_dequantized: the `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
+        store: store URL (``redis://...`` or a directory) for an artifact id.
+        method, bits, k_group_size, v_group_size, artifact_id, artifact_file (or a method's spelling of them:
+            policy_id, policy_file, kvquant_state_id, kvquant_state_file), keep_dequantized: the `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
         mc_num, mc_batch_size: Monte-Carlo samples per likelihood and samples per forward pass
             (`evaluation.likelihood`; the LLaDA authors use 128 and 32).
         check_greedy: compute lm-eval's ``is_greedy`` (costs one forward per continuation token; default off).
@@ -47,10 +46,6 @@ class EvalModelArgs(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     threads: int | None = Field(None, ge=1)
-    cache_mode: CacheMode = "dual"
-    block_length: int = Field(32, gt=0)
-    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    steps: int | None = Field(None, gt=0)
     batch_size: int = Field(1, ge=1)
     max_gen_toks: int = Field(256, gt=0)
     store: str | None = None
@@ -58,6 +53,8 @@ class EvalModelArgs(BaseModel):
     bits: int = 4
     k_group_size: int = 32
     v_group_size: int | None = None
+    artifact_id: str | None = None
+    artifact_file: str | None = None
     policy_id: str | None = None
     policy_file: str | None = None
     kvquant_state_id: str | None = None
@@ -74,9 +71,10 @@ class EvalModelArgs(BaseModel):
             raise ValueError("give exactly one of threshold (e.g. 0.9) and steps (then threshold=none)")
         if self.mc_num % self.mc_batch_size:
             raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
-        if (self.policy_id or self.kvquant_state_id) and self.store is None:
-            raise ValueError("policy_id / kvquant_state_id need store=<redis://... or a directory>")
-        self.kv_config  # noqa: B018 - validates the KV fields now, with KVQuantConfig's messages
+        kv = self.kv_config  # validates the KV fields now, with KVQuantConfig's messages
+        if kv.artifact_id and self.store is None:
+            raise ValueError("an artifact id (policy_id / kvquant_state_id / artifact_id) needs "
+                             "store=<redis://... or a directory>")
         return self
 
     @property

@@ -15,6 +15,10 @@ dllm_queue_time_seconds                                histogram  -
 dllm_requests_running                                  gauge      -
 dllm_requests_waiting                                  gauge      -
 dllm_batch_size                                        histogram  -
+dllm_forwards_per_iteration                            histogram  -
+dllm_kv_budget_bytes                                   gauge      -
+dllm_kv_bytes_reserved                                 gauge      -
+dllm_requests_waiting_memory                           gauge      -
 dllm_nfe_per_request                                   histogram  cache_mode
 dllm_prompt_tokens_total                               counter    -
 dllm_generation_tokens_total                           counter    -
@@ -34,12 +38,17 @@ dllm_eval_score_timestamp_seconds                      gauge      task, method, 
 dllm_worker_faults_total                               counter    fatal
 dllm_ready                                             gauge      -
 dllm_store_up                                          gauge      -
+dllm_store_active_lost                                 gauge      cache_mode
+dllm_store_active_restored_total                       counter    cache_mode
 =====================================================  =========  =============================================
 
 ``tensor`` is ``k`` or ``v``; ``accounting`` is ``nominal`` (the paper's count: codes at b bits, protected tokens
 at 16) or ``storage`` (bytes actually held x 8 / elements). The KV gauges hold the last finished request's values
 for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
 the two EOS-cut outputs, where the served and the unquantized re-decode agree (DESIGN.md, "token agreement").
+``dllm_store_up`` follows the connection (the server pings the store every ``store_check_interval_s``).
+``dllm_store_active_lost`` is 1 from the moment a replica finds, after a store outage, that the store no longer
+holds the active configuration it serves (a Redis restarted empty) until the store holds one again.
 """
 
 from __future__ import annotations
@@ -59,15 +68,13 @@ CONFIG_LABELS = ("method", "bits", "cache_mode", "policy")
 
 
 def config_labels(config: KVQuantConfig, cache_mode: str) -> dict[str, str]:
-    """The ``method, bits, cache_mode, policy`` label values of a configuration (bits empty for method none)."""
-    policy = config.policy_id if config.method == "dllm_kvq" else None
-    if config.method == "kvquant":
-        policy = config.kvquant_state_id
+    """The ``method, bits, cache_mode, policy`` label values of a configuration (bits empty for method none;
+    ``policy`` is the id of the fitted artifact the configuration names, whatever its method)."""
     return {
         "method": config.method,
         "bits": "" if config.method == "none" else str(config.bits),
         "cache_mode": cache_mode,
-        "policy": policy or "",
+        "policy": config.artifact_id or "",
     }
 
 
@@ -83,11 +90,20 @@ class Telemetry:
         self.first_block = Histogram("dllm_time_to_first_block_seconds",
                                      "admission to the first committed block", ["endpoint"],
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("dllm_queue_time_seconds", "admission to the start of its batch",
+        self.queue_time = Histogram("dllm_queue_time_seconds", "admission to joining the running batch",
                                     buckets=QUEUE_BUCKETS, registry=r)
-        self.running = Gauge("dllm_requests_running", "requests in the batch being decoded", registry=r)
+        self.running = Gauge("dllm_requests_running", "rows being decoded", registry=r)
         self.waiting = Gauge("dllm_requests_waiting", "requests admitted and waiting for the worker", registry=r)
-        self.batch_size = Histogram("dllm_batch_size", "requests per decoded batch", buckets=BATCH_BUCKETS,
+        self.batch_size = Histogram("dllm_batch_size", "most rows decoded together with a request "
+                                    "(continuous) or requests per batch (batch scheduler)", buckets=BATCH_BUCKETS, registry=r)
+        self.forwards = Histogram("dllm_forwards_per_iteration", "forward calls per scheduler iteration",
+                                  buckets=(0, 1, 2, 3, 4), registry=r)
+        self.kv_budget = Gauge("dllm_kv_budget_bytes", "memory budget for running rows' KV + the largest forward",
+                               registry=r)
+        self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",
+                                 registry=r)
+        self.memory_waiting = Gauge("dllm_requests_waiting_memory",
+                                    "requests waiting because the head of the queue does not fit the budget yet",
                                     registry=r)
         self.nfe = Histogram("dllm_nfe_per_request", "forward passes per request", ["cache_mode"],
                              buckets=NFE_BUCKETS, registry=r)
@@ -121,7 +137,13 @@ class Telemetry:
                                ["task", *CONFIG_LABELS], registry=r)
         self.worker_faults = Counter("dllm_worker_faults", "batches that raised", ["fatal"], registry=r)
         self.ready = Gauge("dllm_ready", "1 when the server is ready to serve", registry=r)
-        self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call", registry=r)
+        self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call or ping", registry=r)
+        self.store_active_lost = Gauge(
+            "dllm_store_active_lost", "1 while the store lacks the active configuration this replica serves",
+            ["cache_mode"], registry=r)
+        self.store_active_restored = Counter(
+            "dllm_store_active_restored", "active configurations this replica wrote back after the store lost them",
+            ["cache_mode"], registry=r)
         self._active_labels: dict[str, dict[str, str]] = {}
         self._caps: set[tuple[str, str]] = set()
 

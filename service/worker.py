@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.active import ConfigSnapshot
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
+from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,21 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
+    # The continuous scheduler's interface (`service.engine.batch`): an empty batch, a request's cohort, its report.
+    def batch(self) -> Any: ...
+
+    def cohort(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: Callable[[int, list[list[int]]], None] | None = None,
+        cancelled: Callable[[], list[bool]] | None = None,
+    ) -> Any: ...
+
+    def report(self, cohort: Any) -> DecodeReport: ...
+
 
 class WorkerError(Exception):
     """Base of the errors a job can end with."""
@@ -73,6 +88,15 @@ class QueueFull(WorkerError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestTooLarge(WorkerError):
+    """The request needs more memory than the whole budget, even alone; ``field`` names what to shorten
+    (``max_tokens`` or ``prompt``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class WorkerUnavailable(WorkerError):
@@ -213,6 +237,8 @@ class Worker:
         self._running: list[Job] = []
         self._accepting = True
         self._stopping = False
+        #: Client jobs a drain cancelled because its timeout ran out (the exit status reports it).
+        self.cut_by_drain = 0
         self.fault: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dllm-kvq-worker", daemon=True)
 
@@ -250,6 +276,7 @@ class Worker:
             while (self._queue or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             finished = not (self._queue or self._running)
+            self.cut_by_drain += sum(job.served is None and not job.internal for job in [*self._queue, *self._running])
             for job in [*self._queue, *self._running]:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
                 _set_exception(job, WorkerUnavailable(f"the server is shutting down and the drain timeout "

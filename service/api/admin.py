@@ -13,14 +13,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.active import ActiveConfigs, ConfigInvalid
 from service.api import schemas as s
 from service.api.errors import ArtifactRejected, InvalidRequest
-from service.engine.kv_store import CacheMode
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
-from service.policy.store import KIND_EVAL_SCORES, KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreUnavailable
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.store.active import ActiveConfigs, ConfigInvalid
+from service.store.base import KIND_EVAL_SCORES, KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreUnavailable
 from service.telemetry import Telemetry
 
 #: URL segment -> store kind of the artifacts the admin API manages.
@@ -108,7 +109,7 @@ class Admin:
             raise ArtifactRejected(f"not a valid {kind}: {exc.errors()[0]['msg']}",
                                    param=_first_error_field(exc)) from exc
         except ArtifactMismatch as exc:
-            raise ArtifactRejected(str(exc), param=str(exc).split(":", 1)[0]) from exc
+            raise ArtifactRejected(str(exc), param=exc.field) from exc
         except ValueError as exc:
             raise ArtifactRejected(f"not a valid {kind}: {exc}") from exc
         if kind == KIND_POLICY and claimed_id is not None and claimed_id != artifact.id:
@@ -122,15 +123,14 @@ class Admin:
 
     # ---- active configuration ----------------------------------------------------------------------------------
     def view_active(self) -> s.ActiveView:
-        """Serving snapshots per cache mode, and the store's entries (None when it is unreachable)."""
+        """Serving snapshots per cache mode, the store's entries, and the entries the store lost (StoreUnavailable,
+        a 503 like every admin route, when the store cannot be reached)."""
         serving = {mode: snap.describe() for mode, snap in self.active.all().items()}
-        try:
-            entries = self._tracked(self.store.list_active)
-            stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
-        except StoreUnavailable:
-            stored = None
+        entries = self._tracked(self.store.list_active)
+        stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
+        lost = {mode: loss.describe() for mode, loss in self.active.losses.items()}
         return s.ActiveView(model=self.active.model_name, fingerprint=self.spec.fingerprint, serving=serving,
-                            store=stored)
+                            store=stored, store_lost=lost)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
         """Validate, then one atomic write + event; 422 if the configuration does not fit the model.

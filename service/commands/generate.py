@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from service.commands import add_model_flags
+from service.engine.params import DecodeParams, DecodeSettings
+
 
 def _token_ids(text: str) -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse type; a bad id is a usage error)."""
@@ -21,32 +24,25 @@ def _token_ids(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All flags of ``generate`` (model, prompt, decoding, runtime, output); extend here for new options."""
+    from service.quant.registry import methods  # --kv-quant choices: every registered method
+
     parser.add_argument("--model", default=None, help="checkpoint directory or HF repo id (default: embedded model)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a checkpoint with a tokenizer)")
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--gen-length", type=int, default=256, help="response length in tokens (default 256)")
-    parser.add_argument("--block-length", type=int, default=32, help="block length in tokens (default 32)")
-    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"], default="dual", help="default dual")
-    schedule = parser.add_mutually_exclusive_group()
-    schedule.add_argument("--threshold", type=float, default=None, help="confidence threshold (default 0.9)")
-    schedule.add_argument("--steps", type=int, default=None, help="fixed schedule: total steps over all blocks")
-    parser.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
-    parser.add_argument(
-        "--dream-schedule", choices=["origin", "block"], default="origin",
-        help="Dream with --cache-mode none: whole-sequence algorithm (origin) or block-wise full recompute",
-    )
+    add_model_flags(parser.add_argument_group("decoding (service.engine.params.DecodeSettings)"),
+                    DecodeSettings.model_fields, show_default=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cuts the text")
-    parser.add_argument("--ignore-eos", action="store_true", help="decode every block even after an EOS")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
     kv = parser.add_argument_group("KV-cache quantization (cached modes; see service.quant)")
-    kv.add_argument("--kv-quant", choices=["none", "kivi", "kvquant", "dllm_kvq"], default="none",
+    kv.add_argument("--kv-quant", choices=methods(), default="none",
                     help="quantize the reused K/V (default none)")
     kv.add_argument("--kv-bits", type=int, choices=[2, 4, 8], default=4, help="code bits (default 4)")
     kv.add_argument("--kv-group-size", type=int, default=32, help="K group size in tokens (default 32)")
@@ -54,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="V group size in channels (default min(32, head_dim))")
     kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq")
     kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant")
+    kv.add_argument("--kv-artifact", default=None,
+                    help="the fitted artifact file of any method that applies one (--policy and --kvquant-state "
+                         "are its spellings for dllm_kvq and kvquant)")
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block)")
 
@@ -65,16 +64,11 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def decode_params(args: argparse.Namespace):
-    """The :class:`DecodeParams` the flags describe (threshold 0.9 unless --steps is given)."""
-    from service.engine.params import DecodeParams
-
-    threshold = None if args.steps is not None else (0.9 if args.threshold is None else args.threshold)
-    return DecodeParams(
-        gen_length=args.gen_length, block_length=args.block_length, cache_mode=args.cache_mode,
-        threshold=threshold, steps=args.steps, remasking=args.remasking, ignore_eos=args.ignore_eos,
-        dream_schedule=args.dream_schedule,
-    )
+def decode_params(args: argparse.Namespace) -> DecodeParams:
+    """The :class:`DecodeParams` the flags describe (a flag not given: the built-in default; ``--steps`` alone
+    replaces the default threshold)."""
+    given = {name: getattr(args, name) for name in DecodeSettings.model_fields if getattr(args, name) is not None}
+    return DecodeParams(gen_length=args.gen_length, **given)
 
 
 def kv_config(args: argparse.Namespace):
@@ -83,7 +77,8 @@ def kv_config(args: argparse.Namespace):
 
     return KVQuantConfig(
         method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
-        policy_file=args.policy, kvquant_state_file=args.kvquant_state, keep_dequantized=args.kv_keep_dequantized,
+        artifact_file=args.kv_artifact, policy_file=args.policy, kvquant_state_file=args.kvquant_state,
+        keep_dequantized=args.kv_keep_dequantized,
     )
 
 
@@ -99,10 +94,10 @@ def run(args: argparse.Namespace) -> int:
     """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
 
+    from service.artifacts.base import ArtifactMismatch
     from service.commands import describe_validation_error
     from service.engine import Engine, EngineInputError
     from service.engine.params import RowOptions
-    from service.policy.schema import ArtifactMismatch
     from service.quant.errors import KVQuantError
     from service.quant.store import make_kv_store
 

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
 
-CacheMode = Literal["none", "prefix", "dual"]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,11 @@ class KVReport(BaseModel):
     """
 
     config: dict[str, Any]
+    # The applied artifact's id, under the method's spelling (`service.quant.registry`): policy_id for dllm_kvq,
+    # kvquant_state_id for kvquant, artifact_id for a method registered without its own spelling.
     policy_id: str | None = None
     kvquant_state_id: str | None = None
+    artifact_id: str | None = None
     k_nominal_bits: float
     v_nominal_bits: float
     k_storage_bits: float
@@ -46,8 +49,9 @@ class KVReport(BaseModel):
 
 
 class RowReport(BaseModel):
-    """One row of a batch. ``generated_ids`` are response positions only, up to and including what decoding
-    produced (cut after the first EOS unless ``ignore_eos``)."""
+    """One row of a batch. ``generated_ids`` are the response tokens returned and ``text`` their text, cut by
+    `service.engine.response.cut_response` (at the row's ``max_tokens``, after the first EOS unless
+    ``ignore_eos``, and at the first stop string)."""
 
     generated_ids: list[int]
     text: str | None = None

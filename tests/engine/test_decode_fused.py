@@ -29,14 +29,14 @@ def _store(engine, method: str, prompts, attention: str) -> QuantizedKVStore:
     if method == "dllm_kvq":
         table = policy_for(spec, 4, p=2)
         config = KVQuantConfig(method=method, bits=4, k_group_size=8, policy_id=table.id)
-        return make_kv_store(config, spec, policy=table, attention=attention)
+        return make_kv_store(config, spec, artifact=table, attention=attention)
     keys, values = _capture_pre_rope(engine, prompts)
     layers = range(spec.num_layers)
     k = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in keys[i]]) for i in layers]
     v = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in values[i]]) for i in layers]
     state = fit_state(k, v, 2, spec, PROV)
     config = KVQuantConfig(method=method, bits=2, kvquant_state_id=state.id)
-    return make_kv_store(config, spec, state=state, attention=attention)
+    return make_kv_store(config, spec, artifact=state, attention=attention)
 
 
 @pytest.mark.parametrize(("arch", "method"), [("llada", "dllm_kvq"), ("dream", "kvquant")])

@@ -7,13 +7,14 @@ import json
 import pytest
 
 from evaluation.matrix import MatrixSettings, find_artifacts, plan_cells, run_matrix, write_outputs
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.agreement import token_agreement
 from service.engine.params import DecodeParams, RowOptions
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
-from service.policy.store import KIND_POLICY, open_store
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from tests.evaluation.conftest import PROMPTS, STOP, direct_answers, write_echo_task
+from service.store.base import KIND_POLICY, open_store
+from tests.evaluation.conftest import MAX_GEN_TOKS, PROMPTS, STOP, direct_answers, write_echo_task
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def _direct(engine, config: KVQuantConfig, policy=None):
     rows = []
     for prompt in PROMPTS:
         store = make_kv_store(config, engine.spec, policy) if config.method != "none" else None
-        rows.append(engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,))],
+        rows.append(engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,), max_tokens=MAX_GEN_TOKS)],
                                     kv_store=store).rows[0])
     return rows
 

@@ -1,4 +1,4 @@
-"""The two store backends against the same behaviour: a real redis-server (127.0.0.1:6379, own key prefix,
+"""The two store backends against the same behaviour: a real redis-server (the suite's own, own key prefix,
 removed after) and a temporary directory."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from service.policy.dir_store import DirectoryStore
-from service.policy.redis_store import RedisStore
-from service.policy.store import (
+from service.quant.config import KVQuantConfig
+from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
@@ -22,7 +21,8 @@ from service.policy.store import (
     StoreUnavailable,
     open_store,
 )
-from service.quant.config import KVQuantConfig
+from service.store.dir_store import DirectoryStore
+from service.store.redis_store import RedisStore
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, free_port
 
 FP = "f" * 64
@@ -90,7 +90,7 @@ def test_active_configuration_swap_audit_and_delete(store):
     assert store.get_active(FP, "dual") is None and store.audit() == []
 
     first = store.set_active(FP, "dual", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid), key_id="k1")
-    assert first.old is None and first.new.policy_id == pid and first.key_id == "k1"
+    assert first.old is None and first.new.artifact_id == pid and first.key_id == "k1"
     second = store.set_active(FP, "dual", KVQuantConfig(method="kivi", bits=2), key_id="k2")
     assert second.old == first.new and second.new.method == "kivi"
     store.set_active(FP, "prefix", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid))

@@ -1,5 +1,5 @@
-"""``python -m service serve`` on the embedded default model (the real engine), with Redis on 127.0.0.1:6379 under
-its own key prefix: the official openai client (completions, chat, streaming), lm-eval's remote tokenizer,
+"""``python -m service serve`` on the embedded default model (the real engine), with the suite's own Redis
+(tests/conftest.py) under its own key prefix: the official openai client (completions, chat, streaming), lm-eval's remote tokenizer,
 quantized requests with their effective bits in the report and in /metrics, shadow agreement, batching of
 16 concurrent clients, and a dLLM-KVQ policy uploaded, activated and served."""
 
@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from service.engine import Engine
-from service.policy.redis_store import RedisStore
+from service.store.redis_store import RedisStore
 from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
 from tests.support.metrics import metric_sum, metrics

@@ -16,11 +16,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.cache_hooks import ReuseRead
 from service.engine.kv_store import Segments
 from service.engine.models.layers import RotaryEmbedding, attend
 from service.engine.spec import ModelSpec
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
 from service.quant.config import KVQuantConfig
 from service.quant.kvquant import fit_state
 from service.quant.store import QuantizedKVStore, make_kv_store
@@ -64,12 +65,12 @@ def _store(method: str, spec: ModelSpec, bits: int, group: int, p: int, gen: tor
             layers=[LayerPolicy(score_type="attention", p=p)],
         )
         config = KVQuantConfig(method=method, bits=bits, k_group_size=group, policy_id=table.id)
-        return make_kv_store(config, spec, policy=table)
+        return make_kv_store(config, spec, artifact=table)
     if method == "kvquant":
         sample = [_kv(gen, 2, spec.num_kv_heads, spec.head_dim)]
         # A tighter threshold than the paper's 0.99 gives several key and value outliers on these small shapes.
         state = fit_state(sample, sample, bits, spec, PROV, sparsity_threshold=0.9)
-        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, state=state)
+        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, artifact=state)
     return make_kv_store(KVQuantConfig(method=method, bits=bits, k_group_size=group), spec)
 
 

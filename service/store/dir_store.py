@@ -1,4 +1,4 @@
-"""The local-directory backend of :class:`service.policy.store.Store` (layout: see `service.policy.store`).
+"""The local-directory backend of :class:`service.store.base.Store` (layout: see `service.store.base`).
 
 Every file is written whole to a temporary name in the same directory and then renamed (or hard-linked, for
 artifacts, so that two writers of the same id cannot overwrite each other), so a reader never sees half a file
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from service.policy.store import (
+from service.store.base import (
     ActiveChange,
     ActiveEntry,
     ArtifactConflict,
@@ -164,12 +164,14 @@ class DirectoryStore(Store):
         ]
         return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
 
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
         with self._locked():
             for kind, artifact_id in sorted(referenced_ids(entry.config)):
                 if not self.exists(kind, artifact_id):
                     raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
             old_entry = self.get_active(entry.fingerprint, entry.cache_mode)
+            if only_if_absent and old_entry is not None:
+                return None
             audit = AuditEntry(
                 at=entry.set_at,
                 fingerprint=entry.fingerprint,

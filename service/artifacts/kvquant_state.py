@@ -22,16 +22,15 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from service.artifacts.base import ArtifactMismatch, Provenance, canonical_json, check_fingerprint
 from service.engine.spec import ModelSpec
-from service.policy.schema import ArtifactMismatch, Provenance, check_fingerprint
-from service.policy.store import canonical_json
 
 _META_KEY = "dllm_kvq.kvquant_state"
 _TENSORS = ("k_upper", "k_lower", "k_lut", "v_lut")
@@ -68,6 +67,10 @@ class KVQuantState:
 
     Raises (at construction): ``ValueError`` naming the tensor whose shape or dtype does not fit the metadata.
     """
+
+    #: The store kind KVQuant states are kept under.
+    KIND: ClassVar[str] = "kvquant_state"
+    LABEL: ClassVar[str] = "KVQuant state"
 
     meta: KVQuantStateMeta
     k_upper: torch.Tensor
@@ -134,6 +137,15 @@ class KVQuantState:
     def bits(self) -> int:
         return self.meta.bits
 
+    @property
+    def weights_fingerprint(self) -> str:
+        return self.meta.weights_fingerprint
+
+    @property
+    def cache_mode(self) -> None:
+        """None: a state is fitted once and serves every cache mode."""
+        return None
+
     def validate_for(self, spec: ModelSpec) -> None:
         """Check the state against a loaded model.
 
@@ -144,11 +156,11 @@ class KVQuantState:
         check_fingerprint(self.meta.weights_fingerprint, spec)
         if self.meta.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"num_layers: the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
+                "num_layers", f"the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
             )
         channels = spec.num_kv_heads * spec.head_dim
         if self.meta.channels != channels:
             raise ArtifactMismatch(
-                f"channels: the state has {self.meta.channels} key/value channels per token, the model has "
+                "channels", f"the state has {self.meta.channels} key/value channels per token, the model has "
                 f"num_kv_heads * head_dim = {spec.num_kv_heads} * {spec.head_dim} = {channels}"
             )

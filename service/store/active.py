@@ -12,29 +12,57 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.engine.kv_store import CacheMode
+from service.artifacts.base import ArtifactMismatch
+from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
-from service.policy.store import (
-    CACHE_MODES,
-    KIND_KVQUANT_STATE,
-    KIND_POLICY,
-    ActiveChange,
-    AuditEntry,
-    Store,
-    StoreUnavailable,
-)
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
+from service.quant.registry import method, resolve_artifact
+from service.store.base import (
+    CACHE_MODES,
+    ActiveChange,
+    ArtifactConflict,
+    ArtifactNotFound,
+    AuditEntry,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 Source = Literal["active", "default", "request"]
+
+#: Key id of the audit entry a replica writes when it restores an active configuration the store lost.
+RESTORE_KEY_ID = "replica-restore"
+
+
+@dataclass
+class StoreLoss:
+    """The store came back from an outage without the active configuration this replica serves (a Redis
+    restarted empty): when it was found, and whether and when this replica wrote it back.
+
+    Attributes:
+        config: the configuration this replica served (and still serves) for the cache mode.
+        detected_at: unix seconds.
+        restored_at: when this replica wrote it back (None: not written back, see ``note``).
+        note: why it was not written back (the setting is off, another writer came first, the write failed).
+    """
+
+    config: KVQuantConfig
+    detected_at: float
+    restored_at: float | None = None
+    note: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """The ``/admin/active`` detail."""
+        return {"kv_quant": self.config.model_dump(mode="json", exclude_none=True), "detected_at": self.detected_at,
+                "restored_at": self.restored_at, "note": self.note}
 
 
 class ConfigInvalid(ValueError):
@@ -54,7 +82,7 @@ class ConfigSnapshot:
         cache_mode: the cache mode it applies to.
         source: ``active`` (the store's active entry), ``default`` (the ``kv_quant`` setting, the store having
             none), or ``request`` (named by the request itself).
-        policy, state: the loaded policy table (dllm_kvq) or KVQuant state (kvquant), else None.
+        artifact: the loaded artifact the method applies (policy table, KVQuant state ...), else None.
         set_at: when the active entry was set (unix seconds), if it came from the store.
         origin: for a shadow re-decode, the snapshot the served request used (telemetry labels come from it).
     """
@@ -62,8 +90,7 @@ class ConfigSnapshot:
     config: KVQuantConfig
     cache_mode: CacheMode
     source: Source
-    policy: PolicyTable | None = None
-    state: KVQuantState | None = None
+    artifact: Any = None
     set_at: float | None = None
     origin: ConfigSnapshot | None = None
 
@@ -82,25 +109,13 @@ class ConfigSnapshot:
 
 
 class ConfigResolver:
-    """Validates configurations against the model and loads the artifacts they name (cached: immutable by id)."""
+    """Validates configurations against the model and loads the artifacts they name from the store (through
+    the registry's one resolver, `service.quant.registry.resolve_artifact`; cached: immutable by id)."""
 
     def __init__(self, store: Store, spec: ModelSpec) -> None:
         self.store = store
         self.spec = spec
-        self._policies: dict[str, PolicyTable] = {}
-        self._states: dict[str, KVQuantState] = {}
-
-    def load_policy(self, policy_id: str) -> PolicyTable:
-        """The stored policy table ``policy_id`` (ArtifactNotFound, StoreUnavailable, ValueError if corrupt)."""
-        if policy_id not in self._policies:
-            self._policies[policy_id] = PolicyTable.from_json(self.store.get(KIND_POLICY, policy_id))
-        return self._policies[policy_id]
-
-    def load_state(self, state_id: str) -> KVQuantState:
-        """The stored KVQuant state ``state_id``."""
-        if state_id not in self._states:
-            self._states[state_id] = KVQuantState.from_bytes(self.store.get(KIND_KVQUANT_STATE, state_id))
-        return self._states[state_id]
+        self._artifacts: dict[tuple[str, str], Any] = {}
 
     def resolve(self, config: KVQuantConfig, cache_mode: CacheMode, source: Source, set_at: float | None = None
                 ) -> ConfigSnapshot:
@@ -109,44 +124,32 @@ class ConfigResolver:
         Raises:
             ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
                 that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
-            service.policy.store.ArtifactNotFound: the policy or state is not stored.
-            service.policy.store.StoreUnavailable: the store cannot be reached to load it.
+            service.store.base.ArtifactNotFound: the artifact is not stored.
+            service.store.base.StoreUnavailable: the store cannot be reached to load it.
         """
-        for name in ("policy_file", "kvquant_state_file"):
-            if getattr(config, name) is not None:
-                raise ConfigInvalid(
-                    f"kv_quant.{name}", "the server reads policies and states from its store only: upload it "
-                    "through /admin and name it by id"
-                )
-        if config.method == "none":
+        entry = method(config.method)
+        if config.artifact_file is not None:
+            raise ConfigInvalid(
+                f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
+                "only: upload it through /admin and name it by id"
+            )
+        if entry.quantizer is None:
             return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
-            raise ConfigInvalid("cache_mode", str(exc)) from exc
+            raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
-            v_group = config.resolve_v_group_size(self.spec.head_dim)
+            config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:
             raise ConfigInvalid("kv_quant.v_group_size", str(exc)) from exc
-        policy = state = None
         try:
-            if config.method == "dllm_kvq":
-                policy = self.load_policy(config.policy_id)
-                policy.validate_for(self.spec)
-                for name, want in (("cache_mode", cache_mode), ("bits", config.bits),
-                                   ("k_group_size", config.k_group_size), ("v_group_size", v_group)):
-                    if getattr(policy, name) != want:
-                        raise ConfigInvalid(f"kv_quant.{name}", f"the policy {config.policy_id} was fitted for "
-                                            f"{name} {getattr(policy, name)!r}, the configuration asks {want!r}")
-            elif config.method == "kvquant":
-                state = self.load_state(config.kvquant_state_id)
-                state.validate_for(self.spec)
-                if state.bits != config.bits:
-                    raise ConfigInvalid("kv_quant.bits", f"the KVQuant state {config.kvquant_state_id} has "
-                                        f"{state.bits}-bit codebooks, the configuration asks {config.bits}")
+            artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:
-            raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
-        return ConfigSnapshot(config, cache_mode, source, policy=policy, state=state, set_at=set_at)
+            raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+        except ArtifactNotFound as exc:
+            raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}") from exc
+        return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)
 
 
 class ActiveConfigs:
@@ -159,12 +162,18 @@ class ActiveConfigs:
             mode ``none`` is always unquantized).
         telemetry: shows the active configuration and counts changes.
         model_name: the served model name, for the info metric.
+        restore: after an outage, write back (artifacts, entry, audit) an active configuration the store lost
+            (the ``store_restore_active`` setting); either way the loss is shown (:attr:`losses`, metric).
     """
 
-    def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str):
+    def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str,
+                 restore: bool = True):
         self.resolver = resolver
         self.telemetry = telemetry
         self.model_name = model_name
+        self.restore = restore
+        #: The last loss found per cache mode (kept as a record after it is restored).
+        self.losses: dict[str, StoreLoss] = {}
         self._lock = threading.Lock()
         self._defaults: dict[str, ConfigSnapshot] = {}
         for mode in CACHE_MODES:
@@ -195,7 +204,8 @@ class ActiveConfigs:
         with self._lock:
             old = self._current.get(snapshot.cache_mode)
             self._current[snapshot.cache_mode] = snapshot
-        cap = snapshot.policy.k_bit_cap if snapshot.policy is not None else None
+        # The nominal K-bit cap an artifact was fitted under (policy tables have one).
+        cap = getattr(snapshot.artifact, "k_bit_cap", None)
         self.telemetry.set_active(self.model_name, snapshot.cache_mode, snapshot.config, snapshot.source, cap)
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(snapshot.cache_mode).inc()
@@ -203,7 +213,8 @@ class ActiveConfigs:
     def reload(self) -> None:
         """Load every active entry of this model from the store (start-up, and after a store outage).
 
-        An entry that no longer validates is logged and skipped (the previous snapshot stays).
+        An entry that no longer validates is logged and skipped (the previous snapshot stays). A cache mode
+        served from an active entry that the store no longer holds is a loss (:meth:`_lost`).
         Raises StoreUnavailable if the store cannot be reached.
         """
         try:
@@ -215,17 +226,56 @@ class ActiveConfigs:
         for mode in CACHE_MODES:
             entry = entries.get(mode)
             if entry is None:
+                if self._current[mode].source == "active":
+                    self._lost(self._current[mode])
                 continue
+            self.telemetry.store_active_lost.labels(mode).set(0)
             try:
                 self._install(self.resolver.resolve(entry.config, mode, "active", entry.set_at))
             except (ValueError, KeyError, StoreUnavailable) as exc:
                 log.error("active configuration of %s in the store is unusable (%s); keeping the previous", mode, exc)
+
+    def _lost(self, snapshot: ConfigSnapshot) -> None:
+        """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless
+        configured otherwise write it back (its artifact first: a store restarted empty lost that too)
+        with an audit entry, only where no entry has appeared meanwhile, so that every replica converges on it
+        (through the event) and a new replica starts with it."""
+        mode = snapshot.cache_mode
+        loss = StoreLoss(snapshot.config, time.time())
+        self.losses[mode] = loss
+        self.telemetry.store_active_lost.labels(mode).set(1)
+        log.warning("the store no longer holds the active configuration of %s that this replica serves (%s)",
+                    mode, snapshot.config.model_dump(mode="json", exclude_none=True))
+        if not self.restore:
+            loss.note = "not written back: store_restore_active is off"
+            return
+        store = self.resolver.store
+        try:
+            artifact = snapshot.artifact
+            if artifact is not None:
+                try:
+                    store.put(artifact.KIND, artifact.to_bytes(), artifact.id)
+                except ArtifactConflict:
+                    pass  # still stored (bytes written by another tool): the id names the same content
+            audit = store.restore_active(self.fingerprint, mode, snapshot.config, key_id=RESTORE_KEY_ID)
+        except StoreError as exc:
+            loss.note = f"not written back: {exc}"
+            log.error("could not write back the active configuration of %s: %s", mode, exc)
+            return
+        self.telemetry.store_active_lost.labels(mode).set(0)
+        if audit is None:
+            loss.note = "not written back: another replica or an operator set an entry first"
+            return
+        loss.restored_at = audit.at
+        self.telemetry.store_active_restored.labels(mode).inc()
+        log.warning("wrote the active configuration of %s back to the store (audit key id %s)", mode, RESTORE_KEY_ID)
 
     def on_change(self, change: ActiveChange) -> None:
         """Apply a store event (called from the store's listener thread)."""
         entry = change.entry
         if entry.fingerprint != self.fingerprint:
             return
+        self.telemetry.store_active_lost.labels(entry.cache_mode).set(0)  # the store holds an entry again
         current = self._current.get(entry.cache_mode)
         if current is not None and current.set_at is not None and entry.at < current.set_at:
             return  # an older change arriving after a newer one this replica already applied
@@ -242,5 +292,6 @@ class ActiveConfigs:
         """
         snapshot = self.resolver.resolve(config, cache_mode, "active")
         audit = self.resolver.store.set_active(self.fingerprint, cache_mode, config, key_id=key_id)
+        self.telemetry.store_active_lost.labels(cache_mode).set(0)
         self._install(replace(snapshot, set_at=audit.at))
         return audit

@@ -1,9 +1,9 @@
 """The store interface for calibration artifacts and the server's active configuration, and `open_store`.
 
 Two backends implement :class:`Store` with the same behaviour: Redis through redis-py
-(`service.policy.redis_store`) and a local directory (`service.policy.dir_store`, the embedded default). A store
-URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, anything else is a
-directory path (``file://`` prefix allowed).
+(`service.store.redis_store`) and a local directory (`service.store.dir_store`, the embedded default). A store
+URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, ``file://...`` or a plain
+path for a directory; any other scheme is refused (:func:`check_store_url`).
 
 What a store holds
 ------------------
@@ -49,12 +49,16 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from service.engine.kv_store import CacheMode
+from service.artifacts.base import canonical_json
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.quant.registry import method
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
-KIND_POLICY = "policy"
-KIND_KVQUANT_STATE = "kvquant_state"
+KIND_POLICY = PolicyTable.KIND
+KIND_KVQUANT_STATE = KVQuantState.KIND
 KIND_TRAJECTORY = "trajectory"
 KIND_CALIBRATION_SUMS = "calibration_sums"
 KIND_EVAL_SCORES = "eval_scores"
@@ -79,7 +83,11 @@ class InvalidName(StoreError, ValueError):
 
 
 class ArtifactNotFound(StoreError, KeyError):
-    """No artifact of that kind and id."""
+    """No artifact of that kind and id; ``field`` names the request field that named it, when one did."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
@@ -168,19 +176,10 @@ def content_id(data: bytes) -> str:
     return "sha256-" + hashlib.sha256(data).hexdigest()
 
 
-def canonical_json(obj: Any) -> bytes:
-    """JSON with sorted keys and no spaces, UTF-8: equal content gives equal bytes (and equal default ids)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def referenced_ids(config: KVQuantConfig) -> set[tuple[str, str]]:
-    """The (kind, id) artifacts an active configuration depends on."""
-    refs = set()
-    if config.policy_id:
-        refs.add((KIND_POLICY, config.policy_id))
-    if config.kvquant_state_id:
-        refs.add((KIND_KVQUANT_STATE, config.kvquant_state_id))
-    return refs
+    """The (kind, id) artifacts an active configuration depends on (the method's registry entry gives the kind)."""
+    entry = method(config.method)
+    return {(entry.store_kind, config.artifact_id)} if entry.artifact is not None and config.artifact_id else set()
 
 
 class Store(ABC):
@@ -268,8 +267,11 @@ class Store(ABC):
         """Every active configuration, sorted by (fingerprint, cache mode)."""
 
     @abstractmethod
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
-        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish."""
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
+        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish.
+
+        With ``only_if_absent``, nothing is written and None returned when an entry is already there.
+        """
 
     def set_active(
         self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
@@ -285,6 +287,19 @@ class Store(ABC):
             fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
         )
         return self._swap_active(entry)
+
+    def restore_active(
+        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+    ) -> AuditEntry | None:
+        """Like :meth:`set_active`, but only where the store holds no entry (checked in the same atomic step):
+        a replica writing back the configuration it serves after the store lost it never overwrites what
+        another replica or an operator set meanwhile. Returns None when an entry was there.
+        """
+        check_target(fingerprint, cache_mode)
+        entry = ActiveEntry(
+            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
+        )
+        return self._swap_active(entry, only_if_absent=True)
 
     @abstractmethod
     def audit(self, limit: int = 100) -> list[AuditEntry]:
@@ -309,20 +324,43 @@ class Store(ABC):
         """Release connections (idempotent)."""
 
 
+#: URL schemes of the Redis backend (redis-py's); ``file://`` and a plain path (no scheme) name a directory.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_store_url(url: str) -> str:
+    """The directory path a store URL names, or ``""`` for a Redis URL.
+
+    Raises:
+        InvalidName: an empty URL, or a scheme that is neither Redis's, ``file://`` nor absent (``dir:///x`` or the
+            typo ``redis:/host:6379/0`` would otherwise become a local folder named like the URL).
+    """
+    if url.startswith(REDIS_SCHEMES):
+        return ""
+    path = url.removeprefix("file://")
+    scheme = _SCHEME.match(path)
+    if scheme is not None:
+        raise InvalidName(f"store URL {url!r}: unknown scheme {scheme.group(0)!r}; use redis://host:port/db, "
+                          "rediss://..., unix:///path.sock, file:///path or a plain directory path")
+    if not path:
+        raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
+    return path
+
+
 def open_store(url: str, prefix: str = "dllm-kvq") -> Store:
-    """Open the store a URL names: ``redis://``, ``rediss://``, ``unix://`` -> Redis; otherwise a directory.
+    """Open the store a URL names: ``redis://``, ``rediss://``, ``unix://`` -> Redis; ``file://`` or a plain path
+    -> a directory; anything else :class:`InvalidName` (see :func:`check_store_url`).
 
     ``prefix`` is the Redis key prefix (ignored by the directory backend). Nothing is contacted here: a Redis
     that is down surfaces as :class:`StoreUnavailable` on first use, so a server can start without it.
     """
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from service.policy.redis_store import RedisStore
+    path = check_store_url(url)
+    if not path:
+        from service.store.redis_store import RedisStore
 
         return RedisStore(url, prefix=prefix)
-    path = url.removeprefix("file://")
-    if not path:
-        raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
-    from service.policy.dir_store import DirectoryStore
+    from service.store.dir_store import DirectoryStore
 
     return DirectoryStore(Path(path).expanduser())
 
@@ -342,7 +380,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Subscription",
-    "canonical_json",
+    "check_store_url",
     "content_id",
     "open_store",
     "referenced_ids",

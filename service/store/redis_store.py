@@ -1,4 +1,4 @@
-"""The Redis backend of :class:`service.policy.store.Store` (redis-py). Key layout: see `service.policy.store`.
+"""The Redis backend of :class:`service.store.base.Store` (redis-py). Key layout: see `service.store.base`.
 
 Read-check-write operations (activate, delete) use optimistic transactions: ``WATCH`` the keys they read, then
 ``MULTI``/``EXEC`` the writes, retrying if another client changed a watched key in between. The event of an
@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from redis.retry import Retry
 
-from service.policy.store import (
+from service.store.base import (
     ActiveChange,
     ActiveEntry,
     ArtifactConflict,
@@ -178,7 +178,7 @@ class RedisStore(Store):
         entries = [ActiveEntry.model_validate_json(r) for r in raws]
         return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
 
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
         field = self._field(entry.fingerprint, entry.cache_mode)
         refs = sorted(referenced_ids(entry.config))
         ref_keys = [self._artifact_key(k, i) for k, i in refs]
@@ -191,6 +191,9 @@ class RedisStore(Store):
                         if not pipe.exists(key):
                             raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
                     raw_old = pipe.hget(self._active_key, field)
+                    if only_if_absent and raw_old is not None:
+                        pipe.unwatch()
+                        return None
                     old = None if raw_old is None else ActiveEntry.model_validate_json(raw_old).config
                     audit = AuditEntry(
                         at=entry.set_at,
