@@ -12,6 +12,9 @@ Method = Literal["none", "kivi", "kvquant", "dllm_kvq"]
 #: Legal values, for error messages and CLI choices.
 METHODS: tuple[str, ...] = ("none", "kivi", "kvquant", "dllm_kvq")
 BITS: tuple[int, ...] = (2, 4, 8)
+Sides = Literal["kv", "k", "v"]
+#: Legal values of ``sides``: both, K only, V only.
+SIDES: tuple[str, ...] = ("kv", "k", "v")
 
 
 class KVQuantConfig(BaseModel):
@@ -22,6 +25,10 @@ class KVQuantConfig(BaseModel):
     ``dllm_kvq`` needs a policy table, by store id (``policy_id``) or file (``policy_file``, JSON); ``kvquant`` a
     fitted state, by id (``kvquant_state_id``) or file (``kvquant_state_file``, safetensors). Exactly one of id and
     file, and only for the method that uses it.
+
+    ``sides`` says which of K and V the method quantizes (``kv``, default), ``k`` or ``v``: the other one is held
+    as it is, in the model dtype (counted at 16 nominal bits, the paper's high-precision accounting), so a K-only
+    or V-only row shows where a method's loss comes from (issue 16; the paper's method is K-side).
 
     Raises (at construction): ``pydantic.ValidationError`` (a ``ValueError``) whose message lists the legal values:
     method (none, kivi, kvquant, dllm_kvq), bits (2, 4, 8), a missing or superfluous policy/state.
@@ -37,6 +44,7 @@ class KVQuantConfig(BaseModel):
     kvquant_state_id: str | None = None
     policy_file: str | None = None
     kvquant_state_file: str | None = None
+    sides: Sides = "kv"
     # Keep each layer's dequantized reused K/V for the whole block (faster, saves no memory within a block).
     keep_dequantized: bool = False
 
