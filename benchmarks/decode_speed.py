@@ -54,7 +54,8 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
     """A factory of `service.quant` stores at ``KV_BITS`` bits: KIVI (G = 32), dLLM-KVQ (attention score, p = 1 on
     every layer), KVQuant (a state fitted once per model on random tensors of its K/V shape); ``keep`` keeps the
     dequantized copies for the block instead of dequantizing each layer at every step."""
-    from service.policy.schema import LayerPolicy, PolicyTable, Provenance
+    from service.artifacts.base import Provenance
+    from service.artifacts.policy import LayerPolicy, PolicyTable
     from service.quant.config import KVQuantConfig
     from service.quant.kvquant import fit_state
     from service.quant.store import make_kv_store

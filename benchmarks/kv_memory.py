@@ -34,10 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.artifacts.base import Provenance  # noqa: E402
+from service.artifacts.kvquant_state import KVQuantState  # noqa: E402
+from service.artifacts.policy import LayerPolicy, PolicyTable  # noqa: E402
 from service.engine.kv_store import FullPrecisionKVStore, Segments  # noqa: E402
 from service.engine.spec import ModelSpec  # noqa: E402
-from service.policy.kvquant_state import KVQuantState  # noqa: E402
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance  # noqa: E402
 from service.quant.config import KVQuantConfig  # noqa: E402
 from service.quant.kvquant import fit_state  # noqa: E402
 from service.quant.store import make_kv_store  # noqa: E402

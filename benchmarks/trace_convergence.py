@@ -22,7 +22,7 @@ from calibration.forward import logits_forward
 from calibration.job import CalibrationJob, JobSettings
 from calibration.trace import trace
 from service.engine import Engine
-from service.policy.store import open_store
+from service.store.base import open_store
 
 
 def main() -> None:

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from calibration.fit import DiagnosticSums
     from service.engine import Engine
-    from service.policy.store import open_store
+    from service.store.base import open_store
 
     # The job logs each sample's TRACE convergence (objective per round, settled or not) at INFO.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -32,11 +32,11 @@ from calibration.forward import cached_step, capture_qkv, reused_columns
 from calibration.metrics import TOP_K, attention_scores, behaviour_metrics, improvements
 from calibration.quantize import reused_key_variants
 from calibration.trace import Trajectory, rollout
+from service.artifacts.policy import SCORE_TYPES
 from service.engine.kv_store import Segments
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import attention_scores as block_attention
 from service.engine.spec import ModelSpec
-from service.policy.schema import SCORE_TYPES
 
 
 @dataclass(frozen=True)

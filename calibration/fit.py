@@ -15,7 +15,7 @@ then score-type order), or ``p = 0`` if none is accepted or none beats ``L = 0``
 Departures and choices (the paper does not state them): ``lambda`` defaults to 0.01 per nominal bit. The cap at
 4 bits is the paper's 4.9; at 2 and 8 bits it is ``b + 0.9`` (2.9, 8.9), the same 0.9-bit margin, which admits
 the same budgets (``p <= 2`` at ``G = 32``) at every width; the cap used is stored in the table (``k_bit_cap``).
-A stored table must also satisfy :class:`service.policy.schema.PolicyTable`'s full-group check
+A stored table must also satisfy :class:`service.artifacts.policy.PolicyTable`'s full-group check
 ``(b (G - p) + 16 p) / G <= cap``, so that is a gate too. Both matter: a short last group keeps ``min(p, len)``
 tokens, a larger share, so short reused segments raise the average above the full-group figure.
 
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from calibration.metrics import METRICS
-from service.policy.schema import SCORE_TYPES, LayerPolicy, PolicyTable, Provenance, nominal_k_bits
+from service.artifacts.base import Provenance
+from service.artifacts.policy import SCORE_TYPES, LayerPolicy, PolicyTable, nominal_k_bits
 
 #: Metric weights of the selection objective (paper, "Policy Diagnostics and Selection").
 WEIGHTS: dict[str, float] = {"centered_l2": 1.0, "attention_kl": 0.001, "top1": 0.10, "topk": 0.05}

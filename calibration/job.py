@@ -1,7 +1,7 @@
 """The calibration job: corpus -> TRACE -> diagnostics -> policy fit, and KVQuant fit, through a store.
 
 DESIGN.md flow 2. Every step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`).
-Artifacts go to a :class:`service.policy.store.Store` (Redis or a local directory), immutable:
+Artifacts go to a :class:`service.store.base.Store` (Redis or a local directory), immutable:
 
 ==================  ========================================================================================
 kind                id and content
@@ -11,9 +11,9 @@ trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fin
 calibration_sums    ``diag-<h>``, h = hash of (trajectory id, diagnose settings); one sample's
                     :class:`~calibration.fit.DiagnosticSums`
 calibration_fit     ``fit-<h>``, h = hash of (sums ids, fit settings); the policy ids and Table 4 rows
-policy              the :class:`~service.policy.schema.PolicyTable`'s own content id
+policy              the :class:`~service.artifacts.policy.PolicyTable`'s own content id
 kvquant_fit         ``kvqfit-<h>``, h = hash of (trajectory ids, bits, Fisher, sparsity); the state ids
-kvquant_state       the :class:`~service.policy.kvquant_state.KVQuantState`'s own content id
+kvquant_state       the :class:`~service.artifacts.kvquant_state.KVQuantState`'s own content id
 ==================  ========================================================================================
 
 Work items are keyed by their inputs, so a rerun finds what is done and skips it; each artifact is written whole
@@ -44,18 +44,12 @@ from calibration.kvquant_fit import fit_kvquant_state
 from calibration.policy_tables import layer_record
 from calibration.report import write_report
 from calibration.trace import Trajectory, rollout, trace
+from service.artifacts.base import Provenance, canonical_json
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine import Engine
 from service.engine.loading import EMBEDDED_DIR
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import PolicyTable, Provenance
-from service.policy.store import (
-    KIND_CALIBRATION_SUMS,
-    KIND_KVQUANT_STATE,
-    KIND_POLICY,
-    KIND_TRAJECTORY,
-    Store,
-    canonical_json,
-)
+from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
 
 #: The embedded default model's training split, its calibration corpus (issue 3).
 EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from calibration.forward import PreRopeKV
+from service.artifacts.base import Provenance
+from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
-from service.policy.schema import Provenance
 from service.quant.nuq import fit_layer
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from calibration.fit import CandidateSums
 from calibration.metrics import METRICS
-from service.policy.schema import PolicyTable, nominal_k_bits
+from service.artifacts.policy import PolicyTable, nominal_k_bits
 
 
 def layer_record(cell: CandidateSums, p: int) -> dict[str, Any]:

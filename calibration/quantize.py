@@ -13,9 +13,10 @@ from functools import lru_cache
 
 import torch
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.kv_store import Segments
 from service.engine.spec import ModelSpec
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
 from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
 from service.quant.dllm_kvq import DLLMKVQQuantizer

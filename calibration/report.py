@@ -24,8 +24,8 @@ from calibration.forward import capture_qkv
 from calibration.metrics import METRICS
 from calibration.policy_tables import per_layer_markdown
 from calibration.trace import Trajectory, rollout
+from service.artifacts.policy import SCORE_TYPES, PolicyTable
 from service.engine.models import DiffusionLM
-from service.policy.schema import SCORE_TYPES, PolicyTable
 
 _SCORE_MARK = {"attention": "A", "qerror": "Q", "hybrid": "H"}
 

@@ -8,5 +8,5 @@
   `evaluation.card` (the table in a model card), `evaluation.scores` (accuracy telemetry).
 - `evaluation.cli`: the command line.
 
-Imports `service.engine`, `service.quant` and `service.policy`, never `service.api`.
+Imports `service.engine`, `service.artifacts`, `service.quant` and `service.store`, never `service.api`.
 """

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import PolicyTable
-from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY, open_store
 from service.quant.config import KVQuantConfig
+from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, open_store
 
 
 def load_artifacts(config: KVQuantConfig, spec: ModelSpec, store_url: str | None
@@ -23,8 +23,8 @@ def load_artifacts(config: KVQuantConfig, spec: ModelSpec, store_url: str | None
 
     Raises:
         ValueError: an id without a store URL.
-        service.policy.store.ArtifactNotFound: no artifact with that id.
-        service.policy.schema.ArtifactMismatch: the artifact was fitted on another model or has the wrong shape.
+        service.store.base.ArtifactNotFound: no artifact with that id.
+        service.artifacts.base.ArtifactMismatch: the artifact was fitted on another model or has the wrong shape.
         OSError: an unreadable file.
     """
     policy = state = None

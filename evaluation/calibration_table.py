@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from service.policy.store import open_store
+from service.store.base import open_store
 
 #: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
 KIND_CALIBRATION_FIT = "calibration_fit"

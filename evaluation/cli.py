@@ -189,7 +189,7 @@ def check_matrix_inputs(args: argparse.Namespace, tasks: list[str]) -> None:
         raise CommandError(f"--server {args.server} needs the admin key in the environment variable "
                            f"{args.admin_key_env} (--admin-key-env); it is not set")
     if args.store:
-        from service.policy.store import InvalidName, StoreUnavailable, open_store
+        from service.store.base import InvalidName, StoreUnavailable, open_store
 
         store = None
         try:
@@ -274,8 +274,8 @@ def _calibration_extras(args: argparse.Namespace, files: list[str]) -> tuple[str
     from calibration.policy_tables import per_layer_markdown
     from evaluation.calibration_table import calibration_record, table4_markdown, table4_rows
     from evaluation.matrix import load_results
-    from service.policy.schema import PolicyTable
-    from service.policy.store import KIND_POLICY, open_store
+    from service.artifacts.policy import PolicyTable
+    from service.store.base import KIND_POLICY, open_store
 
     md, data = "", {}
     fit_layers = {}

@@ -13,9 +13,10 @@ precision than the fit's cap allows (``attention:4`` at 2 bits is 3.75 bits), wh
 
 from __future__ import annotations
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import SCORE_TYPES, LayerPolicy, PolicyTable, nominal_k_bits
 from service.engine.spec import ModelSpec
-from service.policy.schema import SCORE_TYPES, LayerPolicy, PolicyTable, Provenance, nominal_k_bits
-from service.policy.store import KIND_POLICY, Store
+from service.store.base import KIND_POLICY, Store
 
 #: The paper's fixed rules (Table 3 shows attention p = 2, 4; q-error and p = 1 complete the grid).
 DEFAULT_RULES: tuple[str, ...] = ("attention:1", "attention:2", "attention:4", "qerror:1", "qerror:2", "qerror:4")

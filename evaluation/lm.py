@@ -111,7 +111,7 @@ class DllmKvqLM(TemplateLM):
 
     Raises:
         ValueError: unknown or illegal model_args (the message lists the legal ones); a policy or state that
-            does not fit the model (`service.policy.schema.ArtifactMismatch`).
+            does not fit the model (`service.artifacts.base.ArtifactMismatch`).
     """
 
     backend = "causal"

@@ -201,9 +201,9 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
 def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
     """Newest stored policy per (``dllm_kvq``, cache mode, bits) and KVQuant state per (``kvquant``, mode, bits)
     fitted on the model with ``fingerprint`` (a state fits every cache mode: it is listed under both)."""
-    from service.policy.kvquant_state import KVQuantState
-    from service.policy.schema import PolicyTable
-    from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY
+    from service.artifacts.kvquant_state import KVQuantState
+    from service.artifacts.policy import PolicyTable
+    from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY
 
     found: dict[tuple[str, str, int], tuple[float, str]] = {}
 
@@ -362,7 +362,7 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
     task_manager = task_manager or task_manager_for(settings.tasks, settings.include_path)
     store = None
     if settings.store_url:
-        from service.policy.store import open_store
+        from service.store.base import open_store
 
         store = open_store(settings.store_url)
     done, ran, skipped, files = 0, [], [], []

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.engine.kv_store import CacheMode
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
 #: Fields of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``).

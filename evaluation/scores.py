@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from service.policy.store import KIND_EVAL_SCORES, open_store
+from service.store.base import KIND_EVAL_SCORES, open_store
 
 
 class ScoreReportError(RuntimeError):

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.engine.kv_store import CacheMode
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.api import errors
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
@@ -27,8 +26,9 @@ from service.config import Settings, served_model_name
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
-from service.policy.store import StoreUnavailable, open_store
 from service.quant.config import KVQuantConfig
+from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
+from service.store.base import StoreUnavailable, open_store
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
 

@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.active import ConfigSnapshot
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
+from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

@@ -13,14 +13,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.active import ActiveConfigs, ConfigInvalid
 from service.api import schemas as s
 from service.api.errors import ArtifactRejected, InvalidRequest
-from service.engine.kv_store import CacheMode
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
-from service.policy.store import KIND_EVAL_SCORES, KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreUnavailable
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.store.active import ActiveConfigs, ConfigInvalid
+from service.store.base import KIND_EVAL_SCORES, KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreUnavailable
 from service.telemetry import Telemetry
 
 #: URL segment -> store kind of the artifacts the admin API manages.

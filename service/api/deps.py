@@ -8,12 +8,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.active import ActiveConfigs
 from service.api.admin import Admin
 from service.api.errors import AdminClosed, Unauthorized
 from service.api.serving import Serving
 from service.config import Settings, key_id
-from service.policy.store import Store
+from service.store.active import ActiveConfigs
+from service.store.base import Store
 from service.telemetry import Telemetry
 from service.worker import Worker
 

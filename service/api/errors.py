@@ -17,10 +17,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.active import ConfigInvalid
+from service.artifacts.base import ArtifactMismatch
 from service.engine.errors import EngineInputError
-from service.policy.schema import ArtifactMismatch
-from service.policy.store import (
+from service.store.active import ConfigInvalid
+from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,

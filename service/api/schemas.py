@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from service.engine.kv_store import CacheMode
+from service.engine.params import CacheMode
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 

@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from service.active import ActiveConfigs, ConfigSnapshot
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.report import RowReport
+from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, JobCancelled, JobResult, Worker
 

@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
     """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
 
+    from service.artifacts.base import ArtifactMismatch
     from service.commands import describe_validation_error
     from service.engine import Engine, EngineInputError
     from service.engine.params import RowOptions
-    from service.policy.schema import ArtifactMismatch
     from service.quant.errors import KVQuantError
     from service.quant.store import make_kv_store
 

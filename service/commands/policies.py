@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import PolicyTable
-from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreError, open_store
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreError, open_store
 
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
 

@@ -25,7 +25,6 @@ import torch
 if TYPE_CHECKING:
     from service.engine.report import KVReport
 
-CacheMode = Literal["none", "prefix", "dual"]
 
 
 @dataclass(frozen=True)

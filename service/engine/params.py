@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.engine.kv_store import CacheMode
+#: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
+CacheMode = Literal["none", "prefix", "dual"]
 
 
 class DecodeParams(BaseModel):

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.artifacts.base import legal_v_group_sizes
 from service.quant.errors import KVQuantError
 
 Method = Literal["none", "kivi", "kvquant", "dllm_kvq"]
@@ -87,7 +88,3 @@ class KVQuantConfig(BaseModel):
             raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
                                "nothing; use 'prefix' or 'dual'")
 
-
-def legal_v_group_sizes(head_dim: int) -> list[int]:
-    """The V group sizes (channels) that divide ``head_dim``."""
-    return [g for g in range(1, head_dim + 1) if head_dim % g == 0]

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from service.artifacts.policy import PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.schema import PolicyTable
 from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError

@@ -1,6 +1,6 @@
 """KVQuant adapted to Fast-dLLM cache reuse: NUQ codebooks, static key ranges, dynamic value ranges, sparse outliers.
 
-Paper "KIVI and KVQuant Adaptations": the fitted per-layer state (`service.policy.kvquant_state`) is applied to
+Paper "KIVI and KVQuant Adaptations": the fitted per-layer state (`service.artifacts.kvquant_state`) is applied to
 the reused cache after the block-initial pass; keys are stored **before RoPE** (the engine rotates them after
 reading); sparse outlier handling is on with sparsity threshold 0.99; first_few_fp16 = 0. The math is
 `service.quant.nuq`'s. It works per token over all kv heads (the reference's ``[tokens, heads x head_dim]`` view), so
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from service.artifacts.base import Provenance
+from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
-from service.policy.schema import Provenance
 from service.quant import nuq
 from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig

@@ -6,9 +6,10 @@ tokens (32 in the paper's adaptation), V per token over groups of ``v_group_size
 
 from __future__ import annotations
 
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
 from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
 from service.quant.dllm_kvq import DLLMKVQQuantizer

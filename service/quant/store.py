@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
 from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import PolicyTable
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
@@ -113,7 +113,7 @@ def make_kv_store(
 
     ``method="none"`` gives the engine's :class:`FullPrecisionKVStore`. A policy (dllm_kvq) or state (kvquant)
     named by file in the config is loaded here; one named by id must be passed in (the caller resolves ids
-    through its store, `service.policy.store`).
+    through its store, `service.store.base`).
 
     Raises:
         KVQuantError: the policy/state is missing, or named by id but not passed, or its file cannot be read or

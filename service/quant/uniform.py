@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from service.artifacts.base import legal_v_group_sizes
 from service.engine.kv_store import Segments
-from service.quant.config import legal_v_group_sizes
 from service.quant.errors import KVQuantError
 from service.quant.layout import SlotLayout
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from tests.support.fastdllm import CKPT, REPO_ROOT, four_prompts
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.params import DecodeParams
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
 from service.quant import nuq
 from service.quant.config import KVQuantConfig
 from service.quant.kvquant import fit_state

@@ -9,7 +9,8 @@ import pytest
 
 from evaluation.calibration_table import KIND_CALIBRATION_FIT
 from evaluation.cli import main
-from service.policy.store import KIND_EVAL_SCORES, canonical_json, open_store
+from service.artifacts.base import canonical_json
+from service.store.base import KIND_EVAL_SCORES, open_store
 
 pytestmark = pytest.mark.slow
 

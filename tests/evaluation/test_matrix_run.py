@@ -16,12 +16,13 @@ from evaluation.matrix import (
     run_matrix,
     write_outputs,
 )
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.agreement import token_agreement
 from service.engine.params import DecodeParams, RowOptions
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
-from service.policy.store import KIND_POLICY, open_store
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+from service.store.base import KIND_POLICY, open_store
 from tests.evaluation.conftest import PROMPTS, STOP, direct_answers, write_echo_task
 
 

@@ -10,9 +10,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from evaluation.cli import main
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine import Engine
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
-from service.policy.store import KIND_POLICY, open_store
+from service.store.base import KIND_POLICY, open_store
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import redis
 
 from calibration.cli import main
 from calibration.fit import DiagnosticSums
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine import Engine
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import PolicyTable
-from service.policy.store import KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, open_store
+from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, open_store
 from tests.support.apps import ADMIN_KEY
 from tests.support.processes import ServerProcess
 from tests.unit.calibration.test_job import CKPT, token_id_bucket

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
 
 
 def policy_for(spec: ModelSpec, cache_mode: str = "dual", bits: int = 4, num_layers: int | None = None,
@@ -26,7 +27,7 @@ def kvquant_state_for(spec: ModelSpec, bits: int = 2, num_layers: int | None = N
     """A small valid KVQuant state (symmetric ranges, evenly spaced codebooks) for ``spec``."""
     import torch
 
-    from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
+    from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 
     layers = num_layers or spec.num_layers
     channels = spec.num_kv_heads * spec.head_dim

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api import schemas as s
 from service.api.deps import AdminDep, AdminKeyDep, require_admin
-from service.engine.kv_store import CacheMode
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])

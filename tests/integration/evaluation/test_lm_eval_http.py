@@ -25,8 +25,8 @@ from evaluation.matrix import task_manager_for
 from evaluation.scores import ScoreReporter
 from evaluation.tasks import write_task_dir
 from service.engine import Engine
-from service.policy.redis_store import RedisStore
-from service.policy.store import KIND_EVAL_SCORES
+from service.store.base import KIND_EVAL_SCORES
+from service.store.redis_store import RedisStore
 from tests.integration.server.test_server_process import metric_sum, metrics
 from tests.support.apps import ADMIN_KEY
 from tests.support.processes import SHARED_REDIS_URL, ServerProcess
@@ -140,7 +140,7 @@ def test_likelihood_payload_gets_an_explicit_400(server):
 
 
 def test_scores_reach_metrics_and_the_store(server, engine, task_dir, prefix, monkeypatch):
-    from evaluation.matrix import Cell, run_cell_task, MatrixSettings
+    from evaluation.matrix import Cell, MatrixSettings, run_cell_task
 
     settings = MatrixSettings(tasks=["digit_ledger"], limit=4, chat_tasks=frozenset({"digit_ledger"}))
     result = run_cell_task(engine, Cell("embedded", "prefix", "kivi", 4), "digit_ledger", settings,

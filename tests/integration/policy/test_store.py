@@ -12,9 +12,8 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from service.policy.dir_store import DirectoryStore
-from service.policy.redis_store import RedisStore
-from service.policy.store import (
+from service.quant.config import KVQuantConfig
+from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
@@ -22,7 +21,8 @@ from service.policy.store import (
     StoreUnavailable,
     open_store,
 )
-from service.quant.config import KVQuantConfig
+from service.store.dir_store import DirectoryStore
+from service.store.redis_store import RedisStore
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, free_port
 
 FP = "f" * 64

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from service.engine import Engine
-from service.policy.redis_store import RedisStore
+from service.store.redis_store import RedisStore
 from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
 from tests.support.metrics import metric_sum, metrics

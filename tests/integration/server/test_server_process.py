@@ -18,8 +18,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from service.config import Settings
-from service.policy.redis_store import RedisStore
 from service.quant.config import KVQuantConfig
+from service.store.redis_store import RedisStore
 from tests.support.apps import ADMIN_KEY, fake_app, sse_events
 from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine

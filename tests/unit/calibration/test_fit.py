@@ -17,7 +17,8 @@ from calibration.fit import (
     table4,
 )
 from calibration.metrics import METRICS
-from service.policy.schema import PolicyTable, Provenance
+from service.artifacts.base import Provenance
+from service.artifacts.policy import PolicyTable
 
 PROVENANCE = Provenance(data="test records", code="tests")
 

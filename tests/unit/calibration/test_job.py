@@ -15,11 +15,11 @@ from calibration.corpus import write_bucket
 from calibration.fit import DiagnosticSums
 from calibration.job import KIND_FIT, CalibrationJob, JobSettings
 from calibration.quantize import reused_key_variants
+from service.artifacts.policy import PolicyTable
 from service.engine import Engine
 from service.engine.kv_store import Segments
-from service.policy.store import KIND_CALIBRATION_SUMS, KIND_POLICY, KIND_TRAJECTORY, open_store
-from service.policy.schema import PolicyTable
 from service.quant.uniform import dequantize_k_groups, quantize_k_groups
+from service.store.base import KIND_CALIBRATION_SUMS, KIND_POLICY, KIND_TRAJECTORY, open_store
 
 CKPT = Path(__file__).resolve().parents[2] / "data" / "fastdllm" / "ckpt" / "llada-tiny"
 
@@ -129,7 +129,7 @@ def test_a_failed_run_leaves_finished_items_and_no_policy(engine, tmp_path, monk
 def test_kvquant_state_from_traces_with_and_without_fisher_weights(engine):
     from calibration.forward import capture_pre_rope
     from calibration.kvquant_fit import as_rows, fit_kvquant_state
-    from service.policy.schema import Provenance
+    from service.artifacts.base import Provenance
 
     state = torch.randint(1, 80, (40,), generator=torch.Generator().manual_seed(1))
     targets = torch.full((40,), -100)

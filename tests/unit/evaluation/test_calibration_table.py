@@ -6,7 +6,8 @@ import time
 import pytest
 
 from evaluation.calibration_table import KIND_CALIBRATION_FIT, table4_markdown, table4_rows
-from service.policy.store import canonical_json, open_store
+from service.artifacts.base import canonical_json
+from service.store.base import open_store
 
 
 def _record(l2):

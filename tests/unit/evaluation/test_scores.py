@@ -3,7 +3,7 @@
 import pytest
 
 from evaluation.scores import ScoreReporter, reports_from_lm_eval, score_report
-from service.policy.store import KIND_EVAL_SCORES, open_store
+from service.store.base import KIND_EVAL_SCORES, open_store
 
 RESULT = {
     "task": "digit_ledger", "model": "embedded", "fingerprint": "abc", "metric": "exact_match,none", "score": 50.0,

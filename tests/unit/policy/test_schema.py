@@ -5,9 +5,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.artifacts.base import ArtifactMismatch, Provenance
+from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
+from service.artifacts.policy import LayerPolicy, PolicyTable, nominal_k_bits
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState, KVQuantStateMeta
-from service.policy.schema import ArtifactMismatch, LayerPolicy, PolicyTable, Provenance, nominal_k_bits
 
 SPEC = ModelSpec(
     arch="llada", model_id="tiny", fingerprint="ab" * 32, num_layers=3, num_heads=4, num_kv_heads=2,

@@ -4,8 +4,9 @@ import dataclasses
 
 import torch
 
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.spec import ModelSpec
-from service.policy.schema import LayerPolicy, PolicyTable, Provenance
 from service.quant.kvquant import fit_state
 
 SPEC = ModelSpec(

@@ -4,8 +4,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from service.artifacts.base import ArtifactMismatch
 from service.engine.kv_store import FullPrecisionKVStore, Segments
-from service.policy.schema import ArtifactMismatch
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.store import QuantizedKVStore, make_kv_store

@@ -11,9 +11,9 @@ from service.__main__ import build_parser
 from service.commands.policies import copy_artifacts
 from service.commands.serve import settings_from_args
 from service.engine.spec import ModelSpec
-from service.policy.redis_store import RedisStore
-from service.policy.store import open_store
 from service.quant.config import KVQuantConfig
+from service.store.base import open_store
+from service.store.redis_store import RedisStore
 from tests.support.artifacts import policy_for
 from tests.support.processes import SHARED_REDIS_URL
 

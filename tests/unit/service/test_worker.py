@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from service.active import ConfigSnapshot
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
+from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 from service.worker import (
     DeviceFault,

@@ -29,9 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from service.artifacts.base import ArtifactMismatch, Provenance, canonical_json, check_fingerprint
 from service.engine.spec import ModelSpec
-from service.policy.schema import ArtifactMismatch, Provenance, check_fingerprint
-from service.policy.store import canonical_json
 
 _META_KEY = "dllm_kvq.kvquant_state"
 _TENSORS = ("k_upper", "k_lower", "k_lut", "v_lut")

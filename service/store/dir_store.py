@@ -1,4 +1,4 @@
-"""The local-directory backend of :class:`service.policy.store.Store` (layout: see `service.policy.store`).
+"""The local-directory backend of :class:`service.store.base.Store` (layout: see `service.store.base`).
 
 Every file is written whole to a temporary name in the same directory and then renamed (or hard-linked, for
 artifacts, so that two writers of the same id cannot overwrite each other), so a reader never sees half a file
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from service.policy.store import (
+from service.store.base import (
     ActiveChange,
     ActiveEntry,
     ArtifactConflict,

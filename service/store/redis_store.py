@@ -1,4 +1,4 @@
-"""The Redis backend of :class:`service.policy.store.Store` (redis-py). Key layout: see `service.policy.store`.
+"""The Redis backend of :class:`service.store.base.Store` (redis-py). Key layout: see `service.store.base`.
 
 Read-check-write operations (activate, delete) use optimistic transactions: ``WATCH`` the keys they read, then
 ``MULTI``/``EXEC`` the writes, retrying if another client changed a watched key in between. The event of an
@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 from redis.retry import Retry
 
-from service.policy.store import (
+from service.store.base import (
     ActiveChange,
     ActiveEntry,
     ArtifactConflict,

@@ -1,4 +1,4 @@
-"""`PolicyTable`: dLLM-KVQ's per-layer K policy for one (model, cache mode, bits), and the errors of checking it.
+"""`PolicyTable`: dLLM-KVQ's per-layer K policy for one (model, cache mode, bits).
 
 Paper sections "K-Cache Policy Selection" and "Policy Diagnostics and Selection": for a model, a cache mode and a
 target bit width, each layer gets a candidate ``(score type, p)``: the token score used to rank the K tokens of a
@@ -10,44 +10,24 @@ has an id derived from its content, round-trips through JSON and is checked agai
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.artifacts.base import (
+    ArtifactMismatch,
+    Provenance,
+    canonical_json,
+    check_fingerprint,
+    legal_v_group_sizes,
+)
 from service.engine.spec import ModelSpec
-from service.policy.store import canonical_json
-from service.quant.config import legal_v_group_sizes
 
 ScoreType = Literal["attention", "qerror", "hybrid"]
 #: Legal score types (paper "Online dLLM-KVQ Quantization").
 SCORE_TYPES: tuple[str, ...] = ("attention", "qerror", "hybrid")
 #: Cache modes a policy can be fitted for (no reuse, no cache to quantize, under "none").
 POLICY_CACHE_MODES: tuple[str, ...] = ("prefix", "dual")
-
-
-class ArtifactMismatch(ValueError):
-    """A policy table or KVQuant state does not fit the loaded model or the requested configuration.
-
-    The message starts with the name of the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...).
-    """
-
-
-class Provenance(BaseModel):
-    """What made an artifact: the calibration data and the code, so a result can be traced and remade.
-
-    Attributes:
-        data: the calibration data (corpus loader, number of samples, trajectory ids ...).
-        code: the code (package version or git commit) and the command that ran.
-        created_at: ISO-8601 UTC time of creation, if the maker records it.
-        details: anything else worth keeping (objective weights, win-rate gate, seed ...), JSON values only.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    data: str
-    code: str
-    created_at: str | None = None
-    details: dict[str, Any] = Field(default_factory=dict)
 
 
 class LayerPolicy(BaseModel):
@@ -150,12 +130,3 @@ class PolicyTable(BaseModel):
 def nominal_k_bits(bits: int, k_group_size: int, p: int) -> float:
     """Nominal K bits of a full group as the paper counts them: ``(b (G - p) + 16 p) / G`` (scales not counted)."""
     return (bits * (k_group_size - p) + 16 * p) / k_group_size
-
-
-def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:
-    """Raise :class:`ArtifactMismatch` (field ``weights_fingerprint``) unless it equals ``spec.fingerprint``."""
-    if fingerprint != spec.fingerprint:
-        raise ArtifactMismatch(
-            f"weights_fingerprint: the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
-            f"{spec.model_id!r} has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
-        )

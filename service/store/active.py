@@ -15,11 +15,14 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.engine.kv_store import CacheMode
+from service.artifacts.base import ArtifactMismatch
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
+from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
-from service.policy.kvquant_state import KVQuantState
-from service.policy.schema import ArtifactMismatch, PolicyTable
-from service.policy.store import (
+from service.quant.config import KVQuantConfig
+from service.quant.errors import KVQuantError
+from service.store.base import (
     CACHE_MODES,
     KIND_KVQUANT_STATE,
     KIND_POLICY,
@@ -28,8 +31,6 @@ from service.policy.store import (
     Store,
     StoreUnavailable,
 )
-from service.quant.config import KVQuantConfig
-from service.quant.errors import KVQuantError
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,8 @@ class ConfigResolver:
         Raises:
             ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
                 that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
-            service.policy.store.ArtifactNotFound: the policy or state is not stored.
-            service.policy.store.StoreUnavailable: the store cannot be reached to load it.
+            service.store.base.ArtifactNotFound: the policy or state is not stored.
+            service.store.base.StoreUnavailable: the store cannot be reached to load it.
         """
         for name in ("policy_file", "kvquant_state_file"):
             if getattr(config, name) is not None:

@@ -1,7 +1,7 @@
 """The store interface for calibration artifacts and the server's active configuration, and `open_store`.
 
 Two backends implement :class:`Store` with the same behaviour: Redis through redis-py
-(`service.policy.redis_store`) and a local directory (`service.policy.dir_store`, the embedded default). A store
+(`service.store.redis_store`) and a local directory (`service.store.dir_store`, the embedded default). A store
 URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, anything else is a
 directory path (``file://`` prefix allowed).
 
@@ -49,7 +49,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from service.engine.kv_store import CacheMode
+from service.artifacts.base import canonical_json
+from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
@@ -166,11 +167,6 @@ def check_target(fingerprint: str, cache_mode: str) -> None:
 def content_id(data: bytes) -> str:
     """The default content-derived id: ``sha256-`` + hex SHA-256 of the bytes."""
     return "sha256-" + hashlib.sha256(data).hexdigest()
-
-
-def canonical_json(obj: Any) -> bytes:
-    """JSON with sorted keys and no spaces, UTF-8: equal content gives equal bytes (and equal default ids)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def referenced_ids(config: KVQuantConfig) -> set[tuple[str, str]]:
@@ -316,13 +312,13 @@ def open_store(url: str, prefix: str = "dllm-kvq") -> Store:
     that is down surfaces as :class:`StoreUnavailable` on first use, so a server can start without it.
     """
     if url.startswith(("redis://", "rediss://", "unix://")):
-        from service.policy.redis_store import RedisStore
+        from service.store.redis_store import RedisStore
 
         return RedisStore(url, prefix=prefix)
     path = url.removeprefix("file://")
     if not path:
         raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
-    from service.policy.dir_store import DirectoryStore
+    from service.store.dir_store import DirectoryStore
 
     return DirectoryStore(Path(path).expanduser())
 
@@ -342,7 +338,6 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Subscription",
-    "canonical_json",
     "content_id",
     "open_store",
     "referenced_ids",

@@ -1,0 +1,1 @@
+"""Fitted artifacts (policy tables, KVQuant states): schemas, content ids, checks against a model."""

@@ -1,0 +1,59 @@
+"""What every fitted artifact shares: the mismatch error, provenance, the weights-fingerprint check, canonical JSON
+(for content ids) and the V group-size rule that artifacts and quantizers both check.
+
+This package sits below `service.quant`, which applies the artifacts, and above `service.engine` (it reads only
+`ModelSpec`); it imports neither FastAPI nor the stores (DESIGN.md, "Arrows point one way").
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.engine.spec import ModelSpec
+
+
+class ArtifactMismatch(ValueError):
+    """A policy table or KVQuant state does not fit the loaded model or the requested configuration.
+
+    The message starts with the name of the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...).
+    """
+
+
+class Provenance(BaseModel):
+    """What made an artifact: the calibration data and the code, so a result can be traced and remade.
+
+    Attributes:
+        data: the calibration data (corpus loader, number of samples, trajectory ids ...).
+        code: the code (package version or git commit) and the command that ran.
+        created_at: ISO-8601 UTC time of creation, if the maker records it.
+        details: anything else worth keeping (objective weights, win-rate gate, seed ...), JSON values only.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    data: str
+    code: str
+    created_at: str | None = None
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:
+    """Raise :class:`ArtifactMismatch` (field ``weights_fingerprint``) unless it equals ``spec.fingerprint``."""
+    if fingerprint != spec.fingerprint:
+        raise ArtifactMismatch(
+            f"weights_fingerprint: the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
+            f"{spec.model_id!r} has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
+        )
+
+
+def canonical_json(obj: Any) -> bytes:
+    """JSON with sorted keys and no spaces, UTF-8: equal content gives equal bytes (and equal default ids)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def legal_v_group_sizes(head_dim: int) -> list[int]:
+    """The V group sizes (channels) that divide ``head_dim``."""
+    return [g for g in range(1, head_dim + 1) if head_dim % g == 0]

@@ -1,1 +1,0 @@
-"""Policy tables, KVQuant states and their stores (Redis, local directory)."""
