@@ -260,7 +260,10 @@ def run_matrix_command(argv: list[str]) -> int:
                                  files=summary["files"], table=args.table, rules=rules,
                                  table4=extra_json.get("table4"))
     if args.card:
-        _write_card(args, argv, matrix.load_results(args.out, files=summary["files"]), paths["md"].read_text())
+        # Table 4 and the per-layer policies go on the card once, with the main table.
+        text = paths["md"].read_text()
+        _write_card(args, argv, matrix.load_results(args.out, files=summary["files"]),
+                    text if args.table == "main" else text.removesuffix(extra_md))
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
           f"{summary['already_done']} already done with the same settings; {len(summary['skipped'])} cells skipped")

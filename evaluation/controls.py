@@ -21,6 +21,8 @@ from service.store.base import KIND_POLICY, Store
 #: The paper's fixed rules (Table 3 shows attention p = 2, 4; q-error and p = 1 complete the grid).
 DEFAULT_RULES: tuple[str, ...] = ("attention:1", "attention:2", "attention:4", "qerror:1", "qerror:2", "qerror:4")
 RULE_LABELS = {"attention": "Attention", "qerror": "Q-error", "hybrid": "Hybrid"}
+#: ``provenance.code`` of a fixed-rule table: how `is_fixed_rule` tells it from a fitted policy in the store.
+FIXED_RULE_CODE = "evaluation.controls.fixed_rule_table"
 
 
 def parse_rule(rule: str) -> tuple[str, int]:
@@ -60,8 +62,13 @@ def fixed_rule_table(spec: ModelSpec, cache_mode: str, bits: int, rule: str, k_g
         k_bit_cap=nominal_k_bits(bits, k_group_size, p),
         layers=[LayerPolicy(score_type=score_type, p=p)] * spec.num_layers,
         provenance=Provenance(data=f"fixed K rule {rule} on every layer (Table 3 control); not fitted",
-                              code="evaluation.controls.fixed_rule_table"),
+                              code=FIXED_RULE_CODE),
     )
+
+
+def is_fixed_rule(table: PolicyTable) -> bool:
+    """Whether ``table`` was made by `fixed_rule_table` (not fitted): the matrix's fitted rows never pick one."""
+    return table.provenance.code == FIXED_RULE_CODE
 
 
 def store_fixed_rule(store: Store, spec: ModelSpec, cache_mode: str, bits: int, rule: str) -> str:

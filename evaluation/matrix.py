@@ -4,9 +4,13 @@
 --methods none,kivi,kvquant,dllm_kvq --out DIR`` plans the cells (`plan_cells`): per model one **no-cache
 reference** row (full recompute), and per cache mode a **cache-only** row (method ``none``) and one row per
 quantized method and bit width. Each (cell, task) is one lm-eval run of the in-process model `DllmKvqLM` on one
-loaded engine; its result goes to ``DIR/cells/<model>/<weights fingerprint>/<cell>/<task>.json`` as soon as it
-finishes (written to a temporary file, then renamed), so an interrupted matrix **resumes** by skipping finished
-files, and a retrained model of the same name does not reuse its predecessor's cells.
+loaded engine; its result goes to ``DIR/cells/<model>/<weights fingerprint>/<cell>/<task>-<inputs hash>.json`` as
+soon as it finishes (written to a temporary file, then renamed), so an interrupted matrix **resumes** by skipping
+finished files. The hash covers every input that changes the result (`cell_inputs`: weights, task, limit, few-shot,
+decoding settings, the whole KV configuration with its artifact id), so a file is reused only by a run with the
+same inputs (issue 17), and a retrained model of the same name does not reuse its predecessor's cells.
+`plan_controls` (Table 3) and `plan_sides` (K-only / V-only rows) plan the ablations' cells; `evaluation.ablations`
+renders them.
 
 Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
 per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
@@ -41,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evaluation.controls import DEFAULT_RULES, parse_rule, store_fixed_rule
+from evaluation.controls import DEFAULT_RULES, is_fixed_rule, parse_rule, store_fixed_rule
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +204,8 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
 # ---- artifacts -----------------------------------------------------------------------------------------------
 def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
     """Newest stored policy per (``dllm_kvq``, cache mode, bits) and KVQuant state per (``kvquant``, mode, bits)
-    fitted on the model with ``fingerprint`` (a state fits every cache mode: it is listed under both)."""
+    fitted on the model with ``fingerprint`` (a state fits every cache mode: it is listed under both); Table 3's
+    fixed-rule tables (`evaluation.controls.is_fixed_rule`) are not fitted and never picked."""
     from service.artifacts.kvquant_state import KVQuantState
     from service.artifacts.policy import PolicyTable
     from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY
@@ -213,7 +218,7 @@ def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
 
     for pid in store.list(KIND_POLICY):
         table = store.get_model(KIND_POLICY, pid, PolicyTable)
-        if table.weights_fingerprint == fingerprint:
+        if table.weights_fingerprint == fingerprint and not is_fixed_rule(table):
             offer(("dllm_kvq", table.cache_mode, table.bits), store.info(KIND_POLICY, pid).created_at, pid)
     for sid in store.list(KIND_KVQUANT_STATE):
         state = KVQuantState.from_bytes(store.get(KIND_KVQUANT_STATE, sid))

@@ -124,6 +124,8 @@ def test_table3_controls_and_kv_ablation_rows(tmp_path, engine, store_url):
     rule = fixed_rule_table(engine.spec, "dual", 4, "attention:2")
     assert open_store(url).get_model(KIND_POLICY, rule.id, PolicyTable).layers == [
         LayerPolicy(score_type="attention", p=2)] * engine.spec.num_layers
+    # Stored after the fitted policy, they are still not taken for it.
+    assert find_artifacts(open_store(url), engine.spec.fingerprint) == {("dllm_kvq", "dual", 4): policy_id}
     table3 = json.loads(write_outputs(out, ["tiny_echo"], files=controls["files"], table="3",
                                       rules=["attention:2", "qerror:1"])["json"].read_text())
     rows = table3["blocks"][0]["rows"]
