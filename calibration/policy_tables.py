@@ -32,7 +32,7 @@ def per_layer_markdown(title: str, table: PolicyTable, layers: Sequence[Mapping[
     fitted = {int(entry["layer"]): entry for entry in layers or []}
     lines = [f"#### {title}", "",
              (f"Policy `{table.id}` ({table.cache_mode} cache, {table.bits}-bit, K groups of {table.k_group_size}, "
-             f"cap {table.k_bit_cap:g} K bits); {table.provenance.data}"), "",
+             f"cap {table.k_bit_cap:g} K bits); {table.provenance.data.split(' (')[0]}"), "",
              "| Layer | Score type | p | Nominal K bits | Eff. K bits (calibration) | "
              + " | ".join(f"Win {m} %" for m in METRICS) + " |",
              "|---:|---|---:|---:|---:|" + "---:|" * len(METRICS)]
