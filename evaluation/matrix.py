@@ -300,9 +300,13 @@ def cell_inputs(cell: Cell, task: str, settings: MatrixSettings, artifact_id: st
     a saved result is reused only when all of them match)."""
     from evaluation.model_args import EvalModelArgs
 
-    kv = EvalModelArgs(**cell_model_args(cell, settings, artifact_id)).kv_config
+    args = EvalModelArgs(**cell_model_args(cell, settings, artifact_id))
+    args.kv_config  # noqa: B018 - a cell that names no valid configuration fails here, before any work
+    # The configuration's fields by name (not its serialized form, whose spelling may change between versions).
+    kv = {"method": cell.method, "bits": cell.bits, "sides": cell.sides, "artifact_id": artifact_id,
+          "k_group_size": args.k_group_size, "v_group_size": args.v_group_size}
     return {"fingerprint": fingerprint, "task": task, "cache_mode": cell.cache_mode, **settings.decoding(task),
-            "kv": kv.model_dump(mode="json", exclude={"keep_dequantized"})}
+            "kv": kv}
 
 
 def cell_path(out_dir: Path, cell: Cell, task: str, inputs: dict[str, Any]) -> Path:
