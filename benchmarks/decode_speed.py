@@ -54,7 +54,7 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
     """A factory of `service.quant` stores at ``KV_BITS`` bits: KIVI (G = 32), dLLM-KVQ (attention score, p = 1 on
     every layer), KVQuant (a state fitted once per model on random tensors of its K/V shape); ``keep`` keeps the
     dequantized copies for the block instead of dequantizing each layer at every step."""
-    from service.artifacts.base import Provenance
+    from service.artifacts.base import Provenance, default_v_group_size
     from service.artifacts.policy import LayerPolicy, PolicyTable
     from service.quant.config import KVQuantConfig
     from service.quant.kvquant import fit_state
@@ -68,10 +68,10 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
         if method == "dllm_kvq":
             table = PolicyTable(
                 model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=KV_BITS,
-                k_group_size=32, v_group_size=min(32, spec.head_dim), k_bit_cap=16.0, provenance=prov,
+                k_group_size=32, v_group_size=default_v_group_size(spec.head_dim), k_bit_cap=16.0, provenance=prov,
                 layers=[LayerPolicy(score_type="attention", p=1)] * spec.num_layers,
             )
-            return make_kv_store(KVQuantConfig(**config, policy_id=table.id), spec, policy=table)
+            return make_kv_store(KVQuantConfig(**config, policy_id=table.id), spec, artifact=table)
         if method == "kvquant":
             key = f"{spec.model_id}/{KV_BITS}"
             if key not in _STATES:
@@ -80,7 +80,7 @@ def quantized_store(method: str, keep: bool) -> Callable[[Engine], KVStore]:
                           for _ in range(spec.num_layers)]
                 _STATES[key] = fit_state(sample, sample, KV_BITS, spec, prov)
             state = _STATES[key]
-            return make_kv_store(KVQuantConfig(**config, kvquant_state_id=state.id), spec, state=state)
+            return make_kv_store(KVQuantConfig(**config, kvquant_state_id=state.id), spec, artifact=state)
         return make_kv_store(KVQuantConfig(**config), spec)
 
     return make

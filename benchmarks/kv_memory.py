@@ -34,14 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.artifacts.base import Provenance  # noqa: E402
-from service.artifacts.kvquant_state import KVQuantState  # noqa: E402
-from service.artifacts.policy import LayerPolicy, PolicyTable  # noqa: E402
-from service.engine.kv_store import FullPrecisionKVStore, Segments  # noqa: E402
-from service.engine.spec import ModelSpec  # noqa: E402
-from service.quant.config import KVQuantConfig  # noqa: E402
-from service.quant.kvquant import fit_state  # noqa: E402
-from service.quant.store import make_kv_store  # noqa: E402
+from service.artifacts.base import Provenance
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import LayerPolicy, PolicyTable
+from service.engine.kv_store import FullPrecisionKVStore, Segments
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.quant.kvquant import fit_state
+from service.quant.store import make_kv_store
 
 PROV = Provenance(data="random normal tensors", code="benchmarks/kv_memory.py")
 METHODS = ("kivi", "dllm_kvq", "kvquant")
@@ -67,7 +67,7 @@ def make_store(method: str, bits: int, spec: ModelSpec, keep: bool = False):
             layers=[LayerPolicy(score_type="attention", p=1)] * spec.num_layers,
         )
         cfg = KVQuantConfig(method=method, bits=bits, policy_id=table.id, keep_dequantized=keep)
-        return make_kv_store(cfg, spec, policy=table)
+        return make_kv_store(cfg, spec, artifact=table)
     if method == "kvquant":
         gen = torch.Generator().manual_seed(1)
         sample = torch.randn(1, spec.num_kv_heads, 256, spec.head_dim, generator=gen)
@@ -77,7 +77,7 @@ def make_store(method: str, bits: int, spec: ModelSpec, keep: bool = False):
             *(t.expand(spec.num_layers, -1).contiguous() for t in (one.k_upper, one.k_lower, one.k_lut, one.v_lut)),
         )
         cfg = KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id, keep_dequantized=keep)
-        return make_kv_store(cfg, spec, state=state)
+        return make_kv_store(cfg, spec, artifact=state)
     return make_kv_store(KVQuantConfig(method=method, bits=bits, keep_dequantized=keep), spec)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.kv_store import Segments
 from service.engine.models import DiffusionLM, LayerQKV, capture_qkv
 
 __all__ = ["LayerQKV", "capture_qkv", "logits_forward", "reused_columns", "cached_step", "capture_pre_rope",
@@ -35,12 +36,10 @@ def logits_forward(model: DiffusionLM):
 def reused_columns(cache_mode: str, block_start: int, block_end: int, seq_len: int) -> torch.Tensor:
     """Columns a cache mode reuses in the steps after the block-initial pass: int64 ``[T_reused]``.
 
-    ``prefix``: ``[0, s)``; ``dual``: ``[0, s)`` and ``[e, T)`` (DESIGN.md "Cache mode").
+    ``prefix``: ``[0, s)``; ``dual``: ``[0, s)`` and ``[e, T)`` (DESIGN.md "Cache mode"); the engine's one
+    definition, `Segments.reused_columns`, for a batch without padding (ValueError for another cache mode).
     """
-    if cache_mode not in ("prefix", "dual"):
-        raise ValueError(f"cache_mode must be 'prefix' or 'dual', got {cache_mode!r}")
-    prefix = torch.arange(0, block_start)
-    return prefix if cache_mode == "prefix" else torch.cat([prefix, torch.arange(block_end, seq_len)])
+    return Segments((), block_start, block_end, seq_len, cache_mode).reused_columns
 
 
 @dataclass

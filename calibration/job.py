@@ -44,7 +44,7 @@ from calibration.kvquant_fit import fit_kvquant_state
 from calibration.policy_tables import layer_record
 from calibration.report import write_report
 from calibration.trace import Trajectory, rollout, trace
-from service.artifacts.base import Provenance, canonical_json
+from service.artifacts.base import Provenance, canonical_json, default_v_group_size
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine import Engine
@@ -173,7 +173,7 @@ class CalibrationJob:
 
     @property
     def v_group_size(self) -> int:
-        return self.settings.v_group_size or min(32, self.spec.head_dim)
+        return self.settings.v_group_size or default_v_group_size(self.spec.head_dim)
 
     def _bar(self, items: Iterable[T], description: str, total: int | None = None) -> Iterable[T]:
         return tqdm(items, desc=description, total=total, disable=not self.progress, leave=False)

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from service.artifacts.base import Provenance
+from service.artifacts.base import Provenance, default_v_group_size
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.kv_store import Segments
 from service.engine.spec import ModelSpec
@@ -33,7 +33,7 @@ def _quantizer(spec: ModelSpec, bits: int, k_group_size: int, candidate: tuple[s
     score_type, p = candidate
     table = PolicyTable(
         model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=bits,
-        k_group_size=k_group_size, v_group_size=min(32, spec.head_dim), k_bit_cap=_NO_CAP,
+        k_group_size=k_group_size, v_group_size=default_v_group_size(spec.head_dim), k_bit_cap=_NO_CAP,
         layers=[LayerPolicy(score_type=score_type, p=p)] * spec.num_layers,
         provenance=Provenance(data="diagnostic candidate", code="calibration.quantize"),
     )

@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         print(f"commands: {', '.join(COMMANDS)}")
-        return 2
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import httpx
 

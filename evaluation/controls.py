@@ -66,9 +66,10 @@ def fixed_rule_table(spec: ModelSpec, cache_mode: str, bits: int, rule: str, k_g
     )
 
 
-def is_fixed_rule(table: PolicyTable) -> bool:
-    """Whether ``table`` was made by `fixed_rule_table` (not fitted): the matrix's fitted rows never pick one."""
-    return table.provenance.code == FIXED_RULE_CODE
+def is_fixed_rule(artifact: object) -> bool:
+    """Whether ``artifact`` is a policy table made by `fixed_rule_table` (not fitted): the matrix's fitted rows
+    never pick one. Any other artifact (a KVQuant state, a fitted table) is not."""
+    return isinstance(artifact, PolicyTable) and artifact.provenance.code == FIXED_RULE_CODE
 
 
 def store_fixed_rule(store: Store, spec: ModelSpec, cache_mode: str, bits: int, rule: str) -> str:

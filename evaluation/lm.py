@@ -40,7 +40,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from evaluation.artifacts import load_artifacts
+from evaluation.artifacts import load_artifact
 from evaluation.likelihood import greedy_check, mc_loglikelihood
 from evaluation.model_args import EvalModelArgs
 from service.engine import Engine
@@ -131,9 +131,9 @@ class DllmKvqLM(TemplateLM):
         self._device = self.engine.device
         self.records: list[GenerationRecord] = []
         self.kv_reports: list[KVReport] = []
-        self._artifacts: dict[KVQuantConfig, tuple[Any, Any]] = {}
+        self._artifacts: dict[KVQuantConfig, Any] = {}
         self._chat_rendered: set[str] = set()
-        self._artifacts_for(a.kv_config)  # load and validate the policy / state now, not at the first batch
+        self._artifacts_for(a.kv_config)  # load and validate the artifact now, not at the first batch
         self.base_params = DecodeParams(
             gen_length=response_length(a.max_gen_toks, a.block_length), block_length=a.block_length,
             cache_mode=a.cache_mode, threshold=a.threshold, steps=a.steps,
@@ -211,18 +211,17 @@ class DllmKvqLM(TemplateLM):
         return text
 
     # ---- KV quantization --------------------------------------------------------------------------------------
-    def _artifacts_for(self, config: KVQuantConfig) -> tuple[Any, Any]:
-        """(policy table, KVQuant state) that ``config`` names, loaded once and validated against the model."""
+    def _artifacts_for(self, config: KVQuantConfig) -> Any:
+        """The artifact ``config`` names (None if its method applies none), loaded once and checked."""
         if config not in self._artifacts:
-            self._artifacts[config] = load_artifacts(config, self.spec, self.args.store)
+            self._artifacts[config] = load_artifact(config, self.spec, self.args.store)
         return self._artifacts[config]
 
     def _new_kv_store(self, config: KVQuantConfig):
         """A fresh KV store for one engine batch; None = the engine's full-precision store."""
         if config.method == "none":
             return None
-        policy, state = self._artifacts_for(config)
-        return make_kv_store(config, self.spec, policy, state)
+        return make_kv_store(config, self.spec, self._artifacts_for(config))
 
     # ---- generation -------------------------------------------------------------------------------------------
     def _plan(self, index: int, context: str, gen_kwargs: dict[str, Any]) -> _Plan:

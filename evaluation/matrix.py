@@ -203,28 +203,23 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
 
 # ---- artifacts -----------------------------------------------------------------------------------------------
 def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
-    """Newest stored policy per (``dllm_kvq``, cache mode, bits) and KVQuant state per (``kvquant``, mode, bits)
-    fitted on the model with ``fingerprint`` (a state fits every cache mode: it is listed under both); Table 3's
-    fixed-rule tables (`evaluation.controls.is_fixed_rule`) are not fitted and never picked."""
-    from service.artifacts.kvquant_state import KVQuantState
-    from service.artifacts.policy import PolicyTable
-    from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY
+    """Newest stored artifact per (method, cache mode, bits) fitted on the model with ``fingerprint``, for every
+    registered method that applies one (an artifact without a cache mode, a KVQuant state, fits every mode).
+    Table 3's fixed-rule tables (`evaluation.controls.is_fixed_rule`) are not fitted and never picked."""
+    from service.quant.registry import method, methods
 
     found: dict[tuple[str, str, int], tuple[float, str]] = {}
-
-    def offer(key: tuple[str, str, int], created: float, artifact_id: str) -> None:
-        if key not in found or created > found[key][0]:
-            found[key] = (created, artifact_id)
-
-    for pid in store.list(KIND_POLICY):
-        table = store.get_model(KIND_POLICY, pid, PolicyTable)
-        if table.weights_fingerprint == fingerprint and not is_fixed_rule(table):
-            offer(("dllm_kvq", table.cache_mode, table.bits), store.info(KIND_POLICY, pid).created_at, pid)
-    for sid in store.list(KIND_KVQUANT_STATE):
-        state = KVQuantState.from_bytes(store.get(KIND_KVQUANT_STATE, sid))
-        if state.meta.weights_fingerprint == fingerprint:
-            for mode in CACHE_MODES:
-                offer(("kvquant", mode, state.bits), store.info(KIND_KVQUANT_STATE, sid).created_at, sid)
+    for name in methods(with_artifact=True):
+        entry = method(name)
+        for artifact_id in store.list(entry.store_kind):
+            artifact = entry.artifact.from_bytes(store.get(entry.store_kind, artifact_id))
+            if artifact.weights_fingerprint != fingerprint or is_fixed_rule(artifact):
+                continue
+            created = store.info(entry.store_kind, artifact_id).created_at
+            for mode in [artifact.cache_mode] if artifact.cache_mode else CACHE_MODES:
+                key = (name, mode, artifact.bits)
+                if key not in found or created > found[key][0]:
+                    found[key] = (created, artifact_id)
     return {key: artifact_id for key, (_, artifact_id) in found.items()}
 
 
@@ -286,10 +281,8 @@ def cell_model_args(cell: Cell, settings: MatrixSettings, artifact_id: str | Non
         model_args["bits"] = cell.bits
     if cell.sides != "kv":
         model_args["sides"] = cell.sides
-    if cell.method == "dllm_kvq":
-        model_args["policy_id"] = artifact_id
-    if cell.method == "kvquant":
-        model_args["kvquant_state_id"] = artifact_id
+    if artifact_id is not None:
+        model_args["artifact_id"] = artifact_id
     return model_args
 
 
@@ -367,6 +360,8 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
         ``{"ran", "skipped", "already_done", "seconds", "fingerprints", "files"}`` (``fingerprints``: model ->
         weights; ``files``: the cell files of this run's settings, run or reused, for `write_outputs`).
     """
+    from service.quant.registry import method, methods
+
     out = Path(out_dir)
     task_manager = task_manager or task_manager_for(settings.tasks, settings.include_path)
     store = None
@@ -389,11 +384,10 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
                 if store is None:
                     raise ValueError("a fixed K rule row needs a store (--store) to put its policy table in")
                 artifact_id = store_fixed_rule(store, engine.spec, cell.cache_mode, cell.bits, cell.rule)
-            elif cell.method in ("dllm_kvq", "kvquant"):
+            elif cell.method in methods(with_artifact=True):
                 artifact_id = artifacts[cell.model].get((cell.method, cell.cache_mode, cell.bits))
                 if artifact_id is None:
-                    kind = "policy table" if cell.method == "dllm_kvq" else "KVQuant state"
-                    reason = f"no {kind} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
+                    reason = f"no {method(cell.method).artifact.LABEL} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
                     skipped.append({"model": cell.model, "cell": cell.key, "reason": reason})
                     log.warning("skip %s %s: %s", cell.model, cell.key, reason)
                     continue

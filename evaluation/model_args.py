@@ -14,8 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 
-#: Fields of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``).
-KV_FIELDS: tuple[str, ...] = tuple(KVQuantConfig.model_fields)
+#: Keys of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``): its fields
+#: and the registered methods' spellings of the artifact reference.
+KV_FIELDS: tuple[str, ...] = KVQuantConfig.accepted_keys()
 
 
 class EvalModelArgs(BaseModel):
@@ -32,9 +33,10 @@ class EvalModelArgs(BaseModel):
         batch_size: prompts decoded together (rows of one engine batch); results do not depend on it.
         max_gen_toks: response tokens when the task gives no ``max_gen_toks`` (lm-eval's API models use the
             same name and default, 256); the decoded window is ``response_length(max_gen_toks, block_length)``.
-        store: store URL (``redis://...`` or a directory) for ``policy_id`` / ``kvquant_state_id``.
-        method, bits, k_group_size, v_group_size, policy_id, policy_file, kvquant_state_id, kvquant_state_file,
-            sides, keep_dequantized: the `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
+        store: store URL (``redis://...`` or a directory) for an artifact id.
+        method, bits, k_group_size, v_group_size, artifact_id, artifact_file (or a method's spelling of them:
+            policy_id, policy_file, kvquant_state_id, kvquant_state_file), sides, keep_dequantized: the
+            `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
         mc_num, mc_batch_size: Monte-Carlo samples per likelihood and samples per forward pass
             (`evaluation.likelihood`; the LLaDA authors use 128 and 32).
         check_greedy: compute lm-eval's ``is_greedy`` (costs one forward per continuation token; default off).
@@ -58,6 +60,8 @@ class EvalModelArgs(BaseModel):
     bits: int = 4
     k_group_size: int = 32
     v_group_size: int | None = None
+    artifact_id: str | None = None
+    artifact_file: str | None = None
     policy_id: str | None = None
     policy_file: str | None = None
     kvquant_state_id: str | None = None
@@ -75,9 +79,10 @@ class EvalModelArgs(BaseModel):
             raise ValueError("give exactly one of threshold (e.g. 0.9) and steps (then threshold=none)")
         if self.mc_num % self.mc_batch_size:
             raise ValueError(f"mc_num ({self.mc_num}) must be a multiple of mc_batch_size ({self.mc_batch_size})")
-        if (self.policy_id or self.kvquant_state_id) and self.store is None:
-            raise ValueError("policy_id / kvquant_state_id need store=<redis://... or a directory>")
-        self.kv_config  # noqa: B018 - validates the KV fields now, with KVQuantConfig's messages
+        kv = self.kv_config  # validates the KV fields now, with KVQuantConfig's messages
+        if kv.artifact_id and self.store is None:
+            raise ValueError("an artifact id (policy_id / kvquant_state_id / artifact_id) needs "
+                             "store=<redis://... or a directory>")
         return self
 
     @property

@@ -46,7 +46,7 @@ def default_kv_store_factory(spec: ModelSpec) -> Callable[[ConfigSnapshot], KVSt
             return None
         from service.quant.store import make_kv_store
 
-        return make_kv_store(snapshot.config, spec, snapshot.policy, snapshot.state)
+        return make_kv_store(snapshot.config, spec, snapshot.artifact)
 
     return factory
 

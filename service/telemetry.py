@@ -59,15 +59,13 @@ CONFIG_LABELS = ("method", "bits", "cache_mode", "policy")
 
 
 def config_labels(config: KVQuantConfig, cache_mode: str) -> dict[str, str]:
-    """The ``method, bits, cache_mode, policy`` label values of a configuration (bits empty for method none)."""
-    policy = config.policy_id if config.method == "dllm_kvq" else None
-    if config.method == "kvquant":
-        policy = config.kvquant_state_id
+    """The ``method, bits, cache_mode, policy`` label values of a configuration (bits empty for method none;
+    ``policy`` is the id of the fitted artifact the configuration names, whatever its method)."""
     return {
         "method": config.method,
         "bits": "" if config.method == "none" else str(config.bits),
         "cache_mode": cache_mode,
-        "policy": policy or "",
+        "policy": config.artifact_id or "",
     }
 
 

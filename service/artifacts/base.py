@@ -57,3 +57,8 @@ def canonical_json(obj: Any) -> bytes:
 def legal_v_group_sizes(head_dim: int) -> list[int]:
     """The V group sizes (channels) that divide ``head_dim``."""
     return [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+
+
+def default_v_group_size(head_dim: int) -> int:
+    """The V group size (channels) when none is given: min(32, head_dim) (KIVI's group of 32, DESIGN.md "QDQ")."""
+    return min(32, head_dim)

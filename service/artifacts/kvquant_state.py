@@ -22,7 +22,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -67,6 +67,10 @@ class KVQuantState:
 
     Raises (at construction): ``ValueError`` naming the tensor whose shape or dtype does not fit the metadata.
     """
+
+    #: The store kind KVQuant states are kept under.
+    KIND: ClassVar[str] = "kvquant_state"
+    LABEL: ClassVar[str] = "KVQuant state"
 
     meta: KVQuantStateMeta
     k_upper: torch.Tensor
@@ -132,6 +136,15 @@ class KVQuantState:
     @property
     def bits(self) -> int:
         return self.meta.bits
+
+    @property
+    def weights_fingerprint(self) -> str:
+        return self.meta.weights_fingerprint
+
+    @property
+    def cache_mode(self) -> None:
+        """None: a state is fitted once and serves every cache mode."""
+        return None
 
     def validate_for(self, spec: ModelSpec) -> None:
         """Check the state against a loaded model.

@@ -10,7 +10,7 @@ has an id derived from its content, round-trips through JSON and is checked agai
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,6 +63,9 @@ class PolicyTable(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: The store kind policy tables are kept under.
+    KIND: ClassVar[str] = "policy"
+    LABEL: ClassVar[str] = "policy table"
 
     schema_version: Literal[1] = 1
     model_id: str
@@ -107,6 +110,11 @@ class PolicyTable(BaseModel):
     def from_json(cls, text: str | bytes) -> PolicyTable:
         """Parse and validate a table (``pydantic.ValidationError`` naming the field if it is not one)."""
         return cls.model_validate_json(text)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PolicyTable:
+        """:meth:`from_json` of UTF-8 bytes (a stored or uploaded table)."""
+        return cls.model_validate_json(data)
 
     def validate_for(self, spec: ModelSpec) -> None:
         """Check the table against a loaded model.

@@ -21,6 +21,8 @@ def _token_ids(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All flags of ``generate`` (model, prompt, decoding, runtime, output); extend here for new options."""
+    from service.quant.registry import methods  # --kv-quant choices: every registered method
+
     parser.add_argument("--model", default=None, help="checkpoint directory or HF repo id (default: embedded model)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a checkpoint with a tokenizer)")
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
     kv = parser.add_argument_group("KV-cache quantization (cached modes; see service.quant)")
-    kv.add_argument("--kv-quant", choices=["none", "kivi", "kvquant", "dllm_kvq"], default="none",
+    kv.add_argument("--kv-quant", choices=methods(), default="none",
                     help="quantize the reused K/V (default none)")
     kv.add_argument("--kv-bits", type=int, choices=[2, 4, 8], default=4, help="code bits (default 4)")
     kv.add_argument("--kv-group-size", type=int, default=32, help="K group size in tokens (default 32)")
@@ -54,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="V group size in channels (default min(32, head_dim))")
     kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq")
     kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant")
+    kv.add_argument("--kv-artifact", default=None,
+                    help="the fitted artifact file of any method that applies one (--policy and --kvquant-state "
+                         "are its spellings for dllm_kvq and kvquant)")
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block)")
 
@@ -83,7 +88,8 @@ def kv_config(args: argparse.Namespace):
 
     return KVQuantConfig(
         method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
-        policy_file=args.policy, kvquant_state_file=args.kvquant_state, keep_dequantized=args.kv_keep_dequantized,
+        artifact_file=args.kv_artifact, policy_file=args.policy, kvquant_state_file=args.kvquant_state,
+        keep_dequantized=args.kv_keep_dequantized,
     )
 
 

@@ -34,8 +34,11 @@ class KVReport(BaseModel):
     """
 
     config: dict[str, Any]
+    # The applied artifact's id, under the method's spelling (`service.quant.registry`): policy_id for dllm_kvq,
+    # kvquant_state_id for kvquant, artifact_id for a method registered without its own spelling.
     policy_id: str | None = None
     kvquant_state_id: str | None = None
+    artifact_id: str | None = None
     k_nominal_bits: float
     v_nominal_bits: float
     k_storage_bits: float

@@ -45,8 +45,9 @@ class KVAccounting:
         if self._block_bytes > self._peak[0]:
             self._peak = (self._block_bytes, self._block_bf16)
 
-    def report(self, config: dict[str, Any], policy_id: str | None = None, state_id: str | None = None) -> KVReport:
-        """The request's :class:`KVReport` (zeros when nothing was quantized)."""
+    def report(self, config: dict[str, Any], artifact_ref: dict[str, str | None] | None = None) -> KVReport:
+        """The request's :class:`KVReport` (zeros when nothing was quantized); ``artifact_ref`` gives the applied
+        artifact's id under its report field (``{"policy_id": ...}``)."""
         per_layer = []
         sums = [0.0] * 6
         for layer in sorted(self._totals):
@@ -55,8 +56,7 @@ class KVAccounting:
             per_layer.append(LayerBits(layer=layer, **_bits(t)))
         return KVReport(
             config=config,
-            policy_id=policy_id,
-            kvquant_state_id=state_id,
+            **(artifact_ref or {}),
             bytes_held=self._peak[0],
             bf16_bytes=self._peak[1],
             per_layer=per_layer,

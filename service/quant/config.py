@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from service.artifacts.base import legal_v_group_sizes
+from service.artifacts.base import default_v_group_size, legal_v_group_sizes
 from service.quant.errors import KVQuantError
 
-Method = Literal["none", "kivi", "kvquant", "dllm_kvq"]
-#: Legal values, for error messages and CLI choices.
-METHODS: tuple[str, ...] = ("none", "kivi", "kvquant", "dllm_kvq")
 BITS: tuple[int, ...] = (2, 4, 8)
 Sides = Literal["kv", "k", "v"]
 #: Legal values of ``sides``: both, K only, V only.
@@ -19,49 +16,92 @@ SIDES: tuple[str, ...] = ("kv", "k", "v")
 
 
 class KVQuantConfig(BaseModel):
-    """Method, bits, group sizes, and the policy table (dllm_kvq) or fitted state (kvquant) it needs.
+    """Method, bits, group sizes, and a reference to the fitted artifact the method needs, if any.
 
-    ``k_group_size`` is in tokens (K is quantized per channel over groups of tokens); ``v_group_size`` in channels
-    (V per token over groups of channels), ``None`` meaning min(32, head_dim) (see :meth:`resolve_v_group_size`).
-    ``dllm_kvq`` needs a policy table, by store id (``policy_id``) or file (``policy_file``, JSON); ``kvquant`` a
-    fitted state, by id (``kvquant_state_id``) or file (``kvquant_state_file``, safetensors). Exactly one of id and
-    file, and only for the method that uses it.
+    ``method`` is a name in the quantizer registry (`service.quant.registry`: none, kivi, kvquant, dllm_kvq, and
+    any registered later). ``k_group_size`` is in tokens (K is quantized per channel over groups of tokens);
+    ``v_group_size`` in channels (V per token over groups of channels), ``None`` meaning min(32, head_dim) (see
+    :meth:`resolve_v_group_size`).
+
+    The artifact is referenced generically: ``artifact_id`` (a store id) or ``artifact_file`` (a path), exactly one
+    when the method's registry entry names an artifact type, neither otherwise. A method's entry may give its own
+    spellings of the two fields, accepted on input and written on output in their place: ``policy_id`` /
+    ``policy_file`` (dllm_kvq, a policy table in JSON) and ``kvquant_state_id`` / ``kvquant_state_file``
+    (kvquant, a safetensors state), the public HTTP, CLI and lm-eval names.
 
     ``sides`` says which of K and V the method quantizes (``kv``, default), ``k`` or ``v``: the other one is held
     as it is, in the model dtype (counted at 16 nominal bits, the paper's high-precision accounting), so a K-only
     or V-only row shows where a method's loss comes from (issue 16; the paper's method is K-side).
 
     Raises (at construction): ``pydantic.ValidationError`` (a ``ValueError``) whose message lists the legal values:
-    method (none, kivi, kvquant, dllm_kvq), bits (2, 4, 8), a missing or superfluous policy/state.
+    an unknown method (the registered ones), bits (2, 4, 8), a missing or superfluous artifact reference.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Method = "none"
+    method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
     bits: Literal[2, 4, 8] = 4
     k_group_size: int = Field(32, gt=0)
     v_group_size: int | None = Field(None, gt=0)
-    policy_id: str | None = None
-    kvquant_state_id: str | None = None
-    policy_file: str | None = None
-    kvquant_state_file: str | None = None
+    artifact_id: str | None = None
+    artifact_file: str | None = None
     sides: Sides = "kv"
     # Keep each layer's dequantized reused K/V for the whole block (faster, saves no memory within a block).
     keep_dequantized: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _accept_spellings(cls, data):
+        """Map a method's own spellings (``policy_id`` ...) onto ``artifact_id`` / ``artifact_file``."""
+        if not isinstance(data, dict):
+            return data
+        registry = _registry()
+        data = dict(data)
+        method = data.get("method", "none")
+        for spelling, (owner, generic) in registry.spellings().items():
+            if data.get(spelling) is None:
+                data.pop(spelling, None)
+                continue
+            if owner != method:
+                raise ValueError(f"{spelling} is only used by method {owner!r}, not {method!r}")
+            if data.get(generic) is not None:
+                raise ValueError(f"give {spelling} or {generic}, not both")
+            data[generic] = data.pop(spelling)
+        return data
+
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        _registry().method(name)  # KVQuantError listing the registered methods
+        return name
+
     @model_validator(mode="after")
     def _check_artifacts(self) -> KVQuantConfig:
-        needs = {"dllm_kvq": ("policy_id", "policy_file"), "kvquant": ("kvquant_state_id", "kvquant_state_file")}
-        for method, (id_field, file_field) in needs.items():
-            given = [f for f in (id_field, file_field) if getattr(self, f) is not None]
-            if self.method == method and len(given) != 1:
-                raise ValueError(
-                    f"method {method!r} needs exactly one of {id_field} or {file_field}, got "
-                    f"{given or 'neither'}"
-                )
-            if self.method != method and given:
-                raise ValueError(f"{given[0]} is only used by method {method!r}, not {self.method!r}")
+        entry = _registry().method(self.method)
+        given = [f for f in ("artifact_id", "artifact_file") if getattr(self, f) is not None]
+        if entry.artifact is not None and len(given) != 1:
+            names = [entry.spelling(f) for f in given] or "neither"
+            raise ValueError(f"method {self.method!r} needs exactly one of {entry.spelling('artifact_id')} or "
+                             f"{entry.spelling('artifact_file')}, got {names}")
+        if entry.artifact is None and given:
+            raise ValueError(f"{given[0]} is only used by methods with a fitted artifact "
+                             f"({', '.join(_registry().methods(with_artifact=True))}), not {self.method!r}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _write_spellings(self, handler):
+        """Write the reference under the method's own spellings, so stored and reported configs keep them."""
+        out = handler(self)
+        entry = _registry().method(self.method)
+        for generic in ("artifact_id", "artifact_file"):
+            if generic in out and entry.spelling(generic) != generic:
+                out[entry.spelling(generic)] = out.pop(generic)
+        return out
+
+    @classmethod
+    def accepted_keys(cls) -> tuple[str, ...]:
+        """Every key a config accepts: its fields and the registered methods' spellings (CLI, model_args)."""
+        return (*cls.model_fields, *_registry().spellings())
 
     def resolve_v_group_size(self, head_dim: int) -> int:
         """The V group size for a model with ``head_dim`` channels per head (default min(32, head_dim)).
@@ -69,7 +109,7 @@ class KVQuantConfig(BaseModel):
         Raises:
             KVQuantError: the group size does not divide ``head_dim`` (the message lists the legal sizes).
         """
-        size = self.v_group_size if self.v_group_size is not None else min(32, head_dim)
+        size = self.v_group_size if self.v_group_size is not None else default_v_group_size(head_dim)
         if head_dim % size:
             raise KVQuantError(
                 f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}"
@@ -88,3 +128,9 @@ class KVQuantConfig(BaseModel):
             raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
                                "nothing; use 'prefix' or 'dual'")
 
+
+def _registry():
+    # Imported when first needed: the registry imports the quantizers, which import this module.
+    from service.quant import registry
+
+    return registry

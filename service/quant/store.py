@@ -10,12 +10,10 @@ no memory within a block. The active block is never handed to the store, so it i
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
 from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
 from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
@@ -24,7 +22,7 @@ from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.layout import SlotLayout
-from service.quant.registry import make_quantizer
+from service.quant.registry import make_quantizer, method, resolve_artifact
 
 
 class QuantizedKVStore(KVStore):
@@ -33,7 +31,8 @@ class QuantizedKVStore(KVStore):
     Args:
         quantizer: the method (see `service.quant.registry`).
         keep_dequantized: keep each layer's dequantized copy until the next block.
-        policy_id, state_id: recorded in the report.
+        artifact_id: the applied artifact's id, recorded in the report under ``report_field`` (the method's
+            spelling of ``artifact_id``: ``policy_id``, ``kvquant_state_id`` ...).
 
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
@@ -44,15 +43,15 @@ class QuantizedKVStore(KVStore):
         self,
         quantizer: KVQuantizer,
         keep_dequantized: bool = False,
-        policy_id: str | None = None,
-        state_id: str | None = None,
+        artifact_id: str | None = None,
+        report_field: str = "artifact_id",
     ) -> None:
         self.quantizer = quantizer
         self.needs_scores = quantizer.needs_scores
         self.pre_rope_keys = quantizer.pre_rope_keys
         self.keep_dequantized = keep_dequantized
-        self.policy_id = policy_id
-        self.state_id = state_id
+        self.artifact_id = artifact_id
+        self.report_field = report_field
         self.accounting = KVAccounting()
         self._segments: Segments | None = None
         self._layout: SlotLayout | None = None
@@ -93,7 +92,7 @@ class QuantizedKVStore(KVStore):
     def report(self) -> KVReport:
         """Effective bits and bytes of everything written so far (see `service.quant.accounting`)."""
         return self.accounting.report(
-            self.quantizer.config.model_dump(mode="json"), policy_id=self.policy_id, state_id=self.state_id
+            self.quantizer.config.model_dump(mode="json"), {self.report_field: self.artifact_id}
         )
 
     def _start_block(self, segments: Segments, device: torch.device) -> None:
@@ -103,46 +102,30 @@ class QuantizedKVStore(KVStore):
         self.accounting.start_block(self._layout.nbytes)
 
 
-def make_kv_store(
-    config: KVQuantConfig,
-    spec: ModelSpec,
-    policy: PolicyTable | None = None,
-    state: KVQuantState | None = None,
-) -> KVStore:
+def make_kv_store(config: KVQuantConfig, spec: ModelSpec, artifact: Any = None) -> KVStore:
     """The KV store for one request's configuration.
 
-    ``method="none"`` gives the engine's :class:`FullPrecisionKVStore`. A policy (dllm_kvq) or state (kvquant)
-    named by file in the config is loaded here; one named by id must be passed in (the caller resolves ids
-    through its store, `service.store.base`).
+    ``method="none"`` gives the engine's :class:`FullPrecisionKVStore`. An artifact named by file in the config
+    is loaded here (`service.quant.registry.resolve_artifact`); one named by id must be passed in (the caller
+    resolves ids through its store, `service.store.base`).
 
     Raises:
-        KVQuantError: the policy/state is missing, or named by id but not passed, or its file cannot be read or
-            parsed; a bad v_group_size.
-        ArtifactMismatch: the policy/state does not fit the model or the config (message names the field).
+        KVQuantError: the artifact is missing, or named by id but not passed, or its file cannot be read or
+            parsed; an unknown method; a bad v_group_size.
+        ArtifactMismatch: the artifact does not fit the model or the config (message names the field).
     """
-    if config.method == "none":
+    entry = method(config.method)
+    if entry.quantizer is None:
         return FullPrecisionKVStore()
-    if config.method == "dllm_kvq" and policy is None:
-        if config.policy_file is None:
-            raise KVQuantError(f"policy_id {config.policy_id!r} must be resolved by the caller and passed as policy")
-        policy = _load("policy_file", config.policy_file, lambda p: PolicyTable.from_json(Path(p).read_text()))
-    if config.method == "kvquant" and state is None:
-        if config.kvquant_state_file is None:
-            raise KVQuantError(
-                f"kvquant_state_id {config.kvquant_state_id!r} must be resolved by the caller and passed as state"
-            )
-        state = _load("kvquant_state_file", config.kvquant_state_file, KVQuantState.load)
-    quantizer = make_quantizer(config, spec, policy=policy, state=state)
+    if entry.artifact is not None and artifact is None:
+        if config.artifact_file is None:
+            raise KVQuantError(f"{entry.spelling('artifact_id')} {config.artifact_id!r} must be resolved by the "
+                               "caller and passed as artifact")
+        artifact = resolve_artifact(config, spec)
+    quantizer = make_quantizer(config, spec, artifact)
     return QuantizedKVStore(
         quantizer,
         keep_dequantized=config.keep_dequantized,
-        policy_id=policy.id if config.method == "dllm_kvq" else None,
-        state_id=state.id if config.method == "kvquant" else None,
+        artifact_id=artifact.id if artifact is not None else None,
+        report_field=entry.spelling("artifact_id"),
     )
-
-
-def _load(field: str, path: str, loader):
-    try:
-        return loader(path)
-    except (OSError, ValueError) as err:
-        raise KVQuantError(f"{field} {path!r} cannot be used: {err}") from err

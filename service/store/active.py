@@ -16,16 +16,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from service.artifacts.base import ArtifactMismatch
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
+from service.quant.registry import method, resolve_artifact
 from service.store.base import (
     CACHE_MODES,
-    KIND_KVQUANT_STATE,
-    KIND_POLICY,
     ActiveChange,
     AuditEntry,
     Store,
@@ -55,7 +52,7 @@ class ConfigSnapshot:
         cache_mode: the cache mode it applies to.
         source: ``active`` (the store's active entry), ``default`` (the ``kv_quant`` setting, the store having
             none), or ``request`` (named by the request itself).
-        policy, state: the loaded policy table (dllm_kvq) or KVQuant state (kvquant), else None.
+        artifact: the loaded artifact the method applies (policy table, KVQuant state ...), else None.
         set_at: when the active entry was set (unix seconds), if it came from the store.
         origin: for a shadow re-decode, the snapshot the served request used (telemetry labels come from it).
     """
@@ -63,8 +60,7 @@ class ConfigSnapshot:
     config: KVQuantConfig
     cache_mode: CacheMode
     source: Source
-    policy: PolicyTable | None = None
-    state: KVQuantState | None = None
+    artifact: Any = None
     set_at: float | None = None
     origin: ConfigSnapshot | None = None
 
@@ -83,25 +79,13 @@ class ConfigSnapshot:
 
 
 class ConfigResolver:
-    """Validates configurations against the model and loads the artifacts they name (cached: immutable by id)."""
+    """Validates configurations against the model and loads the artifacts they name from the store (through
+    the registry's one resolver, `service.quant.registry.resolve_artifact`; cached: immutable by id)."""
 
     def __init__(self, store: Store, spec: ModelSpec) -> None:
         self.store = store
         self.spec = spec
-        self._policies: dict[str, PolicyTable] = {}
-        self._states: dict[str, KVQuantState] = {}
-
-    def load_policy(self, policy_id: str) -> PolicyTable:
-        """The stored policy table ``policy_id`` (ArtifactNotFound, StoreUnavailable, ValueError if corrupt)."""
-        if policy_id not in self._policies:
-            self._policies[policy_id] = PolicyTable.from_json(self.store.get(KIND_POLICY, policy_id))
-        return self._policies[policy_id]
-
-    def load_state(self, state_id: str) -> KVQuantState:
-        """The stored KVQuant state ``state_id``."""
-        if state_id not in self._states:
-            self._states[state_id] = KVQuantState.from_bytes(self.store.get(KIND_KVQUANT_STATE, state_id))
-        return self._states[state_id]
+        self._artifacts: dict[tuple[str, str], Any] = {}
 
     def resolve(self, config: KVQuantConfig, cache_mode: CacheMode, source: Source, set_at: float | None = None
                 ) -> ConfigSnapshot:
@@ -110,44 +94,30 @@ class ConfigResolver:
         Raises:
             ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
                 that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
-            service.store.base.ArtifactNotFound: the policy or state is not stored.
+            service.store.base.ArtifactNotFound: the artifact is not stored.
             service.store.base.StoreUnavailable: the store cannot be reached to load it.
         """
-        for name in ("policy_file", "kvquant_state_file"):
-            if getattr(config, name) is not None:
-                raise ConfigInvalid(
-                    f"kv_quant.{name}", "the server reads policies and states from its store only: upload it "
-                    "through /admin and name it by id"
-                )
-        if config.method == "none":
+        entry = method(config.method)
+        if config.artifact_file is not None:
+            raise ConfigInvalid(
+                f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
+                "only: upload it through /admin and name it by id"
+            )
+        if entry.quantizer is None:
             return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
             raise ConfigInvalid("cache_mode", str(exc)) from exc
         try:
-            v_group = config.resolve_v_group_size(self.spec.head_dim)
+            config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:
             raise ConfigInvalid("kv_quant.v_group_size", str(exc)) from exc
-        policy = state = None
         try:
-            if config.method == "dllm_kvq":
-                policy = self.load_policy(config.policy_id)
-                policy.validate_for(self.spec)
-                for name, want in (("cache_mode", cache_mode), ("bits", config.bits),
-                                   ("k_group_size", config.k_group_size), ("v_group_size", v_group)):
-                    if getattr(policy, name) != want:
-                        raise ConfigInvalid(f"kv_quant.{name}", f"the policy {config.policy_id} was fitted for "
-                                            f"{name} {getattr(policy, name)!r}, the configuration asks {want!r}")
-            elif config.method == "kvquant":
-                state = self.load_state(config.kvquant_state_id)
-                state.validate_for(self.spec)
-                if state.bits != config.bits:
-                    raise ConfigInvalid("kv_quant.bits", f"the KVQuant state {config.kvquant_state_id} has "
-                                        f"{state.bits}-bit codebooks, the configuration asks {config.bits}")
+            artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:
             raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
-        return ConfigSnapshot(config, cache_mode, source, policy=policy, state=state, set_at=set_at)
+        return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)
 
 
 class ActiveConfigs:
@@ -196,7 +166,8 @@ class ActiveConfigs:
         with self._lock:
             old = self._current.get(snapshot.cache_mode)
             self._current[snapshot.cache_mode] = snapshot
-        cap = snapshot.policy.k_bit_cap if snapshot.policy is not None else None
+        # The nominal K-bit cap an artifact was fitted under (policy tables have one).
+        cap = getattr(snapshot.artifact, "k_bit_cap", None)
         self.telemetry.set_active(self.model_name, snapshot.cache_mode, snapshot.config, snapshot.source, cap)
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(snapshot.cache_mode).inc()

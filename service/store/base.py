@@ -50,12 +50,15 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from service.artifacts.base import canonical_json
+from service.artifacts.kvquant_state import KVQuantState
+from service.artifacts.policy import PolicyTable
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.quant.registry import method
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
-KIND_POLICY = "policy"
-KIND_KVQUANT_STATE = "kvquant_state"
+KIND_POLICY = PolicyTable.KIND
+KIND_KVQUANT_STATE = KVQuantState.KIND
 KIND_TRAJECTORY = "trajectory"
 KIND_CALIBRATION_SUMS = "calibration_sums"
 KIND_EVAL_SCORES = "eval_scores"
@@ -170,13 +173,9 @@ def content_id(data: bytes) -> str:
 
 
 def referenced_ids(config: KVQuantConfig) -> set[tuple[str, str]]:
-    """The (kind, id) artifacts an active configuration depends on."""
-    refs = set()
-    if config.policy_id:
-        refs.add((KIND_POLICY, config.policy_id))
-    if config.kvquant_state_id:
-        refs.add((KIND_KVQUANT_STATE, config.kvquant_state_id))
-    return refs
+    """The (kind, id) artifacts an active configuration depends on (the method's registry entry gives the kind)."""
+    entry = method(config.method)
+    return {(entry.store_kind, config.artifact_id)} if entry.artifact is not None and config.artifact_id else set()
 
 
 class Store(ABC):

@@ -9,7 +9,7 @@ import zipfile
 
 from tests.deploy.tools import REPO, run_tool
 
-PACKAGES = ("service", "calibration", "evaluation")
+PACKAGES = ("service", "calibration", "evaluation", "dllm_kvq")
 
 
 def test_wheel_carries_every_tracked_file_of_the_packages(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.artifacts.base import Provenance
+from service.artifacts.base import Provenance, default_v_group_size
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.params import DecodeParams
@@ -62,7 +62,7 @@ def policy_for(spec, bits: int, p: int = 1) -> PolicyTable:
     kinds = ("attention", "qerror", "hybrid")
     return PolicyTable(
         model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=bits,
-        k_group_size=G, v_group_size=min(32, spec.head_dim), k_bit_cap=16.0, provenance=PROV,
+        k_group_size=G, v_group_size=default_v_group_size(spec.head_dim), k_bit_cap=16.0, provenance=PROV,
         layers=[LayerPolicy(score_type=kinds[i % 3], p=p) for i in range(spec.num_layers)],
     )
 
@@ -72,11 +72,11 @@ def store_for(engine, method, bits, states=None, p=1):
     if method == "dllm_kvq":
         table = policy_for(spec, bits, p)
         return make_kv_store(
-            KVQuantConfig(method=method, bits=bits, k_group_size=G, policy_id=table.id), spec, policy=table
+            KVQuantConfig(method=method, bits=bits, k_group_size=G, policy_id=table.id), spec, artifact=table
         )
     if method == "kvquant":
         state = states[spec.arch, bits]
-        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, state=state)
+        return make_kv_store(KVQuantConfig(method=method, bits=bits, kvquant_state_id=state.id), spec, artifact=state)
     return make_kv_store(KVQuantConfig(method=method, bits=bits, k_group_size=G), spec)
 
 
@@ -102,7 +102,7 @@ class SimulatedStore(FullPrecisionKVStore):
         if self.method == "kivi":
             codes, scale, mn = quantize_k_groups(k, G, self.bits)
             k_hat = dequantize_k_groups(codes, scale, mn, G, k.dtype)
-            codes, scale, mn = quantize_v(v, min(32, v.shape[-1]), self.bits)
+            codes, scale, mn = quantize_v(v, default_v_group_size(v.shape[-1]), self.bits)
             return k_hat, dequantize_v(codes, scale, mn, v.dtype)
         s, (_, h, t, d) = self.state, k.shape
         k2, v2 = k[0].transpose(0, 1).reshape(t, h * d), v[0].transpose(0, 1).reshape(t, h * d)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.artifacts.base import Provenance
+from service.artifacts.base import Provenance, default_v_group_size
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.spec import ModelSpec
 
@@ -16,7 +16,7 @@ def policy_for(spec: ModelSpec, cache_mode: str = "dual", bits: int = 4, num_lay
         cache_mode=cache_mode,
         bits=bits,
         k_group_size=32,
-        v_group_size=min(32, spec.head_dim),
+        v_group_size=default_v_group_size(spec.head_dim),
         k_bit_cap=16.0,
         layers=[LayerPolicy(score_type="attention", p=p)] * (num_layers or spec.num_layers),
         provenance=Provenance(data="tests", code="tests/support/artifacts.py"),

@@ -90,7 +90,7 @@ def test_active_configuration_swap_audit_and_delete(store):
     assert store.get_active(FP, "dual") is None and store.audit() == []
 
     first = store.set_active(FP, "dual", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid), key_id="k1")
-    assert first.old is None and first.new.policy_id == pid and first.key_id == "k1"
+    assert first.old is None and first.new.artifact_id == pid and first.key_id == "k1"
     second = store.set_active(FP, "dual", KVQuantConfig(method="kivi", bits=2), key_id="k2")
     assert second.old == first.new and second.new.method == "kivi"
     store.set_active(FP, "prefix", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid))

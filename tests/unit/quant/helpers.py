@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from service.artifacts.base import Provenance
+from service.artifacts.base import Provenance, default_v_group_size
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.spec import ModelSpec
 from service.quant.kvquant import fit_state
@@ -25,7 +25,7 @@ def kv(batch, tokens, dtype=torch.float32, seed=0, spec=SPEC):
 def policy(entries, bits=4, cache_mode="dual", k_group_size=8, spec=SPEC, cap=16.0):
     return PolicyTable(
         model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode=cache_mode, bits=bits,
-        k_group_size=k_group_size, v_group_size=min(32, spec.head_dim), k_bit_cap=cap,
+        k_group_size=k_group_size, v_group_size=default_v_group_size(spec.head_dim), k_bit_cap=cap,
         layers=[LayerPolicy(score_type=s, p=p) for s, p in entries], provenance=PROV,
     )
 

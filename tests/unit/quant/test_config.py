@@ -21,7 +21,7 @@ def test_kvquant_request_without_a_state_is_refused():
         KVQuantConfig(method="dllm_kvq", policy_id="a", policy_file="b.json")
     with pytest.raises(ValidationError, match="policy_file is only used by method 'dllm_kvq', not 'kivi'"):
         KVQuantConfig(method="kivi", policy_file="b.json")
-    assert KVQuantConfig(method="kvquant", kvquant_state_file="s.safetensors").kvquant_state_file == "s.safetensors"
+    assert KVQuantConfig(method="kvquant", kvquant_state_file="s.safetensors").artifact_file == "s.safetensors"
 
 
 def test_v_group_size_default_and_divisibility():

@@ -17,7 +17,7 @@ SEG = Segments((0, 2), block_start=20, block_end=28, seq_len=40, cache_mode="dua
 def dllm_store(entries, bits=4, **kw):
     cfg = KVQuantConfig(method="dllm_kvq", bits=bits, k_group_size=8, policy_id="p", **kw)
     table = policy(entries, bits=bits)
-    return make_kv_store(cfg.model_copy(update={"policy_id": table.id}), SPEC, policy=table)
+    return make_kv_store(cfg.model_copy(update={"artifact_id": table.id}), SPEC, artifact=table)
 
 
 @pytest.mark.parametrize("score_type", ["attention", "qerror", "hybrid"])

@@ -20,10 +20,10 @@ def store_for(method, bits=4, **kw):
     cfg = {"method": method, "bits": bits, "k_group_size": 8, **kw}
     if method == "dllm_kvq":
         cfg["policy_file"] = "unused.json"
-        return make_kv_store(KVQuantConfig(**cfg), SPEC, policy=policy([("qerror", 2), ("hybrid", 1)], bits=bits))
+        return make_kv_store(KVQuantConfig(**cfg), SPEC, artifact=policy([("qerror", 2), ("hybrid", 1)], bits=bits))
     if method == "kvquant":
         cfg["kvquant_state_file"] = "unused.safetensors"
-        return make_kv_store(KVQuantConfig(**cfg), SPEC, state=STATE4 if bits == 4 else STATE2)
+        return make_kv_store(KVQuantConfig(**cfg), SPEC, artifact=STATE4 if bits == 4 else STATE2)
     return make_kv_store(KVQuantConfig(**cfg), SPEC)
 
 
@@ -149,17 +149,17 @@ def test_state_and_policy_must_fit_model_and_config(tmp_path):
     path = tmp_path / "state.safetensors"
     STATE4.save(path)
     store = make_kv_store(KVQuantConfig(method="kvquant", bits=4, kvquant_state_file=str(path)), SPEC)
-    assert store.pre_rope_keys and store.state_id == STATE4.id
+    assert store.pre_rope_keys and store.artifact_id == STATE4.id
     with pytest.raises(ArtifactMismatch, match="^bits: the artifact has 4, the configuration asks for 2"):
         make_kv_store(KVQuantConfig(method="kvquant", bits=2, kvquant_state_file=str(path)), SPEC)
     with pytest.raises(ArtifactMismatch, match="^kvquant_state_id"):
-        make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_id="kvqstate-other"), SPEC, state=STATE4)
+        make_kv_store(KVQuantConfig(method="kvquant", kvquant_state_id="kvqstate-other"), SPEC, artifact=STATE4)
     table = policy([("attention", 1)] * 3)
     (tmp_path / "p.json").write_text(table.to_json())
     with pytest.raises(ArtifactMismatch, match="^layers: the policy has 3 layer entries, the model has 2"):
         make_kv_store(KVQuantConfig(method="dllm_kvq", k_group_size=8, policy_file=str(tmp_path / "p.json")), SPEC)
     with pytest.raises(ArtifactMismatch, match="^k_group_size: the artifact has 8, the configuration asks for 32"):
-        make_kv_store(KVQuantConfig(method="dllm_kvq", policy_id="x"), SPEC, policy=policy([("attention", 1)] * 2))
+        make_kv_store(KVQuantConfig(method="dllm_kvq", policy_id="x"), SPEC, artifact=policy([("attention", 1)] * 2))
 
 
 @pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "kvquant"])

@@ -1,0 +1,1 @@
+"""The ``dllm-kvq`` console command: one entry point above the server, calibration and evaluation packages."""

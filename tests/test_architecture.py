@@ -1,0 +1,67 @@
+"""The dependency direction of docs/architecture.md, checked on the real imports (grimp reads every import
+statement of the three packages, function-level ones included)."""
+
+from __future__ import annotations
+
+import copy
+
+import grimp
+import networkx as nx
+import pytest
+
+#: Lower packages that must stay free of HTTP and persistence.
+CORE = ("service.engine", "service.artifacts", "service.quant")
+
+
+def unit(module: str) -> str:
+    """The package a module belongs to for the cycle rule: ``service.<sub>``, or the top-level package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "service" and len(parts) > 1 else parts[0]
+
+
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def violations(graph: grimp.ImportGraph) -> list[str]:
+    """Every broken rule, as ``importer -> imported: rule`` lines (empty when the tree keeps the direction)."""
+    found = []
+    packages = nx.DiGraph()
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            edge = f"{importer} -> {imported}"
+            if _under(importer, *CORE) and _under(imported, "fastapi", "starlette", "service.api", "service.store"):
+                found.append(f"{edge}: engine, artifacts and quant import neither FastAPI nor the API or stores")
+            if _under(importer, "service.quant") and _under(imported, "service.engine.models"):
+                found.append(f"{edge}: quant does not import the models")
+            if _under(importer, "service") and _under(imported, "calibration", "evaluation"):
+                found.append(f"{edge}: the server imports neither calibration nor evaluation")
+            if _under(importer, "calibration", "evaluation") and _under(imported, "service.api"):
+                found.append(f"{edge}: offline jobs never import the HTTP layer")
+            if _under(importer, "service") and _under(imported, "service") and unit(importer) != unit(imported):
+                packages.add_edge(unit(importer), unit(imported))
+    found += [f"package cycle: {' -> '.join([*c, c[0]])}" for c in nx.simple_cycles(packages)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("service", "calibration", "evaluation", include_external_packages=True)
+
+
+def test_the_tree_keeps_the_dependency_direction(graph):
+    assert violations(graph) == []
+
+
+@pytest.mark.parametrize(("importer", "imported", "rule"), [
+    ("service.quant.base", "service.store.base", "neither FastAPI nor the API or stores"),
+    ("service.artifacts.policy", "fastapi", "neither FastAPI"),
+    ("service.quant.uniform", "service.engine.models.llada", "quant does not import the models"),
+    ("service.worker", "evaluation.matrix", "neither calibration nor evaluation"),
+    ("calibration.job", "service.api.serving", "never import the HTTP layer"),
+    ("service.engine.decode", "service.quant.store", "package cycle"),
+])
+def test_an_illegal_import_is_caught(graph, importer, imported, rule):
+    broken = copy.deepcopy(graph)
+    broken.add_import(importer=importer, imported=imported)
+    assert any(rule in line for line in violations(broken)), violations(broken)
