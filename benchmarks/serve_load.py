@@ -9,7 +9,15 @@ latency p50/p90/p99, the mean batch size the server formed (from ``/metrics``), 
 sequential. Targets (issue #5): >= 1.2x at 8 clients on CPU (batching only shares per-forward overhead there),
 never below 1.0x; >= 3x on a GPU.
 
-Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]``.
+``--compare`` (issue #14) instead starts two servers in turn, the continuous scheduler and the legacy batch worker
+(``--scheduler batch``), and measures on each: a mixed open-loop workload (Poisson arrivals at ``--rate`` per
+second; prompts of 20-1,000 tokens; ``max_tokens`` 32-256; a quarter of the requests with 2-bit KIVI), giving
+generated tokens/s and latency p50/p99, then head-of-line: the latency of a 32-token request alone and sent 50 ms
+after a 256-token one; plus the server's peak RSS. It prints the continuous/batch ratios of the same run. Targets:
+throughput >= 1.5x and p50 lower; head-of-line <= 2x alone.
+
+Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]
+[--compare [--rate 4]]``.
 """
 
 from __future__ import annotations
@@ -17,11 +25,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,10 +51,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int, store: str, log) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, store: str, log, scheduler: str = "continuous"
+                 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store,
            "--max-batch-size", "16", "--max-queue", "256", "--batch-wait-ms", str(args.batch_wait_ms),
-           "--threads", str(args.threads), "--device", args.device, "--log-level", "warning"]
+           "--threads", str(args.threads), "--device", args.device, "--log-level", "warning",
+           "--scheduler", scheduler]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -107,6 +120,112 @@ def run_level(url: str, prompts: list[str], clients: int) -> dict:
     }
 
 
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM) in MiB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def completion(client: httpx.Client, ids: list[int], max_tokens: int, quantized: bool = False) -> tuple[float, int]:
+    """One /v1/completions on token ids; (latency s, completion tokens)."""
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if quantized:
+        body["kv_quant"] = {"method": "kivi", "bits": 2}
+    t0 = time.perf_counter()
+    r = client.post("/v1/completions", json=body)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]["completion_tokens"]
+
+
+def mixed_workload(n: int, ids: list[int], seed: int) -> list[tuple[float, list[int], int, bool]]:
+    """(arrival gap s, prompt ids, max_tokens, quantized) per request, seeded: the same for both schedulers."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(20, 1000)
+        start = rng.randrange(0, len(ids) - length)
+        out.append((rng.random(), ids[start:start + length], rng.randint(32, 256), rng.random() < 0.25))
+    return out
+
+
+def run_mixed(url: str, workload, rate: float) -> dict:
+    """Open loop: request i is sent at its Poisson arrival time whatever the server does."""
+    results: list[tuple[float, int]] = []
+    lock = threading.Lock()
+
+    def send(item) -> None:
+        _, ids, max_tokens, quantized = item
+        with httpx.Client(base_url=url, timeout=900) as client:
+            got = completion(client, ids, max_tokens, quantized)
+        with lock:
+            results.append(got)
+
+    threads = []
+    t0 = time.perf_counter()
+    for gap, *rest in workload:
+        time.sleep(-math.log(1.0 - gap) / rate)  # exponential inter-arrival time
+        thread = threading.Thread(target=send, args=((gap, *rest),))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - t0
+    latencies = sorted(r[0] for r in results)
+    q = statistics.quantiles(latencies, n=100, method="inclusive")
+    return {"tok_per_s": sum(r[1] for r in results) / wall, "p50_s": q[49], "p99_s": q[98], "wall_s": wall}
+
+
+def run_hol(url: str, ids: list[int]) -> dict:
+    """Latency of a 32-token request alone (median of 3) and sent 50 ms after a 256-token request."""
+    with httpx.Client(base_url=url, timeout=900) as client:
+        alone = statistics.median(completion(client, ids[:100], 32)[0] for _ in range(3))
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            long = pool.submit(completion, client, ids[100:400], 256)
+            time.sleep(0.05)
+            beside = pool.submit(completion, client, ids[:100], 32).result()[0]
+            long.result()
+    return {"alone_s": alone, "beside_s": beside}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Continuous scheduler vs the legacy batch worker, one run (module docstring)."""
+    rows = {}
+    for scheduler in ("continuous", "batch"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
+            proc = start_server(args, port, str(Path(tmp) / "store"), log, scheduler)
+            try:
+                text = " ".join(json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line)
+                ids = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+                while len(ids) < 2000:
+                    ids = ids + ids
+                workload = mixed_workload(args.requests, ids, seed=0)
+                run_mixed(url, workload[:4], 50.0)  # warm-up
+                rows[scheduler] = {**run_mixed(url, workload, args.rate), **run_hol(url, ids),
+                                   "rss_mb": peak_rss_mb(proc.pid)}
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    c, b = rows["continuous"], rows["batch"]
+    print(f"serve_load --compare: {args.requests} requests, Poisson {args.rate}/s, prompts 20-1000 tokens, "
+          f"max_tokens 32-256, 1/4 KIVI 2-bit; device {args.device}, {args.threads} torch thread(s)")
+    print(f"{'scheduler':>11} {'tok/s':>7} {'p50 s':>7} {'p99 s':>7} {'32 alone':>9} {'beside 256':>11} "
+          f"{'HOL x':>6} {'RSS MiB':>8}")
+    for name, r in rows.items():
+        print(f"{name:>11} {r['tok_per_s']:7.1f} {r['p50_s']:7.2f} {r['p99_s']:7.2f} {r['alone_s']:9.3f} "
+              f"{r['beside_s']:11.3f} {r['beside_s'] / r['alone_s']:6.2f} {r['rss_mb']:8.0f}")
+    ratio, p50 = c["tok_per_s"] / b["tok_per_s"], c["p50_s"] / b["p50_s"]
+    hol = c["beside_s"] / c["alone_s"]
+    print(f"throughput continuous/batch {ratio:.2f}x (target >= 1.5x: {'met' if ratio >= 1.5 else 'NOT met'}); "
+          f"p50 continuous/batch {p50:.2f}x ({'lower' if p50 < 1 else 'NOT lower'}); head-of-line {hol:.2f}x "
+          f"alone (target <= 2x: {'met' if hol <= 2 else 'NOT met'})")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48, help="requests per level")
@@ -115,7 +234,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--compare", action="store_true", help="continuous vs batch scheduler (issue #14)")
+    parser.add_argument("--rate", type=float, default=4.0, help="--compare: Poisson arrivals per second")
     args = parser.parse_args()
+    if args.compare:
+        compare(args)
+        return
 
     questions = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]
     prompts = [questions[i % len(questions)] for i in range(args.requests)]

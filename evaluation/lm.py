@@ -44,7 +44,7 @@ from evaluation.artifacts import load_artifact
 from evaluation.likelihood import greedy_check, mc_loglikelihood
 from evaluation.model_args import EvalModelArgs
 from service.engine import Engine
-from service.engine.params import DecodeParams, RowOptions, response_length
+from service.engine.params import DecodeParams, DecodeSettings, RowOptions, resolve, response_length
 from service.engine.report import KVReport
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 #: The name to pass as ``--model`` to lm-eval.
 MODEL_NAME = "dllm-kvq"
 
-#: gen_kwargs keys lm-eval tasks send that this model honours, and the server's extra decoding fields.
-_DECODE_KEYS = ("cache_mode", "block_length", "threshold", "steps")
+#: gen_kwargs keys lm-eval tasks send that this model honours, and the decoding settings (the server's extra fields).
+_DECODE_KEYS = tuple(DecodeSettings.model_fields)
 _KNOWN_GEN_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "kv_quant", *_DECODE_KEYS}
 #: Sampling knobs accepted only at their neutral value (block diffusion has no nucleus/top-k sampling here).
 _NEUTRAL = {"top_p": 1.0, "top_k": 0, "num_beams": 1}
@@ -134,10 +134,8 @@ class DllmKvqLM(TemplateLM):
         self._artifacts: dict[KVQuantConfig, Any] = {}
         self._chat_rendered: set[str] = set()
         self._artifacts_for(a.kv_config)  # load and validate the artifact now, not at the first batch
-        self.base_params = DecodeParams(
-            gen_length=response_length(a.max_gen_toks, a.block_length), block_length=a.block_length,
-            cache_mode=a.cache_mode, threshold=a.threshold, steps=a.steps,
-        )
+        self.base_params = DecodeParams(gen_length=response_length(a.max_gen_toks, a.block_length),
+                                        **a.decode_settings())
 
     # ---- lm-eval plumbing -------------------------------------------------------------------------------------
     @classmethod
@@ -236,15 +234,12 @@ class DllmKvqLM(TemplateLM):
             raise ValueError(f"unsupported gen_kwargs {unknown}; supported: {', '.join(sorted(_KNOWN_GEN_KWARGS))}")
         until = gen_kwargs.get("until") or ()
         until = (until,) if isinstance(until, str) else tuple(until)
-        overrides = {k: gen_kwargs[k] for k in _DECODE_KEYS if k in gen_kwargs}
-        if "steps" in overrides and "threshold" not in overrides:
-            overrides["threshold"] = None
-        block_length = int(overrides.get("block_length", self.args.block_length))
+        # A task's decoding settings, else the model_args', as a server request resolves against its defaults.
+        overrides = DecodeSettings(**{k: gen_kwargs[k] for k in _DECODE_KEYS if k in gen_kwargs})
+        given = {k: getattr(overrides, k) for k in overrides.model_fields_set}
+        block_length = given.get("block_length") or self.args.block_length
         max_gen_toks = int(gen_kwargs.get("max_gen_toks") or self.args.max_gen_toks)
-        params = self.base_params.model_copy(
-            update={**overrides, "gen_length": response_length(max_gen_toks, block_length)}
-        )
-        params = DecodeParams(**params.model_dump())  # re-validate the overridden fields
+        params = resolve(given, self.args, response_length(max_gen_toks, block_length))
         kv_config = self.args.kv_config
         if gen_kwargs.get("kv_quant") is not None:
             kv_config = KVQuantConfig(**gen_kwargs["kv_quant"])
@@ -259,7 +254,7 @@ class DllmKvqLM(TemplateLM):
             log.warning("prompt of %d tokens left-truncated to %d (max_length %d - response %d)",
                         len(prompt), room, self.spec.max_length, params.gen_length)
             prompt = prompt[-room:]
-        row = RowOptions(temperature=temperature, seed=self.args.seed, stop=until)
+        row = RowOptions(temperature=temperature, seed=self.args.seed, stop=until, max_tokens=max_gen_toks)
         return _Plan(index, prompt, params, kv_config, row)
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
@@ -283,7 +278,8 @@ class DllmKvqLM(TemplateLM):
                 if kv is not None:
                     self.kv_reports.append(kv)
                 for plan, row in zip(chunk, report.rows, strict=True):
-                    text = row.text  # cut at EOS and at the first stop string by the engine (RowOptions.stop)
+                    # cut at max_gen_toks, EOS and the first stop string by the engine, as the server cuts a response
+                    text = row.text
                     req = requests[plan.index]
                     out[plan.index] = text
                     self.records.append(GenerationRecord(

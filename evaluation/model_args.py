@@ -1,7 +1,8 @@
 """`EvalModelArgs`: the ``--model_args`` of the in-process lm-eval model ``dllm-kvq`` (validated, typed).
 
 lm-eval parses ``--model_args key=value,...`` (or a JSON object) into keyword arguments; this model turns them into
-the engine's load arguments, `DecodeParams` fields and a `KVQuantConfig`. Unknown keys are refused with the list
+the engine's load arguments, the decoding settings (`DecodeSettings`, inherited: the same fields, bounds and
+defaults as the server's) and a `KVQuantConfig`. Unknown keys are refused with the list
 of legal ones (a typo must not silently fall back to a default).
 """
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from service.engine.params import CacheMode
+from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
 
 #: Keys of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``): its fields
@@ -19,17 +20,14 @@ from service.quant.config import KVQuantConfig
 KV_FIELDS: tuple[str, ...] = KVQuantConfig.accepted_keys()
 
 
-class EvalModelArgs(BaseModel):
+class EvalModelArgs(DecodeSettings):
     """Every model_arg of ``dllm-kvq`` (README "Evaluate with lm-eval" has the table).
 
     Attributes:
         model: checkpoint dir or HF repo id (offline cache); None = the embedded default model.
         dtype, device, threads: `Engine.load` arguments (``threads`` sets torch's intra-op threads).
-        cache_mode: ``none`` (full recompute), ``prefix`` or ``dual``.
-        block_length: tokens per block (paper: 32).
-        threshold: confidence threshold of parallel decoding (paper: 0.9); set ``steps`` instead for a fixed
-            schedule (then pass ``threshold=none``).
-        steps: total denoising steps over all blocks (fixed schedule), or None with a threshold.
+        cache_mode, block_length, threshold, steps, remasking, ignore_eos, dream_schedule: the decoding settings
+            (`service.engine.params.DecodeSettings`; paper: dual, 32, 0.9). ``steps`` alone replaces the threshold.
         batch_size: prompts decoded together (rows of one engine batch); results do not depend on it.
         max_gen_toks: response tokens when the task gives no ``max_gen_toks`` (lm-eval's API models use the
             same name and default, 256); the decoded window is ``response_length(max_gen_toks, block_length)``.
@@ -49,10 +47,6 @@ class EvalModelArgs(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     threads: int | None = Field(None, ge=1)
-    cache_mode: CacheMode = "dual"
-    block_length: int = Field(32, gt=0)
-    threshold: float | None = Field(0.9, gt=0.0, le=1.0)
-    steps: int | None = Field(None, gt=0)
     batch_size: int = Field(1, ge=1)
     max_gen_toks: int = Field(256, gt=0)
     store: str | None = None

@@ -3,7 +3,7 @@ client: chat completions, streamed chat completions and plain completions (the c
 client with the model's own tokenizer), then the same questions once per cache mode for tokens/s (the dual cache twice: unquantized, by the request's own
 ``kv_quant``, and with the server's active configuration).
 
-Prints each answer, whether it is right (``service.embedded_task.score``: exact match of the digits), the
+Prints each answer, whether it is right (``evaluation.embedded_task.score``: exact match of the digits), the
 configuration the server says it ran with (``kv_config``), and tokens/s per cache mode (completion tokens over
 wall seconds, requests one after another). ``--json FILE`` also writes everything it printed as JSON.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from openai import OpenAI
 from transformers import AutoTokenizer
 
-from service.embedded_task import GEN_LENGTH, load_split, score
+from evaluation.embedded_task import GEN_LENGTH, load_split, score
 
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "service" / "assets" / "embedded"
 

@@ -4,7 +4,7 @@ Output (``--out``, default ``service/assets/embedded``): ``tokenizer.json``, ``t
 LLaDA-8B-Instruct's chat template) and ``special_tokens_map.json``, loadable by
 ``transformers.AutoTokenizer.from_pretrained``.
 
-The corpus is the task family (``service.embedded_task``: instructions and answers, so every digit with and
+The corpus is the task family (``evaluation.embedded_task``: instructions and answers, so every digit with and
 without its leading space, and the instruction words, become single tokens) plus the project's own Python
 sources and README (so code and prose get a few useful merges). Byte-level BPE with no normalizer
 round-trips any text exactly; the vocabulary size only decides how many tokens a text takes.
@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import generate
+from evaluation.embedded_task import generate
 
 SPECIALS = {
     "eos": "<|endoftext|>",

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, LIST_LENGTH, OPS, SPLIT_SIZES, load_split
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, LIST_LENGTH, OPS, SPLIT_SIZES, load_split
 
 TARGET_EM = 0.80
 SITTING_KEYS = ("lr", "batch", "ramp_tokens", "final_sum_weight", "zero_start", "zero_ramp_from", "zero_ramp_tokens")
@@ -107,7 +107,7 @@ LLaDA's roles: `<|mdm_mask|>` mask ({config['mask_token_id']}), `<|endoftext|>` 
 
 ## Task
 
-Digit ledger (`service/embedded_task.py`): a list of {LIST_LENGTH} digits and an operation, answered with
+Digit ledger (`evaluation/embedded_task.py`): a list of {LIST_LENGTH} digits and an operation, answered with
 {LIST_LENGTH} digits: `copy` (the list), `next` (each digit plus one, mod 10), `sum` (running total mod 10, which
 needs the previous answer digit, so it is decoded left to right and later steps of a block reuse the cache).
 The answer spans two blocks of {BLOCK_LENGTH} (decode with `gen_length={GEN_LENGTH}`, `block_length={BLOCK_LENGTH}`,

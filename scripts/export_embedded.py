@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH
 
 THRESHOLD = 0.9
 TOKENIZER_DIR = ROOT / "service/assets/embedded"

@@ -1,4 +1,4 @@
-"""Train the embedded default model: a small LLaDA on the digit-ledger task (``service.embedded_task``).
+"""Train the embedded default model: a small LLaDA on the digit-ledger task (``evaluation.embedded_task``).
 
 Objective: LLaDA's SFT loss (LLaDA paper, Appendix B.1 / ML-GSAI/LLaDA ``GUIDELINES.md``): for each sequence
 draw ``t ~ U(eps, 1)``, mask every response token with probability ``t`` (the prompt is never masked), and take
@@ -46,7 +46,7 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, generate, make_question, response_text, score
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, generate, make_question, response_text, score
 from service.engine.models import LLaDAModel
 
 TOKENIZER_DIR = ROOT / "service/assets/embedded"

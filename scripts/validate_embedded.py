@@ -2,7 +2,7 @@
 
 For each cache mode (none = full recompute, prefix, dual) the held-out test split is decoded one question at a
 time with ``Engine.generate`` (threshold 0.9, ``GEN_LENGTH`` positions in blocks of ``BLOCK_LENGTH``, greedy,
-unquantized cache) and scored with ``service.embedded_task.score``. Reported per mode: exact match (overall and
+unquantized cache) and scored with ``evaluation.embedded_task.score``. Reported per mode: exact match (overall and
 per operation, and whether each question was answered right, in split order), mean NFE, per-question latency (mean and p50/p90 wall seconds of ``generate``), token agreement
 with full recompute; and once: the load time of ``Engine.load`` (first call in the process, which includes lazy imports, and a
 second call) and, in full recompute, the share of revealed
@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, load_split, score
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, load_split, score
 from service.engine import Engine
 from service.engine.agreement import token_agreement
 from service.engine.params import DecodeParams
@@ -54,16 +54,21 @@ class RevealConfidence:
 
     def __call__(self, module, args, kwargs, output) -> None:
         ids = args[0] if args else kwargs["input_ids"]
-        start = (kwargs.get("logits_range") or (0, ids.shape[1]))[0]
-        self.calls.append((ids[0].clone(), output[0].float(), start))
+        # The columns whose logits the call computed: per row (``logits_at``, continuous batching), a range, or all.
+        if kwargs.get("logits_at") is not None:
+            cols = kwargs["logits_at"][0]
+        else:
+            cols = torch.arange(*(kwargs.get("logits_range") or (0, ids.shape[1])))
+        self.calls.append((ids[0].clone(), output[0].float(), cols))
 
     def confidences(self, final_ids: torch.Tensor) -> list[float]:
         out = []
-        for k, (ids, logits, start) in enumerate(self.calls):
+        for k, (ids, logits, cols) in enumerate(self.calls):
             after = self.calls[k + 1][0] if k + 1 < len(self.calls) else final_ids
-            cols = ((ids == self.mask_id) & (after != self.mask_id)).nonzero()[:, 0]
+            revealed = ((ids == self.mask_id) & (after != self.mask_id)).nonzero()[:, 0]
+            rows = (cols[None, :] == revealed[:, None]).int().argmax(-1)
             probs = logits.softmax(-1)
-            out += probs[cols - start].max(-1).values.tolist()
+            out += probs[rows].max(-1).values.tolist()
         self.calls.clear()
         return out
 

@@ -1,7 +1,7 @@
 """Server settings: one pydantic-settings object, environment prefix ``DLLM_``, the only reader of the environment.
 
 Every field is also a ``python -m service serve`` flag (``--max-batch-size 8`` overrides ``DLLM_MAX_BATCH_SIZE``);
-the README has the table. Validation happens at start-up, and unsafe combinations are refused (see
+the README has the table (the decoding settings are listed with `DecodeSettings`). Validation happens at start-up, and unsafe combinations are refused (see
 :meth:`Settings._refuse_unsafe`).
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.engine.params import CacheMode
+from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -29,8 +29,12 @@ def key_id(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-class Settings(BaseSettings):
-    """Everything the server can be told. Environment: ``DLLM_<FIELD>`` (case-insensitive)."""
+class Settings(BaseSettings, DecodeSettings):
+    """Everything the server can be told. Environment: ``DLLM_<FIELD>`` (case-insensitive).
+
+    The decoding defaults are the fields of `service.engine.params.DecodeSettings` (declared once there): a request
+    that leaves one out gets the value set here, else the built-in default.
+    """
 
     model_config = SettingsConfigDict(env_prefix="DLLM_", extra="forbid", validate_default=True)
 
@@ -41,10 +45,7 @@ class Settings(BaseSettings):
     device: str = Field("cpu", description="torch device, e.g. cpu, cuda, cuda:1")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads; empty: torch's default")
 
-    # ---- decoding defaults ---------------------------------------------------------------------------------------
-    cache_mode: CacheMode = Field("dual", description="default cache mode: none, prefix or dual")
-    block_length: int = Field(32, gt=0, description="default block length in tokens")
-    threshold: float = Field(0.9, ge=0.0, le=1.0, description="default confidence threshold")
+    # ---- decoding defaults: every field of DecodeSettings (cache_mode, block_length, threshold ...), inherited --
     default_max_tokens: int = Field(64, gt=0, description="response positions when a request gives no max_tokens")
     kv_quant: KVQuantConfig = Field(
         default_factory=KVQuantConfig,
@@ -52,9 +53,20 @@ class Settings(BaseSettings):
     )
 
     # ---- worker ----------------------------------------------------------------------------------------------------
-    max_batch_size: int = Field(8, gt=0, description="most requests decoded together")
+    scheduler: Literal["continuous", "batch"] = Field(
+        "continuous", description="continuous: rows join and leave a running batch, admitted by KV memory; "
+        "batch: the legacy worker (identical settings batched, run to the end)"
+    )
+    max_batch_size: int = Field(8, gt=0, description="most rows decoded together (a cap; memory admits)")
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
-    batch_wait_ms: float = Field(5.0, ge=0.0, description="how long the worker waits to fill a batch")
+    batch_wait_ms: float = Field(5.0, ge=0.0, description="batch scheduler: how long it waits to fill a batch")
+    kv_budget_bytes: int | None = Field(
+        None, gt=0, description="memory for running rows' KV + the largest forward; empty: a fraction of free "
+        "GPU memory, 1 GiB on CPU"
+    )
+    kv_budget_fraction: float = Field(
+        0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
+    )
     request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
     retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")
     drain_timeout_s: float = Field(30.0, ge=0.0, description="SIGTERM: how long in-flight requests may finish")

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
 from service.api import errors
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
@@ -27,6 +28,7 @@ from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
+from service.scheduler import ContinuousWorker
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import StoreUnavailable, open_store
 from service.telemetry import Telemetry
@@ -97,6 +99,20 @@ async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeo
     await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=timeout_s)
 
 
+def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, telemetry: Telemetry) -> Worker:
+    """The worker the settings ask for: the continuous scheduler (admission by the KV memory budget) or the
+    legacy batch worker."""
+    common = {"max_queue": settings.max_queue, "retry_after_s": settings.retry_after_s,
+              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue}
+    if settings.scheduler == "batch":
+        return Worker(engine, kv_store_factory, telemetry, max_batch_size=settings.max_batch_size,
+                      batch_wait_s=settings.batch_wait_ms / 1000, **common)
+    memory = MemoryModel.for_engine(engine)
+    budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
+    return ContinuousWorker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
+                            **common)
+
+
 def create_app(
     settings: Settings | None = None,
     engine: EngineLike | None = None,
@@ -122,12 +138,7 @@ def create_app(
                 active.reload()
 
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
-        worker = Worker(
-            eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry,
-            max_batch_size=settings.max_batch_size, max_queue=settings.max_queue,
-            batch_wait_s=settings.batch_wait_ms / 1000, retry_after_s=settings.retry_after_s,
-            shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
-        )
+        worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker

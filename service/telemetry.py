@@ -15,6 +15,10 @@ dllm_queue_time_seconds                                histogram  -
 dllm_requests_running                                  gauge      -
 dllm_requests_waiting                                  gauge      -
 dllm_batch_size                                        histogram  -
+dllm_forwards_per_iteration                            histogram  -
+dllm_kv_budget_bytes                                   gauge      -
+dllm_kv_bytes_reserved                                 gauge      -
+dllm_requests_waiting_memory                           gauge      -
 dllm_nfe_per_request                                   histogram  cache_mode
 dllm_prompt_tokens_total                               counter    -
 dllm_generation_tokens_total                           counter    -
@@ -81,11 +85,20 @@ class Telemetry:
         self.first_block = Histogram("dllm_time_to_first_block_seconds",
                                      "admission to the first committed block", ["endpoint"],
                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("dllm_queue_time_seconds", "admission to the start of its batch",
+        self.queue_time = Histogram("dllm_queue_time_seconds", "admission to joining the running batch",
                                     buckets=QUEUE_BUCKETS, registry=r)
-        self.running = Gauge("dllm_requests_running", "requests in the batch being decoded", registry=r)
+        self.running = Gauge("dllm_requests_running", "rows being decoded", registry=r)
         self.waiting = Gauge("dllm_requests_waiting", "requests admitted and waiting for the worker", registry=r)
-        self.batch_size = Histogram("dllm_batch_size", "requests per decoded batch", buckets=BATCH_BUCKETS,
+        self.batch_size = Histogram("dllm_batch_size", "most rows decoded together with a request "
+                                    "(continuous) or requests per batch (batch scheduler)", buckets=BATCH_BUCKETS, registry=r)
+        self.forwards = Histogram("dllm_forwards_per_iteration", "forward calls per scheduler iteration",
+                                  buckets=(0, 1, 2, 3, 4), registry=r)
+        self.kv_budget = Gauge("dllm_kv_budget_bytes", "memory budget for running rows' KV + the largest forward",
+                               registry=r)
+        self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",
+                                 registry=r)
+        self.memory_waiting = Gauge("dllm_requests_waiting_memory",
+                                    "requests waiting because the head of the queue does not fit the budget yet",
                                     registry=r)
         self.nfe = Histogram("dllm_nfe_per_request", "forward passes per request", ["cache_mode"],
                              buckets=NFE_BUCKETS, registry=r)

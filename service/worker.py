@@ -62,6 +62,21 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
+    # The continuous scheduler's interface (`service.engine.batch`): an empty batch, a request's cohort, its report.
+    def batch(self) -> Any: ...
+
+    def cohort(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: Callable[[int, list[list[int]]], None] | None = None,
+        cancelled: Callable[[], list[bool]] | None = None,
+    ) -> Any: ...
+
+    def report(self, cohort: Any) -> DecodeReport: ...
+
 
 class WorkerError(Exception):
     """Base of the errors a job can end with."""
@@ -73,6 +88,15 @@ class QueueFull(WorkerError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestTooLarge(WorkerError):
+    """The request needs more memory than the whole budget, even alone; ``field`` names what to shorten
+    (``max_tokens`` or ``prompt``)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class WorkerUnavailable(WorkerError):

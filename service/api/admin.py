@@ -109,7 +109,7 @@ class Admin:
             raise ArtifactRejected(f"not a valid {kind}: {exc.errors()[0]['msg']}",
                                    param=_first_error_field(exc)) from exc
         except ArtifactMismatch as exc:
-            raise ArtifactRejected(str(exc), param=str(exc).split(":", 1)[0]) from exc
+            raise ArtifactRejected(str(exc), param=exc.field) from exc
         except ValueError as exc:
             raise ArtifactRejected(f"not a valid {kind}: {exc}") from exc
         if kind == KIND_POLICY and claimed_id is not None and claimed_id != artifact.id:

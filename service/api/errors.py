@@ -1,7 +1,8 @@
 """The one mapping from typed exceptions to HTTP errors in OpenAI's shape.
 
 Every error answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenAI's body; ``code`` is a short
-machine-readable reason). :data:`MAPPING` decides the status of each exception type raised inside the server;
+machine-readable reason). ``param`` is the ``field`` the error carries (engine, quantizer, artifact and store
+errors name the offending input when they raise it; nothing here parses messages). :data:`MAPPING` decides the status of each exception type raised inside the server;
 anything not listed is a 500 whose message does not leak internals. Whether a worker error is fatal is decided
 by the worker (`service.worker.is_device_fault`), which then fails readiness.
 """
@@ -27,7 +28,7 @@ from service.store.base import (
     InvalidName,
     StoreUnavailable,
 )
-from service.worker import BatchFailed, JobCancelled, QueueFull, WorkerUnavailable
+from service.worker import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class RequestTimeout(ApiError):
 # exception type -> (status, OpenAI type, code). First match in order wins (subclasses before bases).
 MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),
@@ -96,6 +98,10 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
 ]
 
 
+# An engine field that a request names otherwise: the decode window is asked for as max_tokens.
+REQUEST_PARAM = {"gen_length": "max_tokens"}
+
+
 def error_body(message: str, type_: str, code: str | None, param: str | None) -> dict[str, Any]:
     """The OpenAI error body."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -107,7 +113,8 @@ def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | 
         return exc.status, error_body(str(exc), exc.type, exc.code, exc.param), exc.headers
     for cls, status, type_, code in MAPPING:
         if isinstance(exc, cls):
-            param = getattr(exc, "field", None)
+            field = getattr(exc, "field", None)
+            param = REQUEST_PARAM.get(field, field)
             headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
             message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
             return status, error_body(message, type_, code, param), headers

@@ -12,11 +12,13 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
 
-from service.engine.params import CacheMode
+from service.engine.params import CacheMode, DecodeParams, DecodeSettings, optional_fields, resolve
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
+
+MAX_TOKENS_HELP = "most response tokens returned (decoding runs whole blocks, the response is cut back)"
 
 
 class StrictModel(BaseModel):
@@ -32,24 +34,23 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool | None = None
 
 
-class DiffusionKnobs(StrictModel):
-    """Our extra fields: the block-diffusion schedule and KV quantization (empty: the server's defaults and the
-    active configuration of the cache mode)."""
+class DiffusionKnobs(create_model("DecodingFields", __base__=StrictModel, **optional_fields())):
+    """Our extra fields: every decoding setting (`service.engine.params.DecodeSettings`, generated from its
+    fields: same types, bounds and help; empty: the server's default) and the KV quantization (empty: the active
+    configuration of the cache mode)."""
 
-    cache_mode: CacheMode | None = None
-    block_length: int | None = Field(None, gt=0)
-    threshold: float | None = Field(None, ge=0.0, le=1.0)
-    steps: int | None = Field(None, gt=0, description="total denoising steps (fixed schedule instead of threshold)")
-    remasking: Literal["low_confidence", "random"] | None = None
-    ignore_eos: bool = False
     kv_quant: KVQuantConfig | None = None
+
+    def decode_params(self, defaults: DecodeSettings, gen_length: int) -> DecodeParams:
+        """The request's `DecodeParams`: its values, else ``defaults`` (the server's), else the built-in ones."""
+        return resolve(dict(self), defaults, gen_length)
 
 
 class OpenAISampling(DiffusionKnobs):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
+    max_tokens: StrictInt | None = Field(None, ge=1, description=MAX_TOKENS_HELP)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1)
@@ -171,7 +172,7 @@ def new_id(prefix: str) -> str:
 
 
 class Usage(BaseModel):
-    """Token counts: prompt, completion (up to and including EOS), total."""
+    """Token counts: prompt, completion (the tokens returned, an ending EOS included), total."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -276,13 +277,13 @@ class ModelList(BaseModel):
 class GenerateRequest(DiffusionKnobs):
     """``POST /generate``: one prompt (text, or token ids) in, the engine's full `DecodeReport` out."""
 
+    model: str | None = Field(None, description="checked against the served model, as on the OpenAI routes")
     prompt: str | list[int]
     chat: bool = Field(False, description="wrap a text prompt in the chat template as one user turn")
-    max_tokens: StrictInt | None = Field(None, ge=1, description="response positions, rounded up to whole blocks")
+    max_tokens: StrictInt | None = Field(None, ge=1, description=MAX_TOKENS_HELP)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    dream_schedule: Literal["origin", "block"] | None = None
 
 
 class GenerateResponse(DecodeReport):

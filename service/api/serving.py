@@ -3,9 +3,10 @@
 Built once in the lifespan and kept on ``app.state.serving`` (vLLM's ``OpenAIServing*`` habit); testable without
 HTTP. Rules it implements (issue #5, item 3):
 
-* ``max_tokens`` is the number of response positions, rounded **up** to whole blocks
-  (`service.engine.params.response_length`); the output is cut at EOS and at the first stop string, which never
-  appears in the text (also not in streamed deltas: a tail that could start a stop string is held back).
+* Decoding runs ``max_tokens`` rounded **up** to whole blocks (`service.engine.params.response_length`); the
+  response is cut by `service.engine.response.cut_response` (at ``max_tokens``, EOS and the first stop string,
+  which never appears in the text, also not in streamed deltas: a tail that could start a stop string is held
+  back), and ``usage.completion_tokens`` counts the tokens returned.
 * A request is admitted with one configuration snapshot: the one its ``kv_quant`` names, else the active
   configuration of its cache mode at admission.
 * A client that disconnects, or a request older than ``request_timeout_s``, cancels its jobs.
@@ -30,10 +31,11 @@ from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classif
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
-from service.engine.report import RowReport
+from service.engine.prompts import encode_chat, encode_text
+from service.engine.response import Cut, cut_response
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import EngineLike, Job, JobCancelled, JobResult, Worker
+from service.worker import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 
 Kind = Literal["completion", "chat", "generate"]
 
@@ -45,26 +47,9 @@ class Plan:
     kind: Kind
     endpoint: str
     jobs: list[Job]
-    stops: tuple[str, ...]
-    ignore_eos: bool
     stream: bool = False
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A row's final text and accounting."""
-
-    text: str
-    finish_reason: Literal["stop", "length"]
-    completion_tokens: int
-
-
-def cut_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, bool]:
-    """``text`` up to the earliest occurrence of any stop string (excluded), and whether one occurred."""
-    cut = min((i for i in (text.find(x) for x in stops if x) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -113,11 +98,11 @@ class Serving:
         return tok
 
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise InvalidRequest(f"{self.spec.model_id} has no chat template; use /v1/completions", param="messages")
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
-        return list(tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=True))
+        turns = [{"role": m.role, "content": m.text} for m in messages]
+        return encode_chat(self.engine.tokenizer, turns, self.spec.model_id, add_generation_prompt)
+
+    def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        return encode_text(self.engine.tokenizer, text, self.spec.model_id, add_special_tokens)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
         """``/tokenize``: ids of a prompt or of chat messages (through the chat template)."""
@@ -127,7 +112,7 @@ class Serving:
         if req.messages is not None:
             ids = self._chat_ids(req.messages, req.add_generation_prompt)
         else:
-            ids = list(self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = self._encode(req.prompt, req.add_special_tokens)
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.spec.max_length)
 
     def detokenize(self, req: s.DetokenizeRequest) -> s.DetokenizeResponse:
@@ -158,31 +143,12 @@ class Serving:
         if bad:
             raise InvalidRequest(f"token ids must lie in [0, {self.spec.vocab_size}), got {bad[:5]}", param=param)
 
-    def _params(self, req: s.DiffusionKnobs, max_tokens: int | None, extra: dict[str, Any] | None = None
-                ) -> DecodeParams:
-        block_length = req.block_length or self.settings.block_length
-        gen_length = response_length(max_tokens or self.settings.default_max_tokens, block_length)
-        if gen_length > self.spec.max_length:
-            raise InvalidRequest(f"max_tokens {max_tokens} (rounded up to {gen_length} response positions) exceeds "
-                                 f"the model's context of {self.spec.max_length} tokens", param="max_tokens")
-        if req.steps is not None and req.threshold is not None:
-            raise InvalidRequest("give threshold (confidence-threshold decoding) or steps (fixed schedule), not both",
-                                 param="threshold")
-        if req.steps is not None and req.steps % (gen_length // block_length):
-            raise InvalidRequest(f"steps {req.steps} must be a multiple of the number of blocks "
-                                 f"{gen_length // block_length} (response {gen_length} / block {block_length})",
-                                 param="steps")
-        return DecodeParams(
-            gen_length=gen_length,
-            block_length=block_length,
-            cache_mode=req.cache_mode or self.settings.cache_mode,
-            threshold=None if req.steps is not None else (
-                req.threshold if req.threshold is not None else self.settings.threshold),
-            steps=req.steps,
-            remasking=req.remasking or "low_confidence",
-            ignore_eos=req.ignore_eos,
-            **(extra or {}),
-        )
+    def _params(self, req: s.DiffusionKnobs, max_tokens: int | None) -> tuple[DecodeParams, int]:
+        """The request's `DecodeParams` and its ``max_tokens`` (given, else the server's default)."""
+        max_tokens = max_tokens or self.settings.default_max_tokens
+        params = req.decode_params(self.settings, response_length(max_tokens, req.block_length or
+                                                                  self.settings.block_length))
+        return params, max_tokens
 
     def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
         if req.kv_quant is not None:
@@ -191,17 +157,8 @@ class Serving:
 
     def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot
               ) -> list[Job]:
-        for ids in prompts:
-            if not ids:
-                raise InvalidRequest("the prompt is empty", param="prompt")
-            self._check_ids(ids, "prompt")
-            if len(ids) + params.gen_length > self.spec.max_length:
-                raise InvalidRequest(
-                    f"prompt ({len(ids)} tokens) + response ({params.gen_length} positions) exceeds the model's "
-                    f"context of {self.spec.max_length} tokens", param="prompt" if len(ids) >= self.spec.max_length
-                    else "max_tokens")
-        # The engine's own admission rules (mask id in a prompt, Dream's schedule limits ...): a 400 now, rather
-        # than a failed batch later.
+        # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
+        # once, by the engine: a 400 naming the field now, rather than a failed batch later.
         validate_request(self.spec, prompts, params, [row] * len(prompts))
         return [Job(ids, params, row, snapshot) for ids in prompts]
 
@@ -233,7 +190,7 @@ class Serving:
         else:
             raise InvalidRequest("prompt must be a string, a list of strings, token ids or lists of token ids, "
                                  "and not empty", param="prompt")
-        return self._plan("completion", "/v1/completions", req, prompts, req.max_tokens)
+        return self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
         """Validate and apply the chat template for ``/v1/chat/completions``."""
@@ -241,10 +198,11 @@ class Serving:
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         return self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages)],
-                          req.max_completion_tokens or req.max_tokens)
+                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0)
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
         """Validate ``/generate``: text (optionally through the chat template) or token ids."""
+        self._check_model(req.model)
         if isinstance(req.prompt, str):
             ids = self._chat_ids([s.ChatMessage(role="user", content=req.prompt)]) if req.chat \
                 else self._encode(req.prompt)
@@ -252,24 +210,15 @@ class Serving:
             if req.chat:
                 raise InvalidRequest("chat applies to a text prompt, not token ids", param="chat")
             ids = list(req.prompt)
-        extra = {"dream_schedule": req.dream_schedule} if req.dream_schedule else None
-        params = self._params(req, req.max_tokens, extra)
-        stops = self._stops(req.stop)
-        row = RowOptions(temperature=req.temperature, seed=req.seed, stop=stops)
-        jobs = self._jobs([ids], params, row, self._snapshot(req, params.cache_mode))
-        return Plan("generate", "/generate", jobs, stops, req.ignore_eos, request_id=s.new_id("gen"))
+        return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
-
-    def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling, prompts: list[list[int]],
-              max_tokens: int | None) -> Plan:
-        params = self._params(req, max_tokens)
-        stops = self._stops(req.stop)
-        row = RowOptions(temperature=req.temperature or 0.0, seed=req.seed, stop=stops)
+    def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
+              max_tokens: int | None, temperature: float) -> Plan:
+        params, max_tokens = self._params(req, max_tokens)
+        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
         jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode))
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Plan(kind, endpoint, jobs, stops, req.ignore_eos, stream=bool(req.stream), request_id=s.new_id(prefix))
+        prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
+        return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)), request_id=s.new_id(prefix))
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
@@ -278,9 +227,11 @@ class Serving:
         try:
             for job in plan.jobs:
                 admitted.append(self.worker.submit(job))
-        except BaseException:
+        except BaseException as exc:
             for job in admitted:
                 self.worker.cancel(job)
+            if isinstance(exc, RequestTooLarge) and exc.field == "prompt" and plan.kind == "chat":
+                exc.field = "messages"  # the chat route's prompt
             raise
 
     def _cancel(self, plan: Plan) -> None:
@@ -320,31 +271,20 @@ class Serving:
             if job.first_block_at is not None:
                 self.telemetry.first_block.labels(plan.endpoint).observe(job.first_block_at - job.admitted_at)
 
-    def finish(self, plan: Plan, row: RowReport) -> Finished:
-        """Final text of a row: cut at the first EOS (unless ignore_eos) and at the first stop string."""
-        ids, hit_eos = self._cut_eos(row.generated_ids, plan.ignore_eos)
-        text = self.engine.decode_text(ids) or ""
-        text, hit_stop = cut_at_stop(text, plan.stops)
-        completion_tokens = len(ids) + (1 if hit_eos else 0)
-        return Finished(text, "stop" if hit_eos or hit_stop else "length", completion_tokens)
-
-    def _cut_eos(self, ids: list[int], ignore_eos: bool) -> tuple[list[int], bool]:
-        if ignore_eos:
-            return list(ids), False
-        for i, t in enumerate(ids):
-            if t in self.spec.eos_ids:
-                return list(ids[:i]), True
-        return list(ids), False
+    def cut(self, job: Job, ids: list[int]) -> Cut:
+        """The job's response from its decoded ids (`service.engine.response.cut_response`)."""
+        return cut_response(ids, self.spec.eos_ids, job.params.ignore_eos, job.row.max_tokens, job.row.stop,
+                            self.engine.decode_text)
 
     # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
         """The ``/v1/completions`` answer: one choice per prompt, summed usage."""
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
-            fin = self.finish(plan, result.row)
-            choices.append(s.CompletionChoice(index=i, text=fin.text, finish_reason=fin.finish_reason))
+            cut = self.cut(job, result.row.generated_ids)
+            choices.append(s.CompletionChoice(index=i, text=cut.text, finish_reason=cut.finish_reason))
             prompt_tokens += len(job.prompt_ids)
-            completion_tokens += fin.completion_tokens
+            completion_tokens += len(cut.ids)
         return s.CompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
             usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -354,20 +294,23 @@ class Serving:
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
         """The ``/v1/chat/completions`` answer."""
-        fin = self.finish(plan, results[0].row)
+        cut = self.cut(plan.jobs[0], results[0].row.generated_ids)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name,
-            choices=[s.ChatChoice(index=0, message=s.ChatMessageOut(content=fin.text), finish_reason=fin.finish_reason)],
-            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=fin.completion_tokens,
-                          total_tokens=prompt_tokens + fin.completion_tokens),
+            choices=[s.ChatChoice(index=0, message=s.ChatMessageOut(content=cut.text), finish_reason=cut.finish_reason)],
+            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(cut.ids),
+                          total_tokens=prompt_tokens + len(cut.ids)),
             kv_config=results[0].snapshot.describe(),
         )
 
     def generate_response(self, plan: Plan, result: JobResult) -> s.GenerateResponse:
-        """The ``/generate`` answer: the one-row report with its text cut at EOS and stop strings."""
-        fin = self.finish(plan, result.row)
-        report = result.report.model_copy(update={"rows": [result.row.model_copy(update={"text": fin.text})]})
+        """The ``/generate`` answer: the one-row report with its ids, text and finish reason cut as the OpenAI
+        routes cut them (the ids returned never exceed ``max_tokens``)."""
+        cut = self.cut(plan.jobs[0], result.row.generated_ids)
+        reason = "cancelled" if result.row.finish_reason == "cancelled" else cut.finish_reason
+        row = result.row.model_copy(update={"generated_ids": cut.ids, "text": cut.text, "finish_reason": reason})
+        report = result.report.model_copy(update={"rows": [row]})
         return s.GenerateResponse(
             **report.model_dump(), id=plan.request_id, model=self.model_name,
             prompt_tokens=len(plan.jobs[0].prompt_ids), kv_config=result.snapshot.describe(),
@@ -400,29 +343,29 @@ class Serving:
                 kind, i, *rest = event
                 if i not in open_rows:
                     continue
+                job = plan.jobs[i]
                 if kind == "block":
-                    ids, _ = self._cut_eos(rest[1], plan.ignore_eos)
-                    text, _ = cut_at_stop(self.engine.decode_text(ids) or "", plan.stops)
-                    text = text[: len(text) - held_back(text, plan.stops)]
+                    # Cut as the final answer is cut: what is streamed never goes past it.
+                    text = self.cut(job, rest[1]).text or ""
+                    text = text[: len(text) - held_back(text, job.row.stop)]
                     delta = text[len(emitted[i]):] if text.startswith(emitted[i]) else ""
                     emitted[i] += delta
                     yield self._chunk(plan, i, text=delta)
                     continue
-                job = plan.jobs[i]
                 exc = job.future.exception()
                 if exc is not None:
                     raise exc
                 result: JobResult = job.future.result()
-                fin = self.finish(plan, result.row)
-                completion_tokens += fin.completion_tokens
+                cut = self.cut(job, result.row.generated_ids)
+                completion_tokens += len(cut.ids)
                 open_rows.discard(i)
-                delta = fin.text[len(emitted[i]):] if fin.text.startswith(emitted[i]) else ""
+                delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
                 usage = None
                 if not open_rows:
                     usage = s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                     total_tokens=prompt_tokens + completion_tokens)
                     self._observe(plan, [j.future.result() for j in plan.jobs])
-                yield self._chunk(plan, i, text=delta, finish_reason=fin.finish_reason, usage=usage)
+                yield self._chunk(plan, i, text=delta, finish_reason=cut.finish_reason, usage=usage)
         except (Exception, asyncio.CancelledError) as exc:
             self._cancel(plan)
             if isinstance(exc, asyncio.CancelledError | JobCancelled):
@@ -465,4 +408,4 @@ async def _wait_disconnect(request: Request, poll_s: float = 0.1) -> None:
         await asyncio.sleep(poll_s)
 
 
-__all__ = ["Finished", "Plan", "Serving", "cut_at_stop", "held_back"]
+__all__ = ["Plan", "Serving", "held_back"]

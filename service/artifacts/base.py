@@ -18,8 +18,13 @@ from service.engine.spec import ModelSpec
 class ArtifactMismatch(ValueError):
     """A policy table or KVQuant state does not fit the loaded model or the requested configuration.
 
-    The message starts with the name of the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...).
+    ``field`` names the offending field (``weights_fingerprint``, ``layers``, ``bits`` ...), ``detail`` says
+    why; the message is ``"<field>: <detail>"``.
     """
+
+    def __init__(self, field: str, detail: str) -> None:
+        super().__init__(f"{field}: {detail}")
+        self.field, self.detail = field, detail
 
 
 class Provenance(BaseModel):
@@ -44,7 +49,7 @@ def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:
     """Raise :class:`ArtifactMismatch` (field ``weights_fingerprint``) unless it equals ``spec.fingerprint``."""
     if fingerprint != spec.fingerprint:
         raise ArtifactMismatch(
-            f"weights_fingerprint: the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
+            "weights_fingerprint", f"the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
             f"{spec.model_id!r} has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
         )
 

@@ -156,11 +156,11 @@ class KVQuantState:
         check_fingerprint(self.meta.weights_fingerprint, spec)
         if self.meta.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"num_layers: the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
+                "num_layers", f"the state has {self.meta.num_layers} layers, the model has {spec.num_layers}"
             )
         channels = spec.num_kv_heads * spec.head_dim
         if self.meta.channels != channels:
             raise ArtifactMismatch(
-                f"channels: the state has {self.meta.channels} key/value channels per token, the model has "
+                "channels", f"the state has {self.meta.channels} key/value channels per token, the model has "
                 f"num_kv_heads * head_dim = {spec.num_kv_heads} * {spec.head_dim} = {channels}"
             )

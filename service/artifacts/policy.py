@@ -126,11 +126,11 @@ class PolicyTable(BaseModel):
         check_fingerprint(self.weights_fingerprint, spec)
         if self.num_layers != spec.num_layers:
             raise ArtifactMismatch(
-                f"layers: the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
+                "layers", f"the policy has {self.num_layers} layer entries, the model has {spec.num_layers} layers"
             )
         if spec.head_dim % self.v_group_size:
             raise ArtifactMismatch(
-                f"v_group_size: {self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
+                "v_group_size", f"{self.v_group_size} does not divide the model's head_dim {spec.head_dim}; legal: "
                 f"{legal_v_group_sizes(spec.head_dim)}"
             )
 

@@ -1,6 +1,10 @@
 """Subcommands of ``python -m service``; each module exposes ``add_parser(subparsers)`` (see `service.__main__`)."""
 
+import argparse
+from typing import Any, Literal, get_args, get_origin
+
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -11,3 +15,23 @@ def describe_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "settings"
         lines.append(f"{where}: {error['msg']}")
     return "; ".join(lines)
+
+
+def add_model_flags(parser: argparse.ArgumentParser | Any, fields: dict[str, FieldInfo],
+                    show_default: bool = False) -> None:
+    """One flag per pydantic field (``serve`` for `Settings`, ``generate`` for `DecodeSettings`): ``--a-name``
+    into ``args.a_name``, default None (= not given, the model's default applies), help from the field's
+    description; a bool is ``--x`` / ``--no-x``, a ``Literal`` lists its choices. Values stay strings and are
+    validated by the model (pydantic's lax mode parses ``"32"`` and ``"0.9"``)."""
+    for name, field in fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = field.description or ""
+        if show_default and field.default is not None:
+            help_text = f"{help_text} (default {field.default})"
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        literal = get_origin(field.annotation) is Literal
+        parser.add_argument(flag, dest=name, default=None, help=help_text,
+                            choices=list(get_args(field.annotation)) if literal else None,
+                            metavar=None if literal else name.upper())

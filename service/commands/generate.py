@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from service.commands import add_model_flags
+from service.engine.params import DecodeParams, DecodeSettings
+
 
 def _token_ids(text: str) -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]`` (argparse type; a bad id is a usage error)."""
@@ -29,20 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--gen-length", type=int, default=256, help="response length in tokens (default 256)")
-    parser.add_argument("--block-length", type=int, default=32, help="block length in tokens (default 32)")
-    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"], default="dual", help="default dual")
-    schedule = parser.add_mutually_exclusive_group()
-    schedule.add_argument("--threshold", type=float, default=None, help="confidence threshold (default 0.9)")
-    schedule.add_argument("--steps", type=int, default=None, help="fixed schedule: total steps over all blocks")
-    parser.add_argument("--remasking", choices=["low_confidence", "random"], default="low_confidence")
-    parser.add_argument(
-        "--dream-schedule", choices=["origin", "block"], default="origin",
-        help="Dream with --cache-mode none: whole-sequence algorithm (origin) or block-wise full recompute",
-    )
+    add_model_flags(parser.add_argument_group("decoding (service.engine.params.DecodeSettings)"),
+                    DecodeSettings.model_fields, show_default=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--seed", type=int, default=None, help="sampling seed")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cuts the text")
-    parser.add_argument("--ignore-eos", action="store_true", help="decode every block even after an EOS")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -70,16 +64,11 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def decode_params(args: argparse.Namespace):
-    """The :class:`DecodeParams` the flags describe (threshold 0.9 unless --steps is given)."""
-    from service.engine.params import DecodeParams
-
-    threshold = None if args.steps is not None else (0.9 if args.threshold is None else args.threshold)
-    return DecodeParams(
-        gen_length=args.gen_length, block_length=args.block_length, cache_mode=args.cache_mode,
-        threshold=threshold, steps=args.steps, remasking=args.remasking, ignore_eos=args.ignore_eos,
-        dream_schedule=args.dream_schedule,
-    )
+def decode_params(args: argparse.Namespace) -> DecodeParams:
+    """The :class:`DecodeParams` the flags describe (a flag not given: the built-in default; ``--steps`` alone
+    replaces the default threshold)."""
+    given = {name: getattr(args, name) for name in DecodeSettings.model_fields if getattr(args, name) is not None}
+    return DecodeParams(gen_length=args.gen_length, **given)
 
 
 def kv_config(args: argparse.Namespace):

@@ -16,20 +16,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from service.commands import describe_validation_error
+from service.commands import add_model_flags, describe_validation_error
 from service.config import Settings
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``serve`` with one flag per setting."""
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server", description=__doc__)
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                           help=field.description)
-        else:
-            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=field.description)
+    add_model_flags(p, Settings.model_fields)
     p.set_defaults(func=run)
 
 

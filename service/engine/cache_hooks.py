@@ -37,7 +37,6 @@ class BlockInitialWrite:
             block = slice(self.segments.block_start, self.segments.block_end)
             scores = attention_scores(q[:, :, block], k, self.key_mask)  # float32 [B, T]
         self.store.write(layer, k_pre if self.store.pre_rope_keys else k, v, self.segments, scores)
-        return None
 
 
 class ReuseRead:

@@ -1,21 +1,26 @@
-"""Block-diffusion decoding of a left-padded batch: no cache, prefix cache and dual cache (Fast-dLLM semantics).
+"""Block-diffusion decoding of a cohort, one forward call at a time: no cache, prefix cache and dual cache
+(Fast-dLLM semantics).
 
 Reference: NVlabs/Fast-dLLM commit 24cc59e, `llada/generate.py` (``generate``, ``generate_with_prefix_cache``,
 ``generate_with_dual_cache``) and `dream/model/generation_utils_block.py` / `generation_utils.py`; golden SPEC
-section 3; paper "Preliminary". Sequence layout per row: ``[left padding][prompt][response]``; the response is
-``gen_length`` masks cut into blocks decoded left to right.
+section 3; paper "Preliminary". A **cohort** is the rows of one `generate` call (or one server request): they share
+one :class:`DecodeParams` and one KV store, are left-padded together (``[left padding][prompt][response]``) and
+move from block to block together. The response is ``gen_length`` masks cut into blocks decoded left to right.
 
 Per block (block mode):
 
 1. **Block-initial pass**: a full forward over the whole sequence (nfe + 1). In cached modes every layer writes its
-   reused columns to the KV store (``store.write``). LLaDA reveals by the normal rule among the block's masks;
-   Dream reveals exactly the block's first column (predicted from the column before it), whatever the schedule.
+   reused columns to the KV store (``store.write``). The model family's reveal rule
+   (`service.engine.reveal`) reveals among the block's masks (Dream: exactly the block's first column).
 2. Until the block has no mask: one forward (nfe + 1) -- full (``none``), block + suffix with the reused prefix
    (``prefix``), or block only with reused prefix and suffix (``dual``) -- then reveal among the block's masks.
 
-Dream with ``cache_mode="none"`` runs Dream's own whole-sequence algorithm by default (``dream_schedule="origin"``,
-:meth:`Decoder.run_dream_origin`), which is what the reference's no-cache path does; ``dream_schedule="block"``
-gives the block loop above with full forwards (the full-recompute counterpart of the cached modes).
+When the reveal rule asks for its whole-response algorithm (Dream, ``cache_mode="none"``,
+``dream_schedule="origin"``), every call is a full forward over the response's masks (:class:`Canvas`).
+
+A cohort never runs a forward itself: :meth:`Cohort.next_pass` says what its next call needs (a :class:`Pass`) and
+:meth:`Cohort.apply` takes that call's logits, so `service.engine.batch` can put the passes of many cohorts, at
+different blocks and steps, into one forward.
 
 Departures from the reference (tokens never differ from it in fp32; NFE only lower):
 
@@ -44,15 +49,10 @@ import torch
 from service.engine.cache_hooks import BlockInitialWrite, ReuseRead
 from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
+from service.engine.models.layers import KVHook
 from service.engine.params import DecodeParams, RowOptions
-from service.engine.sampling import (
-    dream_fixed_count,
-    dream_threshold_reveals,
-    dream_tokens_and_confidence,
-    llada_fixed_schedule,
-    llada_tokens_and_confidence,
-    select_reveals,
-)
+from service.engine.response import cut_response
+from service.engine.reveal import Canvas
 from service.engine.spec import ModelSpec
 
 OnBlock = Callable[[int, list[list[int]]], None]
@@ -69,6 +69,8 @@ class RowState:
         nfe: forward calls the row took part in; reveals: tokens revealed at each of them;
         steps_per_block: forward calls per block the row worked on.
         status: ``running``, ``stop`` (stopped at EOS), ``cancelled``.
+        plan: the fixed schedule's reveal counts of the current block (None under a threshold).
+        canvas: the whole-response schedule's state (None in block mode).
     """
 
     pad: int
@@ -78,27 +80,61 @@ class RowState:
     reveals: list[int] = field(default_factory=list)
     steps_per_block: list[int] = field(default_factory=list)
     status: Literal["running", "stop", "cancelled"] = "running"
+    plan: list[int] | None = None
+    canvas: Canvas | None = None
 
 
-class Decoder:
-    """Decodes one batch of prompts with one :class:`DecodeParams`; :meth:`run` does the work.
+@dataclass
+class Pass:
+    """One cohort's part of a forward call.
+
+    Attributes:
+        cohort: who asked; rows: its row indices in the call (ascending).
+        kind: ``full`` (the input is every column of the sequence) or ``window`` (the input is the active block, or
+            block + suffix, next to reused K/V read from the store).
+        input_ids, positions: int64 ``[n, L]``; key_mask: bool ``[n, T]`` over the keys (True = attend), or None
+            when no row of the pass is padded; key_len: T, the keys each row attends over.
+        hook: the cohort's KV hook of this call, or None.
+        logits_cols: int64 ``[N]`` input columns whose logits the reveal needs (position-aligned).
+        step: the call's index within the block (0 = block-initial pass); -1 for a whole-response call.
+    """
+
+    cohort: Cohort
+    rows: list[int]
+    kind: Literal["full", "window"]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    key_mask: torch.Tensor | None
+    key_len: int
+    hook: KVHook | None
+    logits_cols: torch.Tensor
+    step: int
+
+
+class Cohort:
+    """The rows of one request (or `generate` call) with one :class:`DecodeParams` and one KV store.
 
     Args:
-        model: the network; spec: its :class:`ModelSpec`.
+        model: the network (its class carries the reveal rule); spec: its :class:`ModelSpec`.
         prompts: token ids per row (validated by the engine: non-empty, in vocabulary, no mask id).
-        params: batch-level settings; rows: per-row options (same length as prompts).
+        params: the cohort's settings; rows: per-row options (same length as prompts).
         store: holds the reused K/V of cached modes (unused with ``cache_mode="none"``).
         on_block: called as ``on_block(block_index, ids)`` each time a further block is committed for every row
             still decoding; ``ids`` are, per row, the response ids committed so far (cut after the first EOS unless
             ``ignore_eos``).
         cancelled: polled after every forward call; rows it marks True stop decoding.
+
+    Attributes:
+        done: no further call is needed; started_s, finished_s: ``perf_counter`` at the first call and when done;
+        first_block_s: seconds from the first call to the first block committed by every row.
     """
 
     def __init__(
         self, model: DiffusionLM, spec: ModelSpec, prompts: list[list[int]], params: DecodeParams,
         rows: list[RowOptions], store: KVStore, on_block: OnBlock | None = None, cancelled: Cancelled | None = None,
     ) -> None:
-        self.model, self.spec, self.params, self.store = model, spec, params, store
+        self.model, self.spec, self.params, self.store, self.row_options = model, spec, params, store, rows
+        self.rule = type(model).reveal_rule
         self.on_block, self.cancelled = on_block, cancelled
         device = model.embed.weight.device
         longest = max(len(p) for p in prompts)
@@ -117,98 +153,70 @@ class Decoder:
             for p, o in zip(prompts, rows)
         ]
         self.num_blocks = params.gen_length // params.block_length
+        self.canvas = self.rule.uses_canvas(params)
+        if self.canvas:
+            for state in self.rows:
+                state.canvas = self.rule.start_canvas(params)
+                state.steps_per_block.append(0)  # the whole response is one canvas
+        self.block, self.step = 0, 0
+        self._live: list[int] = []
+        self._segments: Segments | None = None
         self._emitted_blocks = 0
-        self._started = 0.0
+        self.done = False
+        self.started_s = self.finished_s = 0.0
         self.first_block_s = 0.0
 
-    # ----------------------------------------------------------------------------------------------- entry points
+    # ------------------------------------------------------------------------------------------------- calls
 
-    def run(self) -> torch.Tensor:
-        """Decode every row; returns the final ids ``[B, T]`` (rows' states in ``self.rows``)."""
-        self._started = time.perf_counter()
-        if self.spec.arch == "dream" and self.params.cache_mode == "none" and self.params.dream_schedule == "origin":
-            self.run_dream_origin()
-        else:
-            self.run_blocks()
-        return self.x
+    def next_pass(self) -> Pass | None:
+        """What the cohort's next forward call needs, or None once it is done (then ``done`` is True)."""
+        if self.done:
+            return None
+        if not self.started_s:
+            self.started_s = time.perf_counter()
+        found = self._canvas_pass() if self.canvas else self._block_pass()
+        if found is None:
+            self.done = True
+            self.finished_s = time.perf_counter()
+        return found
 
-    def run_blocks(self) -> None:
+    def _canvas_pass(self) -> Pass | None:
+        start, end = self.response_start, self.seq_len
+        stepping = [
+            r for r in self._running() if self.rows[r].canvas.step < self.rows[r].canvas.steps
+            and self._has_mask(r, start, end)
+        ]
+        return self._full_pass(stepping, start, end, None, -1) if stepping else None
+
+    def _block_pass(self) -> Pass | None:
         """The block loop of all three cache modes (module doc, steps 1-2)."""
-        block_length, mode = self.params.block_length, self.params.cache_mode
-        for block in range(self.num_blocks):
-            start = self.response_start + block * block_length
-            end = start + block_length
-            live = self._running()
-            if not live:
-                break
-            for r in live:
-                self.rows[r].steps_per_block.append(0)
-            schedules = self._llada_schedules(live, start, end)
-            hook, segments = None, None
-            if mode != "none":
-                segments = Segments(
-                    pad_lengths=tuple(self.rows[r].pad for r in live), block_start=start, block_end=end,
-                    seq_len=self.seq_len, cache_mode=mode,
-                )
-                hook = BlockInitialWrite(self.store, segments, self._key_mask(live))
-            logits = self._forward_full(live, start, end, hook)
-            self._reveal_block(live, logits, start, end, 0, schedules)
-            step = 1
-            while True:
-                stepping = [r for r in self._running() if r in live and self._has_mask(r, start, end)]
-                if not stepping:
-                    break
-                if mode == "none":
-                    logits = self._forward_full(stepping, start, end, None)
-                else:
-                    logits = self._forward_cached(stepping, live, segments)
-                self._reveal_block(stepping, logits, start, end, step, schedules)
-                step += 1
-
-    def run_dream_origin(self) -> None:
-        """Dream's whole-sequence no-cache algorithm (reference `generation_utils.py` ``_sample``; SPEC 3.5).
-
-        Every call is a full forward; the candidates are all masks of the response. Threshold: ``steps`` is
-        ``gen_length / block_length`` (the reference eval scripts' choice), so the quota is ``block_length`` tokens
-        per call plus what earlier calls rejected; when the last step rejects, the loop is extended by one step with
-        a zero base quota. Fixed schedule: Dream's timestep truncation over ``params.steps`` (entropy confidence).
-        The whole response is one canvas, so each row's ``steps_per_block`` has a single entry.
-        """
-        params, start, end = self.params, self.response_start, self.seq_len
-        threshold = params.threshold
-        total = params.gen_length // params.block_length if threshold is not None else params.steps
-        steps = {r: total for r in range(len(self.rows))}
-        quota = {r: params.gen_length // total for r in range(len(self.rows))}
-        carried = {r: 0 for r in range(len(self.rows))}
-        step = {r: 0 for r in range(len(self.rows))}
-        for r in self._running():
-            self.rows[r].steps_per_block.append(0)
+        mode = self.params.cache_mode
         while True:
-            stepping = [r for r in self._running() if step[r] < steps[r] and self._has_mask(r, start, end)]
-            if not stepping:
-                break
-            logits = self._forward_full(stepping, start, end, None)
-            counts = []
-            for j, r in enumerate(stepping):
-                candidates = self._mask_columns(r, start, end)
-                row_logits = logits[j, candidates - start]
-                state = self.rows[r]
-                if threshold is not None:
-                    tokens, confidence = dream_tokens_and_confidence(row_logits, state.temperature, state.generator, False)
-                    chosen, rejected = dream_threshold_reveals(confidence, quota[r] + carried[r], threshold)
-                    carried[r] = rejected
-                    if rejected and step[r] == steps[r] - 1:
-                        quota[r], steps[r] = 0, steps[r] + 1
-                else:
-                    tokens, confidence = dream_tokens_and_confidence(row_logits, state.temperature, state.generator, True)
-                    count = dream_fixed_count(int(candidates.numel()), step[r], steps[r])
-                    chosen = select_reveals(confidence, count, None)
-                self.x[r, candidates[chosen]] = tokens[chosen]
-                counts.append(int(chosen.numel()))
-                step[r] += 1
-            self._account(stepping, counts)
-
-    # ------------------------------------------------------------------------------------------------- forwards
+            start = self.response_start + self.block * self.params.block_length
+            end = start + self.params.block_length
+            if self.step == 0:
+                live = self._running()
+                if self.block >= self.num_blocks or not live:
+                    return None
+                self._live = live
+                hook = None
+                for r in live:
+                    state = self.rows[r]
+                    state.steps_per_block.append(0)
+                    state.plan = self.rule.block_plan(int(self._mask_columns(r, start, end).numel()), self.params)
+                if mode != "none":
+                    self._segments = Segments(
+                        pad_lengths=tuple(self.rows[r].pad for r in live), block_start=start, block_end=end,
+                        seq_len=self.seq_len, cache_mode=mode,
+                    )
+                    hook = BlockInitialWrite(self.store, self._segments, self._key_mask(live))
+                return self._full_pass(live, start, end, hook, 0)
+            stepping = [r for r in self._running() if r in self._live and self._has_mask(r, start, end)]
+            if stepping:
+                if mode == "none":
+                    return self._full_pass(stepping, start, end, None, self.step)
+                return self._window_pass(stepping)
+            self.block, self.step = self.block + 1, 0
 
     def _key_mask(self, rows: list[int]) -> torch.Tensor | None:
         """bool ``[n, T]`` (True = real token) over all columns, or None when none of ``rows`` is padded."""
@@ -217,69 +225,58 @@ class Decoder:
             return None
         return torch.arange(self.seq_len, device=pads.device)[None, :] >= pads[:, None]
 
-    def _forward_full(self, rows: list[int], start: int, end: int, hook) -> torch.Tensor:
-        """Full forward of ``rows``; logits of columns [start, end): ``[n, end - start, V]``."""
-        return self.model(
-            self.x[rows], positions=self.positions[rows], key_mask=self._key_mask(rows), kv_hook=hook,
-            logits_range=(start, end),
+    def _full_pass(self, rows: list[int], start: int, end: int, hook: KVHook | None, step: int) -> Pass:
+        """Every column of ``rows``; logits of columns [start, end)."""
+        return Pass(
+            self, rows, "full", self.x[rows], self.positions[rows], self._key_mask(rows), self.seq_len, hook,
+            torch.arange(start, end, device=self.x.device), step,
         )
 
-    def _forward_cached(self, rows: list[int], block_rows: list[int], segments: Segments) -> torch.Tensor:
-        """Window forward with reused K/V: prefix mode computes [s, T), dual mode [s, e); logits of [s, e)."""
+    def _window_pass(self, rows: list[int]) -> Pass:
+        """Window with reused K/V: prefix mode computes [s, T), dual mode [s, e); logits of [s, e)."""
+        segments = self._segments
         start, end = segments.block_start, segments.block_end
         window_end = self.seq_len if segments.cache_mode == "prefix" else end
         selection = None
-        if rows != block_rows:
-            selection = torch.tensor([block_rows.index(r) for r in rows], device=self.x.device)
+        if rows != self._live:
+            selection = torch.tensor([self._live.index(r) for r in rows], device=self.x.device)
         reused_positions = None
         if self.store.pre_rope_keys:
             reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
         hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
-        return self.model(
-            self.x[rows, start:window_end], positions=self.positions[rows, start:window_end],
-            key_mask=self._key_mask(rows), kv_hook=hook, logits_range=(0, end - start),
+        return Pass(
+            self, rows, "window", self.x[rows, start:window_end], self.positions[rows, start:window_end],
+            self._key_mask(rows), self.seq_len, hook, torch.arange(0, end - start, device=self.x.device), self.step,
         )
 
     # -------------------------------------------------------------------------------------------------- reveals
 
-    def _llada_schedules(self, rows: list[int], start: int, end: int) -> dict[int, list[int]]:
-        """Per row, LLaDA's fixed per-step reveal counts for this block (empty with a threshold or for Dream)."""
-        if self.spec.arch != "llada" or self.params.threshold is not None:
-            return {}
-        steps_per_block = self.params.steps // self.num_blocks
-        return {r: llada_fixed_schedule(int(self._mask_columns(r, start, end).numel()), steps_per_block) for r in rows}
-
-    def _reveal_block(
-        self, rows: list[int], logits: torch.Tensor, start: int, end: int, step: int, schedules: dict[int, list[int]]
-    ) -> None:
-        """Apply one call's reveals to each row of the call (logits ``[n, end - start, V]``)."""
+    def apply(self, call: Pass, logits: torch.Tensor) -> None:
+        """Apply one call's reveals to each of its rows (logits ``[n, N, V]`` of ``call.logits_cols``), then count
+        the call, stop rows at EOS, poll cancellation and commit blocks."""
         params, counts = self.params, []
-        for j, r in enumerate(rows):
+        if self.canvas:
+            start, end = self.response_start, self.seq_len
+        else:
+            start = self.response_start + self.block * params.block_length
+            end = start + params.block_length
+        for j, r in enumerate(call.rows):
             state = self.rows[r]
             candidates = self._mask_columns(r, start, end)
-            if self.spec.arch == "dream" and step == 0:
-                # Dream's block-initial pass reveals the block's first column, unconditionally (SPEC 3.6 step 1).
-                candidates = candidates[:1]
-                tokens, _ = dream_tokens_and_confidence(logits[j, :1], state.temperature, state.generator, False)
-                chosen = torch.zeros(1, dtype=torch.long, device=tokens.device)
-            elif self.spec.arch == "dream":
-                row_logits = logits[j, candidates - start]
-                fixed = params.threshold is None  # fixed schedule: negative-entropy confidence (SPEC 3.6)
-                tokens, confidence = dream_tokens_and_confidence(row_logits, state.temperature, state.generator, fixed)
-                count = int(candidates.numel())
-                if fixed:
-                    count = dream_fixed_count(count, step, params.steps // self.num_blocks)
-                chosen = select_reveals(confidence, count, params.threshold)
-            else:
-                row_logits = logits[j, candidates - start]
-                tokens, confidence = llada_tokens_and_confidence(
-                    row_logits, state.temperature, params.remasking, state.generator
+            row_logits = logits[j, candidates - start]
+            if self.canvas:
+                chosen, tokens = self.rule.canvas_reveal(
+                    state.canvas, row_logits, params, state.temperature, state.generator
                 )
-                count = schedules[r][step] if schedules else int(candidates.numel())
-                chosen = select_reveals(confidence, min(count, int(candidates.numel())), params.threshold)
-            self.x[r, candidates[chosen]] = tokens[chosen]
+            else:
+                chosen, tokens = self.rule.reveal(
+                    call.step, row_logits, params, state.plan, state.temperature, state.generator
+                )
+            self.x[r, candidates[chosen]] = tokens
             counts.append(int(chosen.numel()))
-        self._account(rows, counts)
+        if not self.canvas:
+            self.step += 1
+        self._account(call.rows, counts)
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
 
@@ -326,12 +323,7 @@ class Decoder:
             if committed_only:
                 cut -= cut % self.params.block_length
             response = response[:cut]
-        if not self.params.ignore_eos:
-            eos = set(self.spec.eos_ids)
-            for i, token in enumerate(response):
-                if token in eos:
-                    return response[: i + 1]
-        return response
+        return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
     def _committed_blocks(self, row: int) -> int:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""
@@ -346,7 +338,7 @@ class Decoder:
         rows = [r for r, s in enumerate(self.rows) if s.status != "cancelled"]
         committed = min((self._committed_blocks(r) for r in rows), default=self.num_blocks)
         if committed > self._emitted_blocks and self._emitted_blocks == 0:
-            self.first_block_s = time.perf_counter() - self._started
+            self.first_block_s = time.perf_counter() - self.started_s
         if self.on_block is not None:
             for block in range(self._emitted_blocks, committed):
                 self.on_block(block, [self.response_ids(r, committed_only=True) for r in range(len(self.rows))])

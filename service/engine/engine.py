@@ -7,12 +7,16 @@ from pathlib import Path
 
 import torch
 
-from service.engine.decode import Cancelled, Decoder, OnBlock
+from service.engine.batch import RunningBatch
+from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.loading import load_checkpoint
+from service.engine.models import reveal_rule
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prompts import encode_prompt
 from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
 
 
@@ -55,22 +59,13 @@ class Engine:
         return cls(loaded.model, loaded.spec, loaded.tokenizer, weight.dtype, weight.device)
 
     def encode_prompt(self, text: str, chat: bool) -> list[int]:
-        """Token ids of ``text``; with ``chat`` the tokenizer's chat template wraps it as one user turn and adds the
-        assistant generation prompt.
+        """Token ids of ``text``; with ``chat`` the chat template wraps it as one user turn and adds the assistant
+        generation prompt (`service.engine.prompts.encode_prompt`).
 
         Raises:
             EngineInputError: the checkpoint has no tokenizer, or no chat template when ``chat`` is asked for.
         """
-        if self.tokenizer is None:
-            raise EngineInputError(f"{self.spec.model_id} has no tokenizer files; pass token ids instead of text")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise EngineInputError(f"{self.spec.model_id} has no chat template; send plain text (chat=False)")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids)
-        return list(self.tokenizer(text)["input_ids"])
+        return encode_prompt(self.tokenizer, text, self.spec.model_id, chat)
 
     def decode_text(self, ids: list[int]) -> str | None:
         """Text of ``ids`` without special tokens, or None without a tokenizer."""
@@ -103,48 +98,64 @@ class Engine:
         Raises:
             EngineInputError: any input outside what is legal (see :func:`validate_request`); nothing has run.
         """
+        batch = self.batch()
+        cohort = self.cohort(prompts, params, rows, kv_store, on_block, cancelled)
+        batch.join(cohort)
+        try:
+            with torch.inference_mode():
+                while batch.cohorts:
+                    batch.step()
+        finally:
+            cohort.store.clear()
+        return self.report(cohort)
+
+    def batch(self) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`)."""
+        return RunningBatch(self.model, self.spec.pad_id)
+
+    def cohort(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: OnBlock | None = None,
+        cancelled: Cancelled | None = None,
+    ) -> Cohort:
+        """Validate a request and make its :class:`Cohort` (arguments as :meth:`generate`), ready to join a batch.
+
+        Raises:
+            EngineInputError: see :func:`validate_request`.
+        """
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         validate_request(self.spec, prompts, params, rows)
         store = kv_store if kv_store is not None else FullPrecisionKVStore()
-        decoder = Decoder(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
-        started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                decoder.run()
-        finally:
-            store.clear()
-        total = time.perf_counter() - started
-        reports = [self._row_report(decoder, r, opts, total) for r, opts in enumerate(rows)]
+        return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
+
+    def report(self, cohort: Cohort) -> DecodeReport:
+        """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""
+        end = cohort.finished_s or time.perf_counter()
+        total = end - cohort.started_s if cohort.started_s else 0.0
+        reports = [self._row_report(cohort, r, opts, total) for r, opts in enumerate(cohort.row_options)]
         return DecodeReport(
             rows=reports,
-            params=params,
-            timings=Timings(total_s=total, first_block_s=decoder.first_block_s),
-            kv=store.report(),
+            params=cohort.params,
+            timings=Timings(total_s=total, first_block_s=cohort.first_block_s),
+            kv=cohort.store.report(),
         )
 
-    def _row_report(self, decoder: Decoder, row: int, options: RowOptions, total_s: float) -> RowReport:
-        state = decoder.rows[row]
-        ids = decoder.response_ids(row)
-        eos = set(self.spec.eos_ids)
-        before_eos = next((ids[:i] for i, token in enumerate(ids) if token in eos), ids)
-        text = self.decode_text(before_eos)
-        stopped = len(before_eos) < len(ids)
-        if text is not None:
-            cuts = [text.find(stop) for stop in options.stop if stop and stop in text]
-            if cuts:
-                text, stopped = text[: min(cuts)], True
-        if state.status == "cancelled":
-            reason = "cancelled"
-        else:
-            reason = "stop" if stopped else "length"
+    def _row_report(self, cohort: Cohort, row: int, options: RowOptions, total_s: float) -> RowReport:
+        state = cohort.rows[row]
+        cut = cut_response(cohort.response_ids(row), self.spec.eos_ids, cohort.params.ignore_eos,
+                           options.max_tokens, options.stop, self.decode_text)
         return RowReport(
-            generated_ids=ids,
-            text=text,
-            finish_reason=reason,
+            generated_ids=cut.ids,
+            text=cut.text,
+            finish_reason="cancelled" if state.status == "cancelled" else cut.finish_reason,
             nfe=state.nfe,
             steps_per_block=state.steps_per_block,
             reveals_per_step=state.reveals,
-            tokens_per_second=len(before_eos) / total_s if total_s > 0 else 0.0,
+            tokens_per_second=len(cut.ids) / total_s if total_s > 0 else 0.0,
         )
 
 
@@ -155,52 +166,52 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         EngineInputError: no prompts; rows not matching prompts; an empty prompt; a token id outside
             ``[0, vocab_size)``; the mask id inside a prompt; pad id equal to mask id; gen length not a multiple of
             block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
-            multiple of the number of blocks; Dream's fixed schedule with < 2 steps per block in block mode;
-            random remasking for Dream; unknown cache mode; prompt + response longer than the model's context.
+            multiple of the number of blocks; what the model family's reveal rule refuses
+            (`service.engine.reveal`, e.g. Dream's fixed schedule with < 2 steps per block in block mode); unknown
+            cache mode or architecture; prompt + response longer than the model's context.
     """
     if not prompts:
-        raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)")
+        raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)", "prompt")
     if len(rows) != len(prompts):
         raise EngineInputError(f"rows has {len(rows)} entries for {len(prompts)} prompts; give one per prompt or None")
     if spec.pad_id == spec.mask_id:
         raise EngineInputError(f"pad id equals mask id ({spec.mask_id}); the pad id must be a non-mask token")
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise EngineInputError(f"prompt {i} is empty; a prompt needs at least one token")
+            raise EngineInputError(f"prompt {i} is empty; a prompt needs at least one token", "prompt")
         bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < spec.vocab_size)]
         if bad:
-            raise EngineInputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {spec.vocab_size})")
+            raise EngineInputError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {spec.vocab_size})",
+                                   "prompt")
         if spec.mask_id in prompt:
             raise EngineInputError(
-                f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)"
+                f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)",
+                "prompt",
             )
     if params.cache_mode not in ("none", "prefix", "dual"):
-        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual")
+        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual", "cache_mode")
     if params.gen_length % params.block_length:
         raise EngineInputError(
-            f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}"
+            f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}", "gen_length"
         )
     if (params.threshold is None) == (params.steps is None):
-        raise EngineInputError("set exactly one of threshold (confidence-threshold decoding) and steps (fixed schedule)")
+        raise EngineInputError(
+            "set exactly one of threshold (confidence-threshold decoding) and steps (fixed schedule)", "threshold"
+        )
     if params.threshold is not None and not 0.0 <= params.threshold <= 1.0:
-        raise EngineInputError(f"threshold {params.threshold} is outside [0, 1] (0 reveals a whole block at once)")
+        raise EngineInputError(f"threshold {params.threshold} is outside [0, 1] (0 reveals a whole block at once)",
+                               "threshold")
     num_blocks = params.gen_length // params.block_length
     if params.steps is not None and (params.steps <= 0 or params.steps % num_blocks):
         raise EngineInputError(
             f"steps {params.steps} must be a positive multiple of the number of blocks {num_blocks} "
-            f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}"
+            f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}", "steps"
         )
-    dream_block_mode = spec.arch == "dream" and (params.cache_mode != "none" or params.dream_schedule == "block")
-    if dream_block_mode and params.steps is not None and params.steps // num_blocks < 2:
+    reveal_rule(spec.arch).check(params)
+    longest = max(len(p) for p in prompts)
+    if longest + params.gen_length > spec.max_length:
         raise EngineInputError(
-            f"Dream's fixed schedule in block mode needs at least 2 steps per block (the block-initial pass reveals "
-            f"only the block's first token); got {params.steps // num_blocks}: use steps >= {2 * num_blocks}"
-        )
-    if spec.arch == "dream" and params.remasking != "low_confidence":
-        raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'")
-    longest = max(len(p) for p in prompts) + params.gen_length
-    if longest > spec.max_length:
-        raise EngineInputError(
-            f"prompt ({longest - params.gen_length} tokens) + response ({params.gen_length}) = {longest} tokens is over "
-            f"the model's context of {spec.max_length}"
+            f"prompt ({longest} tokens) + response ({params.gen_length} positions) = {longest + params.gen_length} "
+            f"tokens is over the model's context of {spec.max_length}",
+            "prompt" if longest >= spec.max_length else "gen_length",
         )

@@ -1,44 +1,120 @@
-"""Decoding parameters: what a batch shares (`DecodeParams`) and what may differ per row (`RowOptions`)."""
+"""Decoding parameters, declared once.
+
+`DecodeSettings` is the one declaration of every decoding setting a user may choose (field, type, bounds, default,
+help). Everything else is derived from its fields: the server's defaults (`service.config.Settings` inherits them:
+``DLLM_<NAME>`` and ``serve --<name>``), the request fields of every route (:func:`optional_fields`, each ``None``
+= not given), the ``generate`` CLI flags (`service.commands.add_model_flags`) and the lm-eval model_args
+(`evaluation.model_args.EvalModelArgs` inherits them). A request resolves its value, else the server's default,
+else the built-in default (:func:`resolve`, the way vLLM's protocol models build ``SamplingParams``).
+
+`DecodeParams` adds the decode window (``gen_length``) and is what a batch shares; `RowOptions` may differ per row.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
 CacheMode = Literal["none", "prefix", "dual"]
 
+#: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
+SCHEDULE_FIELDS = ("threshold", "steps")
 
-class DecodeParams(BaseModel):
-    """Batch-level block-diffusion settings (Fast-dLLM semantics; see `service.engine.decode`).
 
-    Exactly one of ``threshold`` (confidence-threshold parallel decoding) and ``steps`` (fixed schedule, total
-    over all blocks) is set. ``gen_length`` is in tokens and a multiple of ``block_length``.
+class DecodeSettings(BaseModel):
+    """Block-diffusion decoding settings (Fast-dLLM semantics; see `service.engine.decode`).
+
+    Exactly one of ``threshold`` (confidence-threshold parallel decoding, Fast-dLLM Sec. 3.3) and ``steps``
+    (fixed schedule, total over all blocks) is set; giving ``steps`` alone clears the default threshold.
+    Add a setting here (and use it in the decode loop): the server, every route, the CLI and evaluation get it.
     """
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_mode: CacheMode = Field("dual", description="none (full recompute), prefix or dual")
+    block_length: int = Field(32, gt=0, description="tokens per block")
+    threshold: float | None = Field(
+        0.9, ge=0.0, le=1.0, description="confidence threshold of parallel decoding (0 reveals a block at once)"
+    )
+    steps: int | None = Field(
+        None, gt=0, description="total denoising steps over all blocks (fixed schedule instead of threshold)"
+    )
+    remasking: Literal["low_confidence", "random"] = Field(
+        "low_confidence", description="which masked positions a fixed schedule reveals (random: LLaDA only)"
+    )
+    ignore_eos: bool = Field(False, description="decode every block even after an EOS")
+    # "origin" is Dream's whole-sequence algorithm (the paper's full-attention row); "block" is the block-wise
+    # no-cache schedule consistent with the cached modes (full recompute).
+    dream_schedule: Literal["origin", "block"] = Field(
+        "origin", description="Dream with cache_mode none: whole-sequence (origin) or block-wise full recompute"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule(cls, data: Any) -> Any:
+        """``steps`` given without ``threshold``: the fixed schedule replaces the default threshold. From text
+        (CLI flags, lm-eval model_args, the environment) ``none`` means None for either."""
+        if not isinstance(data, dict):
+            return data
+        data = {**data, **{k: None for k in SCHEDULE_FIELDS
+                           if isinstance(data.get(k), str) and data[k].strip().lower() in ("none", "null")}}
+        if data.get("steps") is not None and "threshold" not in data:
+            data["threshold"] = None
+        return data
+
+    def decode_settings(self) -> dict[str, Any]:
+        """The values of the decoding settings only (a subclass such as `Settings` holds more fields)."""
+        return {name: getattr(self, name) for name in DecodeSettings.model_fields}
+
+
+class DecodeParams(DecodeSettings):
+    """Batch-level settings: the decoding settings and the decode window ``gen_length`` (tokens, a multiple of
+    ``block_length``; see :func:`response_length`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    gen_length: int = Field(256, gt=0)
-    block_length: int = Field(32, gt=0)
-    cache_mode: CacheMode = "dual"
-    threshold: float | None = 0.9
-    steps: int | None = None
-    remasking: Literal["low_confidence", "random"] = "low_confidence"
-    ignore_eos: bool = False
-    # Dream only, cache_mode "none": "origin" is Dream's whole-sequence algorithm (the paper's full-attention
-    # row); "block" is the block-wise no-cache schedule consistent with the cached modes (full recompute).
-    dream_schedule: Literal["origin", "block"] = "origin"
+    gen_length: int = Field(256, gt=0, description="response positions decoded (whole blocks)")
+
+
+def optional_fields() -> dict[str, Any]:
+    """The decoding settings as optional request fields: same type, bounds and help, default ``None`` (not
+    given), for ``pydantic.create_model``."""
+    fields = {}
+    for name, field in DecodeSettings.model_fields.items():
+        annotation = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        fields[name] = (annotation | None, Field(None, description=f"{field.description} (default: the server's)"))
+    return fields
+
+
+def resolve(given: dict[str, Any], defaults: DecodeSettings | None, gen_length: int) -> DecodeParams:
+    """`DecodeParams` from a request's values (``None`` = not given), then ``defaults`` (the server's), then the
+    built-in defaults.
+
+    The schedule is one choice: if the request names ``threshold`` or ``steps``, both come from the request (the
+    other is then None); otherwise both come from the defaults.
+
+    Raises:
+        pydantic.ValidationError: a value outside the declared bounds.
+    """
+    base = (defaults or DecodeSettings()).decode_settings()
+    chosen = {k: v for k, v in given.items() if k in DecodeSettings.model_fields and v is not None}
+    if any(k in chosen for k in SCHEDULE_FIELDS):
+        chosen = {**{k: None for k in SCHEDULE_FIELDS}, **chosen}
+    return DecodeParams(**{**base, **chosen, "gen_length": gen_length})
 
 
 class RowOptions(BaseModel):
-    """Per-row settings inside a batch: sampling temperature, seed, stop strings."""
+    """Per-row settings inside a batch: sampling temperature, seed, stop strings, and ``max_tokens`` (the most
+    response tokens returned, EOS included; None: the whole decode window; see `service.engine.response`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = Field(0.0, ge=0.0)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    max_tokens: int | None = Field(None, gt=0)
 
 
 def response_length(max_new_tokens: int, block_length: int) -> int:
@@ -48,8 +124,8 @@ def response_length(max_new_tokens: int, block_length: int) -> int:
     ``max_tokens``) and the in-process lm-eval model (a task's ``max_gen_toks``) both call this, so the same
     request decodes the same window either way. Block diffusion can only decode whole blocks (Fast-dLLM
     asserts ``gen_length % block_length == 0``), so the length is rounded **up** to the next multiple of
-    ``block_length``. The response is not cut back to ``max_new_tokens``: every decoded position may hold text,
-    which the caller cuts only at EOS and stop strings (the server documents ``max_tokens`` this way).
+    ``block_length``; the response is then cut back to ``max_new_tokens`` tokens
+    (`service.engine.response.cut_response`), so ``max_tokens`` is a hard upper bound as in OpenAI's API.
 
     Args:
         max_new_tokens: requested response tokens, >= 1.

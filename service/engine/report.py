@@ -49,8 +49,9 @@ class KVReport(BaseModel):
 
 
 class RowReport(BaseModel):
-    """One row of a batch. ``generated_ids`` are response positions only, up to and including what decoding
-    produced (cut after the first EOS unless ``ignore_eos``)."""
+    """One row of a batch. ``generated_ids`` are the response tokens returned and ``text`` their text, cut by
+    `service.engine.response.cut_response` (at the row's ``max_tokens``, after the first EOS unless
+    ``ignore_eos``, and at the first stop string)."""
 
     generated_ids: list[int]
     text: str | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -11,7 +10,7 @@ class ModelSpec:
     """Facts about a loaded checkpoint, used to validate policy tables and KVQuant states against it.
 
     Attributes:
-        arch: ``"llada"`` or ``"dream"``.
+        arch: the model family, a key of `service.engine.models.MODEL_CLASSES` (which also gives its reveal rule).
         model_id: the path or repo id it was loaded from (for display; never used for matching).
         fingerprint: hex SHA-256 over the checkpoint's tensors (names, shapes, dtypes, bytes), so a retrained
             model with the same shapes does not match (see `service.engine.loading.weights_fingerprint`).
@@ -23,7 +22,7 @@ class ModelSpec:
         max_length: longest prompt + response the engine accepts, in tokens.
     """
 
-    arch: Literal["llada", "dream"]
+    arch: str
     model_id: str
     fingerprint: str
     num_layers: int

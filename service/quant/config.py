@@ -112,7 +112,8 @@ class KVQuantConfig(BaseModel):
         size = self.v_group_size if self.v_group_size is not None else default_v_group_size(head_dim)
         if head_dim % size:
             raise KVQuantError(
-                f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}"
+                f"v_group_size {size} does not divide head_dim {head_dim}; legal: {legal_v_group_sizes(head_dim)}",
+                "v_group_size",
             )
         return size
 
@@ -126,7 +127,7 @@ class KVQuantConfig(BaseModel):
         """
         if self.method != "none" and cache_mode == "none":
             raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
-                               "nothing; use 'prefix' or 'dual'")
+                               "nothing; use 'prefix' or 'dual'", "cache_mode")
 
 
 def _registry():

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class KVQuantError(ValueError):
-    """A quantizer was given something it cannot quantize; the message says what is legal."""
+    """A quantizer was given something it cannot quantize; the message says what is legal, ``field`` names the
+    offending `KVQuantConfig` field (or ``cache_mode``) when one is at fault."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NonFiniteKVError(KVQuantError):

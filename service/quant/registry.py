@@ -194,7 +194,7 @@ def resolve_artifact(
         try:
             artifact = entry.artifact.from_bytes(Path(config.artifact_file).read_bytes())
         except (OSError, ValueError) as err:
-            raise KVQuantError(f"{name} {config.artifact_file!r} cannot be used: {err}") from err
+            raise KVQuantError(f"{name} {config.artifact_file!r} cannot be used: {err}", name) from err
     check_artifact(config, spec, artifact, cache_mode)
     return artifact
 
@@ -224,7 +224,7 @@ def same(field_name: str, artifact_value: Any, config_value: Any) -> None:
     """Raise `ArtifactMismatch` (starting with ``field_name``) unless the artifact's value is the config's."""
     if artifact_value != config_value:
         raise ArtifactMismatch(
-            f"{field_name}: the artifact has {artifact_value!r}, the configuration asks for {config_value!r}"
+            field_name, f"the artifact has {artifact_value!r}, the configuration asks for {config_value!r}"
         )
 
 

@@ -24,6 +24,7 @@ from service.quant.registry import method, resolve_artifact
 from service.store.base import (
     CACHE_MODES,
     ActiveChange,
+    ArtifactNotFound,
     AuditEntry,
     Store,
     StoreUnavailable,
@@ -108,7 +109,7 @@ class ConfigResolver:
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
-            raise ConfigInvalid("cache_mode", str(exc)) from exc
+            raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
             config.resolve_v_group_size(self.spec.head_dim)
         except ValueError as exc:
@@ -116,7 +117,9 @@ class ConfigResolver:
         try:
             artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:
-            raise ConfigInvalid(f"kv_quant.{str(exc).split(':', 1)[0]}", str(exc).split(": ", 1)[-1]) from exc
+            raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+        except ArtifactNotFound as exc:
+            raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}") from exc
         return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)
 
 

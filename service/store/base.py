@@ -83,7 +83,11 @@ class InvalidName(StoreError, ValueError):
 
 
 class ArtifactNotFound(StoreError, KeyError):
-    """No artifact of that kind and id."""
+    """No artifact of that kind and id; ``field`` names the request field that named it, when one did."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

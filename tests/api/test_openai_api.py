@@ -45,10 +45,11 @@ def test_completion_prompt_forms(client, prompt, texts):
     assert [c["text"] for c in r.json()["choices"]] == texts
 
 
-def test_max_tokens_rounds_up_to_whole_blocks_and_stop_strings_never_leak(client):
-    # max_tokens 5 with block_length 4 -> 8 response positions: 8 of the 10 reversed characters.
+def test_max_tokens_is_a_hard_bound_and_stop_strings_never_leak(client):
+    # max_tokens 5 with block_length 4 decodes 8 response positions, and returns 5 of them (issue 13; this test
+    # asserted the old rule, all 8 positions "jihgfedc", before).
     r = client.post("/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 5})
-    assert r.json()["choices"][0] == {"index": 0, "text": "jihgfedc", "logprobs": None, "finish_reason": "length"}
+    assert r.json()["choices"][0] == {"index": 0, "text": "jihgf", "logprobs": None, "finish_reason": "length"}
     r = client.post("/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 12, "stop": ["fe", "zz"]})
     assert r.json()["choices"][0]["text"] == "jihg" and r.json()["choices"][0]["finish_reason"] == "stop"
 
@@ -129,6 +130,8 @@ BAD = [
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": [], "max_tokens": 4}, "prompt"),
     ({"prompt": [5, 10**6]}, "prompt"),
+    ({"prompt": [5, 127]}, "prompt"),  # the mask id (issue 12: param was null)
+    ({"prompt": "a", "kv_quant": {"method": "dllm_kvq", "bits": 2, "policy_id": "0" * 64}}, "kv_quant.policy_id"),
     ({"prompt": "a", "model": "gpt-4"}, "model"),
     ({"prompt": "a", "steps": 3, "max_tokens": 8}, "steps"),
     ({"prompt": "a", "steps": 2, "threshold": 0.5, "max_tokens": 8}, "threshold"),

@@ -25,4 +25,8 @@ def test_text_is_cut_at_stop_strings(llada_with_tokenizer):
     cut = engine.generate([prompt], params, [RowOptions(stop=(stop,))]).rows[0]
     assert cut.finish_reason == "stop"
     assert cut.text == free.text[: free.text.index(stop)]
-    assert cut.generated_ids == free.generated_ids  # stop strings cut the text only
+    # The ids returned run up to the token that completed the stop string (issue 13: usage counts what is
+    # returned; this asserted that stop strings cut the text only before).
+    ids = free.generated_ids
+    n = next(n for n in range(1, len(ids) + 1) if stop in " ".join(f"w{i}" for i in ids[:n]))
+    assert cut.generated_ids == ids[:n]

@@ -53,12 +53,14 @@ def write_echo_task(folder: Path, answers: list[str], name: str = "tiny_echo") -
 
 
 def direct_answers(engine, cache_mode: str = "dual") -> list[str]:
-    """What the engine decodes for PROMPTS when called directly (one prompt at a time), cut at STOP."""
+    """What the engine decodes for PROMPTS when called directly (one prompt at a time), cut at STOP and at
+    MAX_GEN_TOKS (the response rule the server applies to max_tokens; these references were uncut before)."""
     from service.engine.params import DecodeParams, RowOptions
 
     params = DecodeParams(gen_length=64, block_length=32, cache_mode=cache_mode, threshold=0.9)
     out = []
     for prompt in PROMPTS:
-        row = engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,))]).rows[0]
+        row = engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,), max_tokens=MAX_GEN_TOKS)]
+                              ).rows[0]
         out.append(row.text)
     return out

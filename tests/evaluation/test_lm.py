@@ -55,18 +55,23 @@ def direct_answers_uncut(engine):
 
 
 def test_response_window_is_max_gen_toks_rounded_up_to_blocks(engine):
+    # Decoded in whole blocks (17 -> 32 positions), cut back to 17 tokens as the server cuts max_tokens (issue 13;
+    # this compared with the uncut 32 positions before).
     lm = DllmKvqLM(engine=engine, cache_mode="prefix", block_length=16)
     req = Instance("generate_until", {}, (PROMPTS[0], {"until": [], "max_gen_toks": 17}), 0)
     (text,) = lm.generate_until([req], disable_tqdm=True)
     direct = engine.generate([engine.encode_prompt(PROMPTS[0], chat=False)],
-                             DecodeParams(gen_length=32, block_length=16, cache_mode="prefix", threshold=0.9)).rows[0]
+                             DecodeParams(gen_length=32, block_length=16, cache_mode="prefix", threshold=0.9),
+                             [RowOptions(max_tokens=17)]).rows[0]
     assert text == direct.text and lm.records[0].ids == tuple(direct.generated_ids)
+    assert len(direct.generated_ids) <= 17
     # gen_kwargs carry the server's decoding fields too, so one --gen_kwargs serves both paths.
     req = Instance("generate_until", {}, (PROMPTS[0], {"until": [], "max_gen_toks": 17, "block_length": 32,
                                                        "cache_mode": "none"}), 0)
     (text,) = lm.generate_until([req], disable_tqdm=True)
     direct = engine.generate([engine.encode_prompt(PROMPTS[0], chat=False)],
-                             DecodeParams(gen_length=32, block_length=32, cache_mode="none", threshold=0.9)).rows[0]
+                             DecodeParams(gen_length=32, block_length=32, cache_mode="none", threshold=0.9),
+                             [RowOptions(max_tokens=17)]).rows[0]
     assert text == direct.text
 
 
@@ -90,8 +95,8 @@ def test_loglikelihood_is_the_mc_estimate_and_independent_of_batching(engine):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"cache_mod": "dual"}, "unknown model_args \\['cache_mod'\\]; legal: model, dtype"),
-    ({"steps": 8}, "exactly one of threshold"),
+    ({"cache_mod": "dual"}, "unknown model_args \\['cache_mod'\\]; legal: cache_mode, .*model, dtype"),
+    ({"steps": 8, "threshold": 0.9}, "exactly one of threshold"),  # steps alone replaces the threshold
     ({"method": "dllm_kvq"}, "needs exactly one of policy_id or policy_file"),
     ({"method": "gptq"}, "none', 'kivi', 'kvquant' or 'dllm_kvq'"),
     ({"batch_size": "auto"}, "batch_size must be a positive integer"),

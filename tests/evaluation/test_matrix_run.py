@@ -23,7 +23,7 @@ from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
 from service.store.base import KIND_POLICY, open_store
-from tests.evaluation.conftest import PROMPTS, STOP, direct_answers, write_echo_task
+from tests.evaluation.conftest import MAX_GEN_TOKS, PROMPTS, STOP, direct_answers, write_echo_task
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def _direct(engine, config: KVQuantConfig, policy=None):
     rows = []
     for prompt in PROMPTS:
         store = make_kv_store(config, engine.spec, policy) if config.method != "none" else None
-        rows.append(engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,))],
+        rows.append(engine.generate([engine.encode_prompt(prompt, chat=False)], params, [RowOptions(stop=(STOP,), max_tokens=MAX_GEN_TOKS)],
                                     kv_store=store).rows[0])
     return rows
 

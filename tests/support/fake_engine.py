@@ -57,16 +57,8 @@ class FakeEngine:
                  on_block=None, cancelled=None) -> DecodeReport:
         t0 = time.monotonic()
         self.calls.append(len(prompts))
-        fault = OFFSET + ALPHABET.index("!")
-        device_fault = OFFSET + ALPHABET.index("#")
-        if any(device_fault in p for p in prompts):
-            raise DeviceFault("CUDA error: an illegal memory access was encountered (injected)")
-        if any(fault in p for p in prompts):
-            raise RuntimeError("injected fault in this batch")
-        answers = []
-        for p in prompts:
-            body = [t for t in reversed(p) if t >= OFFSET]
-            answers.append((body + [EOS] + [EOS] * params.gen_length)[: params.gen_length])
+        _check_faults(prompts)
+        answers = [_answer(p, params) for p in prompts]
         num_blocks = params.gen_length // params.block_length
         for b in range(num_blocks):
             if cancelled is not None and all(cancelled()):
@@ -74,11 +66,90 @@ class FakeEngine:
             time.sleep(self.block_delay_s)
             if on_block is not None:
                 on_block(b, [a[: (b + 1) * params.block_length] for a in answers])
-        reports = []
-        for a in answers:
-            cut = a[: a.index(EOS) + 1] if EOS in a and not params.ignore_eos else a
-            reports.append(RowReport(generated_ids=cut, text=self.decode_text(cut),
-                                     finish_reason="stop" if cut[-1:] == [EOS] else "length", nfe=num_blocks,
-                                     steps_per_block=[1] * num_blocks, reveals_per_step=[params.block_length] *
-                                     num_blocks, tokens_per_second=0.0))
-        return DecodeReport(rows=reports, params=params, timings=Timings(total_s=time.monotonic() - t0))
+        return _report(answers, params, time.monotonic() - t0, self.decode_text)
+
+    # ---- the continuous scheduler's interface: one block per iteration for every cohort -------------------------
+    def batch(self) -> FakeBatch:
+        return FakeBatch(self)
+
+    def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None):
+        return FakeCohort(prompts, params, on_block, cancelled)
+
+    def report(self, cohort: FakeCohort) -> DecodeReport:
+        report = _report(cohort.answers, cohort.params, time.monotonic() - cohort.t0, self.decode_text)
+        if cohort.was_cancelled:
+            report.rows[0].finish_reason = "cancelled"
+        return report
+
+
+class FakeCohort:
+    """One request in a :class:`FakeBatch`: its answer, the next block to commit, and its callbacks."""
+
+    def __init__(self, prompts, params: DecodeParams, on_block, cancelled) -> None:
+        self.prompts, self.params, self.on_block, self.cancelled = prompts, params, on_block, cancelled
+        self.answers = [_answer(p, params) for p in prompts]
+        self.block, self.t0, self.was_cancelled = 0, time.monotonic(), False
+        self.store = None
+
+    @property
+    def done(self) -> bool:
+        if self.cancelled is not None and all(self.cancelled()):
+            self.was_cancelled = True
+        return self.was_cancelled or self.block >= self.params.gen_length // self.params.block_length
+
+
+class FakeBatch:
+    """The fake `RunningBatch`: each step commits one block of every cohort, sleeping ``block_delay_s`` once;
+    the sizes of the steps go to the engine's ``calls``."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine, self.cohorts, self.forwards = engine, [], 0
+
+    def join(self, cohort: FakeCohort) -> None:
+        self.cohorts.append(cohort)
+
+    def leave(self, cohort: FakeCohort) -> None:
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
+
+    def step(self) -> list[FakeCohort]:
+        finished = [c for c in self.cohorts if c.done]
+        for cohort in finished:
+            self.leave(cohort)
+        self.forwards = 1 if self.cohorts else 0
+        if not self.cohorts:
+            return finished
+        self.engine.calls.append(len(self.cohorts))
+        _check_faults([p for c in self.cohorts for p in c.prompts])
+        time.sleep(self.engine.block_delay_s)
+        for cohort in self.cohorts:
+            size = cohort.params.block_length
+            cohort.block += 1
+            if cohort.on_block is not None:
+                cohort.on_block(cohort.block - 1, [a[: cohort.block * size] for a in cohort.answers])
+        return finished
+
+
+def _check_faults(prompts) -> None:
+    """``#`` in a prompt: a device fault; ``!``: an ordinary error (module docstring)."""
+    if any(OFFSET + ALPHABET.index("#") in p for p in prompts):
+        raise DeviceFault("CUDA error: an illegal memory access was encountered (injected)")
+    if any(OFFSET + ALPHABET.index("!") in p for p in prompts):
+        raise RuntimeError("injected fault in this batch")
+
+
+def _answer(prompt, params: DecodeParams) -> list[int]:
+    body = [t for t in reversed(prompt) if t >= OFFSET]
+    return (body + [EOS] + [EOS] * params.gen_length)[: params.gen_length]
+
+
+def _report(answers, params: DecodeParams, total_s: float, decode_text) -> DecodeReport:
+    num_blocks = params.gen_length // params.block_length
+    reports = []
+    for a in answers:
+        cut = a[: a.index(EOS) + 1] if EOS in a and not params.ignore_eos else a
+        reports.append(RowReport(generated_ids=cut, text=decode_text(cut),
+                                 finish_reason="stop" if cut[-1:] == [EOS] else "length", nfe=num_blocks,
+                                 steps_per_block=[1] * num_blocks, reveals_per_step=[params.block_length] *
+                                 num_blocks, tokens_per_second=0.0))
+    return DecodeReport(rows=reports, params=params, timings=Timings(total_s=total_s))

@@ -1,9 +1,30 @@
-"""LLaDA and Dream models built from the shared layers; `MODEL_CLASSES` maps an arch name to its class."""
+"""LLaDA and Dream models built from the shared layers.
 
+`MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec and the decode
+loop's reveal rule (:func:`reveal_rule`) all come from it.
+"""
+
+from service.engine.errors import EngineInputError
 from service.engine.models.dream import DreamModel
 from service.engine.models.llada import LLaDAModel
 from service.engine.models.transformer import DiffusionLM, LayerQKV, ModelConfig, capture_qkv
+from service.engine.reveal import RevealRule
 
-MODEL_CLASSES: dict[str, type[DiffusionLM]] = {"llada": LLaDAModel, "dream": DreamModel}
+MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel)}
 
-__all__ = ["MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv"]
+
+def reveal_rule(arch: str) -> RevealRule:
+    """The reveal rule of the family named ``arch``.
+
+    Raises:
+        EngineInputError: ``arch`` is not a key of :data:`MODEL_CLASSES` (the message lists them).
+    """
+    if arch not in MODEL_CLASSES:
+        raise EngineInputError(f"unknown architecture {arch!r}; legal: {', '.join(MODEL_CLASSES)}")
+    return MODEL_CLASSES[arch].reveal_rule
+
+
+__all__ = [
+    "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
+    "reveal_rule",
+]

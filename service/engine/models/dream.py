@@ -6,7 +6,10 @@ RoPE cos/sin are cast to the activation dtype before rotating (bf16 rotation in 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from service.engine.models.transformer import DiffusionLM, ModelConfig
+from service.engine.reveal import DreamRule
 
 
 class DreamModel(DiffusionLM):
@@ -14,7 +17,8 @@ class DreamModel(DiffusionLM):
 
     arch = "dream"
     logits_shift = 1
-    CHECKPOINT_NAMES = {
+    reveal_rule = DreamRule()
+    CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {
         "model.embed_tokens.weight": "embed.weight",
         "model.norm.weight": "norm.weight",
         "lm_head.weight": "lm_head.weight",

@@ -6,7 +6,10 @@ sections 1.1-1.3. No logit shift; RoPE in float32 (``rope_full_precision``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from service.engine.models.transformer import DiffusionLM, ModelConfig
+from service.engine.reveal import LLaDARule
 
 # Features of the LLaDA/OLMo config that this implementation does not have; a checkpoint using one is refused.
 _UNSUPPORTED = {
@@ -20,7 +23,8 @@ class LLaDAModel(DiffusionLM):
 
     arch = "llada"
     logits_shift = 0
-    CHECKPOINT_NAMES = {
+    reveal_rule = LLaDARule()
+    CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {
         "model.transformer.wte.weight": "embed.weight",
         "model.transformer.ln_f.weight": "norm.weight",
         "model.transformer.ff_out.weight": "lm_head.weight",

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from service.engine.models.layers import DecoderLayer, ForwardContext, KVHook, RMSNorm, RotaryEmbedding
+from service.engine.reveal import RevealRule
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ModelConfig:
     """Architecture numbers of a checkpoint, read from its ``config.json`` by the model class.
 
     Attributes:
-        arch: ``"llada"`` or ``"dream"``.
+        arch: the family's name, a key of `service.engine.models.MODEL_CLASSES`.
         vocab_size: rows of the embedding and LM head (logit columns V).
         width: model width C; num_layers: L; num_heads: H; num_kv_heads: H_kv; head_dim: D.
         mlp_hidden: gated-MLP hidden size; eps: RMSNorm epsilon.
@@ -40,7 +41,7 @@ class ModelConfig:
         max_length: longest sequence (prompt + response) the model is meant for, in tokens.
     """
 
-    arch: Literal["llada", "dream"]
+    arch: str
     vocab_size: int
     width: int
     num_layers: int
@@ -61,14 +62,25 @@ class ModelConfig:
 class DiffusionLM(nn.Module):
     """Embedding -> L pre-norm bidirectional decoder layers -> RMSNorm -> LM head.
 
-    Subclasses (`LLaDAModel`, `DreamModel`) set ``arch``, ``logits_shift`` and ``CHECKPOINT_NAMES`` (the public
+    Subclasses (`LLaDAModel`, `DreamModel`) set ``arch``, ``logits_shift``, ``CHECKPOINT_NAMES`` (the public
     checkpoint's tensor names as templates with ``{i}`` for the layer index, mapped to this module's names) and
-    parse their ``config.json`` in ``config_from_hf``.
+    ``reveal_rule`` (the family's :class:`~service.engine.reveal.RevealRule`, which the decode loop calls), and
+    parse their ``config.json`` in ``config_from_hf``. A subclass missing one of them is refused when it is
+    defined (TypeError), so a new family cannot fall back on another's rule.
     """
 
     arch: ClassVar[str]
     logits_shift: ClassVar[int]
     CHECKPOINT_NAMES: ClassVar[dict[str, str]]
+    reveal_rule: ClassVar[RevealRule]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("arch", "logits_shift", "CHECKPOINT_NAMES", "reveal_rule") if not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"model family {cls.__name__} must set {', '.join(missing)}")
+        if not isinstance(cls.reveal_rule, RevealRule):
+            raise TypeError(f"{cls.__name__}.reveal_rule must be a RevealRule, got {type(cls.reveal_rule).__name__}")
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -99,6 +111,7 @@ class DiffusionLM(nn.Module):
         key_mask: torch.Tensor | None = None,
         kv_hook: KVHook | None = None,
         logits_range: tuple[int, int] | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Position-aligned logits.
 
@@ -112,9 +125,11 @@ class DiffusionLM(nn.Module):
             kv_hook: see :class:`~service.engine.models.layers.KVHook`.
             logits_range: ``(a, b)`` column range of the input whose logits are wanted (default: all). The LM head
                 runs only there (the vocabulary projection dominates small windows).
+            logits_at: int64 ``[B, N]`` input columns whose logits are wanted, per row (instead of
+                ``logits_range``; rows of a continuous batch decode different blocks).
 
         Returns:
-            ``[B, b - a, V]`` logits in the model dtype, position-aligned (Dream shifted, see module doc).
+            ``[B, b - a, V]`` (or ``[B, N, V]``) logits in the model dtype, position-aligned (Dream shifted, see module doc).
         """
         b, t = input_ids.shape
         if attention_mask is not None:
@@ -129,8 +144,11 @@ class DiffusionLM(nn.Module):
         x = self.embed(input_ids)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             x = layer(x, ctx, index)
-        start, end = logits_range if logits_range is not None else (0, t)
         # Dream: column p reads the hidden state at p-1, except the window's first column (reference shift rule).
+        if logits_at is not None:
+            rows = (logits_at - self.logits_shift).clamp(min=0)  # [B, N]
+            return self.lm_head(self.norm(x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))))
+        start, end = logits_range if logits_range is not None else (0, t)
         rows = (torch.arange(start, end, device=x.device) - self.logits_shift).clamp(min=0)
         return self.lm_head(self.norm(x[:, rows]))
 
@@ -201,7 +219,6 @@ def capture_qkv(
 
     def hook(layer, q, k_pre, k, v):
         captured.append(LayerQKV(q.detach(), k.detach(), v.detach()))
-        return None
 
     logits = model(input_ids, attention_mask, kv_hook=hook)
     return logits, captured

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from service.embedded_task import load_split
+from evaluation.embedded_task import load_split
 
 ROOT = Path(__file__).resolve().parents[3]
 EMBEDDED = ROOT / "service" / "assets" / "embedded"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split, score
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split, score
 from service.engine import Engine
 from service.engine.params import DecodeParams
 

@@ -5,7 +5,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from service import embedded_task as task
+from evaluation import embedded_task as task
 
 TOKENIZER_DIR = "service/assets/embedded"
 

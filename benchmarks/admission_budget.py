@@ -1,0 +1,90 @@
+"""Admission by memory: how many rows a KV budget admits, and the throughput that buys, unquantized vs 2-bit KIVI.
+
+Builds the ``small`` random preset of `benchmarks/decode_speed.py` (LLaDA-shaped, d_model 512, 8 layers; bf16 by
+default, so the unquantized store holds bf16), sets the budget to exactly what two unquantized rows of a
+``--context``-token sequence need (their KV at the longest plus one row's largest forward,
+`service.admission`), and sends the same ``--rows`` requests (prompt ``context - gen`` tokens, ``--gen`` response
+tokens, dual cache, fixed schedule of 2 steps per block) through the server's continuous scheduler
+(`service.scheduler.ContinuousWorker`), once per configuration. Prints the rows in flight at once (most, from the
+scheduler), generated tokens/s and the ratio of the 2-bit row to the unquantized one. Targets (issue #14): 2-bit
+KIVI admits >= 5 rows at once and its throughput is >= 1.8x the unquantized rows'.
+
+Usage: ``python benchmarks/admission_budget.py [--context 2048] [--gen 64] [--rows 8] [--dtype bfloat16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.decode_speed import random_engine
+from service.admission import MemoryModel
+from service.engine.params import DecodeParams, RowOptions
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
+from service.scheduler import ContinuousWorker
+from service.store.active import ConfigSnapshot
+from service.telemetry import Telemetry
+from service.worker import Job
+
+CONFIGS = {"unquantized": KVQuantConfig(), "kivi 2-bit": KVQuantConfig(method="kivi", bits=2)}
+
+
+def run(engine, memory: MemoryModel, budget: int, config: KVQuantConfig, prompts, params) -> dict:
+    telemetry = Telemetry()
+    worker = ContinuousWorker(engine, lambda snap: make_kv_store(snap.config, engine.spec), telemetry, memory,
+                              budget, max_rows=64, max_queue=256)
+    snapshot = ConfigSnapshot(config, "dual", "request")
+    worker.start()
+    t0 = time.perf_counter()
+    jobs = [worker.submit(Job(p, params, RowOptions(), snapshot)) for p in prompts]
+    results = [j.future.result() for j in jobs]
+    wall = time.perf_counter() - t0
+    worker.stop()
+    tokens = sum(len(r.row.generated_ids) for r in results)
+    return {"rows": max(r.batch_size for r in results), "tok_s": tokens / wall, "wall": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=2048, help="prompt + response tokens per row")
+    parser.add_argument("--gen", type=int, default=64, help="response tokens per row (multiple of 32)")
+    parser.add_argument("--rows", type=int, default=8, help="requests sent at once per configuration")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--preset", default="small")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = random_engine(args.preset, getattr(torch, args.dtype), "cpu", 10.0)
+    memory = MemoryModel.for_engine(engine)
+    params = DecodeParams(gen_length=args.gen, block_length=32, cache_mode="dual", threshold=None,
+                          steps=2 * (args.gen // 32), ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, engine.spec.vocab_size - 1, (args.context - args.gen,), generator=gen).tolist()
+               for _ in range(args.rows)]
+    costs = {}
+    for name, config in CONFIGS.items():
+        per_token = memory.kv_bytes_per_token(name, lambda c=config: make_kv_store(c, engine.spec))
+        costs[name] = memory.cost(len(prompts[0]), params, per_token)
+    base = costs["unquantized"]
+    budget = 2 * base.kv + base.transient
+    print(f"admission_budget: preset {args.preset} ({args.dtype}), context {args.context} (prompt "
+          f"{args.context - args.gen} + response {args.gen}), {args.rows} requests per configuration, "
+          f"budget {budget:,} bytes = 2 unquantized rows")
+    print(f"{'configuration':>14} {'KV/row B':>12} {'forward B':>12} {'rows at once':>13} {'tok/s':>8} {'x unq':>6}")
+    out = {}
+    for name, config in CONFIGS.items():
+        out[name] = run(engine, memory, budget, config, prompts, params)
+        c, r = costs[name], out[name]
+        print(f"{name:>14} {c.kv:12,} {c.transient:12,} {r['rows']:13d} {r['tok_s']:8.1f} "
+              f"{r['tok_s'] / out['unquantized']['tok_s']:6.2f}")
+    q = out["kivi 2-bit"]
+    ratio = q["tok_s"] / out["unquantized"]["tok_s"]
+    print(f"target: 2-bit admits >= 5 rows: {q['rows']} {'met' if q['rows'] >= 5 else 'NOT met'}; "
+          f"throughput >= 1.8x: {ratio:.2f}x {'met' if ratio >= 1.8 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

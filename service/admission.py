@@ -1,0 +1,128 @@
+"""What a request costs in memory, for admission by a budget instead of by a count (issue #14).
+
+A running request holds two kinds of memory:
+
+* **KV bytes**: the reused K/V its store holds, at the storage bits of its configuration (the accounting of
+  ``DecodeReport.kv``: codes, scales, minima, indices and outliers). The reused region is largest at the last
+  block: ``seq_len - block_length`` tokens (prefix and dual); cache mode ``none`` holds nothing. Bytes per reused
+  token are measured once per configuration by writing every layer of the configuration's own store with a probe
+  of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
+* **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
+  (activations of one layer, the K/V of one layer with GQA repeats and a dequantized copy, the LM head's logits).
+
+The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
+them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Merged
+forwards hold one such transient per row in the forward; ``max_batch_size`` caps how many, and the budget should
+leave room for that (it is not what torch's allocator keeps cached either).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
+from service.engine.params import DecodeParams
+from service.engine.spec import ModelSpec
+
+# The budget on CPU when none is set (DLLM_KV_BUDGET_BYTES).
+CPU_BUDGET_BYTES = 1 << 30
+# Reused tokens written by the probe that measures a configuration's bytes per token (several K groups).
+PROBE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Memory of one request: ``kv`` bytes held at its longest, ``transient`` bytes of its largest forward."""
+
+    kv: int
+    transient: int
+
+
+class MemoryModel:
+    """Bytes per request and per forward for one loaded model.
+
+    Args:
+        spec: the model's spec; width, mlp_hidden: model width and MLP hidden size; element_size: bytes per
+        activation element (4 for float32, 2 for bf16); device: where probes run.
+    """
+
+    def __init__(self, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.spec, self.width, self.mlp_hidden, self.element_size = spec, width, mlp_hidden, element_size
+        self.device = torch.device(device)
+        self._per_token: dict[object, float] = {}
+
+    @classmethod
+    def for_engine(cls, engine) -> MemoryModel:
+        """From a loaded `service.engine.Engine` (its model config, dtype and device); an engine without a torch
+        model (the tests' fake) is costed as a float32 model of width heads x head_dim and a 3x MLP."""
+        model = getattr(engine, "model", None)
+        if model is None:
+            width = engine.spec.num_heads * engine.spec.head_dim
+            return cls(engine.spec, width, 3 * width, 4)
+        return cls(engine.spec, model.config.width, model.config.mlp_hidden, model.embed.weight.element_size(),
+                   model.embed.weight.device)
+
+    def kv_bytes_per_token(self, key: object, make_store: Callable[[], KVStore]) -> float:
+        """Bytes held per reused token (all layers, K and V) by the stores ``make_store`` builds; measured once
+        per ``key`` (the configuration)."""
+        if key not in self._per_token:
+            store = make_store()
+            if type(store) is FullPrecisionKVStore:
+                s = self.spec
+                self._per_token[key] = 2.0 * s.num_layers * s.num_kv_heads * s.head_dim * self.element_size
+            else:
+                self._per_token[key] = self._probe(store) / PROBE_TOKENS
+        return self._per_token[key]
+
+    def _probe(self, store: KVStore) -> int:
+        """Bytes ``store`` holds after a block-initial pass that reuses :data:`PROBE_TOKENS` prefix tokens."""
+        s, block = self.spec, 1
+        total = PROBE_TOKENS + block
+        segments = Segments(pad_lengths=(0,), block_start=PROBE_TOKENS, block_end=total, seq_len=total,
+                            cache_mode="prefix")
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        dtype = torch.float32 if self.element_size == 4 else torch.bfloat16
+        scores = torch.full((1, total), 1.0 / total, device=self.device)
+        with torch.inference_mode():
+            for layer in range(s.num_layers):
+                k, v = (torch.randn(1, s.num_kv_heads, total, s.head_dim, generator=gen, device=self.device)
+                        .to(dtype) for _ in range(2))
+                store.write(layer, k, v, segments, scores if store.needs_scores else None)
+        held = int(store.bytes_held)
+        store.clear()
+        return held
+
+    def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
+        """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
+        seq_len = prompt_len + params.gen_length
+        reused = 0 if params.cache_mode == "none" else seq_len - params.block_length
+        # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
+        cols = params.gen_length if params.cache_mode == "none" else params.block_length
+        return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
+
+    def transient(self, seq_len: int, logits_cols: int) -> int:
+        """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns.
+
+        Activations of one layer (residual, norm, q/k/v/o, MLP gate/up/act), the K/V of one layer repeated for GQA
+        plus a dequantized copy, float32 logits. Attention probabilities are not materialised (torch's SDPA runs a
+        flash / memory-efficient kernel with a key mask on CPU and CUDA).
+        """
+        s, e = self.spec, self.element_size
+        activations = seq_len * (6 * self.width + 3 * self.mlp_hidden) * e
+        kv_layer = 3 * 2 * s.num_heads * seq_len * s.head_dim * e
+        logits = logits_cols * s.vocab_size * 4
+        return activations + kv_layer + logits
+
+
+def default_budget(device: torch.device | str, fraction: float, cpu_bytes: int) -> int:
+    """The budget when none is set: ``fraction`` of the device's free memory on CUDA (measured now, after the
+    weights are loaded), else ``cpu_bytes``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
+    return cpu_bytes

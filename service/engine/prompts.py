@@ -1,0 +1,75 @@
+"""Prompt encoding and the chat template, in one place (server, ``generate`` CLI, lm-eval model, calibration,
+examples).
+
+A chat prompt is the tokenizer's own chat template (HF ``apply_chat_template``) with the assistant generation
+prompt added; rendering it as text and encoding that text without added special tokens gives the same ids
+(lm-eval's ``--apply_chat_template`` path relies on it). ``developer`` turns are sent as ``system`` (OpenAI's
+newer name for it; the models' templates know only ``system``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from service.engine.errors import EngineInputError
+
+Message = dict[str, str]
+
+
+def _need(tokenizer: Any, model_id: str, chat: bool, field: str) -> None:
+    if tokenizer is None:
+        raise EngineInputError(f"{model_id} has no tokenizer files; pass token ids instead of text", field)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise EngineInputError(f"{model_id} has no chat template; send plain text instead", field)
+
+
+def _turns(messages: Sequence[Message]) -> list[Message]:
+    if not messages:
+        raise EngineInputError("messages is empty; give at least one message", "messages")
+    return [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+
+
+def encode_text(tokenizer: Any, text: str, model_id: str, add_special_tokens: bool | None = None,
+                field: str = "prompt") -> list[int]:
+    """Token ids of plain ``text`` (the tokenizer's default special tokens unless ``add_special_tokens`` says).
+
+    Raises:
+        EngineInputError: no tokenizer (``field`` names the request field).
+    """
+    _need(tokenizer, model_id, False, field)
+    if add_special_tokens is None:
+        return list(tokenizer(text)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True,
+                field: str = "messages") -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}]``) through the chat template.
+
+    Raises:
+        EngineInputError: no tokenizer, no chat template, or no messages.
+    """
+    _need(tokenizer, model_id, True, field)
+    return list(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
+                                              tokenize=True))
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True
+                ) -> str:
+    """``messages`` through the chat template as text; without a generation prompt the last message is
+    continued (lm-eval's multi-turn few-shot convention).
+
+    Raises:
+        EngineInputError: no tokenizer, no chat template, or no messages.
+    """
+    _need(tokenizer, model_id, True, "messages")
+    return tokenizer.apply_chat_template(_turns(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=not add_generation_prompt)
+
+
+def encode_prompt(tokenizer: Any, text: str, model_id: str, chat: bool) -> list[int]:
+    """Token ids of one prompt text; with ``chat`` it is one user turn through the chat template."""
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": text}], model_id, field="prompt")
+    return encode_text(tokenizer, text, model_id)

@@ -1,0 +1,226 @@
+"""The continuous scheduler: requests join a running batch at the next iteration and leave the moment they finish,
+admitted by KV memory (issue #14; DESIGN.md flow 1).
+
+It keeps the :class:`~service.worker.Worker` life cycle (bounded queue and 429, cancellation, drain, device-fault
+handling, shadow re-decodes) and replaces how work is taken:
+
+* **Iterations.** One thread owns the engine's `RunningBatch`; each iteration runs every running request's next
+  forward call, grouped into at most two forwards (`service.engine.batch`). Requests with different prompt and
+  response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV configurations share
+  them, each with its own KV store; each decodes exactly as it would alone.
+* **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
+  row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
+  (`service.admission`), and fewer than ``max_rows`` rows run. A request that could never fit, even alone, is
+  refused at :meth:`submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the prompt).
+* **Fairness.** First come, first served: while the head of the queue waits for memory, nobody behind it jumps
+  ahead, so a long request is never starved by a stream of short ones. Shadow re-decodes join only when no user
+  request waits, and only within the budget.
+* **Leaving.** A finished request (EOS, its length, cancellation or disconnect) leaves at the next iteration and
+  its store is cleared at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from service.admission import Cost, MemoryModel
+from service.engine.kv_store import FullPrecisionKVStore, KVStore
+from service.engine.report import DecodeReport
+from service.telemetry import Telemetry
+from service.worker import (
+    BatchFailed,
+    EngineLike,
+    Job,
+    JobCancelled,
+    JobResult,
+    KVStoreFactory,
+    RequestTooLarge,
+    Worker,
+    _set_exception,
+    _set_result,
+    is_device_fault,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Running:
+    """A job in the batch: its cohort, its reserved cost, when it joined, and the most rows that ran with it."""
+
+    job: Job
+    cohort: object
+    cost: Cost
+    joined_at: float
+    peak_rows: int
+
+
+class ContinuousWorker(Worker):
+    """See the module docstring. Arguments as :class:`~service.worker.Worker`, plus:
+
+    Args:
+        memory: the model's :class:`~service.admission.MemoryModel`.
+        budget_bytes: KV bytes of running rows + the largest forward may not exceed this.
+        max_rows: most rows running at once (``max_batch_size`` of the settings).
+    """
+
+    def __init__(self, engine: EngineLike, kv_store_factory: KVStoreFactory, telemetry: Telemetry,
+                 memory: MemoryModel, budget_bytes: int, max_rows: int = 8, **kw) -> None:
+        super().__init__(engine, kv_store_factory, telemetry, max_batch_size=max_rows, **kw)
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+        self.memory, self.budget_bytes = memory, budget_bytes
+        self._batch = None
+        self._members: list[_Running] = []
+        telemetry.kv_budget.set(budget_bytes)
+
+    # ---- admission -------------------------------------------------------------------------------------------------
+    def _per_token(self, job: Job) -> float:
+        return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
+
+    def _cost(self, job: Job) -> Cost:
+        return self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+
+    def _store(self, job: Job) -> KVStore:
+        store = self._kv_store_factory(job.snapshot)
+        return store if store is not None else FullPrecisionKVStore()
+
+    def submit(self, job: Job) -> Job:
+        """As :meth:`Worker.submit`, and first: refuse a request that could never fit the budget.
+
+        Raises:
+            RequestTooLarge: its KV bytes and its own forward exceed the budget even alone (``field``
+                ``max_tokens`` when a one-block response would fit, else ``prompt``).
+        """
+        cost = self._cost(job)
+        if cost.kv + cost.transient > self.budget_bytes:
+            one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
+            short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
+            fits_short = short.kv + short.transient <= self.budget_bytes
+            field = "max_tokens" if fits_short else "prompt"
+            raise RequestTooLarge(
+                f"this request needs about {cost.kv + cost.transient:,} bytes (KV {cost.kv:,} + its largest "
+                f"forward {cost.transient:,}), over the server's memory budget of {self.budget_bytes:,} bytes even "
+                f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
+                field,
+            )
+        return super().submit(job)
+
+    def _fits(self, cost: Cost) -> bool:
+        held = sum(m.cost.kv for m in self._members)
+        transient = max([cost.transient, *(m.cost.transient for m in self._members)])
+        return held + cost.kv + transient <= self.budget_bytes
+
+    def _admit(self) -> list[_Running]:
+        """Move jobs from the queues into the batch while they fit (caller holds the lock)."""
+        joined = []
+        self._purge_cancelled()
+        blocked = False
+        for queue in (self._queue, self._shadow):
+            if queue is self._shadow and (self._queue or blocked):
+                break  # shadow re-decodes only when no user request waits
+            while queue and len(self._members) < self.max_batch_size:
+                job = queue[0]
+                cost = self._cost(job)
+                if self._members and not self._fits(cost):
+                    blocked = True
+                    break
+                queue.popleft()
+                member = self._join(job, cost)
+                if member is not None:
+                    joined.append(member)
+        self.telemetry.memory_waiting.set(len(self._queue) if blocked else 0)
+        self.telemetry.waiting.set(len(self._queue))
+        return joined
+
+    def _join(self, job: Job, cost: Cost) -> _Running | None:
+        """Make the job's cohort and add it to the batch (a job the engine refuses fails alone)."""
+
+        def on_block(block: int, ids: list[list[int]]) -> None:
+            if job.first_block_at is None:
+                job.first_block_at = time.monotonic()
+            if job.on_block is not None and not job.cancelled:
+                job.on_block(block, ids[0])
+
+        try:
+            cohort = self.engine.cohort([job.prompt_ids], job.params, [job.row], self._store(job), on_block,
+                                        lambda: [job.cancelled])
+        except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
+            _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+            return None
+        now = time.monotonic()
+        member = _Running(job, cohort, cost, now, len(self._members) + 1)
+        self._members.append(member)
+        self._running = [m.job for m in self._members]
+        self._batch.join(cohort)
+        if job.served is None and not job.internal:
+            self.telemetry.queue_time.observe(now - job.admitted_at)
+        return member
+
+    # ---- the thread ------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        self._batch = self.engine.batch()
+        while True:
+            with self._cond:
+                while True:
+                    self._admit()
+                    if self._members:
+                        break
+                    if self._stopping:
+                        return
+                    self._cond.wait()
+                self._publish()
+            try:
+                finished = self._batch.step()
+            except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
+                self._fail_batch(exc)
+                if self.fault is not None:
+                    return
+                continue
+            self.telemetry.forwards.observe(self._batch.forwards)
+            with self._cond:
+                for cohort in finished:
+                    self._finish(next(m for m in self._members if m.cohort is cohort))
+                self._publish()
+                self._cond.notify_all()
+
+    def _publish(self) -> None:
+        for member in self._members:
+            member.peak_rows = max(member.peak_rows, len(self._members))
+        self.telemetry.running.set(len(self._members))
+        self.telemetry.kv_reserved.set(sum(m.cost.kv for m in self._members))
+
+    def _finish(self, member: _Running) -> None:
+        self._members.remove(member)
+        self._running = [m.job for m in self._members]
+        job = member.job
+        report: DecodeReport = self.engine.report(member.cohort)
+        if job.cancelled or report.rows[0].finish_reason == "cancelled":
+            _set_exception(job, JobCancelled("cancelled while running"))
+            return
+        if job.served is not None:
+            self._record_shadow([job], report)
+            return
+        if not job.internal:
+            self.telemetry.batch_size.observe(member.peak_rows)
+            self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
+        _set_result(job, JobResult(report, job.snapshot, member.joined_at - job.admitted_at, member.peak_rows))
+        if not job.internal:
+            self._maybe_shadow(job, report.rows[0])
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        fatal = is_device_fault(exc)
+        self.telemetry.worker_faults.labels(str(fatal).lower()).inc()
+        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._members), fatal)
+        error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
+        with self._cond:
+            for member in self._members:
+                self._batch.leave(member.cohort)
+                _set_exception(member.job, error)
+            self._members, self._running = [], []
+            self._publish()
+            self._cond.notify_all()
+        if fatal:
+            self._fail_everything(exc)

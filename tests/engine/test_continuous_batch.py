@@ -1,0 +1,101 @@
+"""Continuous batching: requests with mixed settings join and leave a running batch mid-flight, and each decodes
+token for token as it does alone (`service.engine.batch`); the reveal rule comes from the model family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.engine import EngineInputError
+from service.engine.models import DiffusionLM, reveal_rule
+from service.engine.params import DecodeParams, RowOptions
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
+from tests.engine.test_decode_quantized import policy_for
+from tests.support.fastdllm import four_prompts
+
+
+def _p(**kw) -> DecodeParams:
+    base = {"gen_length": 64, "block_length": 32, "cache_mode": "dual", "threshold": 0.9, "ignore_eos": True}
+    return DecodeParams(**{**base, **kw})
+
+
+def _store(engine, kind: str | None):
+    """None: the engine's full-precision store; else a quantized store (KIVI 2/4 bits, dLLM-KVQ 2 bits)."""
+    if kind is None:
+        return None
+    if kind == "dllm_kvq":
+        table = policy_for(engine.spec, 2)
+        config = KVQuantConfig(method="dllm_kvq", bits=2, k_group_size=8, policy_id=table.id)
+        return make_kv_store(config, engine.spec, artifact=table)
+    return make_kv_store(KVQuantConfig(method="kivi", bits=int(kind[-1]), k_group_size=8), engine.spec)
+
+
+# (prompt index, params, row options, store kind, iteration at which the request joins)
+MIXED = [
+    (2, _p(), RowOptions(), "kivi2", 0),
+    (0, _p(gen_length=96, block_length=32, threshold=0.7), RowOptions(temperature=0.8, seed=3), None, 0),
+    (1, _p(cache_mode="prefix", gen_length=32, block_length=16, threshold=None, steps=8), RowOptions(), "kivi4", 1),
+    (3, _p(cache_mode="none", gen_length=48, block_length=16), RowOptions(temperature=1.0, seed=9), None, 2),
+    (1, _p(gen_length=128, block_length=64, threshold=0.5), RowOptions(), "dllm_kvq", 3),
+    (2, _p(cache_mode="dual", threshold=None, steps=16, ignore_eos=False), RowOptions(), None, 5),
+    (0, _p(cache_mode="none", gen_length=32, block_length=32), RowOptions(), None, 7),
+]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch):
+    engine = engines[arch]
+    prompts = four_prompts(arch)
+    batch = engine.batch()
+    pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
+    cohorts, iteration, forwards = {}, 0, []
+    with torch.inference_mode():
+        while pending or batch.cohorts:
+            while pending and pending[0][1][4] <= iteration:
+                index, (prompt, params, row, kind, _) = pending.pop(0)
+                cohorts[index] = engine.cohort([prompts[prompt]], params, [row], _store(engine, kind))
+                batch.join(cohorts[index])
+            batch.step()
+            forwards.append(batch.forwards)
+            iteration += 1
+    assert max(forwards) == 2  # block-initial passes and cached steps of different requests, one forward each
+    for index, (prompt, params, row, kind, _) in enumerate(MIXED):
+        got = engine.report(cohorts[index])
+        alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind))
+        a, b = got.rows[0], alone.rows[0]
+        assert a.generated_ids == b.generated_ids, index
+        assert (a.nfe, a.reveals_per_step, a.steps_per_block) == (b.nfe, b.reveals_per_step, b.steps_per_block)
+        if kind is not None:
+            assert got.kv.bytes_held == alone.kv.bytes_held and got.kv.k_storage_bits == alone.kv.k_storage_bits
+
+
+def test_a_cancelled_request_leaves_at_once_and_frees_its_kv(engines):
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    flag = [False]
+    batch = engine.batch()
+    stay = engine.cohort([prompts[2]], _p(gen_length=96))
+    leave = engine.cohort([prompts[1]], _p(gen_length=96), cancelled=lambda: flag)
+    batch.join(stay)
+    batch.join(leave)
+    finished = []
+    with torch.inference_mode():
+        batch.step()
+        batch.step()
+        flag[0] = True
+        batch.step()  # the row is marked cancelled after this forward ...
+        finished += batch.step()  # ... and has left before the next one
+        assert finished == [leave] and leave.store._layers == {}
+        while batch.cohorts:
+            finished += batch.step()
+    assert engine.report(leave).rows[0].finish_reason == "cancelled"
+    alone = engine.generate([prompts[2]], _p(gen_length=96)).rows[0]
+    assert engine.report(stay).rows[0].generated_ids == alone.generated_ids
+
+
+def test_every_family_declares_its_reveal_rule():
+    with pytest.raises(TypeError, match="must set reveal_rule"):
+        type("ThirdModel", (DiffusionLM,), {"arch": "third", "logits_shift": 0, "CHECKPOINT_NAMES": {}})
+    with pytest.raises(EngineInputError, match="legal: llada, dream"):
+        reveal_rule("third")

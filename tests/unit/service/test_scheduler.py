@@ -1,0 +1,100 @@
+"""The continuous scheduler on the tiny LLaDA checkpoint: each request as alone, admission by the memory budget
+(FCFS, a 2-bit row costs less than an unquantized one), and a request that can never fit refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.admission import MemoryModel
+from service.engine import Engine
+from service.engine.params import DecodeParams, RowOptions
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
+from service.scheduler import ContinuousWorker
+from service.store.active import ConfigSnapshot
+from service.telemetry import Telemetry
+from service.worker import Job, RequestTooLarge
+from tests.support.fastdllm import CKPT, four_prompts
+
+KIVI2 = KVQuantConfig(method="kivi", bits=2, k_group_size=8)
+UNQUANTIZED = KVQuantConfig()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    return Engine.load(CKPT["llada"])
+
+
+def _worker(engine, budget: int, **kw) -> ContinuousWorker:
+    return ContinuousWorker(engine, lambda snap: make_kv_store(snap.config, engine.spec), Telemetry(),
+                            MemoryModel.for_engine(engine), budget, **kw)
+
+
+def _params(**kw) -> DecodeParams:
+    return DecodeParams(**{"gen_length": 64, "block_length": 32, "threshold": 0.9, "ignore_eos": True, **kw})
+
+
+def _snapshot(config: KVQuantConfig = UNQUANTIZED, mode: str = "dual") -> ConfigSnapshot:
+    return ConfigSnapshot(config, mode, "request")
+
+
+def _cost(worker: ContinuousWorker, prompt: list[int], params: DecodeParams, config: KVQuantConfig):
+    return worker._cost(Job(prompt, params, RowOptions(), _snapshot(config, params.cache_mode)))
+
+
+def test_requests_with_mixed_settings_decode_as_alone(engine):
+    prompts = four_prompts("llada")
+    requests = [
+        (prompts[0], _params(), RowOptions(), KVQuantConfig()),
+        (prompts[2], _params(gen_length=96, threshold=None, steps=6), RowOptions(temperature=0.7, seed=2), KIVI2),
+        (prompts[1], _params(cache_mode="prefix", block_length=16), RowOptions(), KVQuantConfig()),
+        (prompts[3], _params(cache_mode="none", gen_length=32), RowOptions(), KVQuantConfig()),
+    ]
+    worker = _worker(engine, 1 << 30, max_rows=8)
+    jobs = [worker.submit(Job(p, params, row, _snapshot(config, params.cache_mode)))
+            for p, params, row, config in requests]
+    worker.start()
+    results = [job.future.result(timeout=300) for job in jobs]
+    worker.stop()
+    assert max(r.batch_size for r in results) >= 2  # they ran together
+    for (prompt, params, row, config), result in zip(requests, results):
+        alone = engine.generate([prompt], params, [row], kv_store=make_kv_store(config, engine.spec)).rows[0]
+        assert result.row.generated_ids == alone.generated_ids
+        assert result.row.nfe == alone.nfe
+        assert result.snapshot.config == config
+
+
+def test_budget_admits_more_2_bit_rows_first_come_first_served(engine):
+    prompt, params = four_prompts("llada")[2], _params(gen_length=128)
+    probe = _worker(engine, 1 << 30)
+    full, kivi = _cost(probe, prompt, params, KVQuantConfig()), _cost(probe, prompt, params, KIVI2)
+    assert kivi.kv * 3 < full.kv
+    budget = 2 * full.kv + full.transient  # exactly two unquantized rows
+    peaks = {}
+    for name, config in (("full", KVQuantConfig()), ("kivi", KIVI2)):
+        worker = _worker(engine, budget, max_rows=16)
+        jobs = [worker.submit(Job(prompt, params, RowOptions(), _snapshot(config))) for _ in range(6)]
+        worker.start()
+        results = [job.future.result(timeout=300) for job in jobs]
+        worker.stop()
+        peaks[name] = max(r.batch_size for r in results)
+        # FCFS: a request never joins before one submitted ahead of it.
+        joined = [r.queue_s + j.admitted_at for r, j in zip(results, jobs)]
+        assert joined == sorted(joined)
+    assert peaks["full"] == 2 and peaks["kivi"] >= 5
+
+
+def test_a_request_that_can_never_fit_is_refused_naming_the_field(engine):
+    prompt = four_prompts("llada")[2]
+    worker = _worker(engine, 1 << 30)
+    small = _cost(worker, prompt, _params(gen_length=32), KVQuantConfig())
+    worker = _worker(engine, small.kv + small.transient)
+    with pytest.raises(RequestTooLarge) as too_long:
+        worker.submit(Job(prompt, _params(gen_length=512), RowOptions(), _snapshot()))
+    assert too_long.value.field == "max_tokens" and "shorten max_tokens" in str(too_long.value)
+    with pytest.raises(RequestTooLarge) as too_big:
+        worker.submit(Job(prompt * 20, _params(gen_length=32), RowOptions(), _snapshot()))
+    assert too_big.value.field == "prompt"
+    assert worker.num_waiting == 0
