@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from calibration.job import CalibrationJob, JobSettings, RunSummary
+from service.commands import store_url_arg
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
     add("--model", default=None, help="checkpoint dir or HF repo id (default: the embedded model)")
-    add("--store", default="calibration-store", help="redis://host:port/db or a directory (default: %(default)s)")
+    add("--store", default="calibration-store", type=store_url_arg, help="redis://host:port/db or a directory (default: %(default)s)")
     add("--store-prefix", default="dllm-kvq", help="Redis key prefix (default: %(default)s)")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
         help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from evaluation.controls import DEFAULT_RULES
 from evaluation.protocol import PRESETS, get_preset
+from service.commands import store_url_arg
 
 #: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
 DEFAULT_TASK_DIR = Path.home() / ".cache" / "dllm-kvq" / "lm-eval-tasks"
@@ -125,7 +126,7 @@ def matrix_parser() -> argparse.ArgumentParser:
                         help="comma list of tasks run with the chat template (the embedded task always is)")
     parser.add_argument("--confirm-run-unsafe-code", action="store_true",
                         help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox")
-    parser.add_argument("--store", help="store URL (redis://... or a directory): policies, states, scores")
+    parser.add_argument("--store", type=store_url_arg, help="store URL (redis://... or a directory): policies, states, scores")
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
@@ -334,7 +335,7 @@ def run_push_scores(argv: list[str]) -> int:
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
     parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
-    parser.add_argument("--store", help="store URL, used when no server is given")
+    parser.add_argument("--store", type=store_url_arg, help="store URL, used when no server is given")
     parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
     parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}; '
                         "with --cache-mode, needed for a results file of an HTTP run (it does not record them)")

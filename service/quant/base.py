@@ -230,13 +230,20 @@ def _held(x: torch.Tensor) -> PackedTensor:
 def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf.
 
-    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
-    the scan runs only to name the culprit.
+    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan.
+    A sum that is not finite is only a hint: large finite values (a constant 1e36, two entries of 3e38) overflow
+    it too, so the elementwise scan decides, and names the culprit.
+
+    Raises:
+        NonFiniteKVError: some slot holds NaN or +/-inf.
     """
     slots = layout.gather(x)
     if bool(torch.isfinite(slots.sum(dtype=torch.float32))):
         return slots
-    slot = int((~torch.isfinite(slots)).flatten(1).any(1).nonzero()[0])
+    bad = (~torch.isfinite(slots)).flatten(1).any(1).nonzero()
+    if bad.numel() == 0:
+        return slots
+    slot = int(bad[0])
     raise NonFiniteKVError(
         f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
         f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"

@@ -20,11 +20,11 @@ from service.artifacts.policy import PolicyTable, nominal_k_bits
 from service.engine import Engine
 from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, open_store
 from tests.support.apps import ADMIN_KEY
-from tests.support.processes import ServerProcess
+from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 from tests.unit.calibration.test_job import CKPT, token_id_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = SHARED_REDIS_URL
 
 
 def _run(*args: str) -> str:
@@ -41,7 +41,7 @@ def redis_prefix():
     try:
         client.ping()
     except redis.ConnectionError:
-        pytest.fail("these tests need redis-server on 127.0.0.1:6379 (scripts/test.sh starts one)")
+        pytest.fail(f"the suite's redis-server at {REDIS_URL} does not answer")
     prefix = f"test-calibration-{uuid.uuid4().hex[:8]}"
     yield prefix
     for key in client.scan_iter(f"{prefix}:*"):

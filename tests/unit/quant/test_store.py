@@ -8,9 +8,10 @@ from service.artifacts.base import ArtifactMismatch
 from service.engine.kv_store import FullPrecisionKVStore, Segments
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
+from service.quant.kvquant import fit_state
 from service.quant.store import QuantizedKVStore, make_kv_store
 from service.quant.uniform import dequantize_k_groups, dequantize_v, quantize_k_groups, quantize_v
-from tests.unit.quant.helpers import SPEC, kv, policy, state
+from tests.unit.quant.helpers import PROV, SPEC, kv, policy, state
 
 STATE4 = state(bits=4)
 STATE2 = state(bits=2)
@@ -123,6 +124,55 @@ def test_non_finite_input_is_a_clear_error(method, bad, which):
     k[1, 0, 2, 2] = bad
     store.write(0, k, v, seg, scores_for(k))
     assert torch.isfinite(store.read(0)[0]).all()
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "kvquant"])
+@pytest.mark.parametrize("which", ["K", "V"])
+def test_huge_finite_values_quantize(method, which):
+    # A float32 sum of these overflows to inf (it once made the NaN scan find nothing and raise IndexError).
+    seg = Segments((0, 4), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    k, v = kv(2, 24)
+    (k if which == "K" else v)[:] = 1e36
+    store = store_for(method)
+    store.write(0, k, v, seg, scores_for(k))
+    rk, rv = store.read(0)
+    assert ((rk if which == "K" else rv)[1, :, 4:] == 1e36).all()  # a constant group is exact (padding: 0)
+    k, v = kv(2, 24)
+    (k if which == "K" else v)[1, 0, 6:8, 2] = 3e38  # two entries, one K group and channel, two V tokens
+    store.write(0, k, v, seg, scores_for(k))
+    rk, rv = store.read(0)
+    assert torch.isfinite(rk).all() and torch.isfinite(rv).all()
+    got = (rk if which == "K" else rv)[1, 0, 6:8, 2]  # prefix positions keep their column
+    assert torch.allclose(got, torch.full((2,), 3e38), rtol=0.01)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq"])
+def test_a_range_that_overflows_the_dtype_is_named(method):
+    k, v = kv(2, 24)
+    k[1, 0, 6, 2], k[1, 0, 7, 2] = 3e38, -3e38  # max - min = 6e38 > float32's 3.4e38
+    seg = Segments((0, 4), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    with pytest.raises(KVQuantError, match="a group's range overflows torch.float32") as raised:
+        store_for(method).write(0, k, v, seg, scores_for(k))
+    assert not isinstance(raised.value, NonFiniteKVError)
+
+
+@pytest.mark.parametrize("bad", [(3e38, 3e38), (3e38, -3e38), (-3e38, -3e38)])
+def test_kvquant_dense_value_ranges_do_not_overflow(bad):
+    # Without sparse outliers, a token's midpoint or half range overflows float32 here.
+    keys, values = zip(*(kv(4, 64, seed=1 + i) for i in range(SPEC.num_layers)))
+    dense = fit_state(list(keys), list(values), 4, SPEC, PROV, sparsity_threshold=1.0)
+    cfg = KVQuantConfig(method="kvquant", bits=4, k_group_size=8, kvquant_state_file="unused.safetensors")
+    store = make_kv_store(cfg, SPEC, artifact=dense)
+    k, v = kv(1, 24)
+    v[0, :, 6, :8], v[0, :, 6, 8:] = bad  # one token: all of its H x D entries are at the extremes
+    seg = Segments((0,), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    store.write(0, k, v, seg)
+    got = store.read(0)[1][0, :, 6]
+    assert torch.isfinite(got).all()
+    if bad[0] == bad[1]:
+        assert (got == bad[0]).all()  # a constant token is exact
+    else:
+        assert (got[:, :8] > 2e38).all() and (got[:, 8:] < -2e38).all()
 
 
 def test_v_group_size_must_divide_head_dim():
