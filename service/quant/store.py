@@ -169,6 +169,8 @@ class QuantizedKVStore(KVStore):
         )
 
     def _fused(self, device: torch.device) -> bool:
+        if not (self.quantizer.quantizes_k and self.quantizer.quantizes_v):
+            return False  # the kernel reads codes; a side held as it is (``sides``) goes through window_kv
         if self.attention == "auto":
             return device.type == "cuda" and _triton_available()
         return self.attention == "triton"

@@ -135,7 +135,7 @@ def test_configuration_swap_under_load(server, tmp_path):
             if after["kv_config"]["kv_quant"]["method"] == "kivi":
                 break
             time.sleep(0.1)
-        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "keep_dequantized": False}
+        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "sides": "kv", "keep_dequantized": False}
         assert after["kv_config"]["source"] == "active"
     finally:
         replica.__exit__(None, None, None)

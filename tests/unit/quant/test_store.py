@@ -275,3 +275,30 @@ def test_kvquant_store_matches_nuq_functions_with_gqa():
     n_out = int(outliers.sum())
     assert report.k_nominal_bits == (4 * (x2d.numel() - n_out) + 16 * n_out) / x2d.numel()
     assert report.v_nominal_bits > 4  # per-token quantile outliers, about 1% of entries at 16 bits
+
+
+@pytest.mark.parametrize("method", ["kivi", "kvquant", "dllm_kvq"])
+def test_sides_quantize_one_of_k_and_v_and_hold_the_other_exactly(method):
+    k, v = kv(2, 40)
+    seg = Segments((0, 3), block_start=20, block_end=28, seq_len=40, cache_mode="dual")
+    both = store_for(method, bits=2)
+    both.write(0, k, v, seg, scores_for(k))
+    k_both, v_both = both.read(0)
+    reused = torch.cat([k[:, :, :20], k[:, :, 28:]], dim=2), torch.cat([v[:, :, :20], v[:, :, 28:]], dim=2)
+    k_only = store_for(method, bits=2, sides="k")
+    k_only.write(0, k, v, seg, scores_for(k))
+    rk, rv = k_only.read(0)
+    assert torch.equal(rk, k_both)  # K exactly as the method quantizes it with both sides
+    assert torch.equal(rv[0], reused[1][0]) and torch.equal(rv[1, :, 3:], reused[1][1, :, 3:])  # V as it was
+    v_only = store_for(method, bits=2, sides="v")
+    v_only.write(0, k, v, seg, scores_for(k))
+    rk, rv = v_only.read(0)
+    assert torch.equal(rv, v_both) and torch.equal(rk[0], reused[0][0])
+    # The held side counts 16 nominal bits per entry (the paper's high-precision accounting).
+    assert v_only.report().k_nominal_bits == 16.0
+    assert k_only.report().v_nominal_bits == 16.0
+
+
+def test_sides_is_refused_outside_its_legal_values():
+    with pytest.raises(ValidationError, match="'kv', 'k' or 'v'"):
+        KVQuantConfig(method="kivi", sides="kq")
