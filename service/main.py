@@ -31,6 +31,7 @@ from service.quant.config import KVQuantConfig
 from service.scheduler import ContinuousWorker
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import StoreUnavailable, open_store
+from service.store.monitor import StoreMonitor
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
 
@@ -128,7 +129,8 @@ def create_app(
         telemetry = Telemetry()
         store = open_store(settings.store_url, prefix=settings.store_prefix)
         model_name = served_model_name(settings, eng.spec.model_id)
-        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name)
+        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name,
+                               restore=settings.store_restore_active)
         try:
             active.reload()
         except StoreUnavailable as exc:
@@ -139,6 +141,7 @@ def create_app(
                 active.reload()
 
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
+        monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s)
         worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
@@ -158,8 +161,10 @@ def create_app(
         finally:
             telemetry.ready.set(0)
             finished = await asyncio.to_thread(worker.drain, settings.drain_timeout_s)
+            app.state.drained = worker.cut_by_drain == 0  # also counts what SIGTERM's own drain cut
             if not finished:
                 log.warning("drain timed out after %.0f s; cancelled what was left", settings.drain_timeout_s)
+            monitor.close()
             subscription.close()
             store.close()
 

@@ -241,6 +241,8 @@ class Worker:
         self._running: list[Job] = []
         self._accepting = True
         self._stopping = False
+        #: Client jobs a drain cancelled because its timeout ran out (the exit status reports it).
+        self.cut_by_drain = 0
         self.fault: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dllm-kvq-worker", daemon=True)
 
@@ -278,6 +280,7 @@ class Worker:
             while (self._queue or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             finished = not (self._queue or self._running)
+            self.cut_by_drain += sum(job.served is None and not job.internal for job in [*self._queue, *self._running])
             for job in [*self._queue, *self._running]:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
                 _set_exception(job, WorkerUnavailable(f"the server is shutting down and the drain timeout "

@@ -123,15 +123,14 @@ class Admin:
 
     # ---- active configuration ----------------------------------------------------------------------------------
     def view_active(self) -> s.ActiveView:
-        """Serving snapshots per cache mode, and the store's entries (None when it is unreachable)."""
+        """Serving snapshots per cache mode, the store's entries, and the entries the store lost (StoreUnavailable,
+        a 503 like every admin route, when the store cannot be reached)."""
         serving = {mode: snap.describe() for mode, snap in self.active.all().items()}
-        try:
-            entries = self._tracked(self.store.list_active)
-            stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
-        except StoreUnavailable:
-            stored = None
+        entries = self._tracked(self.store.list_active)
+        stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
+        lost = {mode: loss.describe() for mode, loss in self.active.losses.items()}
         return s.ActiveView(model=self.active.model_name, fingerprint=self.spec.fingerprint, serving=serving,
-                            store=stored)
+                            store=stored, store_lost=lost)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
         """Validate, then one atomic write + event; 422 if the configuration does not fit the model.

@@ -354,7 +354,12 @@ class ActiveView(BaseModel):
     model: str
     fingerprint: str
     serving: dict[str, dict[str, Any]]
-    store: dict[str, dict[str, Any]] | None = Field(None, description="None when the store is unreachable")
+    store: dict[str, dict[str, Any]]
+    store_lost: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per cache mode, the last time the store came back without the active configuration this "
+        "replica serves: kv_quant, detected_at, restored_at (when this replica wrote it back), note",
+    )
 
 
 class ActivateResponse(BaseModel):

@@ -265,6 +265,9 @@ class Serving:
             self._cancel(plan)
         if gathered not in done:
             gathered.cancel()
+            # A cancelled gather ends with a CancelledError that nobody awaits: retrieve it, or asyncio logs an
+            # "exception was never retrieved" ERROR for every client that went away (a handled disconnect).
+            gathered.add_done_callback(_retrieve)
             if watcher in done:
                 raise JobCancelled("the client disconnected")
             raise RequestTimeout(f"the request took longer than {self.settings.request_timeout_s} s")
@@ -413,6 +416,12 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: i
         loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids)))
 
     return on_block
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a finished future's outcome as seen (its exception, if any, was handled by the caller)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_disconnect(request: Request, poll_s: float = 0.1) -> None:

@@ -106,6 +106,10 @@ class PolicyTable(BaseModel):
         """Canonical JSON (sorted keys, no spaces); :meth:`from_json` gives back an equal table with the same id."""
         return canonical_json(self.model_dump(mode="json")).decode()
 
+    def to_bytes(self) -> bytes:
+        """The bytes a store holds (:meth:`to_json`, UTF-8): the artifact protocol's writer."""
+        return self.to_json().encode()
+
     @classmethod
     def from_json(cls, text: str | bytes) -> PolicyTable:
         """Parse and validate a table (``pydantic.ValidationError`` naming the field if it is not one)."""

@@ -19,6 +19,9 @@ from service.engine.params import TOKENS_CEILING
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
+Sides = Literal["kv", "k", "v"]
+#: Legal values of ``sides``: both, K only, V only.
+SIDES: tuple[str, ...] = ("kv", "k", "v")
 
 
 class KVQuantConfig(BaseModel):
@@ -35,6 +38,10 @@ class KVQuantConfig(BaseModel):
     ``policy_file`` (dllm_kvq, a policy table in JSON) and ``kvquant_state_id`` / ``kvquant_state_file``
     (kvquant, a safetensors state), the public HTTP, CLI and lm-eval names.
 
+    ``sides`` says which of K and V the method quantizes (``kv``, default), ``k`` or ``v``: the other one is held
+    as it is, in the model dtype (counted at 16 nominal bits, the paper's high-precision accounting), so a K-only
+    or V-only row shows where a method's loss comes from (issue 16; the paper's method is K-side).
+
     Raises (at construction): ``pydantic.ValidationError`` (a ``ValueError``) whose message lists the legal values:
     an unknown method (the registered ones), bits (2, 4, 8), a missing or superfluous artifact reference.
     """
@@ -48,6 +55,7 @@ class KVQuantConfig(BaseModel):
                                      description="channels per V group (a divisor of head_dim)")
     artifact_id: str | None = None
     artifact_file: str | None = None
+    sides: Sides = "kv"
     # Keep each layer's dequantized reused K/V for the whole block (faster, saves no memory within a block).
     keep_dequantized: StrictBool = False
 

@@ -1,5 +1,5 @@
 """The README's Quickstart end to end: ``examples/quickstart.sh`` (the README's commands, one per step) against the
-real ``redis-server`` on 127.0.0.1:6379 (an empty database of its own, flushed after) and a real
+suite's own ``redis-server`` (an empty database, flushed after) and a real
 ``python -m service serve`` process, with small calibration settings, fp32, one thread. The checks are on
 outcomes: the configuration each answer ran with is the one activated, the metrics move, the table has every
 row, the served score equals the in-process one, and on the fixed 32-question held-out slice the table's
@@ -18,7 +18,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.processes import free_port
+from tests.support.processes import SHARED_REDIS_URL, free_port
 
 # The whole flow runs once, in the module fixture, under the first test's clock: more than the default 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -30,18 +30,11 @@ ROWS = ["No cache (full recompute)", "Cache only", "KIVI", "KVQuant", "dLLM-KVQ"
 
 @pytest.fixture(scope="module")
 def store_url():
-    """An empty Redis database of this test's own (the highest free one), flushed afterwards."""
-    for db in range(15, 0, -1):
-        client = redis.Redis(host="127.0.0.1", port=6379, db=db)
-        try:
-            empty = client.dbsize() == 0
-        except redis.ConnectionError:
-            pytest.fail("this test needs redis-server on 127.0.0.1:6379 (scripts/test.sh starts one)")
-        if empty:
-            break
-    else:
-        pytest.fail("no empty Redis database among 1..15")
-    yield f"redis://127.0.0.1:6379/{db}"
+    """Database 1 of the suite's own redis-server (tests/conftest.py), flushed afterwards."""
+    url = SHARED_REDIS_URL.rsplit("/", 1)[0] + "/1"
+    client = redis.Redis.from_url(url)
+    assert client.dbsize() == 0
+    yield url
     client.flushdb()
 
 

@@ -1,4 +1,4 @@
-"""lm-eval against ``python -m service serve`` (embedded model, real uvicorn process, Redis on 127.0.0.1:6379
+"""lm-eval against ``python -m service serve`` (embedded model, real uvicorn process, the suite's own Redis
 under its own key prefix): the README's commands work unchanged, over-HTTP scores and responses equal the
 in-process ones on the same slice, the likelihood payload gets an explicit 400, and scores reach /metrics and the
 store."""
@@ -92,7 +92,7 @@ def test_chat_command_from_the_readme_equals_in_process(server, engine, task_dir
     cmd = [a.replace("http://127.0.0.1:8000", server.url) for a in cmd]
     out = tmp_path / "http"
     cmd += ["--output_path", str(out), "--log_samples", "--include_path", str(task_dir)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     (results,) = out.glob("*/results_*.json")

@@ -1,4 +1,4 @@
-"""The two store backends against the same behaviour: a real redis-server (127.0.0.1:6379, own key prefix,
+"""The two store backends against the same behaviour: a real redis-server (the suite's own, own key prefix,
 removed after) and a temporary directory."""
 
 from __future__ import annotations

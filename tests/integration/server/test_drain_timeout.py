@@ -1,5 +1,6 @@
-"""``python -m service serve`` on SIGTERM when a request outlasts the drain timeout: the worker's drain ends first
-and answers it with an OpenAI-style 503, before uvicorn's own graceful timeout could cut it with a plain-text 500."""
+"""``python -m service serve`` on SIGTERM: a clean drain exits 0; when a request outlasts the drain timeout, the
+worker's drain ends first and answers it with an OpenAI-style 503 (before uvicorn's own graceful timeout could cut
+it with a plain-text 500) and the process exits 1."""
 
 from __future__ import annotations
 
@@ -32,7 +33,26 @@ def test_a_request_cut_by_the_drain_timeout_gets_a_json_503(tmp_path):
         assert r.status_code == 503, (r.status_code, r.text, srv.log())
         error = r.json()["error"]
         assert error["type"] == "service_unavailable_error" and "drain timeout" in error["message"]
-        assert srv.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert srv.proc.wait(timeout=30) == 1  # the drain cut an admitted request: not a clean stop
         assert "Traceback" not in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_clean_drain_exits_0(tmp_path):
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp_path / "server.log").start()
+    box = {}
+    request = {"model": "embedded", "prompt": "next: 1 2 3", "max_tokens": 64, "ignore_eos": True}
+    worker = threading.Thread(target=lambda: box.setdefault("r", httpx.post(srv.url + "/v1/completions",
+                                                                           json=request, timeout=60)))
+    try:
+        worker.start()
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        worker.join(timeout=60)
+        assert box["r"].status_code == 200, (box["r"].text, srv.log())
+        # uvicorn raises the captured SIGTERM again after its shutdown; a clean stop is still status 0, not 143.
+        assert srv.proc.wait(timeout=30) == 0, srv.log()
     finally:
         srv.stop()

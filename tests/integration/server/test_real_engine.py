@@ -1,5 +1,5 @@
-"""``python -m service serve`` on the embedded default model (the real engine), with Redis on 127.0.0.1:6379 under
-its own key prefix: the official openai client (completions, chat, streaming), lm-eval's remote tokenizer,
+"""``python -m service serve`` on the embedded default model (the real engine), with the suite's own Redis
+(tests/conftest.py) under its own key prefix: the official openai client (completions, chat, streaming), lm-eval's remote tokenizer,
 quantized requests with their effective bits in the report and in /metrics, shadow agreement, batching of
 16 concurrent clients, and a dLLM-KVQ policy uploaded, activated and served."""
 
@@ -119,9 +119,10 @@ def test_sixteen_concurrent_clients_are_batched(server, client):
             model="embedded", messages=[{"role": "user", "content": p}], max_tokens=64), prompts))
     assert [o.choices[0].message.content.split() for o in outs] == [p.split()[1:] for p in prompts]
     after = metrics(server.url)
-    batches = metric_sum(after, "dllm_batch_size_count") - metric_sum(before, "dllm_batch_size_count")
+    # Continuous scheduler: one observation per request, of the most rows it decoded together with.
+    observed = metric_sum(after, "dllm_batch_size_count") - metric_sum(before, "dllm_batch_size_count")
     rows = metric_sum(after, "dllm_batch_size_sum") - metric_sum(before, "dllm_batch_size_sum")
-    assert rows == 16 and batches < 16
+    assert observed == 16 and rows > 16
 
 
 def test_policy_upload_activate_serve_and_bad_policies(server, engine):

@@ -1,5 +1,5 @@
-"""The server as a real uvicorn process with the real worker, store (Redis on 127.0.0.1:6379 under its own key
-prefix) and routes, and a fake engine whose speed and faults the tests control; the official openai client and
+"""The server as a real uvicorn process with the real worker, store (the suite's own Redis, tests/conftest.py,
+under its own key prefix) and routes, and a fake engine whose speed and faults the tests control; the official openai client and
 prometheus_client.parser. Cases: concurrency and batching, a configuration swap under load, disconnect, worker
 fault, full queue, device fault, Redis stop/restart, SIGTERM drain, admin and bad input."""
 
@@ -73,10 +73,10 @@ def test_openai_client_concurrency_batching_and_metrics(server):
                              prompts))
     assert [o.choices[0].text for o in outs] == [p[::-1] for p in prompts]
     m = metrics(server.url)
-    batches = metric_sum(m, "dllm_batch_size_count")
-    # 16 concurrent requests (+3 single ones) in fewer batches than requests: batching happened.
-    assert metric_sum(m, "dllm_batch_size_sum") == 19 and batches < 19
-    assert metric_sum(m, "dllm_batch_size_bucket", le="1.0") < batches
+    # One observation per request (the most rows it decoded together with): 16 concurrent requests (+3 single
+    # ones) of which some shared forwards with others.
+    assert metric_sum(m, "dllm_batch_size_count") == 19 and metric_sum(m, "dllm_batch_size_sum") > 19
+    assert metric_sum(m, "dllm_batch_size_bucket", le="1.0") < 19
     assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="200") == 17
     assert metric_sum(m, "dllm_request_latency_seconds_count", endpoint="/v1/chat/completions") == 2
     assert metric_sum(m, "dllm_prompt_tokens_total") > 0 and metric_sum(m, "dllm_requests_running") == 0
@@ -135,7 +135,7 @@ def test_configuration_swap_under_load(server, tmp_path):
             if after["kv_config"]["kv_quant"]["method"] == "kivi":
                 break
             time.sleep(0.1)
-        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "keep_dequantized": False}
+        assert after["kv_config"]["kv_quant"] == {**kivi, "k_group_size": 32, "sides": "kv", "keep_dequantized": False}
         assert after["kv_config"]["source"] == "active"
     finally:
         replica.__exit__(None, None, None)
@@ -227,6 +227,10 @@ def test_full_queue_429_disconnect_frees_the_slot_and_sigterm_drains(tmp_path, p
         assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="499") == 1
         assert metric_sum(m, "dllm_requests_total", status="429") == 1
         assert metric_sum(m, "dllm_requests_running") == 0 and metric_sum(m, "dllm_requests_waiting") == 0
+        # A handled disconnect logs nothing above INFO (it once left asyncio's "exception was never retrieved").
+        time.sleep(0.5)  # the abandoned futures are collected
+        assert not [line for line in srv.log().splitlines() if "ERROR" in line or "never retrieved" in line
+                    or "Traceback" in line], srv.log()
 
         # SIGTERM: the request in flight finishes (10 blocks, 1 s), then the process exits cleanly.
         t = threading.Thread(target=lambda: box.__setitem__("r", httpx.post(

@@ -16,7 +16,7 @@ def test_activation_bodies_name_each_artifact_with_its_group_sizes(tmp_path, cap
     assert [p.name for p in paths] == ["dllm_kvq-dual-2bit.json", "dllm_kvq-prefix-4bit.json", "kvquant-2bit.json"]
     bodies = {p.name: json.loads(p.read_text()) for p in paths}
     assert bodies["dllm_kvq-dual-2bit.json"] == {"method": "dllm_kvq", "bits": 2, "k_group_size": 16,
-                                                 "v_group_size": 8, "policy_id": "policy-aa",
+                                                 "v_group_size": 8, "policy_id": "policy-aa", "sides": "kv",
                                                  "keep_dequantized": False}
     assert bodies["kvquant-2bit.json"]["kvquant_state_id"] == "kvqstate-cc"
     for body in bodies.values():  # each is a valid configuration as the admin endpoint parses it

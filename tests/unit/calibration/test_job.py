@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from threadpoolctl import threadpool_limits
 
 from calibration import job as job_module
 from calibration.corpus import write_bucket
@@ -39,11 +40,10 @@ def engine():
 
 
 def _settings(tmp_path: Path, **overrides) -> JobSettings:
-    values = dict(model=str(CKPT), buckets={"qa": str(token_id_bucket(tmp_path / "qa.jsonl"))}, samples=2,
-                  rounds=1, block_length=16, max_answer_length=32, steps_per_block=4, k_group_size=16,
-                  min_records=4, kvquant_bits=(4,))
-    values.update(overrides)
-    return JobSettings(**values)
+    values = {"model": str(CKPT), "buckets": {"qa": str(token_id_bucket(tmp_path / "qa.jsonl"))}, "samples": 2,
+              "rounds": 1, "block_length": 16, "max_answer_length": 32, "steps_per_block": 4, "k_group_size": 16,
+              "min_records": 4, "kvquant_bits": (4,)}
+    return JobSettings(**{**values, **overrides})
 
 
 def test_baseline_variant_is_kivi_and_candidates_keep_their_top_tokens_exact(engine):
@@ -98,6 +98,28 @@ def test_shards_merge_into_the_one_run_policy(engine, tmp_path):
     merged = CalibrationJob(_settings(tmp_path, samples=3), shard_store, engine, progress=False)
     assert merged.summary.computed == {}
     assert {k: t.id for k, t in merged.fit().items()} == {k: t.id for k, t in whole.fit().items()}
+
+
+def test_artifacts_do_not_depend_on_the_thread_count(engine, tmp_path):
+    # Two machines with different thread counts (torch, OpenMP, BLAS) make byte-identical policies and states:
+    # before the k-means fit was pinned to one thread, the KVQuant codebooks differed at 2 threads.
+    def run(count: int, folder: str):
+        torch.set_num_threads(count)
+        try:
+            with threadpool_limits(limits=count):
+                store = open_store(str(tmp_path / folder))
+                job = CalibrationJob(_settings(tmp_path, samples=1), store, engine, progress=False)
+                job.diagnose()
+                return job.fit(), job.kvquant()[4], store
+        finally:
+            torch.set_num_threads(1)
+
+    tables_1, state_1, store_1 = run(1, "one")
+    tables_n, state_n, store_n = run(2, "two")
+    assert {k: t.id for k, t in tables_1.items()} == {k: t.id for k, t in tables_n.items()}
+    for table in tables_1.values():
+        assert store_1.get(KIND_POLICY, table.id) == store_n.get(KIND_POLICY, table.id)
+    assert state_1.to_bytes() == state_n.to_bytes()
 
 
 def test_a_failed_run_leaves_finished_items_and_no_policy(engine, tmp_path, monkeypatch):

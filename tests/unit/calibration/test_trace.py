@@ -156,7 +156,7 @@ def test_trace_returns_a_legal_trajectory_with_only_the_listed_fields():
     assert 1 <= result.rounds <= 3 and len(result.objectives) == result.rounds
     assert set(Trajectory.model_fields) == {
         "prompt_ids", "answer_ids", "assignment", "block_length", "steps_per_block", "budgets",
-        "model_fingerprint", "rounds", "objectives"}
+        "model_fingerprint", "rounds", "objectives", "settled"}
     assert Trajectory.model_validate_json(result.model_dump_json()) == result
     # Same inputs, same trajectory (deterministic initializer and solver).
     again = trace([5, 6, 7], [1, 2, 3, 4, 2, 1], model, MASK, "fp", steps_per_block=3, block_length=3)
@@ -172,6 +172,6 @@ def test_trace_stops_when_the_assignment_is_stable():
         return table.expand(ids.shape[0], -1, -1)
 
     result = trace([5], [1, 2, 3, 4], position_only, MASK, "fp", steps_per_block=2, block_length=2, max_rounds=3)
-    assert result.rounds == 1 and result.assignment == initial_assignment(result.schedule)
+    assert result.rounds == 1 and result.assignment == initial_assignment(result.schedule) and result.settled
     with pytest.raises(ScheduleError, match="multiple of block_length"):
         trace([5], [1, 2, 3], position_only, MASK, "fp", block_length=2)

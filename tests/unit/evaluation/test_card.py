@@ -20,12 +20,12 @@ def test_section_replaces_only_the_quantization_section(tmp_path):
     (tmp_path / "README.md").write_text("# card\n\n## Quantization\n\nold text\n\n## Reproduce\n\nsteps\n")
     _write(tmp_path)
     text = (tmp_path / "README.md").read_text()
-    assert "old text" not in text and text.startswith("# card\n\n## Quantization\n\nMeasured with")
+    assert "old text" not in text and text.startswith("# card\n\n## Quantization\n\nOn the weights with")
     assert "| KIVI (4-bit) | 50.00 |" in text and text.endswith("## Reproduce\n\nsteps\n")
     assert "8 documents per task, 2.0 min wall time on x86_64 CPU" in text
     _write(tmp_path)  # idempotent
     assert (tmp_path / "README.md").read_text() == text
-    assert json.loads((tmp_path / CARD_FILE).read_text())["markdown"] == TABLE
+    assert json.loads((tmp_path / CARD_FILE).read_text())["tables"]["main"]["markdown"] == TABLE
 
 
 def test_section_is_appended_when_the_card_has_none(tmp_path):

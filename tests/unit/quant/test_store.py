@@ -8,9 +8,10 @@ from service.artifacts.base import ArtifactMismatch
 from service.engine.kv_store import FullPrecisionKVStore, Segments
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
+from service.quant.kvquant import fit_state
 from service.quant.store import QuantizedKVStore, make_kv_store
 from service.quant.uniform import dequantize_k_groups, dequantize_v, quantize_k_groups, quantize_v
-from tests.unit.quant.helpers import SPEC, kv, policy, state
+from tests.unit.quant.helpers import PROV, SPEC, kv, policy, state
 
 STATE4 = state(bits=4)
 STATE2 = state(bits=2)
@@ -125,6 +126,55 @@ def test_non_finite_input_is_a_clear_error(method, bad, which):
     assert torch.isfinite(store.read(0)[0]).all()
 
 
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "kvquant"])
+@pytest.mark.parametrize("which", ["K", "V"])
+def test_huge_finite_values_quantize(method, which):
+    # A float32 sum of these overflows to inf (it once made the NaN scan find nothing and raise IndexError).
+    seg = Segments((0, 4), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    k, v = kv(2, 24)
+    (k if which == "K" else v)[:] = 1e36
+    store = store_for(method)
+    store.write(0, k, v, seg, scores_for(k))
+    rk, rv = store.read(0)
+    assert ((rk if which == "K" else rv)[1, :, 4:] == 1e36).all()  # a constant group is exact (padding: 0)
+    k, v = kv(2, 24)
+    (k if which == "K" else v)[1, 0, 6:8, 2] = 3e38  # two entries, one K group and channel, two V tokens
+    store.write(0, k, v, seg, scores_for(k))
+    rk, rv = store.read(0)
+    assert torch.isfinite(rk).all() and torch.isfinite(rv).all()
+    got = (rk if which == "K" else rv)[1, 0, 6:8, 2]  # prefix positions keep their column
+    assert torch.allclose(got, torch.full((2,), 3e38), rtol=0.01)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq"])
+def test_a_range_that_overflows_the_dtype_is_named(method):
+    k, v = kv(2, 24)
+    k[1, 0, 6, 2], k[1, 0, 7, 2] = 3e38, -3e38  # max - min = 6e38 > float32's 3.4e38
+    seg = Segments((0, 4), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    with pytest.raises(KVQuantError, match="a group's range overflows torch.float32") as raised:
+        store_for(method).write(0, k, v, seg, scores_for(k))
+    assert not isinstance(raised.value, NonFiniteKVError)
+
+
+@pytest.mark.parametrize("bad", [(3e38, 3e38), (3e38, -3e38), (-3e38, -3e38)])
+def test_kvquant_dense_value_ranges_do_not_overflow(bad):
+    # Without sparse outliers, a token's midpoint or half range overflows float32 here.
+    keys, values = zip(*(kv(4, 64, seed=1 + i) for i in range(SPEC.num_layers)))
+    dense = fit_state(list(keys), list(values), 4, SPEC, PROV, sparsity_threshold=1.0)
+    cfg = KVQuantConfig(method="kvquant", bits=4, k_group_size=8, kvquant_state_file="unused.safetensors")
+    store = make_kv_store(cfg, SPEC, artifact=dense)
+    k, v = kv(1, 24)
+    v[0, :, 6, :8], v[0, :, 6, 8:] = bad  # one token: all of its H x D entries are at the extremes
+    seg = Segments((0,), block_start=16, block_end=20, seq_len=24, cache_mode="dual")
+    store.write(0, k, v, seg)
+    got = store.read(0)[1][0, :, 6]
+    assert torch.isfinite(got).all()
+    if bad[0] == bad[1]:
+        assert (got == bad[0]).all()  # a constant token is exact
+    else:
+        assert (got[:, :8] > 2e38).all() and (got[:, 8:] < -2e38).all()
+
+
 def test_v_group_size_must_divide_head_dim():
     with pytest.raises(KVQuantError, match=r"v_group_size 5 does not divide head_dim 16; legal: \[1, 2, 4, 8, 16\]"):
         make_kv_store(KVQuantConfig(method="kivi", v_group_size=5), SPEC)
@@ -225,3 +275,30 @@ def test_kvquant_store_matches_nuq_functions_with_gqa():
     n_out = int(outliers.sum())
     assert report.k_nominal_bits == (4 * (x2d.numel() - n_out) + 16 * n_out) / x2d.numel()
     assert report.v_nominal_bits > 4  # per-token quantile outliers, about 1% of entries at 16 bits
+
+
+@pytest.mark.parametrize("method", ["kivi", "kvquant", "dllm_kvq"])
+def test_sides_quantize_one_of_k_and_v_and_hold_the_other_exactly(method):
+    k, v = kv(2, 40)
+    seg = Segments((0, 3), block_start=20, block_end=28, seq_len=40, cache_mode="dual")
+    both = store_for(method, bits=2)
+    both.write(0, k, v, seg, scores_for(k))
+    k_both, v_both = both.read(0)
+    reused = torch.cat([k[:, :, :20], k[:, :, 28:]], dim=2), torch.cat([v[:, :, :20], v[:, :, 28:]], dim=2)
+    k_only = store_for(method, bits=2, sides="k")
+    k_only.write(0, k, v, seg, scores_for(k))
+    rk, rv = k_only.read(0)
+    assert torch.equal(rk, k_both)  # K exactly as the method quantizes it with both sides
+    assert torch.equal(rv[0], reused[1][0]) and torch.equal(rv[1, :, 3:], reused[1][1, :, 3:])  # V as it was
+    v_only = store_for(method, bits=2, sides="v")
+    v_only.write(0, k, v, seg, scores_for(k))
+    rk, rv = v_only.read(0)
+    assert torch.equal(rv, v_both) and torch.equal(rk[0], reused[0][0])
+    # The held side counts 16 nominal bits per entry (the paper's high-precision accounting).
+    assert v_only.report().k_nominal_bits == 16.0
+    assert k_only.report().v_nominal_bits == 16.0
+
+
+def test_sides_is_refused_outside_its_legal_values():
+    with pytest.raises(ValidationError, match="'kv', 'k' or 'v'"):
+        KVQuantConfig(method="kivi", sides="kq")

@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from service.config import Settings, key_id
 from service.quant.config import KVQuantConfig
+from service.store.base import InvalidName, open_store
 
 
 def test_environment_is_read_with_prefix(monkeypatch):
@@ -48,3 +49,28 @@ def test_non_local_host_allowed_with_keys_or_explicit_opt_out():
 
 def test_key_id_is_short_and_not_the_key():
     assert len(key_id("secret-admin-key-123")) == 12 and "secret" not in key_id("secret-admin-key-123")
+
+
+@pytest.mark.parametrize("url", ["dir:///x", "redis:/127.0.0.1:6379/9", "http://127.0.0.1:6379", "file://s3://b",
+                                 "", "file://"])
+def test_a_store_url_of_unknown_scheme_is_refused_naming_the_setting(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValidationError, match="store_url") as refused:
+        Settings(store_url=url)
+    if url:
+        assert "unknown scheme" in str(refused.value) or url == "file://"
+    with pytest.raises(InvalidName):
+        open_store(url)
+    assert list(tmp_path.iterdir()) == []  # no folder named like the URL
+
+
+@pytest.mark.parametrize(("url", "backend"), [
+    ("redis://127.0.0.1:6379/9", "RedisStore"), ("rediss://h:6380/0", "RedisStore"),
+    ("unix:///run/redis.sock", "RedisStore"), ("file://{tmp}/a", "DirectoryStore"), ("{tmp}/b", "DirectoryStore"),
+    ("relative/store", "DirectoryStore"),
+])
+def test_known_store_urls_are_accepted(url, backend, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = url.format(tmp=tmp_path)
+    assert Settings(store_url=url).store_url == url
+    assert type(open_store(url)).__name__ == backend
