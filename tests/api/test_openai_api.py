@@ -195,3 +195,23 @@ def test_chat_bad_input(client):
 def test_admin_closed_without_key(client):
     r = client.get("/admin/policies")
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"kv_quant": {"method": "kivi", "bits": 2, "k_group_size": 1_000_000_000}}, "kv_quant.k_group_size"),
+    ({"kv_quant": {"method": "kivi", "bits": 2, "k_group_size": 1 << 20}}, "kv_quant.k_group_size"),  # > context
+    ({"steps": 1_000_000_000, "threshold": None}, "steps"),
+    ({"steps": 16, "threshold": None}, "steps"),  # more steps than the 8 response positions
+    ({"block_length": 1 << 20}, "block_length"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
+    ({"seed": 1 << 64}, "seed"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"ignore_eos": 0}, "ignore_eos"),
+    ({"max_tokens": 1.0}, "max_tokens"),
+])
+def test_cost_bounds_are_fast_400s_naming_the_field(client, extra, param):
+    """Issue 13: every numeric field bounded by the model and the request, checked before admission."""
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 8, "block_length": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
