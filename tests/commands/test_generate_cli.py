@@ -10,7 +10,6 @@ import sys
 from tests.support.fastdllm import CKPT, REPO_ROOT, golden
 
 
-
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(

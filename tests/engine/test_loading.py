@@ -18,7 +18,6 @@ from service.engine.loading import EMBEDDED_DIR, weights_fingerprint
 from tests.support.fastdllm import CKPT, REPO_ROOT, golden
 
 
-
 def _shard(src, dst):
     """Write ``src``'s single-file checkpoint as two shards plus an index, the way LLaDA-8B is published."""
     dst.mkdir()

@@ -26,7 +26,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.kvquant import fit_state
 from service.quant.store import QuantizedKVStore, make_kv_store
 
-PROV = Provenance(data="random tensors", code="tests/unit/quant/test_fused_attention.py")
+PROV = Provenance(data="random tensors", code="tests/quant/test_fused_attention.py")
 SEQ, BLOCK = (40, 56)  # block [SEQ, BLOCK) of a 72-column sequence: a prefix and a suffix of 16
 TOTAL = 72
 

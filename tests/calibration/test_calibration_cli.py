@@ -19,11 +19,12 @@ from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable, nominal_k_bits
 from service.engine import Engine
 from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, open_store
+from tests.calibration.test_job import CKPT, token_id_bucket
 from tests.support.apps import ADMIN_KEY
+from tests.support.paths import REPO
 from tests.support.processes import SHARED_REDIS_URL, ServerProcess
-from tests.unit.calibration.test_job import CKPT, token_id_bucket
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 REDIS_URL = SHARED_REDIS_URL
 
 

@@ -1,11 +1,12 @@
 """Loading the trimmed golden vectors of tests/data/quant (see its README.md)."""
 
 import json
-from pathlib import Path
 
 from safetensors.torch import load_file
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "quant"
+from tests.support.paths import DATA as _DATA
+
+DATA = _DATA / "quant"
 CASES = json.loads((DATA / "index.json").read_text())["cases"]
 
 

@@ -25,6 +25,8 @@ from service.store.dir_store import DirectoryStore
 from service.store.redis_store import RedisStore
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, free_port
 
+pytestmark = pytest.mark.integration  # the real Redis (the suite's own redis-server) and private ones
+
 FP = "f" * 64
 
 

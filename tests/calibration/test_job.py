@@ -21,8 +21,9 @@ from service.engine import Engine
 from service.engine.kv_store import Segments
 from service.quant.uniform import dequantize_k_groups, quantize_k_groups
 from service.store.base import KIND_CALIBRATION_SUMS, KIND_POLICY, KIND_TRAJECTORY, open_store
+from tests.support.paths import CKPT as _CKPT
 
-CKPT = Path(__file__).resolve().parents[2] / "data" / "fastdllm" / "ckpt" / "llada-tiny"
+CKPT = _CKPT / "llada-tiny"
 
 
 def token_id_bucket(path: Path, count: int = 8, seed: int = 0) -> Path:

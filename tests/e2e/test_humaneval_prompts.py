@@ -10,7 +10,6 @@ the stopping rules and the server's health are."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,10 +18,10 @@ from openai import OpenAI
 from transformers import AutoTokenizer
 
 from tests.support.metrics import metric_sum, metrics
+from tests.support.paths import EMBEDDED
 from tests.support.processes import ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-EMBEDDED = Path(__file__).resolve().parents[3] / "service" / "assets" / "embedded"
 BLOCK = 32
 SPECIAL = ("<|mdm_mask|>", "<|eot_id|>", "<|endoftext|>", "<|start_header_id|>", "<|startoftext|>")
 

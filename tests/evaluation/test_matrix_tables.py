@@ -6,7 +6,15 @@ import json
 
 import pytest
 
-from evaluation.matrix import Cell, build_tables, plan_cells, primary_metric, render_csv, render_markdown, write_outputs
+from evaluation.matrix import (
+    Cell,
+    build_tables,
+    plan_cells,
+    primary_metric,
+    render_csv,
+    render_markdown,
+    write_outputs,
+)
 
 
 def test_plan_has_reference_cache_only_and_quantized_rows_in_order():

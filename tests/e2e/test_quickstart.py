@@ -18,11 +18,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.paths import REPO
 from tests.support.processes import SHARED_REDIS_URL, free_port
 
 # The whole flow runs once, in the module fixture, under the first test's clock: more than the default 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500)]
-REPO = Path(__file__).resolve().parents[3]
 MEASUREMENTS = REPO / "service" / "assets" / "embedded" / "measurements.json"
 ADMIN_KEY = "e2e-quickstart-admin-key-0123"
 ROWS = ["No cache (full recompute)", "Cache only", "KIVI", "KVQuant", "dLLM-KVQ"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from service.quant import nuq
-from tests.unit.quant.golden import cases, load
+from tests.quant.golden import cases, load
 
 NUQ_CASES = cases("kvquant_nuq")
 

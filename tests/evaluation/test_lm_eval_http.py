@@ -27,12 +27,12 @@ from evaluation.tasks import write_task_dir
 from service.engine import Engine
 from service.store.base import KIND_EVAL_SCORES
 from service.store.redis_store import RedisStore
-from tests.integration.server.test_server_process import metric_sum, metrics
+from tests.api.test_server_process import metric_sum, metrics
 from tests.support.apps import ADMIN_KEY
+from tests.support.paths import REPO
 from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[3]
 LIMIT = 16  # the README command's --limit
 
 

@@ -31,6 +31,7 @@ def test_serve_flags_override_environment(monkeypatch):
         9100, 2, KVQuantConfig(method="kivi", bits=2), True)
 
 
+@pytest.mark.integration
 def test_policies_export_import_round_trip(tmp_path):
     redis_store = RedisStore(SHARED_REDIS_URL, prefix=f"test-cli-{uuid.uuid4().hex[:8]}")
     try:
@@ -73,7 +74,7 @@ def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "admin_key must have at least 16 characters" in err
     for secret in (admin_key, api_key):
-        for cut in range(0, len(secret) - 4):  # no 5-character piece of a key either
+        for cut in range(len(secret) - 4):  # no 5-character piece of a key either
             assert secret[cut:cut + 5] not in err
 
 

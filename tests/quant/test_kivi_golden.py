@@ -5,7 +5,7 @@ import torch
 
 from service.quant.packing import pack_along, unpack_along
 from service.quant.uniform import dequantize_k_groups, dequantize_v, quantize_k_groups, quantize_v
-from tests.unit.quant.golden import cases, load
+from tests.quant.golden import cases, load
 
 DTYPES = {"torch.float16": torch.float16, "torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from evaluation.embedded_task import load_split
+from tests.support.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO
 EMBEDDED = ROOT / "service" / "assets" / "embedded"
 
 

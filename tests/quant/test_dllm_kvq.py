@@ -9,7 +9,7 @@ from service.quant.errors import KVQuantError
 from service.quant.layout import SlotLayout
 from service.quant.store import make_kv_store
 from service.quant.uniform import dequantize_k_groups, quantize_k_groups
-from tests.unit.quant.helpers import SPEC, kv, policy
+from tests.quant.helpers import SPEC, kv, policy
 
 SEG = Segments((0, 2), block_start=20, block_end=28, seq_len=40, cache_mode="dual")
 

@@ -1,9 +1,10 @@
 """scripts/validate_embedded.py on the shipped model: the report's fields and the reveal-confidence hook."""
 
 import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts/validate_embedded.py"
+from tests.support.paths import REPO
+
+SCRIPT = REPO / "scripts/validate_embedded.py"
 
 
 def test_measure_reports_every_mode_and_counts_each_reveal_once():

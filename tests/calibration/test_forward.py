@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from calibration.forward import capture_pre_rope, capture_qkv, cached_step, logits_forward, reused_columns
+from calibration.forward import cached_step, capture_pre_rope, capture_qkv, logits_forward, reused_columns
 from service.engine import Engine
-
-CKPT = Path(__file__).resolve().parents[2] / "data" / "fastdllm" / "ckpt"
+from tests.support.paths import CKPT
 
 
 @pytest.fixture(scope="module", params=["llada-tiny", "dream-tiny"])

@@ -2,7 +2,6 @@
 
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +9,9 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from service.engine.models import LLaDAModel
+from tests.support.paths import REPO
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts/train_embedded.py"
+SCRIPT = REPO / "scripts/train_embedded.py"
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--batch", "4", "--ckpt-every", "10000000",
         "--val-every", "10000000", "--log-every", "1", "--warmup-steps", "2"]
 

@@ -1,7 +1,6 @@
 """The shipped embedded default checkpoint: LLaDA layout, bf16 size, spec against config and tokenizer, answers."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +9,7 @@ from safetensors import safe_open
 from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split, score
 from service.engine import Engine
 from service.engine.params import DecodeParams
-
-EMBEDDED = Path(__file__).resolve().parents[3] / "service/assets/embedded"
+from tests.support.paths import EMBEDDED
 
 
 @pytest.fixture(scope="module")

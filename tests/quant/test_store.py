@@ -11,7 +11,7 @@ from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.kvquant import fit_state
 from service.quant.store import QuantizedKVStore, make_kv_store
 from service.quant.uniform import dequantize_k_groups, dequantize_v, quantize_k_groups, quantize_v
-from tests.unit.quant.helpers import PROV, SPEC, kv, policy, state
+from tests.quant.helpers import PROV, SPEC, kv, policy, state
 
 STATE4 = state(bits=4)
 STATE2 = state(bits=2)

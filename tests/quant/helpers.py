@@ -13,7 +13,7 @@ SPEC = ModelSpec(
     arch="dream", model_id="tiny-gqa", fingerprint="ab" * 32, num_layers=2, num_heads=4, num_kv_heads=2,
     head_dim=16, vocab_size=100, mask_id=99, eos_ids=(1,), pad_id=0, max_length=512,
 )
-PROV = Provenance(data="random test tensors", code="tests/unit/quant")
+PROV = Provenance(data="random test tensors", code="tests/quant")
 
 
 def kv(batch, tokens, dtype=torch.float32, seed=0, spec=SPEC):

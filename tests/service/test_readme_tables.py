@@ -1,12 +1,12 @@
 """The README's settings and metrics tables list every setting and every metric the code defines."""
 
-from pathlib import Path
 
 from service.config import Settings
 from service.engine.params import DecodeSettings
 from service.telemetry import Telemetry
+from tests.support.paths import REPO
 
-README = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+README = (REPO / "README.md").read_text()
 
 
 def test_every_setting_is_in_the_readme():
