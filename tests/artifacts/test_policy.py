@@ -18,13 +18,13 @@ PROV = Provenance(data="mixed_chat x8", code="dllm-kvq 0.1.0 calibration fit")
 
 
 def make_table(**over) -> PolicyTable:
-    fields = dict(
-        model_id="tiny", weights_fingerprint=SPEC.fingerprint, cache_mode="dual", bits=4, k_group_size=32,
-        v_group_size=16, k_bit_cap=4.9,
-        layers=[LayerPolicy(score_type="attention", p=1), LayerPolicy(score_type="qerror", p=0),
+    fields = {
+        "model_id": "tiny", "weights_fingerprint": SPEC.fingerprint, "cache_mode": "dual", "bits": 4, "k_group_size": 32,
+        "v_group_size": 16, "k_bit_cap": 4.9,
+        "layers": [LayerPolicy(score_type="attention", p=1), LayerPolicy(score_type="qerror", p=0),
                 LayerPolicy(score_type="hybrid", p=2)],
-        provenance=PROV,
-    )
+        "provenance": PROV,
+    }
     fields.update(over)
     return PolicyTable(**fields)
 
@@ -81,11 +81,11 @@ def make_state(**over) -> KVQuantState:
     gen = torch.Generator().manual_seed(0)
     channels = SPEC.num_kv_heads * SPEC.head_dim
     lower = -torch.rand(3, channels, generator=gen).half()
-    fields = dict(
-        meta=KVQuantStateMeta(model_id="tiny", weights_fingerprint=SPEC.fingerprint, bits=2, num_layers=3,
+    fields = {
+        "meta": KVQuantStateMeta(model_id="tiny", weights_fingerprint=SPEC.fingerprint, bits=2, num_layers=3,
                               channels=channels, provenance=PROV),
-        k_upper=-lower, k_lower=lower, k_lut=torch.rand(3, 4, generator=gen), v_lut=torch.rand(3, 4, generator=gen),
-    )
+        "k_upper": -lower, "k_lower": lower, "k_lut": torch.rand(3, 4, generator=gen), "v_lut": torch.rand(3, 4, generator=gen),
+    }
     fields.update(over)
     return KVQuantState(**fields)
 

@@ -24,7 +24,7 @@ PROVENANCE = Provenance(data="test records", code="tests")
 
 
 def _sums(**overrides) -> DiagnosticSums:
-    settings = dict(model_id="tiny", model_fingerprint="f" * 64, num_layers=2, k_group_size=32, top_k=8)
+    settings = {"model_id": "tiny", "model_fingerprint": "f" * 64, "num_layers": 2, "k_group_size": 32, "top_k": 8}
     settings.update(overrides)
     return DiagnosticSums(**settings)
 
@@ -70,7 +70,7 @@ def test_the_smallest_objective_wins_and_the_table_validates():
     for _ in range(8):
         sums.add_record("prefix", 2, 0, {("attention", 1): _delta(0.10), ("qerror", 2): _delta(0.30)},
                         segment_lengths=[32, 32])
-    table, fits = fit_policy(sums, "prefix", 2, FitSettings(), PROVENANCE, v_group_size=16)
+    table, _fits = fit_policy(sums, "prefix", 2, FitSettings(), PROVENANCE, v_group_size=16)
     assert [(layer.score_type, layer.p) for layer in table.layers] == [("qerror", 2)]
     assert table.k_bit_cap == 2.9 and table.provenance.details["win_rate"] == 0.5
     assert PolicyTable.from_json(table.to_json()).id == table.id
