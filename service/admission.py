@@ -11,7 +11,8 @@ A running request holds two kinds of memory:
   (activations of one layer, the K/V of one layer with GQA repeats and a dequantized copy, the LM head's logits).
 
 The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
-them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Merged
+them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Its work
+(:func:`work_tokens`) is held against a ceiling at submission by every worker. Merged
 forwards hold one such transient per row in the forward; ``max_batch_size`` caps how many, and the budget should
 leave room for that (it is not what torch's allocator keeps cached either).
 """
@@ -116,6 +117,18 @@ class MemoryModel:
         kv_layer = 3 * 2 * s.num_heads * seq_len * s.head_dim * e
         logits = logits_cols * s.vocab_size * 4
         return activations + kv_layer + logits
+
+
+def work_tokens(prompt_len: int, params: DecodeParams) -> int:
+    """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
+
+    Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
+    one token, `service.engine.sampling.select_reveals`). Tokens per call: at most the whole sequence
+    (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
+    ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
+    """
+    calls = params.steps if params.steps is not None else params.gen_length
+    return calls * (prompt_len + params.gen_length)
 
 
 def default_budget(device: torch.device | str, fraction: float, cpu_bytes: int) -> int:

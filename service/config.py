@@ -75,6 +75,10 @@ class Settings(BaseSettings, DecodeSettings):
     kv_budget_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
     )
+    max_request_work: int | None = Field(
+        None, gt=0, description="most token-forwards (forward calls x tokens) one request row may cost; beyond: "
+        "400 naming steps or max_tokens; empty: no ceiling beyond the bounds of each field"
+    )
     request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
     retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")
     drain_timeout_s: float = Field(30.0, ge=0.0, description="SIGTERM: how long in-flight requests may finish")

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.api import errors
+from service.api import errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
@@ -125,7 +125,8 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     """The worker the settings ask for: the continuous scheduler (admission by the KV memory budget) or the
     legacy batch worker."""
     common = {"max_queue": settings.max_queue, "retry_after_s": settings.retry_after_s,
-              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue}
+              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue,
+              "max_work": settings.max_request_work}
     if settings.scheduler == "batch":
         return Worker(engine, kv_store_factory, telemetry, max_batch_size=settings.max_batch_size,
                       batch_wait_s=settings.batch_wait_ms / 1000, **common)
@@ -191,6 +192,7 @@ def create_app(
 
     app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
     errors.install(app)
+    openapi.install(app)
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)

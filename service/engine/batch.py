@@ -14,6 +14,11 @@ calls) and one for the window passes (cached steps). Within a forward every row 
 
 A cohort joins at the next iteration after :meth:`RunningBatch.join` and leaves the iteration it finishes
 (EOS, its length, a stop condition of the caller, cancellation), its store cleared at once.
+
+**A failing row fails alone** (issue 13): an exception raised by one cohort (its next call, its reveal, its KV
+store's hook inside a merged forward) takes only that cohort out of the batch (:attr:`RunningBatch.failed`); when
+a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's state:
+the block-initial pass rewrites each layer's reused K/V whole), so the others go on and the culprit is found.
 """
 
 from __future__ import annotations
@@ -100,13 +105,15 @@ class RunningBatch:
 
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
-        forwards: forward calls made by the last :meth:`step` (0, 1 or 2).
+        forwards: forward calls made by the last :meth:`step` (0, 1 or 2; more when a merged forward failed).
+        failed: (cohort, exception) of the cohorts that raised in the last :meth:`step` (they have left).
     """
 
     def __init__(self, model: DiffusionLM, pad_id: int) -> None:
         self.model, self.pad_id = model, pad_id
         self.cohorts: list[Cohort] = []
         self.forwards = 0
+        self.failed: list[tuple[Cohort, BaseException]] = []
 
     def join(self, cohort: Cohort) -> None:
         """Add a cohort; its first call is made at the next :meth:`step`."""
@@ -121,12 +128,18 @@ class RunningBatch:
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
         """One iteration: every cohort's next call, grouped by kind into forwards. Returns the cohorts that finished
         (they have left the batch, their stores cleared); ``on_done`` is called for each as soon as it is known.
+        Cohorts that raised leave too and are listed in :attr:`failed`.
 
-        Raises whatever the forward raises; the cohorts stay in the batch then (the caller decides).
+        Raises whatever the forward raises when every cohort of the iteration failed with it (nothing to isolate:
+        the caller decides, e.g. a device fault); the cohorts stay in the batch then.
         """
-        finished, calls = [], []
+        finished, calls, self.failed = [], [], []
         for cohort in list(self.cohorts):
-            call = cohort.next_pass()
+            try:
+                call = cohort.next_pass()
+            except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (module docstring)
+                self.failed.append((cohort, exc))
+                continue
             if call is None:
                 finished.append(cohort)
             else:
@@ -138,8 +151,36 @@ class RunningBatch:
         self.forwards = 0
         for kind in ("full", "window"):
             group = [c for c in calls if c.kind == kind]
-            if group:
-                for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
+            for call, logits in self._run_group(group, len(calls)):
+                try:
                     call.cohort.apply(call, logits)
-                self.forwards += 1
+                except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own
+                    self.failed.append((call.cohort, exc))
+        for cohort, _ in self.failed:
+            self.leave(cohort)
         return finished
+
+    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[Pass, torch.Tensor]]:
+        """The group's forward; when it raises, each pass again alone, the failing ones into :attr:`failed`.
+        Re-raises when every call of the iteration (``calls``) failed alone."""
+        if not group:
+            return []
+        self.forwards += 1
+        try:
+            return list(zip(group, run_passes(self.model, group, self.pad_id)))
+        except Exception as exc:
+            if len(group) == 1 and calls == 1:
+                raise
+            if len(group) == 1:
+                self.failed.append((group[0].cohort, exc))
+                return []
+        done = []
+        for call in group:
+            self.forwards += 1
+            try:
+                done.append((call, run_passes(self.model, [call], self.pad_id)[0]))
+            except Exception as exc:  # noqa: BLE001 -- isolate the culprit
+                self.failed.append((call.cohort, exc))
+        if not done and len(group) == calls:
+            raise self.failed[-1][1]
+        return done

@@ -140,9 +140,9 @@ class ConfigResolver:
         except KVQuantError as exc:
             raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
-            config.resolve_v_group_size(self.spec.head_dim)
-        except ValueError as exc:
-            raise ConfigInvalid("kv_quant.v_group_size", str(exc)) from exc
+            config.check_bounds(self.spec.max_length, self.spec.head_dim)
+        except KVQuantError as exc:
+            raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
         try:
             artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:

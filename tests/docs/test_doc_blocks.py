@@ -15,7 +15,7 @@ An HTML comment on the line just before a block's opening fence says how it is t
 - ``<!-- doc-test: skip=<what> <reason> -->``: listed and skipped with the reason (``gpu``, ``hub``, ``docker``,
   ``kubernetes``, ``network``, ``long`` ...);
 - ``<!-- doc-test: quickstart -->``: a README quickstart step, run end to end by ``examples/quickstart.sh`` in
-  tests/integration/e2e; here each command of the block must be one the script runs: the same program and
+  tests/e2e; here each command of the block must be one the script runs: the same program and
   subcommand (``.venv/bin/dllm-kvq calibrate`` is ``$PY -m calibration``) with at least the same flags (the
   script takes the port, store and folders from its environment, so values may differ);
 - ``<!-- doc-test: covered=<test file> <reason> -->``: another test runs the block (it reads it from the page);

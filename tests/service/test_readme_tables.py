@@ -1,0 +1,27 @@
+"""The settings and metrics tables (docs/settings.md, docs/metrics.md) list every setting and every metric the code
+defines."""
+
+
+from service.config import Settings
+from service.engine.params import DecodeSettings
+from service.telemetry import Telemetry
+from tests.support.paths import REPO
+
+DOCS = REPO / "docs"
+SETTINGS = (DOCS / "settings.md").read_text()
+METRICS = (DOCS / "metrics.md").read_text()
+
+
+def test_every_setting_is_in_the_settings_page():
+    # Decoding settings are declared once (DecodeSettings, with their help text); the table has one row for all
+    # of them, so adding one does not touch the page.
+    missing = [n for n in Settings.model_fields
+               if n not in DecodeSettings.model_fields and f"`DLLM_{n.upper()}`" not in SETTINGS]
+    assert missing == []
+    assert "every other field of `DecodeSettings` | `DLLM_<NAME>`" in SETTINGS
+
+
+def test_every_metric_is_in_the_metrics_page():
+    names = {m.name for m in Telemetry().registry.collect()}
+    missing = [n for n in names if f"`{n}" not in METRICS]
+    assert names and missing == []
