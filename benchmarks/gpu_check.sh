@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the project installed (+ triton)
 #
-# 1. the kernel exactness tests on CUDA (tests/unit/quant/test_fused_attention.py: compiled kernels, not the
+# 1. the kernel exactness tests on CUDA (tests/quant/test_fused_attention.py: compiled kernels, not the
 #    interpreter; tests/conftest.py sets TRITON_INTERPRET only where no GPU is present);
 # 2. benchmarks/kv_memory.py on the device (bytes held per method and bits at the 8B layer shape);
 # 3. benchmarks/decode_speed.py --preset 8b --device cuda --dtype bfloat16 at about 1k and 4k reused tokens, batch
@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/device.txt"
 
 echo "== kernel tests on CUDA"
-timeout 150 "$PYTHON" -m pytest tests/unit/quant/test_fused_attention.py -q -p no:cacheprovider 2>&1 | tail -3 \
+timeout 150 "$PYTHON" -m pytest tests/quant/test_fused_attention.py -q -p no:cacheprovider 2>&1 | tail -3 \
   | tee "$OUT/kernel_tests.txt"
 
 echo "== kv_memory on the device"

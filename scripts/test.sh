@@ -19,5 +19,7 @@ if ! bash scripts/install_tools.sh; then
   export DLLM_TEST_MISSING_PROMETHEUS="scripts/install_tools.sh could not install prometheus/promtool here"
   echo "test.sh: $DLLM_TEST_MISSING_PROMETHEUS; the tests that need them are skipped" >&2
 fi
+# Lint first (ruff's version is pinned in pyproject's test extra, its rules and line length configured there).
+.venv/bin/ruff check .
 # pytest exits 5 when it collects nothing; that fails this script as any other non-zero exit does.
 exec .venv/bin/python -m pytest "$@"

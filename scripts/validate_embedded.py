@@ -8,7 +8,7 @@ with full recompute; and once: the load time of ``Engine.load`` (first call in t
 second call) and, in full recompute, the share of revealed
 tokens whose top-1 probability was at least the threshold (read from the logits of each forward call through a
 forward hook on the model, so it is exactly what the decoder saw); and the exact match per mode on the fixed slice
-of the first ``SLICE`` (32) test questions, the figure the end-to-end test (``tests/integration/e2e``) checks the
+of the first ``SLICE`` (32) test questions, the figure the end-to-end test (``tests/e2e``) checks the
 served model against.
 
 Usage: ``python scripts/validate_embedded.py [--model DIR] [--split test] [--limit N] [--out FILE.json]``

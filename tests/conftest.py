@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.support.processes import TEST_REDIS_ENV, RedisProcess
@@ -34,6 +35,13 @@ def pytest_configure(config) -> None:
     server.start()
     _own.update(server=server, workdir=workdir)
     os.environ[TEST_REDIS_ENV] = server.url  # also for the processes the tests start
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The tier is a marker, not a folder: every test not marked ``integration`` is a ``unit`` test."""
+    for item in items:
+        if item.get_closest_marker("integration") is None:
+            item.add_marker(pytest.mark.unit)
 
 
 def pytest_unconfigure(config) -> None:

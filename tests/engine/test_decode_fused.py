@@ -2,7 +2,7 @@
 PyTorch QDQ path, on both tiny checkpoints in fp32 (LLaDA: MHA; Dream: GQA, rotation in the model dtype).
 
 Two rows of different prompt lengths (left padding) in dual mode (prefix mode's window is in the kernel tests of
-tests/unit/quant/test_fused_attention.py); later steps of each block go through
+tests/quant/test_fused_attention.py); later steps of each block go through
 `QuantizedKVStore.attend` (the kernel) instead of ``read`` + SDPA. Short decodes: the interpreter is slow.
 """
 
