@@ -33,7 +33,7 @@ from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classif
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.params import DecodeParams, RowOptions, response_length
-from service.engine.prompts import encode_chat, encode_text
+from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.response import Cut, cut_response
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.telemetry import Telemetry
@@ -212,8 +212,7 @@ class Serving:
         """Validate ``/generate``: text (optionally through the chat template) or token ids."""
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            ids = self._chat_ids([s.ChatMessage(role="user", content=req.prompt)]) if req.chat \
-                else self._encode(req.prompt)
+            ids = encode_prompt(self.engine.tokenizer, req.prompt, self.spec.model_id, req.chat)
         else:
             if req.chat:
                 raise InvalidRequest("chat applies to a text prompt, not token ids", param="chat")

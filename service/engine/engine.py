@@ -63,7 +63,7 @@ class Engine:
         generation prompt (`service.engine.prompts.encode_prompt`).
 
         Raises:
-            EngineInputError: the checkpoint has no tokenizer, or no chat template when ``chat`` is asked for.
+            EngineInputError: no tokenizer, no chat template when ``chat`` is asked for, or a lone surrogate.
         """
         return encode_prompt(self.tokenizer, text, self.spec.model_id, chat)
 

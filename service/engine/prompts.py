@@ -24,9 +24,23 @@ def _need(tokenizer: Any, model_id: str, chat: bool, field: str) -> None:
         raise EngineInputError(f"{model_id} has no chat template; send plain text instead", field)
 
 
+def _unicode(text: str, field: str) -> str:
+    # JSON may escape a lone UTF-16 surrogate ("\ud800"): a Python str, but no Unicode text, so the tokenizer
+    # (Rust) cannot take it; refuse it by name instead of failing inside the tokenizer.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise EngineInputError(f"{field} is not valid Unicode: a lone surrogate at character {exc.start}",
+                               field) from None
+    return text
+
+
 def _turns(messages: Sequence[Message]) -> list[Message]:
     if not messages:
         raise EngineInputError("messages is empty; give at least one message", "messages")
+    for i, m in enumerate(messages):
+        if isinstance(m.get("content"), str):
+            _unicode(m["content"], f"messages.{i}.content")
     return [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
 
 
@@ -35,9 +49,10 @@ def encode_text(tokenizer: Any, text: str, model_id: str, add_special_tokens: bo
     """Token ids of plain ``text`` (the tokenizer's default special tokens unless ``add_special_tokens`` says).
 
     Raises:
-        EngineInputError: no tokenizer (``field`` names the request field).
+        EngineInputError: no tokenizer, or text with a lone surrogate (``field`` names the request field).
     """
     _need(tokenizer, model_id, False, field)
+    _unicode(text, field)
     if add_special_tokens is None:
         return list(tokenizer(text)["input_ids"])
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -48,7 +63,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
     """Token ids of ``messages`` (``[{"role", "content"}]``) through the chat template.
 
     Raises:
-        EngineInputError: no tokenizer, no chat template, or no messages.
+        EngineInputError: no tokenizer, no chat template, no messages, or text with a lone surrogate.
     """
     _need(tokenizer, model_id, True, field)
     return list(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
@@ -61,7 +76,7 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
     continued (lm-eval's multi-turn few-shot convention).
 
     Raises:
-        EngineInputError: no tokenizer, no chat template, or no messages.
+        EngineInputError: no tokenizer, no chat template, no messages, or text with a lone surrogate.
     """
     _need(tokenizer, model_id, True, "messages")
     return tokenizer.apply_chat_template(_turns(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -71,5 +86,6 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
 def encode_prompt(tokenizer: Any, text: str, model_id: str, chat: bool) -> list[int]:
     """Token ids of one prompt text; with ``chat`` it is one user turn through the chat template."""
     if chat:
-        return encode_chat(tokenizer, [{"role": "user", "content": text}], model_id, field="prompt")
+        return encode_chat(tokenizer, [{"role": "user", "content": _unicode(text, "prompt")}], model_id,
+                           field="prompt")
     return encode_text(tokenizer, text, model_id)

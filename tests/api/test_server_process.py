@@ -292,7 +292,16 @@ def test_streaming_raw_sse_and_bad_input_over_http(server):
                       json={"prompt": "abcdefgh", "max_tokens": 8, "stream": True}) as r:
         events = sse_events(r.iter_lines())
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["hgfe", "dcba", ""]
-    assert events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
+    # No stream_options: no usage anywhere in the stream (OpenAI sends it only with include_usage).
+    assert all("usage" not in e or e["usage"] is None for e in events[:-1]) and events[-1] == "[DONE]"
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={"prompt": "abcdefgh", "max_tokens": 8, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r.iter_lines())
+    # Usage comes only when asked for, as one last chunk with no choices (issue 13, OpenAI's stream_options).
+    assert [e["choices"][0]["text"] for e in events[:-2]] == ["hgfe", "dcba", ""]
+    assert all(e["usage"] is None for e in events[:-2])
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "n": 3})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from service.engine import Engine
 from service.engine.params import DecodeParams, RowOptions
 
@@ -30,3 +32,19 @@ def test_text_is_cut_at_stop_strings(llada_with_tokenizer):
     ids = free.generated_ids
     n = next(n for n in range(1, len(ids) + 1) if stop in " ".join(f"w{i}" for i in ids[:n]))
     assert cut.generated_ids == ids[:n]
+
+
+def test_a_lone_surrogate_is_refused_by_name_before_the_tokenizer(llada_with_tokenizer):
+    # JSON's "\ud800" parses to a str no tokenizer can take: it was a 500 from the Rust tokenizer (issue 13).
+    from service.engine.errors import EngineInputError
+    from service.engine.prompts import encode_chat
+
+    engine = Engine.load(llada_with_tokenizer)
+    for chat in (False, True):
+        with pytest.raises(EngineInputError, match="lone surrogate at character 3") as err:
+            engine.encode_prompt("w5 \ud800", chat=chat)
+        assert err.value.field == "prompt"
+    turns = [{"role": "user", "content": "w5"}, {"role": "user", "content": "\udfff"}]
+    with pytest.raises(EngineInputError) as err:
+        encode_chat(engine.tokenizer, turns, "tiny")
+    assert err.value.field == "messages.1.content"
