@@ -1,8 +1,12 @@
-"""Continuous batching: the passes of many cohorts, at different blocks and steps, in at most two forwards.
+"""Continuous batching: the passes of many cohorts, at different blocks and steps, in few forwards.
 
-Each iteration (:meth:`RunningBatch.step`) asks every cohort for its next call (`service.engine.decode.Pass`) and
-runs them grouped by kind: one forward for the full passes (block-initial passes, no-cache steps, whole-response
-calls) and one for the window passes (cached steps). Within a forward every row keeps its own layout:
+Each iteration (:meth:`RunningBatch.step`) takes every cohort's next call (`service.engine.decode.Pass`) and runs
+them grouped into forwards by :func:`plan_forwards`: passes of one kind (full: block-initial passes, no-cache
+steps, whole-response calls; window: cached steps) share a forward while padding them to one shape wastes little
+arithmetic (at most :data:`PADDING_SLACK` more than the passes alone) and the merged forward's transient memory
+stays within the largest single cohort's (what admission reserves, `service.engine.forward_cost`). The forwards
+run cheapest first, so a short request's steps never wait behind a long one's full pass in the same iteration.
+Within a forward every row keeps its own layout:
 
 * inputs and positions are right-padded to the longest row of the forward (padded query columns are computed and
   thrown away);
@@ -12,8 +16,9 @@ calls) and one for the window passes (cached steps). Within a forward every row 
   store writes and reads only its own reused K/V, and puts the per-cohort key tensors side by side;
 * the LM head runs only at each row's own block columns (``logits_at``).
 
-A cohort joins at the next iteration after :meth:`RunningBatch.join` and leaves the iteration it finishes
-(EOS, its length, a stop condition of the caller, cancellation), its store cleared at once.
+A cohort joins at the next iteration after :meth:`RunningBatch.join` and leaves in the iteration of its last
+forward (EOS, its length, a stop condition of the caller, cancellation), its store cleared at once: its next
+call is asked for right after each forward, so a finished cohort is known without waiting for another iteration.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.decode import Cohort, Pass
+from service.engine.forward_cost import ForwardCost
 from service.engine.models import DiffusionLM
+
+#: A merged forward may cost at most this fraction more arithmetic than its passes run one by one (padding).
+PADDING_SLACK = 0.25
 
 
 class MergedHook:
@@ -92,21 +101,69 @@ def run_passes(model: DiffusionLM, passes: list[Pass], pad_id: int) -> list[torc
     return out
 
 
+def _shape(passes: list[Pass]) -> tuple[int, int, int]:
+    """(rows, input columns, keys) of the forward that merges ``passes`` (padded to the widest)."""
+    return (sum(len(p.rows) for p in passes), max(p.input_ids.shape[1] for p in passes),
+            max(p.key_len for p in passes))
+
+
+def peak_bytes(cost: ForwardCost, cohort: Cohort) -> int:
+    """Transient bytes of the cohort's largest forward: a full pass over its sequence (what admission reserves)."""
+    cols = cohort.seq_len - cohort.response_start if cohort.canvas else cohort.params.block_length
+    return cost.bytes(len(cohort.rows), cohort.seq_len, cohort.seq_len, cols)
+
+
+def plan_forwards(passes: list[Pass], cost: ForwardCost, cap_bytes: int, slack: float = PADDING_SLACK
+                  ) -> list[list[Pass]]:
+    """Group one iteration's passes into forwards, cheapest forward first.
+
+    Passes of one kind, ordered by key length and width, join the current group while the merged forward's
+    arithmetic (:meth:`ForwardCost.flops` at the padded shape) is at most ``1 + slack`` times the sum of
+    the passes' own, and its transient memory (:meth:`ForwardCost.bytes`) at most ``cap_bytes``; a pass that
+    does not fit starts a new group (a single pass always runs).
+    """
+    groups: list[list[Pass]] = []
+    for kind in ("window", "full"):
+        ordered = sorted((p for p in passes if p.kind == kind), key=lambda p: (p.key_len, p.input_ids.shape[1]))
+        current: list[Pass] = []
+        own = 0
+        for p in ordered:
+            flops = cost.flops(len(p.rows), p.input_ids.shape[1], p.key_len)
+            if current:
+                rows, width, keys = _shape([*current, p])
+                cols = max(q.logits_cols.numel() for q in (*current, p))
+                if (cost.flops(rows, width, keys) <= (1 + slack) * (own + flops)
+                        and cost.bytes(rows, width, keys, cols) <= cap_bytes):
+                    current.append(p)
+                    own += flops
+                    continue
+                groups.append(current)
+            current, own = [p], flops
+        if current:
+            groups.append(current)
+    # Cheapest first: a short request's forward (and its result, through ``on_done``) never waits for a long
+    # request's pass within the same iteration.
+    return sorted(groups, key=lambda g: cost.flops(*_shape(g)))
+
+
 class RunningBatch:
     """The cohorts being decoded together; :meth:`step` runs one iteration.
 
     Args:
         model: the network; pad_id: the token id of padded input columns.
+        padding_slack: see :func:`plan_forwards` (``inf`` merges every pass of a kind the memory cap allows).
 
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
-        forwards: forward calls made by the last :meth:`step` (0, 1 or 2).
+        forwards: forward calls made by the last :meth:`step`; merged: the most cohorts that shared one of them.
     """
 
-    def __init__(self, model: DiffusionLM, pad_id: int) -> None:
-        self.model, self.pad_id = model, pad_id
+    def __init__(self, model: DiffusionLM, pad_id: int, padding_slack: float = PADDING_SLACK) -> None:
+        self.model, self.pad_id, self.padding_slack = model, pad_id, padding_slack
+        self.cost = ForwardCost.of(model)
         self.cohorts: list[Cohort] = []
-        self.forwards = 0
+        self._next: dict[Cohort, Pass] = {}
+        self.forwards = self.merged = 0
 
     def join(self, cohort: Cohort) -> None:
         """Add a cohort; its first call is made at the next :meth:`step`."""
@@ -116,30 +173,39 @@ class RunningBatch:
         """Remove a cohort now (e.g. its client went away) and free its KV store."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
+        self._next.pop(cohort, None)
         cohort.store.clear()
 
+    def _ask(self, cohort: Cohort, finished: list[Cohort], on_done: Callable[[Cohort], None] | None) -> None:
+        """Take the cohort's next call, or let it leave (finished) when it has none."""
+        call = cohort.next_pass()
+        if call is not None:
+            self._next[cohort] = call
+            return
+        self.leave(cohort)
+        finished.append(cohort)
+        if on_done is not None:
+            on_done(cohort)
+
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
-        """One iteration: every cohort's next call, grouped by kind into forwards. Returns the cohorts that finished
-        (they have left the batch, their stores cleared); ``on_done`` is called for each as soon as it is known.
+        """One iteration: every cohort's next call, grouped into forwards (:func:`plan_forwards`). Returns the
+        cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called for each as
+        soon as it is known.
 
         Raises whatever the forward raises; the cohorts stay in the batch then (the caller decides).
         """
-        finished, calls = [], []
+        finished: list[Cohort] = []
         for cohort in list(self.cohorts):
-            call = cohort.next_pass()
-            if call is None:
-                finished.append(cohort)
-            else:
-                calls.append(call)
-        for cohort in finished:
-            self.leave(cohort)
-            if on_done is not None:
-                on_done(cohort)
-        self.forwards = 0
-        for kind in ("full", "window"):
-            group = [c for c in calls if c.kind == kind]
-            if group:
-                for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
-                    call.cohort.apply(call, logits)
-                self.forwards += 1
+            if cohort not in self._next:  # joined since the last iteration
+                self._ask(cohort, finished, on_done)
+        calls = [self._next[c] for c in self.cohorts if c in self._next]
+        cap = max((peak_bytes(self.cost, c) for c in self.cohorts), default=0)
+        self.forwards = self.merged = 0
+        for group in plan_forwards(calls, self.cost, cap, self.padding_slack):
+            for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
+                del self._next[call.cohort]
+                call.cohort.apply(call, logits)
+                self._ask(call.cohort, finished, on_done)
+            self.forwards += 1
+            self.merged = max(self.merged, len(group))
         return finished
