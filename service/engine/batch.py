@@ -1,12 +1,12 @@
 """Continuous batching: the passes of many cohorts, at different blocks and steps, in few forwards.
 
 Each iteration (:meth:`RunningBatch.step`) takes every cohort's next call (`service.engine.decode.Pass`) and runs
-them grouped into forwards by :func:`plan_forwards`: passes of one kind (full: block-initial passes, no-cache
-steps, whole-response calls; window: cached steps) share a forward while padding them to one shape wastes little
-arithmetic (at most :data:`PADDING_SLACK` more than the passes alone) and the merged forward's transient memory
-stays within the largest single cohort's (what admission reserves, `service.engine.forward_cost`). The forwards
-run cheapest first, so a short request's steps never wait behind a long one's full pass in the same iteration.
-Within a forward every row keeps its own layout:
+them grouped into forwards by :func:`plan_forwards`: passes (full: block-initial passes, no-cache steps,
+whole-response calls; window: cached steps) share a forward while that costs no more than running them apart, by
+a cost model of a forward's fixed overhead plus its arithmetic at the padded shape (`service.engine.forward_cost`),
+and while the merged forward's transient memory stays within the largest single cohort's (what admission
+reserves). The forwards run cheapest first, so a short request's steps never wait behind a long one's full pass
+in the same iteration. Within a forward every row keeps its own layout:
 
 * inputs and positions are right-padded to the longest row of the forward (padded query columns are computed and
   thrown away);
@@ -23,6 +23,8 @@ call is asked for right after each forward, so a finished cohort is known withou
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -32,8 +34,8 @@ from service.engine.decode import Cohort, Pass
 from service.engine.forward_cost import ForwardCost
 from service.engine.models import DiffusionLM
 
-#: A merged forward may cost at most this fraction more arithmetic than its passes run one by one (padding).
-PADDING_SLACK = 0.25
+#: A merged forward may cost at most this fraction more than its passes run apart (padding against overhead).
+PADDING_SLACK = 0.1
 
 
 class MergedHook:
@@ -68,7 +70,8 @@ class MergedHook:
 
 
 def run_passes(model: DiffusionLM, passes: list[Pass], pad_id: int) -> list[torch.Tensor]:
-    """One forward over ``passes`` (all of one kind); the logits of each, ``[n, N_pass, V]``, in order.
+    """One forward over ``passes`` (full and window passes alike); the logits of each, ``[n, N_pass, V]``, in
+    order.
 
     With a single pass the call is exactly the cohort's own forward (no padding, no merged hook).
     """
@@ -113,37 +116,67 @@ def peak_bytes(cost: ForwardCost, cohort: Cohort) -> int:
     return cost.bytes(len(cohort.rows), cohort.seq_len, cohort.seq_len, cols)
 
 
-def plan_forwards(passes: list[Pass], cost: ForwardCost, cap_bytes: int, slack: float = PADDING_SLACK
-                  ) -> list[list[Pass]]:
+_OVERHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forward_overhead(model: DiffusionLM, cost: ForwardCost) -> float:
+    """The fixed cost of one forward call (Python, kernel launches), in the units of :meth:`ForwardCost.flops`.
+
+    Measured once per model: the best of 3 timings of forwards over 1 and 128 columns give the seconds per
+    flop and the time a forward takes beyond its arithmetic. On a small model (the embedded one: ~8 ms on one CPU
+    thread, the arithmetic of ~100 columns) this, not padding, decides whether merging pays.
+    """
+    if model not in _OVERHEAD:
+        device = model.embed.weight.device
+        seconds = []
+        with torch.inference_mode():
+            for width in (1, 128):
+                ids = torch.zeros(1, width, dtype=torch.long, device=device)
+                positions = torch.arange(width, device=device)[None]
+                best = float("inf")
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    model(ids, positions=positions, logits_at=positions[:, :1])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    best = min(best, time.perf_counter() - t0)
+                seconds.append(best)
+        small, large = cost.flops(1, 1, 1), cost.flops(1, 128, 128)
+        per_second = (large - small) / max(seconds[1] - seconds[0], 1e-9)
+        _OVERHEAD[model] = max(0.0, seconds[0] * per_second - small)
+    return _OVERHEAD[model]
+
+
+def plan_forwards(passes: list[Pass], cost: ForwardCost, cap_bytes: int, overhead: float = 0.0,
+                  slack: float = PADDING_SLACK) -> list[list[Pass]]:
     """Group one iteration's passes into forwards, cheapest forward first.
 
-    Passes of one kind, ordered by key length and width, join the current group while the merged forward's
-    arithmetic (:meth:`ForwardCost.flops` at the padded shape) is at most ``1 + slack`` times the sum of
-    the passes' own, and its transient memory (:meth:`ForwardCost.bytes`) at most ``cap_bytes``; a pass that
-    does not fit starts a new group (a single pass always runs).
+    A forward costs ``overhead`` (:func:`forward_overhead`) plus its arithmetic at the padded shape
+    (:meth:`ForwardCost.flops`). Passes of both kinds, ordered by key length and width, join the current group
+    while the merged forward costs at most ``1 + slack`` times the group and the pass run apart, and its transient
+    memory (:meth:`ForwardCost.bytes`) is at most ``cap_bytes``; a pass that does not fit starts a new group (a
+    single pass always runs).
     """
+    def price(group: list[Pass]) -> float:
+        return overhead + cost.flops(*_shape(group))
+
     groups: list[list[Pass]] = []
-    for kind in ("window", "full"):
-        ordered = sorted((p for p in passes if p.kind == kind), key=lambda p: (p.key_len, p.input_ids.shape[1]))
-        current: list[Pass] = []
-        own = 0
-        for p in ordered:
-            flops = cost.flops(len(p.rows), p.input_ids.shape[1], p.key_len)
-            if current:
-                rows, width, keys = _shape([*current, p])
-                cols = max(q.logits_cols.numel() for q in (*current, p))
-                if (cost.flops(rows, width, keys) <= (1 + slack) * (own + flops)
-                        and cost.bytes(rows, width, keys, cols) <= cap_bytes):
-                    current.append(p)
-                    own += flops
-                    continue
-                groups.append(current)
-            current, own = [p], flops
+    current: list[Pass] = []
+    for p in sorted(passes, key=lambda p: (p.key_len, p.input_ids.shape[1])):
         if current:
+            merged = [*current, p]
+            cols = max(q.logits_cols.numel() for q in merged)
+            if (price(merged) <= (1 + slack) * (price(current) + price([p]))
+                    and cost.bytes(*_shape(merged), cols) <= cap_bytes):
+                current = merged
+                continue
             groups.append(current)
+        current = [p]
+    if current:
+        groups.append(current)
     # Cheapest first: a short request's forward (and its result, through ``on_done``) never waits for a long
     # request's pass within the same iteration.
-    return sorted(groups, key=lambda g: cost.flops(*_shape(g)))
+    return sorted(groups, key=price)
 
 
 class RunningBatch:
@@ -200,8 +233,9 @@ class RunningBatch:
                 self._ask(cohort, finished, on_done)
         calls = [self._next[c] for c in self.cohorts if c in self._next]
         cap = max((peak_bytes(self.cost, c) for c in self.cohorts), default=0)
+        overhead = forward_overhead(self.model, self.cost) if len(calls) > 1 else 0.0
         self.forwards = self.merged = 0
-        for group in plan_forwards(calls, self.cost, cap, self.padding_slack):
+        for group in plan_forwards(calls, self.cost, cap, overhead, self.padding_slack):
             for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
                 del self._next[call.cohort]
                 call.cohort.apply(call, logits)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.engine import EngineInputError
-from service.engine.batch import PADDING_SLACK
+from service.engine.batch import PADDING_SLACK, _shape, peak_bytes, plan_forwards
 from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
@@ -102,3 +102,27 @@ def test_every_family_declares_its_reveal_rule():
         type("ThirdModel", (DiffusionLM,), {"arch": "third", "logits_shift": 0, "CHECKPOINT_NAMES": {}})
     with pytest.raises(EngineInputError, match="legal: llada, dream"):
         reveal_rule("third")
+
+
+def test_merged_forwards_stay_within_the_memory_admission_reserved(engines):
+    """`plan_forwards` merges passes only while the merged forward's transient fits the largest cohort's own
+    (what admission reserves); with room it merges full and window passes of different requests into one."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    batch = engine.batch()
+    cohorts = [engine.cohort([prompts[i % 4]], _p(gen_length=32 * (1 + i % 3))) for i in range(6)]
+    with torch.inference_mode():
+        for i, cohort in enumerate(cohorts):
+            batch.join(cohort)
+            if i % 2 == 0:
+                batch.step()  # some cohorts move to cached steps, so both kinds are pending
+        calls = [batch._next[c] if c in batch._next else c.next_pass() for c in batch.cohorts]
+    assert {c.kind for c in calls} == {"full", "window"}
+    cap = max(peak_bytes(batch.cost, c) for c in batch.cohorts)
+    huge = 1e18  # an overhead that makes every merge pay
+    groups = plan_forwards(calls, batch.cost, cap, overhead=huge)
+    for group in groups:
+        rows, width, keys = _shape(group)
+        assert batch.cost.bytes(rows, width, keys, max(p.logits_cols.numel() for p in group)) <= cap or len(group) == 1
+    assert len(groups) > 1  # the cap split what the overhead alone would have merged
+    assert len(plan_forwards(calls, batch.cost, 1 << 60, overhead=huge)) == 1
