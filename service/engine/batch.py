@@ -34,8 +34,6 @@ from service.engine.decode import Cohort, Pass
 from service.engine.forward_cost import ForwardCost
 from service.engine.models import DiffusionLM
 
-#: The most iterations in a row a cohort's call waits for its fair turn (the starvation bound).
-MAX_DEFERRALS = 8
 #: A merged forward may cost at most this fraction more than its passes run apart (padding against overhead).
 PADDING_SLACK = 0.1
 
@@ -194,10 +192,10 @@ class RunningBatch:
 
     Fair shares of time, not of steps: each cohort counts the cost of the calls it has made (its pass alone:
     overhead + arithmetic, :func:`plan_forwards`'s model), a joining cohort starts level with the least served,
-    and an iteration runs the calls whose finish tag (served + the call's cost) is within one cheapest pending call
-    of the smallest tag, and any call deferred :data:`MAX_DEFERRALS` iterations in a row (no starvation). A short
-    request's cheap steps thus go on while a long request's expensive block-initial pass waits its turn. Timing
-    only: each row's calls and tokens are its own whatever runs beside it.
+    and an iteration runs only the cohorts within one cheapest pending call of the least served. A short request's
+    cheap steps thus go on while a long request's expensive block-initial pass waits its turn, and no cohort
+    waits longer than it takes the others to catch up with it (no starvation). Timing only: each row's calls and
+    tokens are its own whatever runs beside it.
     """
 
     def __init__(self, model: DiffusionLM, pad_id: int, padding_slack: float = PADDING_SLACK) -> None:
@@ -206,7 +204,6 @@ class RunningBatch:
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
         self._served: dict[Cohort, float] = {}
-        self._deferred: dict[Cohort, int] = {}
         self.forwards = self.merged = 0
 
     def join(self, cohort: Cohort) -> None:
@@ -219,7 +216,6 @@ class RunningBatch:
             self.cohorts.remove(cohort)
         self._next.pop(cohort, None)
         self._served.pop(cohort, None)
-        self._deferred.pop(cohort, None)
         cohort.store.clear()
 
     def _ask(self, cohort: Cohort, finished: list[Cohort], on_done: Callable[[Cohort], None] | None) -> None:
@@ -250,12 +246,10 @@ class RunningBatch:
         cap = max((peak_bytes(self.cost, c) for c in self.cohorts), default=0)
         overhead = forward_overhead(self.model, self.cost) if len(calls) > 1 else 0.0
         price = {c.cohort: overhead + self.cost.flops(*_shape([c])) for c in calls}
-        if calls:  # finish tags: served + the call's price; a call waits at most MAX_DEFERRALS iterations
-            tag = {c.cohort: self._served[c.cohort] + price[c.cohort] for c in calls}
-            turn = min(tag.values()) + min(price.values())
-            calls = [c for c in calls if tag[c.cohort] <= turn or self._deferred.get(c.cohort, 0) >= MAX_DEFERRALS]
-            for c in self._next:
-                self._deferred[c] = 0 if any(call.cohort is c for call in calls) else self._deferred.get(c, 0) + 1
+        if calls:
+            least = min(self._served[c.cohort] for c in calls)
+            turn = least + min(price.values())
+            calls = [c for c in calls if self._served[c.cohort] <= turn]
         self.forwards = self.merged = 0
         for group in plan_forwards(calls, self.cost, cap, overhead, self.padding_slack):
             for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
