@@ -189,13 +189,6 @@ class RunningBatch:
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
         forwards: forward calls made by the last :meth:`step`; merged: the most cohorts that shared one of them.
-
-    Fair shares of time, not of steps: each cohort counts the cost of the calls it has made (its pass alone:
-    overhead + arithmetic, :func:`plan_forwards`'s model), a joining cohort starts level with the least served,
-    and an iteration runs only the cohorts within one cheapest pending call of the least served. A short request's
-    cheap steps thus go on while a long request's expensive block-initial pass waits its turn, and no cohort
-    waits longer than it takes the others to catch up with it (no starvation). Timing only: each row's calls and
-    tokens are its own whatever runs beside it.
     """
 
     def __init__(self, model: DiffusionLM, pad_id: int, padding_slack: float = PADDING_SLACK) -> None:
@@ -203,7 +196,6 @@ class RunningBatch:
         self.cost = ForwardCost.of(model)
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
-        self._served: dict[Cohort, float] = {}
         self.forwards = self.merged = 0
 
     def join(self, cohort: Cohort) -> None:
@@ -215,7 +207,6 @@ class RunningBatch:
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
         self._next.pop(cohort, None)
-        self._served.pop(cohort, None)
         cohort.store.clear()
 
     def _ask(self, cohort: Cohort, finished: list[Cohort], on_done: Callable[[Cohort], None] | None) -> None:
@@ -237,24 +228,16 @@ class RunningBatch:
         Raises whatever the forward raises; the cohorts stay in the batch then (the caller decides).
         """
         finished: list[Cohort] = []
-        level = min(self._served.values(), default=0.0)
         for cohort in list(self.cohorts):
             if cohort not in self._next:  # joined since the last iteration
-                self._served[cohort] = level
                 self._ask(cohort, finished, on_done)
         calls = [self._next[c] for c in self.cohorts if c in self._next]
         cap = max((peak_bytes(self.cost, c) for c in self.cohorts), default=0)
         overhead = forward_overhead(self.model, self.cost) if len(calls) > 1 else 0.0
-        price = {c.cohort: overhead + self.cost.flops(*_shape([c])) for c in calls}
-        if calls:
-            least = min(self._served[c.cohort] for c in calls)
-            turn = least + min(price.values())
-            calls = [c for c in calls if self._served[c.cohort] <= turn]
         self.forwards = self.merged = 0
         for group in plan_forwards(calls, self.cost, cap, overhead, self.padding_slack):
             for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
                 del self._next[call.cohort]
-                self._served[call.cohort] += price[call.cohort]
                 call.cohort.apply(call, logits)
                 self._ask(call.cohort, finished, on_done)
             self.forwards += 1
