@@ -86,19 +86,20 @@ def block(args) -> tuple[Segments, int]:
     return Segments((0,), block_start=args.tokens, block_end=seq, seq_len=seq, cache_mode="prefix"), seq
 
 
-def layer_kv(spec: ModelSpec, seq: int, layer: int):
+def layer_kv(spec: ModelSpec, seq: int, layer: int, device: str = "cpu"):
     gen = torch.Generator().manual_seed(layer)
     shape = (1, spec.num_kv_heads, seq, spec.head_dim)
-    return torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+    k, v = torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16()
+    return k.to(device), v.to(device)
 
 
 def run_block(store, spec: ModelSpec, args):
     """Write every layer (block-initial pass) then read every layer once (a later step); returns timings."""
     segments, seq = block(args)
-    scores = torch.rand(1, seq, generator=torch.Generator().manual_seed(7))
+    scores = torch.rand(1, seq, generator=torch.Generator().manual_seed(7)).to(args.device)
     write_s = read_s = 0.0
     for layer in range(spec.num_layers):
-        k, v = layer_kv(spec, seq, layer)
+        k, v = layer_kv(spec, seq, layer, args.device)
         t0 = time.perf_counter()
         store.write(layer, k, v, segments, scores)
         write_s += time.perf_counter() - t0
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 2])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--device", default="cpu", help="where the K/V and the store live (bytes-held table)")
     ap.add_argument("--peak", action="store_true", help="also measure block peaks in fresh processes")
     ap.add_argument("--no-sizes", action="store_true", help="skip the bytes-held table (with --peak)")
     ap.add_argument("--child", nargs=3, metavar=("METHOD", "BITS", "KEEP"), help=argparse.SUPPRESS)

@@ -19,8 +19,16 @@ import torch
 from service.engine.kv_store import Segments
 from service.engine.models import DiffusionLM, LayerQKV, capture_qkv
 
-__all__ = ["LayerQKV", "capture_qkv", "logits_forward", "reused_columns", "cached_step", "capture_pre_rope",
-           "StepQK", "PreRopeKV"]
+__all__ = [
+    "LayerQKV",
+    "PreRopeKV",
+    "StepQK",
+    "cached_step",
+    "capture_pre_rope",
+    "capture_qkv",
+    "logits_forward",
+    "reused_columns",
+]
 
 
 def logits_forward(model: DiffusionLM):
@@ -111,7 +119,6 @@ def capture_pre_rope(model: DiffusionLM, state: torch.Tensor, targets: torch.Ten
             k_pre.retain_grad()
             v.retain_grad()
         captured.append((k_pre, v))
-        return None
 
     # The loaded model's weights may not require gradients; an embedding output that does is enough for K/V.
     handle = model.embed.register_forward_hook(lambda module, args, out: out.requires_grad_(True)) if fisher else None

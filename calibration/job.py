@@ -24,6 +24,7 @@ The job never activates anything: the admin endpoint does.
 from __future__ import annotations
 
 import hashlib
+import logging
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -37,9 +38,10 @@ from tqdm.auto import tqdm
 
 from calibration.corpus import OFFLINE_CORPUS_DIR, HFEncoder, Sample, mixed_chat
 from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
-from calibration.fit import DiagnosticSums, FitSettings, LayerFit, fit_policy, table4
+from calibration.fit import DiagnosticSums, FitSettings, LayerFit, cell_key, fit_policy, table4
 from calibration.forward import capture_pre_rope, logits_forward
 from calibration.kvquant_fit import fit_kvquant_state
+from calibration.policy_tables import layer_record
 from calibration.report import write_report
 from calibration.trace import Trajectory, rollout, trace
 from service.artifacts.base import Provenance, canonical_json, default_v_group_size
@@ -51,6 +53,7 @@ from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_P
 
 #: The embedded default model's training split, its calibration corpus (issue 3).
 EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
+log = logging.getLogger(__name__)
 KIND_FIT = "calibration_fit"
 KIND_KVQUANT_FIT = "kvquant_fit"
 CODE_VERSION = "dllm-kvq calibration 2"
@@ -139,6 +142,8 @@ class RunSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     report: str | None = None
     activation_configs: list[str] = field(default_factory=list)
+    convergence: list[dict[str, Any]] = field(default_factory=list)
+    fit_layers: dict[str, list[dict]] = field(default_factory=dict)
 
 
 class CalibrationJob:
@@ -231,6 +236,13 @@ class CalibrationJob:
                                max_rounds=self.settings.rounds, batch_size=self.settings.batch_size)
                 return canonical_json(result.model_dump(mode="json"))
             ids.append(self._cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
+            row = convergence_row(ids[-1], self.load_trajectory(ids[-1]), self.settings.rounds)
+            self.summary.convergence.append(row)
+            log.info("TRACE %s: objective per round %s nats; %s", row["trajectory"],
+                     ", ".join(f"{o:.4f}" for o in row["objectives"]),
+                     {True: f"settled after {row['rounds']} round(s)", None: "settling not recorded",
+                      False: f"not settled at the {row['rounds']}-round limit (last change "
+                             f"{row['last_change']:+.4f})"}[row["settled"]])
         self.summary.trajectories = self._trajectory_ids = ids
         self._timed("trace", started)
         return ids
@@ -305,10 +317,12 @@ class CalibrationJob:
             self.store.put_model(KIND_POLICY, table)
             self.summary.policies[f"{mode}/{bits}"] = table.id
             self.summary.table4[f"{mode}/{bits}"] = table4(sums, table)
+        self.summary.fit_layers = _layer_fit_json(fits, tables, sums)
         record = {"sums_samples": sorted(sums.samples), "policies": self.summary.policies,
-                  "table4": self.summary.table4, "layers": _layer_fit_json(fits)}
+                  "table4": self.summary.table4, "layers": self.summary.fit_layers}
+        # "record" 2: layers carry effective K bits and win rates (calibration.policy_tables).
         key = input_key("fit", {"samples": sorted(sums.samples), "fit": settings.as_dict(),
-                                "v_group_size": self.v_group_size, "code": CODE_VERSION})
+                                "v_group_size": self.v_group_size, "code": CODE_VERSION, "record": 2})
         self._cached(KIND_FIT, key, lambda: canonical_json(record))
         self._timed("fit", started)
         return tables
@@ -346,11 +360,13 @@ class CalibrationJob:
         tables = self.fit()
         self.kvquant()
         started = time.perf_counter()
-        trajectory = self.load_trajectory(self.trajectory_key(self.samples()[0]))
+        keys = [self.trajectory_key(sample) for sample in self.samples()]
+        trajectory = self.load_trajectory(keys[0])
+        convergence = [convergence_row(key, self.load_trajectory(key), self.settings.rounds) for key in keys]
         settings = self.settings.model_dump(mode="json") | {"model": self.spec.model_id}
         path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory, settings,
-                            self.summary.seconds,
-                            self.summary.kvquant_states)
+                            self.summary.seconds, self.summary.kvquant_states,
+                            fit_layers=self.summary.fit_layers, convergence=convergence)
         self._timed("report", started)
         self.summary.report = str(path)
         return path
@@ -382,6 +398,27 @@ class CalibrationJob:
         return traces
 
 
-def _layer_fit_json(fits: dict[str, list[LayerFit]]) -> dict[str, list[dict]]:
-    return {key: [{"layer": f.layer, "score_type": f.choice.score_type, "p": f.choice.p, "objective": f.objective,
-                   "refused": f.refused} for f in layer_fits] for key, layer_fits in fits.items()}
+def convergence_row(trajectory_id: str, trajectory: Trajectory, round_limit: int) -> dict[str, Any]:
+    """One sample's TRACE refinement: objective per round (nats), rounds run, whether the assignment settled, and
+    the last round's change of the objective. A trajectory stored before ``settled`` was recorded counts as
+    settled when it stopped before the limit (only a stable assignment stops it early)."""
+    settled = trajectory.settled
+    if settled is None and trajectory.rounds < round_limit:
+        settled = True
+    objectives = list(trajectory.objectives)
+    return {"trajectory": trajectory_id, "rounds": trajectory.rounds, "objectives": objectives, "settled": settled,
+            "last_change": objectives[-1] - objectives[-2] if len(objectives) > 1 else 0.0}
+
+
+def _layer_fit_json(fits: dict[str, list[LayerFit]], tables: dict[str, PolicyTable],
+                    sums: DiagnosticSums) -> dict[str, list[dict]]:
+    """Per policy key and layer: the choice, every candidate's objective and refusal, and `layer_record`."""
+    out = {}
+    for key, layer_fits in fits.items():
+        table = tables[key]
+        out[key] = [{"layer": f.layer, "score_type": f.choice.score_type, "p": f.choice.p, "objective": f.objective,
+                     "refused": f.refused,
+                     **layer_record(sums.cells[cell_key(table.cache_mode, table.bits, f.layer, f.choice.score_type,
+                                                        f.choice.p)], f.choice.p)}
+                    for f in layer_fits]
+    return out

@@ -1,6 +1,8 @@
 """The calibration report: markdown with matplotlib plots (issue 6 item 8).
 
-* a per-layer policy map (score type and p per layer, one row per cache mode and bits);
+* a per-layer policy map (score type and p per layer, one row per cache mode and bits), and per policy its table
+  layer by layer (score type, p, nominal K bits, win rates per metric; `calibration.policy_tables`);
+* TRACE convergence: per sample the objective at each refinement round and whether the assignment settled;
 * win-rate bars per metric (the paper's Table 4: share of records where the selected policy beats the all-K
   quantized baseline), with the effective K bits;
 * K and V surfaces of one layer and head across the steps of one block, with the active block marked by red
@@ -9,20 +11,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from calibration.forward import capture_qkv  # noqa: E402
-from calibration.metrics import METRICS  # noqa: E402
-from calibration.trace import Trajectory, rollout  # noqa: E402
-from service.artifacts.policy import SCORE_TYPES, PolicyTable  # noqa: E402
-from service.engine.models import DiffusionLM  # noqa: E402
+from calibration.forward import capture_qkv
+from calibration.metrics import METRICS
+from calibration.policy_tables import per_layer_markdown
+from calibration.trace import Trajectory, rollout
+from service.artifacts.policy import SCORE_TYPES, PolicyTable
+from service.engine.models import DiffusionLM
 
 _SCORE_MARK = {"attention": "A", "qerror": "Q", "hybrid": "H"}
 
@@ -119,13 +122,30 @@ def _table4_markdown(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
     return lines
 
 
+def convergence_markdown(rows: Sequence[Mapping], round_limit: int) -> list[str]:
+    """TRACE convergence: one row per sample (`calibration.job.convergence_row`)."""
+    settled = sum(1 for r in rows if r["settled"])
+    lines = [(f"{settled} of {len(rows)} samples settled (the assignment stopped changing) within the limit of "
+             f"{round_limit} refinement round(s) (`--rounds`). Objective: sum over answer tokens of the "
+             "log-probability of revealing each at its assigned step (nats), after each round."), "",
+             "| Sample | Rounds | Objective per round (nats) | Last change | Settled |", "|---|---:|---|---:|---|"]
+    for r in rows:
+        state = {True: "yes", False: "no", None: "not recorded"}[r["settled"]]
+        lines.append(f"| `{r['trajectory'][:14]}` | {r['rounds']} | "
+                     + ", ".join(f"{o:.3f}" for o in r["objectives"]) + f" | {r['last_change']:+.4f} | {state} |")
+    return lines + [""]
+
+
 def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str, Mapping[str, float]],
                  model: DiffusionLM, trajectory: Trajectory, settings: Mapping, seconds: Mapping[str, float],
-                 kvquant_states: Mapping[str, str], layer: int | None = None, head: int = 0) -> Path:
+                 kvquant_states: Mapping[str, str], layer: int | None = None, head: int = 0,
+                 fit_layers: Mapping[str, Sequence[Mapping]] | None = None,
+                 convergence: Sequence[Mapping] = ()) -> Path:
     """Write ``report.md`` and its PNG plots into ``out``; returns the markdown path.
 
     ``layer`` defaults to 5 (the paper's figures) or the last layer of a smaller model; the surfaces show the
-    trajectory's last block (so the prefix holds the earlier answer blocks).
+    trajectory's last block (so the prefix holds the earlier answer blocks). ``fit_layers``: the fit record's
+    per-layer entries per policy key (win rates); ``convergence``: TRACE rows per sample.
     """
     out.mkdir(parents=True, exist_ok=True)
     layer = min(5, len(model.layers) - 1) if layer is None else layer
@@ -142,16 +162,21 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
         table = tables[key]
         layers = ", ".join(f"{c.score_type}/{c.p}" if c.p else "-/0" for c in table.layers)
         lines.append(f"| {key} | `{table.id}` | {layers} |")
-    lines += ["", f"![policy map]({policy_map.name})", "",
+    lines += ["", f"![policy map]({policy_map.name})", "", "### Per-layer policy tables", "",
+              ("Win rates: share of the layer's calibration records (%) where its choice beats quantizing every K "
+              "token; nominal K bits of a full group, and averaged over the calibration's reused tokens."), ""]
+    for key in sorted(tables):
+        lines += per_layer_markdown(key, tables[key], (fit_layers or {}).get(key))
+    lines += ["## TRACE convergence", "", *convergence_markdown(convergence, settings.get("rounds", 0)),
               "## Trajectory diagnostics (Table 4)", "",
-              "Share of records (%) where the selected policy is closer to full recompute than the all-K "
+              ("Share of records (%) where the selected policy is closer to full recompute than the all-K "
               "quantized baseline (strictly: a tie, such as the same top-1 key, is not a win), over the layers "
-              "it protects; nominal effective K bits over all layers.", "",
+              "it protects; nominal effective K bits over all layers."), "",
               *_table4_markdown(rows), "", f"![win rates]({win_rates.name})", "",
               "## KVQuant states", "", *(f"- {bits} bits: `{state}`" for bits, state in sorted(kvquant_states.items())),
               "", "## K and V cache surfaces", "",
-              f"Full-recompute |K| and |V| of layer {layer}, kv head {head}, across steps of block {block} of one "
-              "calibration trajectory; red planes mark the active block.", "",
+              (f"Full-recompute |K| and |V| of layer {layer}, kv head {head}, across steps of block {block} of one "
+              "calibration trajectory; red planes mark the active block."), "",
               f"![K surfaces]({k_surface.name})", "", f"![V surfaces]({v_surface.name})", "",
               f"Score types: {', '.join(SCORE_TYPES)}.", ""]
     path = out / "report.md"

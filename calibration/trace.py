@@ -209,7 +209,7 @@ def solve_assignment(scores: np.ndarray, schedule: Schedule, scale: int = COST_S
         for step in schedule.window(i):
             if not np.isfinite(scores[i, step]):
                 raise ScheduleError(f"score of token {i} at legal step {step} is {scores[i, step]}")
-            weight = -int(round(scores[i, step] * scale))
+            weight = -round(float(scores[i, step]) * scale)
             if previous is not None:
                 weight = weight * (schedule.answer_length + 1) - int(previous[i] == step)
             graph.add_edge(("token", i), ("step", step), capacity=1, weight=weight)
@@ -231,6 +231,8 @@ class Trajectory(BaseModel):
     """The stored TRACE artifact: exactly what the issue lists, nothing else (no logits, no caches).
 
     ``objectives[r]`` is ``sum_i S^(r)[i, a^(r+1)_i]`` in nats: the optimum of round ``r``'s assignment problem.
+    ``settled``: the last round's assignment equals its input (refinement converged within the round limit);
+    False when the limit stopped it; None in trajectories stored before it was recorded.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -244,6 +246,7 @@ class Trajectory(BaseModel):
     model_fingerprint: str
     rounds: int
     objectives: tuple[float, ...]
+    settled: bool | None = None
 
     @property
     def schedule(self) -> Schedule:
@@ -271,6 +274,7 @@ def trace(prompt_ids: Sequence[int], answer_ids: Sequence[int], forward: Forward
         raise ScheduleError(f"schedule is for {schedule.answer_length} tokens, the answer has {len(answer_ids)}")
     assignment = initial_assignment(schedule)
     objectives = []
+    stable = False
     for _ in range(max_rounds):
         scores = score_matrix(prompt_ids, answer_ids, assignment, schedule, mask_id, forward, batch_size)
         following = solve_assignment(scores, schedule, previous=assignment)
@@ -282,5 +286,5 @@ def trace(prompt_ids: Sequence[int], answer_ids: Sequence[int], forward: Forward
     return Trajectory(
         prompt_ids=tuple(prompt_ids), answer_ids=tuple(answer_ids), assignment=assignment,
         block_length=schedule.block_length, steps_per_block=schedule.steps_per_block, budgets=schedule.budgets,
-        model_fingerprint=model_fingerprint, rounds=len(objectives), objectives=tuple(objectives),
+        model_fingerprint=model_fingerprint, rounds=len(objectives), objectives=tuple(objectives), settled=stable,
     )

@@ -19,25 +19,37 @@ KIND_CALIBRATION_FIT = "calibration_fit"
 COLUMNS = {"L2": "centered_l2", "KL": "attention_kl", "Top-1": "top1", "Top-K": "topk"}
 
 
-def table4_rows(store_url: str | None, run_id: str) -> list[dict[str, Any]]:
-    """One row per (cache mode, bits) of the calibration run ``run_id`` (or ``latest``).
+def calibration_record(store_url: str | None, run_id: str) -> tuple[str, dict[str, Any]]:
+    """(run id, record) of the calibration run ``run_id`` (or ``latest``) in the store at ``store_url``.
 
     Raises:
-        ValueError: no store URL, or the store has no calibration run.
-        service.store.base.ArtifactNotFound: no run with that id.
+        ValueError: no store URL, or no such run; the message names the flag, the run and the store it looked in.
     """
     if not store_url:
         raise ValueError("--from-calibration needs --store (the store the calibration job wrote to)")
     store = open_store(store_url)
     try:
+        ids = store.list(KIND_CALIBRATION_FIT)
         if run_id == "latest":
-            ids = store.list(KIND_CALIBRATION_FIT)
             if not ids:
-                raise ValueError(f"no calibration run ({KIND_CALIBRATION_FIT}) in {store_url}")
+                raise ValueError(f"--from-calibration latest: no calibration run ({KIND_CALIBRATION_FIT}) in the "
+                                 f"store {store_url}; run `python -m calibration all --store {store_url}` first")
             run_id = max(ids, key=lambda i: store.info(KIND_CALIBRATION_FIT, i).created_at)
-        record = store.get_json(KIND_CALIBRATION_FIT, run_id)
+        elif run_id not in ids:
+            raise ValueError(f"--from-calibration {run_id}: no such calibration run in the store {store_url} "
+                             f"(it holds {len(ids)}: {', '.join(sorted(ids)[:3]) or 'none'})")
+        return run_id, store.get_json(KIND_CALIBRATION_FIT, run_id)
     finally:
         store.close()
+
+
+def table4_rows(store_url: str | None, run_id: str) -> list[dict[str, Any]]:
+    """One row per (cache mode, bits) of the calibration run ``run_id`` (or ``latest``).
+
+    Raises:
+        ValueError: as `calibration_record`.
+    """
+    run_id, record = calibration_record(store_url, run_id)
     rows = []
     for key, values in sorted(record["table4"].items()):
         mode, bits = key.split("/")

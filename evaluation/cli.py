@@ -26,7 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from evaluation.controls import DEFAULT_RULES
 from evaluation.protocol import PRESETS, get_preset
+from service.commands import store_url_arg
 
 #: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
 DEFAULT_TASK_DIR = Path.home() / ".cache" / "dllm-kvq" / "lm-eval-tasks"
@@ -70,8 +72,9 @@ def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> lis
 
 def run_lm_eval(argv: list[str]) -> int:
     """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run."""
-    import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
     from lm_eval.__main__ import cli_evaluate
+
+    import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
 
     for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
         sys.argv = ["lm-eval", *args]
@@ -94,6 +97,13 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m evaluation matrix",
         description="Run the paper's result matrix with lm-eval in-process; resumes from --out.")
+    parser.add_argument("--table", choices=TABLES, default="main",
+                        help="main: Tables 1-2 (methods x bits x cache modes, matrix.*); 3: the K-policy controls of "
+                             "Table 3 (table3.*, needs --store); kv: K-only and V-only rows per method and bits "
+                             "(kv_ablation.*)")
+    parser.add_argument("--controls", dest="table", action="store_const", const="3", help="same as --table 3")
+    parser.add_argument("--rules", default=",".join(DEFAULT_RULES),
+                        help="fixed K rules of --table 3, <score type>:<p> (default %(default)s)")
     parser.add_argument("--models", default="embedded",
                         help="comma list of checkpoints (dir or HF id); 'embedded' = the embedded default model")
     parser.add_argument("--tasks", required=True, help="comma list of lm-eval task names")
@@ -116,7 +126,7 @@ def matrix_parser() -> argparse.ArgumentParser:
                         help="comma list of tasks run with the chat template (the embedded task always is)")
     parser.add_argument("--confirm-run-unsafe-code", action="store_true",
                         help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox")
-    parser.add_argument("--store", help="store URL (redis://... or a directory): policies, states, scores")
+    parser.add_argument("--store", type=store_url_arg, help="store URL (redis://... or a directory): policies, states, scores")
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
     parser.add_argument("--from-calibration", metavar="RUN_ID",
                         help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
@@ -128,13 +138,84 @@ def matrix_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class CommandError(Exception):
+    """Bad input of a subcommand: printed as one line (naming the flag), exit status 2, no traceback."""
+
+
+#: ``--table`` -> (output file stem, what it is).
+TABLES = ("main", "3", "kv")
+STEMS = {"main": "matrix", "3": "table3", "kv": "kv_ablation"}
+
+
+def check_matrix_inputs(args: argparse.Namespace, tasks: list[str]) -> None:
+    """Every input of ``matrix`` checked before any work (issue 17): models, bits, cache modes, methods, rules, the
+    store, the calibration run, the card folder, the task folder and the admin key.
+
+    Raises:
+        CommandError: the first bad input, naming its flag and what was looked for where.
+    """
+    import os
+
+    from evaluation.calibration_table import calibration_record
+    from evaluation.controls import parse_rule
+
+    if not tasks:
+        raise CommandError("--tasks is empty; give a comma list of lm-eval task names (e.g. digit_ledger)")
+    for name in _csv_list(args.models):
+        if name != "embedded" and (name.startswith((".", "/", "~")) or Path(name).exists()) \
+                and not Path(name).expanduser().is_dir():
+            raise CommandError(f"--models {name}: no checkpoint folder at {Path(name).expanduser().resolve()}")
+    for bits in _csv_list(args.bits):
+        if bits not in ("2", "4", "8"):
+            raise CommandError(f"--bits {bits}: legal bit widths are 2, 4, 8")
+    try:
+        from evaluation.matrix import plan_cells
+
+        plan_cells(["m"], _csv_list(args.cache_modes), [], _csv_list(args.methods))
+        for rule in _csv_list(args.rules):
+            parse_rule(rule)
+    except ValueError as exc:
+        flag = "--rules" if "K rule" in str(exc) else "--cache-modes" if "cache mode" in str(exc) else "--methods"
+        raise CommandError(f"{flag}: {exc}") from None
+    if args.gsm8k_dir and not Path(args.gsm8k_dir).is_dir():
+        raise CommandError(f"--gsm8k-dir: no folder at {Path(args.gsm8k_dir).resolve()}")
+    if args.card and not Path(args.card).is_dir():
+        raise CommandError(f"--card: no model folder at {Path(args.card).resolve()}")
+    if args.card and len(_csv_list(args.models)) != 1:
+        raise CommandError(f"--card writes one model's card; --models names {len(_csv_list(args.models))}")
+    if args.table == "3" and not args.store:
+        raise CommandError("--table 3 needs --store: the fixed K rules are policy tables put in the store, and the "
+                           "fitted policy is read from it")
+    if args.server and args.admin_key_env not in os.environ:
+        raise CommandError(f"--server {args.server} needs the admin key in the environment variable "
+                           f"{args.admin_key_env} (--admin-key-env); it is not set")
+    if args.store:
+        from service.store.base import InvalidName, StoreUnavailable, open_store
+
+        store = None
+        try:
+            store = open_store(args.store)
+            store.list("policy")  # opening contacts nothing (open_store); one read does
+        except (InvalidName, StoreUnavailable, OSError) as exc:
+            raise CommandError(f"--store {args.store}: cannot read it ({exc})") from None
+        finally:
+            if store is not None:
+                store.close()
+    if args.from_calibration:
+        try:
+            calibration_record(args.store, args.from_calibration)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+
+
 def run_matrix_command(argv: list[str]) -> int:
-    """The ``matrix`` subcommand."""
+    """The ``matrix`` subcommand (``--table main|3|kv``)."""
     from evaluation import matrix
     from evaluation.embedded_task import EMBEDDED_TASKS
 
     args = matrix_parser().parse_args(argv)
     tasks = _csv_list(args.tasks)
+    check_matrix_inputs(args, tasks)
     preset = get_preset(args.preset) if args.preset else None
     fewshot = {t: args.num_fewshot for t in tasks if args.num_fewshot is not None}
     if preset:
@@ -148,8 +229,19 @@ def run_matrix_command(argv: list[str]) -> int:
         confirm_run_unsafe_code=args.confirm_run_unsafe_code, store_url=args.store,
         include_path=str(_task_dir(Path(args.out) / "tasks", args.gsm8k_dir)),
     )
-    cells = matrix.plan_cells(_csv_list(args.models), _csv_list(args.cache_modes),
-                              [int(b) for b in _csv_list(args.bits)], _csv_list(args.methods))
+    task_manager = matrix.task_manager_for(tasks, settings.include_path)
+    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    if unknown:
+        raise CommandError(f"--tasks: unknown task(s) {', '.join(unknown)}; looked in lm-eval's tasks and "
+                           f"{settings.include_path} (the offline tasks; --gsm8k-dir for gsm8k_local)")
+    models, modes = _csv_list(args.models), _csv_list(args.cache_modes)
+    bits, methods, rules = [int(b) for b in _csv_list(args.bits)], _csv_list(args.methods), _csv_list(args.rules)
+    if args.table == "3":
+        cells = matrix.plan_controls(models, modes, bits, rules)
+    elif args.table == "kv":
+        cells = matrix.plan_sides(models, modes, bits, methods)
+    else:
+        cells = matrix.plan_cells(models, modes, bits, methods)
 
     def load_engine(name: str):
         from service.engine import Engine
@@ -162,28 +254,58 @@ def run_matrix_command(argv: list[str]) -> int:
 
         on_result = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=args.store)
     started = time.perf_counter()
-    summary = matrix.run_matrix(cells, settings, args.out, load_engine, on_result)
-    extra_md, extra_json = "", {}
-    if args.from_calibration:
-        from evaluation.calibration_table import table4_markdown, table4_rows
-
-        rows = table4_rows(args.store, args.from_calibration)
-        extra_md, extra_json = "\n" + table4_markdown(rows), {"table4": rows}
+    summary = matrix.run_matrix(cells, settings, args.out, load_engine, on_result, task_manager=task_manager)
+    extra_md, extra_json = _calibration_extras(args, summary["files"])
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
                                  {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}},
-                                 fingerprints=summary["fingerprints"].values())
+                                 files=summary["files"], table=args.table, rules=rules,
+                                 table4=extra_json.get("table4"))
     if args.card:
-        _write_card(args, argv, matrix.load_results(args.out, summary["fingerprints"].values()),
-                    paths["md"].read_text())
+        # Table 4 and the per-layer policies go on the card once, with the main table.
+        text = paths["md"].read_text()
+        _write_card(args, argv, matrix.load_results(args.out, files=summary["files"]),
+                    text if args.table == "main" else text.removesuffix(extra_md))
     print(paths["md"].read_text())
     print(f"ran {len(summary['ran'])} (cell, task) runs in {summary['seconds']:.1f} s; "
-          f"{summary['already_done']} already done; {len(summary['skipped'])} cells skipped")
+          f"{summary['already_done']} already done with the same settings; {len(summary['skipped'])} cells skipped")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 
+def _calibration_extras(args: argparse.Namespace, files: list[str]) -> tuple[str, dict]:
+    """Table 4 (``--from-calibration``) and the per-layer tables of the fitted dLLM-KVQ policies the run used
+    (read from ``--store``; with the calibration run's win rates when it fitted them), as markdown and JSON."""
+    from calibration.policy_tables import per_layer_markdown
+    from evaluation.calibration_table import calibration_record, table4_markdown, table4_rows
+    from evaluation.matrix import load_results
+    from service.artifacts.policy import PolicyTable
+    from service.store.base import KIND_POLICY, open_store
+
+    md, data = "", {}
+    fit_layers = {}
+    if args.from_calibration:
+        rows = table4_rows(args.store, args.from_calibration)
+        md, data["table4"] = "\n" + table4_markdown(rows), rows
+        _, record = calibration_record(args.store, args.from_calibration)
+        fit_layers = {pid: record.get("layers", {}).get(key) for key, pid in record.get("policies", {}).items()}
+    used = sorted({r["artifact_id"] for r in load_results(args.out, files=files)
+                   if r["cell"]["method"] == "dllm_kvq" and not r["cell"].get("rule")})
+    if used and args.store:
+        store = open_store(args.store)
+        try:
+            tables = {pid: store.get_model(KIND_POLICY, pid, PolicyTable) for pid in used}
+        finally:
+            store.close()
+        data["policies"] = {pid: t.model_dump(mode="json") for pid, t in tables.items()}
+        md += "\n### Per-layer dLLM-KVQ policies\n\n"
+        for pid, table in sorted(tables.items(), key=lambda x: (x[1].cache_mode, -x[1].bits)):
+            md += "\n".join(per_layer_markdown(f"{table.cache_mode} cache, {table.bits}-bit", table,
+                                                fit_layers.get(pid))) + "\n"
+    return md, data
+
+
 def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], markdown: str) -> None:
-    """``--card``: the matrix into the model card (`evaluation.card`), from this run's cell files of one model."""
+    """``--card``: this table into the model card (`evaluation.card`), from this run's cell files of one model."""
     import platform
     import shlex
 
@@ -191,19 +313,21 @@ def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], 
 
     fingerprints = {r["fingerprint"] for r in results}
     if len(fingerprints) != 1:
-        raise SystemExit(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+        raise CommandError(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
     host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
         f", {args.threads} torch thread(s)" if args.threads else "")
     write_card(args.card, markdown=markdown, fingerprint=fingerprints.pop(), documents=args.limit,
                command="python -m evaluation matrix " + shlex.join(argv),
-               wall_seconds=sum(r["seconds"] for r in results), host=host)
+               wall_seconds=sum(r["seconds"] for r in results), host=host, table=args.table)
 
 
 def run_push_scores(argv: list[str]) -> int:
     """The ``push-scores`` subcommand: an lm-eval results file's scores to the server and/or the store."""
     import json
 
-    from evaluation.scores import ScoreReporter, reports_from_lm_eval
+    import httpx
+
+    from evaluation.scores import ScoreReporter, ScoreReportError, reports_from_lm_eval
 
     parser = argparse.ArgumentParser(prog="python -m evaluation push-scores",
                                      description="Send the task scores of an lm-eval results_*.json file to the "
@@ -211,14 +335,35 @@ def run_push_scores(argv: list[str]) -> int:
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
     parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
-    parser.add_argument("--store", help="store URL, used when no server is given")
+    parser.add_argument("--store", type=store_url_arg, help="store URL, used when no server is given")
     parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
-    parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}')
+    parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}; '
+                        "with --cache-mode, needed for a results file of an HTTP run (it does not record them)")
     args = parser.parse_args(argv)
-    reporter = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=args.store)
-    results = json.loads(Path(args.results).read_text())
-    for report in reports_from_lm_eval(results, args.cache_mode, args.kv_quant):
-        print(report["task"], reporter.send(report))
+    if not args.server and not args.store:
+        raise CommandError("push-scores needs --server URL (with the admin key in $DLLM_ADMIN_KEY) or --store URL")
+    try:
+        reporter = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=args.store)
+    except KeyError:
+        raise CommandError(f"--server {args.server} needs the admin key in the environment variable "
+                           f"{args.admin_key_env} (--admin-key-env); it is not set") from None
+    try:
+        results = json.loads(Path(args.results).read_text())
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"RESULTS_JSON {args.results}: cannot read an lm-eval results file ({exc})") from None
+    try:
+        reports = reports_from_lm_eval(results, args.cache_mode, args.kv_quant)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+    for report in reports:
+        try:
+            print(report["task"], reporter.send(report))
+        except ScoreReportError as exc:
+            hint = (f"; is {args.admin_key_env} (--admin-key-env) the server's admin key?"
+                    if exc.status in (401, 403) else "")
+            raise CommandError(f"--server {args.server}: {exc}{hint}") from None
+        except httpx.HTTPError as exc:
+            raise CommandError(f"--server {args.server}: cannot reach it ({exc})") from None
     return 0
 
 
@@ -232,4 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"commands: {', '.join(COMMANDS)}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return COMMANDS[argv[0]](argv[1:])
+    import httpx
+
+    from evaluation.scores import ScoreReportError
+
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except (CommandError, ScoreReportError, httpx.HTTPError) as exc:
+        # A refused or unreachable server during a matrix run is the user's setting too: one line.
+        print(f"python -m evaluation {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2

@@ -4,9 +4,13 @@
 --methods none,kivi,kvquant,dllm_kvq --out DIR`` plans the cells (`plan_cells`): per model one **no-cache
 reference** row (full recompute), and per cache mode a **cache-only** row (method ``none``) and one row per
 quantized method and bit width. Each (cell, task) is one lm-eval run of the in-process model `DllmKvqLM` on one
-loaded engine; its result goes to ``DIR/cells/<model>/<weights fingerprint>/<cell>/<task>.json`` as soon as it
-finishes (written to a temporary file, then renamed), so an interrupted matrix **resumes** by skipping finished
-files, and a retrained model of the same name does not reuse its predecessor's cells.
+loaded engine; its result goes to ``DIR/cells/<model>/<weights fingerprint>/<cell>/<task>-<inputs hash>.json`` as
+soon as it finishes (written to a temporary file, then renamed), so an interrupted matrix **resumes** by skipping
+finished files. The hash covers every input that changes the result (`cell_inputs`: weights, task, limit, few-shot,
+decoding settings, the whole KV configuration with its artifact id), so a file is reused only by a run with the
+same inputs (issue 17), and a retrained model of the same name does not reuse its predecessor's cells.
+`plan_controls` (Table 3) and `plan_sides` (K-only / V-only rows) plan the ablations' cells; `evaluation.ablations`
+renders them.
 
 Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
 per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
@@ -27,6 +31,7 @@ is skipped and listed under the table (the calibration job makes them: ``python 
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
@@ -39,6 +44,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from evaluation.controls import DEFAULT_RULES, is_fixed_rule, parse_rule, store_fixed_rule
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +68,38 @@ PRIMARY_METRICS = {
 
 @dataclass(frozen=True)
 class Cell:
-    """One row of the matrix for one model: cache mode, method and bits (None for method ``none``)."""
+    """One row of the matrix for one model: cache mode, method and bits (None for method ``none``).
+
+    ``sides`` (``kv``, ``k``, ``v``: `KVQuantConfig.sides`) makes the K-only and V-only rows; ``rule``
+    (``<score type>:<p>``, method ``dllm_kvq``) a fixed-K-rule control of Table 3 (`evaluation.controls`).
+    """
 
     model: str
     cache_mode: str
     method: str
     bits: int | None = None
+    sides: str = "kv"
+    rule: str | None = None
 
     @property
     def key(self) -> str:
-        """File-name key: ``none``, ``prefix-none``, ``dual-kivi-4`` ..."""
+        """Folder key: ``none``, ``prefix-none``, ``dual-kivi-4``, ``dual-kivi-4-konly``,
+        ``dual-dllm_kvq-4-fixed-attention-p2`` ..."""
         if self.cache_mode == "none":
             return "none"
-        return f"{self.cache_mode}-{self.method}" + (f"-{self.bits}" if self.bits is not None else "")
+        key = f"{self.cache_mode}-{self.method}" + (f"-{self.bits}" if self.bits is not None else "")
+        if self.sides != "kv":
+            key += f"-{self.sides}only"
+        if self.rule is not None:
+            score_type, p = parse_rule(self.rule)
+            key += f"-fixed-{score_type}-p{p}"
+        return key
 
     @property
     def label(self) -> str:
-        return REFERENCE_LABEL if self.cache_mode == "none" else METHOD_LABELS[self.method]
+        if self.cache_mode == "none":
+            return REFERENCE_LABEL
+        return "Fixed K rule" if self.rule is not None else METHOD_LABELS[self.method]
 
 
 def plan_cells(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable[int],
@@ -105,6 +127,38 @@ def plan_cells(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable
             for b in bits:
                 cells.extend(Cell(model, mode, m, int(b)) for m in methods if m != "none")
     return cells
+
+
+def plan_controls(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable[int],
+                  rules: Iterable[str] = DEFAULT_RULES) -> list[Cell]:
+    """Table 3's cells (paper "Task-level K-policy controls"): per model, mode and bits the cache-only reference,
+    KIVI K/V, one ``dllm_kvq`` cell per fixed K rule, and the fitted dLLM-KVQ policy.
+
+    Raises:
+        ValueError: an unknown cache mode or a bad rule (`evaluation.controls.parse_rule`).
+    """
+    rules = list(rules)
+    for rule in rules:
+        parse_rule(rule)
+    cells = plan_cells(models, cache_modes, bits, ["kivi"])
+    out = []
+    for cell in cells:
+        out.append(cell)
+        if cell.method == "kivi":
+            out += [Cell(cell.model, cell.cache_mode, "dllm_kvq", cell.bits, rule=r) for r in rules]
+            out.append(Cell(cell.model, cell.cache_mode, "dllm_kvq", cell.bits))
+    return out
+
+
+def plan_sides(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable[int],
+               methods: Iterable[str]) -> list[Cell]:
+    """The K/V ablation's cells: `plan_cells`, and after each quantized cell its K-only and V-only twins."""
+    out = []
+    for cell in plan_cells(models, cache_modes, bits, methods):
+        out.append(cell)
+        if cell.method in QUANT_METHODS:
+            out += [Cell(cell.model, cell.cache_mode, cell.method, cell.bits, sides=s) for s in ("k", "v")]
+    return out
 
 
 def primary_metric(task: str, metrics: dict[str, Any]) -> str:
@@ -150,7 +204,8 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
 # ---- artifacts -----------------------------------------------------------------------------------------------
 def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
     """Newest stored artifact per (method, cache mode, bits) fitted on the model with ``fingerprint``, for every
-    registered method that applies one (an artifact without a cache mode, a KVQuant state, fits every mode)."""
+    registered method that applies one (an artifact without a cache mode, a KVQuant state, fits every mode).
+    Table 3's fixed-rule tables (`evaluation.controls.is_fixed_rule`) are not fitted and never picked."""
     from service.quant.registry import method, methods
 
     found: dict[tuple[str, str, int], tuple[float, str]] = {}
@@ -158,7 +213,7 @@ def find_artifacts(store, fingerprint: str) -> dict[tuple[str, str, int], str]:
         entry = method(name)
         for artifact_id in store.list(entry.store_kind):
             artifact = entry.artifact.from_bytes(store.get(entry.store_kind, artifact_id))
-            if artifact.weights_fingerprint != fingerprint:
+            if artifact.weights_fingerprint != fingerprint or is_fixed_rule(artifact):
                 continue
             created = store.info(entry.store_kind, artifact_id).created_at
             for mode in [artifact.cache_mode] if artifact.cache_mode else CACHE_MODES:
@@ -197,6 +252,12 @@ class MatrixSettings:
     store_url: str | None = None
     include_path: str | None = None
 
+    def decoding(self, task: str) -> dict[str, Any]:
+        """The settings that change ``task``'s result, for a cell file's key (`cell_inputs`). ``batch_size`` is
+        not one: a batched row decodes exactly as it would alone (DESIGN.md)."""
+        return {"limit": self.limit, "num_fewshot": self.fewshot.get(task), "gen_length": self.gen_length,
+                "block_length": self.block_length, "threshold": self.threshold, "chat": task in self.chat_tasks}
+
 
 def task_manager_for(tasks: list[str], include_path: str | None):
     """lm-eval's TaskManager over ``include_path`` alone when it defines every task (indexing lm-eval's thousands
@@ -210,10 +271,43 @@ def task_manager_for(tasks: list[str], include_path: str | None):
     return TaskManager(include_path=include_path) if include_path else TaskManager()
 
 
-def cell_path(out_dir: Path, cell: Cell, task: str, fingerprint: str) -> Path:
-    """``out/cells/<model>/<fingerprint[:16]>/<cell key>/<task>.json``: keyed by the weights, so retraining a model
-    of the same name starts its cells afresh instead of resuming from the old weights' results."""
-    return out_dir / "cells" / _slug(cell.model) / fingerprint[:16] / cell.key / f"{task}.json"
+def cell_model_args(cell: Cell, settings: MatrixSettings, artifact_id: str | None) -> dict[str, Any]:
+    """The in-process model's ``model_args`` for ``cell`` (`evaluation.model_args.EvalModelArgs`)."""
+    model_args: dict[str, Any] = {
+        "cache_mode": cell.cache_mode, "method": cell.method, "block_length": settings.block_length,
+        "threshold": settings.threshold, "batch_size": settings.batch_size, "store": settings.store_url,
+    }
+    if cell.bits is not None:
+        model_args["bits"] = cell.bits
+    if cell.sides != "kv":
+        model_args["sides"] = cell.sides
+    if artifact_id is not None:
+        model_args["artifact_id"] = artifact_id
+    return model_args
+
+
+def cell_inputs(cell: Cell, task: str, settings: MatrixSettings, artifact_id: str | None,
+                fingerprint: str) -> dict[str, Any]:
+    """Everything that changes one (cell, task) result: the weights, the task and its decoding settings
+    (`MatrixSettings.decoding`), the cache mode and the whole KV configuration, artifact id included (issue 17:
+    a saved result is reused only when all of them match)."""
+    from evaluation.model_args import EvalModelArgs
+
+    args = EvalModelArgs(**cell_model_args(cell, settings, artifact_id))
+    args.kv_config  # noqa: B018 - a cell that names no valid configuration fails here, before any work
+    # The configuration's fields by name (not its serialized form, whose spelling may change between versions).
+    kv = {"method": cell.method, "bits": cell.bits, "sides": cell.sides, "artifact_id": artifact_id,
+          "k_group_size": args.k_group_size, "v_group_size": args.v_group_size}
+    return {"fingerprint": fingerprint, "task": task, "cache_mode": cell.cache_mode, **settings.decoding(task),
+            "kv": kv}
+
+
+def cell_path(out_dir: Path, cell: Cell, task: str, inputs: dict[str, Any]) -> Path:
+    """``out/cells/<model>/<fingerprint[:16]>/<cell key>/<task>-<inputs hash>.json``: keyed by the weights (a
+    retrained model of the same name starts afresh) and by a hash of `cell_inputs`, so a run with another
+    ``--limit``, few-shot count, decoding setting or artifact never reuses this file, and both stay on disk."""
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+    return out_dir / "cells" / _slug(cell.model) / inputs["fingerprint"][:16] / cell.key / f"{task}-{digest}.json"
 
 
 def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_manager,
@@ -223,15 +317,7 @@ def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_
 
     from evaluation.lm import DllmKvqLM
 
-    model_args: dict[str, Any] = {
-        "cache_mode": cell.cache_mode, "method": cell.method, "block_length": settings.block_length,
-        "threshold": settings.threshold, "batch_size": settings.batch_size, "store": settings.store_url,
-    }
-    if cell.bits is not None:
-        model_args["bits"] = cell.bits
-    if artifact_id is not None:
-        model_args["artifact_id"] = artifact_id
-    lm = DllmKvqLM(engine=engine, **model_args)
+    lm = DllmKvqLM(engine=engine, **cell_model_args(cell, settings, artifact_id))
     started = time.perf_counter()
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[task], task_manager=task_manager, limit=settings.limit,
@@ -247,6 +333,7 @@ def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_
         "model": cell.model, "fingerprint": engine.spec.fingerprint, "cell": asdict(cell), "task": task,
         "metric": metric, "score": 100.0 * float(metrics[metric]), "metrics": {k: float(v) for k, v in metrics.items()},
         "config": lm.args.kv_config.model_dump(mode="json"), "artifact_id": artifact_id,
+        "inputs": cell_inputs(cell, task, settings, artifact_id, engine.spec.fingerprint),
         "settings": {"limit": settings.limit, "block_length": settings.block_length, "threshold": settings.threshold,
                      "gen_length": settings.gen_length, "batch_size": settings.batch_size,
                      "num_fewshot": settings.fewshot.get(task), "chat": task in settings.chat_tasks},
@@ -257,30 +344,32 @@ def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_
 
 
 def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
-               load_engine: Callable[[str], Any], on_result: Callable[[dict[str, Any]], None] | None = None
-               ) -> dict[str, Any]:
-    """Run every (cell, task) not yet on disk, in order; returns what was run, skipped and how long it took.
+               load_engine: Callable[[str], Any], on_result: Callable[[dict[str, Any]], None] | None = None,
+               task_manager=None) -> dict[str, Any]:
+    """Run every (cell, task) whose result with these inputs (`cell_inputs`) is not yet on disk, in order.
 
     Args:
-        cells: from `plan_cells`.
+        cells: from `plan_cells`, `plan_controls` or `plan_sides`.
         out_dir: the matrix folder (cell files under ``cells/``).
         load_engine: model name -> loaded `Engine` (called once per model: its weights' fingerprint keys the
             cell files).
         on_result: called with each new cell file's content (accuracy telemetry).
+        task_manager: lm-eval's (`task_manager_for` when None).
 
     Returns:
-        ``{"ran", "skipped", "already_done", "seconds", "fingerprints"}`` (``fingerprints``: model -> weights).
+        ``{"ran", "skipped", "already_done", "seconds", "fingerprints", "files"}`` (``fingerprints``: model ->
+        weights; ``files``: the cell files of this run's settings, run or reused, for `write_outputs`).
     """
     from service.quant.registry import method, methods
 
     out = Path(out_dir)
-    task_manager = task_manager_for(settings.tasks, settings.include_path)
+    task_manager = task_manager or task_manager_for(settings.tasks, settings.include_path)
     store = None
     if settings.store_url:
         from service.store.base import open_store
 
         store = open_store(settings.store_url)
-    done, ran, skipped = 0, [], []
+    done, ran, skipped, files = 0, [], [], []
     started = time.perf_counter()
     engines: dict[str, Any] = {}
     artifacts: dict[str, dict] = {}
@@ -289,23 +378,29 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
             if cell.model not in engines:
                 engines[cell.model] = load_engine(cell.model)
                 artifacts[cell.model] = find_artifacts(store, engines[cell.model].spec.fingerprint) if store else {}
-            fingerprint = engines[cell.model].spec.fingerprint
-            todo = [t for t in settings.tasks if not cell_path(out, cell, t, fingerprint).exists()]
-            done += len(settings.tasks) - len(todo)
-            if not todo:
-                continue
+            engine = engines[cell.model]
             artifact_id = None
-            if cell.method in methods(with_artifact=True):
+            if cell.rule is not None:
+                if store is None:
+                    raise ValueError("a fixed K rule row needs a store (--store) to put its policy table in")
+                artifact_id = store_fixed_rule(store, engine.spec, cell.cache_mode, cell.bits, cell.rule)
+            elif cell.method in methods(with_artifact=True):
                 artifact_id = artifacts[cell.model].get((cell.method, cell.cache_mode, cell.bits))
                 if artifact_id is None:
                     reason = f"no {method(cell.method).artifact.LABEL} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
                     skipped.append({"model": cell.model, "cell": cell.key, "reason": reason})
                     log.warning("skip %s %s: %s", cell.model, cell.key, reason)
                     continue
-            for task in todo:
+            for task in settings.tasks:
+                path = cell_path(out, cell, task, cell_inputs(cell, task, settings, artifact_id,
+                                                              engine.spec.fingerprint))
+                files.append(path)
+                if path.exists():
+                    done += 1
+                    continue
                 log.info("run %s %s %s", cell.model, cell.key, task)
-                result = run_cell_task(engines[cell.model], cell, task, settings, task_manager, artifact_id)
-                _write_atomic(cell_path(out, cell, task, fingerprint), json.dumps(result))
+                result = run_cell_task(engine, cell, task, settings, task_manager, artifact_id)
+                _write_atomic(path, json.dumps(result))
                 ran.append({"model": cell.model, "cell": cell.key, "task": task, "seconds": result["seconds"]})
                 if on_result is not None:
                     on_result(result)
@@ -313,13 +408,17 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
         if store is not None:
             store.close()
     return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started,
-            "fingerprints": {model: engine.spec.fingerprint for model, engine in engines.items()}}
+            "fingerprints": {model: engine.spec.fingerprint for model, engine in engines.items()},
+            "files": [str(f) for f in files]}
 
 
 # ---- tables --------------------------------------------------------------------------------------------------
-def load_results(out_dir: str | Path, fingerprints: Iterable[str] | None = None) -> list[dict[str, Any]]:
-    """Every finished cell file under ``out_dir/cells``; only those of the given weights when ``fingerprints``."""
-    results = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("cells/*/*/*/*.json"))]
+def load_results(out_dir: str | Path, fingerprints: Iterable[str] | None = None,
+                 files: Iterable[str | Path] | None = None) -> list[dict[str, Any]]:
+    """The cell files of ``files`` (a run's own, `run_matrix`), or every one under ``out_dir/cells``; only those of
+    the given weights when ``fingerprints``."""
+    paths = [Path(f) for f in files] if files is not None else sorted(Path(out_dir).glob("cells/*/*/*/*.json"))
+    results = [json.loads(p.read_text()) for p in paths if p.exists()]
     if fingerprints is not None:
         keep = set(fingerprints)
         results = [r for r in results if r["fingerprint"] in keep]
@@ -343,52 +442,78 @@ def _agreement(rows: list[dict], refs: list[dict]) -> tuple[float, float, int] |
     return 100.0 * statistics.fmean(em), 100.0 * statistics.fmean(agree), len(em)
 
 
-def build_tables(results: list[dict[str, Any]], tasks: list[str] | None = None) -> dict[str, Any]:
-    """The matrix as data: per model and bit width a block of rows (paper layout; module docstring).
-
-    Each row: ``label``, ``cache_mode``, ``method``, ``bits``, ``scores`` (task -> score or None), ``average``
-    (over the tasks that have a score; None unless every task has one), ``kv`` (mean effective bits), and
-    ``agreement`` against its reference row (``{"reference", "exact_match", "token_agreement", "documents"}``).
-    """
-    tasks = tasks or sorted({r["task"] for r in results})
+def index_results(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict]]:
+    """(model, cell key) -> that cell's results (one per task)."""
     by_cell: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         by_cell.setdefault((r["model"], Cell(**r["cell"]).key), []).append(r)
+    return by_cell
+
+
+def table_row(by_cell: dict[tuple[str, str], list[dict]], tasks: list[str], model: str, cell: Cell,
+              reference: Cell | None) -> dict[str, Any]:
+    """One row: ``label``, ``cache_mode``, ``method``, ``bits``, ``sides``, ``rule``, ``scores`` (task -> score or
+    None), ``average`` (None unless every task has a score), ``kv`` (mean effective bits), ``artifact_id``, and
+    ``agreement`` against ``reference`` (``{"reference", "exact_match", "token_agreement", "documents"}``)."""
+    rows = by_cell.get((model, cell.key), [])
+    scores = {t: next((r["score"] for r in rows if r["task"] == t), None) for t in tasks}
+    have = [s for s in scores.values() if s is not None]
+    kvs = [r["kv"] for r in rows if r.get("kv")]
+    kv = {k: statistics.fmean(x[k] for x in kvs) for k in kvs[0]} if kvs else None
+    agreement = None
+    if reference is not None and rows:
+        got = _agreement(rows, by_cell.get((model, reference.key), []))
+        if got is not None:
+            agreement = {"reference": reference.label, "exact_match": got[0], "token_agreement": got[1],
+                         "documents": got[2]}
+    return {"label": cell.label, "cache_mode": cell.cache_mode, "method": cell.method, "bits": cell.bits,
+            "sides": cell.sides, "rule": cell.rule, "scores": scores,
+            "average": statistics.fmean(have) if have and len(have) == len(tasks) else None,
+            "kv": kv, "agreement": agreement, "artifact_id": next((r["artifact_id"] for r in rows), None),
+            "seconds": sum(r["seconds"] for r in rows)}
+
+
+def documents_per_task(results: list[dict[str, Any]]) -> dict[str, int | list[int]]:
+    """task -> documents every row of it was scored on (a sorted list when rows differ, which a run's own cell
+    files never do: they share `cell_inputs`' limit)."""
+    counts: dict[str, set[int]] = {}
+    for r in results:
+        counts.setdefault(r["task"], set()).add(len(r["records"]))
+    return {t: next(iter(c)) if len(c) == 1 else sorted(c) for t, c in sorted(counts.items())}
+
+
+def documents_line(documents: dict[str, int | list[int]]) -> str:
+    """The table's one statement of its documents."""
+    if not documents:
+        return "No rows."
+    if any(isinstance(n, list) for n in documents.values()):
+        return "Rows were scored on different documents: " + ", ".join(f"{t}: {n}" for t, n in documents.items())
+    return "Every row: the same " + ", ".join(f"{n} documents of {t}" for t, n in documents.items()) + "."
+
+
+def build_tables(results: list[dict[str, Any]], tasks: list[str] | None = None) -> dict[str, Any]:
+    """The matrix as data: per model and bit width a block of rows (paper layout; module docstring; rows as
+    `table_row`), and ``documents`` (`documents_per_task`)."""
+    tasks = tasks or sorted({r["task"] for r in results})
+    by_cell = index_results(results)
     models = list(dict.fromkeys(r["model"] for r in results))
     blocks = []
-
-    def row(model: str, cell: Cell, reference: Cell | None) -> dict[str, Any]:
-        rows = by_cell.get((model, cell.key), [])
-        scores = {t: next((r["score"] for r in rows if r["task"] == t), None) for t in tasks}
-        have = [s for s in scores.values() if s is not None]
-        kvs = [r["kv"] for r in rows if r.get("kv")]
-        kv = {k: statistics.fmean(x[k] for x in kvs) for k in kvs[0]} if kvs else None
-        agreement = None
-        if reference is not None and rows:
-            got = _agreement(rows, by_cell.get((model, reference.key), []))
-            if got is not None:
-                agreement = {"reference": reference.label, "exact_match": got[0], "token_agreement": got[1],
-                             "documents": got[2]}
-        return {"label": cell.label, "cache_mode": cell.cache_mode, "method": cell.method, "bits": cell.bits,
-                "scores": scores, "average": statistics.fmean(have) if have and len(have) == len(tasks) else None,
-                "kv": kv, "agreement": agreement, "seconds": sum(r["seconds"] for r in rows)}
-
     for model in models:
         cells = [Cell(**r["cell"]) for r in results if r["model"] == model]
         bit_widths = sorted({c.bits for c in cells if c.bits is not None}, reverse=True) or [None]
         modes = [m for m in CACHE_MODES if any(c.cache_mode == m for c in cells)]
         for bits in bit_widths:
             reference = Cell(model, "none", "none")
-            rows = [row(model, reference, None)]
+            rows = [table_row(by_cell, tasks, model, reference, None)]
             for mode in modes:
                 cache_only = Cell(model, mode, "none")
-                rows.append(row(model, cache_only, reference))
+                rows.append(table_row(by_cell, tasks, model, cache_only, reference))
                 for method in QUANT_METHODS:
                     quant = Cell(model, mode, method, bits)
                     if (model, quant.key) in by_cell:
-                        rows.append(row(model, quant, cache_only))
+                        rows.append(table_row(by_cell, tasks, model, quant, cache_only))
             blocks.append({"model": model, "bits": bits, "rows": rows})
-    return {"tasks": tasks, "blocks": blocks}
+    return {"tasks": tasks, "blocks": blocks, "documents": documents_per_task(results)}
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -417,7 +542,7 @@ def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -
                      _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—"]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Exact match and token agreement: quantized rows against the cache-only row of the same mode; "
-                  "cache-only rows against the no-cache row (same documents).", ""]
+                  "cache-only rows against the no-cache row. " + documents_line(tables.get("documents", {})), ""]
     if skipped:
         lines += ["Skipped cells:", ""] + [f"- {s['model']} {s['cell']}: {s['reason']}" for s in skipped] + [""]
     return "\n".join(lines)
@@ -449,13 +574,29 @@ def _csv(value: float | None) -> str:
 
 def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: list[dict] | None = None,
                   extra_markdown: str = "", extra_json: dict[str, Any] | None = None,
-                  fingerprints: Iterable[str] | None = None) -> dict[str, Path]:
-    """Write ``matrix.md``, ``matrix.csv`` and ``matrix.json`` from the cell files in ``out_dir`` (only those of
-    the given weights when ``fingerprints``: the models as loaded in this run)."""
+                  fingerprints: Iterable[str] | None = None, files: Iterable[str | Path] | None = None,
+                  table: str = "main", rules: Iterable[str] = DEFAULT_RULES,
+                  table4: list[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """Write ``<stem>.md``, ``.csv`` and ``.json`` from the cell files in ``out_dir``: ``files`` (a run's own) or
+    every one, only those of the given weights when ``fingerprints``. ``table``: ``main`` (stem ``matrix``),
+    ``3`` (``table3``, `evaluation.ablations.build_controls` over ``rules``) or ``kv`` (``kv_ablation``,
+    `evaluation.ablations.build_sides` with ``table4``'s diagnostics)."""
+    from evaluation import ablations
+
     out = Path(out_dir)
-    tables = build_tables(load_results(out, fingerprints), tasks)
-    paths = {"md": out / "matrix.md", "csv": out / "matrix.csv", "json": out / "matrix.json"}
-    _write_atomic(paths["md"], render_markdown(tables, skipped) + extra_markdown)
-    _write_atomic(paths["csv"], render_csv(tables))
+    results = load_results(out, fingerprints, files)
+    tasks = tasks or sorted({r["task"] for r in results})
+    if table == "3":
+        stem, tables = "table3", ablations.build_controls(results, tasks, list(rules))
+        md, text_csv = ablations.render_controls_markdown(tables, skipped), ablations.render_rows_csv(tables)
+    elif table == "kv":
+        stem, tables = "kv_ablation", ablations.build_sides(results, tasks, table4)
+        md, text_csv = ablations.render_sides_markdown(tables, skipped), ablations.render_rows_csv(tables)
+    else:
+        stem, tables = "matrix", build_tables(results, tasks)
+        md, text_csv = render_markdown(tables, skipped), render_csv(tables)
+    paths = {"md": out / f"{stem}.md", "csv": out / f"{stem}.csv", "json": out / f"{stem}.json"}
+    _write_atomic(paths["md"], md + extra_markdown)
+    _write_atomic(paths["csv"], text_csv)
     _write_atomic(paths["json"], json.dumps({**tables, "skipped": skipped or [], **(extra_json or {})}, indent=1))
     return paths

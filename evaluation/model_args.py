@@ -33,7 +33,8 @@ class EvalModelArgs(DecodeSettings):
             same name and default, 256); the decoded window is ``response_length(max_gen_toks, block_length)``.
         store: store URL (``redis://...`` or a directory) for an artifact id.
         method, bits, k_group_size, v_group_size, artifact_id, artifact_file (or a method's spelling of them:
-            policy_id, policy_file, kvquant_state_id, kvquant_state_file), keep_dequantized: the `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
+            policy_id, policy_file, kvquant_state_id, kvquant_state_file), sides, keep_dequantized: the
+            `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
         mc_num, mc_batch_size: Monte-Carlo samples per likelihood and samples per forward pass
             (`evaluation.likelihood`; the LLaDA authors use 128 and 32).
         check_greedy: compute lm-eval's ``is_greedy`` (costs one forward per continuation token; default off).
@@ -59,6 +60,7 @@ class EvalModelArgs(DecodeSettings):
     policy_file: str | None = None
     kvquant_state_id: str | None = None
     kvquant_state_file: str | None = None
+    sides: str = "kv"
     keep_dequantized: bool = False
     mc_num: int = Field(128, gt=0)
     mc_batch_size: int = Field(32, gt=0)

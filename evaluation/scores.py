@@ -18,7 +18,11 @@ from service.store.base import KIND_EVAL_SCORES, open_store
 
 
 class ScoreReportError(RuntimeError):
-    """The server refused a score report (the message has its status and error body)."""
+    """The server refused a score report (the message has its status and error message; ``status`` the code)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def score_report(result: dict[str, Any]) -> dict[str, Any]:
@@ -72,7 +76,12 @@ class ScoreReporter:
             resp = httpx.post(f"{self.server_url}/admin/eval_scores", json=report, timeout=self.timeout_s,
                               headers={"Authorization": f"Bearer {self.admin_key}"})
             if resp.status_code != 201:
-                raise ScoreReportError(f"POST /admin/eval_scores answered {resp.status_code}: {resp.text}")
+                try:
+                    detail = resp.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    detail = " ".join(resp.text.split())[:300]
+                raise ScoreReportError(f"POST /admin/eval_scores answered {resp.status_code}: {detail}",
+                                       resp.status_code)
             artifact_id = resp.json()["id"]
         elif self.store_url:
             store = open_store(self.store_url)

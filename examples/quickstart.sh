@@ -9,7 +9,7 @@
 # Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (redis://127.0.0.1:6379/0), RUNS
 # (runs/quickstart), DLLM_ADMIN_KEY, CALIBRATION_ARGS (extra `calibration all` flags, e.g. "--samples 2 --rounds 1
 # --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS ("--cache-modes dual
-# --bits 2"). tests/integration/e2e runs this script with small settings and checks what it wrote.
+# --bits 2"). tests/e2e runs this script with small settings and checks what it wrote.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

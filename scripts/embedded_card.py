@@ -66,7 +66,7 @@ def card(directory: Path, note: str) -> str:
     fixed = meas.get("slice")
     slice_line = (
         f"- Fixed slice (the first {fixed['questions']} {fixed['split']} questions, `slice` in `measurements.json`, "
-        "what `tests/integration/e2e` checks the served model against): exact match "
+        "what `tests/e2e` checks the served model against): exact match "
         + ", ".join(f"{mode} {pct(em)}" for mode, em in fixed["exact_match"].items()) + "."
         if fixed else "- Fixed slice: not measured (fewer questions than the slice)."
     )

@@ -46,7 +46,15 @@ from transformers import AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, OPS, generate, make_question, response_text, score
+from evaluation.embedded_task import (
+    BLOCK_LENGTH,
+    GEN_LENGTH,
+    OPS,
+    generate,
+    make_question,
+    response_text,
+    score,
+)
 from service.engine.models import LLaDAModel
 
 TOKENIZER_DIR = ROOT / "service/assets/embedded"

@@ -8,7 +8,7 @@ with full recompute; and once: the load time of ``Engine.load`` (first call in t
 second call) and, in full recompute, the share of revealed
 tokens whose top-1 probability was at least the threshold (read from the logits of each forward call through a
 forward hook on the model, so it is exactly what the decoder saw); and the exact match per mode on the fixed slice
-of the first ``SLICE`` (32) test questions, the figure the end-to-end test (``tests/integration/e2e``) checks the
+of the first ``SLICE`` (32) test questions, the figure the end-to-end test (``tests/e2e``) checks the
 served model against.
 
 Usage: ``python scripts/validate_embedded.py [--model DIR] [--split test] [--limit N] [--out FILE.json]``
@@ -54,16 +54,21 @@ class RevealConfidence:
 
     def __call__(self, module, args, kwargs, output) -> None:
         ids = args[0] if args else kwargs["input_ids"]
-        start = (kwargs.get("logits_range") or (0, ids.shape[1]))[0]
-        self.calls.append((ids[0].clone(), output[0].float(), start))
+        # The columns whose logits the call computed: per row (``logits_at``, continuous batching), a range, or all.
+        if kwargs.get("logits_at") is not None:
+            cols = kwargs["logits_at"][0]
+        else:
+            cols = torch.arange(*(kwargs.get("logits_range") or (0, ids.shape[1])))
+        self.calls.append((ids[0].clone(), output[0].float(), cols))
 
     def confidences(self, final_ids: torch.Tensor) -> list[float]:
         out = []
-        for k, (ids, logits, start) in enumerate(self.calls):
+        for k, (ids, logits, cols) in enumerate(self.calls):
             after = self.calls[k + 1][0] if k + 1 < len(self.calls) else final_ids
-            cols = ((ids == self.mask_id) & (after != self.mask_id)).nonzero()[:, 0]
+            revealed = ((ids == self.mask_id) & (after != self.mask_id)).nonzero()[:, 0]
+            rows = (cols[None, :] == revealed[:, None]).int().argmax(-1)
             probs = logits.softmax(-1)
-            out += probs[cols - start].max(-1).values.tolist()
+            out += probs[rows].max(-1).values.tolist()
         self.calls.clear()
         return out
 

@@ -12,10 +12,11 @@ A running request holds two kinds of memory:
   copy, the LM head's logits).
 
 The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
-them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). That bound
-holds for merged forwards too: the running batch merges passes of several requests into one forward only while the
-merged forward's transient stays within the largest single-request transient of the batch
-(`service.engine.batch.plan_forwards`), so no forward ever needs more than admission reserved.
+them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Its work
+(:func:`work_tokens`) is held against a ceiling at submission by every worker. The bound holds for merged forwards
+too: the running batch merges passes of several requests into one forward only while the merged forward's
+transient stays within the largest single-request transient of the batch (`service.engine.batch.plan_forwards`),
+so no forward ever needs more than admission reserved.
 """
 
 from __future__ import annotations
@@ -112,6 +113,18 @@ class MemoryModel:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
         (`service.engine.forward_cost.ForwardCost.bytes`)."""
         return self.forward.bytes(1, seq_len, seq_len, logits_cols)
+
+def work_tokens(prompt_len: int, params: DecodeParams) -> int:
+    """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
+
+    Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
+    one token, `service.engine.sampling.select_reveals`). Tokens per call: at most the whole sequence
+    (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
+    ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
+    """
+    calls = params.steps if params.steps is not None else params.gen_length
+    return calls * (prompt_len + params.gen_length)
+
 
 def default_budget(device: torch.device | str, fraction: float, cpu_bytes: int) -> int:
     """The budget when none is set: ``fraction`` of the device's free memory on CUDA (measured now, after the

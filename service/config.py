@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
+from service.store.base import check_store_url
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -67,6 +68,10 @@ class Settings(BaseSettings, DecodeSettings):
     kv_budget_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
     )
+    max_request_work: int | None = Field(
+        None, gt=0, description="most token-forwards (forward calls x tokens) one request row may cost; beyond: "
+        "400 naming steps or max_tokens; empty: no ceiling beyond the bounds of each field"
+    )
     request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
     retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")
     drain_timeout_s: float = Field(30.0, ge=0.0, description="SIGTERM: how long in-flight requests may finish")
@@ -76,8 +81,17 @@ class Settings(BaseSettings, DecodeSettings):
     shadow_queue: int = Field(16, gt=0, description="most shadow re-decodes waiting; beyond it they are dropped")
 
     # ---- stores and keys -------------------------------------------------------------------------------------------
-    store_url: str = Field(".dllm-kvq/store", description="redis://host:port/db or a local directory")
+    store_url: str = Field(
+        ".dllm-kvq/store", description="redis://, rediss://, unix:// (Redis), file:// or a plain directory path"
+    )
     store_prefix: str = Field("dllm-kvq", min_length=1, description="Redis key prefix")
+    store_check_interval_s: float = Field(
+        2.0, gt=0.0, le=5.0, description="seconds between store pings (dllm_store_up follows the connection)"
+    )
+    store_restore_active: bool = Field(
+        True, description="when the store comes back without the active configuration this replica serves, "
+        "write it back (with its policy or state, and an audit entry) so replicas converge",
+    )
     admin_key: SecretStr | None = Field(None, description="bearer key of /admin; empty: admin closed (403)")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="bearer keys for /v1 and /generate, comma-separated; empty: open"
@@ -97,6 +111,12 @@ class Settings(BaseSettings, DecodeSettings):
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("store_url")
+    @classmethod
+    def _known_store_scheme(cls, value: str) -> str:
+        check_store_url(value)
         return value
 
     @field_validator("model", "served_model_name", mode="before")

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.api import errors
+from service.api import errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
@@ -31,6 +31,7 @@ from service.quant.config import KVQuantConfig
 from service.scheduler import ContinuousWorker
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import StoreUnavailable, open_store
+from service.store.monitor import StoreMonitor
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
 
@@ -103,7 +104,8 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     """The worker the settings ask for: the continuous scheduler (admission by the KV memory budget) or the
     legacy batch worker."""
     common = {"max_queue": settings.max_queue, "retry_after_s": settings.retry_after_s,
-              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue}
+              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue,
+              "max_work": settings.max_request_work}
     if settings.scheduler == "batch":
         return Worker(engine, kv_store_factory, telemetry, max_batch_size=settings.max_batch_size,
                       batch_wait_s=settings.batch_wait_ms / 1000, **common)
@@ -127,7 +129,8 @@ def create_app(
         telemetry = Telemetry()
         store = open_store(settings.store_url, prefix=settings.store_prefix)
         model_name = served_model_name(settings, eng.spec.model_id)
-        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name)
+        active = ActiveConfigs(ConfigResolver(store, eng.spec), settings.kv_quant, telemetry, model_name,
+                               restore=settings.store_restore_active)
         try:
             active.reload()
         except StoreUnavailable as exc:
@@ -138,6 +141,7 @@ def create_app(
                 active.reload()
 
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
+        monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s)
         worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
@@ -157,13 +161,16 @@ def create_app(
         finally:
             telemetry.ready.set(0)
             finished = await asyncio.to_thread(worker.drain, settings.drain_timeout_s)
+            app.state.drained = worker.cut_by_drain == 0  # also counts what SIGTERM's own drain cut
             if not finished:
                 log.warning("drain timed out after %.0f s; cancelled what was left", settings.drain_timeout_s)
+            monitor.close()
             subscription.close()
             store.close()
 
     app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
     errors.install(app)
+    openapi.install(app)
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)

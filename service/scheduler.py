@@ -15,6 +15,8 @@ handling, shadow re-decodes) and replaces how work is taken:
 * **Fairness.** First come, first served: while the head of the queue waits for memory, nobody behind it jumps
   ahead, so a long request is never starved by a stream of short ones. Shadow re-decodes join only when no user
   request waits, and only within the budget.
+* **Faults.** A request whose decoding raises (its options, its KV store) fails alone with a 500 naming the
+  cause; the rest of the batch goes on (`service.engine.batch`). A device fault fails everything.
 * **Leaving.** A finished request (EOS, its length, cancellation or disconnect) leaves at the next iteration and
   its store is cleared at once.
 """
@@ -180,7 +182,13 @@ class ContinuousWorker(Worker):
                     return
                 continue
             self.telemetry.forwards.observe(self._batch.forwards)
+            for cohort, exc in self._batch.failed:
+                if is_device_fault(exc):
+                    self._fail_batch(exc)
+                    return
             with self._cond:
+                for cohort, exc in self._batch.failed:
+                    self._fail_member(next(m for m in self._members if m.cohort is cohort), exc)
                 self._publish()
                 self._cond.notify_all()
 
@@ -213,6 +221,15 @@ class ContinuousWorker(Worker):
         _set_result(job, JobResult(report, job.snapshot, member.joined_at - job.admitted_at, member.peak_rows))
         if not job.internal:
             self._maybe_shadow(job, report.rows[0])
+
+    def _fail_member(self, member: _Running, exc: BaseException) -> None:
+        """One request raised (its options, its KV store): it fails alone with a 500 naming the cause; the others
+        go on (issue 13). Caller holds the lock; the batch already let it go."""
+        self.telemetry.worker_faults.labels("false").inc()
+        log.error("a request failed alone (%d others go on)", len(self._members) - 1, exc_info=exc)
+        self._members.remove(member)
+        self._running = [m.job for m in self._members]
+        _set_exception(member.job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
 
     def _fail_batch(self, exc: BaseException) -> None:
         fatal = is_device_fault(exc)

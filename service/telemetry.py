@@ -38,12 +38,17 @@ dllm_eval_score_timestamp_seconds                      gauge      task, method, 
 dllm_worker_faults_total                               counter    fatal
 dllm_ready                                             gauge      -
 dllm_store_up                                          gauge      -
+dllm_store_active_lost                                 gauge      cache_mode
+dllm_store_active_restored_total                       counter    cache_mode
 =====================================================  =========  =============================================
 
 ``tensor`` is ``k`` or ``v``; ``accounting`` is ``nominal`` (the paper's count: codes at b bits, protected tokens
 at 16) or ``storage`` (bytes actually held x 8 / elements). The KV gauges hold the last finished request's values
 for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
 the two EOS-cut outputs, where the served and the unquantized re-decode agree (DESIGN.md, "token agreement").
+``dllm_store_up`` follows the connection (the server pings the store every ``store_check_interval_s``).
+``dllm_store_active_lost`` is 1 from the moment a replica finds, after a store outage, that the store no longer
+holds the active configuration it serves (a Redis restarted empty) until the store holds one again.
 """
 
 from __future__ import annotations
@@ -132,7 +137,13 @@ class Telemetry:
                                ["task", *CONFIG_LABELS], registry=r)
         self.worker_faults = Counter("dllm_worker_faults", "batches that raised", ["fatal"], registry=r)
         self.ready = Gauge("dllm_ready", "1 when the server is ready to serve", registry=r)
-        self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call", registry=r)
+        self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call or ping", registry=r)
+        self.store_active_lost = Gauge(
+            "dllm_store_active_lost", "1 while the store lacks the active configuration this replica serves",
+            ["cache_mode"], registry=r)
+        self.store_active_restored = Counter(
+            "dllm_store_active_restored", "active configurations this replica wrote back after the store lost them",
+            ["cache_mode"], registry=r)
         self._active_labels: dict[str, dict[str, str]] = {}
         self._caps: set[tuple[str, str]] = set()
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from service.admission import work_tokens
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
@@ -202,6 +203,7 @@ class Worker:
         shadow_rate: probability in [0, 1] of a shadow re-decode of a finished quantized job.
         shadow_queue: most shadow jobs waiting; more are dropped (counted).
         seed: seeds the shadow sampling (tests).
+        max_work: most token-forwards one row may cost (`service.admission.work_tokens`); None: no ceiling.
     """
 
     def __init__(
@@ -216,6 +218,7 @@ class Worker:
         shadow_rate: float = 0.0,
         shadow_queue: int = 16,
         seed: int | None = None,
+        max_work: int | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue < 1:
             raise ValueError(f"max_batch_size and max_queue must be >= 1, got {max_batch_size}, {max_queue}")
@@ -231,12 +234,15 @@ class Worker:
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
         self._rng = random.Random(seed)
+        self.max_work = max_work
         self._queue: deque[Job] = deque()
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
         self._running: list[Job] = []
         self._accepting = True
         self._stopping = False
+        #: Client jobs a drain cancelled because its timeout ran out (the exit status reports it).
+        self.cut_by_drain = 0
         self.fault: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dllm-kvq-worker", daemon=True)
 
@@ -274,6 +280,7 @@ class Worker:
             while (self._queue or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
             finished = not (self._queue or self._running)
+            self.cut_by_drain += sum(job.served is None and not job.internal for job in [*self._queue, *self._running])
             for job in [*self._queue, *self._running]:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
                 _set_exception(job, WorkerUnavailable(f"the server is shutting down and the drain timeout "
@@ -293,9 +300,17 @@ class Worker:
         """Admit a job (never blocks).
 
         Raises:
+            RequestTooLarge: its work is over ``max_work`` (``field``: ``steps`` under a fixed schedule, else
+                ``max_tokens``).
             WorkerUnavailable: draining, or stopped by a device fault.
             QueueFull: ``max_queue`` jobs already wait.
         """
+        work = work_tokens(len(job.prompt_ids), job.params)
+        if self.max_work is not None and work > self.max_work:
+            field = "steps" if job.params.steps is not None else "max_tokens"
+            raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
+                                  f"the server's ceiling of {self.max_work:,}: lower {field} or shorten the prompt",
+                                  field)
         with self._cond:
             if not self.accepting:
                 reason = "is shutting down" if self.fault is None else f"hit a device fault ({self.fault})"

@@ -23,9 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import yaml
-
 import lm_eval
+import yaml
 
 #: Where lm-eval's built-in task definitions live in this installation.
 LM_EVAL_TASKS = Path(lm_eval.__file__).resolve().parent / "tasks"

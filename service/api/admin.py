@@ -16,22 +16,18 @@ from pydantic import ValidationError
 from service.api import schemas as s
 from service.api.errors import ArtifactRejected, InvalidRequest
 from service.artifacts.base import ArtifactMismatch
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.quant.registry import artifact_types
 from service.store.active import ActiveConfigs, ConfigInvalid
-from service.store.base import KIND_EVAL_SCORES, KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreUnavailable
+from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
 from service.telemetry import Telemetry
-
-#: URL segment -> store kind of the artifacts the admin API manages.
-ARTIFACT_KINDS = {"policies": KIND_POLICY, "kvquant_states": KIND_KVQUANT_STATE}
 
 
 def _without_id(body: bytes) -> tuple[str | None, bytes]:
-    """Split the ``id`` that :meth:`AdminService.read` adds to a policy off an uploaded body, so that a downloaded
-    policy uploads as it is (the id is then checked against the content). Bodies that are not a JSON object pass
-    through untouched for the schema to reject."""
+    """Split the ``id`` that :meth:`Admin.read` adds to a JSON artifact off an uploaded body, so that a downloaded
+    artifact uploads as it is (the id is then checked against the content). Bodies that are not a JSON object
+    (a KVQuant state's safetensors bytes, garbage) pass through untouched for the artifact type to judge."""
     try:
         parsed = json.loads(body)
     except ValueError:
@@ -67,71 +63,63 @@ class Admin:
         return out
 
     @staticmethod
-    def kind(segment: str) -> str:
-        """The store kind of a URL segment (``policies``, ``kvquant_states``; 400 otherwise)."""
-        if segment not in ARTIFACT_KINDS:
-            raise InvalidRequest(f"unknown artifact kind {segment!r}; legal: {', '.join(ARTIFACT_KINDS)}",
-                                 param="kind")
-        return ARTIFACT_KINDS[segment]
+    def artifact_type(segment: str) -> type:
+        """The artifact type of a URL segment: every registered method's artifact (`service.quant.registry`), e.g.
+        ``policies``, ``kvquant_states``; 400 naming ``kind`` otherwise."""
+        types = artifact_types()
+        if segment not in types:
+            raise InvalidRequest(f"unknown artifact kind {segment!r}; legal: {', '.join(types)}", param="kind")
+        return types[segment]
 
     # ---- artifacts ---------------------------------------------------------------------------------------------
     def list(self, segment: str) -> s.ArtifactList:
         """Every stored artifact of a kind with its size and creation time."""
-        kind = self.kind(segment)
+        kind = self.artifact_type(segment).KIND
         ids = self._tracked(self.store.list, kind)
         return s.ArtifactList(kind=kind, data=[self._tracked(self.store.info, kind, i).model_dump() for i in ids])
 
     def read(self, segment: str, artifact_id: str) -> dict[str, Any]:
-        """A policy table as JSON, or a KVQuant state's metadata (its tensors are binary: see :meth:`read_bytes`)."""
-        kind = self.kind(segment)
-        data = self._tracked(self.store.get, kind, artifact_id)
-        if kind == KIND_POLICY:
-            return PolicyTable.from_json(data).model_dump(mode="json") | {"id": artifact_id}
-        return KVQuantState.from_bytes(data).meta.model_dump(mode="json") | {"id": artifact_id}
+        """An artifact's ``summary()`` (a policy table as JSON, a KVQuant state's metadata) with its id."""
+        cls = self.artifact_type(segment)
+        return cls.from_bytes(self._tracked(self.store.get, cls.KIND, artifact_id)).summary() | {"id": artifact_id}
 
     def read_bytes(self, segment: str, artifact_id: str) -> bytes:
         """An artifact's stored bytes."""
-        return self._tracked(self.store.get, self.kind(segment), artifact_id)
+        return self._tracked(self.store.get, self.artifact_type(segment).KIND, artifact_id)
 
     def upload(self, segment: str, body: bytes) -> dict[str, Any]:
         """Parse, validate against the loaded model, then store (nothing is stored when anything fails: 422)."""
-        kind = self.kind(segment)
+        cls = self.artifact_type(segment)
+        claimed_id, body = _without_id(body)
         try:
-            if kind == KIND_POLICY:
-                claimed_id, body = _without_id(body)
-                artifact = PolicyTable.from_json(body)
-                data = artifact.to_json().encode()
-            else:
-                artifact = KVQuantState.from_bytes(body)
-                data = artifact.to_bytes()
+            artifact = cls.from_bytes(body)
             artifact.validate_for(self.spec)
         except ValidationError as exc:
-            raise ArtifactRejected(f"not a valid {kind}: {exc.errors()[0]['msg']}",
+            raise ArtifactRejected(f"not a valid {cls.KIND}: {exc.errors()[0]['msg']}",
                                    param=_first_error_field(exc)) from exc
         except ArtifactMismatch as exc:
             raise ArtifactRejected(str(exc), param=exc.field) from exc
         except ValueError as exc:
-            raise ArtifactRejected(f"not a valid {kind}: {exc}") from exc
-        if kind == KIND_POLICY and claimed_id is not None and claimed_id != artifact.id:
-            raise ArtifactRejected(f"id {claimed_id!r} is not the table's content id {artifact.id!r}", param="id")
-        artifact_id = self._tracked(self.store.put, kind, data, artifact.id)
-        return {"kind": kind, "id": artifact_id}
+            raise ArtifactRejected(f"not a valid {cls.KIND}: {exc}") from exc
+        if claimed_id is not None and claimed_id != artifact.id:
+            raise ArtifactRejected(f"id {claimed_id!r} is not the {cls.LABEL}'s content id {artifact.id!r}", param="id")
+        artifact_id = self._tracked(self.store.put, cls.KIND, artifact.to_bytes(), artifact.id)
+        return {"kind": cls.KIND, "id": artifact_id}
 
     def delete(self, segment: str, artifact_id: str) -> None:
         """Delete an artifact (ArtifactInUse if an active configuration names it)."""
-        self._tracked(self.store.delete, self.kind(segment), artifact_id)
+        self._tracked(self.store.delete, self.artifact_type(segment).KIND, artifact_id)
 
     # ---- active configuration ----------------------------------------------------------------------------------
     def view_active(self) -> s.ActiveView:
-        """Serving snapshots per cache mode, and the store's entries (None when it is unreachable)."""
+        """Serving snapshots per cache mode, the store's entries, and the entries the store lost (StoreUnavailable,
+        a 503 like every admin route, when the store cannot be reached)."""
         serving = {mode: snap.describe() for mode, snap in self.active.all().items()}
-        try:
-            entries = self._tracked(self.store.list_active)
-            stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
-        except StoreUnavailable:
-            stored = None
+        entries = self._tracked(self.store.list_active)
+        stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
+        lost = {mode: loss.describe() for mode, loss in self.active.losses.items()}
         return s.ActiveView(model=self.active.model_name, fingerprint=self.spec.fingerprint, serving=serving,
-                            store=stored)
+                            store=stored, store_lost=lost)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
         """Validate, then one atomic write + event; 422 if the configuration does not fit the model.

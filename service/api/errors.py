@@ -134,7 +134,7 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
     # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
     # Match the tags exactly: a prefix test would also drop real fields such as "stream".
-    loc = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "function-")))]
+    loc = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "function-", "constrained-")))]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return 400, error_body(f"malformed JSON: {first.get('msg')}", "invalid_request_error", "invalid_json",

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
 
-from service.engine.params import CacheMode, DecodeParams, DecodeSettings, optional_fields, resolve
+from service.engine.params import (
+    TOKENS_CEILING,
+    CacheMode,
+    DecodeParams,
+    DecodeSettings,
+    Seed,
+    Stop,
+    Temperature,
+    optional_fields,
+    resolve,
+)
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 
@@ -28,10 +38,11 @@ class StrictModel(BaseModel):
 
 
 class StreamOptions(StrictModel):
-    """OpenAI's ``stream_options`` (usage is always sent in the last chunk)."""
+    """OpenAI's ``stream_options``: with ``include_usage`` true the stream ends with one chunk holding the usage and
+    ``choices: []`` (every earlier chunk has ``usage: null``); otherwise no usage is streamed."""
 
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
+    include_usage: StrictBool | None = None
+    continuous_usage_stats: StrictBool | None = None
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=StrictModel, **optional_fields())):
@@ -50,12 +61,12 @@ class OpenAISampling(DiffusionKnobs):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1, description=MAX_TOKENS_HELP)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING, description=MAX_TOKENS_HELP)
+    temperature: Temperature | None = None
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(None, ge=1)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Stop | None = None
+    seed: Seed | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -102,7 +113,7 @@ class ChatCompletionRequest(OpenAISampling):
     """``POST /v1/chat/completions``: OpenAI's chat completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     response_format: dict[str, Any] | None = None
@@ -280,10 +291,10 @@ class GenerateRequest(DiffusionKnobs):
     model: str | None = Field(None, description="checked against the served model, as on the OpenAI routes")
     prompt: str | list[int]
     chat: bool = Field(False, description="wrap a text prompt in the chat template as one user turn")
-    max_tokens: StrictInt | None = Field(None, ge=1, description=MAX_TOKENS_HELP)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING, description=MAX_TOKENS_HELP)
+    temperature: Temperature = 0.0
+    seed: Seed | None = None
+    stop: Stop | None = None
 
 
 class GenerateResponse(DecodeReport):
@@ -303,9 +314,9 @@ class TokenizeRequest(StrictModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class TokenizeResponse(BaseModel):
@@ -320,7 +331,7 @@ class DetokenizeRequest(StrictModel):
     """``/detokenize``: token ids."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 63)]]
 
 
 class DetokenizeResponse(BaseModel):
@@ -343,7 +354,12 @@ class ActiveView(BaseModel):
     model: str
     fingerprint: str
     serving: dict[str, dict[str, Any]]
-    store: dict[str, dict[str, Any]] | None = Field(None, description="None when the store is unreachable")
+    store: dict[str, dict[str, Any]]
+    store_lost: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="per cache mode, the last time the store came back without the active configuration this "
+        "replica serves: kv_quant, detected_at, restored_at (when this replica wrote it back), note",
+    )
 
 
 class ActivateResponse(BaseModel):
@@ -361,7 +377,7 @@ class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
     task: str = Field(min_length=1, max_length=200)
-    scores: dict[str, float] = Field(min_length=1, description="metric name -> value")
+    scores: dict[str, StrictFloat] = Field(min_length=1, description="metric name -> value")
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
     model_fingerprint: str | None = Field(None, description="must be the loaded model's when given")

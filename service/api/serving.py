@@ -11,8 +11,10 @@ HTTP. Rules it implements (issue #5, item 3):
   configuration of its cache mode at admission.
 * A client that disconnects, or a request older than ``request_timeout_s``, cancels its jobs.
 * Streaming: one chunk per committed block with its text delta (from the engine's ``on_block``), then a chunk
-  with ``finish_reason`` and the usage, then ``data: [DONE]``. An error after the stream started is sent as an
-  ``{"error": ...}`` event before ``[DONE]``.
+  with ``finish_reason``, then ``data: [DONE]``. Usage as OpenAI streams it: only with
+  ``stream_options.include_usage`` true, as one last chunk with ``choices: []`` before ``[DONE]``, every earlier
+  chunk carrying ``usage: null``; otherwise chunks have no ``usage``. An error after the stream started is sent
+  as an ``{"error": ...}`` event before ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Plan:
     endpoint: str
     jobs: list[Job]
     stream: bool = False
+    include_usage: bool = False
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -118,7 +121,11 @@ class Serving:
     def detokenize(self, req: s.DetokenizeRequest) -> s.DetokenizeResponse:
         """``/detokenize``: the text of token ids."""
         self._check_model(req.model)
-        self._check_ids(req.tokens, "tokens")
+        size = self.spec.decodable_size
+        bad = [i for i in req.tokens if not 0 <= i < size]
+        if bad:
+            raise InvalidRequest(f"token ids must lie in [0, {size}) (the tokenizer's size), got {bad[:5]}",
+                                 param="tokens")
         return s.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def tokenizer_info(self) -> dict[str, Any]:
@@ -132,7 +139,8 @@ class Serving:
             "unk_token": getattr(tok, "unk_token", None),
             "chat_template": getattr(tok, "chat_template", None),
             "model_max_length": self.spec.max_length,
-            "vocab_size": self.spec.vocab_size,
+            "vocab_size": self.spec.decodable_size,
+            "logit_width": self.spec.vocab_size,
             "eos_token_ids": list(self.spec.eos_ids),
             "mask_token_id": self.spec.mask_id,
         }
@@ -218,7 +226,9 @@ class Serving:
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
         jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode))
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
-        return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)), request_id=s.new_id(prefix))
+        options = getattr(req, "stream_options", None)
+        return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
+                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix))
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
@@ -255,6 +265,9 @@ class Serving:
             self._cancel(plan)
         if gathered not in done:
             gathered.cancel()
+            # A cancelled gather ends with a CancelledError that nobody awaits: retrieve it, or asyncio logs an
+            # "exception was never retrieved" ERROR for every client that went away (a handled disconnect).
+            gathered.add_done_callback(_retrieve)
             if watcher in done:
                 raise JobCancelled("the client disconnected")
             raise RequestTimeout(f"the request took longer than {self.settings.request_timeout_s} s")
@@ -360,12 +373,13 @@ class Serving:
                 completion_tokens += len(cut.ids)
                 open_rows.discard(i)
                 delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
-                usage = None
+                yield self._chunk(plan, i, text=delta, finish_reason=cut.finish_reason)
                 if not open_rows:
-                    usage = s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                    total_tokens=prompt_tokens + completion_tokens)
                     self._observe(plan, [j.future.result() for j in plan.jobs])
-                yield self._chunk(plan, i, text=delta, finish_reason=cut.finish_reason, usage=usage)
+                    if plan.include_usage:
+                        yield self._chunk(plan, None, usage=s.Usage(
+                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                            total_tokens=prompt_tokens + completion_tokens))
         except (Exception, asyncio.CancelledError) as exc:
             self._cancel(plan)
             if isinstance(exc, asyncio.CancelledError | JobCancelled):
@@ -376,20 +390,22 @@ class Serving:
             self._cancel(plan)
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, plan: Plan, index: int, text: str | None = None, role: bool = False,
+    def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
                finish_reason: str | None = None, usage: s.Usage | None = None) -> str:
+        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``."""
+        exclude = {"kv_config"} | (set() if plan.include_usage else {"usage"})
         if plan.kind == "chat":
             delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text)
+            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta,
+                                                                  finish_reason=finish_reason)]
             body = s.ChatCompletionChunk(id=plan.request_id, created=plan.created, model=self.model_name,
-                                         choices=[s.ChatChunkChoice(index=index, delta=delta,
-                                                                    finish_reason=finish_reason)],
-                                         usage=usage).model_dump(mode="json")
+                                         choices=choices, usage=usage)
         else:
+            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "",
+                                                                   finish_reason=finish_reason)]
             body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
-                                        choices=[s.CompletionChoice(index=index, text=text or "",
-                                                                    finish_reason=finish_reason)],
-                                        usage=usage).model_dump(mode="json", exclude={"kv_config"})
-        return f"data: {json.dumps(body)}\n\n"
+                                        choices=choices, usage=usage)
+        return f"data: {json.dumps(body.model_dump(mode='json', exclude=exclude))}\n\n"
 
 
 def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int
@@ -400,6 +416,12 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: i
         loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids)))
 
     return on_block
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a finished future's outcome as seen (its exception, if any, was handled by the caller)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _wait_disconnect(request: Request, poll_s: float = 0.1) -> None:

@@ -71,6 +71,8 @@ class KVQuantState:
     #: The store kind KVQuant states are kept under.
     KIND: ClassVar[str] = "kvquant_state"
     LABEL: ClassVar[str] = "KVQuant state"
+    #: The admin API's URL segment (``/admin/kvquant_states``).
+    PLURAL: ClassVar[str] = "kvquant_states"
 
     meta: KVQuantStateMeta
     k_upper: torch.Tensor
@@ -94,6 +96,10 @@ class KVQuantState:
                 raise ValueError(f"{name}: holds NaN or inf")
         if (self.k_upper.float() < self.k_lower.float()).any():
             raise ValueError("k_upper: below k_lower for some channel")
+
+    def summary(self) -> dict:
+        """What ``GET /admin/kvquant_states/{id}`` shows: the metadata (the tensors are binary: ``.../raw``)."""
+        return self.meta.model_dump(mode="json")
 
     def to_bytes(self) -> bytes:
         """The safetensors file (metadata JSON in the header); deterministic for equal content."""

@@ -66,6 +66,8 @@ class PolicyTable(BaseModel):
     #: The store kind policy tables are kept under.
     KIND: ClassVar[str] = "policy"
     LABEL: ClassVar[str] = "policy table"
+    #: The admin API's URL segment (``/admin/policies``).
+    PLURAL: ClassVar[str] = "policies"
 
     schema_version: Literal[1] = 1
     model_id: str
@@ -105,6 +107,14 @@ class PolicyTable(BaseModel):
     def to_json(self) -> str:
         """Canonical JSON (sorted keys, no spaces); :meth:`from_json` gives back an equal table with the same id."""
         return canonical_json(self.model_dump(mode="json")).decode()
+
+    def to_bytes(self) -> bytes:
+        """The bytes a store holds (:meth:`to_json`, UTF-8): the artifact protocol's writer."""
+        return self.to_json().encode()
+
+    def summary(self) -> dict:
+        """What ``GET /admin/policies/{id}`` shows: the whole table as JSON."""
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PolicyTable:

@@ -6,6 +6,8 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from service.store.base import InvalidName, check_store_url
+
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One ``field: reason`` per error, WITHOUT the input values or pydantic's documentation links: its own
@@ -35,3 +37,12 @@ def add_model_flags(parser: argparse.ArgumentParser | Any, fields: dict[str, Fie
         parser.add_argument(flag, dest=name, default=None, help=help_text,
                             choices=list(get_args(field.annotation)) if literal else None,
                             metavar=None if literal else name.upper())
+
+
+def store_url_arg(value: str) -> str:
+    """argparse ``type`` of a ``--store`` flag: an unknown URL scheme is a one-line usage error naming the flag."""
+    try:
+        check_store_url(value)
+    except InvalidName as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value

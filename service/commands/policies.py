@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
+from service.commands import store_url_arg
 from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreError, open_store
 
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
@@ -62,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for verb, helptext in (("export", "store -> directory"), ("import", "directory -> store")):
         v = verbs.add_parser(verb, help=helptext)
         v.add_argument("directory", help="local directory (created on export)")
-        v.add_argument("--store", default=None, help="store URL (default: DLLM_STORE_URL)")
+        v.add_argument("--store", default=None, type=store_url_arg, help="store URL (default: DLLM_STORE_URL)")
         v.add_argument("--store-prefix", default=None, help="Redis key prefix (default: DLLM_STORE_PREFIX)")
         v.add_argument("--kind", choices=KINDS, action="append", help="only this kind (repeatable)")
         v.set_defaults(func=run)

@@ -3,6 +3,8 @@
 Every setting of `service.config.Settings` is also a flag (``--max-batch-size 8``); a flag overrides the
 ``DLLM_*`` environment. With no ``--model`` (and no ``DLLM_MODEL``) the embedded default model is served.
 SIGTERM: readiness fails and new requests are refused at once, admitted ones finish (up to ``drain_timeout_s``).
+Exit status: 0 after a clean stop, 1 when the drain timeout cut admitted requests, 2 for a bad setting, 3 when
+start-up failed.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import threading
 from typing import Any
@@ -29,6 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 # Seconds uvicorn waits beyond the worker's drain, for the 503s of what the drain cancelled to be written.
 DRAIN_MARGIN_S = 5
+# Exit statuses besides 0 (stopped, everything admitted finished) and 2 (bad setting).
+DRAIN_CUT = 1  # SIGTERM's drain timeout ran out and cancelled admitted requests (they got a 503)
+STARTUP_FAILED = 3  # uvicorn's own status for a failed start-up
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -78,5 +84,16 @@ def run(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=int(settings.drain_timeout_s) + DRAIN_MARGIN_S)
-    DrainingServer(config).run()
-    return 0
+    server = DrainingServer(config)
+    # uvicorn restores the SIGTERM handler it found and raises the captured signal again after its graceful
+    # shutdown; with Python's default handler that kills the process (status 143) even after a clean drain.
+    # A handler that only notes the signal lets the drained server return: a stop that was asked for is no
+    # failure. SIGINT keeps its default (KeyboardInterrupt).
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if not server.started:
+        return STARTUP_FAILED  # the lifespan failed (uvicorn logged why)
+    return 0 if getattr(app.state, "drained", True) else DRAIN_CUT

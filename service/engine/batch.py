@@ -19,6 +19,11 @@ in the same iteration. Within a forward every row keeps its own layout:
 A cohort joins at the next iteration after :meth:`RunningBatch.join` and leaves in the iteration of its last
 forward (EOS, its length, a stop condition of the caller, cancellation), its store cleared at once: its next
 call is asked for right after each forward, so a finished cohort is known without waiting for another iteration.
+
+**A failing row fails alone** (issue 13): an exception raised by one cohort (its next call, its reveal, its KV
+store's hook inside a merged forward) takes only that cohort out of the batch (:attr:`RunningBatch.failed`); when
+a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's state:
+the block-initial pass rewrites each layer's reused K/V whole), so the others go on and the culprit is found.
 """
 
 from __future__ import annotations
@@ -188,7 +193,9 @@ class RunningBatch:
 
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
-        forwards: forward calls made by the last :meth:`step`; merged: the most cohorts that shared one of them.
+        forwards: forward calls made by the last :meth:`step` (more when a merged forward failed); merged: the most
+            cohorts that shared one of them.
+        failed: (cohort, exception) of the cohorts that raised in the last :meth:`step` (they have left).
     """
 
     def __init__(self, model: DiffusionLM, pad_id: int, padding_slack: float = PADDING_SLACK) -> None:
@@ -197,6 +204,7 @@ class RunningBatch:
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
         self.forwards = self.merged = 0
+        self.failed: list[tuple[Cohort, BaseException]] = []
 
     def join(self, cohort: Cohort) -> None:
         """Add a cohort; its first call is made at the next :meth:`step`."""
@@ -210,8 +218,12 @@ class RunningBatch:
         cohort.store.clear()
 
     def _ask(self, cohort: Cohort, finished: list[Cohort], on_done: Callable[[Cohort], None] | None) -> None:
-        """Take the cohort's next call, or let it leave (finished) when it has none."""
-        call = cohort.next_pass()
+        """Take the cohort's next call, or let it leave (finished) when it has none, or record its fault."""
+        try:
+            call = cohort.next_pass()
+        except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (module docstring)
+            self.failed.append((cohort, exc))
+            return
         if call is not None:
             self._next[cohort] = call
             return
@@ -223,11 +235,13 @@ class RunningBatch:
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
         """One iteration: every cohort's next call, grouped into forwards (:func:`plan_forwards`). Returns the
         cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called for each as
-        soon as it is known.
+        soon as it is known. Cohorts that raised leave too and are listed in :attr:`failed`.
 
-        Raises whatever the forward raises; the cohorts stay in the batch then (the caller decides).
+        Raises whatever the forward raises when every cohort of the iteration failed with it (nothing to isolate:
+        the caller decides, e.g. a device fault); the cohorts stay in the batch then.
         """
         finished: list[Cohort] = []
+        self.failed = []
         for cohort in list(self.cohorts):
             if cohort not in self._next:  # joined since the last iteration
                 self._ask(cohort, finished, on_done)
@@ -236,10 +250,40 @@ class RunningBatch:
         overhead = forward_overhead(self.model, self.cost) if len(calls) > 1 else 0.0
         self.forwards = self.merged = 0
         for group in plan_forwards(calls, self.cost, cap, overhead, self.padding_slack):
-            for call, logits in zip(group, run_passes(self.model, group, self.pad_id)):
-                del self._next[call.cohort]
-                call.cohort.apply(call, logits)
-                self._ask(call.cohort, finished, on_done)
-            self.forwards += 1
             self.merged = max(self.merged, len(group))
+            for call, logits in self._run_group(group, len(calls)):
+                del self._next[call.cohort]
+                try:
+                    call.cohort.apply(call, logits)
+                except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own
+                    self.failed.append((call.cohort, exc))
+                    continue
+                self._ask(call.cohort, finished, on_done)
+        for cohort, _ in self.failed:
+            self.leave(cohort)
         return finished
+
+    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[Pass, torch.Tensor]]:
+        """The group's forward; when it raises, each pass again alone, the failing ones into :attr:`failed`.
+        Re-raises when every call of the iteration (``calls``) failed alone."""
+        if not group:
+            return []
+        self.forwards += 1
+        try:
+            return list(zip(group, run_passes(self.model, group, self.pad_id)))
+        except Exception as exc:
+            if len(group) == 1 and calls == 1:
+                raise
+            if len(group) == 1:
+                self.failed.append((group[0].cohort, exc))
+                return []
+        done = []
+        for call in group:
+            self.forwards += 1
+            try:
+                done.append((call, run_passes(self.model, [call], self.pad_id)[0]))
+            except Exception as exc:  # noqa: BLE001 -- isolate the culprit
+                self.failed.append((call.cohort, exc))
+        if not done and len(group) == calls:
+            raise self.failed[-1][1]
+        return done

@@ -9,6 +9,7 @@
 Fast-dLLM keeps keys before RoPE and rotates the whole key tensor at every call (golden SPEC 1.4, 2.4); here keys
 are stored after RoPE, which gives the same values once rotated, unless the store asks for pre-RoPE keys
 (``pre_rope_keys``, KVQuant), in which case the reused keys are rotated at their positions after ``read``.
+A store that attends itself (``KVStore.attend``, the fused kernel path) is asked first.
 """
 
 from __future__ import annotations
@@ -59,15 +60,7 @@ class ReuseRead:
         self.reused_positions = reused_positions
 
     def __call__(self, layer, q, k_pre, k, v):
-        k_reused, v_reused = self.store.read(layer)  # [B, H_kv, T_reused, D]
-        if self.rows is not None:
-            k_reused, v_reused = k_reused.index_select(0, self.rows), v_reused.index_select(0, self.rows)
-        if self.store.pre_rope_keys:
-            k_reused = self.rope.rotate(k_reused, self.reused_positions)
-        start = self.segments.block_start
-        if self.segments.cache_mode == "prefix":  # reused [0, s) | fresh [s, T)
-            return torch.cat([k_reused, k], dim=2), torch.cat([v_reused, v], dim=2)
-        # dual: reused prefix [0, s) | fresh block [s, e) | reused suffix [e, T)
-        k_all = torch.cat([k_reused[:, :, :start], k, k_reused[:, :, start:]], dim=2)
-        v_all = torch.cat([v_reused[:, :, :start], v, v_reused[:, :, start:]], dim=2)
-        return k_all, v_all
+        fused = self.store.attend(layer, q, k, v, self.rows, self.reused_positions, self.rope)
+        if fused is not None:  # the store attended straight from its packed cache: [B, H, T_w, D]
+            return fused
+        return self.store.window_kv(layer, k, v, self.segments, self.rows, self.reused_positions, self.rope)

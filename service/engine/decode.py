@@ -35,6 +35,7 @@ Departures from the reference (tokens never differ from it in fp32; NFE only low
 * Dream's fixed (entropy) schedule needs >= 2 steps per block in block mode (the reference leaves 31 of 32
   masks in every block with 1 step per block; rejected at the engine boundary).
 * Temperature > 0: see `service.engine.sampling` (per-row seeded noise).
+* The mask id, and ids the tokenizer cannot decode, are never chosen (`service.engine.sampling`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Cohort:
         self.pads = torch.tensor([longest - len(p) for p in prompts], device=device)
         self.positions = (torch.arange(self.seq_len, device=device) - self.pads[:, None]).clamp(min=0)
         self.eos = torch.tensor(spec.eos_ids, device=device)
+        self.banned = torch.tensor(spec.banned_ids, dtype=torch.long, device=device)
         self.rows = [
             RowState(pad=longest - len(p), temperature=o.temperature, generator=_row_generator(o, params, device))
             for p, o in zip(prompts, rows)
@@ -266,11 +268,11 @@ class Cohort:
             row_logits = logits[j, candidates - start]
             if self.canvas:
                 chosen, tokens = self.rule.canvas_reveal(
-                    state.canvas, row_logits, params, state.temperature, state.generator
+                    state.canvas, row_logits, params, state.temperature, state.generator, self.banned
                 )
             else:
                 chosen, tokens = self.rule.reveal(
-                    call.step, row_logits, params, state.plan, state.temperature, state.generator
+                    call.step, row_logits, params, state.plan, state.temperature, state.generator, self.banned
                 )
             self.x[r, candidates[chosen]] = tokens
             counts.append(int(chosen.numel()))

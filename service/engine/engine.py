@@ -168,7 +168,8 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
             multiple of the number of blocks; what the model family's reveal rule refuses
             (`service.engine.reveal`, e.g. Dream's fixed schedule with < 2 steps per block in block mode); unknown
-            cache mode or architecture; prompt + response longer than the model's context.
+            cache mode or architecture; prompt + response longer than the model's context; the bounds of
+            :meth:`DecodeParams.check_bounds` (block length, steps).
     """
     if not prompts:
         raise EngineInputError("prompts is empty; give at least one prompt (a list of token ids)", "prompt")
@@ -207,6 +208,7 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             f"steps {params.steps} must be a positive multiple of the number of blocks {num_blocks} "
             f"(gen_length / block_length), e.g. {num_blocks * max(1, params.block_length // 4)}", "steps"
         )
+    params.check_bounds(spec.max_length)
     reveal_rule(spec.arch).check(params)
     longest = max(len(p) for p in prompts)
     if longest + params.gen_length > spec.max_length:

@@ -7,9 +7,13 @@ Protocol (Fast-dLLM cache reuse, paper "Preliminary: dLLM Cache"):
 * During the **block-initial pass** (one full forward over the whole sequence at the start of a block) every
   layer calls ``write(layer, k, v, segments, scores)`` as soon as its K/V exist, so that a store can quantize
   layer by layer and never hold every layer in full precision.
-* Every later step of the block calls ``read(layer)`` and gets back the K/V of the **reused positions** only,
-  in sequence order (prefix positions, then, in dual mode, suffix positions). The engine puts the fresh
-  active-block (and, in prefix mode, block + suffix) K/V next to them.
+* Every later step of the block calls ``window_kv(layer, k, v, ...)`` and gets the keys and values to attend
+  over: the reused K/V around the fresh active-block (and, in prefix mode, block + suffix) K/V, in sequence
+  order. The default reads ``read(layer)`` (the K/V of the **reused positions** only, prefix positions, then, in
+  dual mode, suffix positions) and concatenates; a store may fill a scratch buffer instead.
+* A store may instead compute the step's attention itself, straight from what it holds: ``attend(layer, q, k,
+  v, rows, positions, rope)`` returns the attention output, or None to fall back to ``read`` (the default; a
+  quantized store answers on CUDA with a fused kernel over its packed cache, `service.quant.kernels`).
 * The next block's initial pass overwrites every layer.
 
 Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head dim.
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
+    from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
 
 
@@ -125,6 +130,67 @@ class KVStore:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of the reused columns of one layer: ``[B, H, T_reused, D]`` each, model dtype."""
         raise NotImplementedError
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor | None:
+        """A later step's attention over this layer's reused K/V and the fresh window, or None (then the engine
+        calls :meth:`read` and attends itself; this default).
+
+        Args:
+            layer: layer index.
+            q: ``[B_step, H, T_w, D]`` post-RoPE queries of the window; k, v: ``[B_step, H_kv, T_w, D]`` the
+                window's fresh K (post-RoPE) and V, never padding.
+            rows: int64 ``[B_step]``, the rows of the block-initial pass in this step (None = all, in order).
+            positions: int64 ``[B_step, T_reused]`` RoPE positions of the reused columns (only with
+                ``pre_rope_keys``).
+            rope: the model's rotary embedding.
+
+        Returns:
+            ``[B_step, H, T_w, D]`` in q's dtype: softmax(q K^T / sqrt(D)) V over the reused real tokens and the
+            window (GQA: query head h reads kv head ``h // (H / H_kv)``), the same as :meth:`read` + SDPA up to
+            round-off.
+        """
+        return None
+
+    def window_kv(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        segments: Segments,
+        rows: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        rope: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (post-RoPE) and values a later step attends over, ``[B_step, H_kv, T_k, D]`` each, in
+        sequence order: prefix mode reused ``[0, s)`` | fresh ``[s, T)``; dual mode reused ``[0, s)`` | fresh
+        block ``[s, e)`` | reused suffix ``[e, T)``.
+
+        Args: as :meth:`attend` (k, v: the window's fresh K/V), plus ``segments``, the block's layout.
+
+        This default reads the layer (:meth:`read`), selects the step's rows, rotates pre-RoPE keys at their
+        positions and concatenates. The caller uses the result within the layer's attention only: a store may
+        hand out a scratch buffer that its next call overwrites.
+        """
+        k_reused, v_reused = self.read(layer)  # [B, H_kv, T_reused, D]
+        if rows is not None:
+            k_reused, v_reused = k_reused.index_select(0, rows), v_reused.index_select(0, rows)
+        if self.pre_rope_keys:
+            k_reused = rope.rotate(k_reused, positions)
+        start = segments.block_start
+        if segments.cache_mode == "prefix":
+            return torch.cat([k_reused, k], dim=2), torch.cat([v_reused, v], dim=2)
+        k_all = torch.cat([k_reused[:, :, :start], k, k_reused[:, :, start:]], dim=2)
+        v_all = torch.cat([v_reused[:, :, :start], v, v_reused[:, :, start:]], dim=2)
+        return k_all, v_all
 
     def clear(self) -> None:
         """Drop everything held (end of a request)."""

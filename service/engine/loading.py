@@ -112,7 +112,7 @@ def read_checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
         if not (directory / shard).is_file():
             raise EngineInputError(f"shard {shard} listed in {index} is missing")
         with safe_open(directory / shard, framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
                 tensors[name] = handle.get_tensor(name)
     return tensors
 
@@ -232,5 +232,6 @@ def load_checkpoint(
         eos_ids=_eos_ids(directory, config.eos_id, tokenizer),
         pad_id=config.pad_id,
         max_length=config.max_length,
+        tokenizer_size=len(tokenizer) if tokenizer is not None else None,
     )
     return LoadedCheckpoint(model=net, spec=spec, tokenizer=tokenizer, directory=directory)

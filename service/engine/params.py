@@ -14,13 +14,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+
+from service.engine.errors import EngineInputError
 
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
 CacheMode = Literal["none", "prefix", "dual"]
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")
+
+# ---- bounds (issue 13: the cost of a request is bounded before it is admitted) -------------------------------------
+#: A static ceiling on every token count (block length, steps, max_tokens, group sizes), so the published schema
+#: states a bound; the real bound is the loaded model's context, checked at admission (:meth:`DecodeParams.check_bounds`,
+#: `service.quant.config.KVQuantConfig.check_bounds`).
+TOKENS_CEILING = 1 << 20
+#: OpenAI's limit on the number of stop strings (API reference, ``stop``: "up to 4 sequences").
+MAX_STOP_STRINGS = 4
+#: Characters per stop string (streaming holds back a tail as long as the longest stop string).
+MAX_STOP_CHARS = 256
+#: Sampling temperature range (OpenAI's 0..2).
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+#: A seed ``torch.Generator.manual_seed`` accepts: [-2^63, 2^64).
+Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+#: One stop string: non-empty, at most MAX_STOP_CHARS characters.
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+#: The stop field of the HTTP routes: one string or up to MAX_STOP_STRINGS of them.
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class DecodeSettings(BaseModel):
@@ -34,12 +54,15 @@ class DecodeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     cache_mode: CacheMode = Field("dual", description="none (full recompute), prefix or dual")
-    block_length: int = Field(32, gt=0, description="tokens per block")
+    block_length: int = Field(32, gt=0, le=TOKENS_CEILING,
+                              description="tokens per block (at most the model's context)")
     threshold: float | None = Field(
         0.9, ge=0.0, le=1.0, description="confidence threshold of parallel decoding (0 reveals a block at once)"
     )
     steps: int | None = Field(
-        None, gt=0, description="total denoising steps over all blocks (fixed schedule instead of threshold)"
+        None, gt=0, le=TOKENS_CEILING,
+        description="total denoising steps over all blocks (fixed schedule instead of threshold), at most the "
+        "response length (one token per step)"
     )
     remasking: Literal["low_confidence", "random"] = Field(
         "low_confidence", description="which masked positions a fixed schedule reveals (random: LLaDA only)"
@@ -77,13 +100,33 @@ class DecodeParams(DecodeSettings):
 
     gen_length: int = Field(256, gt=0, description="response positions decoded (whole blocks)")
 
+    def check_bounds(self, context: int) -> None:
+        """Refuse settings whose cost does not follow from the model and the request (issue 13): a block longer
+        than the model's ``context`` (tokens), more steps than response positions (a step that can reveal
+        nothing is work without output).
+
+        Raises:
+            EngineInputError: naming the field (``block_length``, ``steps``).
+        """
+        if self.block_length > context:
+            raise EngineInputError(f"block_length {self.block_length} is over the model's context of {context} "
+                                   "tokens", "block_length")
+        if self.steps is not None and self.steps > self.gen_length:
+            raise EngineInputError(f"steps {self.steps} is over the response length of {self.gen_length} positions "
+                                   "(max_tokens rounded up to whole blocks): each step reveals at least one token",
+                                   "steps")
+
 
 def optional_fields() -> dict[str, Any]:
     """The decoding settings as optional request fields: same type, bounds and help, default ``None`` (not
-    given), for ``pydantic.create_model``."""
+    given), for ``pydantic.create_model``. Request fields are strict (JSON ``0`` is not a boolean, ``"4"`` and
+    ``4.0`` are not integers); the server's settings keep pydantic's coercion for the environment's text."""
     fields = {}
     for name, field in DecodeSettings.model_fields.items():
-        annotation = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        strict = {bool: StrictBool, int: StrictInt}.get(field.annotation, field.annotation)
+        if field.annotation == int | None:
+            strict = StrictInt | None
+        annotation = Annotated[strict, *field.metadata] if field.metadata else strict
         fields[name] = (annotation | None, Field(None, description=f"{field.description} (default: the server's)"))
     return fields
 
@@ -111,8 +154,8 @@ class RowOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(0.0, ge=0.0)
-    seed: int | None = None
+    temperature: Temperature = 0.0
+    seed: Seed | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = Field(None, gt=0)
 

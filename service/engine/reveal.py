@@ -47,7 +47,8 @@ class RevealRule:
 
     ``reveal`` arguments: ``logits`` ``[N, V]`` of the row's N masked candidates of the active block (ascending
     columns); ``step`` the call's index in the block (0 = block-initial pass); ``plan`` the row's
-    :meth:`block_plan` (None under a threshold); ``temperature`` and ``generator`` the row's sampling.
+    :meth:`block_plan` (None under a threshold); ``temperature`` and ``generator`` the row's sampling; ``banned``
+    the int64 ids never chosen (`service.engine.sampling`).
     Returns (int64 indices into the candidates ``[n]``, int64 tokens of those indices ``[n]``).
     """
 
@@ -64,7 +65,7 @@ class RevealRule:
 
     def reveal(
         self, step: int, logits: torch.Tensor, params: DecodeParams, plan: list[int] | None, temperature: float,
-        generator: torch.Generator | None,
+        generator: torch.Generator | None, banned: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
@@ -73,7 +74,7 @@ class RevealRule:
 
     def canvas_reveal(
         self, canvas: Canvas, logits: torch.Tensor, params: DecodeParams, temperature: float,
-        generator: torch.Generator | None,
+        generator: torch.Generator | None, banned: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no whole-response schedule")
 
@@ -93,8 +94,8 @@ class LLaDARule(RevealRule):
             return None
         return llada_fixed_schedule(masked, steps_per_block(params))
 
-    def reveal(self, step, logits, params, plan, temperature, generator):
-        tokens, confidence = llada_tokens_and_confidence(logits, temperature, params.remasking, generator)
+    def reveal(self, step, logits, params, plan, temperature, generator, banned=None):
+        tokens, confidence = llada_tokens_and_confidence(logits, temperature, params.remasking, generator, banned)
         count = plan[step] if plan is not None else logits.shape[0]
         chosen = select_reveals(confidence, min(count, logits.shape[0]), params.threshold)
         return chosen, tokens[chosen]
@@ -120,12 +121,12 @@ class DreamRule(RevealRule):
     def uses_canvas(self, params: DecodeParams) -> bool:
         return params.cache_mode == "none" and params.dream_schedule == "origin"
 
-    def reveal(self, step, logits, params, plan, temperature, generator):
+    def reveal(self, step, logits, params, plan, temperature, generator, banned=None):
         if step == 0:
-            tokens, _ = dream_tokens_and_confidence(logits[:1], temperature, generator, False)
+            tokens, _ = dream_tokens_and_confidence(logits[:1], temperature, generator, False, banned)
             return torch.zeros(1, dtype=torch.long, device=tokens.device), tokens
         fixed = params.threshold is None  # fixed schedule: negative-entropy confidence (SPEC 3.6)
-        tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, fixed)
+        tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, fixed, banned)
         count = logits.shape[0]
         if fixed:
             count = dream_fixed_count(count, step, steps_per_block(params))
@@ -138,17 +139,17 @@ class DreamRule(RevealRule):
         total = params.gen_length // params.block_length if params.threshold is not None else params.steps
         return Canvas(steps=total, quota=params.gen_length // total)
 
-    def canvas_reveal(self, canvas, logits, params, temperature, generator):
+    def canvas_reveal(self, canvas, logits, params, temperature, generator, banned=None):
         """One call over every mask of the response; advances ``canvas`` (a rejection at the last call extends
         the loop by one call with a zero base quota, as the reference does)."""
         if params.threshold is not None:
-            tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, False)
+            tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, False, banned)
             chosen, rejected = dream_threshold_reveals(confidence, canvas.quota + canvas.carried, params.threshold)
             canvas.carried = rejected
             if rejected and canvas.step == canvas.steps - 1:
                 canvas.quota, canvas.steps = 0, canvas.steps + 1
         else:
-            tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, True)
+            tokens, confidence = dream_tokens_and_confidence(logits, temperature, generator, True, banned)
             count = dream_fixed_count(logits.shape[0], canvas.step, canvas.steps)
             chosen = select_reveals(confidence, count, None)
         canvas.step += 1

@@ -10,7 +10,14 @@ Rules of NVlabs/Fast-dLLM (commit 24cc59e; golden SPEC 3.1, 3.5, 3.6):
   dtype**; threshold confidence = max probability, fixed-schedule confidence = negative entropy
   ``sum p log(p + 1e-10)``; the threshold comparison also happens in the logits dtype (bf16 0.9 is 0.8984375).
 
-Departures, all only at temperature > 0 (the goldens are greedy): noise comes from a per-row ``torch.Generator``
+Departure at every temperature: **banned ids are never chosen** (issue 13). The reference's argmax can choose the
+mask id (the position then stays masked, and LLaDA's fixed schedule runs out of steps) and, where the logit rows
+are wider than the tokenizer (Dream: 152,064 rows for ~151,665 ids), ids no tokenizer can decode. Here the mask id
+and, when a tokenizer is loaded, every id at or beyond its size (`service.engine.spec.ModelSpec.banned_ids`) are
+excluded from the **choice** of token only: the confidence stays the reference's full-softmax value of the chosen
+token, so whenever the reference's choice was legal nothing changes (the goldens stay token-exact).
+
+Departures only at temperature > 0 (the goldens are greedy): noise comes from a per-row ``torch.Generator``
 seeded per request and is drawn only for the row's candidate positions, so a row samples the same tokens whatever
 else is in its batch; Dream samples with the Gumbel-max trick (same distribution as the reference's
 ``Categorical`` draw, different random stream); the reference's dead noise draw in the prefix-cache loop is not
@@ -55,8 +62,17 @@ def _gumbel_denominator(shape: tuple[int, ...], temperature: float, generator: t
     return (-torch.log(noise)) ** temperature
 
 
+def _choosable(scores: torch.Tensor, banned: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` ``[N, V]`` with the banned columns at -inf, so an argmax never chooses them (a copy; the
+    confidence is computed from the unmasked values)."""
+    if banned is None or banned.numel() == 0:
+        return scores
+    return scores.index_fill(-1, banned, float("-inf"))
+
+
 def llada_tokens_and_confidence(
-    logits: torch.Tensor, temperature: float, remasking: str, generator: torch.Generator | None
+    logits: torch.Tensor, temperature: float, remasking: str, generator: torch.Generator | None,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate tokens and confidences of one row.
 
@@ -64,15 +80,16 @@ def llada_tokens_and_confidence(
         logits: ``[N, V]`` logits of the N candidate positions, model dtype.
         temperature: 0 for greedy; remasking: ``"low_confidence"`` or ``"random"``; generator: the row's RNG
             (needed when temperature > 0 or remasking is random).
+        banned: int64 ids never chosen (module docstring), or None.
 
     Returns:
         (int64 tokens ``[N]``, float64 confidences ``[N]``).
     """
     if temperature > 0:
         noisy = logits.to(torch.float64).exp() / _gumbel_denominator(logits.shape, temperature, generator, logits.device)
-        tokens = noisy.argmax(dim=-1)
+        tokens = _choosable(noisy, banned).argmax(dim=-1)
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = _choosable(logits, banned).argmax(dim=-1)
     if remasking == "random":
         confidence = torch.rand(tokens.shape, dtype=torch.float64, generator=generator, device=logits.device)
     else:
@@ -82,14 +99,15 @@ def llada_tokens_and_confidence(
 
 
 def dream_tokens_and_confidence(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, neg_entropy: bool
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None, neg_entropy: bool,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dream's ``sample_tokens`` for one row: tokens and confidences of N candidates, in the logits dtype.
 
     Args:
         logits: ``[N, V]``; temperature: 0 for greedy (max probability), else Gumbel-max sampling of
             ``softmax(logits / T)``; neg_entropy: confidence is ``sum p log(p + 1e-10)`` instead of the token's
-            probability.
+            probability; banned: int64 ids never chosen (module docstring), or None.
 
     Returns:
         (int64 tokens ``[N]``, confidences ``[N]`` in the logits dtype).
@@ -99,10 +117,10 @@ def dream_tokens_and_confidence(
     probs = torch.softmax(logits, dim=-1)
     if temperature > 0:
         gumbel = -torch.log(_gumbel_denominator(logits.shape, 1.0, generator, logits.device))
-        tokens = (torch.log_softmax(logits.to(torch.float64), dim=-1) + gumbel).argmax(dim=-1)
-        confidence = probs.gather(-1, tokens[:, None])[:, 0]
+        tokens = _choosable(torch.log_softmax(logits.to(torch.float64), dim=-1) + gumbel, banned).argmax(dim=-1)
     else:
-        confidence, tokens = probs.max(dim=-1)
+        tokens = _choosable(probs, banned).argmax(dim=-1)
+    confidence = probs.gather(-1, tokens[:, None])[:, 0]
     if neg_entropy:
         confidence = (probs * torch.log(probs + _ENTROPY_EPS)).sum(dim=-1)
     return tokens, confidence

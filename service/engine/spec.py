@@ -20,6 +20,8 @@ class ModelSpec:
         eos_ids: ids that end a response (EOS and, for chat models, end-of-turn).
         pad_id: id used for left padding (never equal to mask_id).
         max_length: longest prompt + response the engine accepts, in tokens.
+        tokenizer_size: ids the loaded tokenizer can decode (``len(tokenizer)``), or None without a tokenizer;
+            the logit rows may be wider (``vocab_size``), and ids at or beyond it are never sampled.
     """
 
     arch: str
@@ -34,3 +36,16 @@ class ModelSpec:
     eos_ids: tuple[int, ...]
     pad_id: int
     max_length: int
+    tokenizer_size: int | None = None
+
+    @property
+    def decodable_size(self) -> int:
+        """Ids below this can be decoded: the tokenizer's size, at most the logit width (the logit width without a
+        tokenizer)."""
+        return self.vocab_size if self.tokenizer_size is None else min(self.tokenizer_size, self.vocab_size)
+
+    @property
+    def banned_ids(self) -> list[int]:
+        """Ids decoding never chooses: the mask id, and every logit row the tokenizer cannot decode
+        (`service.engine.sampling`)."""
+        return sorted({self.mask_id, *range(self.decodable_size, self.vocab_size)})

@@ -22,6 +22,7 @@ import torch
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
+from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
 from service.quant.packing import pack_stream, unpack_stream
 from service.quant.uniform import (
@@ -123,13 +124,37 @@ class KVQuantizer:
             if not torch.isfinite(slot_scores).all():
                 raise KVQuantError(f"layer {layer}: attention scores hold NaN or inf")
         # One of K and V at a time, so the write's transient memory is one tensor's slots and temporaries.
-        packed_k = self.quantize_k(layer, _finite_slots(layer, "K", k, layout), layout, slot_scores)
-        packed_v = self.quantize_v(layer, _finite_slots(layer, "V", v, layout))
+        # A side the config leaves out (``sides``) is held as it is.
+        k_slots = _finite_slots(layer, "K", k, layout)
+        packed_k = self.quantize_k(layer, k_slots, layout, slot_scores) if self.quantizes_k else _held(k_slots)
+        v_slots = _finite_slots(layer, "V", v, layout)
+        packed_v = self.quantize_v(layer, v_slots) if self.quantizes_v else _held(v_slots)
         return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
 
-    def dequantize(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero)."""
-        return self.dequantize_k(layer, packed, layout), self.dequantize_v(layer, packed, layout)
+    def dequantize(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both of one layer: ``[B, H, T_reused, D]`` each, model dtype (padding positions are zero); into the
+        ``out`` buffers (K, V) when given. A side the config leaves out (``sides``) is placed as it was held."""
+        k_out, v_out = out if out is not None else (None, None)
+        k = (self.dequantize_k(layer, packed, layout, k_out) if self.quantizes_k
+             else layout.scatter(packed.k.tensors["held"], out=k_out))
+        v = (self.dequantize_v(layer, packed, layout, v_out) if self.quantizes_v
+             else layout.scatter(packed.v.tensors["held"], out=v_out))
+        return k, v
+
+    def kernel_operands(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> KernelOperands:
+        """What the fused attention kernel reads of one packed layer (`service.quant.kernels.operands`); the
+        kernel reads codes only, so a config with one side held (``sides``) takes the PyTorch path instead."""
+        return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
+
+    @property
+    def quantizes_k(self) -> bool:
+        return "k" in self.config.sides
+
+    @property
+    def quantizes_v(self) -> bool:
+        return "v" in self.config.sides
 
     # ---- K: per channel over token groups, protected tokens excluded from the statistics ---------------------
     def protect(
@@ -158,8 +183,11 @@ class KVQuantizer:
             nominal_bitsum=float(per_token * (self.bits * (x.shape[0] - kept) + 16 * kept)),
         )
 
-    def dequantize_k(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
-        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype; protected tokens exact, padding zero."""
+    def dequantize_k(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """K of one layer, ``[B, H, T_reused, D]`` in the model dtype (or into ``out``); protected tokens exact,
+        padding zero."""
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
         n = layout.num_slots
@@ -171,7 +199,7 @@ class KVQuantizer:
             keep = torch.ones(n, dtype=torch.bool, device=codes.device)
             keep[protected] = False
             codes = _expand_rows(codes, keep.nonzero().squeeze(1), n)
-        out = layout.empty_output(h, d, packed.dtype)
+        out = layout.empty_output(h, d, packed.dtype, out)
         dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
         if protected is not None:
             layout.scatter_slots(t["protected_values"], protected, out)
@@ -187,12 +215,15 @@ class KVQuantizer:
             nominal_bitsum=float(self.bits * x.numel()),
         )
 
-    def dequantize_v(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
-        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype; padding zero."""
+    def dequantize_v(
+        self, layer: int, packed: PackedLayer, layout: SlotLayout, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """V of one layer, ``[B, H, T_reused, D]`` in the model dtype (or into ``out``); padding zero."""
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
         codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
-        return dequantize_v_into(layout.empty_output(h, d, packed.dtype), codes, t["scale"], t["mn"], layout)
+        out = layout.empty_output(h, d, packed.dtype, out)
+        return dequantize_v_into(out, codes, t["scale"], t["mn"], layout)
 
 
 def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -209,16 +240,28 @@ def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tenso
     return full
 
 
+def _held(x: torch.Tensor) -> PackedTensor:
+    """A side held unquantized (``sides``): the slots ``[N, H, D]`` as they are, 16 nominal bits per entry."""
+    return PackedTensor(tensors={"held": x}, elements=x.numel(), nominal_bitsum=16.0 * x.numel())
+
+
 def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
     """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf.
 
-    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan;
-    the scan runs only to name the culprit.
+    One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan.
+    A sum that is not finite is only a hint: large finite values (a constant 1e36, two entries of 3e38) overflow
+    it too, so the elementwise scan decides, and names the culprit.
+
+    Raises:
+        NonFiniteKVError: some slot holds NaN or +/-inf.
     """
     slots = layout.gather(x)
     if bool(torch.isfinite(slots.sum(dtype=torch.float32))):
         return slots
-    slot = int((~torch.isfinite(slots)).flatten(1).any(1).nonzero()[0])
+    bad = (~torch.isfinite(slots)).flatten(1).any(1).nonzero()
+    if bad.numel() == 0:
+        return slots
+    slot = int(bad[0])
     raise NonFiniteKVError(
         f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
         f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"

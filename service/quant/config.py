@@ -4,12 +4,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from service.artifacts.base import default_v_group_size, legal_v_group_sizes
+from service.engine.params import TOKENS_CEILING
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
+Sides = Literal["kv", "k", "v"]
+#: Legal values of ``sides``: both, K only, V only.
+SIDES: tuple[str, ...] = ("kv", "k", "v")
 
 
 class KVQuantConfig(BaseModel):
@@ -26,6 +38,10 @@ class KVQuantConfig(BaseModel):
     ``policy_file`` (dllm_kvq, a policy table in JSON) and ``kvquant_state_id`` / ``kvquant_state_file``
     (kvquant, a safetensors state), the public HTTP, CLI and lm-eval names.
 
+    ``sides`` says which of K and V the method quantizes (``kv``, default), ``k`` or ``v``: the other one is held
+    as it is, in the model dtype (counted at 16 nominal bits, the paper's high-precision accounting), so a K-only
+    or V-only row shows where a method's loss comes from (issue 16; the paper's method is K-side).
+
     Raises (at construction): ``pydantic.ValidationError`` (a ``ValueError``) whose message lists the legal values:
     an unknown method (the registered ones), bits (2, 4, 8), a missing or superfluous artifact reference.
     """
@@ -34,12 +50,14 @@ class KVQuantConfig(BaseModel):
 
     method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
     bits: Literal[2, 4, 8] = 4
-    k_group_size: int = Field(32, gt=0)
-    v_group_size: int | None = Field(None, gt=0)
+    k_group_size: int = Field(32, gt=0, le=TOKENS_CEILING, description="tokens per K group (at most the context)")
+    v_group_size: int | None = Field(None, gt=0, le=TOKENS_CEILING,
+                                     description="channels per V group (a divisor of head_dim)")
     artifact_id: str | None = None
     artifact_file: str | None = None
+    sides: Sides = "kv"
     # Keep each layer's dequantized reused K/V for the whole block (faster, saves no memory within a block).
-    keep_dequantized: bool = False
+    keep_dequantized: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -108,6 +126,19 @@ class KVQuantConfig(BaseModel):
                 "v_group_size",
             )
         return size
+
+    def check_bounds(self, context: int, head_dim: int) -> None:
+        """Refuse group sizes whose cost does not follow from the model (issue 13: ``k_group_size`` 1e9 sized a
+        16 GB table): a K group longer than the model's ``context`` (tokens), or a V group size that does not
+        divide ``head_dim``.
+
+        Raises:
+            KVQuantError: naming ``k_group_size`` or ``v_group_size``.
+        """
+        if self.k_group_size > context:
+            raise KVQuantError(f"k_group_size {self.k_group_size} is over the model's context of {context} tokens",
+                               "k_group_size")
+        self.resolve_v_group_size(head_dim)
 
     def check_cache_mode(self, cache_mode: str) -> None:
         """Refuse a quantizing method with cache mode ``none``: quantization acts only on the reused regions

@@ -49,7 +49,7 @@ class DLLMKVQQuantizer(KVQuantizer):
         super().__init__(config, spec)
         self.policy = policy
         # The engine computes block-initial attention scores only when some layer ranks by them.
-        self.needs_scores = any(e.p > 0 and e.score_type != "qerror" for e in policy.layers)
+        self.needs_scores = self.quantizes_k and any(e.p > 0 and e.score_type != "qerror" for e in policy.layers)
 
     def protect(self, layer, x, layout, scores):
         entry = self.policy.layers[layer]

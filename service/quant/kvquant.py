@@ -21,6 +21,7 @@ from service.engine.spec import ModelSpec
 from service.quant import nuq
 from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig
+from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.layout import SlotLayout
 from service.quant.packing import pack_stream, unpack_stream
 
@@ -49,12 +50,12 @@ class KVQuantQuantizer(KVQuantizer):
         codes, outliers = nuq.quantize_keys(x2d, upper, lower, lut, self.sparse)
         return self._pack(x2d, codes, outliers, {})
 
-    def dequantize_k(self, layer, packed, layout):
+    def dequantize_k(self, layer, packed, layout, out=None):
         s = self.state
         t = packed.k.tensors
         codes = self._codes(t, layout, packed)
         upper, lower, lut = (x[layer].to(codes.device) for x in (s.k_upper, s.k_lower, s.k_lut))
-        return self._finish(nuq.dequantize_keys(codes, upper, lower, lut), t, layout, packed)
+        return self._finish(nuq.dequantize_keys(codes, upper, lower, lut), t, layout, packed, out)
 
     def quantize_v(self, layer, x):
         x2d = x.reshape(x.shape[0], -1)
@@ -64,11 +65,22 @@ class KVQuantQuantizer(KVQuantizer):
         )
         return self._pack(x2d, codes, outliers, {"offset": offset, "half_range": half_range})
 
-    def dequantize_v(self, layer, packed, layout):
+    def dequantize_v(self, layer, packed, layout, out=None):
         t = packed.v.tensors
         codes = self._codes(t, layout, packed)
         lut = self.state.v_lut[layer].to(codes.device)
-        return self._finish(nuq.dequantize_values(codes, t["offset"], t["half_range"], lut), t, layout, packed)
+        values = nuq.dequantize_values(codes, t["offset"], t["half_range"], lut)
+        return self._finish(values, t, layout, packed, out)
+
+    def kernel_operands(self, layer, packed, layout) -> KernelOperands:
+        s = self.state
+        device = packed.k.tensors["codes"].device
+        offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
+        return nuq_operands(
+            packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, packed.num_heads, packed.head_dim,
+            offset, half_range,
+            s.k_lut[layer].to(device, torch.float32), s.v_lut[layer].to(device, torch.float32),
+        )
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
     def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:
@@ -91,9 +103,11 @@ class KVQuantQuantizer(KVQuantizer):
         return unpack_stream(t["codes"], self.bits, n * c).view(n, c)
 
     @staticmethod
-    def _finish(values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+    def _finish(
+        values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer, out: torch.Tensor | None
+    ) -> torch.Tensor:
         values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
-        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype)
+        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype, out=out)
 
 
 def fit_state(

@@ -11,7 +11,7 @@ instead; the short last group is our departure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,8 @@ class SlotLayout:
             index, first slot, number of slots and first K group (its groups are consecutive, all full but the
             last). Dequantization works run by run with broadcast statistics, which is several times faster
             than gathering per-slot statistics.
+        zero_padding: :meth:`empty_output` zeroes the padding of a given buffer; False for a scratch buffer
+            whose padding is known to be zero already (filled before with this layout).
     """
 
     batch_size: int
@@ -47,6 +49,7 @@ class SlotLayout:
     group_slots: torch.Tensor
     group_size: int
     runs: tuple[tuple[int, int, int, int, int], ...]
+    zero_padding: bool = True
 
     @property
     def num_slots(self) -> int:
@@ -144,11 +147,17 @@ class SlotLayout:
             return x.new_empty(0, x.shape[1], x.shape[3])
         return torch.cat(pieces)
 
-    def empty_output(self, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    def empty_output(
+        self, num_heads: int, head_dim: int, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``[B, H, T_reused, D]`` to be filled run by run: uninitialized except the padding, which is zero (the
-        engine masks padding keys, so their value never matters, but it must be finite)."""
+        engine masks padding keys, so their value never matters, but it must be finite). ``out``: fill this
+        buffer instead of a new one (a scratch reused from step to step)."""
         device = self.rows.device
-        out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
+        if out is None:
+            out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
+        elif not self.zero_padding:
+            return out
         covered = [0] * self.batch_size
         for row, col, _, length, _ in self.runs:
             if col > covered[row]:
@@ -159,10 +168,34 @@ class SlotLayout:
                 out[row, :, end:] = 0
         return out
 
-    def scatter(self, values: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def on_sequence(self, segments: Segments) -> SlotLayout:
+        """The same slots and groups placed at their **sequence** columns (``T_reused`` becomes ``seq_len``): a
+        dequantization with this layout writes straight into a ``[B, H, T, D]`` buffer around the active window
+        (which it leaves zero), so no reused-only copy and no concatenation is needed."""
+        gap = segments.block_end - segments.block_start
+        runs = tuple(
+            (row, col if col < segments.block_start else col + gap, slot, length, group)
+            for row, col, slot, length, group in self.runs
+        )
+        return replace(self, num_reused=segments.seq_len, cols=self.seq_cols, runs=runs)
+
+    def select_rows(self, rows: list[int]) -> SlotLayout:
+        """The layout of some rows only (a later step that not every row of the block takes part in): row ``rows[i]``
+        becomes row ``i``; the slots of the other rows go to one extra row ``len(rows)`` (a buffer row the caller
+        discards), so per-slot writes need no filtering. Runs of the other rows are dropped, so their codes are
+        never dequantized."""
+        position = {row: i for i, row in enumerate(rows)}
+        table = torch.full((self.batch_size,), len(rows), dtype=torch.int64, device=self.rows.device)
+        table[list(rows)] = torch.arange(len(rows), device=self.rows.device)
+        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in self.runs if r in position)
+        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs)
+
+    def scatter(
+        self, values: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Place the values of all slots ``[N, H, D]`` into a new ``[B, H, T_reused, D]`` (``dtype``, default
-        ``values.dtype``), run by run, with zeros on padding."""
-        out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype)
+        ``values.dtype``; or into ``out``), run by run, with zeros on padding."""
+        out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype, out)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)
         return out

@@ -128,6 +128,18 @@ def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
     return (xf <= lower) | (xf >= upper)
 
 
+def midpoint_and_half_range(mx: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mx + mn) / 2`` and ``(mx - mn) / 2`` (float32), the reference's formulas, which overflow to inf for
+    finite values near the dtype's limit (a token constant at 3e38, or +/-3e38 in one token when no outliers are
+    kept). Where they do, the halves are taken first (``mx / 2 +/- mn / 2``, finite for any finite input);
+    elsewhere the result is the reference's, bit for bit.
+    """
+    offset, half_range = (mx + mn) / 2, (mx - mn) / 2
+    offset = torch.where(torch.isfinite(offset), offset, mx / 2 + mn / 2)
+    half_range = torch.where(torch.isfinite(half_range), half_range, mx / 2 - mn / 2)
+    return offset, half_range
+
+
 def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99):
     """Per-token dynamic NUQ of values.
 
@@ -148,8 +160,7 @@ def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, spa
     else:
         outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
         dense = xf
-    mx, mn = dense.amax(-1), dense.amin(-1)
-    offset, half_range = (mx + mn) / 2, (mx - mn) / 2
+    offset, half_range = midpoint_and_half_range(dense.amax(-1), dense.amin(-1))
     codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut)
     return codes, offset, half_range, outliers
 
@@ -172,7 +183,8 @@ def fit_layer(
     Keys: per-channel percentiles ``t`` / ``1 - t`` over the calibration tokens (numpy ``percentile``, linear)
     are the static thresholds; entries normalized by them into ``[-1, 1]`` (outliers beyond left out) are
     clustered by k-means into ``2^b`` centroids (scikit-learn, ``random_state=0``, ``n_init="auto"``,
-    ``max_iter=50``, optionally weighted by Fisher information). Values: the same per token (the reference's
+    ``max_iter=50``, optionally weighted by Fisher information, on one thread so that the codebook does not
+    depend on the machine's thread count). Values: the same per token (the reference's
     ``perchannel=True, qchannel=-1`` calibration), keeping only the codebook. Centroids are returned sorted
     (k-means order is arbitrary; sorting only renames codes).
 
@@ -203,7 +215,9 @@ def fit_layer(
 
 
 def _fit_codebook(data: np.ndarray, upper: np.ndarray, lower: np.ndarray, bits: int, fisher) -> np.ndarray:
-    from sklearn.cluster import KMeans  # imported here: only fitting needs scikit-learn
+    # imported here: only fitting needs scikit-learn (and its thread pools)
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
 
     half_range = (upper - lower) / 2
     half_range = np.where(half_range == 0, 1.0, half_range)
@@ -213,5 +227,9 @@ def _fit_codebook(data: np.ndarray, upper: np.ndarray, lower: np.ndarray, bits: 
     samples = normalized[inside].astype(np.float32).reshape(-1, 1)
     weights = None if fisher is None else fisher.float().cpu().numpy().reshape(data.shape)[inside]
     kmeans = KMeans(n_clusters=2**bits, random_state=0, n_init="auto", max_iter=50)
-    kmeans.fit(samples, sample_weight=weights)
+    # scikit-learn's Lloyd iterations add per-thread partial sums of the centres in whatever order the OpenMP
+    # threads finish, so the codebook depends on the thread count (up to 1e-3 between 1 and 2 threads): one
+    # thread for the fit makes a state byte-identical on every machine.
+    with threadpool_limits(limits=1):
+        kmeans.fit(samples, sample_weight=weights)
     return np.sort(kmeans.cluster_centers_.reshape(-1).astype(np.float32))

@@ -118,6 +118,12 @@ def methods(with_artifact: bool = False) -> tuple[str, ...]:
     return tuple(n for n, e in _METHODS.items() if e.artifact is not None or not with_artifact)
 
 
+def artifact_types() -> dict[str, type]:
+    """The artifact types of the registered methods by their admin URL segment (``PLURAL``), e.g.
+    ``{"policies": PolicyTable, "kvquant_states": KVQuantState}``."""
+    return {e.artifact.PLURAL: e.artifact for e in _METHODS.values() if e.artifact is not None}
+
+
 def method(name: str) -> QuantMethod:
     """The entry of ``name``.
 

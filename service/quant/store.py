@@ -2,15 +2,24 @@
 
 Where it acts (paper "KIVI and KVQuant Adaptations", DESIGN.md): right after the block-initial pass, the reused
 regions of every layer (prefix; in dual mode prefix and suffix) are quantized layer by layer as the engine calls
-``write``, and held packed. Later steps call ``read(layer)`` and get that layer dequantized for the time the layer
-runs, so the peak is the packed bytes plus one layer's dequantized copy. With ``keep_dequantized`` the
+``write``, and held packed. Later steps call ``window_kv(layer, ...)``: the layer is dequantized straight into a
+scratch pair ``[B, H, T, D]`` at its sequence columns, the fresh window is copied into the gap, and attention reads
+that; the scratch is reused by every layer and step of the block, so it is the only full-precision copy of reused
+K/V alive (the unquantized path makes the same-sized concatenation at every layer), and there is no separate
+dequantized tensor and no concatenation. With ``keep_dequantized`` the
 dequantized copies are kept for the rest of the block (they do not change within a block): faster, but it saves
 no memory within a block. The active block is never handed to the store, so it is never quantized.
+
+On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
+(`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
+of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
+interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 import torch
 
@@ -21,6 +30,7 @@ from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
+from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
 
@@ -33,6 +43,8 @@ class QuantizedKVStore(KVStore):
         keep_dequantized: keep each layer's dequantized copy until the next block.
         artifact_id: the applied artifact's id, recorded in the report under ``report_field`` (the method's
             spelling of ``artifact_id``: ``policy_id``, ``kvquant_state_id`` ...).
+        attention: ``auto`` (the fused kernel on CUDA when Triton is installed, the PyTorch path elsewhere),
+            ``triton`` (always the kernel) or ``torch`` (never).
 
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
@@ -45,8 +57,12 @@ class QuantizedKVStore(KVStore):
         keep_dequantized: bool = False,
         artifact_id: str | None = None,
         report_field: str = "artifact_id",
+        attention: AttentionPath = "auto",
     ) -> None:
+        if attention not in ATTENTION_PATHS:
+            raise KVQuantError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
         self.quantizer = quantizer
+        self.attention = attention
         self.needs_scores = quantizer.needs_scores
         self.pre_rope_keys = quantizer.pre_rope_keys
         self.keep_dequantized = keep_dequantized
@@ -57,6 +73,14 @@ class QuantizedKVStore(KVStore):
         self._layout: SlotLayout | None = None
         self._packed: dict[int, PackedLayer] = {}
         self._dequantized: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._maps: BlockMaps | None = None
+        self._operands: dict[int, KernelOperands] = {}
+        self._on_sequence: SlotLayout | None = None
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        self._row_layouts: dict[tuple[int, ...], SlotLayout] = {}
+        self._scratch_layout: SlotLayout | None = None
+        self._refills: dict[int, SlotLayout] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -75,17 +99,104 @@ class QuantizedKVStore(KVStore):
             self._dequantized[layer] = kv
         return kv
 
+    def window_kv(self, layer, k, v, segments, rows, positions, rope):
+        """The step's keys and values, ``[B_step, H, T, D]``, in a buffer the layer was dequantized into at its
+        sequence columns (module doc): the shared scratch pair (valid until the next layer's call), or with
+        ``keep_dequantized`` the layer's own pair, filled at its first step of the block (pre-RoPE keys rotated
+        then too when every row of the block takes part; otherwise at every step)."""
+        if layer not in self._packed:
+            raise KVQuantError(f"layer {layer} was not written in this block's initial pass")
+        if self._on_sequence is None:
+            self._on_sequence = self._layout.on_sequence(segments)
+        start, end = segments.block_start, segments.block_start + k.shape[2]
+        rotate = self.pre_rope_keys
+        if self.keep_dequantized:
+            if layer not in self._kept:
+                kept = self.quantizer.dequantize(layer, self._packed[layer], self._on_sequence)
+                if rotate and rows is None:
+                    _rotate_reused(kept[0], positions, rope, start, end)
+                self._kept[layer] = (*kept, rotate and rows is None)
+            k_all, v_all, rotated = self._kept[layer]
+            rotate = rotate and not rotated
+            if rows is not None:
+                k_all, v_all = k_all.index_select(0, rows), v_all.index_select(0, rows)
+        else:
+            layout = self._on_sequence
+            if rows is not None:  # only the step's rows are dequantized (plus one discarded buffer row)
+                key = tuple(rows.tolist())
+                if key not in self._row_layouts:
+                    self._row_layouts[key] = layout.select_rows(list(key))
+                layout = self._row_layouts[key]
+            shape = (layout.batch_size, k.shape[1], segments.seq_len, k.shape[3])
+            held = self._scratch[0] if self._scratch is not None else None
+            if held is None or held.shape[1:] != shape[1:] or held.dtype != k.dtype or held.shape[0] < shape[0]:
+                self._scratch = (k.new_empty(shape), v.new_empty(shape))
+                self._scratch_layout = None
+            scratch = (self._scratch[0][: shape[0]], self._scratch[1][: shape[0]])
+            if self._scratch_layout is layout:  # padding still zero from the last fill: only runs are written
+                layout = self._refills.setdefault(id(layout), replace(layout, zero_padding=False))
+            else:
+                self._scratch_layout = layout
+            k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], layout, scratch)
+            k_all, v_all = k_all[: k.shape[0]], v_all[: k.shape[0]]
+        if rotate:
+            _rotate_reused(k_all, positions, rope, start, end)
+        k_all[:, :, start:end] = k
+        v_all[:, :, start:end] = v
+        return k_all, v_all
+
+    def attend(self, layer, q, k, v, rows, positions, rope):
+        """The fused kernel's attention over the packed layer and the window (see the module doc), or None on
+        the PyTorch path. The kernel's index maps are built at the layer's first step of a block."""
+        if not self._fused(q.device):
+            return None
+        from service.quant.kernels.attention import fused_reuse_attention  # imports Triton
+
+        if layer not in self._packed:
+            raise KVQuantError(f"layer {layer} was not written in this block's initial pass")
+        if self._maps is None:
+            self._maps = BlockMaps.from_layout(self._layout)
+        if layer not in self._operands:
+            self._operands[layer] = self.quantizer.kernel_operands(layer, self._packed[layer], self._layout)
+        if rows is None:
+            rows = torch.arange(q.shape[0], device=q.device)
+        pre_rope = self.pre_rope_keys
+        return fused_reuse_attention(
+            q, k, v, self._operands[layer], self._maps, rows,
+            positions=positions if pre_rope else None,
+            inv_freq=rope.inv_freq(q.device) if pre_rope else None,
+            rope_full_precision=rope.full_precision,
+        )
+
+    def _fused(self, device: torch.device) -> bool:
+        if not (self.quantizer.quantizes_k and self.quantizer.quantizes_v):
+            return False  # the kernel reads codes; a side held as it is (``sides``) goes through window_kv
+        if self.attention == "auto":
+            return device.type == "cuda" and _triton_available()
+        return self.attention == "triton"
+
     def clear(self) -> None:
         """Drop the held tensors; the accounting stays for :meth:`report`."""
         self._segments = None
         self._layout = None
         self._packed.clear()
         self._dequantized.clear()
+        self._maps = None
+        self._operands.clear()
+        self._on_sequence = None
+        self._scratch = None
+        self._kept.clear()
+        self._row_layouts.clear()
+        self._scratch_layout = None
+        self._refills.clear()
 
     @property
     def bytes_held(self) -> int:
-        """Bytes held now: packed layers, the block's index tensors, and kept dequantized copies."""
+        """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, and the later
+        steps' scratch pair (the size of the concatenation the unquantized path makes at every layer)."""
         held = sum(p.nbytes for p in self._packed.values())
+        buffers = [*(self._scratch or ()), *(t for k, v, _ in self._kept.values() for t in (k, v))]
+        held += sum(t.numel() * t.element_size() for t in buffers)
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
         return held + (self._layout.nbytes if self._layout is not None else 0)
 
@@ -102,12 +213,35 @@ class QuantizedKVStore(KVStore):
         self.accounting.start_block(self._layout.nbytes)
 
 
-def make_kv_store(config: KVQuantConfig, spec: ModelSpec, artifact: Any = None) -> KVStore:
+def _rotate_reused(k_all: torch.Tensor, positions: torch.Tensor, rope, start: int, end: int) -> None:
+    """Rotate the reused columns of ``k_all`` ``[B, H, T, D]`` in place: ``[0, start)`` and ``[end, T)``, whose
+    positions are ``positions`` ``[B, T_reused]`` in reused-axis order."""
+    k_all[:, :, :start] = rope.rotate(k_all[:, :, :start], positions[:, :start])
+    if end < k_all.shape[2]:
+        k_all[:, :, end:] = rope.rotate(k_all[:, :, end:], positions[:, start:])
+
+
+AttentionPath = Literal["auto", "triton", "torch"]
+ATTENTION_PATHS: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_kv_store(
+    config: KVQuantConfig, spec: ModelSpec, artifact: Any = None, attention: AttentionPath = "auto"
+) -> KVStore:
     """The KV store for one request's configuration.
 
     ``method="none"`` gives the engine's :class:`FullPrecisionKVStore`. An artifact named by file in the config
     is loaded here (`service.quant.registry.resolve_artifact`); one named by id must be passed in (the caller
-    resolves ids through its store, `service.store.base`).
+    resolves ids through its store, `service.store.base`). ``attention`` picks the later steps' path (see
+    :class:`QuantizedKVStore`).
 
     Raises:
         KVQuantError: the artifact is missing, or named by id but not passed, or its file cannot be read or
@@ -128,4 +262,5 @@ def make_kv_store(config: KVQuantConfig, spec: ModelSpec, artifact: Any = None) 
         keep_dequantized=config.keep_dequantized,
         artifact_id=artifact.id if artifact is not None else None,
         report_field=entry.spelling("artifact_id"),
+        attention=attention,
     )

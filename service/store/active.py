@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -24,9 +25,11 @@ from service.quant.registry import method, resolve_artifact
 from service.store.base import (
     CACHE_MODES,
     ActiveChange,
+    ArtifactConflict,
     ArtifactNotFound,
     AuditEntry,
     Store,
+    StoreError,
     StoreUnavailable,
 )
 from service.telemetry import Telemetry
@@ -34,6 +37,32 @@ from service.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 Source = Literal["active", "default", "request"]
+
+#: Key id of the audit entry a replica writes when it restores an active configuration the store lost.
+RESTORE_KEY_ID = "replica-restore"
+
+
+@dataclass
+class StoreLoss:
+    """The store came back from an outage without the active configuration this replica serves (a Redis
+    restarted empty): when it was found, and whether and when this replica wrote it back.
+
+    Attributes:
+        config: the configuration this replica served (and still serves) for the cache mode.
+        detected_at: unix seconds.
+        restored_at: when this replica wrote it back (None: not written back, see ``note``).
+        note: why it was not written back (the setting is off, another writer came first, the write failed).
+    """
+
+    config: KVQuantConfig
+    detected_at: float
+    restored_at: float | None = None
+    note: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        """The ``/admin/active`` detail."""
+        return {"kv_quant": self.config.model_dump(mode="json", exclude_none=True), "detected_at": self.detected_at,
+                "restored_at": self.restored_at, "note": self.note}
 
 
 class ConfigInvalid(ValueError):
@@ -111,9 +140,9 @@ class ConfigResolver:
         except KVQuantError as exc:
             raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
         try:
-            config.resolve_v_group_size(self.spec.head_dim)
-        except ValueError as exc:
-            raise ConfigInvalid("kv_quant.v_group_size", str(exc)) from exc
+            config.check_bounds(self.spec.max_length, self.spec.head_dim)
+        except KVQuantError as exc:
+            raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
         try:
             artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:
@@ -133,12 +162,18 @@ class ActiveConfigs:
             mode ``none`` is always unquantized).
         telemetry: shows the active configuration and counts changes.
         model_name: the served model name, for the info metric.
+        restore: after an outage, write back (artifacts, entry, audit) an active configuration the store lost
+            (the ``store_restore_active`` setting); either way the loss is shown (:attr:`losses`, metric).
     """
 
-    def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str):
+    def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str,
+                 restore: bool = True):
         self.resolver = resolver
         self.telemetry = telemetry
         self.model_name = model_name
+        self.restore = restore
+        #: The last loss found per cache mode (kept as a record after it is restored).
+        self.losses: dict[str, StoreLoss] = {}
         self._lock = threading.Lock()
         self._defaults: dict[str, ConfigSnapshot] = {}
         for mode in CACHE_MODES:
@@ -178,7 +213,8 @@ class ActiveConfigs:
     def reload(self) -> None:
         """Load every active entry of this model from the store (start-up, and after a store outage).
 
-        An entry that no longer validates is logged and skipped (the previous snapshot stays).
+        An entry that no longer validates is logged and skipped (the previous snapshot stays). A cache mode
+        served from an active entry that the store no longer holds is a loss (:meth:`_lost`).
         Raises StoreUnavailable if the store cannot be reached.
         """
         try:
@@ -190,17 +226,56 @@ class ActiveConfigs:
         for mode in CACHE_MODES:
             entry = entries.get(mode)
             if entry is None:
+                if self._current[mode].source == "active":
+                    self._lost(self._current[mode])
                 continue
+            self.telemetry.store_active_lost.labels(mode).set(0)
             try:
                 self._install(self.resolver.resolve(entry.config, mode, "active", entry.set_at))
             except (ValueError, KeyError, StoreUnavailable) as exc:
                 log.error("active configuration of %s in the store is unusable (%s); keeping the previous", mode, exc)
+
+    def _lost(self, snapshot: ConfigSnapshot) -> None:
+        """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless
+        configured otherwise write it back (its artifact first: a store restarted empty lost that too)
+        with an audit entry, only where no entry has appeared meanwhile, so that every replica converges on it
+        (through the event) and a new replica starts with it."""
+        mode = snapshot.cache_mode
+        loss = StoreLoss(snapshot.config, time.time())
+        self.losses[mode] = loss
+        self.telemetry.store_active_lost.labels(mode).set(1)
+        log.warning("the store no longer holds the active configuration of %s that this replica serves (%s)",
+                    mode, snapshot.config.model_dump(mode="json", exclude_none=True))
+        if not self.restore:
+            loss.note = "not written back: store_restore_active is off"
+            return
+        store = self.resolver.store
+        try:
+            artifact = snapshot.artifact
+            if artifact is not None:
+                try:
+                    store.put(artifact.KIND, artifact.to_bytes(), artifact.id)
+                except ArtifactConflict:
+                    pass  # still stored (bytes written by another tool): the id names the same content
+            audit = store.restore_active(self.fingerprint, mode, snapshot.config, key_id=RESTORE_KEY_ID)
+        except StoreError as exc:
+            loss.note = f"not written back: {exc}"
+            log.error("could not write back the active configuration of %s: %s", mode, exc)
+            return
+        self.telemetry.store_active_lost.labels(mode).set(0)
+        if audit is None:
+            loss.note = "not written back: another replica or an operator set an entry first"
+            return
+        loss.restored_at = audit.at
+        self.telemetry.store_active_restored.labels(mode).inc()
+        log.warning("wrote the active configuration of %s back to the store (audit key id %s)", mode, RESTORE_KEY_ID)
 
     def on_change(self, change: ActiveChange) -> None:
         """Apply a store event (called from the store's listener thread)."""
         entry = change.entry
         if entry.fingerprint != self.fingerprint:
             return
+        self.telemetry.store_active_lost.labels(entry.cache_mode).set(0)  # the store holds an entry again
         current = self._current.get(entry.cache_mode)
         if current is not None and current.set_at is not None and entry.at < current.set_at:
             return  # an older change arriving after a newer one this replica already applied
@@ -217,5 +292,6 @@ class ActiveConfigs:
         """
         snapshot = self.resolver.resolve(config, cache_mode, "active")
         audit = self.resolver.store.set_active(self.fingerprint, cache_mode, config, key_id=key_id)
+        self.telemetry.store_active_lost.labels(cache_mode).set(0)
         self._install(replace(snapshot, set_at=audit.at))
         return audit

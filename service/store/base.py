@@ -2,8 +2,8 @@
 
 Two backends implement :class:`Store` with the same behaviour: Redis through redis-py
 (`service.store.redis_store`) and a local directory (`service.store.dir_store`, the embedded default). A store
-URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, anything else is a
-directory path (``file://`` prefix allowed).
+URL picks the backend: ``redis://...`` / ``rediss://...`` / ``unix://...`` for Redis, ``file://...`` or a plain
+path for a directory; any other scheme is refused (:func:`check_store_url`).
 
 What a store holds
 ------------------
@@ -267,8 +267,11 @@ class Store(ABC):
         """Every active configuration, sorted by (fingerprint, cache mode)."""
 
     @abstractmethod
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
-        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish."""
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
+        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish.
+
+        With ``only_if_absent``, nothing is written and None returned when an entry is already there.
+        """
 
     def set_active(
         self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
@@ -284,6 +287,19 @@ class Store(ABC):
             fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
         )
         return self._swap_active(entry)
+
+    def restore_active(
+        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+    ) -> AuditEntry | None:
+        """Like :meth:`set_active`, but only where the store holds no entry (checked in the same atomic step):
+        a replica writing back the configuration it serves after the store lost it never overwrites what
+        another replica or an operator set meanwhile. Returns None when an entry was there.
+        """
+        check_target(fingerprint, cache_mode)
+        entry = ActiveEntry(
+            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
+        )
+        return self._swap_active(entry, only_if_absent=True)
 
     @abstractmethod
     def audit(self, limit: int = 100) -> list[AuditEntry]:
@@ -308,19 +324,42 @@ class Store(ABC):
         """Release connections (idempotent)."""
 
 
+#: URL schemes of the Redis backend (redis-py's); ``file://`` and a plain path (no scheme) name a directory.
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_store_url(url: str) -> str:
+    """The directory path a store URL names, or ``""`` for a Redis URL.
+
+    Raises:
+        InvalidName: an empty URL, or a scheme that is neither Redis's, ``file://`` nor absent (``dir:///x`` or the
+            typo ``redis:/host:6379/0`` would otherwise become a local folder named like the URL).
+    """
+    if url.startswith(REDIS_SCHEMES):
+        return ""
+    path = url.removeprefix("file://")
+    scheme = _SCHEME.match(path)
+    if scheme is not None:
+        raise InvalidName(f"store URL {url!r}: unknown scheme {scheme.group(0)!r}; use redis://host:port/db, "
+                          "rediss://..., unix:///path.sock, file:///path or a plain directory path")
+    if not path:
+        raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
+    return path
+
+
 def open_store(url: str, prefix: str = "dllm-kvq") -> Store:
-    """Open the store a URL names: ``redis://``, ``rediss://``, ``unix://`` -> Redis; otherwise a directory.
+    """Open the store a URL names: ``redis://``, ``rediss://``, ``unix://`` -> Redis; ``file://`` or a plain path
+    -> a directory; anything else :class:`InvalidName` (see :func:`check_store_url`).
 
     ``prefix`` is the Redis key prefix (ignored by the directory backend). Nothing is contacted here: a Redis
     that is down surfaces as :class:`StoreUnavailable` on first use, so a server can start without it.
     """
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    path = check_store_url(url)
+    if not path:
         from service.store.redis_store import RedisStore
 
         return RedisStore(url, prefix=prefix)
-    path = url.removeprefix("file://")
-    if not path:
-        raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
     from service.store.dir_store import DirectoryStore
 
     return DirectoryStore(Path(path).expanduser())
@@ -341,6 +380,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Subscription",
+    "check_store_url",
     "content_id",
     "open_store",
     "referenced_ids",

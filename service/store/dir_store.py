@@ -164,12 +164,14 @@ class DirectoryStore(Store):
         ]
         return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
 
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
         with self._locked():
             for kind, artifact_id in sorted(referenced_ids(entry.config)):
                 if not self.exists(kind, artifact_id):
                     raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
             old_entry = self.get_active(entry.fingerprint, entry.cache_mode)
+            if only_if_absent and old_entry is not None:
+                return None
             audit = AuditEntry(
                 at=entry.set_at,
                 fingerprint=entry.fingerprint,

@@ -178,7 +178,7 @@ class RedisStore(Store):
         entries = [ActiveEntry.model_validate_json(r) for r in raws]
         return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
 
-    def _swap_active(self, entry: ActiveEntry) -> AuditEntry:
+    def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
         field = self._field(entry.fingerprint, entry.cache_mode)
         refs = sorted(referenced_ids(entry.config))
         ref_keys = [self._artifact_key(k, i) for k, i in refs]
@@ -191,6 +191,9 @@ class RedisStore(Store):
                         if not pipe.exists(key):
                             raise ArtifactNotFound(f"config names {kind} {artifact_id!r}, which is not stored")
                     raw_old = pipe.hget(self._active_key, field)
+                    if only_if_absent and raw_old is not None:
+                        pipe.unwatch()
+                        return None
                     old = None if raw_old is None else ActiveEntry.model_validate_json(raw_old).config
                     audit = AuditEntry(
                         at=entry.set_at,

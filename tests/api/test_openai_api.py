@@ -64,15 +64,38 @@ def test_chat_completion(client):
 
 def test_streaming_one_chunk_per_block_then_finish_usage_done(client):
     with client.stream("POST", "/v1/completions", json={"prompt": "abcdefghij", "max_tokens": 12, "stream": True,
-                                                       "stop": "dc"}) as r:
+                                                       "stop": "dc", "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    # 3 blocks of 4: "jihg", "fe" (the "dc" that follows is a stop string, held back and cut), then the finish.
-    assert [c["choices"][0]["text"] for c in chunks] == ["jihg", "fe", "", ""]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["prompt_tokens"] == 11
+    # 3 blocks of 4: "jihg", "fe" (the "dc" that follows is a stop string, held back and cut), then the finish,
+    # then OpenAI's usage chunk with no choices.
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["jihg", "fe", "", ""]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["prompt_tokens"] == 11
+    assert usage["total_tokens"] == 11 + usage["completion_tokens"] and 0 < usage["completion_tokens"] <= 12
     assert all(c["usage"] is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_no_usage_in_the_stream_unless_asked(client, options, route):
+    body = {"prompt": "abcdefghij"} if route == "/v1/completions" else {"messages": [{"role": "user",
+                                                                                     "content": "ab"}]}
+    body |= {"max_tokens": 8, "stream": True} | ({} if options is None else {"stream_options": options})
+    with client.stream("POST", route, json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert all("usage" not in c and c["choices"] for c in events[:-1])
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", "yes", [True]])
+def test_include_usage_must_be_a_boolean(client, value):
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "stream": True,
+                                             "stream_options": {"include_usage": value}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage"
 
 
 def test_chat_streaming_starts_with_role(client):
@@ -172,3 +195,23 @@ def test_chat_bad_input(client):
 def test_admin_closed_without_key(client):
     r = client.get("/admin/policies")
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"kv_quant": {"method": "kivi", "bits": 2, "k_group_size": 1_000_000_000}}, "kv_quant.k_group_size"),
+    ({"kv_quant": {"method": "kivi", "bits": 2, "k_group_size": 1 << 20}}, "kv_quant.k_group_size"),  # > context
+    ({"steps": 1_000_000_000, "threshold": None}, "steps"),
+    ({"steps": 16, "threshold": None}, "steps"),  # more steps than the 8 response positions
+    ({"block_length": 1 << 20}, "block_length"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
+    ({"seed": 1 << 64}, "seed"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"ignore_eos": 0}, "ignore_eos"),
+    ({"max_tokens": 1.0}, "max_tokens"),
+])
+def test_cost_bounds_are_fast_400s_naming_the_field(client, extra, param):
+    """Issue 13: every numeric field bounded by the model and the request, checked before admission."""
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 8, "block_length": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

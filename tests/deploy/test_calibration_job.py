@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.calibration.test_job import CKPT, token_id_bucket
 from tests.deploy.test_k8s import calibration_jobs, job_args
 from tests.deploy.tools import REPO
-from tests.unit.calibration.test_job import CKPT, token_id_bucket
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

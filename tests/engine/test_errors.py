@@ -13,7 +13,7 @@ OK = [5, 6, 7]
 
 
 def _params(**kw):
-    base = dict(gen_length=64, block_length=32, cache_mode="dual", threshold=0.9)
+    base = {"gen_length": 64, "block_length": 32, "cache_mode": "dual", "threshold": 0.9}
     base.update(kw)
     return DecodeParams.model_construct(**{**DecodeParams().model_dump(), **base})
 

@@ -40,7 +40,7 @@ def test_write_once_per_layer_per_block_then_read_per_step(engines, arch, mode):
         expected += [("write", layer) for layer in range(layers)]
         expected += [("read", layer) for _ in range(calls - 1) for layer in range(layers)]
     assert store.events == expected
-    layer, k, v, segments, scores = store.writes[0]
+    _layer, k, v, segments, scores = store.writes[0]
     assert segments.cache_mode == mode and segments.block_start == 17 and segments.block_end == 49
     assert k.shape == v.shape == (1, engine.spec.num_kv_heads, 17 + 64, engine.spec.head_dim)
     assert scores is None

@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from evaluation.matrix import MatrixSettings, find_artifacts, plan_cells, run_matrix, write_outputs
+from evaluation.controls import fixed_rule_table
+from evaluation.matrix import (
+    MatrixSettings,
+    find_artifacts,
+    plan_cells,
+    plan_controls,
+    plan_sides,
+    run_matrix,
+    write_outputs,
+)
 from service.artifacts.base import Provenance
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.agreement import token_agreement
@@ -55,7 +64,7 @@ def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
                                  "reason": "no KVQuant state for (dual, 4-bit) in the store"}]
     assert [r["artifact_id"] for r in reported] == [None, None, None, policy_id]
 
-    assert len(list(out.glob(f"cells/tiny/{engine.spec.fingerprint[:16]}/*/tiny_echo.json"))) == 4
+    assert len(list(out.glob(f"cells/tiny/{engine.spec.fingerprint[:16]}/*/tiny_echo-*.json"))) == 4
     # Resume: finished cells are not run again; the skipped one is looked up again (a state may exist by now).
     again = run_matrix(cells, settings, out, lambda name: engine)
     assert again["ran"] == [] and again["already_done"] == 4 and again["skipped"] == first["skipped"]
@@ -78,3 +87,61 @@ def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
     assert rows[("dual", "dllm_kvq")]["kv"]["k_nominal_bits"] == pytest.approx(168 / 36)
     md = paths["md"].read_text()
     assert "| dLLM-KVQ (4-bit) |" in md and "- tiny dual-kvquant-4: no KVQuant state" in md
+
+
+def test_a_cell_is_recomputed_when_the_limit_changes_and_tables_use_one_slice(tmp_path, engine):
+    task_dir = write_echo_task(tmp_path / "tasks", direct_answers(engine))
+    cells = plan_cells(["tiny"], ["dual"], [4], ["kivi"])
+    out = tmp_path / "matrix"
+
+    def run(limit):
+        settings = MatrixSettings(tasks=["tiny_echo"], batch_size=4, limit=limit, include_path=str(task_dir))
+        return run_matrix(cells, settings, out, lambda name: engine)
+
+    assert len(run(2)["ran"]) == 3
+    wider = run(4)
+    assert len(wider["ran"]) == 3 and wider["already_done"] == 0  # nothing of the 2-document run is reused
+    tables = json.loads(write_outputs(out, ["tiny_echo"], files=wider["files"])["json"].read_text())
+    assert tables["documents"] == {"tiny_echo": 4}
+    assert {r["agreement"]["documents"] for r in tables["blocks"][0]["rows"][1:]} == {4}
+    again = run(2)  # the first run's files are still there and match again
+    assert again["ran"] == [] and again["already_done"] == 3
+    assert "Every row: the same 2 documents of tiny_echo." in write_outputs(
+        out, ["tiny_echo"], files=again["files"])["md"].read_text()
+
+
+def test_table3_controls_and_kv_ablation_rows(tmp_path, engine, store_url):
+    url, policy_id = store_url
+    task_dir = write_echo_task(tmp_path / "tasks", direct_answers(engine))
+    settings = MatrixSettings(tasks=["tiny_echo"], batch_size=4, limit=4, store_url=url, include_path=str(task_dir))
+    out = tmp_path / "matrix"
+    controls = run_matrix(plan_controls(["tiny"], ["dual"], [4], ["attention:2", "qerror:1"]), settings, out,
+                          lambda name: engine)
+    assert [r["cell"] for r in controls["ran"]] == [
+        "none", "dual-none", "dual-kivi-4", "dual-dllm_kvq-4-fixed-attention-p2", "dual-dllm_kvq-4-fixed-qerror-p1",
+        "dual-dllm_kvq-4"]
+    # The fixed rules are ordinary policy tables in the store, one (score type, p) on every layer.
+    rule = fixed_rule_table(engine.spec, "dual", 4, "attention:2")
+    assert open_store(url).get_model(KIND_POLICY, rule.id, PolicyTable).layers == [
+        LayerPolicy(score_type="attention", p=2)] * engine.spec.num_layers
+    # Stored after the fitted policy, they are still not taken for it.
+    assert find_artifacts(open_store(url), engine.spec.fingerprint) == {("dllm_kvq", "dual", 4): policy_id}
+    table3 = json.loads(write_outputs(out, ["tiny_echo"], files=controls["files"], table="3",
+                                      rules=["attention:2", "qerror:1"])["json"].read_text())
+    rows = table3["blocks"][0]["rows"]
+    assert [(r["label"], r["k_rule"]) for r in rows] == [
+        ("Cache only", "No quantization"), ("KIVI K/V", "None; all low-bit"),
+        ("Fixed K rule", "Attention, p = 2"), ("Fixed K rule", "Q-error, p = 1"),
+        ("dLLM-KVQ", "Selected per layer")]
+    assert rows[2]["artifact_id"] == rule.id and rows[4]["artifact_id"] == policy_id
+    # Nominal K bits by hand: 36 reused K tokens per block in groups of 4 and 32, p tokens of each at 16 bits.
+    assert rows[1]["kv"]["k_nominal_bits"] == 4.0
+    assert rows[2]["kv"]["k_nominal_bits"] == pytest.approx(((2 * 4 + 2 * 16) + (30 * 4 + 2 * 16)) / 36)
+    assert all(r["agreement"]["reference"] == "Cache only" for r in rows[1:])
+
+    sides = run_matrix(plan_sides(["tiny"], ["dual"], [4], ["kivi"]), settings, out, lambda name: engine)
+    assert [r["cell"] for r in sides["ran"]] == ["dual-kivi-4-konly", "dual-kivi-4-vonly"]  # the rest is reused
+    kv = json.loads(write_outputs(out, ["tiny_echo"], files=sides["files"], table="kv")["json"].read_text())
+    bits = {r["sides"]: (r["kv"]["k_nominal_bits"], r["kv"]["v_nominal_bits"])
+            for r in kv["blocks"][0]["rows"] if r["method"] == "kivi"}
+    assert bits == {"kv": (4.0, 4.0), "k": (4.0, 16.0), "v": (16.0, 4.0)}

@@ -100,10 +100,11 @@ class FakeCohort:
 
 class FakeBatch:
     """The fake `RunningBatch`: each step commits one block of every cohort, sleeping ``block_delay_s`` once;
-    the sizes of the steps go to the engine's ``calls``."""
+    the sizes of the steps go to the engine's ``calls``; no cohort fails alone (``failed`` stays empty)."""
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine, self.cohorts, self.forwards = engine, [], 0
+        self.failed: list[tuple[FakeCohort, BaseException]] = []
 
     def join(self, cohort: FakeCohort) -> None:
         self.cohorts.append(cohort)

@@ -1,15 +1,34 @@
-"""Real processes for integration tests: a private ``redis-server`` on a free port (for stop/restart tests; the
-shared one on 6379 is never stopped) and helpers to wait for a port."""
+"""Real processes for integration tests: private ``redis-server`` processes on free ports (the suite's own, see
+``tests/conftest.py``, and the ones stop/restart tests start), the server, and helpers to wait for a port."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+#: The environment variable naming the suite's Redis (set by ``tests/conftest.py``, or by the caller).
+TEST_REDIS_ENV = "DLLM_TEST_REDIS_URL"
+
+
+def shared_redis_url() -> str:
+    """The suite's own Redis (DB 0), never a user's; fails clearly when redis-server is not installed."""
+    url = os.environ.get(TEST_REDIS_ENV)
+    if not url:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server; scripts/test.sh does it "
+                           f"when root), or set {TEST_REDIS_ENV}")
+    return url
+
+
+def __getattr__(name: str) -> str:
+    # ``from tests.support.processes import SHARED_REDIS_URL``: read when a test module imports it, after
+    # tests/conftest.py started the suite's Redis (a plain constant would be fixed before that).
+    if name == "SHARED_REDIS_URL":
+        return shared_redis_url()
+    raise AttributeError(name)
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """``/admin``: behind the bearer admin key (no key configured: 403 on every route).
 
-``GET/POST /admin/{policies|kvquant_states}``, ``GET/DELETE /admin/{kind}/{id}`` (``GET .../{id}/raw`` gives a
+``GET/POST /admin/{policies|kvquant_states|...}`` (every registered method's artifact type), ``GET/DELETE /admin/{kind}/{id}`` (``GET .../{id}/raw`` gives a
 state's safetensors bytes), ``GET /admin/active``, ``PUT /admin/active/{cache_mode}`` (a `KVQuantConfig`),
 ``GET /admin/audit``, ``POST /admin/eval_scores``.
 """

@@ -68,12 +68,16 @@ class RotaryEmbedding(nn.Module):
         self.theta = float(theta)
         self.full_precision = full_precision
 
+    def inv_freq(self, device: torch.device | str) -> torch.Tensor:
+        """float32 ``[D / 2]``: ``1 / theta^(2j/D)`` (also read by the fused attention kernel, which rotates
+        pre-RoPE reused keys itself)."""
+        # Computed per call (64 values): no buffer, so a meta-device model needs nothing re-initialised.
+        exponent = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float32) / self.head_dim
+        return 1.0 / (self.theta**exponent)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int64 ``[B, T]`` -> float32 cos, sin ``[B, 1, T, D]``."""
-        # Computed per call (64 values): no buffer, so a meta-device model needs nothing re-initialised.
-        exponent = torch.arange(0, self.head_dim, 2, device=positions.device, dtype=torch.float32) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
-        angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq(positions.device)  # [B, T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, D]
         return angles.cos(), angles.sin()
 
@@ -98,13 +102,15 @@ class KVHook(Protocol):
         k_pre: ``[B, H_kv, T, D]`` keys before RoPE; k: the same after RoPE; v: ``[B, H_kv, T, D]``.
 
     Returns:
-        ``None`` to attend over the fresh k/v, or ``(k_all, v_all)`` ``[B, H_kv, T_k, D]`` (post-RoPE keys) to
-        attend over instead, e.g. reused cache columns put next to the fresh window.
+        ``None`` to attend over the fresh k/v, ``(k_all, v_all)`` ``[B, H_kv, T_k, D]`` (post-RoPE keys) to
+        attend over instead, e.g. reused cache columns put next to the fresh window, or the attention output
+        itself, one tensor ``[B, H, T, D]`` (a store that attends straight from its packed cache, see
+        `service.engine.kv_store.KVStore.attend`).
     """
 
     def __call__(
         self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None: ...
 
 
 @dataclass
@@ -190,11 +196,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q = ctx.rope.rotate(q, ctx.positions)
         k = ctx.rope.rotate(k_pre, ctx.positions)
-        if ctx.kv_hook is not None:
-            replaced = ctx.kv_hook(layer, q, k_pre, k, v)
+        replaced = None if ctx.kv_hook is None else ctx.kv_hook(layer, q, k_pre, k, v)
+        if isinstance(replaced, torch.Tensor):  # the hook attended itself (fused kernel over a packed cache)
+            out = replaced
+        else:
             if replaced is not None:
                 k, v = replaced
-        out = attend(q, k, v, ctx.key_mask)  # [B, H, T, D]
+            out = attend(q, k, v, ctx.key_mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,5 @@
+"""Fused attention over the packed reused cache (Triton), and the kernel-ready views of the packed formats.
+
+`service.quant.kernels.operands` is plain torch (importable without Triton); `service.quant.kernels.attention`
+imports Triton and is loaded only when the kernel path is taken (see `service.quant.store.QuantizedKVStore`).
+"""

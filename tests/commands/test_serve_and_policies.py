@@ -1,0 +1,85 @@
+"""The serve command's flags override the DLLM_* environment; the policies command copies between stores and
+refuses an artifact whose content does not give its id."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from service.__main__ import build_parser
+from service.commands.policies import copy_artifacts
+from service.commands.serve import settings_from_args
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.store.base import open_store
+from service.store.redis_store import RedisStore
+from tests.support.artifacts import policy_for
+from tests.support.processes import SHARED_REDIS_URL
+
+SPEC = ModelSpec(arch="llada", model_id="m", fingerprint="ab" * 32, num_layers=3, num_heads=2, num_kv_heads=2,
+                 head_dim=16, vocab_size=100, mask_id=99, eos_ids=(1,), pad_id=0, max_length=128)
+
+
+def test_serve_flags_override_environment(monkeypatch):
+    monkeypatch.setenv("DLLM_PORT", "9000")
+    monkeypatch.setenv("DLLM_MAX_BATCH_SIZE", "2")
+    args = build_parser().parse_args(["serve", "--port", "9100", "--kv-quant", '{"method": "kivi", "bits": 2}',
+                                      "--allow-unauthenticated"])
+    s = settings_from_args(args)
+    assert (s.port, s.max_batch_size, s.kv_quant, s.allow_unauthenticated) == (
+        9100, 2, KVQuantConfig(method="kivi", bits=2), True)
+
+
+@pytest.mark.integration
+def test_policies_export_import_round_trip(tmp_path):
+    redis_store = RedisStore(SHARED_REDIS_URL, prefix=f"test-cli-{uuid.uuid4().hex[:8]}")
+    try:
+        tables = [policy_for(SPEC, p=p) for p in (0, 1)]
+        for t in tables:
+            redis_store.put("policy", t.to_json().encode(), t.id)
+        out = copy_artifacts(redis_store, open_store(str(tmp_path / "export")))
+        assert sorted(out.copied["policy"]) == sorted(t.id for t in tables) and not out.refused
+        again = copy_artifacts(redis_store, open_store(str(tmp_path / "export")))
+        assert again.copied["policy"] == [] and len(again.skipped["policy"]) == 2
+
+        directory = open_store(str(tmp_path / "export"))
+        directory.put("policy", b'{"not": "a policy"}', "policy-0000")
+        target = RedisStore(SHARED_REDIS_URL, prefix=f"test-cli-{uuid.uuid4().hex[:8]}")
+        try:
+            result = copy_artifacts(directory, target)
+            assert sorted(target.list("policy")) == sorted(t.id for t in tables)
+            assert list(result.refused) == ["policy/policy-0000"]
+        finally:
+            target.delete_everything()
+    finally:
+        redis_store.delete_everything()
+
+
+def test_cli_help_lists_serve_and_policies(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "serve" in out and "policies" in out
+
+
+def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
+    """pydantic's message repeats every input, keys included; the serve command must not print them."""
+    from service.commands.serve import run
+
+    admin_key, api_key = "S3cretAdmin!xyz", "apikey-secret-1"  # admin key too short: start-up refused
+    monkeypatch.setenv("DLLM_ADMIN_KEY", admin_key)
+    monkeypatch.setenv("DLLM_API_KEYS", api_key)
+    assert run(build_parser().parse_args(["serve", "--port", "18433"])) == 2
+    err = capsys.readouterr().err
+    assert "admin_key must have at least 16 characters" in err
+    for secret in (admin_key, api_key):
+        for cut in range(len(secret) - 4):  # no 5-character piece of a key either
+            assert secret[cut:cut + 5] not in err
+
+
+def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
+    from service.commands.serve import run
+
+    assert run(build_parser().parse_args(["serve", "--kv-quant", "notjson"])) == 2
+    assert "kv_quant: not valid JSON" in capsys.readouterr().err

@@ -1,0 +1,55 @@
+"""Whole decodes with the fused attention kernel forced on CPU (Triton's interpreter) are token-identical to the
+PyTorch QDQ path, on both tiny checkpoints in fp32 (LLaDA: MHA; Dream: GQA, rotation in the model dtype).
+
+Two rows of different prompt lengths (left padding) in dual mode (prefix mode's window is in the kernel tests of
+tests/quant/test_fused_attention.py); later steps of each block go through
+`QuantizedKVStore.attend` (the kernel) instead of ``read`` + SDPA. Short decodes: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from service.engine.params import DecodeParams
+from service.quant.config import KVQuantConfig
+from service.quant.kvquant import fit_state
+from service.quant.store import QuantizedKVStore, make_kv_store
+from tests.engine.test_decode_quantized import PROV, _capture_pre_rope, policy_for
+from tests.support.fastdllm import four_prompts
+
+# On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py).
+PARAMS = {"gen_length": 32, "block_length": 16, "steps": 6, "threshold": None, "ignore_eos": True}
+
+
+def _store(engine, method: str, prompts, attention: str) -> QuantizedKVStore:
+    spec = engine.spec
+    if method == "dllm_kvq":
+        table = policy_for(spec, 4, p=2)
+        config = KVQuantConfig(method=method, bits=4, k_group_size=8, policy_id=table.id)
+        return make_kv_store(config, spec, artifact=table, attention=attention)
+    keys, values = _capture_pre_rope(engine, prompts)
+    layers = range(spec.num_layers)
+    k = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in keys[i]]) for i in layers]
+    v = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in values[i]]) for i in layers]
+    state = fit_state(k, v, 2, spec, PROV)
+    config = KVQuantConfig(method=method, bits=2, kvquant_state_id=state.id)
+    return make_kv_store(config, spec, artifact=state, attention=attention)
+
+
+@pytest.mark.parametrize(("arch", "method"), [("llada", "dllm_kvq"), ("dream", "kvquant")])
+def test_fused_kernel_decodes_token_identical(engines, arch, method):
+    engine = engines[arch]
+    prompts = four_prompts(arch)[1:3]  # 17 and 40 tokens: the shorter row is left-padded
+    params = DecodeParams(cache_mode="dual", **PARAMS)
+    calls = []
+    fused = _store(engine, method, prompts, "triton")
+    attend = fused.attend
+    fused.attend = lambda *args: calls.append(args[0]) or attend(*args)
+    got = engine.generate(prompts, params, kv_store=fused)
+    expected = engine.generate(prompts, params, kv_store=_store(engine, method, prompts, "torch"))
+    assert len(calls) == engine.spec.num_layers * 2 * 2  # 2 blocks x 2 later steps, every layer through the kernel
+    for row, ref in zip(got.rows, expected.rows):
+        assert row.generated_ids == ref.generated_ids
