@@ -9,15 +9,22 @@ latency p50/p90/p99, the mean batch size the server formed (from ``/metrics``), 
 sequential. Targets (issue #5): >= 1.2x at 8 clients on CPU (batching only shares per-forward overhead there),
 never below 1.0x; >= 3x on a GPU.
 
-``--compare`` (issue #14) instead starts two servers in turn, the continuous scheduler and the legacy batch worker
-(``--scheduler batch``), and measures on each: a mixed open-loop workload (Poisson arrivals at ``--rate`` per
-second; prompts of 20-1,000 tokens; ``max_tokens`` 32-256; a quarter of the requests with 2-bit KIVI), giving
-generated tokens/s and latency p50/p99, then head-of-line: the latency of a 32-token request alone and sent 50 ms
-after a 256-token one; plus the server's peak RSS. It prints the continuous/batch ratios of the same run. Targets:
-throughput >= 1.5x and p50 lower; head-of-line <= 2x alone.
+``--compare`` (issue #14) instead starts two servers in turn, the legacy batch worker (``--scheduler batch``) first,
+then the continuous scheduler, on the same mixed workload (prompts of 20-1,000 tokens; ``max_tokens`` 32-256; a
+quarter of the requests with 2-bit KIVI), and measures on each:
+
+* **capacity**: every request sent at once; generated tokens/s until the last answer (the throughput ratio);
+* **open loop**: Poisson arrivals at ``--load`` (0.7) times the batch worker's capacity in requests/s, measured in
+  this run, so neither server is overloaded and latency is service, not an ever-growing queue: latency p50/p99;
+* **head-of-line**: a 32-token request alone (median of 3) and sent 50 ms after a 256-token one;
+* **memory**: the server's RSS after warm-up (weights, runtime and allocator: the fixed part) and its peak
+  (VmHWM) through the run, against the KV budget (``--kv-budget-bytes``, default 1 GiB on CPU).
+
+It prints the continuous/batch ratios of the same run and the targets: throughput >= 1.5x, p50 lower, head-of-line
+<= 2x alone.
 
 Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]
-[--compare [--rate 4]]``.
+[--compare [--requests 16] [--load 0.7]]``.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def start_server(args: argparse.Namespace, port: int, store: str, log, scheduler
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store,
            "--max-batch-size", "16", "--max-queue", "256", "--batch-wait-ms", str(args.batch_wait_ms),
            "--threads", str(args.threads), "--device", args.device, "--log-level", "warning",
-           "--scheduler", scheduler]
+           "--scheduler", scheduler, "--kv-budget-bytes", str(args.kv_budget_bytes)]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -120,12 +127,29 @@ def run_level(url: str, prompts: list[str], clients: int) -> dict:
     }
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The process's peak resident set (VmHWM) in MiB (Linux)."""
+def rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """The process's peak (VmHWM) or current (VmRSS) resident set in MiB (Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used (Linux ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(pid: int, phase, *args) -> dict:
+    """Run ``phase(*args)`` (a dict of figures); add the server's CPU seconds during it, the generated tokens per
+    server CPU second (a throughput that other jobs on a shared machine do not distort) and the load average."""
+    before = cpu_s(pid)
+    row = phase(*args)
+    row["cpu_s"] = cpu_s(pid) - before
+    row["tok_per_cpu_s"] = row["tokens"] / row["cpu_s"]
+    row["load"] = os.getloadavg()[0]
+    return row
 
 
 def completion(client: httpx.Client, ids: list[int], max_tokens: int, quantized: bool = False) -> tuple[float, int]:
@@ -150,14 +174,15 @@ def mixed_workload(n: int, ids: list[int], seed: int) -> list[tuple[float, list[
     return out
 
 
-def run_mixed(url: str, workload, rate: float) -> dict:
-    """Open loop: request i is sent at its Poisson arrival time whatever the server does."""
+def run_mixed(url: str, workload, rate: float | None) -> dict:
+    """Open loop: request i is sent at its Poisson arrival time (``rate`` per second) whatever the server does;
+    ``rate`` None sends every request at once (capacity)."""
     results: list[tuple[float, int]] = []
     lock = threading.Lock()
 
     def send(item) -> None:
         _, ids, max_tokens, quantized = item
-        with httpx.Client(base_url=url, timeout=900) as client:
+        with httpx.Client(base_url=url, timeout=1800) as client:
             got = completion(client, ids, max_tokens, quantized)
         with lock:
             results.append(got)
@@ -165,7 +190,8 @@ def run_mixed(url: str, workload, rate: float) -> dict:
     threads = []
     t0 = time.perf_counter()
     for gap, *rest in workload:
-        time.sleep(-math.log(1.0 - gap) / rate)  # exponential inter-arrival time
+        if rate is not None:
+            time.sleep(-math.log(1.0 - gap) / rate)  # exponential inter-arrival time
         thread = threading.Thread(target=send, args=((gap, *rest),))
         thread.start()
         threads.append(thread)
@@ -174,7 +200,9 @@ def run_mixed(url: str, workload, rate: float) -> dict:
     wall = time.perf_counter() - t0
     latencies = sorted(r[0] for r in results)
     q = statistics.quantiles(latencies, n=100, method="inclusive")
-    return {"tok_per_s": sum(r[1] for r in results) / wall, "p50_s": q[49], "p99_s": q[98], "wall_s": wall}
+    tokens = sum(r[1] for r in results)
+    return {"tokens": tokens, "tok_per_s": tokens / wall, "req_per_s": len(results) / wall, "p50_s": q[49],
+            "p99_s": q[98], "wall_s": wall}
 
 
 def run_hol(url: str, ids: list[int]) -> dict:
@@ -190,9 +218,10 @@ def run_hol(url: str, ids: list[int]) -> dict:
 
 
 def compare(args: argparse.Namespace) -> None:
-    """Continuous scheduler vs the legacy batch worker, one run (module docstring)."""
-    rows = {}
-    for scheduler in ("continuous", "batch"):
+    """Batch worker, then continuous scheduler, one run (module docstring)."""
+    rows: dict[str, dict] = {}
+    rate = None
+    for scheduler in ("batch", "continuous"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
@@ -203,27 +232,40 @@ def compare(args: argparse.Namespace) -> None:
                 while len(ids) < 2000:
                     ids = ids + ids
                 workload = mixed_workload(args.requests, ids, seed=0)
-                run_mixed(url, workload[:4], 50.0)  # warm-up
-                rows[scheduler] = {**run_mixed(url, workload, args.rate), **run_hol(url, ids),
-                                   "rss_mb": peak_rss_mb(proc.pid)}
+                run_mixed(url, workload[:4], None)  # warm-up
+                row = {"rss_idle_mb": rss_mb(proc.pid, "VmRSS"),
+                       "capacity": measured(proc.pid, run_mixed, url, workload, None)}
+                if rate is None:  # below the legacy worker's capacity, measured just now
+                    rate = args.load * row["capacity"]["req_per_s"]
+                row["open"] = measured(proc.pid, run_mixed, url, workload, rate)
+                row.update(run_hol(url, ids), rss_peak_mb=rss_mb(proc.pid))
+                rows[scheduler] = row
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
     c, b = rows["continuous"], rows["batch"]
-    print(f"serve_load --compare: {args.requests} requests, Poisson {args.rate}/s, prompts 20-1000 tokens, "
-          f"max_tokens 32-256, 1/4 KIVI 2-bit; device {args.device}, {args.threads} torch thread(s)")
-    print(f"{'scheduler':>11} {'tok/s':>7} {'p50 s':>7} {'p99 s':>7} {'32 alone':>9} {'beside 256':>11} "
-          f"{'HOL x':>6} {'RSS MiB':>8}")
+    print(f"serve_load --compare: {args.requests} requests (prompts 20-1000 tokens, max_tokens 32-256, 1/4 KIVI "
+          f"2-bit); open loop: Poisson {rate:.3f}/s = {args.load} x the batch worker's capacity; device "
+          f"{args.device}, {args.threads} torch thread(s); load: 1-minute load average at the end of each phase")
+    print(f"{'scheduler':>11} {'cap tok/s':>9} {'tok/CPU s':>9} {'load':>5} {'open tok/s':>10} {'load':>5} "
+          f"{'p50 s':>7} {'p99 s':>7} {'32 alone':>9} {'beside 256':>11} {'HOL x':>6} {'idle MiB':>8} {'peak MiB':>8}")
     for name, r in rows.items():
-        print(f"{name:>11} {r['tok_per_s']:7.1f} {r['p50_s']:7.2f} {r['p99_s']:7.2f} {r['alone_s']:9.3f} "
-              f"{r['beside_s']:11.3f} {r['beside_s'] / r['alone_s']:6.2f} {r['rss_mb']:8.0f}")
-    ratio, p50 = c["tok_per_s"] / b["tok_per_s"], c["p50_s"] / b["p50_s"]
+        cap, open_ = r["capacity"], r["open"]
+        print(f"{name:>11} {cap['tok_per_s']:9.1f} {cap['tok_per_cpu_s']:9.1f} {cap['load']:5.1f} "
+              f"{open_['tok_per_s']:10.1f} {open_['load']:5.1f} "
+              f"{r['open']['p50_s']:7.2f} {r['open']['p99_s']:7.2f} {r['alone_s']:9.3f} {r['beside_s']:11.3f} "
+              f"{r['beside_s'] / r['alone_s']:6.2f} {r['rss_idle_mb']:8.0f} {r['rss_peak_mb']:8.0f}")
+    ratio = c["capacity"]["tok_per_s"] / b["capacity"]["tok_per_s"]
+    per_cpu = c["capacity"]["tok_per_cpu_s"] / b["capacity"]["tok_per_cpu_s"]
+    p50 = c["open"]["p50_s"] / b["open"]["p50_s"]
     hol = c["beside_s"] / c["alone_s"]
-    print(f"throughput continuous/batch {ratio:.2f}x (target >= 1.5x: {'met' if ratio >= 1.5 else 'NOT met'}); "
-          f"p50 continuous/batch {p50:.2f}x ({'lower' if p50 < 1 else 'NOT lower'}); head-of-line {hol:.2f}x "
-          f"alone (target <= 2x: {'met' if hol <= 2 else 'NOT met'})")
+    print(f"throughput (capacity) continuous/batch {ratio:.2f}x per wall second, {per_cpu:.2f}x per server CPU second "
+          f"(target >= 1.5x: {'met' if min(ratio, per_cpu) >= 1.5 else 'NOT met'}); "
+          f"p50 continuous/batch {p50:.2f}x ({'lower: met' if p50 < 1 else 'NOT lower'}); head-of-line {hol:.2f}x "
+          f"alone (target <= 2x: {'met' if hol <= 2 else 'NOT met'}); continuous RSS peak - idle "
+          f"{c['rss_peak_mb'] - c['rss_idle_mb']:.0f} MiB (budget {args.kv_budget_bytes / 2**20:.0f} MiB)")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"rate": rate, **rows}, indent=2))
 
 
 def main() -> None:
@@ -235,7 +277,9 @@ def main() -> None:
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--compare", action="store_true", help="continuous vs batch scheduler (issue #14)")
-    parser.add_argument("--rate", type=float, default=4.0, help="--compare: Poisson arrivals per second")
+    parser.add_argument("--load", type=float, default=0.7,
+                        help="--compare: open-loop arrival rate as a fraction of the batch worker's capacity")
+    parser.add_argument("--kv-budget-bytes", type=int, default=1 << 30, help="--compare: the servers' KV budget")
     args = parser.parse_args()
     if args.compare:
         compare(args)

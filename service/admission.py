@@ -8,13 +8,15 @@ A running request holds two kinds of memory:
   token are measured once per configuration by writing every layer of the configuration's own store with a probe
   of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
 * **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
-  (activations of one layer, the K/V of one layer with GQA repeats and a dequantized copy, the LM head's logits).
+  (`service.engine.forward_cost`: activations of one layer, the K/V of one layer with GQA repeats and a second
+  copy, the LM head's logits).
 
 The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
 them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Its work
-(:func:`work_tokens`) is held against a ceiling at submission by every worker. Merged
-forwards hold one such transient per row in the forward; ``max_batch_size`` caps how many, and the budget should
-leave room for that (it is not what torch's allocator keeps cached either).
+(:func:`work_tokens`) is held against a ceiling at submission by every worker. The bound holds for merged forwards
+too: the running batch merges passes of several requests into one forward only while the merged forward's
+transient stays within the largest single-request transient of the batch (`service.engine.batch.plan_forwards`),
+so no forward ever needs more than admission reserved.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from service.engine.forward_cost import ForwardCost
 from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
 from service.engine.params import DecodeParams
 from service.engine.spec import ModelSpec
@@ -53,6 +56,7 @@ class MemoryModel:
     def __init__(self, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
                  device: torch.device | str = "cpu") -> None:
         self.spec, self.width, self.mlp_hidden, self.element_size = spec, width, mlp_hidden, element_size
+        self.forward = ForwardCost(width, mlp_hidden, spec.num_heads, spec.head_dim, spec.vocab_size, element_size)
         self.device = torch.device(device)
         self._per_token: dict[object, float] = {}
 
@@ -106,18 +110,9 @@ class MemoryModel:
         return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
 
     def transient(self, seq_len: int, logits_cols: int) -> int:
-        """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns.
-
-        Activations of one layer (residual, norm, q/k/v/o, MLP gate/up/act), the K/V of one layer repeated for GQA
-        plus a dequantized copy, float32 logits. Attention probabilities are not materialised (torch's SDPA runs a
-        flash / memory-efficient kernel with a key mask on CPU and CUDA).
-        """
-        s, e = self.spec, self.element_size
-        activations = seq_len * (6 * self.width + 3 * self.mlp_hidden) * e
-        kv_layer = 3 * 2 * s.num_heads * seq_len * s.head_dim * e
-        logits = logits_cols * s.vocab_size * 4
-        return activations + kv_layer + logits
-
+        """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
+        (`service.engine.forward_cost.ForwardCost.bytes`)."""
+        return self.forward.bytes(1, seq_len, seq_len, logits_cols)
 
 def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.

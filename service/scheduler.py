@@ -175,7 +175,7 @@ class ContinuousWorker(Worker):
                     self._cond.wait()
                 self._publish()
             try:
-                finished = self._batch.step()
+                self._batch.step(on_done=self._finished)
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
@@ -189,10 +189,14 @@ class ContinuousWorker(Worker):
             with self._cond:
                 for cohort, exc in self._batch.failed:
                     self._fail_member(next(m for m in self._members if m.cohort is cohort), exc)
-                for cohort in finished:
-                    self._finish(next(m for m in self._members if m.cohort is cohort))
                 self._publish()
                 self._cond.notify_all()
+
+    def _finished(self, cohort) -> None:
+        """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
+        with self._cond:
+            self._finish(next(m for m in self._members if m.cohort is cohort))
+            self._cond.notify_all()
 
     def _publish(self) -> None:
         for member in self._members:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine.batch import RunningBatch
+from service.engine.batch import PADDING_SLACK, RunningBatch
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
@@ -109,9 +109,9 @@ class Engine:
             cohort.store.clear()
         return self.report(cohort)
 
-    def batch(self) -> RunningBatch:
-        """An empty continuous batch on this model (see `service.engine.batch`)."""
-        return RunningBatch(self.model, self.spec.pad_id)
+    def batch(self, padding_slack: float = PADDING_SLACK) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`; ``padding_slack`` as there)."""
+        return RunningBatch(self.model, self.spec.pad_id, padding_slack)
 
     def cohort(
         self,

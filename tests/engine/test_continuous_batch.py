@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from service.engine import EngineInputError
+from service.engine.batch import PADDING_SLACK, _shape, peak_bytes, plan_forwards
 from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
@@ -43,13 +44,14 @@ MIXED = [
 ]
 
 
+@pytest.mark.parametrize("slack", [float("inf"), PADDING_SLACK], ids=["merge-all", "default"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
-def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch):
+def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, slack):
     engine = engines[arch]
     prompts = four_prompts(arch)
-    batch = engine.batch()
+    batch = engine.batch(slack)
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
-    cohorts, iteration, forwards = {}, 0, []
+    cohorts, iteration, merged = {}, 0, []
     with torch.inference_mode():
         while pending or batch.cohorts:
             while pending and pending[0][1][4] <= iteration:
@@ -57,9 +59,11 @@ def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch):
                 cohorts[index] = engine.cohort([prompts[prompt]], params, [row], _store(engine, kind))
                 batch.join(cohorts[index])
             batch.step()
-            forwards.append(batch.forwards)
+            merged.append(batch.merged)
             iteration += 1
-    assert max(forwards) == 2  # block-initial passes and cached steps of different requests, one forward each
+    # passes of different requests, at different blocks and settings, shared forwards (as far as the memory cap
+    # of `plan_forwards` allows on this tiny model)
+    assert max(merged) >= 2
     for index, (prompt, params, row, kind, _) in enumerate(MIXED):
         got = engine.report(cohorts[index])
         alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind))
@@ -84,9 +88,8 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_kv(engines):
         batch.step()
         batch.step()
         flag[0] = True
-        batch.step()  # the row is marked cancelled after this forward ...
-        finished += batch.step()  # ... and has left before the next one
-        assert finished == [leave] and leave.store._layers == {}
+        finished += batch.step()  # the row is marked cancelled after this forward and leaves at once
+        assert finished == [leave] and leave not in batch.cohorts and leave.store._layers == {}
         while batch.cohorts:
             finished += batch.step()
     assert engine.report(leave).rows[0].finish_reason == "cancelled"
@@ -99,3 +102,27 @@ def test_every_family_declares_its_reveal_rule():
         type("ThirdModel", (DiffusionLM,), {"arch": "third", "logits_shift": 0, "CHECKPOINT_NAMES": {}})
     with pytest.raises(EngineInputError, match="legal: llada, dream"):
         reveal_rule("third")
+
+
+def test_merged_forwards_stay_within_the_memory_admission_reserved(engines):
+    """`plan_forwards` merges passes only while the merged forward's transient fits the largest cohort's own
+    (what admission reserves); with room it merges full and window passes of different requests into one."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    batch = engine.batch()
+    cohorts = [engine.cohort([prompts[i % 4]], _p(gen_length=32 * (1 + i % 3))) for i in range(6)]
+    with torch.inference_mode():
+        for i, cohort in enumerate(cohorts):
+            batch.join(cohort)
+            if i % 2 == 0:
+                batch.step()  # some cohorts move to cached steps, so both kinds are pending
+        calls = [batch._next[c] if c in batch._next else c.next_pass() for c in batch.cohorts]
+    assert {c.kind for c in calls} == {"full", "window"}
+    cap = max(peak_bytes(batch.cost, c) for c in batch.cohorts)
+    huge = 1e18  # an overhead that makes every merge pay
+    groups = plan_forwards(calls, batch.cost, cap, overhead=huge)
+    for group in groups:
+        rows, width, keys = _shape(group)
+        assert batch.cost.bytes(rows, width, keys, max(p.logits_cols.numel() for p in group)) <= cap or len(group) == 1
+    assert len(groups) > 1  # the cap split what the overhead alone would have merged
+    assert len(plan_forwards(calls, batch.cost, 1 << 60, overhead=huge)) == 1

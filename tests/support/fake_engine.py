@@ -113,10 +113,12 @@ class FakeBatch:
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
 
-    def step(self) -> list[FakeCohort]:
+    def step(self, on_done=None) -> list[FakeCohort]:
         finished = [c for c in self.cohorts if c.done]
         for cohort in finished:
             self.leave(cohort)
+            if on_done is not None:
+                on_done(cohort)
         self.forwards = 1 if self.cohorts else 0
         if not self.cohorts:
             return finished
