@@ -67,10 +67,13 @@ def main(argv: list[str] | None = None) -> dict:
         out["answers"].append(_record("chat", q, r.choices[0].message.content or "", r.choices[0].finish_reason,
                                       r.usage, getattr(r, "kv_config", None)))
 
-    q = questions[0]  # streamed: one chunk per committed block, then finish_reason and usage, then [DONE]
+    # Streamed: one chunk per committed block, the finish_reason, then (asked for, as OpenAI does) a last chunk with
+    # the usage and no choices, then [DONE].
+    q = questions[0]
     deltas, finish, usage = [], None, None
     for chunk in client.chat.completions.create(model=args.model, messages=[{"role": "user", "content": q.prompt}],
-                                                max_tokens=GEN_LENGTH, stream=True):
+                                                max_tokens=GEN_LENGTH, stream=True,
+                                                stream_options={"include_usage": True}):
         if chunk.choices:
             deltas.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish

@@ -110,7 +110,7 @@ def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveC
         c = snapshot.config
         if c.method == "none":
             return f"unquantized ({snapshot.source})"
-        artifact = c.policy_id or c.kvquant_state_id
+        artifact = c.artifact_id or c.artifact_file
         return f"{c.method} {c.bits}-bit{' ' + artifact if artifact else ''} ({snapshot.source})"
 
     configs = ", ".join(f"{mode}={describe(snap)}" for mode, snap in sorted(active.all().items()))

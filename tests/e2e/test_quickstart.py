@@ -147,7 +147,7 @@ def test_table_rows_served_score_and_the_cards_slice(run):
     assert 100 * served == pytest.approx(rows["dLLM-KVQ"]["scores"]["digit_ledger"])
     (samples,) = (run / "lm-eval").glob("*/samples_digit_ledger_*.jsonl")
     http = {s["doc_id"]: s["resps"][0][0] for s in map(json.loads, samples.read_text().splitlines())}
-    (cell_file,) = (run / "matrix" / "cells" / "embedded").glob("*/dual-dllm_kvq-2/digit_ledger.json")  # per weights
+    (cell_file,) = (run / "matrix" / "cells" / "embedded").glob("*/dual-dllm_kvq-2/digit_ledger-*.json")  # per weights
     cell = _json(cell_file)
     assert cell["artifact_id"] == policy
     assert {r["doc_id"]: r["text"] for r in cell["records"]} == http and len(http) == 32

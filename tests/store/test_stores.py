@@ -87,7 +87,7 @@ def test_bad_names_are_refused(store, kind, artifact_id):
 def test_active_configuration_swap_audit_and_delete(store):
     pid = store.put("policy", b"table-1")
     missing = KVQuantConfig(method="dllm_kvq", bits=4, policy_id="nope")
-    with pytest.raises(ArtifactNotFound, match="not stored"):
+    with pytest.raises(ArtifactNotFound, match="which is not in the store"):
         store.set_active(FP, "dual", missing)
     assert store.get_active(FP, "dual") is None and store.audit() == []
 
