@@ -53,9 +53,11 @@ def encode_text(tokenizer: Any, text: str, model_id: str, add_special_tokens: bo
     """
     _need(tokenizer, model_id, False, field)
     _unicode(text, field)
+    # verbose=False: the tokenizer warns about sequences past its model_max_length; the engine checks the context
+    # itself and answers such a request with a 400 naming the field, so the warning is only noise in the log.
     if add_special_tokens is None:
-        return list(tokenizer(text)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return list(tokenizer(text, verbose=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True,
@@ -67,7 +69,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
     """
     _need(tokenizer, model_id, True, field)
     return list(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
-                                              tokenize=True))
+                                              tokenize=True, tokenizer_kwargs={"verbose": False}))
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True
