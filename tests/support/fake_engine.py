@@ -26,14 +26,14 @@ class CharTokenizer:
     eos_token, bos_token, pad_token, unk_token = "<eos>", "<bos>", "<pad>", None
     chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict[str, list[int]]:
         ids = [OFFSET + ALPHABET.index(c) for c in text if c in ALPHABET]
         return {"input_ids": ([BOS] if add_special_tokens else []) + ids}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(ALPHABET[i - OFFSET] for i in ids if OFFSET <= i < OFFSET + len(ALPHABET))
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, tokenizer_kwargs=None):
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
                                                                               else "")
         return self(text)["input_ids"] if tokenize else text
