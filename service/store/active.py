@@ -16,14 +16,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.artifacts.base import ArtifactMismatch
+from service.artifacts.base import ArtifactMismatch, legal_v_group_sizes
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
-from service.quant.registry import method, resolve_artifact
+from service.quant.registry import method, resolve_artifact, spellings
 from service.store.base import (
     CACHE_MODES,
+    ID_PATTERN,
     ActiveChange,
     ArtifactConflict,
     ArtifactNotFound,
@@ -117,6 +118,23 @@ class ConfigResolver:
         self.spec = spec
         self._artifacts: dict[tuple[str, str], Any] = {}
 
+    def schema_constraints(self) -> dict[str, Any]:
+        """What :meth:`resolve` refuses beyond `KVQuantConfig`'s own validation, as JSON Schema constraints on a
+        configuration object (the published document states them, issue 13): no file references, ids the store
+        accepts, a K group within the context, a given V group size dividing head_dim. Quantization with cache
+        mode none and artifacts that do not fit the model are left to the caller's rules and to the store."""
+        names = [("artifact_id", "artifact_id"), ("artifact_file", "artifact_file")]
+        names += [(spelling, generic) for spelling, (_, generic) in spellings().items()]
+        properties: dict[str, Any] = {
+            name: ({"type": "null"} if kind == "artifact_file"
+                   else {"anyOf": [{"type": "string", "pattern": ID_PATTERN}, {"type": "null"}]})
+            for name, kind in names
+        }
+        properties["k_group_size"] = {"maximum": self.spec.max_length}
+        properties["v_group_size"] = {"anyOf": [{"enum": legal_v_group_sizes(self.spec.head_dim)},
+                                                {"type": "null"}]}
+        return {"properties": properties}
+
     def resolve(self, config: KVQuantConfig, cache_mode: CacheMode, source: Source, set_at: float | None = None
                 ) -> ConfigSnapshot:
         """Check ``config`` for ``cache_mode`` on the loaded model and load what it names.
@@ -133,16 +151,18 @@ class ConfigResolver:
                 f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
                 "only: upload it through /admin and name it by id"
             )
+        # Group sizes are bounded whatever the method (one bound for the published schema to state, issue 13);
+        # the default V group size matters only to a method that quantizes.
+        try:
+            config.check_bounds(self.spec.max_length, self.spec.head_dim, default_v=entry.quantizer is not None)
+        except KVQuantError as exc:
+            raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
         if entry.quantizer is None:
             return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
         try:
             config.check_cache_mode(cache_mode)
         except KVQuantError as exc:
             raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
-        try:
-            config.check_bounds(self.spec.max_length, self.spec.head_dim)
-        except KVQuantError as exc:
-            raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
         try:
             artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
         except ArtifactMismatch as exc:

@@ -13,7 +13,8 @@ from service.api.deps import ServingDep, require_api_key
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-@router.post("/generate")
+@router.post("/generate", description="One prompt in, the engine's report out (with the configuration snapshot "
+             "it ran with).\n\n" + s.GENERATION_RULES)
 async def generate(body: s.GenerateRequest, request: Request, serving: ServingDep) -> s.GenerateResponse:
     """One prompt in, the engine's `DecodeReport` out (with the configuration snapshot it ran with)."""
     plan = serving.plan_generate(body)
