@@ -116,30 +116,14 @@ class NullOrHas(Cond):
         return obj is None or getattr(obj, self.inner) == self.value
 
     def _has(self) -> dict[str, Any]:
-        required = [] if self.value == self.inner_default else [self.inner]
-        return {"type": "object", "required": required, "properties": {self.inner: {"const": self.value}}}
+        has: dict[str, Any] = {"type": "object", "properties": {self.inner: {"const": self.value}}}
+        return has if self.value == self.inner_default else {**has, "required": [self.inner]}
 
     def schema(self, defaults=None) -> dict[str, Any]:
         return {"properties": {self.field: {"anyOf": [{"type": "null"}, self._has()]}}}
 
     def negated(self, defaults=None) -> dict[str, Any]:
         return {"required": [self.field], "properties": {self.field: {"type": "object", "not": self._has()}}}
-
-
-class Not(Cond):
-    """The negation of a condition."""
-
-    def __init__(self, cond: Cond) -> None:
-        self.cond = cond
-
-    def holds(self, model: BaseModel) -> bool:
-        return not self.cond.holds(model)
-
-    def schema(self, defaults=None) -> dict[str, Any]:
-        return self.cond.negated(defaults)
-
-    def negated(self, defaults=None) -> dict[str, Any]:
-        return self.cond.schema(defaults)
 
 
 class Rule:
@@ -257,5 +241,5 @@ def only(annotation: Any, legal: str) -> Any:
     return Annotated[annotation, WrapValidator(refuse)]
 
 
-__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas",
+__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "NullOrHas",
            "RuledModel", "only"]
