@@ -8,7 +8,7 @@ the document once, when it is first asked for, and makes a 405 list every method
 What the running server decides is filled in at that point (:func:`fill`): the values the request models mark
 with `service.api.schemas.from_server` (context length, vocabulary, model names, ... :func:`server_values`), the
 cross-field rules restated with the server's defaults (`service.api.rules`), and the configuration a request or
-an activation may name (`service.store.active.ConfigResolver.schema_constraints`).
+an activation may name (`service.store.config_check.schema_constraints`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from service.api.rules import RULED
 from service.api.schemas import FROM_SERVER
 from service.engine.models import reveal_rule
 from service.quant.registry import artifact_types
+from service.store.config_check import schema_constraints
 
 # Statuses any route can answer, with why (the body is always OpenAI's error object).
 _ERRORS = {
@@ -164,7 +165,7 @@ def fill(doc: dict[str, Any], state: Any) -> dict[str, Any]:
         schemas["ServedKVQuantConfig"] = {
             "description": "a KVQuantConfig as the server resolves it: fitted artifacts by store id only, group "
                            "sizes that fit the loaded model",
-            "allOf": [{"$ref": _REF + "KVQuantConfig"}, state.active.resolver.schema_constraints()]}
+            "allOf": [{"$ref": _REF + "KVQuantConfig"}, schema_constraints(state.serving.spec)]}
         for name in _RESOLVED:
             if name in schemas:
                 _retarget(schemas[name]["properties"]["kv_quant"])
