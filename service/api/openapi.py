@@ -65,8 +65,6 @@ _SSE_EVENT = {
 _RESOLVED = ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest")
 _ACTIVATE = ("/admin/active/{cache_mode}", "put")
 _REF = "#/components/schemas/"
-
-
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 
 

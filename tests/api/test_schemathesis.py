@@ -1,10 +1,11 @@
 """The published API is the served API (issue 13): schemathesis, stateless and with bounded examples, against a
 real ``python -m service serve`` process on the embedded model, without and with the admin key.
 
-Every check runs, ``positive_data_acceptance`` included (a schema-valid request must be accepted: 2xx, or 401,
-403, 404, 409, 429, 5xx; never 400 or 422), and each must report 0 failures. The document states every rule JSON
-Schema can express (`service.api.rules`, `service.api.openapi`); the few it cannot are restated by the hook module
-`tests.api.schemathesis_hooks`, which drops the positive cases that break them, and only those:
+Every check runs, ``positive_data_acceptance`` included (a schema-valid request must be answered 2xx, 3xx, 401,
+403, 404, 409, 429 or 5xx, schemathesis' default; never 400 or 422), and each must report 0 failures. The
+document states every rule JSON Schema can express (`service.api.rules`, `service.api.openapi`); the few it cannot
+are restated by the hook module `tests.api.schemathesis_hooks`, which drops the positive cases that break them,
+and only those:
 
 * ``context``: prompt tokens + ``max_tokens`` rounded up to whole blocks <= the model's context (tokens, not
   characters: a text's length in tokens is the tokenizer's);
