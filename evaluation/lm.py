@@ -131,9 +131,9 @@ class DllmKvqLM(TemplateLM):
         self._device = self.engine.device
         self.records: list[GenerationRecord] = []
         self.kv_reports: list[KVReport] = []
-        self._artifacts: dict[KVQuantConfig, Any] = {}
+        self._artifacts: dict[tuple[KVQuantConfig, str], Any] = {}
         self._chat_rendered: set[str] = set()
-        self._artifacts_for(a.kv_config)  # load and validate the artifact now, not at the first batch
+        self._artifacts_for(a.kv_config, a.cache_mode)  # load and validate the artifact now, not at the first batch
         self.base_params = DecodeParams(gen_length=response_length(a.max_gen_toks, a.block_length),
                                         **a.decode_settings())
 
@@ -209,17 +209,18 @@ class DllmKvqLM(TemplateLM):
         return text
 
     # ---- KV quantization --------------------------------------------------------------------------------------
-    def _artifacts_for(self, config: KVQuantConfig) -> Any:
-        """The artifact ``config`` names (None if its method applies none), loaded once and checked."""
-        if config not in self._artifacts:
-            self._artifacts[config] = load_artifact(config, self.spec, self.args.store)
-        return self._artifacts[config]
+    def _artifacts_for(self, config: KVQuantConfig, cache_mode: str) -> Any:
+        """The artifact ``config`` names (None if its method applies none), loaded once and checked against the
+        model and ``cache_mode`` (a policy fitted for another cache mode is refused, as the server refuses it)."""
+        if (config, cache_mode) not in self._artifacts:
+            self._artifacts[config, cache_mode] = load_artifact(config, self.spec, self.args.store, cache_mode)
+        return self._artifacts[config, cache_mode]
 
-    def _new_kv_store(self, config: KVQuantConfig):
+    def _new_kv_store(self, config: KVQuantConfig, cache_mode: str):
         """A fresh KV store for one engine batch; None = the engine's full-precision store."""
         if config.method == "none":
             return None
-        return make_kv_store(config, self.spec, self._artifacts_for(config))
+        return make_kv_store(config, self.spec, self._artifacts_for(config, cache_mode))
 
     # ---- generation -------------------------------------------------------------------------------------------
     def _plan(self, index: int, context: str, gen_kwargs: dict[str, Any]) -> _Plan:
@@ -269,7 +270,7 @@ class DllmKvqLM(TemplateLM):
         for (params, kv_config), members in groups.items():
             for start in range(0, len(members), size):
                 chunk = members[start:start + size]
-                kv_store = self._new_kv_store(kv_config)
+                kv_store = self._new_kv_store(kv_config, params.cache_mode)
                 report = self.engine.generate(
                     [p.prompt for p in chunk], params, rows=[p.row for p in chunk], kv_store=kv_store,
                 )

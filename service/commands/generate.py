@@ -82,6 +82,27 @@ def kv_config(args: argparse.Namespace):
     )
 
 
+#: `KVQuantConfig` fields and the flags that set them, for error messages (the CLI user typed flags, not fields).
+FLAGS = {"cache_mode": "--cache-mode", "bits": "--kv-bits", "k_group_size": "--kv-group-size",
+         "v_group_size": "--kv-v-group-size", "policy_file": "--policy", "kvquant_state_file": "--kvquant-state",
+         "artifact_file": "--kv-artifact"}
+
+
+def flag_message(message: str) -> str:
+    """``message`` with a leading artifact-file field name (``policy_file 'x' cannot be used ...``) as its flag."""
+    field, sep, rest = message.partition(" ")
+    return f"{FLAGS[field]}{sep}{rest}" if field.endswith("_file") and field in FLAGS else message
+
+
+def artifact_flag(args: argparse.Namespace) -> str:
+    """The flag (and file) that named the artifact: ``--policy runs/p.json``."""
+    for flag, value in (("--policy", args.policy), ("--kvquant-state", args.kvquant_state),
+                        ("--kv-artifact", args.kv_artifact)):
+        if value is not None:
+            return f"{flag} {value}"
+    return "the artifact"
+
+
 def one_line_report(row, timings) -> str:
     """``finish=... tokens=... nfe=... steps/block=[...] tok/s=... time=...s`` for plain output."""
     return (
@@ -99,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from service.engine import Engine, EngineInputError
     from service.engine.params import RowOptions
     from service.quant.errors import KVQuantError
+    from service.quant.registry import resolve_artifact
     from service.quant.store import make_kv_store
 
     try:
@@ -107,15 +129,21 @@ def run(args: argparse.Namespace) -> int:
         quant = kv_config(args)
         quant.check_cache_mode(params.cache_mode)
         engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-        # Policy/state files are read and checked against the model here, before any decoding.
-        store = make_kv_store(quant, engine.spec)
+        # Policy/state files are read and checked against the model and the cache mode here, before any decoding,
+        # by the one resolver the server uses (a policy fitted for another cache mode is refused as it is there).
+        artifact = resolve_artifact(quant, engine.spec, cache_mode=params.cache_mode)
+        store = make_kv_store(quant, engine.spec, artifact)
         prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
         report = engine.generate([prompt], params, [row_options], kv_store=store)
     except ValidationError as err:
         print(f"error: {describe_validation_error(err)}", file=sys.stderr)
         return 2
-    except (EngineInputError, KVQuantError, ArtifactMismatch) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except ArtifactMismatch as err:
+        hint = f" (set by {FLAGS[err.field]})" if err.field in FLAGS else ""
+        print(f"error: {artifact_flag(args)} does not fit: {err}{hint}", file=sys.stderr)
+        return 2
+    except (EngineInputError, KVQuantError) as err:
+        print(f"error: {flag_message(str(err))}", file=sys.stderr)
         return 2
     row = report.rows[0]
     if args.json:

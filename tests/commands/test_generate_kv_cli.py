@@ -63,3 +63,25 @@ def test_bad_kv_input_exits_2_with_what_is_legal(tmp_path, spec):
     # Full recompute reuses nothing: the server refuses this (400), so does the CLI.
     out = _cli("--kv-quant", "kivi", "--kv-bits", "2", "--cache-mode", "none")
     assert out.returncode == 2 and "cache mode 'none' reuses nothing" in out.stderr
+
+
+def test_a_policy_fitted_for_another_cache_mode_is_refused_naming_the_field(tmp_path, spec):
+    """The CLI passes its cache mode to the one resolver, as the server does (its 400 names kv_quant.cache_mode):
+    the dual-cache policy with --cache-mode prefix is refused before any decoding, naming the field and the flag."""
+    path = tmp_path / "policy.json"
+    path.write_text(_policy(spec, spec.num_layers).to_json())  # fitted for the dual cache
+    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "prefix")
+    assert out.returncode == 2, out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"error: --policy {path} does not fit: cache_mode: the artifact has 'dual', the configuration asks for "
+        "'prefix' (set by --cache-mode)"]
+    # The same file with the cache mode it was fitted for decodes.
+    assert _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "dual").returncode == 0
+
+
+def test_a_missing_policy_file_is_named_by_its_flag(tmp_path):
+    missing = tmp_path / "nope"
+    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(missing))
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"error: --policy '{missing}' cannot be used: ")
+    assert "policy_file" not in out.stderr.replace(str(missing), "")

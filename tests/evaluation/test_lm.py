@@ -126,3 +126,24 @@ def test_rows_sample_with_their_seed(engine):
 def test_lm_evals_own_models_stay_registered():
     assert get_model("local-completions").__name__ == "LocalCompletionsAPI"
     assert get_model("dummy").__name__ == "DummyLM"
+
+
+def test_a_policy_fitted_for_another_cache_mode_is_refused(engine, tmp_path):
+    """The model passes its cache mode to the one resolver, as the server does: a dual-cache policy with
+    cache_mode=prefix is refused at construction, and per request when gen_kwargs switch the cache mode."""
+    from service.artifacts.base import ArtifactMismatch, Provenance
+    from service.artifacts.policy import LayerPolicy, PolicyTable
+
+    spec = engine.spec
+    table = PolicyTable(model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=2,
+                        k_group_size=32, v_group_size=16, k_bit_cap=4.9, provenance=Provenance(data="-", code="tests"),
+                        layers=[LayerPolicy(score_type="hybrid", p=1)] * spec.num_layers)
+    path = tmp_path / "policy.json"
+    path.write_text(table.to_json())
+    with pytest.raises(ArtifactMismatch, match="cache_mode: the artifact has 'dual', the configuration asks for "
+                                               "'prefix'"):
+        DllmKvqLM(engine=engine, cache_mode="prefix", method="dllm_kvq", bits=2, policy_file=str(path))
+    lm = DllmKvqLM(engine=engine, cache_mode="dual", method="dllm_kvq", bits=2, policy_file=str(path))
+    req = Instance("generate_until", {}, (PROMPTS[0], {"until": [], "max_gen_toks": 32, "cache_mode": "prefix"}), 0)
+    with pytest.raises(ArtifactMismatch, match="cache_mode"):
+        lm.generate_until([req], disable_tqdm=True)
