@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from calibration.job import CalibrationJob, JobSettings, RunSummary
-from service.commands import store_url_arg
+from service.commands import prog, store_url_arg
 from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, default=1, help="torch threads (default 1)")
     add("--out", type=Path, default=Path("calibration-report"), help="report directory (report, all)")
     add("--no-progress", action="store_true")
-    parser = argparse.ArgumentParser(prog="python -m calibration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog("calibration"), description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     collect = verbs.add_parser("collect", help="download the paper's corpus (needs internet and `datasets`)")
     collect.add_argument("--out", type=Path, required=True, help="directory for the bucket JSONL files")

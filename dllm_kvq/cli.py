@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in COMMANDS:
         print(f"dllm-kvq: unknown command {argv[0]!r}; legal: {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2
+    import service.commands
+
+    service.commands.console = "dllm-kvq"  # usage lines and errors name the command the user typed
     return COMMANDS[argv[0]](argv[1:])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.commands import prog
 from service.store.base import open_store
 
 #: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
@@ -33,7 +34,7 @@ def calibration_record(store_url: str | None, run_id: str) -> tuple[str, dict[st
         if run_id == "latest":
             if not ids:
                 raise ValueError(f"--from-calibration latest: no calibration run ({KIND_CALIBRATION_FIT}) in the "
-                                 f"store {store_url}; run `python -m calibration all --store {store_url}` first")
+                                 f"store {store_url}; run `{prog('calibration', 'all')} --store {store_url}` first")
             run_id = max(ids, key=lambda i: store.info(KIND_CALIBRATION_FIT, i).created_at)
         elif run_id not in ids:
             raise ValueError(f"--from-calibration {run_id}: no such calibration run in the store {store_url} "

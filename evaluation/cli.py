@@ -28,7 +28,7 @@ from pathlib import Path
 
 from evaluation.controls import DEFAULT_RULES
 from evaluation.protocol import PRESETS, get_preset
-from service.commands import store_url_arg
+from service.commands import prog, store_url_arg
 from service.config import STORE_HELP, default_store
 
 #: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
@@ -54,7 +54,7 @@ def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> lis
         task_dir: gsm8k folder or None -> folder of the written offline tasks (called only without
             ``--include_path``).
     """
-    parser = argparse.ArgumentParser(prog="python -m evaluation lm-eval", add_help=False)
+    parser = argparse.ArgumentParser(prog=prog("evaluation", "lm-eval"), add_help=False)
     parser.add_argument("--preset", choices=sorted(PRESETS))
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl (gsm8k_local)")
     ours, rest = parser.parse_known_args(argv)
@@ -85,7 +85,7 @@ def run_lm_eval(argv: list[str]) -> int:
 
 def run_tasks(argv: list[str]) -> int:
     """The ``tasks`` subcommand: write the offline task YAMLs."""
-    parser = argparse.ArgumentParser(prog="python -m evaluation tasks")
+    parser = argparse.ArgumentParser(prog=prog("evaluation", "tasks"))
     parser.add_argument("--out", required=True, help="folder to write <task>.yaml files into")
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
     args = parser.parse_args(argv)
@@ -96,7 +96,7 @@ def run_tasks(argv: list[str]) -> int:
 
 def matrix_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation matrix",
+        prog=prog("evaluation", "matrix"),
         description="Run the paper's result matrix with lm-eval in-process; resumes from --out.")
     parser.add_argument("--table", choices=TABLES, default="main",
                         help="main: Tables 1-2 (methods x bits x cache modes, matrix.*); 3: the K-policy controls of "
@@ -331,7 +331,7 @@ def run_push_scores(argv: list[str]) -> int:
 
     from evaluation.scores import ScoreReporter, ScoreReportError, reports_from_lm_eval
 
-    parser = argparse.ArgumentParser(prog="python -m evaluation push-scores",
+    parser = argparse.ArgumentParser(prog=prog("evaluation", "push-scores"),
                                      description="Send the task scores of an lm-eval results_*.json file to the "
                                                  "server's /admin/eval_scores (and so the store).")
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
@@ -386,5 +386,5 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except (CommandError, ScoreReportError, httpx.HTTPError) as exc:
         # A refused or unreachable server during a matrix run is the user's setting too: one line.
-        print(f"python -m evaluation {argv[0]}: error: {exc}", file=sys.stderr)
+        print(f"{prog('evaluation', argv[0])}: error: {exc}", file=sys.stderr)
         return 2

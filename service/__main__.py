@@ -13,11 +13,12 @@ import pkgutil
 import sys
 
 import service.commands
+from service.commands import prog
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every command found in `service.commands`."""
-    parser = argparse.ArgumentParser(prog="python -m service", description="dllm-kvq: serve and run diffusion LMs")
+    parser = argparse.ArgumentParser(prog=prog("service"), description="dllm-kvq: serve and run diffusion LMs")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
     for module in sorted(info.name for info in pkgutil.iter_modules(service.commands.__path__)):
         importlib.import_module(f"service.commands.{module}").add_parser(subparsers)

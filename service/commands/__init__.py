@@ -8,6 +8,19 @@ from pydantic.fields import FieldInfo
 
 from service.store.base import InvalidName, check_store_url
 
+#: The console command's name while it dispatches (`dllm_kvq.cli` sets it), else None (a ``python -m`` form).
+console: str | None = None
+#: The console subcommand that runs each ``python -m`` package (``dllm-kvq calibrate`` is ``python -m calibration``).
+CONSOLE_SUBCOMMAND = {"service": "", "calibration": "calibrate", "evaluation": "evaluate"}
+
+
+def prog(package: str, *words: str) -> str:
+    """How the user invoked ``package``'s command, for argparse's ``prog`` (usage lines) and messages that name a
+    command: ``dllm-kvq calibrate`` under the console command, else ``python -m calibration``; ``words`` (a verb)
+    follow."""
+    head = f"{console} {CONSOLE_SUBCOMMAND[package]}".strip() if console else f"python -m {package}"
+    return " ".join([head, *words])
+
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One ``field: reason`` per error, WITHOUT the input values or pydantic's documentation links: its own

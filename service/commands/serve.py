@@ -4,7 +4,7 @@ Every setting of `service.config.Settings` is also a flag (``--max-batch-size 8`
 ``DLLM_*`` environment. With no ``--model`` (and no ``DLLM_MODEL``) the embedded default model is served.
 SIGTERM: readiness fails and new requests are refused at once, admitted ones finish (up to ``drain_timeout_s``).
 Exit status: 0 after a clean stop, 1 when the drain timeout cut admitted requests, 2 for a bad setting, 3 when
-start-up failed.
+start-up failed (the port cannot be bound: one line, before the model loads).
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import argparse
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from service.commands import add_model_flags, describe_validation_error
+from service.commands import add_model_flags
 from service.config import Settings
 
 
@@ -49,9 +50,43 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{name}: not valid JSON ({exc.msg} at char {exc.pos})") from None
+                raise ValueError(f"--{name.replace('_', '-')} / DLLM_{name.upper()}: not valid JSON ({exc.msg} at "
+                                 f"char {exc.pos})") from None
         overrides[name] = value
     return Settings(**overrides)
+
+
+def describe_settings_error(exc: ValidationError) -> str:
+    """One ``--flag / DLLM_NAME: reason`` per error (the flag and the variable that set the setting), WITHOUT the
+    input values (pydantic's own message repeats them, admin and API keys included)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        loc = [str(part) for part in error["loc"]]
+        message = error["msg"].removeprefix("Value error, ")
+        if loc and loc[0] in Settings.model_fields:
+            where = f"--{loc[0].replace('_', '-')} / DLLM_{loc[0].upper()}" + "".join(f".{p}" for p in loc[1:])
+            message = f"{where}: {message}"
+        lines.append(message)
+    return "; ".join(lines)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a busy port fails at once in one line (not after
+    the server has logged that it is ready); uvicorn serves on it (as its own ``Config.bind_socket`` would make it).
+
+    Raises:
+        OSError: the address cannot be bound (in use, not an address of this host, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,11 +98,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"error: bad setting: {describe_validation_error(exc)}", file=sys.stderr)
+        print(f"error: bad setting: {describe_settings_error(exc)}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"error: bad setting: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        print(f"error: --port / DLLM_PORT: cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); "
+              "stop what is using it or choose another --port", file=sys.stderr)
+        return STARTUP_FAILED
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
 
@@ -91,9 +132,10 @@ def run(args: argparse.Namespace) -> int:
     # failure. SIGINT keeps its default (KeyboardInterrupt).
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()
     if not server.started:
         return STARTUP_FAILED  # the lifespan failed (uvicorn logged why)
     return 0 if getattr(app.state, "drained", True) else DRAIN_CUT

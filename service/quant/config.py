@@ -100,12 +100,17 @@ class KVQuantConfig(BaseModel):
 
     @model_serializer(mode="wrap")
     def _write_spellings(self, handler):
-        """Write the reference under the method's own spellings, so stored and reported configs keep them."""
+        """Write the reference under the method's own spellings, so stored and reported configs keep them, and
+        leave out references that are not set: a KIVI config beside a dLLM-KVQ one (an activation's old and new)
+        shows no ``artifact_id: null`` next to the other's ``policy_id``, so both read with the same keys."""
         out = handler(self)
         entry = _registry().method(self.method)
         for generic in ("artifact_id", "artifact_file"):
-            if generic in out and entry.spelling(generic) != generic:
-                out[entry.spelling(generic)] = out.pop(generic)
+            if generic not in out:
+                continue
+            value = out.pop(generic)
+            if value is not None:
+                out[entry.spelling(generic)] = value
         return out
 
     @classmethod

@@ -55,6 +55,9 @@ def test_kvquant_state_upload_read_activate_delete(client):
     r = client.put("/admin/active/dual", json={"method": "kvquant", "bits": 2, "kvquant_state_id": state.id},
                    headers=ADMIN)
     assert r.status_code == 200 and r.json()["old"]["method"] == "none"
+    # Old and new read with the same keys: a reference is written only when set, under the method's spelling.
+    assert set(r.json()["new"]) - set(r.json()["old"]) == {"kvquant_state_id"}
+    assert "artifact_id" not in r.json()["old"] and "artifact_file" not in r.json()["old"]
     gen = client.post("/generate", json={"prompt": "ab", "max_tokens": 4}, headers={"Authorization": "Bearer user-key-1"})
     assert gen.json()["kv_config"]["kv_quant"]["kvquant_state_id"] == state.id
     assert client.delete(f"/admin/kvquant_states/{state.id}", headers=ADMIN).status_code == 409

@@ -73,8 +73,8 @@ def test_a_policy_fitted_for_another_cache_mode_is_refused_naming_the_field(tmp_
     out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "prefix")
     assert out.returncode == 2, out.stdout
     assert out.stderr.strip().splitlines() == [
-        f"error: --policy {path} does not fit: cache_mode: the artifact has 'dual', the configuration asks for "
-        "'prefix' (set by --cache-mode)"]
+        (f"error: --policy {path} does not fit: cache_mode: the artifact has 'dual', the configuration asks for "
+        "'prefix' (set by --cache-mode)")]
     # The same file with the cache mode it was fitted for decodes.
     assert _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "dual").returncode == 0
 

@@ -72,7 +72,8 @@ def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
     monkeypatch.setenv("DLLM_API_KEYS", api_key)
     assert run(build_parser().parse_args(["serve", "--port", "18433"])) == 2
     err = capsys.readouterr().err
-    assert "admin_key must have at least 16 characters" in err
+    assert err.strip() == ("error: bad setting: --admin-key / DLLM_ADMIN_KEY: must have at least 16 characters (or be "
+                           "empty to close admin)")
     for secret in (admin_key, api_key):
         for cut in range(len(secret) - 4):  # no 5-character piece of a key either
             assert secret[cut:cut + 5] not in err
@@ -82,4 +83,22 @@ def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
     from service.commands.serve import run
 
     assert run(build_parser().parse_args(["serve", "--kv-quant", "notjson"])) == 2
-    assert "kv_quant: not valid JSON" in capsys.readouterr().err
+    assert "--kv-quant / DLLM_KV_QUANT: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    """The port is bound before the model loads: a busy one is exit 3 with one line naming the flag and the address
+    (it used to log that the server was ready, then fail to bind)."""
+    import socket
+
+    from service.commands.serve import STARTUP_FAILED, run
+
+    monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert run(build_parser().parse_args(["serve", "--port", str(port), "--model", "/nonexistent"])) == STARTUP_FAILED
+    err = capsys.readouterr().err
+    assert err.splitlines() == [(f"error: --port / DLLM_PORT: cannot listen on 127.0.0.1:{port} (Address already in "
+                                "use); stop what is using it or choose another --port")]
