@@ -22,6 +22,8 @@ from service.commands import prog, store_url_arg
 from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
+#: Where ``report`` and ``all`` write without ``--out`` (reports go under runs/, which git ignores).
+DEFAULT_OUT = Path("runs") / "calibration"
 
 
 def _pair(text: str) -> tuple[str, str]:
@@ -80,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         "item's key, since trajectories and diagnostics depend on it")
     add("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     add("--threads", type=int, default=1, help="torch threads (default 1)")
-    add("--out", type=Path, default=Path("calibration-report"), help="report directory (report, all)")
+    add("--out", type=Path, default=DEFAULT_OUT,
+        help="report directory of report and all: report.md and the activation bodies (default %(default)s, "
+             "ignored by git like everything under runs/)")
     add("--no-progress", action="store_true")
     parser = argparse.ArgumentParser(prog=prog("calibration"), description=__doc__.split("\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -158,8 +162,11 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
     if summary.convergence:
         rows = summary.convergence
         settled = sum(1 for r in rows if r["settled"])
+        changes = [abs(r["last_change"]) for r in rows if r["last_change"] is not None]
+        change = (f"largest last-round objective change {max(changes):.4f} nats" if changes else
+                  "one round each, so no change between rounds to report (--rounds 2 or more measures it)")
         print(f"  TRACE: {settled} of {len(rows)} samples settled (assignment unchanged) within the round limit; "
-              f"largest last-round objective change {max(abs(r['last_change']) for r in rows):.4f} nats", file=out)
+              f"{change}", file=out)
     if summary.report:
         print(f"  report: {summary.report}", file=out)
     if summary.activation_configs:
@@ -175,15 +182,35 @@ def main(argv: list[str] | None = None) -> int:
 
         print(collect(args.out))
         return 0
-    from calibration.fit import DiagnosticSums
-    from service.engine import Engine
-    from service.store.base import open_store
+    from service.store.base import StoreError, StoreUnavailable, open_store
 
     # The job logs each sample's TRACE convergence (objective per round, settled or not) at INFO.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.perf_counter()
     settings = settings_from(args)
     store = open_store(*default_store(args.store, args.store_prefix))
+    try:
+        store.list("policy")  # opening contacts nothing (open_store); one read does, before the model loads
+    except (StoreError, OSError) as exc:
+        store.close()
+        print(f"{prog('calibration', args.verb)}: error: --store {store.location}: cannot read it ({exc}); start "
+              "the store (redis-server) or give another --store", file=sys.stderr)
+        return 2
+    try:
+        return _run_verb(args, settings, store, started)
+    except StoreUnavailable as exc:
+        print(f"{prog('calibration', args.verb)}: error: --store {store.location}: the store went away ({exc})",
+              file=sys.stderr)
+        return 2
+    finally:
+        store.close()
+
+
+def _run_verb(args: argparse.Namespace, settings: JobSettings, store, started: float) -> int:
+    """Load the model and run the verb (`main`, after the store answered)."""
+    from calibration.fit import DiagnosticSums
+    from service.engine import Engine
+
     job = CalibrationJob(settings, store, Engine.load(settings.model, dtype=args.dtype, device=args.device,
                                                          threads=args.threads),
                          progress=not args.no_progress)
@@ -211,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_activation_configs(job.summary, settings.k_group_size, job.v_group_size, args.out)
         job.summary.activation_configs = [str(p) for p in paths]
     print_summary(job.summary, time.perf_counter() - started, store=store.location)
-    store.close()
     return 0
 
 

@@ -241,8 +241,9 @@ class CalibrationJob:
             log.info("TRACE %s: objective per round %s nats; %s", row["trajectory"],
                      ", ".join(f"{o:.4f}" for o in row["objectives"]),
                      {True: f"settled after {row['rounds']} round(s)", None: "settling not recorded",
-                      False: f"not settled at the {row['rounds']}-round limit (last change "
-                             f"{row['last_change']:+.4f})"}[row["settled"]])
+                      False: f"not settled at the {row['rounds']}-round limit ("
+                             + (f"last change {row['last_change']:+.4f})" if row["last_change"] is not None else
+                                "one round: no change between rounds to measure)")}[row["settled"]])
         self.summary.trajectories = self._trajectory_ids = ids
         self._timed("trace", started)
         return ids
@@ -400,14 +401,15 @@ class CalibrationJob:
 
 def convergence_row(trajectory_id: str, trajectory: Trajectory, round_limit: int) -> dict[str, Any]:
     """One sample's TRACE refinement: objective per round (nats), rounds run, whether the assignment settled, and
-    the last round's change of the objective. A trajectory stored before ``settled`` was recorded counts as
+    the last round's change of the objective (None after a single round: there is no change to measure). A
+    trajectory stored before ``settled`` was recorded counts as
     settled when it stopped before the limit (only a stable assignment stops it early)."""
     settled = trajectory.settled
     if settled is None and trajectory.rounds < round_limit:
         settled = True
     objectives = list(trajectory.objectives)
     return {"trajectory": trajectory_id, "rounds": trajectory.rounds, "objectives": objectives, "settled": settled,
-            "last_change": objectives[-1] - objectives[-2] if len(objectives) > 1 else 0.0}
+            "last_change": objectives[-1] - objectives[-2] if len(objectives) > 1 else None}
 
 
 def _layer_fit_json(fits: dict[str, list[LayerFit]], tables: dict[str, PolicyTable],

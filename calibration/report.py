@@ -122,6 +122,10 @@ def _table4_markdown(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
     return lines
 
 
+def _change(value: float | None) -> str:
+    return "— (one round)" if value is None else f"{value:+.4f}"
+
+
 def convergence_markdown(rows: Sequence[Mapping], round_limit: int) -> list[str]:
     """TRACE convergence: one row per sample (`calibration.job.convergence_row`)."""
     settled = sum(1 for r in rows if r["settled"])
@@ -132,7 +136,7 @@ def convergence_markdown(rows: Sequence[Mapping], round_limit: int) -> list[str]
     for r in rows:
         state = {True: "yes", False: "no", None: "not recorded"}[r["settled"]]
         lines.append(f"| `{r['trajectory'][:14]}` | {r['rounds']} | "
-                     + ", ".join(f"{o:.3f}" for o in r["objectives"]) + f" | {r['last_change']:+.4f} | {state} |")
+                     + ", ".join(f"{o:.3f}" for o in r["objectives"]) + f" | {_change(r['last_change'])} | {state} |")
     return lines + [""]
 
 

@@ -84,6 +84,8 @@ def test_calibration_all_writes_policies_and_states_into_redis(tmp_path, redis_p
     convergence = report.split("## TRACE convergence")[1].split("## Trajectory")[0]
     assert "within the limit of 1 refinement round(s)" in convergence and convergence.count("| `trace-") == 2
     assert " of 2 samples settled (assignment unchanged) within the round limit" in out
+    # One round: no change between rounds exists, so none is printed as +0.0000.
+    assert "no change between rounds to report" in out and "+0.0000" not in out + convergence
     surfaces = sorted(p.name for p in (tmp_path / "report").glob("*_surface_*.png"))
     assert surfaces == ["k_surface_layer2_head0_block0.png", "v_surface_layer2_head0_block0.png"]
     for name in ("policy_map.png", "win_rates.png", *surfaces):

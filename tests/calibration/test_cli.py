@@ -24,3 +24,36 @@ def test_activation_bodies_name_each_artifact_with_its_group_sizes(tmp_path, cap
     summary.activation_configs = [str(p) for p in paths]
     print_summary(summary, 1.0)
     assert str(paths[0]) in capsys.readouterr().out
+
+
+def test_reports_default_under_runs_and_help_says_so(capsys):
+    import pytest
+
+    from calibration.cli import DEFAULT_OUT, build_parser
+
+    assert DEFAULT_OUT.as_posix() == "runs/calibration"  # git ignores runs/
+    assert build_parser().parse_args(["all"]).out == DEFAULT_OUT
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["all", "--help"])
+    assert "(default runs/calibration," in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unreachable_store_is_one_line_before_the_model_loads(capsys):
+    """Redis not running: one line naming --store and the URL, exit 2 (it was a StoreUnavailable traceback)."""
+    from calibration.cli import main
+    from tests.support.processes import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    assert main(["all", "--store", url, "--model", "/nonexistent", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"python -m calibration all: error: --store {url} (key prefix ")
+    assert "cannot read it (" in err[0] and "Connection refused" in err[0]
+    assert err[0].endswith("start the store (redis-server) or give another --store")
+
+
+def test_one_round_reports_no_change_rather_than_zero(capsys):
+    summary = RunSummary(convergence=[{"trajectory": "trace-a", "rounds": 1, "objectives": [-3.0], "settled": False,
+                                       "last_change": None}])
+    print_summary(summary, 1.0)
+    out = capsys.readouterr().out
+    assert "no change between rounds to report" in out and "+0.0000" not in out
