@@ -46,6 +46,62 @@ def _task_dir(out: Path, gsm8k_dir: str | None) -> Path:
     return write_task_dir(out, gsm8k_dir, extra=embedded_task_configs())
 
 
+#: lm-eval's name of the in-process model (`evaluation.lm.MODEL_NAME`; not imported: it loads torch and lm-eval).
+IN_PROCESS_MODEL = "dllm-kvq"
+#: lm-eval's models that talk to a server over HTTP (their ``base_url`` model_arg names it).
+HTTP_MODELS = ("local-completions", "local-chat-completions")
+
+
+def _split_flags(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``--flag=value`` as ``--flag value`` for ``flags`` (lm-eval takes both; the launcher reads them)."""
+    out = []
+    for a in args:
+        name, sep, value = a.partition("=")
+        out += [name, value] if sep and name in flags else [a]
+    return out
+
+
+def _value(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args[:-1] else None
+
+
+def parse_model_args(text: str | None) -> dict:
+    """lm-eval's ``--model_args``: ``key=value,...`` or a JSON object, as a dict ({} when absent).
+
+    Raises:
+        CommandError: a JSON object that does not parse.
+    """
+    import json
+
+    if not text or not text.strip():
+        return {}
+    if text.strip().startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise CommandError(f"--model_args: not a JSON object ({exc})") from None
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+
+
+def with_model_name(args: list[str]) -> list[str]:
+    """lm-eval names its output folder after ``model=`` in ``--model_args`` (a random name without one): an
+    in-process run of the embedded default model gets ``model=embedded``, so its results land in
+    ``<output_path>/embedded/results_*.json`` as the HTTP runs' do."""
+    import json
+
+    if _value(args, "--model") != IN_PROCESS_MODEL:
+        return args
+    text = _value(args, "--model_args")
+    if "model" in parse_model_args(text):
+        return args
+    if text is None:
+        return [*args, "--model_args", "model=embedded"]
+    i = args.index("--model_args") + 1
+    named = (json.dumps({"model": "embedded", **json.loads(text)}) if text.strip().startswith("{")
+             else ",".join(filter(None, ["model=embedded", text.strip()])))
+    return [*args[:i], named, *args[i + 1:]]
+
+
 def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> list[list[str]]:
     """The lm-eval CLI argument lists the ``lm-eval`` subcommand runs, in order (module docstring).
 
@@ -58,6 +114,7 @@ def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> lis
     parser.add_argument("--preset", choices=sorted(PRESETS))
     parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl (gsm8k_local)")
     ours, rest = parser.parse_known_args(argv)
+    rest = with_model_name(_split_flags(rest, ("--model", "--model_args")))
     if "--include_path" not in rest:
         rest += ["--include_path", str(task_dir(ours.gsm8k_dir))]
     command = "run"
@@ -71,15 +128,54 @@ def lm_eval_runs(argv: list[str], task_dir: Callable[[str | None], Path]) -> lis
             for task, shots in preset.tasks.items()]
 
 
+def check_server(args: list[str]) -> None:
+    """For lm-eval's HTTP models: the server of ``base_url`` answers (any HTTP status) before lm-eval starts, so a
+    server that is not running is one line naming the URL, not lm-eval's retries and a ConnectionError traceback.
+
+    Raises:
+        CommandError: no ``base_url``, or nothing answers there.
+    """
+    import httpx
+
+    if _value(args, "--model") not in HTTP_MODELS:
+        return
+    url = parse_model_args(_value(args, "--model_args")).get("base_url")
+    if not url:
+        raise CommandError(f"--model_args: {_value(args, '--model')} needs base_url=http://HOST:PORT/v1/... (the "
+                           "server's completions or chat completions URL)")
+    try:
+        httpx.get(str(url), timeout=10)
+    except httpx.HTTPError as exc:
+        raise CommandError(f"--model_args base_url={url}: cannot reach the server ({exc or type(exc).__name__}); "
+                           f"start it (`{prog('service', 'serve')}`) or fix base_url") from None
+
+
 def run_lm_eval(argv: list[str]) -> int:
-    """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run."""
+    """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run. Bad input (an
+    unknown task or model_arg, an artifact that does not fit, a server that does not answer) is one line."""
+    import requests
     from lm_eval.__main__ import cli_evaluate
 
     import evaluation.lm  # noqa: F401 - registers the dllm-kvq model with lm-eval
+    from evaluation.model_args import ModelArgsError
+    from service.artifacts.base import ArtifactMismatch
+    from service.store.base import StoreError
 
     for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
+        check_server(args)
         sys.argv = ["lm-eval", *args]
-        cli_evaluate()
+        try:
+            cli_evaluate()
+        except (ModelArgsError, ArtifactMismatch, StoreError) as exc:
+            raise CommandError(f"--model_args: {exc}") from None
+        except requests.exceptions.ConnectionError as exc:
+            url = parse_model_args(_value(args, "--model_args")).get("base_url")
+            raise CommandError(f"--model_args base_url={url}: the server stopped answering ({exc})") from None
+        except ValueError as exc:
+            if str(exc).startswith("Tasks not found"):
+                raise CommandError(f"--tasks: {exc}; `{prog('evaluation', 'lm-eval')} ls tasks` lists them (ours are "
+                                   f"in {_value(args, '--include_path')})") from None
+            raise CommandError(str(exc).replace("\n", " ")) from None
     return 0
 
 

@@ -125,7 +125,7 @@ class DllmKvqLM(TemplateLM):
             kwargs["batch_size"] = int(kwargs["batch_size"])
         self.args = EvalModelArgs.parse({k: v for k, v in kwargs.items() if v is not None})
         a = self.args
-        self.engine = engine if engine is not None else Engine.load(a.model, a.dtype, a.device, a.threads)
+        self.engine = engine if engine is not None else Engine.load(a.checkpoint, a.dtype, a.device, a.threads)
         self.spec = self.engine.spec
         self.tokenizer = self.engine.tokenizer
         self._device = self.engine.device

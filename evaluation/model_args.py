@@ -12,19 +12,27 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from service.commands import describe_validation_error
 from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
 
 #: Keys of `KVQuantConfig` accepted directly as model_args (``method=dllm_kvq,bits=4,policy_id=...``): its fields
 #: and the registered methods' spellings of the artifact reference.
 KV_FIELDS: tuple[str, ...] = KVQuantConfig.accepted_keys()
+#: ``model=embedded``: the embedded default model (the name it serves under, and lm-eval's folder for its results).
+EMBEDDED = "embedded"
+
+
+class ModelArgsError(ValueError):
+    """Bad ``--model_args`` of ``dllm-kvq``: the message (one line) names the key and what is legal."""
 
 
 class EvalModelArgs(DecodeSettings):
     """Every model_arg of ``dllm-kvq`` (README "Evaluate with lm-eval" has the table).
 
     Attributes:
-        model: checkpoint dir or HF repo id (offline cache); None = the embedded default model.
+        model: checkpoint dir or HF repo id (offline cache); None or ``embedded`` = the embedded default model
+            (`checkpoint` gives what `Engine.load` takes).
         dtype, device, threads: `Engine.load` arguments (``threads`` sets torch's intra-op threads).
         cache_mode, block_length, threshold, steps, remasking, ignore_eos, dream_schedule: the decoding settings
             (`service.engine.params.DecodeSettings`; paper: dual, 32, 0.9). ``steps`` alone replaces the threshold.
@@ -78,17 +86,23 @@ class EvalModelArgs(DecodeSettings):
         return self
 
     @property
+    def checkpoint(self) -> str | None:
+        """What `Engine.load` takes: the checkpoint, or None for the embedded default model."""
+        return None if self.model in (None, EMBEDDED) else self.model
+
+    @property
     def kv_config(self) -> KVQuantConfig:
         """The `KVQuantConfig` these arguments name."""
         return KVQuantConfig(**{name: getattr(self, name) for name in KV_FIELDS})
 
     @classmethod
     def parse(cls, raw: dict) -> EvalModelArgs:
-        """Validate lm-eval's keyword arguments; `ValueError` lists the legal keys or values on a bad one."""
+        """Validate lm-eval's keyword arguments; `ModelArgsError` (one line) lists the legal keys or values on a bad
+        one."""
         unknown = sorted(set(raw) - set(cls.model_fields))
         if unknown:
-            raise ValueError(f"unknown model_args {unknown}; legal: {', '.join(cls.model_fields)}")
+            raise ModelArgsError(f"unknown model_args {unknown}; legal: {', '.join(cls.model_fields)}")
         try:
             return cls(**raw)
         except ValidationError as exc:
-            raise ValueError(f"bad model_args for dllm-kvq: {exc}") from exc
+            raise ModelArgsError(f"bad model_args for dllm-kvq: {describe_validation_error(exc)}") from exc

@@ -15,7 +15,7 @@ def _dir(gsm8k_dir):
 def test_arguments_pass_through_with_our_task_folder():
     runs = lm_eval_runs(["--model", "dllm-kvq", "--tasks", "digit_ledger", "--limit", "4"], _dir)
     assert runs == [["run", "--model", "dllm-kvq", "--tasks", "digit_ledger", "--limit", "4",
-                     "--include_path", "/tasks/default"]]
+                     "--model_args", "model=embedded", "--include_path", "/tasks/default"]]
     runs = lm_eval_runs(["ls", "tasks", "--gsm8k-dir", "g"], _dir)
     assert runs == [["ls", "tasks", "--include_path", "/tasks/g"]]
     assert lm_eval_runs(["--include_path", "mine", "--tasks", "x"], _dir) == [["run", "--include_path", "mine",
@@ -27,7 +27,8 @@ def test_paper_preset_runs_each_task_with_its_shots_and_the_decoding_settings():
     assert [(r[2], r[4]) for r in runs] == [("gsm8k", "5"), ("minerva_math", "4"), ("humaneval", "0"), ("mbpp", "3")]
     for r in runs:
         assert r[5:9] == ["--gen_kwargs", "max_gen_toks=256", "block_length=32", "threshold=0.9"]
-        assert r[9:] == ["--model", "dllm-kvq", "--gen_kwargs", "threshold=0.8", "--include_path", "/tasks/default"]
+        assert r[9:] == ["--model", "dllm-kvq", "--gen_kwargs", "threshold=0.8", "--model_args", "model=embedded",
+                         "--include_path", "/tasks/default"]
     assert (PAPER.gen_length, PAPER.block_length, PAPER.threshold) == (256, 32, 0.9)
 
 
@@ -37,3 +38,52 @@ def test_unknown_preset_and_command():
     with pytest.raises(SystemExit):
         lm_eval_runs(["--preset", "fast"], _dir)
     assert main(["nope"]) == 2
+
+
+@pytest.mark.parametrize(("given", "passed"), [
+    (["--model_args", "cache_mode=dual,method=kivi"], ["--model_args", "model=embedded,cache_mode=dual,method=kivi"]),
+    (["--model_args=cache_mode=dual"], ["--model_args", "model=embedded,cache_mode=dual"]),
+    (["--model_args", '{"cache_mode": "dual"}'], ["--model_args", '{"model": "embedded", "cache_mode": "dual"}']),
+    (["--model_args", "model=/ckpt,cache_mode=dual"], ["--model_args", "model=/ckpt,cache_mode=dual"]),
+])
+def test_the_in_process_model_is_named_so_lm_eval_writes_a_stable_folder(given, passed):
+    """lm-eval names its output folder after model= (a random name without it): <output_path>/embedded/."""
+    runs = lm_eval_runs(["--model", "dllm-kvq", *given, "--tasks", "t"], _dir)
+    assert runs == [["run", "--model", "dllm-kvq", *passed, "--tasks", "t", "--include_path", "/tasks/default"]]
+    # HTTP models name themselves (model= is the served name); nothing is added.
+    http = ["--model", "local-completions", "--model_args", "base_url=http://h/v1/completions", "--tasks", "t"]
+    assert lm_eval_runs(http, _dir) == [["run", *http, "--include_path", "/tasks/default"]]
+
+
+def test_the_embedded_model_arg_loads_the_embedded_model():
+    from evaluation.model_args import EvalModelArgs
+
+    assert EvalModelArgs.parse({"model": "embedded"}).checkpoint is None
+    assert EvalModelArgs.parse({"model": "/ckpt"}).checkpoint == "/ckpt"
+
+
+def _one_line(capsys, argv) -> str:
+    """The error line (the last on stderr: lm-eval logs its warnings there before it) of a run that exits 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+def test_an_http_run_against_a_server_that_is_not_running_is_one_line(capsys):
+    from tests.support.processes import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/v1/chat/completions"
+    err = _one_line(capsys, ["lm-eval", "--model", "local-chat-completions", "--model_args",
+                             f"model=embedded,base_url={url}", "--tasks", "digit_ledger", "--limit", "2"])
+    assert err.startswith(f"python -m evaluation lm-eval: error: --model_args base_url={url}: cannot reach the server")
+    assert err.endswith("start it (`python -m service serve`) or fix base_url")
+
+
+@pytest.mark.slow
+def test_a_misspelled_task_or_model_arg_is_one_line(capsys):
+    err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--tasks", "digit_ledgr", "--limit", "1"])
+    assert err.startswith("python -m evaluation lm-eval: error: --tasks: Tasks not found: ") and "ls tasks" in err
+    err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--model_args", "cache=dual", "--tasks",
+                             "digit_ledger", "--limit", "1"])
+    assert err.startswith("python -m evaluation lm-eval: error: --model_args: unknown model_args ['cache']; legal: ")
