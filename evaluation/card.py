@@ -1,7 +1,7 @@
 """Put the matrix into a model card: ``quantization.json`` beside the weights, and the card's Quantization section.
 
-``python -m evaluation matrix ... --card DIR`` (one model) writes ``DIR/quantization.json``: per table (``--table``
-main, 3, kv) the markdown exactly as the tool rendered it, the command, the slice and the time it took, with the
+``dllm-kvq evaluate matrix ... --card DIR`` (one model) writes ``DIR/quantization.json``: per table (``--table``
+main, 3, kv) the markdown exactly as the tool rendered it, the command, the slice and the host, with the
 fingerprint of the weights they were measured on, and splices them into ``DIR/README.md`` under
 ``## Quantization``. The
 card generator (``scripts/embedded_card.py``) reads ``quantization.json`` too and prints the table only while the
@@ -31,8 +31,8 @@ TABLES = {
 def _entry_markdown(table: str, entry: dict[str, Any]) -> str:
     heading, question = TABLES[table]
     head = f"{heading}\n\n{question} " if heading else ""
-    return (f"{head}Measured with `{entry['command']}` ({entry['documents']} documents per task, "
-            f"{entry['wall_seconds'] / 60:.1f} min wall time on {entry['host']}).\n\n{entry['markdown'].rstrip()}\n")
+    return (f"{head}Measured with `{entry['command']}` ({entry['documents']} documents per task, on "
+            f"{entry['host']}).\n\n{entry['markdown'].rstrip()}\n")
 
 
 def card_section(data: dict[str, Any]) -> str:
@@ -40,7 +40,7 @@ def card_section(data: dict[str, Any]) -> str:
     Table 3 and the K/V ablation when they were measured (``tables``; a file from before holds the main one flat)."""
     tables = data.get("tables") or {"main": data}
     parts = [(f"{SECTION}\n\nOn the weights with fingerprint `{data['fingerprint'][:16]}...`; the dLLM-KVQ policies "
-             "and KVQuant states are the newest fitted on these weights in the store (`python -m calibration all "
+             "and KVQuant states are the newest fitted on these weights in the store (`.venv/bin/dllm-kvq calibrate all "
              "--store <store>`). Written by the tool (`evaluation/card.py`); after retraining, run the calibration "
              "and then the same commands again.\n")]
     parts += [_entry_markdown(name, tables[name]) for name in TABLES if name in tables]
@@ -48,10 +48,11 @@ def card_section(data: dict[str, Any]) -> str:
 
 
 def write_card(directory: str | Path, *, markdown: str, fingerprint: str, command: str, documents: int | None,
-               wall_seconds: float, host: str, table: str = "main") -> Path:
+               host: str, table: str = "main") -> Path:
     """Record one table (``table``: a key of `TABLES`) in ``quantization.json`` and splice `card_section` into
     ``README.md`` (appended when it has no such section); returns the JSON path. Tables measured on other weights
-    are dropped.
+    are dropped. Nothing in the card depends on when or how fast it ran (no wall time: the run's own
+    ``matrix.json`` has it), so the same results write the same files and a rerun leaves git clean.
 
     Raises:
         FileNotFoundError: ``directory`` does not exist.
@@ -62,8 +63,8 @@ def write_card(directory: str | Path, *, markdown: str, fingerprint: str, comman
     path = directory / CARD_FILE
     old = json.loads(path.read_text()) if path.exists() else {}
     tables = (old.get("tables") or {"main": old}) if old.get("fingerprint") == fingerprint else {}
-    tables[table] = {"command": command, "documents": documents if documents else "all",
-                     "wall_seconds": wall_seconds, "host": host, "markdown": markdown}
+    tables[table] = {"command": command, "documents": documents if documents else "all", "host": host,
+                     "markdown": markdown}
     main = tables.get("main", {})
     data = {"fingerprint": fingerprint, "command": main.get("command", command), "tables": tables}
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -73,7 +74,8 @@ def write_card(directory: str | Path, *, markdown: str, fingerprint: str, comman
     # The section runs from its heading to the next level-2 heading (or the end).
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
     if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
+        # A blank line before the next section; none added at the end of the file (a rewrite is byte-identical).
+        text = pattern.sub(lambda m: section + ("\n" if m.end() < len(text) else ""), text, count=1)
     else:
         text = text.rstrip() + "\n\n" + section
     readme.write_text(text)

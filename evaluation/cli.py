@@ -286,6 +286,14 @@ def check_matrix_inputs(args: argparse.Namespace, tasks: list[str]) -> None:
     if args.server and args.admin_key_env not in os.environ:
         raise CommandError(f"--server {args.server} needs the admin key in the environment variable "
                            f"{args.admin_key_env} (--admin-key-env); it is not set")
+    if args.server:
+        import httpx
+
+        try:
+            httpx.get(f"{args.server.rstrip('/')}/health", timeout=10)
+        except httpx.HTTPError as exc:
+            raise CommandError(f"--server {args.server}: cannot reach it ({exc or type(exc).__name__}); start the "
+                               f"server (`{prog('service', 'serve')}`) or leave out --server") from None
     if args.store:
         from service.store.base import InvalidName, StoreUnavailable, open_store
 
@@ -352,7 +360,17 @@ def run_matrix_command(argv: list[str]) -> int:
 
         on_result = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=args.store)
     started = time.perf_counter()
-    summary = matrix.run_matrix(cells, settings, args.out, load_engine, on_result, task_manager=task_manager)
+    try:
+        # A card is written only with every row of its table: a missing artifact stops the run before any cell.
+        summary = matrix.run_matrix(cells, settings, args.out, load_engine, on_result, task_manager=task_manager,
+                                    require_all=bool(args.card))
+    except matrix.MissingArtifacts as exc:
+        raise CommandError(f"--card {args.card}: the table would lack rows ({exc}); fit them first "
+                           f"(`{prog('calibration', 'all')} --store {args.store}`); no cell ran and the card was "
+                           "not written") from None
+    if args.card and summary["skipped"]:
+        raise CommandError(f"--card {args.card}: rows were skipped ({'; '.join(s['cell'] for s in summary['skipped'])}"
+                           "); the card was not written")
     extra_md, extra_json = _calibration_extras(args, summary["files"])
     paths = matrix.write_outputs(args.out, tasks, summary["skipped"], extra_md,
                                  {**extra_json, "run": {**summary, "wall_seconds": time.perf_counter() - started}},
@@ -414,9 +432,9 @@ def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], 
         raise CommandError(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
     host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
         f", {args.threads} torch thread(s)" if args.threads else "")
+    # The command in the form the docs give, whichever form ran it, so the card does not change with it.
     write_card(args.card, markdown=markdown, fingerprint=fingerprints.pop(), documents=args.limit,
-               command="python -m evaluation matrix " + shlex.join(argv),
-               wall_seconds=sum(r["seconds"] for r in results), host=host, table=args.table)
+               command=".venv/bin/dllm-kvq evaluate matrix " + shlex.join(argv), host=host, table=args.table)
 
 
 def run_push_scores(argv: list[str]) -> int:

@@ -343,9 +343,14 @@ def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_
     }
 
 
+class MissingArtifacts(ValueError):
+    """`run_matrix` with ``require_all``: cells whose policy table or KVQuant state is not in the store (the
+    message lists each with the reason)."""
+
+
 def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
                load_engine: Callable[[str], Any], on_result: Callable[[dict[str, Any]], None] | None = None,
-               task_manager=None) -> dict[str, Any]:
+               task_manager=None, require_all: bool = False) -> dict[str, Any]:
     """Run every (cell, task) whose result with these inputs (`cell_inputs`) is not yet on disk, in order.
 
     Args:
@@ -355,12 +360,14 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
             cell files).
         on_result: called with each new cell file's content (accuracy telemetry).
         task_manager: lm-eval's (`task_manager_for` when None).
+        require_all: refuse to skip: a cell without its artifact raises `MissingArtifacts` once the model is loaded,
+            before any of its cells runs (a model card must not get a table with rows missing).
 
     Returns:
         ``{"ran", "skipped", "already_done", "seconds", "fingerprints", "files"}`` (``fingerprints``: model ->
         weights; ``files``: the cell files of this run's settings, run or reused, for `write_outputs`).
     """
-    from service.quant.registry import method, methods
+    from service.quant.registry import methods
 
     out = Path(out_dir)
     task_manager = task_manager or task_manager_for(settings.tasks, settings.include_path)
@@ -378,6 +385,11 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
             if cell.model not in engines:
                 engines[cell.model] = load_engine(cell.model)
                 artifacts[cell.model] = find_artifacts(store, engines[cell.model].spec.fingerprint) if store else {}
+                missing = [_missing_reason(c) for c in cells if c.model == cell.model and c.rule is None
+                           and c.method in methods(with_artifact=True)
+                           and (c.method, c.cache_mode, c.bits) not in artifacts[cell.model]]
+                if require_all and missing:
+                    raise MissingArtifacts(f"{cell.model}: " + "; ".join(missing))
             engine = engines[cell.model]
             artifact_id = None
             if cell.rule is not None:
@@ -387,7 +399,7 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
             elif cell.method in methods(with_artifact=True):
                 artifact_id = artifacts[cell.model].get((cell.method, cell.cache_mode, cell.bits))
                 if artifact_id is None:
-                    reason = f"no {method(cell.method).artifact.LABEL} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
+                    reason = _missing_reason(cell).split(": ", 1)[1]
                     skipped.append({"model": cell.model, "cell": cell.key, "reason": reason})
                     log.warning("skip %s %s: %s", cell.model, cell.key, reason)
                     continue
@@ -410,6 +422,13 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
     return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started,
             "fingerprints": {model: engine.spec.fingerprint for model, engine in engines.items()},
             "files": [str(f) for f in files]}
+
+
+def _missing_reason(cell: Cell) -> str:
+    """``dual-dllm_kvq-2: no policy table for (dual, 2-bit) in the store``."""
+    from service.quant.registry import method
+
+    return f"{cell.key}: no {method(cell.method).artifact.LABEL} for ({cell.cache_mode}, {cell.bits}-bit) in the store"
 
 
 # ---- tables --------------------------------------------------------------------------------------------------

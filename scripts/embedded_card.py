@@ -43,7 +43,7 @@ def quantization_section(directory: Path) -> str:
             return card_section(data)
         how = f"`{data['command']}`"
     else:
-        how = "`python -m evaluation matrix --models embedded --tasks digit_ledger --card service/assets/embedded ...`"
+        how = "`.venv/bin/dllm-kvq evaluate matrix --models embedded --tasks digit_ledger --card service/assets/embedded ...`"
     return (f"{SECTION}\n\nThe KV-quantization table (methods x bits x cache modes, accuracy and agreement) comes from "
             f"the evaluation matrix and has not been measured on these weights yet: run {how}.\n")
 

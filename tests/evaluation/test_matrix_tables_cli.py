@@ -4,6 +4,7 @@ one-line errors of the evaluation CLI."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -64,6 +65,44 @@ def test_matrix_inputs_are_checked_before_any_work(tmp_path, capsys):
     assert "--bits 3" in _one_line_error(capsys, _args(tmp_path / "m", store)[:-2] + ["--bits", "3"])
     assert "--rules" in _one_line_error(capsys, _args(tmp_path / "m", store, "--table", "3", "--rules", "x:1"))
     assert "--card" in _one_line_error(capsys, _args(tmp_path / "m", store, "--card", str(tmp_path / "no")))
+    assert not (tmp_path / "m" / "cells").exists()
+
+
+def test_a_card_is_written_only_with_every_row_and_the_same_results_write_the_same_card(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """--card refuses a table with a row it cannot run (no fitted policy in the store): one line, exit 2, no cell
+    run, the card untouched. A card written twice from the same results (fresh cell files, other timings) is the
+    same bytes: nothing in it depends on how long the run took."""
+    card = tmp_path / "card"
+    card.mkdir()
+    (card / "README.md").write_text("# card\n")
+    empty = tmp_path / "empty-store"
+    empty.mkdir()
+    err = _one_line_error(capsys, _args(tmp_path / "m", empty, "--table", "3", "--rules", "attention:1",
+                                        "--card", str(card)))
+    assert err.startswith(f"python -m evaluation matrix: error: --card {card}: the table would lack rows (embedded: "
+                          "dual-dllm_kvq-2: no policy table for (dual, 2-bit) in the store)")
+    assert err.endswith("no cell ran and the card was not written")
+    assert sorted(p.name for p in card.iterdir()) == ["README.md"] and (card / "README.md").read_text() == "# card\n"
+    assert not (tmp_path / "m" / "cells").exists()
+    written = []
+    for _ in range(2):  # the main table's KIVI rows need no artifact; each run computes its cells afresh
+        shutil.rmtree(tmp_path / "m", ignore_errors=True)
+        assert main(_args(tmp_path / "m", empty, "--methods", "kivi", "--card", str(card))) == 0
+        written.append({p.name: p.read_bytes() for p in card.iterdir()})
+    assert written[0] == written[1] and b"KIVI (2-bit)" in written[0]["README.md"]
+    assert b"wall" not in written[0]["README.md"] + written[0]["quantization.json"]
+
+
+def test_an_unreachable_server_is_named_before_any_work(tmp_path, capsys, monkeypatch):
+    from tests.support.processes import free_port
+
+    monkeypatch.setenv("DLLM_ADMIN_KEY", "x" * 20)
+    url = f"http://127.0.0.1:{free_port()}"
+    store = tmp_path / "store"
+    store.mkdir()
+    err = _one_line_error(capsys, _args(tmp_path / "m", store, "--server", url))
+    assert err.startswith(f"python -m evaluation matrix: error: --server {url}: cannot reach it (")
     assert not (tmp_path / "m" / "cells").exists()
 
 
