@@ -7,9 +7,10 @@ Prints each answer, whether it is right (``evaluation.embedded_task.score``: exa
 configuration the server says it ran with (``kv_config``), and tokens/s per cache mode (completion tokens over
 wall seconds, requests one after another). ``--json FILE`` also writes everything it printed as JSON.
 
-Usage: ``python examples/ask.py [--base-url http://127.0.0.1:8000/v1] [--questions 8] [--json FILE]``. The
-server's address: ``--base-url``, else ``$DLLM_SERVER_URL/v1`` (``DLLM_SERVER_URL=http://127.0.0.1:8001``), else
-``http://127.0.0.1:8000/v1``.
+Usage: ``.venv/bin/python examples/ask.py [--url http://127.0.0.1:8000] [--questions 8] [--json FILE]``. The
+server's root URL, as ``examples/kv_metrics.py`` takes it (``/v1`` is added here for the client): ``--url``, else
+``$DLLM_SERVER_URL``, else ``http://127.0.0.1:8000``. A server that does not answer, or answers with an error, is
+one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+import openai
 from openai import OpenAI
 from transformers import AutoTokenizer
 
@@ -50,14 +53,16 @@ def _describe(kv_config: dict | None) -> str:
 def main(argv: list[str] | None = None) -> dict:
     """Run the questions; returns (and with ``--json`` writes) what was printed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base-url", default=SERVER_URL + "/v1",
-                    help="the server's /v1 URL (default: $DLLM_SERVER_URL/v1, else %(default)s)")
+    ap.add_argument("--url", default=SERVER_URL,
+                    help="the server's root URL (default: $DLLM_SERVER_URL, else %(default)s)")
     ap.add_argument("--api-key", default="unused", help="a key from DLLM_API_KEYS when the server has any")
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--questions", type=int, default=8, help="held-out test questions to ask (from the first)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args(argv)
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
+    # The client's base URL is the root's /v1 (a root given with /v1 already is taken as it is).
+    root = args.url.rstrip("/").removesuffix("/v1")
+    client = OpenAI(base_url=root + "/v1", api_key=args.api_key, max_retries=0, timeout=600)
     questions = load_split("test")[: args.questions]
     out: dict = {"answers": [], "tokens_per_s": {}}
 
@@ -114,5 +119,19 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
+def run(argv: list[str] | None = None) -> int:
+    """`main` as a command: 0, or 2 with one line on stderr when the server cannot be reached or refuses."""
+    try:
+        main(argv)
+    except openai.APIConnectionError as exc:
+        print(f"error: cannot reach the server at {exc.request.url.copy_with(path='/')} ({exc.__cause__ or exc}); "
+              "start it (.venv/bin/dllm-kvq serve) or give its root URL with --url or DLLM_SERVER_URL", file=sys.stderr)
+        return 2
+    except openai.APIStatusError as exc:
+        print(f"error: {exc.request.url} answered {exc.status_code}: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -3,14 +3,17 @@ the quantized cache costs and keeps: the active configuration per cache mode, ef
 K and V) and bytes held against bf16 per configuration served, and the online agreement with the unquantized cache
 (shadow re-decodes, ``--shadow-rate``).
 
-Usage: ``python examples/kv_metrics.py [--url http://127.0.0.1:8000] [--save FILE]`` (``--save``: the raw text).
-The server's address: ``--url``, else ``$DLLM_SERVER_URL``, else ``http://127.0.0.1:8000``.
+Usage: ``.venv/bin/python examples/kv_metrics.py [--url http://127.0.0.1:8000] [--save FILE]`` (``--save``: the raw
+text). The server's root URL, as ``examples/ask.py`` takes it: ``--url``, else ``$DLLM_SERVER_URL``, else
+``http://127.0.0.1:8000``. A server that does not answer, or answers with an error, is one line on stderr and exit
+status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,12 +83,27 @@ def main(argv: list[str] | None = None) -> str:
                     help="the server's root URL (default: $DLLM_SERVER_URL, else http://127.0.0.1:8000)")
     ap.add_argument("--save", type=Path, help="write the raw metrics text here")
     args = ap.parse_args(argv)
-    text = httpx.get(f"{args.url}/metrics", timeout=30).raise_for_status().text
+    root = args.url.rstrip("/").removesuffix("/v1")  # the root, also when given as the clients' /v1 URL
+    text = httpx.get(f"{root}/metrics", timeout=30).raise_for_status().text
     if args.save:
         args.save.write_text(text)
     print("\n".join(report(text)))
     return text
 
 
+def run(argv: list[str] | None = None) -> int:
+    """`main` as a command: 0, or 2 with one line on stderr when the server cannot be reached or refuses."""
+    try:
+        main(argv)
+    except httpx.HTTPStatusError as exc:
+        print(f"error: {exc.request.url} answered {exc.response.status_code}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the server at {exc.request.url.copy_with(path='/')} ({exc}); start it "
+              "(.venv/bin/dllm-kvq serve) or give its root URL with --url or DLLM_SERVER_URL", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -39,7 +39,7 @@ curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: applicatio
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-before.txt"
 
 step "ask questions with the openai client (chat, streamed chat, completions; tokens/s per cache mode)"
-$PY examples/ask.py --base-url "$URL/v1" --questions "${ASK_QUESTIONS:-8}" --json "$RUNS/ask-dllm_kvq.json"
+$PY examples/ask.py --url "$URL" --questions "${ASK_QUESTIONS:-8}" --json "$RUNS/ask-dllm_kvq.json"
 
 step "read the metrics: effective bits, bytes held against bf16, agreement with the unquantized cache"
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-dllm_kvq.txt"
@@ -47,7 +47,7 @@ $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-dllm_kvq.txt"
 step "swap the dual cache to 2-bit KIVI, ask again, read the metrics"
 curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
   -d '{"method": "kivi", "bits": 2}' | tee "$RUNS/activate-kivi.json"; echo
-$PY examples/ask.py --base-url "$URL/v1" --questions 4 --json "$RUNS/ask-kivi.json"
+$PY examples/ask.py --url "$URL" --questions 4 --json "$RUNS/ask-kivi.json"
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-kivi.txt"
 
 step "and back to the dLLM-KVQ policy"

@@ -1,0 +1,70 @@
+"""``examples/ask.py`` and ``examples/kv_metrics.py`` take the same thing, the server's root URL (README step 8),
+and a server that is not running or answers with an error is one line on stderr with exit status 2, not a
+traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from tests.support.paths import REPO
+from tests.support.processes import free_port
+
+EXAMPLES = ("ask.py", "kv_metrics.py")
+
+
+def _run(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"examples/{script}", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_a_server_that_is_not_running_is_one_line(script):
+    url = f"http://127.0.0.1:{free_port()}"
+    done = _run(script, "--url", url)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.splitlines() == [
+        f"error: cannot reach the server at {url}/ ({done.stderr.split(' (', 1)[1].split('); ')[0]}); start it "
+        "(.venv/bin/dllm-kvq serve) or give its root URL with --url or DLLM_SERVER_URL"]
+    assert "Connection refused" in done.stderr
+
+
+class _Record(BaseHTTPRequestHandler):
+    """Answers 404 to everything and notes the paths asked for."""
+
+    paths: list[str] = []
+
+    def _answer(self):
+        self.paths.append(self.path)
+        self.send_response(404)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_both_take_the_root_url_and_an_error_answer_is_one_line(how):
+    server = HTTPServer(("127.0.0.1", 0), _Record)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    root = f"http://127.0.0.1:{server.server_port}"
+    try:
+        for script, path in zip(EXAMPLES, ("/v1/chat/completions", "/metrics"), strict=True):
+            _Record.paths.clear()
+            done = (_run(script, "--url", root) if how == "flag" else _run(script, env={"DLLM_SERVER_URL": root}))
+            assert _Record.paths == [path]  # ask.py adds /v1 itself
+            assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+            assert done.stderr.startswith(f"error: {root}{path} answered 404")
+    finally:
+        server.shutdown()
