@@ -8,6 +8,7 @@ It only dispatches, so the ``python -m`` forms stay equivalent: ``serve``, ``gen
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import service.commands
 
-    service.commands.console = "dllm-kvq"  # usage lines and errors name the command the user typed
+    # Usage lines and errors name the command as the user typed it (`.venv/bin/dllm-kvq`).
+    typed = sys.argv[0] if sys.argv and os.path.basename(sys.argv[0]) == "dllm-kvq" else "dllm-kvq"
+    service.commands.console = service.commands.runnable(typed)
     return COMMANDS[argv[0]](argv[1:])
 
 

@@ -1,6 +1,8 @@
 """Subcommands of ``python -m service``; each module exposes ``add_parser(subparsers)`` (see `service.__main__`)."""
 
 import argparse
+import os
+import sys
 from typing import Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
@@ -8,17 +10,33 @@ from pydantic.fields import FieldInfo
 
 from service.store.base import InvalidName, check_store_url
 
-#: The console command's name while it dispatches (`dllm_kvq.cli` sets it), else None (a ``python -m`` form).
+#: The console command as the user can type it again while it dispatches (`dllm_kvq.cli` sets it, `runnable`),
+#: else None (a ``python -m`` form).
 console: str | None = None
 #: The console subcommand that runs each ``python -m`` package (``dllm-kvq calibrate`` is ``python -m calibration``).
 CONSOLE_SUBCOMMAND = {"service": "", "calibration": "calibrate", "evaluation": "evaluate"}
 
 
+def runnable(path: str) -> str:
+    """A program path as a user can type it in this shell: as given when relative (``.venv/bin/dllm-kvq``), the
+    bare name when its folder is on ``PATH`` (an activated venv), else relative to the working directory when
+    inside it, else absolute."""
+    if not os.path.isabs(path):
+        return path
+    folders = [os.path.realpath(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    if os.path.realpath(os.path.dirname(path)) in folders:
+        return os.path.basename(path)
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
 def prog(package: str, *words: str) -> str:
     """How the user invoked ``package``'s command, for argparse's ``prog`` (usage lines) and messages that name a
-    command: ``dllm-kvq calibrate`` under the console command, else ``python -m calibration``; ``words`` (a verb)
+    command, in a form that runs again (`runnable`): ``.venv/bin/dllm-kvq calibrate`` under the console command,
+    else ``.venv/bin/python -m calibration`` (``python -m calibration`` with the venv active); ``words`` (a verb)
     follow."""
-    head = f"{console} {CONSOLE_SUBCOMMAND[package]}".strip() if console else f"python -m {package}"
+    head = (f"{console} {CONSOLE_SUBCOMMAND[package]}".strip() if console
+            else f"{runnable(sys.executable)} -m {package}")
     return " ".join([head, *words])
 
 

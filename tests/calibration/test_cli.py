@@ -7,6 +7,7 @@ import json
 
 from calibration.cli import print_summary, write_activation_configs
 from calibration.job import RunSummary
+from service.commands import prog
 from service.quant.config import KVQuantConfig
 
 
@@ -46,7 +47,7 @@ def test_an_unreachable_store_is_one_line_before_the_model_loads(capsys):
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["all", "--store", url, "--model", "/nonexistent", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"python -m calibration all: error: --store {url} (key prefix ")
+    assert len(err) == 1 and err[0].startswith(f"{prog('calibration', 'all')}: error: --store {url} (key prefix ")
     assert "cannot read it (" in err[0] and "Connection refused" in err[0]
     assert err[0].endswith("start the store (redis-server) or give another --store")
 

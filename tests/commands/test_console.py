@@ -48,3 +48,30 @@ def test_offline_commands_reach_their_parsers(command):
     result = run(command, "--help")
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout.lower() or "commands" in result.stdout.lower()
+
+
+def test_usage_and_errors_name_the_command_as_it_was_typed(tmp_path):
+    """argparse's prog and the messages follow the invocation, in a form that runs again: the console command as
+    typed (relative path), its bare name when its folder is on PATH (an activated venv), ``<python> -m ...`` for
+    the module form; never ``python -m`` for a console run."""
+    import os
+
+    if not CONSOLE.exists():
+        pytest.fail(f"{CONSOLE} is missing: scripts/setup.sh installs the package with its console command")
+    home = CONSOLE.parents[2]
+    typed = os.path.relpath(CONSOLE, home)  # .venv/bin/dllm-kvq
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
+    def stderr(argv, **extra):
+        done = subprocess.run(argv, cwd=home, capture_output=True, text=True, timeout=300, check=False,
+                              env={**env, **extra})
+        assert done.returncode == 2
+        return done.stderr
+
+    assert stderr([typed, "calibrate", "--bogus"]).startswith(f"usage: {typed} calibrate ")
+    assert stderr([typed, "generate"]).startswith(f"usage: {typed} generate ")
+    on_path = stderr(["dllm-kvq", "evaluate", "matrix"], PATH=f"{CONSOLE.parent}{os.pathsep}{os.environ['PATH']}")
+    assert on_path.startswith("usage: dllm-kvq evaluate matrix ")
+    module = stderr([sys.executable, "-m", "calibration", "--bogus"])
+    assert module.startswith("usage: ") and " -m calibration " in module.splitlines()[0]
+    assert "dllm-kvq" not in module.splitlines()[0]

@@ -6,6 +6,7 @@ import pytest
 
 from evaluation.cli import lm_eval_runs, main
 from evaluation.protocol import PAPER, get_preset
+from service.commands import prog
 
 
 def _dir(gsm8k_dir):
@@ -62,6 +63,10 @@ def test_the_embedded_model_arg_loads_the_embedded_model():
     assert EvalModelArgs.parse({"model": "/ckpt"}).checkpoint == "/ckpt"
 
 
+#: The launcher as a message names it (as this test's python runs it).
+LM_EVAL = prog("evaluation", "lm-eval")
+
+
 def _one_line(capsys, argv) -> str:
     """The error line (the last on stderr: lm-eval logs its warnings there before it) of a run that exits 2."""
     assert main(argv) == 2
@@ -76,14 +81,14 @@ def test_an_http_run_against_a_server_that_is_not_running_is_one_line(capsys):
     url = f"http://127.0.0.1:{free_port()}/v1/chat/completions"
     err = _one_line(capsys, ["lm-eval", "--model", "local-chat-completions", "--model_args",
                              f"model=embedded,base_url={url}", "--tasks", "digit_ledger", "--limit", "2"])
-    assert err.startswith(f"python -m evaluation lm-eval: error: --model_args base_url={url}: cannot reach the server")
-    assert err.endswith("start it (`python -m service serve`) or fix base_url")
+    assert err.startswith(f"{LM_EVAL}: error: --model_args base_url={url}: cannot reach the server")
+    assert err.endswith(f"start it (`{prog('service', 'serve')}`) or fix base_url")
 
 
 @pytest.mark.slow
 def test_a_misspelled_task_or_model_arg_is_one_line(capsys):
     err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--tasks", "digit_ledgr", "--limit", "1"])
-    assert err.startswith("python -m evaluation lm-eval: error: --tasks: Tasks not found: ") and "ls tasks" in err
+    assert err.startswith(f"{LM_EVAL}: error: --tasks: Tasks not found: ") and "ls tasks" in err
     err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--model_args", "cache=dual", "--tasks",
                              "digit_ledger", "--limit", "1"])
-    assert err.startswith("python -m evaluation lm-eval: error: --model_args: unknown model_args ['cache']; legal: ")
+    assert err.startswith(f"{LM_EVAL}: error: --model_args: unknown model_args ['cache']; legal: ")

@@ -13,6 +13,7 @@ import pytest
 from evaluation.cli import main
 from service.artifacts.base import Provenance
 from service.artifacts.policy import LayerPolicy, PolicyTable
+from service.commands import prog
 from service.engine import Engine
 from service.store.base import KIND_POLICY, open_store
 
@@ -59,7 +60,7 @@ def test_matrix_inputs_are_checked_before_any_work(tmp_path, capsys):
     store = tmp_path / "empty-store"
     store.mkdir()
     err = _one_line_error(capsys, _args(tmp_path / "m", store, "--from-calibration", "latest"))
-    assert "--from-calibration latest" in err and str(store) in err and "python -m calibration all" in err
+    assert "--from-calibration latest" in err and str(store) in err and f"{prog('calibration', 'all')} --store {store}" in err
     err = _one_line_error(capsys, _args(tmp_path / "m", store, "--from-calibration", "fit-nope"))
     assert "fit-nope" in err and str(store) in err
     assert "--bits 3" in _one_line_error(capsys, _args(tmp_path / "m", store)[:-2] + ["--bits", "3"])
@@ -80,7 +81,7 @@ def test_a_card_is_written_only_with_every_row_and_the_same_results_write_the_sa
     empty.mkdir()
     err = _one_line_error(capsys, _args(tmp_path / "m", empty, "--table", "3", "--rules", "attention:1",
                                         "--card", str(card)))
-    assert err.startswith(f"python -m evaluation matrix: error: --card {card}: the table would lack rows (embedded: "
+    assert err.startswith(f"{prog('evaluation', 'matrix')}: error: --card {card}: the table would lack rows (embedded: "
                           "dual-dllm_kvq-2: no policy table for (dual, 2-bit) in the store)")
     assert err.endswith("no cell ran and the card was not written")
     assert sorted(p.name for p in card.iterdir()) == ["README.md"] and (card / "README.md").read_text() == "# card\n"
@@ -102,7 +103,7 @@ def test_an_unreachable_server_is_named_before_any_work(tmp_path, capsys, monkey
     store = tmp_path / "store"
     store.mkdir()
     err = _one_line_error(capsys, _args(tmp_path / "m", store, "--server", url))
-    assert err.startswith(f"python -m evaluation matrix: error: --server {url}: cannot reach it (")
+    assert err.startswith(f"{prog('evaluation', 'matrix')}: error: --server {url}: cannot reach it (")
     assert not (tmp_path / "m" / "cells").exists()
 
 
