@@ -27,14 +27,14 @@ step "start the server on the embedded default model, Redis as the store, every 
 $PY -m service serve --store-url "$STORE" --shadow-rate 1 --threads 1 --port "$PORT" > "$RUNS/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-curl -sf --retry 180 --retry-delay 1 --retry-all-errors "$URL/health/ready"; echo
+curl -sS --fail-with-body --retry 180 --retry-delay 1 --retry-all-errors "$URL/health/ready"; echo
 
 step "calibrate the embedded model on its own training split (policies and KVQuant states go to Redis)"
 # shellcheck disable=SC2086  # CALIBRATION_ARGS is a list of flags
 $PY -m calibration all --store "$STORE" --out "$RUNS/calibration" --no-progress ${CALIBRATION_ARGS:-}
 
 step "activate the 2-bit dLLM-KVQ policy for the dual cache"
-curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
   --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-dllm_kvq.json"; echo
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-before.txt"
 
@@ -45,13 +45,13 @@ step "read the metrics: effective bits, bytes held against bf16, agreement with 
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-dllm_kvq.txt"
 
 step "swap the dual cache to 2-bit KIVI, ask again, read the metrics"
-curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
   -d '{"method": "kivi", "bits": 2}' | tee "$RUNS/activate-kivi.json"; echo
 $PY examples/ask.py --url "$URL" --questions 4 --json "$RUNS/ask-kivi.json"
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-kivi.txt"
 
 step "and back to the dLLM-KVQ policy"
-curl -sf -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
+curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
   --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-back.json"; echo
 
 step "lm-eval over HTTP on the embedded model's task (the first ${LIMIT:-32} held-out questions)"

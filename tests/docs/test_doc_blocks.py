@@ -2,7 +2,8 @@
 from the code (issue 17).
 
 The blocks run in one fresh copy of the checkout (the tracked and untracked, not ignored, files; ``.venv`` there is
-a link to the venv running this test, and ``PYTHONPATH`` points at the copy), pages in ``PAGES`` order and blocks
+a link to the venv running this test, which is not on ``PATH``, and ``PYTHONPATH`` points at the copy), pages in
+``PAGES`` order and blocks
 in page order, so a block may use what an earlier block of its page, or a page it names with ``after=``, wrote.
 Every block gets ``DLLM_ADMIN_KEY``, one torch thread and no hub access.
 
@@ -140,6 +141,55 @@ def test_links_resolve(page):
     assert broken == []
 
 
+# ---- what every page's commands look like ----------------------------------------------------------------------
+
+# A command that needs the venv, spelled without it: ``python -m ...``, ``python x.py``, ``dllm-kvq serve`` ...
+BARE = re.compile(r"(?<![\w./-])(?:python3?|dllm-kvq)\s+(?:-m\s|(?:serve|generate|policies|calibrate|evaluate)\b|"
+                  r"[\w./-]+\.py\b)")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_commands_name_the_venv_programs(page):
+    """Prose and blocks alike write ``.venv/bin/python`` and ``.venv/bin/dllm-kvq``: a bare ``python -m ...``
+    fails with ModuleNotFoundError unless the venv is active, and the README's rule is that nothing needs that."""
+    text = (REPO / page).read_text()
+    bare = [f"{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}" for m in BARE.finditer(text)]
+    assert bare == []
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_curl_shows_failures(page):
+    """``curl -s`` alone hides a refused request and sends an empty body for a missing ``--data @file``: every curl
+    command of a page is ``-sS --fail-with-body``."""
+    calls = [line for b in blocks_of(page) for line in b.text.splitlines() if re.match(r"\s*curl\s", line)]
+    assert [c for c in calls if not re.match(r"\s*curl -sS --fail-with-body\s", c)] == []
+
+
+def held_out_questions() -> dict[str, str]:
+    """Prompt -> answer of the embedded model's held-out test split."""
+    import json
+
+    lines = (REPO / "service/assets/embedded/task/test.jsonl").read_text().splitlines()
+    return {q["prompt"]: q["answer"] for q in map(json.loads, lines)}
+
+
+# A quoted prompt of the embedded model's task: an instruction, a colon, then digits.
+TASK_PROMPT = re.compile(r"""["'](?P<prompt>[a-z][a-z ,]*\d*[a-z ,]*:(?: \d)+)["']""")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_task_prompts_are_held_out_questions_with_their_answer(page):
+    """A prompt for the embedded model is a real instance of its task (48 digits; ``next: 1 2 3`` gives junk) taken
+    from the held-out split, and the page states its right answer."""
+    text = (REPO / page).read_text()
+    flat = " ".join(text.split())
+    questions = held_out_questions()
+    for m in TASK_PROMPT.finditer(text):
+        prompt = m["prompt"]
+        assert prompt in questions, f"{page}: {prompt!r} is not a held-out question of the embedded model's task"
+        assert questions[prompt] in flat, f"{page}: the answer to {prompt!r} ({questions[prompt]}) is not stated"
+
+
 # ---- quickstart: the README's commands are the script's -------------------------------------------------------
 
 # The console command's subcommands and what the script runs for them (`dllm_kvq/cli.py`).
@@ -213,7 +263,10 @@ def checkout(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def env(checkout) -> dict[str, str]:
-    path = f"{checkout / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    # The venv is not on PATH (not activated): a block that says `python` or `dllm-kvq` where it means the venv's
+    # fails here as it does for a reader who has not activated it.
+    bin_dir = os.path.realpath(Path(sys.prefix) / "bin")
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if os.path.realpath(p) != bin_dir)
     return {**os.environ, "PATH": path, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1",
             "DLLM_ADMIN_KEY": ADMIN_KEY, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
