@@ -9,6 +9,7 @@ corrupted or hand-edited file is refused, never stored under a wrong id. Existin
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 
 from service.artifacts.kvquant_state import KVQuantState
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = copy_artifacts(src, dst, tuple(args.kind or KINDS))
     except StoreError as exc:
-        print(f"error: {exc}")
+        print(f"error: --store {store.location}: {exc}", file=sys.stderr)
         return 1
     for kind in result.copied:
         print(f"{kind}: {len(result.copied[kind])} copied, {len(result.skipped[kind])} already there")

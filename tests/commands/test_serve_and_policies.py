@@ -102,3 +102,13 @@ def test_a_busy_port_is_one_line_before_the_model_loads(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.splitlines() == [(f"error: --port / DLLM_PORT: cannot listen on 127.0.0.1:{port} (Address already in "
                                 "use); stop what is using it or choose another --port")]
+
+
+def test_policies_with_a_store_that_does_not_answer_is_one_line_on_stderr(tmp_path, capsys):
+    from tests.support.processes import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    args = build_parser().parse_args(["policies", "export", str(tmp_path / "out"), "--store", url])
+    assert args.func(args) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.startswith(f"error: --store {url}") and len(out.err.splitlines()) == 1
