@@ -113,7 +113,8 @@ def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveC
         artifact = c.artifact_id or c.artifact_file
         return f"{c.method} {c.bits}-bit{' ' + artifact if artifact else ''} ({snapshot.source})"
 
-    configs = ", ".join(f"{mode}={describe(snap)}" for mode, snap in sorted(active.all().items()))
+    served = {mode: describe(snap) for mode, snap in active.all().items()}
+    configs = ", ".join(f"{mode}={served.get(mode, 'NOT ready')}" for mode in sorted(served | active.not_ready))
     budget = getattr(worker, "budget_bytes", None)
     budget_text = f"KV budget {budget / 2**20:,.0f} MiB" if budget else "no KV budget (batch scheduler)"
     return (f"serving {model_name!r} ({spec.model_id}, {spec.arch}, {spec.num_layers} layers), weights fingerprint "
@@ -172,12 +173,13 @@ def create_app(
         app.state.probe_error = None
         try:
             await probe(worker, ConfigSnapshot(KVQuantConfig(), "none", "default"), eng.spec, timeout_s=120)
-            telemetry.ready.set(1)
+            telemetry.ready.set(0 if active.not_ready else 1)
         except Exception as exc:  # the server still starts, so /health/ready can say why it is not ready
             log.exception("readiness probe failed")
             app.state.probe_error = f"{type(exc).__name__}: {exc}"
             telemetry.ready.set(0)
-        log.info(startup_line(model_name, eng.spec, store, active, worker, app.state.probe_error is None))
+        log.info(startup_line(model_name, eng.spec, store, active, worker,
+                              app.state.probe_error is None and not active.not_ready))
         try:
             yield
         finally:

@@ -19,8 +19,8 @@ from service.artifacts.base import ArtifactMismatch
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 from service.quant.registry import artifact_types
-from service.store.active import ActiveConfigs, ConfigInvalid
-from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
+from service.store.active import ActiveConfigs
+from service.store.base import KIND_EVAL_SCORES, ConfigInvalid, Store, StoreUnavailable
 from service.telemetry import Telemetry
 
 
@@ -119,20 +119,20 @@ class Admin:
         stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
         lost = {mode: loss.describe() for mode, loss in self.active.losses.items()}
         return s.ActiveView(model=self.active.model_name, fingerprint=self.spec.fingerprint, serving=serving,
-                            store=stored, store_lost=lost)
+                            store=stored, store_lost=lost, not_ready=dict(self.active.not_ready))
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
         """Validate, then one atomic write + event; 422 if the configuration does not fit the model.
 
         ``old`` is the store's previous entry, or, when the store had none, the default this replica served.
         """
-        served = self.active.snapshot(cache_mode).config
+        served = self.active.all().get(cache_mode)  # None while the mode is not ready
         try:
             audit = self._tracked(self.active.activate, cache_mode, config, key_id)
         except ConfigInvalid as exc:
             raise ArtifactRejected(str(exc), param=exc.field) from exc
         return s.ActivateResponse(fingerprint=audit.fingerprint, cache_mode=audit.cache_mode, at=audit.at,
-                                  key_id=audit.key_id, old=audit.old or served, new=audit.new)
+                                  key_id=audit.key_id, old=audit.old or (served.config if served else None), new=audit.new)
 
     def audit(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` audit entries."""

@@ -20,11 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
 from service.engine.errors import EngineInputError
-from service.store.active import ConfigInvalid
+from service.store.active import ConfigUnavailable
 from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
+    ConfigInvalid,
     InvalidName,
     StoreUnavailable,
 )
@@ -86,6 +87,7 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
+    (ConfigUnavailable, 503, "service_unavailable_error", "config_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),
     (JobCancelled, 499, "invalid_request_error", "cancelled"),
     (ArtifactNotFound, 404, "not_found_error", "artifact_not_found"),

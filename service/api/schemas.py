@@ -360,6 +360,12 @@ class ActiveView(BaseModel):
         description="per cache mode, the last time the store came back without the active configuration this "
         "replica serves: kv_quant, detected_at, restored_at (when this replica wrote it back), note",
     )
+    not_ready: dict[str, str] = Field(
+        default_factory=dict,
+        description="per cache mode that cannot serve its configuration (the store's active entry, or the "
+        "kv_quant setting without one, does not resolve or validate against the loaded model): why; its "
+        "requests get 503 config_unavailable until a valid configuration is activated",
+    )
 
 
 class ActivateResponse(BaseModel):

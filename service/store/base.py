@@ -17,7 +17,9 @@ What a store holds
   configuration names raises :class:`ArtifactInUse`.
 * **Active configurations**: one `KVQuantConfig` per ``(model fingerprint, cache mode)``. :meth:`Store.set_active`
   is one atomic write that also appends an audit entry and publishes an :class:`ActiveChange` event (Redis
-  pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3).
+  pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3). It takes the
+  model's `ModelSpec` and refuses (:class:`ConfigInvalid`, :class:`ArtifactNotFound`) a configuration that does
+  not resolve and validate against that model.
 * **Audit log**: every change of an active configuration: when, old, new, by which key id.
 
 Key layout (Redis; ``P`` is the key prefix, default ``dllm-kvq``)::
@@ -53,8 +55,10 @@ from service.artifacts.base import canonical_json
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine.params import CacheMode
+from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
+from service.store.config_check import ConfigInvalid, check_config
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
 KIND_POLICY = PolicyTable.KIND
@@ -283,32 +287,35 @@ class Store(ABC):
         """
 
     def set_active(
-        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+        self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
     ) -> AuditEntry:
-        """Make ``config`` the active configuration of (fingerprint, cache mode) in one atomic write.
+        """Make ``config`` the active configuration of (``spec.fingerprint``, cache mode) in one atomic write.
 
-        The artifacts it names (policy, KVQuant state) must be stored (:class:`ArtifactNotFound` otherwise);
-        validating them against the model is the caller's job (the admin route does it before calling).
+        The configuration is checked against the model ``spec`` describes and the artifact it names is read from
+        this store and checked too (`service.store.config_check.check_config`), so that nothing a server cannot
+        serve becomes active, whoever writes it.
         Returns the audit entry (old and new) that was also appended and published.
+
+        Raises: ConfigInvalid, ArtifactNotFound, InvalidName (cache mode), StoreUnavailable; nothing is written.
         """
-        check_target(fingerprint, cache_mode)
-        entry = ActiveEntry(
-            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
-        )
-        return self._swap_active(entry)
+        return self._swap_active(self._checked_entry(spec, cache_mode, config, key_id))
 
     def restore_active(
-        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+        self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
     ) -> AuditEntry | None:
         """Like :meth:`set_active`, but only where the store holds no entry (checked in the same atomic step):
         a replica writing back the configuration it serves after the store lost it never overwrites what
         another replica or an operator set meanwhile. Returns None when an entry was there.
         """
-        check_target(fingerprint, cache_mode)
-        entry = ActiveEntry(
-            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
+        return self._swap_active(self._checked_entry(spec, cache_mode, config, key_id), only_if_absent=True)
+
+    def _checked_entry(self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None
+                       ) -> ActiveEntry:
+        check_target(spec.fingerprint, cache_mode)
+        check_config(config, cache_mode, spec, self.get)
+        return ActiveEntry(
+            fingerprint=spec.fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
         )
-        return self._swap_active(entry, only_if_absent=True)
 
     @abstractmethod
     def audit(self, limit: int = 100) -> list[AuditEntry]:
@@ -384,6 +391,7 @@ __all__ = [
     "ArtifactInfo",
     "ArtifactNotFound",
     "AuditEntry",
+    "ConfigInvalid",
     "InvalidName",
     "Store",
     "StoreError",

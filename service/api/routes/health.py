@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from service.api.deps import TelemetryDep, WorkerDep
+from service.api.deps import ActiveDep, TelemetryDep, WorkerDep
 from service.worker import WorkerUnavailable
 
 router = APIRouter()
@@ -18,8 +18,9 @@ def health() -> dict[str, str]:
 
 
 @router.get("/health/ready")
-def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[str, str]:
-    """Ready to serve: the start-up denoise passed and the worker accepts (503 otherwise)."""
+def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: TelemetryDep) -> dict[str, str]:
+    """Ready to serve: the start-up denoise passed, the worker accepts, and every cache mode's configuration can
+    be served (503 otherwise, naming the cache modes that cannot and why)."""
     probe_error = request.app.state.probe_error
     if probe_error is not None:
         raise WorkerUnavailable(f"the start-up denoise check failed: {probe_error}")
@@ -27,6 +28,11 @@ def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[
         reason = "is draining" if worker.fault is None else f"hit a device fault ({worker.fault})"
         telemetry.ready.set(0)
         raise WorkerUnavailable(f"not ready: the worker {reason}")
+    if active.not_ready:
+        telemetry.ready.set(0)
+        raise WorkerUnavailable("not ready: " + "; ".join(
+            f"cache mode {mode} cannot serve its configuration ({reason})"
+            for mode, reason in sorted(active.not_ready.items())))
     telemetry.ready.set(1)
     return {"status": "ready"}
 

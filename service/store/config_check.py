@@ -1,0 +1,75 @@
+"""The one check of a `KVQuantConfig` against a loaded model and the artifacts a store holds: every way of making
+a configuration active (the admin route, `Store.set_active` from Python, a replica writing back a lost entry)
+and every request naming its own configuration pass through :func:`check_config` (issue 17: the store refuses
+to activate what does not resolve and validate against the model, whatever the entry point).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from service.artifacts.base import ArtifactMismatch
+from service.engine.params import CacheMode
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.quant.errors import KVQuantError
+from service.quant.registry import method, resolve_artifact
+
+
+class ConfigInvalid(ValueError):
+    """A configuration that cannot be used with the loaded model; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def check_config(
+    config: KVQuantConfig,
+    cache_mode: CacheMode,
+    spec: ModelSpec,
+    fetch: Callable[[str, str], bytes],
+    cache: dict[tuple[str, str], Any] | None = None,
+) -> Any:
+    """Check ``config`` for ``cache_mode`` on the model ``spec`` describes and load the artifact it names.
+
+    Args:
+        fetch: ``fetch(kind, id) -> bytes`` of the store the artifact is read from (a store's ``get``).
+        cache: parsed artifacts by (kind, id), filled and reused (ids are content-derived, never stale).
+
+    Returns: the loaded artifact (policy table, KVQuant state ...), or None when the method applies none.
+
+    Raises:
+        ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a bound the model
+            sets (group sizes, bits), an artifact for another model, layer count, cache mode or bits; ``field``
+            is the ``kv_quant.<field>`` a request or an activation body names.
+        service.store.base.ArtifactNotFound: the artifact is not stored (its ``field`` names the id field).
+        service.store.base.StoreUnavailable: the store cannot be reached to load it.
+    """
+    from service.store.base import ArtifactNotFound  # the store interface imports this module
+
+    entry = method(config.method)
+    if config.artifact_file is not None:
+        raise ConfigInvalid(
+            f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
+            "only: upload it through /admin and name it by id"
+        )
+    if entry.quantizer is None:
+        return None
+    try:
+        config.check_cache_mode(cache_mode)
+    except KVQuantError as exc:
+        raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
+    try:
+        config.check_bounds(spec.max_length, spec.head_dim)
+    except KVQuantError as exc:
+        raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
+    try:
+        return resolve_artifact(config, spec, fetch, cache_mode, cache)
+    except ArtifactMismatch as exc:
+        raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+    except ArtifactNotFound as exc:
+        raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}") from exc
+    except (KVQuantError, ValueError) as exc:  # stored bytes that are not an artifact of the method's type
+        raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
