@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import socket
 import struct
 import sys
@@ -186,6 +187,8 @@ class Hostile:
             named = isinstance(got_param, str) and (got_param == param or got_param.endswith("." + str(param)))
             if param and not named and param not in str(msg):
                 res.flags.append(f"VAGUE_ERROR(want {param})")
+            if not path.startswith("/admin") and re.search(r"store (/|[a-z]+://)", str(msg)):
+                res.flags.append("LEAKS_STORE_LOCATION")  # a serving route must not tell any client where it is
         else:
             res.detail = body_bytes[:120].decode("utf-8", "replace").replace("\n", " ")
         ok = {"2xx": 200 <= status < 300, "4xx": 400 <= status < 500}.get(expect) if isinstance(expect, str) else (
@@ -223,20 +226,21 @@ def body_cases(h: Hostile) -> None:
     C = "/v1/completions"
     jh = {"content-type": "application/json"}
     h.call("truncated JSON", "POST", C, content='{"prompt": "copy: 1", "max_tokens": ', headers=jh)
-    h.call("empty body", "POST", C, content=b"", headers=jh)
+    h.call("empty body", "POST", C, content=b"", headers=jh, expect=400)
     h.call("JSON null body", "POST", C, content="null", headers=jh)
     h.call("JSON array body", "POST", C, content="[1, 2, 3]", headers=jh)
     h.call("JSON string body", "POST", C, content='"copy: 1 2"', headers=jh)
-    h.call("invalid UTF-8 bytes in JSON", "POST", C, content=b'{"prompt": "\xff\xfe\xfa"}', headers=jh)
-    h.call("UTF-16 encoded JSON", "POST", C, content='{"prompt": "copy: 1"}'.encode("utf-16"), headers=jh)
+    h.call("invalid UTF-8 bytes in JSON", "POST", C, content=b'{"prompt": "\xff\xfe\xfa"}', headers=jh, expect=400)
+    h.call("UTF-16 encoded JSON (RFC 8259: JSON is UTF-8)", "POST", C,
+           content='{"prompt": "copy: 1"}'.encode("utf-16"), headers=jh, expect=400)
     h.call("valid JSON sent as text/plain", "POST", C, content='{"prompt": "copy: 1 2", "max_tokens": 8}',
-           headers={"content-type": "text/plain"}, expect={200, 400, 415})
+           headers={"content-type": "text/plain"}, expect=415)
     h.call("form-encoded body", "POST", C, content="prompt=copy%3A+1&max_tokens=8",
-           headers={"content-type": "application/x-www-form-urlencoded"})
+           headers={"content-type": "application/x-www-form-urlencoded"}, expect=415)
     h.call("multipart body", "POST", C, content=b"--x\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\n1\r\n--x--",
-           headers={"content-type": "multipart/form-data; boundary=x"})
+           headers={"content-type": "multipart/form-data; boundary=x"}, expect=415)
     h.call("no content-type at all", "POST", C, content='{"prompt": "copy: 1 2", "max_tokens": 8}',
-           headers={"content-type": ""}, expect={200, 400, 415})
+           headers={"content-type": ""}, expect=415)
     h.call("deeply nested JSON (100k arrays)", "POST", C, content='{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
            headers=jh, param="prompt")
     h.call("deeply nested kv_quant (5k objects)", "POST", C,
@@ -244,7 +248,7 @@ def body_cases(h: Hostile) -> None:
     h.call("duplicate keys (last wins?) max_tokens 8 then 0", "POST", C,
            content='{"prompt": "copy: 1 2", "max_tokens": 8, "max_tokens": 0}', headers=jh, param="max_tokens")
     h.call("gzip content-encoding on plain body", "POST", C, content='{"prompt": "copy: 1 2", "max_tokens": 8}',
-           headers={"content-type": "application/json", "content-encoding": "gzip"}, expect={200, 400, 415})
+           headers={"content-type": "application/json", "content-encoding": "gzip"}, expect=415)
 
 
 def number_cases(h: Hostile) -> None:
@@ -268,6 +272,8 @@ def number_cases(h: Hostile) -> None:
     c("temperature NaN", {"temperature": float("nan")}, "temperature")
     c("temperature -Infinity", {"temperature": float("-inf")}, "temperature")
     c("temperature 2.000001", {"temperature": 2.000001}, "temperature")
+    c("temperature 1 int (legal: a float field takes a JSON integer)", {"temperature": 1, "seed": 1}, None, expect=200)
+    c("temperature 1e400 (overflows to inf)", {"temperature": 1e300 * 1e300}, "temperature")
     c("threshold NaN", {"threshold": float("nan")}, "threshold")
     c("threshold 1e308", {"threshold": 1e308}, "threshold")
     c("steps 0", {"steps": 0}, "steps")
@@ -345,8 +351,10 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
     p("prompt of mask ids only", [mask_id] * 16, "prompt", expect={200, 400})
     p("mixed list of str and int", ["copy: 1", 3], "prompt")
     p("prompt as object", {"text": "copy: 1"}, "prompt")
-    p("2 MB text prompt (over context)", "copy: " + "7 " * 1_000_000, "prompt")
-    p("500k token-id prompt (over context)", [7] * 500_000, "prompt")
+    # Bodies over the server's limit (DLLM_MAX_BODY_BYTES, 1 MiB for a 4,096-token context): 413 before parsing.
+    p("2 MB text prompt (over the body limit)", "copy: " + "7 " * 1_000_000, None, expect=413)
+    p("500k token-id prompt (over the body limit)", [7] * 500_000, None, expect=413)
+    p("1 MB text prompt (under the body limit, over context)", "copy: " + "7 " * 500_000, "prompt", expect=400)
     p("NUL and control characters", "copy: 1\x00 2\x07 3\x1b[31m", None, expect=200)
     p("lone surrogate \\ud800", "copy: 1 \ud800 2", "prompt")
     p("RTL override, ZWJ, combining marks", "copy: \u202e1 2\u200d3\u0301\u0301\u0301 \ufeff", None, expect=200)
@@ -412,8 +420,9 @@ def native_cases(h: Hostile, mask_id: int) -> None:
     h.call("/tokenize neither prompt nor messages", "POST", T, json_body={}, param="prompt")
     h.call("/tokenize add_special_tokens 'false'", "POST", T, json_body={"prompt": "a", "add_special_tokens": "false"},
            param="add_special_tokens")
-    h.call("/tokenize 2 MB prompt (vLLM: counts it)", "POST", T, json_body={"prompt": "7 " * 1_000_000},
-           expect={200, 400})
+    h.call("/tokenize 2 MB prompt (over the body limit)", "POST", T, json_body={"prompt": "7 " * 1_000_000},
+           expect=413)
+    h.call("/tokenize 1 MB prompt (vLLM: counts it)", "POST", T, json_body={"prompt": "7 " * 500_000}, expect=200)
     h.call("/tokenize lone surrogate", "POST", T, json_body={"prompt": "\udfff"}, param="prompt")
     D = "/detokenize"
     h.call("/detokenize -1", "POST", D, json_body={"tokens": [-1]}, param="tokens")
@@ -422,7 +431,8 @@ def native_cases(h: Hostile, mask_id: int) -> None:
     h.call("/detokenize strings", "POST", D, json_body={"tokens": ["a"]}, param="tokens")
     h.call("/detokenize floats", "POST", D, json_body={"tokens": [1.0]}, param="tokens")
     h.call("/detokenize mask id", "POST", D, json_body={"tokens": [mask_id]}, expect={200, 400})
-    h.call("/detokenize 1M tokens", "POST", D, json_body={"tokens": [7] * 1_000_000}, expect={200, 400})
+    h.call("/detokenize 1M tokens (over the body limit)", "POST", D, json_body={"tokens": [7] * 1_000_000},
+           expect=413)
     h.call("/tokenizer_info POST", "POST", "/tokenizer_info", json_body={}, expect=405)
 
 
@@ -434,7 +444,8 @@ def route_cases(h: Hostile) -> None:
     h.call("PUT /generate", "PUT", "/generate", json_body={"prompt": "x"}, expect=405)
     h.call("POST /metrics", "POST", "/metrics", content=b"x", expect=405)
     h.call("OPTIONS /v1/chat/completions", "OPTIONS", "/v1/chat/completions", expect={200, 204, 405})
-    h.call("HEAD /health", "HEAD", "/health", expect={200, 405}, openai_required=False)
+    h.call("HEAD /health", "HEAD", "/health", expect=200, openai_required=False)
+    h.call("HEAD /health/ready", "HEAD", "/health/ready", expect=200, openai_required=False)
     h.call("TRACE /health", "TRACE", "/health", expect={405, 501})
     h.call("dot-dot path /v1/../admin/active", "GET", "/v1/%2e%2e/admin/active", expect={401, 404})
     h.call("double slash //v1/models", "GET", "//v1/models", expect={200, 404})
@@ -705,9 +716,16 @@ def admin_cases(h: Hostile, fingerprint: str) -> None:
     h.call("upload: claimed id not the content's", "POST", P, expect=422, admin=True, param="id",
            json_body={**good, "id": "policy-0000"})
     h.call("upload: claimed id an int", "POST", P, expect=422, admin=True, param="id", json_body={**good, "id": 7})
-    h.call("upload: 8 MB policy (200k layers)", "POST", P, expect=422, admin=True, param="layers",
+    h.call("upload: 8 MB policy (200k layers, over the body limit)", "POST", P, expect=413, admin=True,
            json_body={**good, "layers": [{"score_type": "hybrid", "p": 1}] * 200_000})
-    _, big = h.call("upload: legal policy with 5 MB provenance.details", "POST", P, expect={201, 413, 422},
+    h.call("upload: 900 KB policy (27k layers)", "POST", P, expect=422, admin=True, param="layers",
+           json_body={**good, "layers": [{"score_type": "hybrid", "p": 1}] * 27_000})
+    h.call("upload: legal policy with 100 KB provenance.details (over 64 KiB)", "POST", P, expect=422, admin=True,
+           param="provenance",
+           json_body={**good, "provenance": {"data": "d", "code": "c", "details": {"blob": "z" * 100_000}}})
+    h.call("upload: policy bits '2' string (strictly typed)", "POST", P, expect=422, admin=True, param="bits",
+           json_body={**good, "bits": "2"})
+    _, big = h.call("upload: legal policy with 5 MB provenance.details", "POST", P, expect=413,
                     admin=True,
                     json_body={**good, "provenance": {"data": "d", "code": "c", "details": {"blob": "z" * 5_000_000}}})
     if isinstance(big, dict) and big.get("id"):
@@ -731,20 +749,23 @@ def admin_cases(h: Hostile, fingerprint: str) -> None:
     h.call("activate: garbage body", "PUT", A + "/dual", expect=400, admin=True, content=b"\x00\x01", headers=ct)
     h.call("activate: unknown cache mode", "PUT", A + "/turbo", expect=400, admin=True,
            json_body={"method": "kivi", "bits": 2}, param="cache_mode")
+    # docs/api.md: 400 for a configuration that is bad input, 422 when the artifact it names does not fit.
     h.call("activate: bits 3", "PUT", A + "/dual", expect=400, admin=True, json_body={"method": "kivi", "bits": 3},
            param="bits")
-    h.call("activate: policy_file path", "PUT", A + "/dual", expect={400, 422}, admin=True,
+    h.call("activate: k_group_size '32' string (strictly typed)", "PUT", A + "/dual", expect=400, admin=True,
+           json_body={"method": "kivi", "bits": 2, "k_group_size": "32"}, param="k_group_size")
+    h.call("activate: policy_file path", "PUT", A + "/dual", expect=400, admin=True,
            json_body={"method": "dllm_kvq", "policy_file": "/etc/hostname"}, param="policy_file")
-    h.call("activate: kivi on cache mode none", "PUT", A + "/none", expect={400, 422}, admin=True,
+    h.call("activate: kivi on cache mode none", "PUT", A + "/none", expect=400, admin=True,
            json_body={"method": "kivi", "bits": 2}, param="cache_mode")
-    h.call("activate: k_group_size over context", "PUT", A + "/dual", expect={400, 422}, admin=True,
+    h.call("activate: k_group_size over context", "PUT", A + "/dual", expect=400, admin=True,
            json_body={"method": "kivi", "bits": 2, "k_group_size": 100_000}, param="k_group_size")
     h.call("activate: unknown policy id", "PUT", A + "/dual", expect={400, 404}, admin=True,
            json_body={"method": "dllm_kvq", "bits": 2, "policy_id": "policy-nope"}, param="policy_id")
     if pid:
-        h.call("activate: prefix with a dual policy (mode mismatch)", "PUT", A + "/prefix", expect={400, 422},
+        h.call("activate: prefix with a dual policy (mode mismatch)", "PUT", A + "/prefix", expect=422,
                admin=True, json_body={"method": "dllm_kvq", "bits": 2, "policy_id": pid})
-        h.call("activate: 4-bit config with a 2-bit policy", "PUT", A + "/dual", expect={400, 422}, admin=True,
+        h.call("activate: 4-bit config with a 2-bit policy", "PUT", A + "/dual", expect=422, admin=True,
                json_body={"method": "dllm_kvq", "bits": 4, "policy_id": pid}, param="bits")
         _, old = h.call("admin: read active before activation", "GET", A, expect=200, admin=True)
         before = old["serving"]["dual"]["kv_quant"] if isinstance(old, dict) else {"method": "none"}
@@ -763,6 +784,10 @@ def admin_cases(h: Hostile, fingerprint: str) -> None:
            json_body={**ev, "scores": {"acc": float("nan")}})
     h.call("eval_scores: score Infinity", "POST", E, expect=400, admin=True, param="scores",
            json_body={**ev, "scores": {"acc": float("inf")}})
+    h.call("eval_scores: score 1e400 (overflows to inf)", "POST", E, expect=400, admin=True, param="scores",
+           content=b'{"task": "hostile", "scores": {"acc": 1e400}, "cache_mode": "dual"}', headers=ct)
+    h.call("eval_scores: NaN inside details", "POST", E, expect=400, admin=True, param="details",
+           json_body={**ev, "details": {"n": [1, float("nan")]}})
     h.call("eval_scores: empty scores", "POST", E, expect=400, admin=True, param="scores", json_body={**ev, "scores": {}})
     h.call("eval_scores: task 201 chars", "POST", E, expect=400, admin=True, param="task",
            json_body={**ev, "task": "t" * 201})

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, create_model
 
 from service.engine.params import (
     TOKENS_CEILING,
@@ -32,9 +32,10 @@ MAX_TOKENS_HELP = "most response tokens returned (decoding runs whole blocks, th
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are refused."""
+    """Unknown fields are refused, and every field is strictly typed (``1`` is not a boolean, ``"7"`` and ``7.0``
+    are not integers; a float field takes a JSON integer)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(StrictModel):
@@ -383,7 +384,7 @@ class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
     task: str = Field(min_length=1, max_length=200)
-    scores: dict[str, StrictFloat] = Field(min_length=1, description="metric name -> value")
+    scores: dict[str, FiniteFloat] = Field(min_length=1, description="metric name -> value (finite)")
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
     model_fingerprint: str | None = Field(None, description="must be the loaded model's when given")

@@ -46,7 +46,9 @@ class KVQuantConfig(BaseModel):
     an unknown method (the registered ones), bits (2, 4, 8), a missing or superfluous artifact reference.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Strict: a request's "k_group_size": "32" is refused, not read as 32 (files, the environment and the CLI give
+    # JSON or typed values, which strict validation takes as they are).
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
     bits: Literal[2, 4, 8] = 4

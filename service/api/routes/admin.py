@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from service.api import schemas as s
 from service.api.deps import AdminDep, AdminKeyDep, require_admin
@@ -54,8 +55,9 @@ def list_artifacts(kind: str, admin: AdminDep) -> s.ArtifactList:
 
 @router.post("/{kind}", status_code=201)
 async def upload(kind: str, request: Request, admin: AdminDep) -> dict[str, Any]:
-    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model."""
-    return admin.upload(kind, await request.body())
+    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model (parsing
+    runs in the thread pool, off the event loop)."""
+    return await run_in_threadpool(admin.upload, kind, await request.body())
 
 
 @router.get("/{kind}/{artifact_id}")
