@@ -157,7 +157,9 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
     # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
     # Match the tags exactly: a prefix test would also drop real fields such as "stream".
     loc = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "function-", "constrained-")))]
-    param = ".".join(loc) or None
+    # A cross-field rule fails at the model's level and names its field in the context (`service.api.rules`).
+    ruled = (first.get("ctx") or {}).get("param")
+    param = ".".join([*loc, ruled] if ruled else loc) or None
     if first.get("type") == "json_invalid":
         return 400, error_body(f"malformed JSON: {first.get('msg')}", "invalid_request_error", "invalid_json",
                                None), None

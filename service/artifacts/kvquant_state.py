@@ -129,7 +129,7 @@ class KVQuantState:
             meta = strict_json.loads(meta_json)
         except (struct.error, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not a KVQuant state file (safetensors with {_META_KEY!r} metadata): {exc}") from exc
-        meta = KVQuantStateMeta.model_validate(meta, strict=True)
+        meta = KVQuantStateMeta.model_validate(meta)
         _check_layout(header, meta, len(data) - 8 - header_len)
         try:
             tensors = load_tensors(data)

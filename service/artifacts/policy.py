@@ -118,14 +118,13 @@ class PolicyTable(BaseModel):
 
     @classmethod
     def from_json(cls, text: str | bytes) -> PolicyTable:
-        """Parse and validate a table (``pydantic.ValidationError`` naming the field if it is not one). Strictly
-        typed, as the HTTP API's fields are (``"bits": "2"`` is refused; a float field takes a JSON integer)."""
-        return cls.model_validate_json(text, strict=True)
+        """Parse and validate a table (``pydantic.ValidationError`` naming the field if it is not one)."""
+        return cls.model_validate_json(text)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PolicyTable:
         """:meth:`from_json` of UTF-8 bytes (a stored or uploaded table)."""
-        return cls.from_json(data)
+        return cls.model_validate_json(data)
 
     def validate_for(self, spec: ModelSpec) -> None:
         """Check the table against a loaded model.

@@ -71,8 +71,10 @@ KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-# Ids become file names and key parts: no path separators, no leading dot, no colon.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Ids become file names and key parts: no path separators, no leading dot, no colon. Matched whole (fullmatch:
+# "$" alone would also take a trailing newline); ID_PATTERN is also the published schema's pattern.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+_ID_RE = re.compile(ID_PATTERN)
 _FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 M = TypeVar("M", bound=BaseModel)
@@ -160,21 +162,21 @@ class Subscription:
 
 def check_kind(kind: str) -> str:
     """Return ``kind`` or raise :class:`InvalidName` (legal: ``[a-z][a-z0-9_]{0,63}``, e.g. one of KINDS)."""
-    if not isinstance(kind, str) or not _KIND_RE.match(kind):
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):
         raise InvalidName(f"kind {kind!r} is not legal: use [a-z][a-z0-9_]* such as {', '.join(KINDS)}")
     return kind
 
 
 def check_id(artifact_id: str) -> str:
     """Return ``artifact_id`` or raise :class:`InvalidName` (legal: ``[A-Za-z0-9][A-Za-z0-9._-]{0,199}``)."""
-    if not isinstance(artifact_id, str) or not _ID_RE.match(artifact_id):
+    if not isinstance(artifact_id, str) or not _ID_RE.fullmatch(artifact_id):
         raise InvalidName(f"id {artifact_id!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*, at most 200 chars")
     return artifact_id
 
 
 def check_target(fingerprint: str, cache_mode: str) -> None:
     """Raise :class:`InvalidName` unless ``fingerprint`` is a plain token and ``cache_mode`` one of CACHE_MODES."""
-    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.fullmatch(fingerprint):
         raise InvalidName(f"fingerprint {fingerprint!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*")
     if cache_mode not in CACHE_MODES:
         raise InvalidName(f"cache_mode {cache_mode!r} is not legal: use one of {', '.join(CACHE_MODES)}")

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from service.artifacts.base import ArtifactMismatch
+from service.artifacts.base import ArtifactMismatch, legal_v_group_sizes
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
-from service.quant.registry import method, resolve_artifact
+from service.quant.registry import method, resolve_artifact, spellings
 
 
 class ConfigInvalid(ValueError):
@@ -48,7 +48,8 @@ def check_config(
 
     Raises:
         ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a bound the model
-            sets (group sizes, bits); ``field`` is the ``kv_quant.<field>`` a request or an activation body names.
+            sets (group sizes, for every method; bits); ``field`` is the ``kv_quant.<field>`` a request or an
+            activation body names.
         ArtifactUnfit: (a ConfigInvalid) the artifact is for another model, layer count, cache mode or bits, or
             the stored bytes are not an artifact of the method's type.
         service.store.base.ArtifactNotFound: the artifact is not stored (its ``field`` names the id field).
@@ -62,16 +63,18 @@ def check_config(
             f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
             "only: upload it through /admin and name it by id"
         )
+    # Group sizes are bounded whatever the method (one bound for the published schema to state, issue 13); the
+    # default V group size matters only to a method that quantizes.
+    try:
+        config.check_bounds(spec.max_length, spec.head_dim, default_v=entry.quantizer is not None)
+    except KVQuantError as exc:
+        raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
     if entry.quantizer is None:
         return None
     try:
         config.check_cache_mode(cache_mode)
     except KVQuantError as exc:
         raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
-    try:
-        config.check_bounds(spec.max_length, spec.head_dim)
-    except KVQuantError as exc:
-        raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
     try:
         return resolve_artifact(config, spec, fetch, cache_mode, cache)
     except ArtifactMismatch as exc:
@@ -80,3 +83,23 @@ def check_config(
         raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}", public=exc.public) from exc
     except (KVQuantError, ValueError) as exc:  # stored bytes that are not an artifact of the method's type
         raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+
+
+def schema_constraints(spec: ModelSpec) -> dict[str, Any]:
+    """What :func:`check_config` and the store refuse beyond `KVQuantConfig`'s own validation, as JSON Schema
+    constraints on a configuration object for the model ``spec`` describes (the published document states them,
+    issue 13): no file references, ids the store accepts, a K group within the context, a given V group size that
+    divides head_dim. Quantization with cache mode none (a rule across the request, or against the activation's
+    path) and artifacts that do not fit the model are left to the callers' rules and descriptions."""
+    from service.store.base import ID_PATTERN  # the store interface imports this module
+
+    names = [("artifact_id", "artifact_id"), ("artifact_file", "artifact_file")]
+    names += [(spelling, generic) for spelling, (_, generic) in spellings().items()]
+    properties: dict[str, Any] = {
+        name: ({"type": "null"} if generic == "artifact_file"
+               else {"anyOf": [{"type": "string", "pattern": ID_PATTERN}, {"type": "null"}]})
+        for name, generic in names
+    }
+    properties["k_group_size"] = {"maximum": spec.max_length}
+    properties["v_group_size"] = {"anyOf": [{"enum": legal_v_group_sizes(spec.head_dim)}, {"type": "null"}]}
+    return {"properties": properties}

@@ -15,7 +15,8 @@ from service.api.deps import ServingDep, require_api_key
 router = APIRouter(dependencies=[Depends(require_api_key)], route_class=JSONBodyRoute)
 
 
-@router.post("/generate")
+@router.post("/generate", description="One prompt in, the engine's report out (with the configuration snapshot "
+             "it ran with).\n\n" + s.GENERATION_RULES)
 async def generate(body: s.GenerateRequest, request: Request, serving: ServingDep) -> s.GenerateResponse:
     """One prompt in, the engine's `DecodeReport` out (with the configuration snapshot it ran with)."""
     plan = await run_in_threadpool(serving.plan_generate, body)  # tokenizing: off the event loop

@@ -21,7 +21,8 @@ def list_models(serving: ServingDep) -> s.ModelList:
     return serving.models()
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None,
+             description="OpenAI completions; server-sent events when `stream`.\n\n" + s.GENERATION_RULES)
 async def completions(body: s.CompletionRequest, request: Request, serving: ServingDep
                       ) -> s.CompletionResponse | StreamingResponse:
     """OpenAI completions; SSE when ``stream`` (jobs admitted first, so a full queue is a 429). Planning
@@ -33,7 +34,8 @@ async def completions(body: s.CompletionRequest, request: Request, serving: Serv
     return serving.completion_response(plan, await serving.run(plan, request))
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None,
+             description="OpenAI chat completions; server-sent events when `stream`.\n\n" + s.GENERATION_RULES)
 async def chat_completions(body: s.ChatCompletionRequest, request: Request, serving: ServingDep
                            ) -> s.ChatCompletionResponse | StreamingResponse:
     """OpenAI chat completions; SSE when ``stream``."""
