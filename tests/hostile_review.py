@@ -431,7 +431,8 @@ def native_cases(h: Hostile, mask_id: int) -> None:
     h.call("/detokenize 2**63", "POST", D, json_body={"tokens": [1 << 63]}, param="tokens")
     h.call("/detokenize 2**62 (inside the schema bound)", "POST", D, json_body={"tokens": [1 << 62]}, param="tokens")
     h.call("/detokenize strings", "POST", D, json_body={"tokens": ["a"]}, param="tokens")
-    h.call("/detokenize floats", "POST", D, json_body={"tokens": [1.0]}, param="tokens")
+    h.call("/detokenize 1.0 (JSON Schema: an integer)", "POST", D, json_body={"tokens": [1.0]}, expect=200)
+    h.call("/detokenize 1.5", "POST", D, json_body={"tokens": [1.5]}, param="tokens")
     h.call("/detokenize mask id", "POST", D, json_body={"tokens": [mask_id]}, expect={200, 400})
     h.call("/detokenize 1M tokens (over the body limit)", "POST", D, json_body={"tokens": [7] * 1_000_000},
            expect=413)

@@ -55,7 +55,7 @@ def check_config(
         service.store.base.ArtifactNotFound: the artifact is not stored (its ``field`` names the id field).
         service.store.base.StoreUnavailable: the store cannot be reached to load it.
     """
-    from service.store.base import ArtifactNotFound  # the store interface imports this module
+    from service.store.base import ArtifactNotFound, InvalidName  # the store interface imports this module
 
     entry = method(config.method)
     if config.artifact_file is not None:
@@ -81,7 +81,9 @@ def check_config(
         raise ArtifactUnfit(f"kv_quant.{exc.field}", exc.detail) from exc
     except ArtifactNotFound as exc:
         raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}", public=exc.public) from exc
-    except (KVQuantError, ValueError) as exc:  # stored bytes that are not an artifact of the method's type
+    except (KVQuantError, InvalidName) as exc:  # an id no store can hold (bad input, 400)
+        raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+    except ValueError as exc:  # stored bytes that are not an artifact of the method's type (rejected, 422)
         raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
 
 
