@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.api import errors, openapi
+from service.api import body, errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
@@ -169,6 +169,7 @@ def create_app(
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker
         app.state.serving = Serving(eng, worker, active, settings, telemetry, model_name)
+        app.state.max_body_bytes = settings.max_body_bytes or body.default_body_limit(eng.spec.max_length)
         app.state.admin = Admin(store, active, telemetry)
         app.state.probe_error = None
         try:
@@ -195,6 +196,7 @@ def create_app(
     app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     openapi.install(app)
+    app.add_middleware(body.BodyLimit, fastapi=app)
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)

@@ -25,6 +25,7 @@ from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
+    ArtifactUnfit,
     ConfigInvalid,
     InvalidName,
     StoreUnavailable,
@@ -49,6 +50,24 @@ class ApiError(Exception):
 
 class InvalidRequest(ApiError):
     """A request the server cannot serve as asked (unhonourable value, prompt too long, no tokenizer ...)."""
+
+
+class InvalidJSON(ApiError):
+    """A body that is empty, not UTF-8 JSON, not a JSON object, nested too deep, or holding NaN/Infinity."""
+
+    code = "invalid_json"
+
+
+class BodyTooLarge(ApiError):
+    """A request body over the server's limit (``DLLM_MAX_BODY_BYTES``), refused before it is parsed (413)."""
+
+    status, code = 413, "body_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    """A body sent as something other than JSON (``Content-Type``), or compressed (``Content-Encoding``) (415)."""
+
+    status, code = 415, "unsupported_media_type"
 
 
 class ArtifactRejected(ApiError):
@@ -94,6 +113,7 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (ArtifactInUse, 409, "conflict_error", "artifact_in_use"),
     (ArtifactConflict, 409, "conflict_error", "artifact_conflict"),
     (ArtifactMismatch, 422, "invalid_request_error", "artifact_rejected"),
+    (ArtifactUnfit, 422, "invalid_request_error", "artifact_rejected"),
     (ConfigInvalid, 400, "invalid_request_error", "invalid_config"),
     (InvalidName, 400, "invalid_request_error", "invalid_name"),
     (EngineInputError, 400, "invalid_request_error", "invalid_input"),

@@ -36,7 +36,9 @@ _ERRORS = {
     "403": "admin routes with no admin key configured",
     "404": "unknown model, route or artifact",
     "409": "artifact conflict or in use",
-    "422": "artifact rejected for the loaded model",
+    "413": "request body over the size limit (DLLM_MAX_BODY_BYTES)",
+    "415": "body not sent as JSON (Content-Type: application/json), or compressed",
+    "422": "artifact rejected: it (or the one a configuration names) does not fit the loaded model",
     "429": "queue full (Retry-After)",
     "499": "the client went away",
     "500": "a request that failed while decoding",
@@ -116,7 +118,8 @@ def server_values(state: Any) -> dict[str, Any]:
     context less one position for the other part); ``last_token_id`` (a prompt id: below the logits' width) and
     ``mask_id`` (``{"const": id}``, never in a prompt); ``last_decodable_id`` (``/detokenize``: the tokenizer's
     size); ``model_names`` (served name and checkpoint id); ``fingerprint`` (the weights'); ``remasking`` (what the
-    family's reveal rule takes); ``artifact_kinds`` (admin URL segments of the registered methods).
+    family's reveal rule takes); ``artifact_kinds`` (admin URL segments of the registered methods); ``max_prompts``
+    (prompts in one completion request: the most the queue holds, ``max_queue``).
     """
     serving = state.serving
     spec = serving.spec
@@ -131,6 +134,7 @@ def server_values(state: Any) -> dict[str, Any]:
         "fingerprint": [spec.fingerprint],
         "remasking": list(reveal_rule(spec.arch).remasking),
         "artifact_kinds": list(artifact_types()),
+        "max_prompts": serving.settings.max_queue,
     }
 
 

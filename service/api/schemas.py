@@ -171,11 +171,15 @@ class OpenAISampling(DiffusionKnobs):
                      "stream_options"),)
 
 
+_MAX_PROMPTS = from_server(maxItems="max_prompts")
+
+
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``: OpenAI's legacy completions."""
 
-    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1)] | PromptIds
-            | Annotated[list[PromptIds], Field(min_length=1)])
+    # More prompts than the queue can ever hold is a 400 naming prompt (a 429 would invite a vain retry).
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)] | PromptIds
+            | Annotated[list[PromptIds], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)])
     best_of: only(exactly(1) | None, "only best_of = 1 is supported") = None
     echo: only(exactly(False) | None, "echo is not supported") = None
     logprobs: only(None, "logprobs are not supported") = None
@@ -451,7 +455,8 @@ class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
     task: str = Field(min_length=1, max_length=200)
-    scores: dict[str, StrictFloat] = Field(min_length=1, description="metric name -> value")
+    scores: dict[str, Annotated[StrictFloat, Field(allow_inf_nan=False)]] = Field(
+        min_length=1, description="metric name -> value (finite)")
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
     model_fingerprint: Annotated[str, Field(json_schema_extra=from_server(enum="fingerprint"))] | None = Field(

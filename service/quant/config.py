@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from service.artifacts.base import default_v_group_size, legal_v_group_sizes
-from service.engine.params import TOKENS_CEILING
+from service.engine.params import TOKENS_CEILING, json_int
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
@@ -50,9 +50,11 @@ class KVQuantConfig(BaseModel):
 
     method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
     bits: Literal[2, 4, 8] = 4
-    k_group_size: int = Field(32, gt=0, le=TOKENS_CEILING, description="tokens per K group (at most the context)")
-    v_group_size: int | None = Field(None, gt=0, le=TOKENS_CEILING,
-                                     description="channels per V group (a divisor of head_dim)")
+    # Integers as JSON Schema types them, as every request field (`service.engine.params.json_int`): "32" is refused,
+    # not read as 32 (the environment and the CLI give JSON or typed values).
+    k_group_size: json_int(gt=0, le=TOKENS_CEILING, description="tokens per K group (at most the context)") = 32
+    v_group_size: json_int(gt=0, le=TOKENS_CEILING, description="channels per V group (a divisor of head_dim)"
+                           ) | None = None
     artifact_id: str | None = None
     artifact_file: str | None = None
     sides: Sides = "kv"

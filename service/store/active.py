@@ -195,20 +195,21 @@ class ActiveConfigs:
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(mode).inc()
 
-    def _refuse(self, cache_mode: str, reason: str) -> None:
-        """Make ``cache_mode`` not ready for ``reason``."""
+    def _refuse(self, cache_mode: str, what: str, exc: BaseException) -> None:
+        """Make ``cache_mode`` not ready: ``what`` cannot be served because of ``exc``. The reason kept (shown by
+        /health/ready and every 503 of the mode, to any client) does not say where the store is; the log does."""
+        public = getattr(exc, "public", None) or str(exc)
         with self._lock:
-            self.not_ready[cache_mode] = reason
+            self.not_ready[cache_mode] = f"{what} cannot be served: {public}"
         self.telemetry.config_ready.labels(cache_mode).set(0)
-        log.error("cache mode %s is not ready: %s", cache_mode, reason)
+        log.error("cache mode %s is not ready: %s cannot be served: %s", cache_mode, what, exc)
 
     def _use_default(self, cache_mode: str, count: bool = True) -> None:
         config = self.default if cache_mode != "none" else KVQuantConfig()
         try:
             self._install(self.resolver.resolve(config, cache_mode, "default"), count)
         except (ValueError, KeyError, StoreError) as exc:
-            self._refuse(cache_mode, f"the kv_quant setting {config.model_dump(mode='json', exclude_none=True)} "
-                         f"cannot be served: {exc}")
+            self._refuse(cache_mode, f"the kv_quant setting {config.model_dump(mode='json', exclude_none=True)}", exc)
 
     def reload(self) -> None:
         """Load every active entry of this model from the store (start-up, and after a store outage).
@@ -243,8 +244,8 @@ class ActiveConfigs:
         except StoreUnavailable as exc:
             log.error("could not load the active configuration of %s (%s); serving the previous", cache_mode, exc)
         except (ValueError, KeyError, StoreError) as exc:
-            self._refuse(cache_mode, f"the store's active configuration "
-                         f"{config.model_dump(mode='json', exclude_none=True)} cannot be served: {exc}")
+            self._refuse(cache_mode, "the store's active configuration "
+                         f"{config.model_dump(mode='json', exclude_none=True)}", exc)
 
     def _lost(self, snapshot: ConfigSnapshot) -> None:
         """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless

@@ -58,7 +58,7 @@ from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
-from service.store.config_check import ConfigInvalid, check_config
+from service.store.config_check import ArtifactUnfit, ConfigInvalid, check_config
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
 KIND_POLICY = PolicyTable.KIND
@@ -89,11 +89,16 @@ class InvalidName(StoreError, ValueError):
 
 
 class ArtifactNotFound(StoreError, KeyError):
-    """No artifact of that kind and id; ``field`` names the request field that named it, when one did."""
+    """No artifact of that kind and id; ``field`` names the request field that named it, when one did.
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    The message names the store (for operators: admin routes, commands, logs); ``public`` says the same without
+    where the store is, for answers to any client (a serving route must not tell it a path or a Redis URL).
+    """
+
+    def __init__(self, message: str, field: str | None = None, public: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.public = public or message
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
@@ -203,7 +208,8 @@ class Store(ABC):
 
     def not_found(self, kind: str, artifact_id: str) -> ArtifactNotFound:
         """The error for an artifact that is not stored, naming the store it was looked for in."""
-        return ArtifactNotFound(f"no {kind} with id {artifact_id!r} in the store {self.location}")
+        return ArtifactNotFound(f"no {kind} with id {artifact_id!r} in the store {self.location}",
+                                public=f"no {kind} with id {artifact_id!r} in the store")
 
     # ---- artifacts -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -392,6 +398,7 @@ __all__ = [
     "ArtifactInUse",
     "ArtifactInfo",
     "ArtifactNotFound",
+    "ArtifactUnfit",
     "AuditEntry",
     "ConfigInvalid",
     "InvalidName",

@@ -25,6 +25,12 @@ class ConfigInvalid(ValueError):
         self.field = field
 
 
+class ArtifactUnfit(ConfigInvalid):
+    """The stored artifact a configuration names does not fit it or the loaded model (another model, layer
+    count, cache mode or bits), or is not an artifact of the method's type: the artifact is rejected (HTTP 422,
+    on a request and on an activation alike), where other `ConfigInvalid` errors are bad input (400)."""
+
+
 def check_config(
     config: KVQuantConfig,
     cache_mode: CacheMode,
@@ -42,12 +48,14 @@ def check_config(
 
     Raises:
         ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a bound the model
-            sets (group sizes, for every method; bits), an artifact for another model, layer count, cache mode or bits; ``field``
-            is the ``kv_quant.<field>`` a request or an activation body names.
+            sets (group sizes, for every method; bits); ``field`` is the ``kv_quant.<field>`` a request or an
+            activation body names.
+        ArtifactUnfit: (a ConfigInvalid) the artifact is for another model, layer count, cache mode or bits, or
+            the stored bytes are not an artifact of the method's type.
         service.store.base.ArtifactNotFound: the artifact is not stored (its ``field`` names the id field).
         service.store.base.StoreUnavailable: the store cannot be reached to load it.
     """
-    from service.store.base import ArtifactNotFound  # the store interface imports this module
+    from service.store.base import ArtifactNotFound, InvalidName  # the store interface imports this module
 
     entry = method(config.method)
     if config.artifact_file is not None:
@@ -70,11 +78,13 @@ def check_config(
     try:
         return resolve_artifact(config, spec, fetch, cache_mode, cache)
     except ArtifactMismatch as exc:
-        raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
+        raise ArtifactUnfit(f"kv_quant.{exc.field}", exc.detail) from exc
     except ArtifactNotFound as exc:
-        raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}") from exc
-    except (KVQuantError, ValueError) as exc:  # stored bytes that are not an artifact of the method's type
+        raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}", public=exc.public) from exc
+    except (KVQuantError, InvalidName) as exc:  # an id no store can hold (bad input, 400)
         raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+    except ValueError as exc:  # stored bytes that are not an artifact of the method's type (rejected, 422)
+        raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
 
 
 def schema_constraints(spec: ModelSpec) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.convertors import Convertor, register_url_convertor
 
 from service.api import schemas as s
@@ -87,8 +88,9 @@ def list_artifacts(kind: Kind, admin: AdminDep) -> s.ArtifactList:
              "state what is checked before anything is stored: the content parses as the kind's artifact and fits "
              "the loaded model (weights fingerprint, layer and head counts; 422 otherwise).")
 async def upload(kind: Kind, request: Request, admin: AdminDep) -> dict[str, Any]:
-    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model."""
-    return admin.upload(kind, await request.body())
+    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model (parsing
+    runs in the thread pool, off the event loop)."""
+    return await run_in_threadpool(admin.upload, kind, await request.body())
 
 
 @router.get("/{kind:artifact_kind}/{artifact_id}")

@@ -11,13 +11,17 @@ from service.worker import WorkerUnavailable
 router = APIRouter()
 
 
+# Each GET route also answers HEAD (load balancers and uptime checkers probe with either; RFC 9110 §9.3.2: the GET
+# answer without its body). HEAD is left out of the OpenAPI document, which states it for no route.
 @router.get("/health")
+@router.head("/health", include_in_schema=False)
 def health() -> dict[str, str]:
     """Alive."""
     return {"status": "ok"}
 
 
 @router.get("/health/ready")
+@router.head("/health/ready", include_in_schema=False)
 def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: TelemetryDep) -> dict[str, str]:
     """Ready to serve: the start-up denoise passed, the worker accepts, and every cache mode's configuration can
     be served (503 otherwise, naming the cache modes that cannot and why)."""
@@ -38,6 +42,7 @@ def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: Tel
 
 
 @router.get("/metrics")
+@router.head("/metrics", include_in_schema=False)
 def metrics(telemetry: TelemetryDep) -> Response:
     """Prometheus exposition of `service.telemetry`."""
     return Response(telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
