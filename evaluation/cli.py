@@ -499,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except (CommandError, ScoreReportError, httpx.HTTPError) as exc:
-        # A refused or unreachable server during a matrix run is the user's setting too: one line.
-        print(f"{prog('evaluation', argv[0])}: error: {exc}", file=sys.stderr)
+        # A refused or unreachable server during a matrix run is the user's setting too: one line, naming the URL
+        # (httpx's own message does not).
+        where = ""
+        if isinstance(exc, httpx.HTTPError):
+            try:
+                where = f"{exc.request.url}: "
+            except RuntimeError:  # an error raised before any request was made
+                pass
+        print(f"{prog('evaluation', argv[0])}: error: {where}{exc}", file=sys.stderr)
         return 2
