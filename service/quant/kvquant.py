@@ -23,7 +23,7 @@ from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig
 from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.layout import SlotLayout
-from service.quant.packing import pack_stream, unpack_stream
+from service.quant.packing import byte_table, decode_stream, pack_stream
 
 
 class KVQuantQuantizer(KVQuantizer):
@@ -42,6 +42,9 @@ class KVQuantQuantizer(KVQuantizer):
         super().__init__(config, spec)
         self.state = state
         self.sparse = state.meta.sparsity_threshold < 1.0
+        # Per (layer, device), made at the first read: the keys' static offset and half range, and each
+        # codebook as a per-byte table (`service.quant.packing.byte_table`). Fixed per model, like the state.
+        self._read_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def quantize_k(self, layer, x, layout, scores):
         s = self.state
@@ -51,11 +54,11 @@ class KVQuantQuantizer(KVQuantizer):
         return self._pack(x2d, codes, outliers, {})
 
     def dequantize_k(self, layer, packed, layout, out=None):
-        s = self.state
+        # nuq.dequantize_keys (lut[code] * range + offset, float32), the lookup read straight from the stream.
         t = packed.k.tensors
-        codes = self._codes(t, layout, packed)
-        upper, lower, lut = (x[layer].to(codes.device) for x in (s.k_upper, s.k_lower, s.k_lut))
-        return self._finish(nuq.dequantize_keys(codes, upper, lower, lut), t, layout, packed, out)
+        offset, half_range, k_table, _ = self._tables(layer, t["codes"].device)
+        values = self._values(t, k_table, layout, packed).mul_(half_range).add_(offset)
+        return self._finish(values, t, layout, packed, out)
 
     def quantize_v(self, layer, x):
         x2d = x.reshape(x.shape[0], -1)
@@ -66,11 +69,24 @@ class KVQuantQuantizer(KVQuantizer):
         return self._pack(x2d, codes, outliers, {"offset": offset, "half_range": half_range})
 
     def dequantize_v(self, layer, packed, layout, out=None):
+        # nuq.dequantize_values, likewise.
         t = packed.v.tensors
-        codes = self._codes(t, layout, packed)
-        lut = self.state.v_lut[layer].to(codes.device)
-        values = nuq.dequantize_values(codes, t["offset"], t["half_range"], lut)
+        v_table = self._tables(layer, t["codes"].device)[3]
+        values = self._values(t, v_table, layout, packed).mul_(t["half_range"][:, None]).add_(t["offset"][:, None])
         return self._finish(values, t, layout, packed, out)
+
+    def _tables(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(k_offset [C], k_half_range [C], k_table, v_table)`` of a layer on ``device`` (made once)."""
+        key = (layer, device)
+        if key not in self._read_tables:
+            s = self.state
+            offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
+            self._read_tables[key] = (
+                offset, half_range,
+                byte_table(s.k_lut[layer].to(device, torch.float32), self.bits),
+                byte_table(s.v_lut[layer].to(device, torch.float32), self.bits),
+            )
+        return self._read_tables[key]
 
     def kernel_operands(self, layer, packed, layout) -> KernelOperands:
         s = self.state
@@ -98,9 +114,11 @@ class KVQuantQuantizer(KVQuantizer):
             nominal_bitsum=float(self.bits * (x2d.numel() - n_out) + 16 * n_out),
         )
 
-    def _codes(self, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+    @staticmethod
+    def _values(t: dict, table: torch.Tensor, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+        """float32 ``[N, C]``: the codebook value of every code (a new tensor, free to modify in place)."""
         n, c = layout.num_slots, packed.num_heads * packed.head_dim
-        return unpack_stream(t["codes"], self.bits, n * c).view(n, c)
+        return decode_stream(t["codes"], table, n * c).view(n, c)
 
     @staticmethod
     def _finish(
