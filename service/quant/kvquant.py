@@ -57,7 +57,8 @@ class KVQuantQuantizer(KVQuantizer):
         # nuq.dequantize_keys (lut[code] * range + offset, float32), the lookup read straight from the stream.
         t = packed.k.tensors
         offset, half_range, k_table, _ = self._tables(layer, t["codes"].device)
-        values = self._values(t, k_table, layout, packed).mul_(half_range).add_(offset)
+        values = self._values(t, k_table, layout, packed)
+        values[:-1].mul_(half_range).add_(offset)
         return self._finish(values, t, layout, packed, out)
 
     def quantize_v(self, layer, x):
@@ -72,7 +73,8 @@ class KVQuantQuantizer(KVQuantizer):
         # nuq.dequantize_values, likewise.
         t = packed.v.tensors
         v_table = self._tables(layer, t["codes"].device)[3]
-        values = self._values(t, v_table, layout, packed).mul_(t["half_range"][:, None]).add_(t["offset"][:, None])
+        values = self._values(t, v_table, layout, packed)
+        values[:-1].mul_(t["half_range"][:, None]).add_(t["offset"][:, None])
         return self._finish(values, t, layout, packed, out)
 
     def _tables(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -116,16 +118,23 @@ class KVQuantQuantizer(KVQuantizer):
 
     @staticmethod
     def _values(t: dict, table: torch.Tensor, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
-        """float32 ``[N, C]``: the codebook value of every code (a new tensor, free to modify in place)."""
+        """float32 ``[N + 1, C]``: the codebook value of every code, and a spare last row (a new tensor, free to
+        modify in place; see :meth:`_finish`)."""
         n, c = layout.num_slots, packed.num_heads * packed.head_dim
-        return decode_stream(t["codes"], table, n * c).view(n, c)
+        return decode_stream(t["codes"], table, n * c, extra=c).view(n + 1, c)
 
     @staticmethod
     def _finish(
         values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer, out: torch.Tensor | None
     ) -> torch.Tensor:
+        """Fill in the outliers and place the values (``[N + 1, C]``, the last row spare) into the output."""
         values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
-        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype, out=out)
+        h, d = packed.num_heads, packed.head_dim
+        if layout.batched(h * d):
+            values[-1].zero_()
+            out = layout.empty_output(h, d, packed.dtype, out)
+            return layout.place(values.view(-1, h, d), out)
+        return layout.scatter(values[:-1].view(-1, h, d), dtype=packed.dtype, out=out)
 
 
 def fit_state(

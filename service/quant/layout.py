@@ -12,8 +12,18 @@ instead; the short last group is our departure.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
+
+#: A layout with more runs than this is handled in whole-layer tensor operations (per-slot statistics, one
+#: gather of all slots) instead of a few operations per run: with many short runs (a batch of short rows) the
+#: per-run calls, not their arithmetic, are what a read or write costs on a CPU; with a few long runs (one row)
+#: broadcasting per run is cheaper than gathering per-slot statistics.
+BATCHED_RUNS = 4
+#: ... as long as a whole layer's K (or V), ``B x T_reused x H x D`` entries, is at most this many: the whole-layer
+#: operations make float32 temporaries of that size, which bounds the transient memory they add.
+BATCHED_ELEMENTS = 2**20
 
 from service.engine.kv_store import Segments
 
@@ -58,6 +68,36 @@ class SlotLayout:
     @property
     def num_groups(self) -> int:
         return int(self.group_slots.shape[0])
+
+    def batched(self, per_slot: int) -> bool:
+        """Whole-layer operations rather than per-run ones for ``per_slot`` (H x D) entries per token (see
+        ``BATCHED_RUNS``, ``BATCHED_ELEMENTS``)."""
+        return len(self.runs) > BATCHED_RUNS and self.batch_size * self.num_reused * per_slot <= BATCHED_ELEMENTS
+
+    @cached_property
+    def slot_map(self) -> torch.Tensor:
+        """int64 ``[B x T_reused]``: the slot at each (row, reused column), ``N`` where there is none (padding; the
+        active window of an ``on_sequence`` layout). Slots of rows a ``select_rows`` layout drops point into its
+        buffer row."""
+        flat = torch.full((self.batch_size * self.num_reused,), self.num_slots, dtype=torch.int64,
+                          device=self.rows.device)
+        flat[self.rows * self.num_reused + self.cols] = torch.arange(self.num_slots, device=self.rows.device)
+        return flat
+
+    def place(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Fill all of ``out`` ``[B, H, T_reused, D]`` from ``values`` ``[N + 1, H, D]``, whose last row is zero:
+        each (row, column) takes its slot's values, padding (and any column without a slot) the zero row; one
+        gather in (row, column) order and one transposing copy, cast to out's dtype. For ``batched`` layouts."""
+        b, h, t, d = out.shape
+        out.copy_(values.index_select(0, self.slot_map).view(b, t, h, d).permute(0, 2, 1, 3))
+        return out
+
+    @cached_property
+    def group_slots_high(self) -> torch.Tensor:
+        """``group_slots`` with the short-group padding pointing at slot ``N + 1`` instead of ``N``: gathering
+        from the slots followed by a row of +inf and a row of -inf, ``group_slots`` reads +inf (neutral for a
+        minimum) and this reads -inf (neutral for a maximum) where a group is short."""
+        return torch.where(self.group_valid, self.group_slots, self.num_slots + 1)
 
     @property
     def group_valid(self) -> torch.Tensor:
@@ -138,7 +178,10 @@ class SlotLayout:
         return [tuple(span) for span in merged]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run."""
+        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run, or in one
+        indexed read when ``batched``."""
+        if self.batched(x.shape[1] * x.shape[3]):
+            return x.permute(0, 2, 1, 3)[self.rows, self.seq_cols]
         pieces = []
         for row, _, slot, length, _ in self.runs:
             start = int(self.seq_cols[slot])  # a run is contiguous in the sequence too
@@ -157,6 +200,8 @@ class SlotLayout:
         if out is None:
             out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
         elif not self.zero_padding:
+            return out
+        if self.batched(num_heads * head_dim):  # filled by `place`, padding included
             return out
         covered = [0] * self.batch_size
         for row, col, _, length, _ in self.runs:
@@ -195,6 +240,11 @@ class SlotLayout:
     ) -> torch.Tensor:
         """Place the values of all slots ``[N, H, D]`` into a new ``[B, H, T_reused, D]`` (``dtype``, default
         ``values.dtype``; or into ``out``), run by run, with zeros on padding."""
+        if self.batched(values.shape[1] * values.shape[2]):
+            if out is None:
+                out = values.new_empty(self.batch_size, values.shape[1], self.num_reused, values.shape[2],
+                                       dtype=dtype or values.dtype)
+            return self.place(torch.cat([values, values.new_zeros(1, *values.shape[1:])]), out)
         out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype, out)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)

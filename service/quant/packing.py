@@ -131,12 +131,18 @@ def byte_table(values: torch.Tensor, bits: int) -> torch.Tensor:
     return values[(byte[None, :] >> shifts) & (2**bits - 1)].reshape(per_byte, 256).contiguous()
 
 
-def decode_stream(words: torch.Tensor, table: torch.Tensor, numel: int) -> torch.Tensor:
+def decode_stream(words: torch.Tensor, table: torch.Tensor, numel: int, extra: int = 0) -> torch.Tensor:
     """The values of the first ``numel`` codes of a :func:`pack_stream` stream, 1-D in ``table``'s dtype:
     ``values[unpack_stream(words, bits, numel)]`` with ``table = byte_table(values, bits)``, in one gather per
     stream byte and plane (the planar layout puts plane ``p`` of every byte at codes ``[p m, (p + 1) m)``, which
-    is exactly the output of an ``index_select`` along the table's columns), without unpacked codes."""
+    is exactly the output of an ``index_select`` along the table's columns), without unpacked codes.
+
+    ``extra``: the result has that many more elements after the values (uninitialized), for a caller that wants
+    room next to them (`SlotLayout.place` reads a zero row after the slots).
+    """
     per_byte = table.shape[0]
     m = -(-numel // per_byte)
     data = words.view(torch.uint8)[:m].to(torch.int32)
-    return table.index_select(1, data).view(-1)[:numel]
+    out = torch.empty(max(per_byte * m, numel + extra), dtype=table.dtype, device=table.device)
+    torch.index_select(table, 1, data, out=out[: per_byte * m].view(per_byte, m))
+    return out[: numel + extra]
