@@ -13,6 +13,7 @@ each token. The state's thresholds and codebooks are not counted: they are fixed
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from service.artifacts.base import Provenance
@@ -102,7 +103,7 @@ class KVQuantQuantizer(KVQuantizer):
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
     def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:
-        index = outliers.flatten().nonzero().squeeze(1)
+        index = _flat_nonzero(outliers)
         n_out = index.numel()
         tensors = {
             "codes": pack_stream(codes, self.bits),
@@ -135,6 +136,14 @@ class KVQuantQuantizer(KVQuantizer):
             out = layout.empty_output(h, d, packed.dtype, out)
             return layout.place(values.view(-1, h, d), out)
         return layout.scatter(values[:-1].view(-1, h, d), dtype=packed.dtype, out=out)
+
+
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the flat indices of the True entries of ``mask``, ascending (numpy's ``flatnonzero`` on a
+    CPU tensor: several times faster there than ``torch.nonzero``, the same indices)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.flatten().nonzero().squeeze(1)
 
 
 def fit_state(

@@ -112,8 +112,14 @@ def unpack_stream(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     data = words.view(torch.uint8)[:m]
     if per_byte == 1:
         return data
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)[:, None]
-    return ((data[None, :] >> shifts) & (2**bits - 1)).view(-1)[:numel]
+    key = (bits, words.device)
+    if key not in _PLANE_SHIFTS:
+        _PLANE_SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)[:, None]
+    return ((data[None, :] >> _PLANE_SHIFTS[key]) & (2**bits - 1)).view(-1)[:numel]
+
+
+#: Per (bits, device): the bit offset of each plane, ``[8 / b, 1]`` uint8 (made once; a read is a few ops).
+_PLANE_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def byte_table(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -137,7 +137,9 @@ class QuantizedKVStore(KVStore):
                 self._scratch_layout = None
             scratch = (self._scratch[0][: shape[0]], self._scratch[1][: shape[0]])
             if self._scratch_layout is layout:  # padding still zero from the last fill: only runs are written
-                layout = self._refills.setdefault(id(layout), replace(layout, zero_padding=False))
+                if id(layout) not in self._refills:
+                    self._refills[id(layout)] = replace(layout, zero_padding=False)
+                layout = self._refills[id(layout)]
             else:
                 self._scratch_layout = layout
             k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], layout, scratch)

@@ -171,12 +171,23 @@ def _affine_rows_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     dest.copy_(work.view(dest.shape[1], dest.shape[0], dest.shape[2]).transpose(0, 1))
 
 
-def _slot_work(codes: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N + 1, H, D]``: the codes as floats and a zero row (what `SlotLayout.place` reads)."""
-    work = torch.empty(codes.shape[0] + 1, *codes.shape[1:], dtype=torch.float32, device=codes.device)
-    work[:-1].copy_(codes)
-    work[-1].zero_()
-    return work
+def dequantize_k_batched(out: torch.Tensor, work: torch.Tensor, stats: GroupStats, layout: SlotLayout) -> torch.Tensor:
+    """:func:`dequantize_k_into` for a ``batched`` layout: ``work`` float32 ``[N + 1, H, D]``, the codes as floats
+    and a zero last row, is turned in place into ``code * scale + mn`` with each slot's group statistics gathered,
+    then placed into ``out`` in one gather (`SlotLayout.place`); the same float32 values, rounded once."""
+    groups = layout.group_of_slot
+    _affine_(work[:-1], stats.scale.index_select(0, groups), stats.mn.index_select(0, groups))
+    return layout.place(work, out)
+
+
+def dequantize_v_batched(
+    out: torch.Tensor, work: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: SlotLayout
+) -> torch.Tensor:
+    """:func:`dequantize_v_into` for a ``batched`` layout (``work`` as in :func:`dequantize_k_batched`)."""
+    n, h, d = work.shape[0] - 1, work.shape[1], work.shape[2]
+    groups = scale.shape[-1]
+    _affine_(work[:-1].view(n, h, groups, d // groups), scale[:, :, :, None], mn[:, :, :, None])
+    return layout.place(work, out)
 
 
 def _affine_(work: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:
@@ -217,11 +228,6 @@ def dequantize_k_into(
     for K than the slot-order path V takes, whose statistics vary along tokens instead).
     """
     h, d = codes.shape[1], codes.shape[2]
-    if layout.batched(h * d):  # per-slot statistics, all slots at once (see `SlotLayout.batched`)
-        groups = layout.group_of_slot
-        work = _slot_work(codes)
-        _affine_(work[:-1], stats.scale.index_select(0, groups), stats.mn.index_select(0, groups))
-        return layout.place(work, out)
     for row, col, slot, n_groups, size, group in layout.parts():
         dest = out[row, :, col : col + n_groups * size].view(h, n_groups, size, d)
         part = codes[slot : slot + n_groups * size].view(n_groups, size, h, d)
@@ -243,11 +249,6 @@ def dequantize_v_into(
     (`SlotLayout.spans`), at most ``_WORK_ELEMENTS`` entries at a time."""
     h, d = codes.shape[1], codes.shape[2]
     groups = scale.shape[-1]
-    if layout.batched(h * d):  # all slots at once (see `SlotLayout.batched`)
-        work = _slot_work(codes)
-        n = codes.shape[0]
-        _affine_(work[:-1].view(n, h, groups, d // groups), scale[:, :, :, None], mn[:, :, :, None])
-        return layout.place(work, out)
     step = max(1, _WORK_ELEMENTS // (h * d))
     for row, col, slot, length in layout.spans():
         for t0 in range(0, length, step):
