@@ -56,7 +56,7 @@ def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
             part = flat[i : i + _EXHAUSTIVE_CHUNK]
             code[i : i + _EXHAUSTIVE_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
         return code.view(u.shape)
-    inner = lut[1:-1].tolist() if n <= _COMPARE_ENTRIES else None  # exact float32 values as Python floats
+    inner = lut[1:-1].unbind() if n <= _COMPARE_ENTRIES else None  # 0-dim float32 entries
     # The count is kept in float32 (small integers, exact): comparisons written as float are several times faster
     # on a CPU than bool ones.
     work = torch.empty(2, min(flat.numel(), _NEAREST_CHUNK), dtype=torch.float32, device=u.device)
