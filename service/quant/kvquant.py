@@ -134,7 +134,7 @@ class KVQuantQuantizer(KVQuantizer):
         if layout.batched(h * d):
             values[-1].zero_()
             out = layout.empty_output(h, d, packed.dtype, out)
-            return layout.place(values.view(-1, h, d), out)
+            return layout.place(layout.take_active(values, spare=True).view(-1, h, d), out)
         return layout.scatter(values[:-1].view(-1, h, d), dtype=packed.dtype, out=out)
 
 

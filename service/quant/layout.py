@@ -75,19 +75,45 @@ class SlotLayout:
         return len(self.runs) > BATCHED_RUNS and self.batch_size * self.num_reused * per_slot <= BATCHED_ELEMENTS
 
     @cached_property
+    def active_slots(self) -> torch.Tensor | None:
+        """int64 ``[N_a]``: the slots of ``runs`` in order, or None when that is every slot (a ``select_rows``
+        layout drops the runs, and so the slots, of the rows a step leaves out)."""
+        covered = sum(length for _, _, _, length, _ in self.runs)
+        if covered == self.num_slots:
+            return None
+        device = self.rows.device
+        if not self.runs:
+            return torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.cat([torch.arange(slot, slot + length, device=device) for _, _, slot, length, _ in self.runs])
+
+    @cached_property
+    def _active_with_spare(self) -> torch.Tensor | None:
+        active = self.active_slots
+        return None if active is None else torch.cat([active, active.new_full((1,), self.num_slots)])
+
+    def take_active(self, x: torch.Tensor, spare: bool = False) -> torch.Tensor:
+        """The rows of the active slots of a per-slot tensor ``[N, ...]`` (``spare``: ``[N + 1, ...]``, its last
+        row kept last): ``x`` itself when every slot is active, else a gather."""
+        index = self._active_with_spare if spare else self.active_slots
+        return x if index is None else x.index_select(0, index)
+
+    @cached_property
     def slot_map(self) -> torch.Tensor:
-        """int64 ``[B x T_reused]``: the slot at each (row, reused column), ``N`` where there is none (padding; the
-        active window of an ``on_sequence`` layout). Slots of rows a ``select_rows`` layout drops point into its
-        buffer row."""
-        flat = torch.full((self.batch_size * self.num_reused,), self.num_slots, dtype=torch.int64,
-                          device=self.rows.device)
-        flat[self.rows * self.num_reused + self.cols] = torch.arange(self.num_slots, device=self.rows.device)
+        """int64 ``[B x T_reused]``: at each (row, reused column) the index of its slot among the active slots
+        (``active_slots``; all slots in order when every slot is active), ``N_a`` where there is none (padding;
+        the active window of an ``on_sequence`` layout; a buffer row)."""
+        active = self.active_slots
+        n = self.num_slots if active is None else int(active.numel())
+        rows, cols = (self.rows, self.cols) if active is None else (self.rows[active], self.cols[active])
+        flat = torch.full((self.batch_size * self.num_reused,), n, dtype=torch.int64, device=self.rows.device)
+        flat[rows * self.num_reused + cols] = torch.arange(n, device=self.rows.device)
         return flat
 
     def place(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Fill all of ``out`` ``[B, H, T_reused, D]`` from ``values`` ``[N + 1, H, D]``, whose last row is zero:
-        each (row, column) takes its slot's values, padding (and any column without a slot) the zero row; one
-        gather in (row, column) order and one transposing copy, cast to out's dtype. For ``batched`` layouts."""
+        """Fill all of ``out`` ``[B, H, T_reused, D]`` from ``values`` ``[N_a + 1, H, D]`` (the active slots, see
+        ``take_active``), whose last row is zero: each (row, column) takes its slot's values, padding (and any
+        column without a slot) the zero row; one gather in (row, column) order and one transposing copy, cast to
+        out's dtype. For ``batched`` layouts."""
         b, h, t, d = out.shape
         out.copy_(values.index_select(0, self.slot_map).view(b, t, h, d).permute(0, 2, 1, 3))
         return out
@@ -132,11 +158,11 @@ class SlotLayout:
                     groups.append(members)
                 slot += length
         num_slots = slot
-        group_slots = torch.full((len(groups), group_size), num_slots, dtype=torch.int64)
-        group_of_slot = torch.empty(num_slots, dtype=torch.int64)
-        for g, members in enumerate(groups):
-            group_slots[g, : len(members)] = torch.tensor(members, dtype=torch.int64)
-            group_of_slot[members] = g
+        # Built as lists and made tensors once (a block has tens of groups; one tensor op each adds up).
+        group_slots = torch.tensor(
+            [members + [num_slots] * (group_size - len(members)) for members in groups], dtype=torch.int64
+        ).view(len(groups), group_size)
+        group_of_slot = torch.tensor([g for g, members in enumerate(groups) for _ in members], dtype=torch.int64)
         cols_t = torch.tensor(cols, dtype=torch.int64)
         return cls(
             batch_size=segments.batch_size,
@@ -244,7 +270,8 @@ class SlotLayout:
             if out is None:
                 out = values.new_empty(self.batch_size, values.shape[1], self.num_reused, values.shape[2],
                                        dtype=dtype or values.dtype)
-            return self.place(torch.cat([values, values.new_zeros(1, *values.shape[1:])]), out)
+            values = self.take_active(torch.cat([values, values.new_zeros(1, *values.shape[1:])]), spare=True)
+            return self.place(values, out)
         out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype, out)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)

@@ -10,6 +10,11 @@ dequantized tensor and no concatenation. With ``keep_dequantized`` the
 dequantized copies are kept for the rest of the block (they do not change within a block): faster, but it saves
 no memory within a block. The active block is never handed to the store, so it is never quantized.
 
+CPU costs (issue 15): a batch of short rows (many runs, `SlotLayout.batched`) is read and written in whole-layer
+operations rather than a few per run; KVQuant's pre-RoPE reused keys are rotated in place with cos/sin made once
+per block and set of rows (the same at every layer and step; held beside the scratch, ``2 x B x T_reused x D``
+float32).
+
 On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
 (`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
 of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's

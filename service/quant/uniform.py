@@ -173,9 +173,11 @@ def _affine_rows_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
 
 def dequantize_k_batched(out: torch.Tensor, work: torch.Tensor, stats: GroupStats, layout: SlotLayout) -> torch.Tensor:
     """:func:`dequantize_k_into` for a ``batched`` layout: ``work`` float32 ``[N + 1, H, D]``, the codes as floats
-    and a zero last row, is turned in place into ``code * scale + mn`` with each slot's group statistics gathered,
-    then placed into ``out`` in one gather (`SlotLayout.place`); the same float32 values, rounded once."""
-    groups = layout.group_of_slot
+    and a zero last row, reduced to the active slots (`SlotLayout.take_active`), is turned into ``code * scale +
+    mn`` with each slot's group statistics gathered, then placed into ``out`` in one gather (`SlotLayout.place`);
+    the same float32 values, rounded once."""
+    work = layout.take_active(work, spare=True)
+    groups = layout.take_active(layout.group_of_slot)
     _affine_(work[:-1], stats.scale.index_select(0, groups), stats.mn.index_select(0, groups))
     return layout.place(work, out)
 
@@ -184,6 +186,7 @@ def dequantize_v_batched(
     out: torch.Tensor, work: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: SlotLayout
 ) -> torch.Tensor:
     """:func:`dequantize_v_into` for a ``batched`` layout (``work`` as in :func:`dequantize_k_batched`)."""
+    work, scale, mn = layout.take_active(work, spare=True), layout.take_active(scale), layout.take_active(mn)
     n, h, d = work.shape[0] - 1, work.shape[1], work.shape[2]
     groups = scale.shape[-1]
     _affine_(work[:-1].view(n, h, groups, d // groups), scale[:, :, :, None], mn[:, :, :, None])
