@@ -21,9 +21,13 @@ Usage: ``python benchmarks/admission_budget.py [--context 2048] [--gen 32] [--ro
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
 
 from benchmarks.decode_speed import random_engine
 from service.admission import MemoryModel

@@ -113,6 +113,10 @@ class Settings(BaseSettings, DecodeSettings):
     # ---- HTTP ------------------------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
+    max_body_bytes: int | None = Field(
+        None, gt=0, description="largest request body in bytes; beyond it: 413 before it is parsed; empty: 256 "
+        "bytes per token of the model's context, at least 1 MiB"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="uvicorn log level")
 
     @field_validator("api_keys", mode="before")

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.api import errors, openapi
+from service.api import body, errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import Serving
@@ -113,7 +113,8 @@ def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveC
         artifact = c.artifact_id or c.artifact_file
         return f"{c.method} {c.bits}-bit{' ' + artifact if artifact else ''} ({snapshot.source})"
 
-    configs = ", ".join(f"{mode}={describe(snap)}" for mode, snap in sorted(active.all().items()))
+    served = {mode: describe(snap) for mode, snap in active.all().items()}
+    configs = ", ".join(f"{mode}={served.get(mode, 'NOT ready')}" for mode in sorted(served | active.not_ready))
     budget = getattr(worker, "budget_bytes", None)
     budget_text = f"KV budget {budget / 2**20:,.0f} MiB" if budget else "no KV budget (batch scheduler)"
     return (f"serving {model_name!r} ({spec.model_id}, {spec.arch}, {spec.num_layers} layers), weights fingerprint "
@@ -168,16 +169,18 @@ def create_app(
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker
         app.state.serving = Serving(eng, worker, active, settings, telemetry, model_name)
+        app.state.max_body_bytes = settings.max_body_bytes or body.default_body_limit(eng.spec.max_length)
         app.state.admin = Admin(store, active, telemetry)
         app.state.probe_error = None
         try:
             await probe(worker, ConfigSnapshot(KVQuantConfig(), "none", "default"), eng.spec, timeout_s=120)
-            telemetry.ready.set(1)
+            telemetry.ready.set(0 if active.not_ready else 1)
         except Exception as exc:  # the server still starts, so /health/ready can say why it is not ready
             log.exception("readiness probe failed")
             app.state.probe_error = f"{type(exc).__name__}: {exc}"
             telemetry.ready.set(0)
-        log.info(startup_line(model_name, eng.spec, store, active, worker, app.state.probe_error is None))
+        log.info(startup_line(model_name, eng.spec, store, active, worker,
+                              app.state.probe_error is None and not active.not_ready))
         try:
             yield
         finally:
@@ -193,6 +196,7 @@ def create_app(
     app = FastAPI(title="dllm-kvq", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     openapi.install(app)
+    app.add_middleware(body.BodyLimit, fastapi=app)
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)

@@ -38,6 +38,7 @@ dllm_eval_score_timestamp_seconds                      gauge      task, method, 
 dllm_worker_faults_total                               counter    fatal
 dllm_ready                                             gauge      -
 dllm_store_up                                          gauge      -
+dllm_config_ready                                      gauge      cache_mode
 dllm_store_active_lost                                 gauge      cache_mode
 dllm_store_active_restored_total                       counter    cache_mode
 =====================================================  =========  =============================================
@@ -47,6 +48,9 @@ at 16) or ``storage`` (bytes actually held x 8 / elements). The KV gauges hold t
 for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
 the two EOS-cut outputs, where the served and the unquantized re-decode agree (DESIGN.md, "token agreement").
 ``dllm_store_up`` follows the connection (the server pings the store every ``store_check_interval_s``).
+``dllm_config_ready`` is 0 while a cache mode's configuration (the store's active entry, or the ``kv_quant``
+setting without one) does not resolve or validate against the loaded model: that mode's requests get a 503
+(``config_unavailable``) and ``/health/ready`` names it.
 ``dllm_store_active_lost`` is 1 from the moment a replica finds, after a store outage, that the store no longer
 holds the active configuration it serves (a Redis restarted empty) until the store holds one again.
 """
@@ -138,6 +142,9 @@ class Telemetry:
         self.worker_faults = Counter("dllm_worker_faults", "batches that raised", ["fatal"], registry=r)
         self.ready = Gauge("dllm_ready", "1 when the server is ready to serve", registry=r)
         self.store_up = Gauge("dllm_store_up", "1 when the store answered its last call or ping", registry=r)
+        self.config_ready = Gauge(
+            "dllm_config_ready", "1 while the cache mode's configuration can be served (0: not ready, see "
+            "/health/ready)", ["cache_mode"], registry=r)
         self.store_active_lost = Gauge(
             "dllm_store_active_lost", "1 while the store lacks the active configuration this replica serves",
             ["cache_mode"], registry=r)

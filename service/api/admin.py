@@ -13,25 +13,35 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service import strict_json
 from service.api import schemas as s
 from service.api.errors import ArtifactRejected, InvalidRequest
 from service.artifacts.base import ArtifactMismatch
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
 from service.quant.registry import artifact_types
-from service.store.active import ActiveConfigs, ConfigInvalid
+from service.store.active import ActiveConfigs
 from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
 from service.telemetry import Telemetry
 
 
-def _without_id(body: bytes) -> tuple[str | None, bytes]:
+def _without_id(body: bytes, label: str) -> tuple[str | None, bytes]:
     """Split the ``id`` that :meth:`Admin.read` adds to a JSON artifact off an uploaded body, so that a downloaded
-    artifact uploads as it is (the id is then checked against the content). Bodies that are not a JSON object
-    (a KVQuant state's safetensors bytes, garbage) pass through untouched for the artifact type to judge."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
+    artifact uploads as it is (the id is then checked against the content). Bodies that are not JSON (a KVQuant
+    state's safetensors bytes, garbage) pass through untouched for the artifact type to judge; JSON nested too
+    deep or holding NaN/Infinity is rejected here (`service.strict_json`), naming where.
+
+    Raises:
+        ArtifactRejected: JSON that `service.strict_json.loads` refuses.
+    """
+    if body.lstrip()[:1] not in (b"{", b"["):
         return None, body
+    try:
+        parsed = strict_json.loads(body)
+    except strict_json.NotJSON:
+        return None, body
+    except strict_json.JSONRefused as exc:
+        raise ArtifactRejected(f"not a valid {label}: {exc}", param=exc.field) from None
     if not isinstance(parsed, dict) or "id" not in parsed:
         return None, body
     claimed = parsed.pop("id")
@@ -90,7 +100,7 @@ class Admin:
     def upload(self, segment: str, body: bytes) -> dict[str, Any]:
         """Parse, validate against the loaded model, then store (nothing is stored when anything fails: 422)."""
         cls = self.artifact_type(segment)
-        claimed_id, body = _without_id(body)
+        claimed_id, body = _without_id(body, cls.LABEL)
         try:
             artifact = cls.from_bytes(body)
             artifact.validate_for(self.spec)
@@ -119,20 +129,19 @@ class Admin:
         stored = {e.cache_mode: e.model_dump(mode="json") for e in entries if e.fingerprint == self.spec.fingerprint}
         lost = {mode: loss.describe() for mode, loss in self.active.losses.items()}
         return s.ActiveView(model=self.active.model_name, fingerprint=self.spec.fingerprint, serving=serving,
-                            store=stored, store_lost=lost)
+                            store=stored, store_lost=lost, not_ready=dict(self.active.not_ready))
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str) -> s.ActivateResponse:
-        """Validate, then one atomic write + event; 422 if the configuration does not fit the model.
+        """Validate, then one atomic write + event. Refusals answer as on a serving route (`service.api.errors`):
+        a configuration that is bad input (a file path, a bound, quantization with cache mode none) is a 400
+        (``ConfigInvalid``), one whose stored artifact does not fit it or the model a 422 (``ArtifactUnfit``).
 
         ``old`` is the store's previous entry, or, when the store had none, the default this replica served.
         """
-        served = self.active.snapshot(cache_mode).config
-        try:
-            audit = self._tracked(self.active.activate, cache_mode, config, key_id)
-        except ConfigInvalid as exc:
-            raise ArtifactRejected(str(exc), param=exc.field) from exc
+        served = self.active.all().get(cache_mode)  # None while the mode is not ready
+        audit = self._tracked(self.active.activate, cache_mode, config, key_id)
         return s.ActivateResponse(fingerprint=audit.fingerprint, cache_mode=audit.cache_mode, at=audit.at,
-                                  key_id=audit.key_id, old=audit.old or served, new=audit.new)
+                                  key_id=audit.key_id, old=audit.old or (served.config if served else None), new=audit.new)
 
     def audit(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` audit entries."""

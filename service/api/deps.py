@@ -59,13 +59,19 @@ def _bearer(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def _matches(token: str, secret: str) -> bool:
+    """Constant-time comparison of a bearer token with a key. As bytes: ``hmac.compare_digest`` raises TypeError
+    on ``str`` with non-ASCII characters, and a header is any latin-1 text (``Bearer \xe9\xe9``)."""
+    return hmac.compare_digest(token.encode("utf-8"), secret.encode("utf-8"))
+
+
 def require_api_key(request: Request) -> None:
     """Serving routes: open when no API keys are configured; else a matching bearer key (401 otherwise)."""
     keys = request.app.state.settings.api_keys
     if not keys:
         return
     token = _bearer(request)
-    if token is None or not any(hmac.compare_digest(token, k.get_secret_value()) for k in keys):
+    if token is None or not any(_matches(token, k.get_secret_value()) for k in keys):
         raise Unauthorized("missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
@@ -75,7 +81,7 @@ def require_admin(request: Request) -> str:
     if admin_key is None:
         raise AdminClosed("admin is disabled: no admin key is configured (set DLLM_ADMIN_KEY)")
     token = _bearer(request)
-    if token is None or not hmac.compare_digest(token, admin_key.get_secret_value()):
+    if token is None or not _matches(token, admin_key.get_secret_value()):
         raise Unauthorized("missing or invalid admin key: send 'Authorization: Bearer <admin key>'")
     return key_id(token)
 

@@ -20,11 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
 from service.engine.errors import EngineInputError
-from service.store.active import ConfigInvalid
+from service.store.active import ConfigUnavailable
 from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
+    ArtifactUnfit,
+    ConfigInvalid,
     InvalidName,
     StoreUnavailable,
 )
@@ -48,6 +50,24 @@ class ApiError(Exception):
 
 class InvalidRequest(ApiError):
     """A request the server cannot serve as asked (unhonourable value, prompt too long, no tokenizer ...)."""
+
+
+class InvalidJSON(ApiError):
+    """A body that is empty, not UTF-8 JSON, not a JSON object, nested too deep, or holding NaN/Infinity."""
+
+    code = "invalid_json"
+
+
+class BodyTooLarge(ApiError):
+    """A request body over the server's limit (``DLLM_MAX_BODY_BYTES``), refused before it is parsed (413)."""
+
+    status, code = 413, "body_too_large"
+
+
+class UnsupportedMediaType(ApiError):
+    """A body sent as something other than JSON (``Content-Type``), or compressed (``Content-Encoding``) (415)."""
+
+    status, code = 415, "unsupported_media_type"
 
 
 class ArtifactRejected(ApiError):
@@ -86,12 +106,14 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
+    (ConfigUnavailable, 503, "service_unavailable_error", "config_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),
     (JobCancelled, 499, "invalid_request_error", "cancelled"),
     (ArtifactNotFound, 404, "not_found_error", "artifact_not_found"),
     (ArtifactInUse, 409, "conflict_error", "artifact_in_use"),
     (ArtifactConflict, 409, "conflict_error", "artifact_conflict"),
     (ArtifactMismatch, 422, "invalid_request_error", "artifact_rejected"),
+    (ArtifactUnfit, 422, "invalid_request_error", "artifact_rejected"),
     (ConfigInvalid, 400, "invalid_request_error", "invalid_config"),
     (InvalidName, 400, "invalid_request_error", "invalid_name"),
     (EngineInputError, 400, "invalid_request_error", "invalid_input"),
@@ -135,7 +157,9 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
     # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
     # Match the tags exactly: a prefix test would also drop real fields such as "stream".
     loc = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "function-", "constrained-")))]
-    param = ".".join(loc) or None
+    # A cross-field rule fails at the model's level and names its field in the context (`service.api.rules`).
+    ruled = (first.get("ctx") or {}).get("param")
+    param = ".".join([*loc, ruled] if ruled else loc) or None
     if first.get("type") == "json_invalid":
         return 400, error_body(f"malformed JSON: {first.get('msg')}", "invalid_request_error", "invalid_json",
                                None), None

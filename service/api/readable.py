@@ -12,7 +12,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
-from fastapi.routing import APIRoute
+
+from service.api.body import JSONBodyRoute
 
 #: ``User-Agent`` prefixes of command-line HTTP clients (curl/8.5.0, Wget/1.21, HTTPie/3.2.2), lower case.
 TERMINAL_CLIENTS = ("curl/", "wget/", "httpie/")
@@ -30,8 +31,9 @@ def indented(response: Response) -> Response:
     return Response(body, status_code=response.status_code, headers=headers, media_type="application/json")
 
 
-class ReadableJSONRoute(APIRoute):
-    """A route whose JSON answers are indented for command-line clients (`is_terminal_client`)."""
+class ReadableJSONRoute(JSONBodyRoute):
+    """A route whose JSON answers are indented for command-line clients (`is_terminal_client`); its JSON body is
+    read as every route's is (`service.api.body.JSONBodyRoute`)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()

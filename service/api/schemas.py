@@ -1,9 +1,13 @@
 """Request and response models of the HTTP API (OpenAI-compatible, native, tokenizer, admin).
 
 Protocol models only; the serving logic is in `service.api.serving`. Every request model forbids unknown fields
-(a field that is neither OpenAI's nor ours is a 400 naming it). OpenAI fields this server cannot honour are
-accepted by the schema and refused by :func:`unhonoured` with a 400 that names them, so that a client learns
-why instead of getting a silent ignore (vLLM's servers are the reference for shapes).
+(a field that is neither OpenAI's nor ours is a 400 naming it) and declares what the server accepts once, for its
+validation and its published schema alike (issue 13, `service.api.rules`): strict types, bounds, cross-field rules
+(``rules``), and the OpenAI fields this server honours only at their neutral value (`service.api.rules.only`:
+``n`` = 1, ``top_p`` = 1 ...; any other value is a 400 that names the field and says what is legal, so a client
+learns why instead of getting a silent ignore). Bounds that the running server decides (the loaded model's context
+length, vocabulary and name, the registered artifact kinds) are marked with :func:`from_server` and filled into the
+document by `service.api.openapi`; the engine checks them. vLLM's servers are the reference for shapes.
 """
 
 from __future__ import annotations
@@ -12,8 +16,20 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictStr,
+    WithJsonSchema,
+    create_model,
+)
+from pydantic_core import PydanticCustomError
 
+from service.api.rules import AtMostOne, ExactlyOne, Given, Implies, Is, IsText, NullOrHas, RuledModel, only
 from service.engine.params import (
     TOKENS_CEILING,
     CacheMode,
@@ -22,13 +38,65 @@ from service.engine.params import (
     Seed,
     Stop,
     Temperature,
+    json_int,
     optional_fields,
     resolve,
 )
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 
-MAX_TOKENS_HELP = "most response tokens returned (decoding runs whole blocks, the response is cut back)"
+MAX_TOKENS_HELP = ("most response tokens returned (decoding runs whole blocks, the response is cut back); the "
+                   "prompt's tokens + max_tokens rounded up to whole blocks must fit the model's context")
+#: What a generation request must also satisfy: the rules JSON Schema cannot state (arithmetic across fields, token
+#: counts, the server's limits), for the operations' descriptions (a request that breaks one is a 400 naming the
+#: field; `service.engine.engine.validate_request`, `service.worker`).
+GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 naming the field):
+
+* the prompt's tokens (a text counts in the tokenizer's tokens, not characters, and must encode to at least one)
+  plus the response positions (`max_tokens`, else the server's default, rounded up to whole blocks of
+  `block_length`) fit the model's context (`max_model_len` of `/v1/models`);
+* `steps` (the request's, or the server's default schedule) is a multiple of the number of blocks and at most the
+  response positions; a Dream model needs at least 2 steps per block, except with cache mode `none` and
+  `dream_schedule` `origin`;
+* forward calls (`steps`, else the response positions) x (prompt + response positions) are within the server's
+  `max_request_work`, and the request's KV memory fits the server's budget alone (code `over_memory_budget`);
+* text is valid Unicode (no lone surrogate)."""
+
+#: The JSON Schema extension key that :func:`from_server` writes and `service.api.openapi` replaces.
+FROM_SERVER = "x-from-server"
+
+
+def from_server(**keywords: str) -> dict[str, Any]:
+    """``json_schema_extra`` marking JSON Schema keywords whose value the running server decides, e.g.
+    ``from_server(maximum="longest_response")``; the names are those of `service.api.openapi.server_values`."""
+    return {FROM_SERVER: keywords}
+
+
+def exactly(value: bool | int | str) -> Any:
+    """The one JSON value ``value``, its type included (pydantic's ``Literal`` also takes ``0`` for ``false`` and
+    ``1.0`` for ``1``)."""
+    kind, name = {bool: (StrictBool, "boolean"), int: (json_int(), "integer"), str: (StrictStr, "string")}[type(value)]
+
+    def same(v: Any) -> Any:
+        if v != value:
+            raise PydanticCustomError("const", "Input should be {expected}", {"expected": repr(value)})
+        return v
+
+    return Annotated[kind, AfterValidator(same), WithJsonSchema({"type": name, "const": value})]
+
+
+#: A prompt token id: below the model's vocabulary size and not its mask id (the engine checks both).
+PromptTokenId = json_int(ge=0, json_schema_extra=from_server(maximum="last_token_id", **{"not": "mask_id"}))
+#: Token ids of one prompt: at least one, and room for at least one response position in the context.
+PromptIds = Annotated[list[PromptTokenId], Field(min_length=1, json_schema_extra=from_server(maxItems="longest_prompt"))]
+#: A text prompt: not empty (its tokens, not its characters, count against the context).
+PromptText = Annotated[str, Field(min_length=1)]
+#: ``model``: the served model's name (or its checkpoint id); another name is a 404.
+ModelName = Annotated[str, Field(json_schema_extra=from_server(enum="model_names"))]
+#: A response length in tokens (``max_tokens``): room for at least one prompt token in the context.
+ResponseTokens = json_int(ge=1, le=TOKENS_CEILING, json_schema_extra=from_server(maximum="longest_response"))
+StrictTemperature = Annotated[Temperature, Field(strict=True)]
+StrictSeed = json_int(*Seed.__metadata__)
 
 
 class StrictModel(BaseModel):
@@ -45,44 +113,77 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: StrictBool | None = None
 
 
-class DiffusionKnobs(create_model("DecodingFields", __base__=StrictModel, **optional_fields())):
+#: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
+#: all fit in it beside a prompt of at least one token); ``remasking`` by the model family's reveal rule.
+_KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
+                "steps": from_server(maximum="longest_response"),
+                "remasking": from_server(enum="remasking")}
+
+
+class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):
     """Our extra fields: every decoding setting (`service.engine.params.DecodeSettings`, generated from its
     fields: same types, bounds and help; empty: the server's default) and the KV quantization (empty: the active
-    configuration of the cache mode)."""
+    configuration of the cache mode; fitted artifacts by store id only)."""
 
     kv_quant: KVQuantConfig | None = None
+
+    rules = (
+        AtMostOne("threshold", "steps"),
+        Implies(Is("cache_mode", "none", server_default=True), NullOrHas("kv_quant", "method", "none", "none"),
+                "a quantizing kv_quant method needs a cache mode that reuses the cache (prefix or dual): cache "
+                "mode 'none' reuses nothing", "cache_mode"),
+    )
 
     def decode_params(self, defaults: DecodeSettings, gen_length: int) -> DecodeParams:
         """The request's `DecodeParams`: its values, else ``defaults`` (the server's), else the built-in ones."""
         return resolve(dict(self), defaults, gen_length)
 
 
+class ResponseFormatText(BaseModel):
+    """OpenAI's ``response_format`` of type ``text`` (the only one honoured)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: exactly("text")
+
+
 class OpenAISampling(DiffusionKnobs):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING, description=MAX_TOKENS_HELP)
-    temperature: Temperature | None = None
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1)
+    model: ModelName | None = None
+    max_tokens: ResponseTokens | None = Field(None, description=MAX_TOKENS_HELP)
+    temperature: StrictTemperature | None = None
+    top_p: only(Annotated[float, Field(strict=True, ge=1.0, le=1.0)] | None,
+                "only top_p = 1 is supported (diffusion decoding samples the full distribution)") = None
+    n: only(exactly(1) | None, "only n = 1 is supported") = None
     stop: Stop | None = None
-    seed: Seed | None = None
-    stream: bool | None = False
+    seed: StrictSeed | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: only(Annotated[float, Field(strict=True, ge=0.0, le=0.0)] | None,
+                            "only frequency_penalty = 0 is supported") = None
+    presence_penalty: only(Annotated[float, Field(strict=True, ge=0.0, le=0.0)] | None,
+                           "only presence_penalty = 0 is supported") = None
+    logit_bias: only(Annotated[dict[str, float], Field(max_length=0)] | None, "logit_bias is not supported") = None
     user: str | None = None
+
+    rules = (Implies(Given("stream_options"), Is("stream", True), "stream_options is only allowed with stream = true",
+                     "stream_options"),)
+
+
+_MAX_PROMPTS = from_server(maxItems="max_prompts")
 
 
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``: OpenAI's legacy completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = Field(None, ge=1)
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0)
-    suffix: str | None = None
+    # More prompts than the queue can ever hold is a 400 naming prompt (a 429 would invite a vain retry).
+    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)] | PromptIds
+            | Annotated[list[PromptIds], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)])
+    best_of: only(exactly(1) | None, "only best_of = 1 is supported") = None
+    echo: only(exactly(False) | None, "echo is not supported") = None
+    logprobs: only(None, "logprobs are not supported") = None
+    suffix: only(None, "suffix (insertion) is not supported") = None
 
 
 class TextPart(StrictModel):
@@ -113,63 +214,30 @@ class ChatCompletionRequest(OpenAISampling):
     """``POST /v1/chat/completions``: OpenAI's chat completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    store: bool | None = None
+    max_completion_tokens: ResponseTokens | None = Field(None, description="the same as max_tokens (OpenAI's newer "
+                                                         "name)")
+    logprobs: only(exactly(False) | None, "logprobs are not supported") = None
+    top_logprobs: only(exactly(0) | None, "logprobs are not supported") = None
+    response_format: only(ResponseFormatText | None, "only response_format type 'text'") = None
+    tools: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "tools are not supported") = None
+    tool_choice: only(exactly("none") | None, "tools are not supported") = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "functions are not supported") = None
+    function_call: only(exactly("none") | None, "functions are not supported") = None
+    store: only(exactly(False) | None, "store = true is not supported (nothing is stored)") = None
     metadata: dict[str, str] | None = None
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    modalities: only(Annotated[list[exactly("text")], Field(min_length=1, max_length=1)] | None,
+                     "only the text modality") = None
+    audio: only(None, "audio output is not supported") = None
+    prediction: only(None, "predicted outputs are not supported") = None
+    reasoning_effort: only(None, "reasoning_effort is not supported") = None
     service_tier: str | None = None
-    web_search_options: dict[str, Any] | None = None
-    verbosity: str | None = None
+    web_search_options: only(None, "web search is not supported") = None
+    verbosity: only(None, "verbosity is not supported") = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-
-# OpenAI fields we accept only at their neutral value: field -> (is it neutral?, what is legal).
-_NEUTRAL: dict[str, tuple[Any, str]] = {
-    "n": (lambda v: v in (None, 1), "only n = 1 is supported"),
-    "best_of": (lambda v: v in (None, 1), "only best_of = 1 is supported"),
-    "echo": (lambda v: not v, "echo is not supported"),
-    "suffix": (lambda v: v is None, "suffix (insertion) is not supported"),
-    "top_p": (lambda v: v in (None, 1.0), "only top_p = 1 is supported (diffusion decoding samples the full distribution)"),
-    "frequency_penalty": (lambda v: v in (None, 0.0), "only frequency_penalty = 0 is supported"),
-    "presence_penalty": (lambda v: v in (None, 0.0), "only presence_penalty = 0 is supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "logprobs": (lambda v: v is None or v is False, "logprobs are not supported"),
-    "top_logprobs": (lambda v: v in (None, 0), "logprobs are not supported"),
-    "response_format": (lambda v: v is None or v.get("type") == "text", "only response_format type 'text'"),
-    "tools": (lambda v: not v, "tools are not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tools are not supported"),
-    "functions": (lambda v: not v, "functions are not supported"),
-    "function_call": (lambda v: v in (None, "none"), "functions are not supported"),
-    "store": (lambda v: not v, "store = true is not supported (nothing is stored)"),
-    "modalities": (lambda v: v in (None, ["text"]), "only the text modality"),
-    "audio": (lambda v: v is None, "audio output is not supported"),
-    "prediction": (lambda v: v is None, "predicted outputs are not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
-    "web_search_options": (lambda v: v is None, "web search is not supported"),
-    "verbosity": (lambda v: v is None, "verbosity is not supported"),
-}
-
-
-def unhonoured(request: BaseModel) -> tuple[str, str] | None:
-    """The first field of ``request`` set to a value this server cannot honour, with what is legal, or None."""
-    for name, (neutral, legal) in _NEUTRAL.items():
-        if name in type(request).model_fields and not neutral(getattr(request, name)):
-            return name, f"{name}={getattr(request, name)!r} cannot be honoured: {legal}"
-    if getattr(request, "stream_options", None) is not None and not getattr(request, "stream", False):
-        return "stream_options", "stream_options is only allowed with stream = true"
-    return None
+    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),)
 
 
 # ---- OpenAI responses ------------------------------------------------------------------------------------------------
@@ -288,13 +356,15 @@ class ModelList(BaseModel):
 class GenerateRequest(DiffusionKnobs):
     """``POST /generate``: one prompt (text, or token ids) in, the engine's full `DecodeReport` out."""
 
-    model: str | None = Field(None, description="checked against the served model, as on the OpenAI routes")
-    prompt: str | list[int]
-    chat: bool = Field(False, description="wrap a text prompt in the chat template as one user turn")
-    max_tokens: StrictInt | None = Field(None, ge=1, le=TOKENS_CEILING, description=MAX_TOKENS_HELP)
-    temperature: Temperature = 0.0
-    seed: Seed | None = None
+    model: ModelName | None = Field(None, description="checked against the served model, as on the OpenAI routes")
+    prompt: PromptText | PromptIds
+    chat: StrictBool = Field(False, description="wrap a text prompt in the chat template as one user turn")
+    max_tokens: ResponseTokens | None = Field(None, description=MAX_TOKENS_HELP)
+    temperature: StrictTemperature = 0.0
+    seed: StrictSeed | None = None
     stop: Stop | None = None
+
+    rules = (Implies(Is("chat", True), IsText("prompt"), "chat applies to a text prompt, not token ids", "chat"),)
 
 
 class GenerateResponse(DecodeReport):
@@ -309,14 +379,16 @@ class GenerateResponse(DecodeReport):
 
 
 # ---- tokenizer (lm-eval's RemoteTokenizer and vLLM's shapes) ---------------------------------------------------------
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RuledModel):
     """``/tokenize``: a prompt, or chat messages rendered through the chat template."""
 
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+
+    rules = (ExactlyOne("prompt", "messages"),)
 
 
 class TokenizeResponse(BaseModel):
@@ -330,8 +402,8 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(StrictModel):
     """``/detokenize``: token ids."""
 
-    model: str | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 63)]]
+    model: ModelName | None = None
+    tokens: list[json_int(ge=0, json_schema_extra=from_server(maximum="last_decodable_id"))]
 
 
 class DetokenizeResponse(BaseModel):
@@ -360,6 +432,12 @@ class ActiveView(BaseModel):
         description="per cache mode, the last time the store came back without the active configuration this "
         "replica serves: kv_quant, detected_at, restored_at (when this replica wrote it back), note",
     )
+    not_ready: dict[str, str] = Field(
+        default_factory=dict,
+        description="per cache mode that cannot serve its configuration (the store's active entry, or the "
+        "kv_quant setting without one, does not resolve or validate against the loaded model): why; its "
+        "requests get 503 config_unavailable until a valid configuration is activated",
+    )
 
 
 class ActivateResponse(BaseModel):
@@ -377,11 +455,13 @@ class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
     task: str = Field(min_length=1, max_length=200)
-    scores: dict[str, StrictFloat] = Field(min_length=1, description="metric name -> value")
+    scores: dict[str, Annotated[StrictFloat, Field(allow_inf_nan=False)]] = Field(
+        min_length=1, description="metric name -> value (finite)")
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
-    model_fingerprint: str | None = Field(None, description="must be the loaded model's when given")
-    limit: int | None = Field(None, ge=1, description="samples scored, if the task was cut")
+    model_fingerprint: Annotated[str, Field(json_schema_extra=from_server(enum="fingerprint"))] | None = Field(
+        None, description="must be the loaded model's when given")
+    limit: json_int(ge=1) | None = Field(None, description="samples scored, if the task was cut")
     details: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -20,9 +20,11 @@ HTTP. Rules it implements (issue #5, item 3):
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,14 +34,25 @@ from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.config import Settings
 from service.engine.engine import validate_request
+from service.engine.errors import EngineInputError
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.response import Cut, cut_response
+from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.store.active import ActiveConfigs, ConfigSnapshot
+from service.store.base import ArtifactNotFound, StoreUnavailable
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 
 Kind = Literal["completion", "chat", "generate"]
+
+#: Texts longer than this (characters) are tokenized one at a time, in one thread of their own, which then hands
+#: the freed memory back (glibc ``malloc_trim``). Tokenizing holds about 500 bytes per token for a moment (a 1 MB
+#: prompt of 520k tokens, near the most a body may carry by default: 250 MB), and each thread's malloc arena keeps
+#: what it once held: eight such requests at once took a 640 MB server to a 2.7 GB peak, one at a time in the
+#: thread pool's threads still to 1.9 GB; in one thread with the trim, to a 1.0 GB peak and back to 0.77 GB.
+#: Shorter texts are tokenized where they are and never wait.
+LARGE_TEXT_CHARS = 64 * 1024
 
 
 @dataclass
@@ -79,6 +92,27 @@ class Serving:
         self.telemetry = telemetry
         self.spec = engine.spec
         self.model_name = model_name
+        self._large_texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
+        self._bytes_per_token = max_bytes_per_token(getattr(engine, "tokenizer", None))
+
+    def _check_fits(self, texts: list[str]) -> None:
+        """Refuse, before tokenizing, a text prompt that provably cannot fit the context
+        (`service.engine.token_bound`; no bound for this tokenizer: nothing is refused here)."""
+        for i, text in enumerate(texts):
+            least = min_tokens(text, self._bytes_per_token)
+            if least > self.spec.max_length:
+                which = "prompt" if len(texts) == 1 else f"prompt {i}"
+                raise InvalidRequest(
+                    f"{which} is {len(text):,} characters: at least {least:,} tokens for this tokenizer (a token "
+                    f"stands for at most {self._bytes_per_token} bytes of text), over the model's context of "
+                    f"{self.spec.max_length} tokens", param="prompt")
+
+    def _tokenize(self, chars: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+        """``encode(*args)`` of a text of ``chars`` characters: a large one (`LARGE_TEXT_CHARS`) in the one thread
+        for large texts, after those before it."""
+        if chars <= LARGE_TEXT_CHARS:
+            return encode(*args)
+        return self._large_texts.submit(_trimmed, encode, *args).result()
 
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
@@ -102,16 +136,16 @@ class Serving:
 
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         turns = [{"role": m.role, "content": m.text} for m in messages]
-        return encode_chat(self.engine.tokenizer, turns, self.spec.model_id, add_generation_prompt)
+        return self._tokenize(sum(len(t["content"]) for t in turns), encode_chat, self.engine.tokenizer, turns,
+                              self.spec.model_id, add_generation_prompt)
 
     def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return encode_text(self.engine.tokenizer, text, self.spec.model_id, add_special_tokens)
+        return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.spec.model_id,
+                              add_special_tokens)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
         """``/tokenize``: ids of a prompt or of chat messages (through the chat template)."""
         self._check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
         if req.messages is not None:
             ids = self._chat_ids(req.messages, req.add_generation_prompt)
         else:
@@ -159,16 +193,35 @@ class Serving:
         return params, max_tokens
 
     def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
-        if req.kv_quant is not None:
+        if req.kv_quant is None:
+            return self.active.snapshot(cache_mode)
+        # These answers go to any client: they must not say where the store is (a path, a Redis URL).
+        try:
             return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
-        return self.active.snapshot(cache_mode)
+        except ArtifactNotFound as exc:
+            raise ArtifactNotFound(exc.public, exc.field) from None
+        except StoreUnavailable:
+            raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
 
-    def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot
-              ) -> list[Job]:
+    def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot,
+              prompt_param: str = "prompt") -> list[Job]:
         # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
         # once, by the engine: a 400 naming the field now, rather than a failed batch later.
-        validate_request(self.spec, prompts, params, [row] * len(prompts))
+        try:
+            validate_request(self.spec, prompts, params, [row] * len(prompts))
+        except EngineInputError as exc:
+            if exc.field == "prompt":
+                exc.field = prompt_param  # the chat route's prompt is its messages
+            raise
         return [Job(ids, params, row, snapshot) for ids in prompts]
+
+    def _check_count(self, count: int) -> None:
+        """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that
+        cannot succeed."""
+        if count > self.settings.max_queue:
+            raise InvalidRequest(f"prompt holds {count} prompts, more than the {self.settings.max_queue} requests the "
+                                 "queue can ever hold (DLLM_MAX_QUEUE); send them in smaller requests",
+                                 param="prompt")
 
     @staticmethod
     def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -177,19 +230,17 @@ class Serving:
             raise InvalidRequest("stop strings must not be empty", param="stop")
         return stops
 
-    def _openai_common(self, req: s.OpenAISampling) -> None:
-        self._check_model(req.model)
-        problem = s.unhonoured(req)
-        if problem is not None:
-            raise InvalidRequest(problem[1], param=problem[0])
-
     def plan_completion(self, req: s.CompletionRequest) -> Plan:
         """Validate and tokenize ``/v1/completions`` (InvalidRequest/ConfigInvalid/... on bad input)."""
-        self._openai_common(req)
+        self._check_model(req.model)
         p = req.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            self._check_count(len(p))  # before tokenizing them all
         if isinstance(p, str):
+            self._check_fits([p])
             prompts = [self._encode(p)]
         elif p and all(isinstance(x, str) for x in p):
+            self._check_fits(p)
             prompts = [self._encode(x) for x in p]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
@@ -202,28 +253,27 @@ class Serving:
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
         """Validate and apply the chat template for ``/v1/chat/completions``."""
-        self._openai_common(req)
-        if req.max_tokens is not None and req.max_completion_tokens is not None:
-            raise InvalidRequest("give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        self._check_model(req.model)
         return self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages)],
-                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0)
+                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages")
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
         """Validate ``/generate``: text (optionally through the chat template) or token ids."""
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            ids = encode_prompt(self.engine.tokenizer, req.prompt, self.spec.model_id, req.chat)
+            if not req.chat:  # a chat template may trim or drop text: no bound
+                self._check_fits([req.prompt])
+            ids = self._tokenize(len(req.prompt), encode_prompt, self.engine.tokenizer, req.prompt,
+                                 self.spec.model_id, req.chat)
         else:
-            if req.chat:
-                raise InvalidRequest("chat applies to a text prompt, not token ids", param="chat")
-            ids = list(req.prompt)
+            ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
 
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
-              max_tokens: int | None, temperature: float) -> Plan:
+              max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
         params, max_tokens = self._params(req, max_tokens)
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
-        jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode))
+        jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
         options = getattr(req, "stream_options", None)
         return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
@@ -405,6 +455,29 @@ class Serving:
             body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
                                         choices=choices, usage=usage)
         return f"data: {json.dumps(body.model_dump(mode='json', exclude=exclude))}\n\n"
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def _trimmed(encode: Callable[..., list[int]], *args: Any) -> list[int]:
+    """``encode(*args)``, then hand the memory the tokenizer freed back to the system: glibc keeps freed heap
+    memory for reuse, so without it the server's RSS stays at its high-water mark after each large text."""
+    try:
+        return encode(*args)
+    finally:
+        if _MALLOC_TRIM is not None:
+            _MALLOC_TRIM(0)
 
 
 def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.engine.spec import ModelSpec
 
@@ -27,6 +27,10 @@ class ArtifactMismatch(ValueError):
         self.field, self.detail = field, detail
 
 
+#: Most bytes of an artifact's provenance as canonical JSON: a record of data, code and settings, never a payload.
+MAX_PROVENANCE_BYTES = 64 << 10
+
+
 class Provenance(BaseModel):
     """What made an artifact: the calibration data and the code, so a result can be traced and remade.
 
@@ -35,6 +39,8 @@ class Provenance(BaseModel):
         code: the code (package version or git commit) and the command that ran.
         created_at: ISO-8601 UTC time of creation, if the maker records it.
         details: anything else worth keeping (objective weights, win-rate gate, seed ...), JSON values only.
+
+    Raises (at construction): ``pydantic.ValidationError`` when the whole is over `MAX_PROVENANCE_BYTES` of JSON.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -43,6 +49,13 @@ class Provenance(BaseModel):
     code: str
     created_at: str | None = None
     details: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> Provenance:
+        size = len(canonical_json(self.model_dump(mode="json")))
+        if size > MAX_PROVENANCE_BYTES:
+            raise ValueError(f"{size:,} bytes of JSON, over the {MAX_PROVENANCE_BYTES:,} a provenance may hold")
+        return self
 
 
 def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:

@@ -18,7 +18,6 @@ in the safetensors header. The id is derived from the file's bytes.
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +25,11 @@ from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from service import strict_json
 from service.artifacts.base import ArtifactMismatch, Provenance, canonical_json, check_fingerprint
 from service.engine.spec import ModelSpec
 
@@ -108,22 +109,33 @@ class KVQuantState:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KVQuantState:
-        """Parse a file made by :meth:`to_bytes`.
+        """Parse a file made by :meth:`to_bytes`. The header is checked against the metadata and the bytes that
+        follow it before any tensor is read, so a file that declares more than it holds costs nothing.
 
         Raises:
-            ValueError: not a safetensors file, no KVQuant metadata, or tensors that do not fit it.
+            ValueError: not a safetensors file, no KVQuant metadata (or metadata nested too deep, or with
+                NaN/Infinity: `service.strict_json`), tensors that do not fit the metadata, or tensor sizes and
+                offsets that do not fit the file.
+            pydantic.ValidationError (a ValueError): metadata that is not a `KVQuantStateMeta`.
         """
         try:
             (header_len,) = struct.unpack("<Q", data[:8])
-            header = json.loads(data[8 : 8 + header_len])
+            if header_len > len(data) - 8:
+                raise ValueError(f"the header length {header_len:,} is over the {len(data) - 8:,} bytes that follow")
+            header = strict_json.loads(data[8 : 8 + header_len])
             meta_json = header["__metadata__"][_META_KEY]
+            if not isinstance(meta_json, str):
+                raise TypeError(f"{_META_KEY} is {type(meta_json).__name__}, not a JSON string")
+            meta = strict_json.loads(meta_json)
         except (struct.error, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"not a KVQuant state file (safetensors with {_META_KEY!r} metadata): {exc}") from exc
-        tensors = load_tensors(data)
-        missing = [n for n in _TENSORS if n not in tensors]
-        if missing:
-            raise ValueError(f"KVQuant state file lacks tensors {missing}")
-        return cls(KVQuantStateMeta.model_validate_json(meta_json), **{n: tensors[n] for n in _TENSORS})
+        meta = KVQuantStateMeta.model_validate(meta)
+        _check_layout(header, meta, len(data) - 8 - header_len)
+        try:
+            tensors = load_tensors(data)
+        except SafetensorError as exc:  # not a ValueError
+            raise ValueError(f"not a safetensors file: {exc}") from None
+        return cls(meta, **{n: tensors[n] for n in _TENSORS})
 
     def save(self, path: str | Path) -> None:
         """Write :meth:`to_bytes` to ``path``."""
@@ -170,3 +182,32 @@ class KVQuantState:
                 "channels", f"the state has {self.meta.channels} key/value channels per token, the model has "
                 f"num_kv_heads * head_dim = {spec.num_kv_heads} * {spec.head_dim} = {channels}"
             )
+
+
+# safetensors dtype names -> bytes per element (https://github.com/huggingface/safetensors, format spec).
+_ITEM_BYTES = {"F16": 2, "F32": 4}
+
+
+def _check_layout(header: dict, meta: KVQuantStateMeta, data_bytes: int) -> None:
+    """Each of the four tensors declared with the dtype and shape the metadata implies, at offsets inside the
+    ``data_bytes`` that follow the header, and nothing else.
+
+    Raises:
+        ValueError: naming the tensor that is missing, extra, of another dtype or shape, or outside the data.
+    """
+    expected = {"k_upper": ("F16", [meta.num_layers, meta.channels]), "k_lower": ("F16", [meta.num_layers, meta.channels]),
+                "k_lut": ("F32", [meta.num_layers, 2**meta.bits]), "v_lut": ("F32", [meta.num_layers, 2**meta.bits])}
+    declared = {k: v for k, v in header.items() if k != "__metadata__"}
+    if set(declared) != set(expected):
+        raise ValueError(f"the file holds tensors {sorted(declared)}, a KVQuant state holds {sorted(expected)}")
+    for name, (dtype, shape) in expected.items():
+        entry = declared[name]
+        if not isinstance(entry, dict) or entry.get("dtype") != dtype or entry.get("shape") != shape:
+            raise ValueError(f"{name}: expected {dtype} {shape} (the metadata's num_layers, channels and bits), "
+                             f"the header declares {entry!r}"[:300])
+        offsets = entry.get("data_offsets")
+        size = _ITEM_BYTES[dtype] * shape[0] * shape[1]
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or offsets[1] - offsets[0] != size or not 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise ValueError(f"{name}: {dtype} {shape} takes {size:,} bytes; the header places it at {offsets!r}, "
+                             f"and the file holds {data_bytes:,} bytes of tensor data")

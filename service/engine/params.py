@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictFloat,
+    model_validator,
+)
 
 from service.engine.errors import EngineInputError
 
@@ -36,11 +45,23 @@ MAX_STOP_CHARS = 256
 #: Sampling temperature range (OpenAI's 0..2).
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 #: A seed ``torch.Generator.manual_seed`` accepts: [-2^63, 2^64).
-Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
+Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 #: One stop string: non-empty, at most MAX_STOP_CHARS characters.
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 #: The stop field of the HTTP routes: one string or up to MAX_STOP_STRINGS of them.
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def json_int(*constraints: Any, **field: Any) -> Any:
+    """JSON Schema's ``integer`` as a request field: ``8`` or ``8.0`` (JSON Schema calls both integers, and
+    pydantic's strict int refuses the second), never ``"8"`` or ``true`` (which its lax int takes).
+    ``constraints`` (annotated-types metadata) and ``field`` (``Field`` arguments: bounds, schema extras) bound it;
+    they come before the conversion so that the schema states them as ``minimum`` / ``maximum``."""
+    return Annotated[int, *constraints, Field(**field), BeforeValidator(_integral), Strict()]
 
 
 class DecodeSettings(BaseModel):
@@ -117,16 +138,24 @@ class DecodeParams(DecodeSettings):
                                    "steps")
 
 
-def optional_fields() -> dict[str, Any]:
+def optional_fields(schema_extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The decoding settings as optional request fields: same type, bounds and help, default ``None`` (not
     given), for ``pydantic.create_model``. Request fields are strict (JSON ``0`` is not a boolean, ``"4"`` and
-    ``4.0`` are not integers); the server's settings keep pydantic's coercion for the environment's text."""
+    ``4.0`` are not integers, ``"0.5"`` is not a number); the server's settings keep pydantic's coercion for the
+    environment's text (integers: :func:`json_int`). ``schema_extra`` adds JSON Schema keys to a field's non-null schema (the HTTP layer marks
+    bounds that the loaded model decides, `service.api.openapi`)."""
     fields = {}
     for name, field in DecodeSettings.model_fields.items():
-        strict = {bool: StrictBool, int: StrictInt}.get(field.annotation, field.annotation)
-        if field.annotation == int | None:
-            strict = StrictInt | None
-        annotation = Annotated[strict, *field.metadata] if field.metadata else strict
+        base = field.annotation
+        if base in (int | None, float | None):
+            base = int if base == int | None else float
+        extra = (schema_extra or {}).get(name) or {}
+        if base is int:
+            annotation = json_int(*field.metadata, json_schema_extra=extra or None)
+        else:
+            strict = {bool: StrictBool, float: StrictFloat}.get(base, base)
+            metadata = [*field.metadata, *([Field(json_schema_extra=extra)] if extra else [])]
+            annotation = Annotated[strict, *metadata] if metadata else strict
         fields[name] = (annotation | None, Field(None, description=f"{field.description} (default: the server's)"))
     return fields
 

@@ -52,6 +52,9 @@ class RevealRule:
     Returns (int64 indices into the candidates ``[n]``, int64 tokens of those indices ``[n]``).
     """
 
+    #: The ``remasking`` values the family decodes (the published schema states them).
+    remasking: tuple[str, ...] = ("low_confidence", "random")
+
     def check(self, params: DecodeParams) -> None:
         """Refuse settings the family cannot decode (EngineInputError with what is legal)."""
 
@@ -107,8 +110,10 @@ class DreamRule(RevealRule):
     timestep truncation (negative-entropy confidence), in the logits dtype. With cache mode ``none`` and
     ``dream_schedule="origin"`` it runs its own whole-response algorithm (SPEC 3.5)."""
 
+    remasking = ("low_confidence",)
+
     def check(self, params: DecodeParams) -> None:
-        if params.remasking != "low_confidence":
+        if params.remasking not in self.remasking:
             raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'", "remasking")
         num_blocks = params.gen_length // params.block_length
         if not self.uses_canvas(params) and params.steps is not None and params.steps // num_blocks < 2:

@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from service.artifacts.base import default_v_group_size, legal_v_group_sizes
-from service.engine.params import TOKENS_CEILING
+from service.engine.params import TOKENS_CEILING, json_int
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
@@ -50,9 +50,11 @@ class KVQuantConfig(BaseModel):
 
     method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
     bits: Literal[2, 4, 8] = 4
-    k_group_size: int = Field(32, gt=0, le=TOKENS_CEILING, description="tokens per K group (at most the context)")
-    v_group_size: int | None = Field(None, gt=0, le=TOKENS_CEILING,
-                                     description="channels per V group (a divisor of head_dim)")
+    # Integers as JSON Schema types them, as every request field (`service.engine.params.json_int`): "32" is refused,
+    # not read as 32 (the environment and the CLI give JSON or typed values).
+    k_group_size: json_int(gt=0, le=TOKENS_CEILING, description="tokens per K group (at most the context)") = 32
+    v_group_size: json_int(gt=0, le=TOKENS_CEILING, description="channels per V group (a divisor of head_dim)"
+                           ) | None = None
     artifact_id: str | None = None
     artifact_file: str | None = None
     sides: Sides = "kv"
@@ -109,6 +111,36 @@ class KVQuantConfig(BaseModel):
         return out
 
     @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """The fields, every registered method's spellings, and the reference rule as ``_check_artifacts`` and
+        ``_accept_spellings`` apply it: a method with an artifact takes exactly one reference (generic or its own
+        spelling), any other method none; a spelling belongs to its method (issue 13: the schema says what is
+        refused)."""
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        registry = _registry()
+        spellings = registry.spellings()
+        for spelling, (owner, generic) in spellings.items():
+            target["properties"][spelling] = {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                              "description": f"method {owner}'s name for {generic}"}
+        default = cls.model_fields["method"].default
+        branches = []
+        for name in registry.methods():
+            entry = registry.method(name)
+            own = ["artifact_id", "artifact_file", *entry.spellings.values()]
+            props: dict = {"method": {"const": name}}
+            props |= {s: {"type": "null"} for s, (owner, _) in spellings.items() if owner != name}
+            branch: dict = {"properties": props, **({} if name == default else {"required": ["method"]})}
+            if entry.artifact is None:
+                props |= {ref: {"type": "null"} for ref in own}
+            else:
+                branch["oneOf"] = [{"required": [ref], "properties": {ref: {"type": "string"}}} for ref in own]
+            branches.append(branch)
+        target["allOf"] = [{"description": "a method with a fitted artifact takes exactly one reference to it, "
+                                           "other methods none", "anyOf": branches}]
+        return schema
+
+    @classmethod
     def accepted_keys(cls) -> tuple[str, ...]:
         """Every key a config accepts: its fields and the registered methods' spellings (CLI, model_args)."""
         return (*cls.model_fields, *_registry().spellings())
@@ -127,10 +159,10 @@ class KVQuantConfig(BaseModel):
             )
         return size
 
-    def check_bounds(self, context: int, head_dim: int) -> None:
+    def check_bounds(self, context: int, head_dim: int, default_v: bool = True) -> None:
         """Refuse group sizes whose cost does not follow from the model (issue 13: ``k_group_size`` 1e9 sized a
         16 GB table): a K group longer than the model's ``context`` (tokens), or a V group size that does not
-        divide ``head_dim``.
+        divide ``head_dim`` (with ``default_v`` false, only a V group size that is given).
 
         Raises:
             KVQuantError: naming ``k_group_size`` or ``v_group_size``.
@@ -138,7 +170,8 @@ class KVQuantConfig(BaseModel):
         if self.k_group_size > context:
             raise KVQuantError(f"k_group_size {self.k_group_size} is over the model's context of {context} tokens",
                                "k_group_size")
-        self.resolve_v_group_size(head_dim)
+        if default_v or self.v_group_size is not None:
+            self.resolve_v_group_size(head_dim)
 
     def check_cache_mode(self, cache_mode: str) -> None:
         """Refuse a quantizing method with cache mode ``none``: quantization acts only on the reused regions

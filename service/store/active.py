@@ -16,22 +16,19 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from service.artifacts.base import ArtifactMismatch
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
-from service.quant.errors import KVQuantError
-from service.quant.registry import method, resolve_artifact
 from service.store.base import (
     CACHE_MODES,
     ActiveChange,
     ArtifactConflict,
-    ArtifactNotFound,
     AuditEntry,
     Store,
     StoreError,
     StoreUnavailable,
 )
+from service.store.config_check import ConfigInvalid, check_config
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -40,6 +37,20 @@ Source = Literal["active", "default", "request"]
 
 #: Key id of the audit entry a replica writes when it restores an active configuration the store lost.
 RESTORE_KEY_ID = "replica-restore"
+
+
+class ConfigUnavailable(RuntimeError):
+    """A cache mode whose configuration cannot be served: the store's active entry (or, without one, the
+    ``kv_quant`` setting) does not resolve or validate against the loaded model. The mode is not ready until an
+    operator activates a configuration that does; the others serve on.
+
+    Attributes: cache_mode; reason (the check's message).
+    """
+
+    def __init__(self, cache_mode: str, reason: str) -> None:
+        super().__init__(f"cache mode {cache_mode} is not ready: {reason}")
+        self.cache_mode = cache_mode
+        self.reason = reason
 
 
 @dataclass
@@ -63,14 +74,6 @@ class StoreLoss:
         """The ``/admin/active`` detail."""
         return {"kv_quant": self.config.model_dump(mode="json", exclude_none=True), "detected_at": self.detected_at,
                 "restored_at": self.restored_at, "note": self.note}
-
-
-class ConfigInvalid(ValueError):
-    """A configuration that cannot be used with the loaded model; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -121,45 +124,24 @@ class ConfigResolver:
                 ) -> ConfigSnapshot:
         """Check ``config`` for ``cache_mode`` on the loaded model and load what it names.
 
-        Raises:
-            ConfigInvalid: a file path instead of a store id, quantization with cache mode none, a V group size
-                that does not divide head_dim, an artifact for another model, layer count, cache mode or bits.
-            service.store.base.ArtifactNotFound: the artifact is not stored.
-            service.store.base.StoreUnavailable: the store cannot be reached to load it.
+        Raises: see `service.store.config_check.check_config` (ConfigInvalid, ArtifactNotFound, StoreUnavailable).
         """
-        entry = method(config.method)
-        if config.artifact_file is not None:
-            raise ConfigInvalid(
-                f"kv_quant.{entry.spelling('artifact_file')}", "the server reads fitted artifacts from its store "
-                "only: upload it through /admin and name it by id"
-            )
-        if entry.quantizer is None:
-            return ConfigSnapshot(config, cache_mode, source, set_at=set_at)
-        try:
-            config.check_cache_mode(cache_mode)
-        except KVQuantError as exc:
-            raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
-        try:
-            config.check_bounds(self.spec.max_length, self.spec.head_dim)
-        except KVQuantError as exc:
-            raise ConfigInvalid(f"kv_quant.{exc.field}", str(exc)) from exc
-        try:
-            artifact = resolve_artifact(config, self.spec, self.store.get, cache_mode, self._artifacts)
-        except ArtifactMismatch as exc:
-            raise ConfigInvalid(f"kv_quant.{exc.field}", exc.detail) from exc
-        except ArtifactNotFound as exc:
-            raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}") from exc
+        artifact = check_config(config, cache_mode, self.spec, self.store.get, self._artifacts)
         return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)
 
 
 class ActiveConfigs:
     """The current snapshot per cache mode for the loaded model, following the store.
 
+    A cache mode whose configuration cannot be served (the store's active entry or, without one, ``default``
+    does not resolve or validate: an entry written past the checks, an artifact the store no longer holds, a
+    setting naming an unknown id) is not ready: :meth:`snapshot` raises :class:`ConfigUnavailable` naming why,
+    :attr:`not_ready` lists it for ``/health/ready``, and the mode never quietly serves another configuration.
+
     Args:
         resolver: validates and loads.
         default: the ``kv_quant`` setting, used for ``prefix`` and ``dual`` while the store has no active entry
-            (where it does not validate for a mode, that mode falls back to method none with a warning; cache
-            mode ``none`` is always unquantized).
+            (cache mode ``none`` is always unquantized).
         telemetry: shows the active configuration and counts changes.
         model_name: the served model name, for the info metric.
         restore: after an outage, write back (artifacts, entry, audit) an active configuration the store lost
@@ -169,23 +151,18 @@ class ActiveConfigs:
     def __init__(self, resolver: ConfigResolver, default: KVQuantConfig, telemetry: Telemetry, model_name: str,
                  restore: bool = True):
         self.resolver = resolver
+        self.default = default
         self.telemetry = telemetry
         self.model_name = model_name
         self.restore = restore
         #: The last loss found per cache mode (kept as a record after it is restored).
         self.losses: dict[str, StoreLoss] = {}
+        #: Why each cache mode that is not ready is not (see the class doc).
+        self.not_ready: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._defaults: dict[str, ConfigSnapshot] = {}
-        for mode in CACHE_MODES:
-            config = default if mode != "none" else KVQuantConfig()
-            try:
-                self._defaults[mode] = resolver.resolve(config, mode, "default")
-            except (ValueError, KeyError) as exc:
-                log.warning("kv_quant setting does not apply to cache mode %s (%s); using none there", mode, exc)
-                self._defaults[mode] = resolver.resolve(KVQuantConfig(), mode, "default")
         self._current: dict[str, ConfigSnapshot] = {}
-        for mode, snapshot in self._defaults.items():
-            self._install(snapshot, count=False)
+        for mode in CACHE_MODES:
+            self._use_default(mode, count=False)
 
     @property
     def fingerprint(self) -> str:
@@ -193,29 +170,53 @@ class ActiveConfigs:
         return self.resolver.spec.fingerprint
 
     def snapshot(self, cache_mode: CacheMode) -> ConfigSnapshot:
-        """The snapshot a request admitted now runs with."""
-        return self._current[cache_mode]
+        """The snapshot a request admitted now runs with; ConfigUnavailable when the mode is not ready."""
+        with self._lock:
+            reason = self.not_ready.get(cache_mode)
+            if reason is not None:
+                raise ConfigUnavailable(cache_mode, reason)
+            return self._current[cache_mode]
 
     def all(self) -> dict[str, ConfigSnapshot]:
-        """The current snapshot of every cache mode."""
-        return dict(self._current)
+        """The current snapshot of every ready cache mode."""
+        with self._lock:
+            return {mode: snap for mode, snap in self._current.items() if mode not in self.not_ready}
 
     def _install(self, snapshot: ConfigSnapshot, count: bool = True) -> None:
+        mode = snapshot.cache_mode
         with self._lock:
-            old = self._current.get(snapshot.cache_mode)
-            self._current[snapshot.cache_mode] = snapshot
+            old = self._current.get(mode)
+            self._current[mode] = snapshot
+            self.not_ready.pop(mode, None)
+        self.telemetry.config_ready.labels(mode).set(1)
         # The nominal K-bit cap an artifact was fitted under (policy tables have one).
         cap = getattr(snapshot.artifact, "k_bit_cap", None)
-        self.telemetry.set_active(self.model_name, snapshot.cache_mode, snapshot.config, snapshot.source, cap)
+        self.telemetry.set_active(self.model_name, mode, snapshot.config, snapshot.source, cap)
         if count and (old is None or old.config != snapshot.config):
-            self.telemetry.config_changes.labels(snapshot.cache_mode).inc()
+            self.telemetry.config_changes.labels(mode).inc()
+
+    def _refuse(self, cache_mode: str, what: str, exc: BaseException) -> None:
+        """Make ``cache_mode`` not ready: ``what`` cannot be served because of ``exc``. The reason kept (shown by
+        /health/ready and every 503 of the mode, to any client) does not say where the store is; the log does."""
+        public = getattr(exc, "public", None) or str(exc)
+        with self._lock:
+            self.not_ready[cache_mode] = f"{what} cannot be served: {public}"
+        self.telemetry.config_ready.labels(cache_mode).set(0)
+        log.error("cache mode %s is not ready: %s cannot be served: %s", cache_mode, what, exc)
+
+    def _use_default(self, cache_mode: str, count: bool = True) -> None:
+        config = self.default if cache_mode != "none" else KVQuantConfig()
+        try:
+            self._install(self.resolver.resolve(config, cache_mode, "default"), count)
+        except (ValueError, KeyError, StoreError) as exc:
+            self._refuse(cache_mode, f"the kv_quant setting {config.model_dump(mode='json', exclude_none=True)}", exc)
 
     def reload(self) -> None:
         """Load every active entry of this model from the store (start-up, and after a store outage).
 
-        An entry that no longer validates is logged and skipped (the previous snapshot stays). A cache mode
-        served from an active entry that the store no longer holds is a loss (:meth:`_lost`).
-        Raises StoreUnavailable if the store cannot be reached.
+        An entry that does not validate makes its cache mode not ready. A cache mode served from an active entry
+        that the store no longer holds is a loss (:meth:`_lost`); one with no entry and a default that could not be
+        loaded before tries the default again. Raises StoreUnavailable if the store cannot be reached.
         """
         try:
             entries = {e.cache_mode: e for e in self.resolver.store.list_active() if e.fingerprint == self.fingerprint}
@@ -226,14 +227,25 @@ class ActiveConfigs:
         for mode in CACHE_MODES:
             entry = entries.get(mode)
             if entry is None:
-                if self._current[mode].source == "active":
-                    self._lost(self._current[mode])
+                current = self._current.get(mode)
+                if current is not None and current.source == "active" and mode not in self.not_ready:
+                    self._lost(current)
+                elif mode in self.not_ready:
+                    self._use_default(mode)
                 continue
             self.telemetry.store_active_lost.labels(mode).set(0)
-            try:
-                self._install(self.resolver.resolve(entry.config, mode, "active", entry.set_at))
-            except (ValueError, KeyError, StoreUnavailable) as exc:
-                log.error("active configuration of %s in the store is unusable (%s); keeping the previous", mode, exc)
+            self._use_entry(mode, entry.config, entry.set_at)
+
+    def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float) -> None:
+        """Serve the store's active ``config`` for ``cache_mode``, or make the mode not ready if it does not
+        validate; an unreachable store keeps what is served (the outage rule)."""
+        try:
+            self._install(self.resolver.resolve(config, cache_mode, "active", set_at))
+        except StoreUnavailable as exc:
+            log.error("could not load the active configuration of %s (%s); serving the previous", cache_mode, exc)
+        except (ValueError, KeyError, StoreError) as exc:
+            self._refuse(cache_mode, "the store's active configuration "
+                         f"{config.model_dump(mode='json', exclude_none=True)}", exc)
 
     def _lost(self, snapshot: ConfigSnapshot) -> None:
         """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless
@@ -257,8 +269,8 @@ class ActiveConfigs:
                     store.put(artifact.KIND, artifact.to_bytes(), artifact.id)
                 except ArtifactConflict:
                     pass  # still stored (bytes written by another tool): the id names the same content
-            audit = store.restore_active(self.fingerprint, mode, snapshot.config, key_id=RESTORE_KEY_ID)
-        except StoreError as exc:
+            audit = store.restore_active(self.resolver.spec, mode, snapshot.config, key_id=RESTORE_KEY_ID)
+        except (StoreError, ConfigInvalid) as exc:
             loss.note = f"not written back: {exc}"
             log.error("could not write back the active configuration of %s: %s", mode, exc)
             return
@@ -279,10 +291,7 @@ class ActiveConfigs:
         current = self._current.get(entry.cache_mode)
         if current is not None and current.set_at is not None and entry.at < current.set_at:
             return  # an older change arriving after a newer one this replica already applied
-        try:
-            self._install(self.resolver.resolve(entry.new, entry.cache_mode, "active", entry.at))
-        except (ValueError, KeyError, StoreUnavailable) as exc:
-            log.error("ignoring active configuration change for %s: %s", entry.cache_mode, exc)
+        self._use_entry(entry.cache_mode, entry.new, entry.at)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str | None) -> AuditEntry:
         """Validate ``config``, make it the store's active configuration (one atomic write + event) and use it
@@ -291,7 +300,7 @@ class ActiveConfigs:
         Raises: ConfigInvalid, ArtifactNotFound, StoreUnavailable (nothing changed in each case).
         """
         snapshot = self.resolver.resolve(config, cache_mode, "active")
-        audit = self.resolver.store.set_active(self.fingerprint, cache_mode, config, key_id=key_id)
+        audit = self.resolver.store.set_active(self.resolver.spec, cache_mode, config, key_id=key_id)
         self.telemetry.store_active_lost.labels(cache_mode).set(0)
         self._install(replace(snapshot, set_at=audit.at))
         return audit

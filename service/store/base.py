@@ -17,7 +17,9 @@ What a store holds
   configuration names raises :class:`ArtifactInUse`.
 * **Active configurations**: one `KVQuantConfig` per ``(model fingerprint, cache mode)``. :meth:`Store.set_active`
   is one atomic write that also appends an audit entry and publishes an :class:`ActiveChange` event (Redis
-  pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3).
+  pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3). It takes the
+  model's `ModelSpec` and refuses (:class:`ConfigInvalid`, :class:`ArtifactNotFound`) a configuration that does
+  not resolve and validate against that model.
 * **Audit log**: every change of an active configuration: when, old, new, by which key id.
 
 Key layout (Redis; ``P`` is the key prefix, default ``dllm-kvq``)::
@@ -53,8 +55,10 @@ from service.artifacts.base import canonical_json
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine.params import CacheMode
+from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
+from service.store.config_check import ArtifactUnfit, ConfigInvalid, check_config
 
 #: Artifact kinds the project uses (others matching ``[a-z][a-z0-9_]*`` are accepted too).
 KIND_POLICY = PolicyTable.KIND
@@ -67,8 +71,10 @@ KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
 
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-# Ids become file names and key parts: no path separators, no leading dot, no colon.
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Ids become file names and key parts: no path separators, no leading dot, no colon. Matched whole (fullmatch:
+# "$" alone would also take a trailing newline); ID_PATTERN is also the published schema's pattern.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+_ID_RE = re.compile(ID_PATTERN)
 _FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 M = TypeVar("M", bound=BaseModel)
@@ -83,11 +89,16 @@ class InvalidName(StoreError, ValueError):
 
 
 class ArtifactNotFound(StoreError, KeyError):
-    """No artifact of that kind and id; ``field`` names the request field that named it, when one did."""
+    """No artifact of that kind and id; ``field`` names the request field that named it, when one did.
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    The message names the store (for operators: admin routes, commands, logs); ``public`` says the same without
+    where the store is, for answers to any client (a serving route must not tell it a path or a Redis URL).
+    """
+
+    def __init__(self, message: str, field: str | None = None, public: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.public = public or message
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
@@ -151,21 +162,21 @@ class Subscription:
 
 def check_kind(kind: str) -> str:
     """Return ``kind`` or raise :class:`InvalidName` (legal: ``[a-z][a-z0-9_]{0,63}``, e.g. one of KINDS)."""
-    if not isinstance(kind, str) or not _KIND_RE.match(kind):
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind):
         raise InvalidName(f"kind {kind!r} is not legal: use [a-z][a-z0-9_]* such as {', '.join(KINDS)}")
     return kind
 
 
 def check_id(artifact_id: str) -> str:
     """Return ``artifact_id`` or raise :class:`InvalidName` (legal: ``[A-Za-z0-9][A-Za-z0-9._-]{0,199}``)."""
-    if not isinstance(artifact_id, str) or not _ID_RE.match(artifact_id):
+    if not isinstance(artifact_id, str) or not _ID_RE.fullmatch(artifact_id):
         raise InvalidName(f"id {artifact_id!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*, at most 200 chars")
     return artifact_id
 
 
 def check_target(fingerprint: str, cache_mode: str) -> None:
     """Raise :class:`InvalidName` unless ``fingerprint`` is a plain token and ``cache_mode`` one of CACHE_MODES."""
-    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.fullmatch(fingerprint):
         raise InvalidName(f"fingerprint {fingerprint!r} is not legal: use [A-Za-z0-9][A-Za-z0-9._-]*")
     if cache_mode not in CACHE_MODES:
         raise InvalidName(f"cache_mode {cache_mode!r} is not legal: use one of {', '.join(CACHE_MODES)}")
@@ -197,7 +208,8 @@ class Store(ABC):
 
     def not_found(self, kind: str, artifact_id: str) -> ArtifactNotFound:
         """The error for an artifact that is not stored, naming the store it was looked for in."""
-        return ArtifactNotFound(f"no {kind} with id {artifact_id!r} in the store {self.location}")
+        return ArtifactNotFound(f"no {kind} with id {artifact_id!r} in the store {self.location}",
+                                public=f"no {kind} with id {artifact_id!r} in the store")
 
     # ---- artifacts -------------------------------------------------------------------------------------------
     @abstractmethod
@@ -283,32 +295,35 @@ class Store(ABC):
         """
 
     def set_active(
-        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+        self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
     ) -> AuditEntry:
-        """Make ``config`` the active configuration of (fingerprint, cache mode) in one atomic write.
+        """Make ``config`` the active configuration of (``spec.fingerprint``, cache mode) in one atomic write.
 
-        The artifacts it names (policy, KVQuant state) must be stored (:class:`ArtifactNotFound` otherwise);
-        validating them against the model is the caller's job (the admin route does it before calling).
+        The configuration is checked against the model ``spec`` describes and the artifact it names is read from
+        this store and checked too (`service.store.config_check.check_config`), so that nothing a server cannot
+        serve becomes active, whoever writes it.
         Returns the audit entry (old and new) that was also appended and published.
+
+        Raises: ConfigInvalid, ArtifactNotFound, InvalidName (cache mode), StoreUnavailable; nothing is written.
         """
-        check_target(fingerprint, cache_mode)
-        entry = ActiveEntry(
-            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
-        )
-        return self._swap_active(entry)
+        return self._swap_active(self._checked_entry(spec, cache_mode, config, key_id))
 
     def restore_active(
-        self, fingerprint: str, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
+        self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None = None
     ) -> AuditEntry | None:
         """Like :meth:`set_active`, but only where the store holds no entry (checked in the same atomic step):
         a replica writing back the configuration it serves after the store lost it never overwrites what
         another replica or an operator set meanwhile. Returns None when an entry was there.
         """
-        check_target(fingerprint, cache_mode)
-        entry = ActiveEntry(
-            fingerprint=fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
+        return self._swap_active(self._checked_entry(spec, cache_mode, config, key_id), only_if_absent=True)
+
+    def _checked_entry(self, spec: ModelSpec, cache_mode: str, config: KVQuantConfig, key_id: str | None
+                       ) -> ActiveEntry:
+        check_target(spec.fingerprint, cache_mode)
+        check_config(config, cache_mode, spec, self.get)
+        return ActiveEntry(
+            fingerprint=spec.fingerprint, cache_mode=cache_mode, config=config, set_at=time.time(), key_id=key_id
         )
-        return self._swap_active(entry, only_if_absent=True)
 
     @abstractmethod
     def audit(self, limit: int = 100) -> list[AuditEntry]:
@@ -383,7 +398,9 @@ __all__ = [
     "ArtifactInUse",
     "ArtifactInfo",
     "ArtifactNotFound",
+    "ArtifactUnfit",
     "AuditEntry",
+    "ConfigInvalid",
     "InvalidName",
     "Store",
     "StoreError",

@@ -173,7 +173,8 @@ class DirectoryStore(Store):
             for kind, artifact_id in sorted(referenced_ids(entry.config)):
                 if not self.exists(kind, artifact_id):
                     raise ArtifactNotFound(
-                        f"config names {kind} {artifact_id!r}, which is not in the store {self.location}"
+                        f"config names {kind} {artifact_id!r}, which is not in the store {self.location}",
+                        public=f"config names {kind} {artifact_id!r}, which is not in the store",
                     )
             old_entry = self.get_active(entry.fingerprint, entry.cache_mode)
             if only_if_absent and old_entry is not None:

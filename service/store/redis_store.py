@@ -200,7 +200,8 @@ class RedisStore(Store):
                     for (kind, artifact_id), key in zip(refs, ref_keys, strict=True):
                         if not pipe.exists(key):
                             raise ArtifactNotFound(
-                                f"config names {kind} {artifact_id!r}, which is not in the store {self.location}"
+                                f"config names {kind} {artifact_id!r}, which is not in the store {self.location}",
+                                public=f"config names {kind} {artifact_id!r}, which is not in the store",
                             )
                     raw_old = pipe.hget(self._active_key, field)
                     if only_if_absent and raw_old is not None:

@@ -264,7 +264,7 @@ def test_redis_stop_serving_continues_admin_503_recovery_then_device_fault(tmp_p
         assert metric_sum(metrics(srv.url), "dllm_store_up") == 0
         own.start()
         # Another replica changes the configuration while this one reconnects; the reload picks it up.
-        RedisStore(own.url).set_active(SPEC.fingerprint, "dual", KVQuantConfig(method="kivi", bits=2))
+        RedisStore(own.url).set_active(SPEC, "dual", KVQuantConfig(method="kivi", bits=2))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if httpx.get(srv.url + "/admin/policies", headers=ADMIN).status_code == 200:

@@ -96,9 +96,10 @@ def test_a_registered_quantizer_is_served_with_its_artifact(tmp_path, toy_method
         assert kv["k_nominal_bits"] == kv["v_nominal_bits"] == 4  # quantized with the 4-bit codes it asked for
 
         r = client.post("/generate", json={**body, "kv_quant": {"method": "toy", "bits": 4, "artifact_id": wrong_bits.id}})
-        assert r.status_code in (400, 422) and r.json()["error"]["param"] == "kv_quant.bits", r.text
+        # The stored artifact does not fit the configuration: rejected (422), as on an activation.
+        assert r.status_code == 422 and r.json()["error"]["param"] == "kv_quant.bits", r.text
         r = client.post("/generate", json={**body, "kv_quant": {"method": "toy", "bits": 4}})
-        assert r.status_code in (400, 422) and "needs exactly one of artifact_id or artifact_file" in r.text
+        assert r.status_code == 400 and "needs exactly one of artifact_id or artifact_file" in r.text
 
         models = client.get("/openapi.json").json()["components"]["schemas"]["KVQuantConfig"]
         assert "toy" in models["properties"]["method"]["enum"]

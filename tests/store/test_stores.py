@@ -17,17 +17,21 @@ from service.store.base import (
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
+    ConfigInvalid,
     InvalidName,
     StoreUnavailable,
     open_store,
 )
 from service.store.dir_store import DirectoryStore
 from service.store.redis_store import RedisStore
+from tests.support.artifacts import policy_for
+from tests.support.fake_engine import FakeEngine
 from tests.support.processes import SHARED_REDIS_URL, RedisProcess, free_port
 
 pytestmark = pytest.mark.integration  # the real Redis (the suite's own redis-server) and private ones
 
-FP = "f" * 64
+SPEC = FakeEngine().spec  # a model to activate configurations for (2 layers, head_dim 8, context 512)
+FP = SPEC.fingerprint
 
 
 @pytest.fixture(params=["redis", "dir"])
@@ -85,32 +89,62 @@ def test_bad_names_are_refused(store, kind, artifact_id):
 
 
 def test_active_configuration_swap_audit_and_delete(store):
-    pid = store.put("policy", b"table-1")
+    table = policy_for(SPEC)
+    pid = store.put_model("policy", table)
+    prefix_pid = store.put_model("policy", policy_for(SPEC, cache_mode="prefix"))
     missing = KVQuantConfig(method="dllm_kvq", bits=4, policy_id="nope")
-    with pytest.raises(ArtifactNotFound, match="which is not in the store"):
-        store.set_active(FP, "dual", missing)
+    with pytest.raises(ArtifactNotFound, match="no policy with id .nope. in the store"):
+        store.set_active(SPEC, "dual", missing)
     assert store.get_active(FP, "dual") is None and store.audit() == []
 
-    first = store.set_active(FP, "dual", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid), key_id="k1")
+    first = store.set_active(SPEC, "dual", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid), key_id="k1")
     assert first.old is None and first.new.artifact_id == pid and first.key_id == "k1"
-    second = store.set_active(FP, "dual", KVQuantConfig(method="kivi", bits=2), key_id="k2")
+    second = store.set_active(SPEC, "dual", KVQuantConfig(method="kivi", bits=2), key_id="k2")
     assert second.old == first.new and second.new.method == "kivi"
-    store.set_active(FP, "prefix", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=pid))
+    store.set_active(SPEC, "prefix", KVQuantConfig(method="dllm_kvq", bits=4, policy_id=prefix_pid))
     assert store.get_active(FP, "dual").config.method == "kivi"
     assert [(e.fingerprint, e.cache_mode) for e in store.list_active()] == [(FP, "dual"), (FP, "prefix")]
     assert [e.key_id for e in store.audit()] == [None, "k2", "k1"]
     assert len(store.audit(limit=1)) == 1
 
+    store.delete("policy", pid)  # no longer active anywhere
     with pytest.raises(ArtifactInUse, match="prefix"):
-        store.delete("policy", pid)
-    assert store.get("policy", pid) == b"table-1"
-    store.set_active(FP, "prefix", KVQuantConfig(method="none"))
-    store.delete("policy", pid)
+        store.delete("policy", prefix_pid)
+    assert store.exists("policy", prefix_pid)
+    store.set_active(SPEC, "prefix", KVQuantConfig(method="none"))
+    store.delete("policy", prefix_pid)
     assert store.list("policy") == []
     with pytest.raises(ArtifactNotFound):
         store.delete("policy", pid)
     with pytest.raises(InvalidName, match="none, prefix, dual"):
-        store.set_active(FP, "triple", KVQuantConfig())
+        store.set_active(SPEC, "triple", KVQuantConfig())
+
+
+def test_a_configuration_that_does_not_validate_is_never_activated(store):
+    """Issue 17: the store itself refuses what the model cannot serve, whoever calls it (here Python, as
+    docs/stores.md shows): nothing is written, no audit entry, no event."""
+    other_model = store.put_model("policy", policy_for(SPEC, fingerprint="0" * 64))
+    prefix_table = store.put_model("policy", policy_for(SPEC, cache_mode="prefix"))
+    two_bit = store.put_model("policy", policy_for(SPEC, bits=2))
+    garbage = store.put("policy", b"not a policy table")
+    refused = [
+        (KVQuantConfig(method="dllm_kvq", bits=4, policy_id=other_model), "weights_fingerprint"),
+        (KVQuantConfig(method="dllm_kvq", bits=4, policy_id=prefix_table), "cache_mode"),
+        (KVQuantConfig(method="dllm_kvq", bits=4, policy_id=two_bit), "bits"),
+        (KVQuantConfig(method="dllm_kvq", bits=4, policy_id=garbage), "policy_id"),
+        (KVQuantConfig(method="kivi", bits=4, k_group_size=4096), "k_group_size"),
+        (KVQuantConfig(method="kivi", bits=4, v_group_size=3), "v_group_size"),
+    ]
+    for config, field in refused:
+        with pytest.raises(ConfigInvalid) as err:
+            store.set_active(SPEC, "dual", config)
+        assert field in err.value.field, (config, err.value)
+    with pytest.raises(ConfigInvalid, match="cache mode"):
+        store.set_active(SPEC, "none", KVQuantConfig(method="kivi", bits=2))
+    assert store.list_active() == [] and store.audit() == []
+    with pytest.raises(ConfigInvalid):
+        store.restore_active(SPEC, "dual", refused[0][0])
+    assert store.list_active() == []
 
 
 def test_concurrent_swaps_are_linearizable(store):
@@ -119,7 +153,7 @@ def test_concurrent_swaps_are_linearizable(store):
 
     def swap(cfg):
         for _ in range(3):
-            store.set_active(FP, "dual", cfg)
+            store.set_active(SPEC, "dual", cfg)
 
     threads = [threading.Thread(target=swap, args=(c,)) for c in configs]
     for t in threads:
@@ -146,7 +180,7 @@ def test_events_reach_subscribers(store):
     try:
         if isinstance(store, RedisStore):
             assert sub.connected.wait(5)
-        store.set_active(FP, "dual", KVQuantConfig(method="kivi", bits=2), key_id="admin")
+        store.set_active(SPEC, "dual", KVQuantConfig(method="kivi", bits=2), key_id="admin")
         assert arrived.wait(5)
         assert got[0].entry.new == KVQuantConfig(method="kivi", bits=2) and got[0].entry.key_id == "admin"
     finally:
@@ -173,10 +207,10 @@ def test_redis_restart_resubscribes_and_recovers(tmp_path):
         assert sub.connected.wait(5)
         redis_proc.stop()
         with pytest.raises(StoreUnavailable):
-            store.set_active(FP, "dual", KVQuantConfig(method="kivi"))
+            store.set_active(SPEC, "dual", KVQuantConfig(method="kivi"))
         redis_proc.start()
         assert reconnected.wait(10)
-        store.set_active(FP, "dual", KVQuantConfig(method="kivi"))
+        store.set_active(SPEC, "dual", KVQuantConfig(method="kivi"))
         assert changed.wait(5)
         assert store.get_active(FP, "dual").config.method == "kivi"
     finally:

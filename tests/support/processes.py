@@ -103,7 +103,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 120.0) -> ServerProcess:
+    def start(self, timeout_s: float = 120.0, ready: bool = True) -> ServerProcess:
+        """Start and wait until ``/health/ready`` answers 200 (``ready=False``: until ``/health`` does, for a
+        server that is expected to report not-ready)."""
         import os
         import sys
 
@@ -116,10 +118,10 @@ class ServerProcess:
         with open(self.log_path or os.devnull, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          cwd=Path(__file__).resolve().parents[2])
-        self.wait_ready(timeout_s)
+        self.wait_ready(timeout_s, "/health/ready" if ready else "/health")
         return self
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, path: str = "/health/ready") -> None:
         import httpx
 
         deadline = time.monotonic() + timeout_s
@@ -127,7 +129,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log()}")
             try:
-                if httpx.get(self.url + "/health/ready", timeout=1).status_code == 200:
+                if httpx.get(self.url + path, timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -8,17 +8,45 @@ state's safetensors bytes), ``GET /admin/active``, ``PUT /admin/active/{cache_mo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.convertors import Convertor, register_url_convertor
 
 from service.api import schemas as s
 from service.api.deps import AdminDep, AdminKeyDep, require_admin
 from service.api.readable import ReadableJSONRoute
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
+from service.store.base import ID_PATTERN
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], route_class=ReadableJSONRoute)
+
+#: The fixed first segments of this router's own paths.
+FIXED = ("active", "audit", "eval_scores")
+
+
+class KindConvertor(Convertor):
+    """The ``{kind}`` segment of the artifact routes matches anything but a fixed segment, so that a method a fixed
+    path does not take (``GET /admin/active/none``, ``POST /admin/audit``) is a 405 naming the methods it takes, as
+    the document says, not a lookup of an artifact kind called ``active``."""
+
+    regex = f"(?!(?:{'|'.join(FIXED)})(?:/|$))[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("artifact_kind", KindConvertor())
+
+#: An artifact kind's URL segment: one of the registered methods' (the document lists them; another is a 400).
+Kind = Annotated[str, Path(json_schema_extra=s.from_server(enum="artifact_kinds"))]
+#: A store id (the store refuses other names with a 400).
+ArtifactId = Annotated[str, Path(pattern=ID_PATTERN)]
 
 
 @router.get("/active")
@@ -27,7 +55,10 @@ def view_active(admin: AdminDep) -> s.ActiveView:
     return admin.view_active()
 
 
-@router.put("/active/{cache_mode}")
+@router.put("/active/{cache_mode}", description="Validate a configuration and make it the active one of the cache "
+            "mode (answers old and new). Beyond the schema: cache mode `none` takes only method `none` (it reuses "
+            "nothing to quantize), and a fitted artifact must exist (404) and fit the model, cache mode and bits "
+            "(422).")
 def activate(cache_mode: CacheMode, config: KVQuantConfig, admin: AdminDep, key_id: AdminKeyDep
              ) -> s.ActivateResponse:
     """Validate a `KVQuantConfig` and make it the active configuration of the cache mode (old and new)."""
@@ -46,32 +77,36 @@ def report_scores(report: s.EvalScoreReport, admin: AdminDep, key_id: AdminKeyDe
     return admin.report_scores(report, key_id)
 
 
-@router.get("/{kind}")
-def list_artifacts(kind: str, admin: AdminDep) -> s.ArtifactList:
+@router.get("/{kind:artifact_kind}")
+def list_artifacts(kind: Kind, admin: AdminDep) -> s.ArtifactList:
     """Ids, sizes and creation times of the policies or KVQuant states."""
     return admin.list(kind)
 
 
-@router.post("/{kind}", status_code=201)
-async def upload(kind: str, request: Request, admin: AdminDep) -> dict[str, Any]:
-    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model."""
-    return admin.upload(kind, await request.body())
+@router.post("/{kind:artifact_kind}", status_code=201,
+             description="Store a policy table (JSON) or a KVQuant state (safetensors bytes). The schema cannot "
+             "state what is checked before anything is stored: the content parses as the kind's artifact and fits "
+             "the loaded model (weights fingerprint, layer and head counts; 422 otherwise).")
+async def upload(kind: Kind, request: Request, admin: AdminDep) -> dict[str, Any]:
+    """Store a policy (JSON) or KVQuant state (safetensors bytes) after validating it against the model (parsing
+    runs in the thread pool, off the event loop)."""
+    return await run_in_threadpool(admin.upload, kind, await request.body())
 
 
-@router.get("/{kind}/{artifact_id}")
-def read(kind: str, artifact_id: str, admin: AdminDep) -> dict[str, Any]:
+@router.get("/{kind:artifact_kind}/{artifact_id}")
+def read(kind: Kind, artifact_id: ArtifactId, admin: AdminDep) -> dict[str, Any]:
     """A policy table, or a KVQuant state's metadata."""
     return admin.read(kind, artifact_id)
 
 
-@router.get("/{kind}/{artifact_id}/raw")
-def read_raw(kind: str, artifact_id: str, admin: AdminDep) -> Response:
+@router.get("/{kind:artifact_kind}/{artifact_id}/raw")
+def read_raw(kind: Kind, artifact_id: ArtifactId, admin: AdminDep) -> Response:
     """The stored bytes (a KVQuant state's safetensors file)."""
     return Response(admin.read_bytes(kind, artifact_id), media_type="application/octet-stream")
 
 
-@router.delete("/{kind}/{artifact_id}", status_code=204)
-def delete(kind: str, artifact_id: str, admin: AdminDep) -> Response:
+@router.delete("/{kind:artifact_kind}/{artifact_id}", status_code=204)
+def delete(kind: Kind, artifact_id: ArtifactId, admin: AdminDep) -> Response:
     """Delete an artifact that no active configuration names (409 otherwise)."""
     admin.delete(kind, artifact_id)
     return Response(status_code=204)

@@ -5,21 +5,26 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from service.api.deps import TelemetryDep, WorkerDep
+from service.api.deps import ActiveDep, TelemetryDep, WorkerDep
 from service.worker import WorkerUnavailable
 
 router = APIRouter()
 
 
+# Each GET route also answers HEAD (load balancers and uptime checkers probe with either; RFC 9110 §9.3.2: the GET
+# answer without its body). HEAD is left out of the OpenAPI document, which states it for no route.
 @router.get("/health")
+@router.head("/health", include_in_schema=False)
 def health() -> dict[str, str]:
     """Alive."""
     return {"status": "ok"}
 
 
 @router.get("/health/ready")
-def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[str, str]:
-    """Ready to serve: the start-up denoise passed and the worker accepts (503 otherwise)."""
+@router.head("/health/ready", include_in_schema=False)
+def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: TelemetryDep) -> dict[str, str]:
+    """Ready to serve: the start-up denoise passed, the worker accepts, and every cache mode's configuration can
+    be served (503 otherwise, naming the cache modes that cannot and why)."""
     probe_error = request.app.state.probe_error
     if probe_error is not None:
         raise WorkerUnavailable(f"the start-up denoise check failed: {probe_error}")
@@ -27,11 +32,17 @@ def ready(request: Request, worker: WorkerDep, telemetry: TelemetryDep) -> dict[
         reason = "is draining" if worker.fault is None else f"hit a device fault ({worker.fault})"
         telemetry.ready.set(0)
         raise WorkerUnavailable(f"not ready: the worker {reason}")
+    if active.not_ready:
+        telemetry.ready.set(0)
+        raise WorkerUnavailable("not ready: " + "; ".join(
+            f"cache mode {mode} cannot serve its configuration ({reason})"
+            for mode, reason in sorted(active.not_ready.items())))
     telemetry.ready.set(1)
     return {"status": "ready"}
 
 
 @router.get("/metrics")
+@router.head("/metrics", include_in_schema=False)
 def metrics(telemetry: TelemetryDep) -> Response:
     """Prometheus exposition of `service.telemetry`."""
     return Response(telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,108 @@
+"""Schemathesis hooks for `tests/api/test_schemathesis.py` (loaded through ``SCHEMATHESIS_HOOKS``).
+
+One filter: the schema-valid (positive) cases that break a rule the OpenAPI document cannot state, each filtered by
+restating the rule here from the server's settings (``DLLM_ST_SERVER``, JSON written by the test: URL, context,
+decoding defaults, work ceiling), never by asking the server whether it accepts the request. Token counts come from
+the server's own tokenizer (``POST /tokenize``: the prompt's ids, as the generation routes encode them). Negative
+cases are never filtered. The rules, named again at each check:
+
+* ``context``: the prompt's tokens + the response positions (``max_tokens`` rounded up to whole blocks) fit the
+  model's context, and a text prompt encodes to at least one token (tokens, not characters, count);
+* ``schedule``: ``steps`` is a multiple of the number of blocks and at most the response positions;
+* ``work``: forward calls (``steps``, else the response positions) x (prompt + response positions) is within the
+  server's ``max_request_work``;
+* ``activation``: ``PUT /admin/active/none`` takes no quantizing method (a path parameter against the body);
+* ``upload``: an uploaded artifact is a policy table or KVQuant state fitted to the loaded model (content JSON
+  Schema cannot describe: safetensors bytes, layer and head counts); uploads are tested with real artifacts in
+  ``tests/api/test_keys_and_admin_api.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+from typing import Any
+
+import httpx
+import schemathesis
+
+GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate"}
+
+
+@lru_cache(maxsize=1)
+def _server() -> dict[str, Any]:
+    return json.loads(os.environ["DLLM_ST_SERVER"])
+
+
+@lru_cache(maxsize=4096)
+def _count(request: str) -> int:
+    """Token count of a ``/tokenize`` request (JSON text)."""
+    r = httpx.post(_server()["url"] + "/tokenize", content=request, headers={"content-type": "application/json"},
+                   timeout=30)
+    r.raise_for_status()  # a text the tokenizer refuses would be a rule this module does not know yet
+    return r.json()["count"]
+
+
+def _tokens(value: Any, key: str = "prompt") -> int:
+    return _count(json.dumps({key: value}, sort_keys=True))
+
+
+def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int]:
+    """Tokens of each prompt of a generation request, as the route encodes it."""
+    if path == "/v1/chat/completions":
+        return [_tokens(body["messages"], "messages")]
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        chat = path == "/generate" and body.get("chat")
+        return [_tokens([{"role": "user", "content": prompt}], "messages") if chat else _tokens(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [_tokens(p) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [len(p) for p in prompt]
+    return [len(prompt)]
+
+
+def _given(body: dict[str, Any], *names: str) -> Any:
+    for name in names:
+        if body.get(name) is not None:
+            return body[name]
+    return None
+
+
+def _generation_fits(path: str, body: dict[str, Any]) -> bool:
+    server = _server()
+    max_tokens = int(_given(body, "max_completion_tokens", "max_tokens") or server["max_tokens"])
+    block = int(_given(body, "block_length") or server["block_length"])
+    response = -(-max_tokens // block) * block
+    # The schedule is one choice: named in the request, both fields come from it.
+    named = _given(body, "threshold", "steps") is not None
+    steps = _given(body, "steps") if named else server["steps"]
+    # Rule "schedule": steps a multiple of the number of blocks, at most one token revealed per step.
+    if steps is not None and (int(steps) % (response // block) or int(steps) > response):
+        return False
+    for tokens in _prompt_lengths(path, body):
+        # Rule "context": at least one prompt token, and prompt + response positions within the context.
+        if tokens < 1 or tokens + response > server["context"]:
+            return False
+        # Rule "work": the request's token-forwards within the server's ceiling (if it has one).
+        calls = int(steps) if steps is not None else response
+        if server["max_work"] is not None and calls * (tokens + response) > server["max_work"]:
+            return False
+    return True
+
+
+@schemathesis.hook
+def filter_case(context, case) -> bool:
+    """Keep every case but the positive ones that break a rule of the module docstring."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return True
+    path, method = case.operation.path, case.operation.method.lower()
+    body = case.body if isinstance(case.body, dict) else None
+    if path in GENERATION and body is not None:
+        return _generation_fits(path, body)
+    if path == "/admin/active/{cache_mode}" and body is not None:
+        # Rule "activation": cache mode none reuses nothing to quantize.
+        return not (case.path_parameters.get("cache_mode") == "none" and body.get("method", "none") != "none")
+    return not (path == "/admin/{kind}" and method == "post")  # rule "upload"
