@@ -16,6 +16,8 @@ from functools import cached_property
 
 import torch
 
+from service.engine.kv_store import Segments
+
 #: A layout with more runs than this is handled in whole-layer tensor operations (per-slot statistics, one
 #: gather of all slots) instead of a few operations per run: with many short runs (a batch of short rows) the
 #: per-run calls, not their arithmetic, are what a read or write costs on a CPU; with a few long runs (one row)
@@ -24,8 +26,6 @@ BATCHED_RUNS = 4
 #: ... as long as a whole layer's K (or V), ``B x T_reused x H x D`` entries, is at most this many: the whole-layer
 #: operations make float32 temporaries of that size, which bounds the transient memory they add.
 BATCHED_ELEMENTS = 2**20
-
-from service.engine.kv_store import Segments
 
 
 @dataclass(frozen=True, eq=False)
