@@ -276,7 +276,7 @@ def run_table(engine, prompts, methods, schedule, args, peak_bandwidth: float | 
 
 def embedded_table(args, bits: tuple[int, ...]) -> None:
     """The embedded default model in-process (module doc): dual cache against its quantized rows."""
-    from service.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split
+    from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split
 
     engine = Engine.load(None, dtype="float32", device=args.device)
     questions = load_split("test")[: args.embedded_questions]

@@ -24,10 +24,12 @@ from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
-from service.quant.packing import pack_stream, unpack_stream
+from service.quant.packing import byte_table, decode_stream, pack_stream, unpack_stream
 from service.quant.uniform import (
     GroupStats,
+    dequantize_k_batched,
     dequantize_k_into,
+    dequantize_v_batched,
     dequantize_v_into,
     k_group_stats,
     quantize_k_slots,
@@ -193,14 +195,22 @@ class KVQuantizer:
         n = layout.num_slots
         protected = t["protected_slots"].long() if "protected_slots" in t else None
         n_codes = n if protected is None else n - protected.numel()
+        stats = GroupStats(scale=t["scale"], mn=t["mn"])
+        if layout.batched(h * d):
+            work = _float_codes(t["codes"], self.bits, n_codes, h, d)
+            if protected is not None:  # protected slots get code 0 here, overwritten below
+                full = work.new_zeros(n + 1, h, d)
+                work = full.index_copy_(0, _unprotected(protected, n), work[:-1])
+            out = dequantize_k_batched(layout.empty_output(h, d, packed.dtype, out), work, stats, layout)
+            if protected is not None:
+                layout.scatter_slots(t["protected_values"], protected, out)
+            return out
         codes = unpack_stream(t["codes"], self.bits, n_codes * h * d).view(n_codes, h, d)
         if protected is not None:
             # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
-            keep = torch.ones(n, dtype=torch.bool, device=codes.device)
-            keep[protected] = False
-            codes = _expand_rows(codes, keep.nonzero().squeeze(1), n)
+            codes = _expand_rows(codes, _unprotected(protected, n), n)
         out = layout.empty_output(h, d, packed.dtype, out)
-        dequantize_k_into(out, codes, GroupStats(scale=t["scale"], mn=t["mn"]), layout)
+        dequantize_k_into(out, codes, stats, layout)
         if protected is not None:
             layout.scatter_slots(t["protected_values"], protected, out)
         return out
@@ -221,9 +231,33 @@ class KVQuantizer:
         """V of one layer, ``[B, H, T_reused, D]`` in the model dtype (or into ``out``); padding zero."""
         t = packed.v.tensors
         n, h, d = layout.num_slots, packed.num_heads, packed.head_dim
-        codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
         out = layout.empty_output(h, d, packed.dtype, out)
+        if layout.batched(h * d):
+            return dequantize_v_batched(out, _float_codes(t["codes"], self.bits, n, h, d), t["scale"], t["mn"], layout)
+        codes = unpack_stream(t["codes"], self.bits, n * h * d).view(n, h, d)
         return dequantize_v_into(out, codes, t["scale"], t["mn"], layout)
+
+
+#: Per (bits, device): the stream's per-byte table of the codes themselves as float32 (`packing.byte_table`).
+_CODE_TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _float_codes(words: torch.Tensor, bits: int, n: int, h: int, d: int) -> torch.Tensor:
+    """float32 ``[n + 1, H, D]``: the ``n`` slots' codes as floats, read straight from the stream (no uint8
+    codes, no separate conversion), and a zero last row (what `SlotLayout.place` reads for padding)."""
+    key = (bits, words.device)
+    if key not in _CODE_TABLES:
+        _CODE_TABLES[key] = byte_table(torch.arange(2**bits, dtype=torch.float32, device=words.device), bits)
+    work = decode_stream(words, _CODE_TABLES[key], n * h * d, extra=h * d).view(n + 1, h, d)
+    work[-1].zero_()
+    return work
+
+
+def _unprotected(protected: torch.Tensor, n: int) -> torch.Tensor:
+    """int64: the slots of ``[0, n)`` not in ``protected`` (ascending)."""
+    keep = torch.ones(n, dtype=torch.bool, device=protected.device)
+    keep[protected] = False
+    return keep.nonzero().squeeze(1)
 
 
 def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:

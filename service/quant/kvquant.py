@@ -13,6 +13,7 @@ each token. The state's thresholds and codebooks are not counted: they are fixed
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from service.artifacts.base import Provenance
@@ -23,7 +24,7 @@ from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
 from service.quant.config import KVQuantConfig
 from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.layout import SlotLayout
-from service.quant.packing import pack_stream, unpack_stream
+from service.quant.packing import byte_table, decode_stream, pack_stream
 
 
 class KVQuantQuantizer(KVQuantizer):
@@ -42,6 +43,9 @@ class KVQuantQuantizer(KVQuantizer):
         super().__init__(config, spec)
         self.state = state
         self.sparse = state.meta.sparsity_threshold < 1.0
+        # Per (layer, device), made at the first read: the keys' static offset and half range, and each
+        # codebook as a per-byte table (`service.quant.packing.byte_table`). Fixed per model, like the state.
+        self._read_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
 
     def quantize_k(self, layer, x, layout, scores):
         s = self.state
@@ -51,11 +55,12 @@ class KVQuantQuantizer(KVQuantizer):
         return self._pack(x2d, codes, outliers, {})
 
     def dequantize_k(self, layer, packed, layout, out=None):
-        s = self.state
+        # nuq.dequantize_keys (lut[code] * range + offset, float32), the lookup read straight from the stream.
         t = packed.k.tensors
-        codes = self._codes(t, layout, packed)
-        upper, lower, lut = (x[layer].to(codes.device) for x in (s.k_upper, s.k_lower, s.k_lut))
-        return self._finish(nuq.dequantize_keys(codes, upper, lower, lut), t, layout, packed, out)
+        offset, half_range, k_table, _ = self._tables(layer, t["codes"].device)
+        values = self._values(t, k_table, layout, packed)
+        values[:-1].mul_(half_range).add_(offset)
+        return self._finish(values, t, layout, packed, out)
 
     def quantize_v(self, layer, x):
         x2d = x.reshape(x.shape[0], -1)
@@ -66,11 +71,25 @@ class KVQuantQuantizer(KVQuantizer):
         return self._pack(x2d, codes, outliers, {"offset": offset, "half_range": half_range})
 
     def dequantize_v(self, layer, packed, layout, out=None):
+        # nuq.dequantize_values, likewise.
         t = packed.v.tensors
-        codes = self._codes(t, layout, packed)
-        lut = self.state.v_lut[layer].to(codes.device)
-        values = nuq.dequantize_values(codes, t["offset"], t["half_range"], lut)
+        v_table = self._tables(layer, t["codes"].device)[3]
+        values = self._values(t, v_table, layout, packed)
+        values[:-1].mul_(t["half_range"][:, None]).add_(t["offset"][:, None])
         return self._finish(values, t, layout, packed, out)
+
+    def _tables(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(k_offset [C], k_half_range [C], k_table, v_table)`` of a layer on ``device`` (made once)."""
+        key = (layer, device)
+        if key not in self._read_tables:
+            s = self.state
+            offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
+            self._read_tables[key] = (
+                offset, half_range,
+                byte_table(s.k_lut[layer].to(device, torch.float32), self.bits),
+                byte_table(s.v_lut[layer].to(device, torch.float32), self.bits),
+            )
+        return self._read_tables[key]
 
     def kernel_operands(self, layer, packed, layout) -> KernelOperands:
         s = self.state
@@ -84,7 +103,7 @@ class KVQuantQuantizer(KVQuantizer):
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
     def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:
-        index = outliers.flatten().nonzero().squeeze(1)
+        index = _flat_nonzero(outliers)
         n_out = index.numel()
         tensors = {
             "codes": pack_stream(codes, self.bits),
@@ -98,16 +117,33 @@ class KVQuantQuantizer(KVQuantizer):
             nominal_bitsum=float(self.bits * (x2d.numel() - n_out) + 16 * n_out),
         )
 
-    def _codes(self, t: dict, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+    @staticmethod
+    def _values(t: dict, table: torch.Tensor, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
+        """float32 ``[N + 1, C]``: the codebook value of every code, and a spare last row (a new tensor, free to
+        modify in place; see :meth:`_finish`)."""
         n, c = layout.num_slots, packed.num_heads * packed.head_dim
-        return unpack_stream(t["codes"], self.bits, n * c).view(n, c)
+        return decode_stream(t["codes"], table, n * c, extra=c).view(n + 1, c)
 
     @staticmethod
     def _finish(
         values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer, out: torch.Tensor | None
     ) -> torch.Tensor:
+        """Fill in the outliers and place the values (``[N + 1, C]``, the last row spare) into the output."""
         values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
-        return layout.scatter(values.view(-1, packed.num_heads, packed.head_dim), dtype=packed.dtype, out=out)
+        h, d = packed.num_heads, packed.head_dim
+        if layout.batched(h * d):
+            values[-1].zero_()
+            out = layout.empty_output(h, d, packed.dtype, out)
+            return layout.place(layout.take_active(values, spare=True).view(-1, h, d), out)
+        return layout.scatter(values[:-1].view(-1, h, d), dtype=packed.dtype, out=out)
+
+
+def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the flat indices of the True entries of ``mask``, ascending (numpy's ``flatnonzero`` on a
+    CPU tensor: several times faster there than ``torch.nonzero``, the same indices)."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.flatten().nonzero().squeeze(1)
 
 
 def fit_state(

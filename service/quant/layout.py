@@ -12,10 +12,20 @@ instead; the short last group is our departure.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
 from service.engine.kv_store import Segments
+
+#: A layout with more runs than this is handled in whole-layer tensor operations (per-slot statistics, one
+#: gather of all slots) instead of a few operations per run: with many short runs (a batch of short rows) the
+#: per-run calls, not their arithmetic, are what a read or write costs on a CPU; with a few long runs (one row)
+#: broadcasting per run is cheaper than gathering per-slot statistics.
+BATCHED_RUNS = 4
+#: ... as long as a whole layer's K (or V), ``B x T_reused x H x D`` entries, is at most this many: the whole-layer
+#: operations make float32 temporaries of that size, which bounds the transient memory they add.
+BATCHED_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +69,62 @@ class SlotLayout:
     def num_groups(self) -> int:
         return int(self.group_slots.shape[0])
 
+    def batched(self, per_slot: int) -> bool:
+        """Whole-layer operations rather than per-run ones for ``per_slot`` (H x D) entries per token (see
+        ``BATCHED_RUNS``, ``BATCHED_ELEMENTS``)."""
+        return len(self.runs) > BATCHED_RUNS and self.batch_size * self.num_reused * per_slot <= BATCHED_ELEMENTS
+
+    @cached_property
+    def active_slots(self) -> torch.Tensor | None:
+        """int64 ``[N_a]``: the slots of ``runs`` in order, or None when that is every slot (a ``select_rows``
+        layout drops the runs, and so the slots, of the rows a step leaves out)."""
+        covered = sum(length for _, _, _, length, _ in self.runs)
+        if covered == self.num_slots:
+            return None
+        device = self.rows.device
+        if not self.runs:
+            return torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.cat([torch.arange(slot, slot + length, device=device) for _, _, slot, length, _ in self.runs])
+
+    @cached_property
+    def _active_with_spare(self) -> torch.Tensor | None:
+        active = self.active_slots
+        return None if active is None else torch.cat([active, active.new_full((1,), self.num_slots)])
+
+    def take_active(self, x: torch.Tensor, spare: bool = False) -> torch.Tensor:
+        """The rows of the active slots of a per-slot tensor ``[N, ...]`` (``spare``: ``[N + 1, ...]``, its last
+        row kept last): ``x`` itself when every slot is active, else a gather."""
+        index = self._active_with_spare if spare else self.active_slots
+        return x if index is None else x.index_select(0, index)
+
+    @cached_property
+    def slot_map(self) -> torch.Tensor:
+        """int64 ``[B x T_reused]``: at each (row, reused column) the index of its slot among the active slots
+        (``active_slots``; all slots in order when every slot is active), ``N_a`` where there is none (padding;
+        the active window of an ``on_sequence`` layout; a buffer row)."""
+        active = self.active_slots
+        n = self.num_slots if active is None else int(active.numel())
+        rows, cols = (self.rows, self.cols) if active is None else (self.rows[active], self.cols[active])
+        flat = torch.full((self.batch_size * self.num_reused,), n, dtype=torch.int64, device=self.rows.device)
+        flat[rows * self.num_reused + cols] = torch.arange(n, device=self.rows.device)
+        return flat
+
+    def place(self, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Fill all of ``out`` ``[B, H, T_reused, D]`` from ``values`` ``[N_a + 1, H, D]`` (the active slots, see
+        ``take_active``), whose last row is zero: each (row, column) takes its slot's values, padding (and any
+        column without a slot) the zero row; one gather in (row, column) order and one transposing copy, cast to
+        out's dtype. For ``batched`` layouts."""
+        b, h, t, d = out.shape
+        out.copy_(values.index_select(0, self.slot_map).view(b, t, h, d).permute(0, 2, 1, 3))
+        return out
+
+    @cached_property
+    def group_slots_high(self) -> torch.Tensor:
+        """``group_slots`` with the short-group padding pointing at slot ``N + 1`` instead of ``N``: gathering
+        from the slots followed by a row of +inf and a row of -inf, ``group_slots`` reads +inf (neutral for a
+        minimum) and this reads -inf (neutral for a maximum) where a group is short."""
+        return torch.where(self.group_valid, self.group_slots, self.num_slots + 1)
+
     @property
     def group_valid(self) -> torch.Tensor:
         """bool ``[Ng, G]``: which entries of ``group_slots`` are real slots (False on the short-group padding)."""
@@ -92,11 +158,11 @@ class SlotLayout:
                     groups.append(members)
                 slot += length
         num_slots = slot
-        group_slots = torch.full((len(groups), group_size), num_slots, dtype=torch.int64)
-        group_of_slot = torch.empty(num_slots, dtype=torch.int64)
-        for g, members in enumerate(groups):
-            group_slots[g, : len(members)] = torch.tensor(members, dtype=torch.int64)
-            group_of_slot[members] = g
+        # Built as lists and made tensors once (a block has tens of groups; one tensor op each adds up).
+        group_slots = torch.tensor(
+            [members + [num_slots] * (group_size - len(members)) for members in groups], dtype=torch.int64
+        ).view(len(groups), group_size)
+        group_of_slot = torch.tensor([g for g, members in enumerate(groups) for _ in members], dtype=torch.int64)
         cols_t = torch.tensor(cols, dtype=torch.int64)
         return cls(
             batch_size=segments.batch_size,
@@ -138,7 +204,10 @@ class SlotLayout:
         return [tuple(span) for span in merged]
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run."""
+        """The slots of a full-sequence K or V: ``[B, H, T, D]`` -> ``[N, H, D]`` (a copy), run by run, or in one
+        indexed read when ``batched``."""
+        if self.batched(x.shape[1] * x.shape[3]):
+            return x.permute(0, 2, 1, 3)[self.rows, self.seq_cols]
         pieces = []
         for row, _, slot, length, _ in self.runs:
             start = int(self.seq_cols[slot])  # a run is contiguous in the sequence too
@@ -157,6 +226,8 @@ class SlotLayout:
         if out is None:
             out = torch.empty(self.batch_size, num_heads, self.num_reused, head_dim, dtype=dtype, device=device)
         elif not self.zero_padding:
+            return out
+        if self.batched(num_heads * head_dim):  # filled by `place`, padding included
             return out
         covered = [0] * self.batch_size
         for row, col, _, length, _ in self.runs:
@@ -195,6 +266,12 @@ class SlotLayout:
     ) -> torch.Tensor:
         """Place the values of all slots ``[N, H, D]`` into a new ``[B, H, T_reused, D]`` (``dtype``, default
         ``values.dtype``; or into ``out``), run by run, with zeros on padding."""
+        if self.batched(values.shape[1] * values.shape[2]):
+            if out is None:
+                out = values.new_empty(self.batch_size, values.shape[1], self.num_reused, values.shape[2],
+                                       dtype=dtype or values.dtype)
+            values = self.take_active(torch.cat([values, values.new_zeros(1, *values.shape[1:])]), spare=True)
+            return self.place(values, out)
         out = self.empty_output(values.shape[1], values.shape[2], dtype or values.dtype, out)
         for row, col, slot, length, _ in self.runs:
             out[row, :, col : col + length] = values[slot : slot + length].transpose(0, 1)

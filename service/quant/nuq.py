@@ -27,31 +27,54 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-#: Elements per chunk of the nearest-codebook search.
-_NEAREST_CHUNK = 2**15
+#: Elements per chunk of the nearest-codebook search: its float32 work buffers (256 KiB each) stay in cache.
+_NEAREST_CHUNK = 2**16
+#: Elements per chunk of the exhaustive search (its ``[chunk, 2^b]`` distance matrix).
+_EXHAUSTIVE_CHUNK = 2**15
+#: Largest codebook searched by comparisons against its entries (one pass per entry) rather than by binary search.
+_COMPARE_ENTRIES = 16
 
 
 def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     """Index (uint8) of the nearest ``lut`` entry to each element of ``u`` (ties: the earlier entry).
 
     The reference's ``argmin`` over ``|u - c|`` (the first minimum wins). A strictly increasing codebook (what
-    :func:`fit_layer` makes) takes a fast path: the nearest entry is one of the two neighbours of ``u``, found by
-    binary search, and the same ``|u - c|`` comparison between them picks it (a tie keeps the lower, earlier
-    one). Any other codebook (the reference's k-means order) is searched exhaustively, in chunks of elements so
-    the ``[chunk, 2^b]`` distance matrix stays small.
+    :func:`fit_layer` makes) takes a fast path: the nearest entry is one of the two neighbours of ``u``, the entry
+    ``r`` = the number of entries below ``u`` (``searchsorted``, clamped to ``[1, 2^b - 1]``) and ``r - 1``, and
+    the same ``|u - c|`` comparison between them picks it (a tie keeps the lower, earlier one). For up to 16
+    entries ``r`` is counted with one vectorized comparison per entry (``1 + #{0 < j < 2^b - 1: lut[j] < u}``,
+    the same integer as the binary search, several times faster on a CPU); larger codebooks use ``searchsorted``.
+    Any other codebook (the reference's k-means order) is searched exhaustively, in chunks of elements so the
+    ``[chunk, 2^b]`` distance matrix stays small. ``u`` holds no NaN (callers normalize finite values by finite
+    ranges; +/-inf sorts past every entry either way).
     """
     flat = u.reshape(-1)
+    n = lut.numel()
     code = torch.empty(flat.numel(), dtype=torch.uint8, device=u.device)
-    ascending = lut.numel() > 1 and bool((lut[1:] > lut[:-1]).all())
+    if n < 2 or not bool((lut[1:] > lut[:-1]).all()):
+        for i in range(0, flat.numel(), _EXHAUSTIVE_CHUNK):
+            part = flat[i : i + _EXHAUSTIVE_CHUNK]
+            code[i : i + _EXHAUSTIVE_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
+        return code.view(u.shape)
+    inner = lut[1:-1].unbind() if n <= _COMPARE_ENTRIES else None  # 0-dim float32 entries
+    # The count is kept in float32 (small integers, exact): comparisons written as float are several times faster
+    # on a CPU than bool ones.
+    work = torch.empty(2, min(flat.numel(), _NEAREST_CHUNK), dtype=torch.float32, device=u.device)
     for i in range(0, flat.numel(), _NEAREST_CHUNK):
         part = flat[i : i + _NEAREST_CHUNK]
-        if ascending:
-            right = torch.searchsorted(lut, part).clamp_(1, lut.numel() - 1)
-            left = right - 1
-            closer_right = (part - lut[right]).abs() < (part - lut[left]).abs()
-            code[i : i + _NEAREST_CHUNK] = torch.where(closer_right, right, left)
+        count, hit = work[0, : part.numel()], work[1, : part.numel()]
+        if inner is not None:
+            count.fill_(1)
+            for entry in inner:
+                count.add_(torch.gt(part, entry, out=hit))
+            index = count.to(torch.int32)
         else:
-            code[i : i + _NEAREST_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
+            index = torch.searchsorted(lut, part, out_int32=True).clamp_(1, n - 1)
+            count.copy_(index)
+        d_right = (part - lut.index_select(0, index)).abs_()
+        d_left = (part - lut.index_select(0, index - 1)).abs_()
+        count.sub_(torch.ge(d_right, d_left, out=hit))  # the earlier entry unless the later one is strictly closer
+        code[i : i + _NEAREST_CHUNK] = count
     return code.view(u.shape)
 
 
@@ -61,8 +84,11 @@ def _lookup(lut: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _normalized(x: torch.Tensor, offset: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
-    u = (x - offset) / half_range
-    return torch.where(half_range == 0, torch.zeros((), dtype=u.dtype, device=u.device), u)
+    u = (x - offset).div_(half_range)
+    zero = half_range == 0
+    if not bool(zero.any()):  # the usual case: no constant channel or token, nothing to replace
+        return u
+    return u.masked_fill_(zero, 0)
 
 
 def key_offset_range(upper: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +181,42 @@ def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, spa
     xf = x.float()
     if sparse:
         outliers = value_outliers(xf, sparsity_threshold)
-        median = torch.median(xf, dim=-1, keepdim=True).values
-        dense = torch.where(outliers, median, xf)
+        mx, mn = dense_range(xf, outliers)
     else:
         outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
-        dense = xf
-    offset, half_range = midpoint_and_half_range(dense.amax(-1), dense.amin(-1))
+        mx, mn = xf.amax(-1), xf.amin(-1)
+    offset, half_range = midpoint_and_half_range(mx, mn)
     codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut)
     return codes, offset, half_range, outliers
+
+
+def dense_range(x: torch.Tensor, outliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` ``[N, C]`` (float32, finite), the max and min (``[N]`` each) of the row with its
+    ``outliers`` replaced by its lower median, as ``where(outliers, median(x), x).amax / .amin`` (the reference).
+
+    The median is rarely needed: it is the row's order statistic ``k = (C - 1) // 2``, and where the row's
+    entries strictly below the largest non-outlier number more than ``k``, and those strictly above the smallest
+    number at least ``C - k``, it lies strictly between the two, so the extremes of the row with outliers
+    replaced are those of its non-outliers (the same values, and the same entry wins every comparison of the
+    reduction, so even the sign of a zero agrees). Only the other rows (no non-outlier, or ties at the middle)
+    compute the median, as the reference does; on real K/V rows that is none of them, and ``torch.median`` was
+    the dearest step of a block-initial KVQuant write.
+    """
+    n = x.shape[-1]
+    k = (n - 1) // 2
+    mx = x.masked_fill(outliers, float("-inf")).amax(-1)
+    mn = x.masked_fill(outliers, float("inf")).amin(-1)
+    hit = torch.empty_like(x)  # float comparisons: several times faster than bool ones on a CPU
+    below = torch.lt(x, mx[:, None], out=hit).sum(-1)
+    above = torch.gt(x, mn[:, None], out=hit).sum(-1)
+    rows = ((below <= k) | (above < n - k)).nonzero().squeeze(1)
+    if rows.numel():
+        part = x.index_select(0, rows)
+        median = torch.median(part, dim=-1, keepdim=True).values
+        dense = torch.where(outliers.index_select(0, rows), median, part)
+        mx.index_copy_(0, rows, dense.amax(-1))
+        mn.index_copy_(0, rows, dense.amin(-1))
+    return mx, mn
 
 
 def dequantize_values(codes, offset, half_range, lut) -> torch.Tensor:

@@ -10,7 +10,8 @@ Two entry points:
 * :func:`pack_stream` / :func:`unpack_stream` pack a whole tensor as one flat stream of codes (a planar byte
   layout of our own, see :func:`pack_stream`), which is what the quantized KV store holds: nothing is spent on
   per-row or per-group alignment, only the last word of the stream may be partly empty (< 32 bits per packed
-  tensor).
+  tensor). :func:`decode_stream` reads such a stream straight into the codes' values (a codebook, or the codes
+  as floats) through a per-byte table (:func:`byte_table`).
 """
 
 from __future__ import annotations
@@ -111,5 +112,43 @@ def unpack_stream(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     data = words.view(torch.uint8)[:m]
     if per_byte == 1:
         return data
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)[:, None]
-    return ((data[None, :] >> shifts) & (2**bits - 1)).view(-1)[:numel]
+    key = (bits, words.device)
+    if key not in _PLANE_SHIFTS:
+        _PLANE_SHIFTS[key] = torch.arange(0, 8, bits, dtype=torch.uint8, device=words.device)[:, None]
+    return ((data[None, :] >> _PLANE_SHIFTS[key]) & (2**bits - 1)).view(-1)[:numel]
+
+
+#: Per (bits, device): the bit offset of each plane, ``[8 / b, 1]`` uint8 (made once; a read is a few ops).
+_PLANE_SHIFTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def byte_table(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[8 / b, 256]``: row ``p``, column ``byte`` = ``values[(byte >> p b) & (2^b - 1)]``, the value of the code
+    that plane ``p`` of a stream byte holds (see :func:`pack_stream`); for :func:`decode_stream`.
+
+    Args:
+        values: ``[2^b]``, the value of each code (a codebook, or the codes themselves as floats).
+        bits: 2, 4 or 8.
+    """
+    codes_per_word(bits)  # validates bits
+    per_byte = 8 // bits
+    byte = torch.arange(256, device=values.device)
+    shifts = torch.arange(0, 8, bits, device=values.device)[:, None]
+    return values[(byte[None, :] >> shifts) & (2**bits - 1)].reshape(per_byte, 256).contiguous()
+
+
+def decode_stream(words: torch.Tensor, table: torch.Tensor, numel: int, extra: int = 0) -> torch.Tensor:
+    """The values of the first ``numel`` codes of a :func:`pack_stream` stream, 1-D in ``table``'s dtype:
+    ``values[unpack_stream(words, bits, numel)]`` with ``table = byte_table(values, bits)``, in one gather per
+    stream byte and plane (the planar layout puts plane ``p`` of every byte at codes ``[p m, (p + 1) m)``, which
+    is exactly the output of an ``index_select`` along the table's columns), without unpacked codes.
+
+    ``extra``: the result has that many more elements after the values (uninitialized), for a caller that wants
+    room next to them (`SlotLayout.place` reads a zero row after the slots).
+    """
+    per_byte = table.shape[0]
+    m = -(-numel // per_byte)
+    data = words.view(torch.uint8)[:m].to(torch.int32)
+    out = torch.empty(max(per_byte * m, numel + extra), dtype=table.dtype, device=table.device)
+    torch.index_select(table, 1, data, out=out[: per_byte * m].view(per_byte, m))
+    return out[: numel + extra]

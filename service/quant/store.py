@@ -10,6 +10,11 @@ dequantized tensor and no concatenation. With ``keep_dequantized`` the
 dequantized copies are kept for the rest of the block (they do not change within a block): faster, but it saves
 no memory within a block. The active block is never handed to the store, so it is never quantized.
 
+CPU costs (issue 15): a batch of short rows (many runs, `SlotLayout.batched`) is read and written in whole-layer
+operations rather than a few per run; KVQuant's pre-RoPE reused keys are rotated in place with cos/sin made once
+per block and set of rows (the same at every layer and step; held beside the scratch, ``2 x B x T_reused x D``
+float32).
+
 On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
 (`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
 of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
@@ -81,6 +86,9 @@ class QuantizedKVStore(KVStore):
         self._row_layouts: dict[tuple[int, ...], SlotLayout] = {}
         self._scratch_layout: SlotLayout | None = None
         self._refills: dict[int, SlotLayout] = {}
+        # Pre-RoPE keys: cos/sin of the reused positions (prefix, suffix), per set of rows of a step, kept for
+        # the block (they are the same at every layer and step), with the positions they were made from.
+        self._rope_tables: dict[tuple[int, ...] | None, tuple[torch.Tensor, RopeTables]] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         if segments != self._segments or layer in self._packed:
@@ -110,11 +118,12 @@ class QuantizedKVStore(KVStore):
             self._on_sequence = self._layout.on_sequence(segments)
         start, end = segments.block_start, segments.block_start + k.shape[2]
         rotate = self.pre_rope_keys
+        key = tuple(rows.tolist()) if rows is not None else None
         if self.keep_dequantized:
             if layer not in self._kept:
                 kept = self.quantizer.dequantize(layer, self._packed[layer], self._on_sequence)
                 if rotate and rows is None:
-                    _rotate_reused(kept[0], positions, rope, start, end)
+                    _rotate_reused(kept[0], self._rope_for(key, positions, rope, start), rope, start, end)
                 self._kept[layer] = (*kept, rotate and rows is None)
             k_all, v_all, rotated = self._kept[layer]
             rotate = rotate and not rotated
@@ -123,7 +132,6 @@ class QuantizedKVStore(KVStore):
         else:
             layout = self._on_sequence
             if rows is not None:  # only the step's rows are dequantized (plus one discarded buffer row)
-                key = tuple(rows.tolist())
                 if key not in self._row_layouts:
                     self._row_layouts[key] = layout.select_rows(list(key))
                 layout = self._row_layouts[key]
@@ -134,13 +142,15 @@ class QuantizedKVStore(KVStore):
                 self._scratch_layout = None
             scratch = (self._scratch[0][: shape[0]], self._scratch[1][: shape[0]])
             if self._scratch_layout is layout:  # padding still zero from the last fill: only runs are written
-                layout = self._refills.setdefault(id(layout), replace(layout, zero_padding=False))
+                if id(layout) not in self._refills:
+                    self._refills[id(layout)] = replace(layout, zero_padding=False)
+                layout = self._refills[id(layout)]
             else:
                 self._scratch_layout = layout
             k_all, v_all = self.quantizer.dequantize(layer, self._packed[layer], layout, scratch)
             k_all, v_all = k_all[: k.shape[0]], v_all[: k.shape[0]]
         if rotate:
-            _rotate_reused(k_all, positions, rope, start, end)
+            _rotate_reused(k_all, self._rope_for(key, positions, rope, start), rope, start, end)
         k_all[:, :, start:end] = k
         v_all[:, :, start:end] = v
         return k_all, v_all
@@ -189,15 +199,30 @@ class QuantizedKVStore(KVStore):
         self._row_layouts.clear()
         self._scratch_layout = None
         self._refills.clear()
+        self._rope_tables.clear()
+
+    def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
+        """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and
+        set of rows: the positions are checked against those the tables were made from (identity first: one
+        step hands every layer the same tensor), so new positions always get new tables."""
+        held = self._rope_tables.get(key)
+        if held is not None and (held[0] is positions or torch.equal(held[0], positions)):
+            return held[1]
+        tables = (rope.cos_sin(positions[:, :start]), rope.cos_sin(positions[:, start:]))
+        self._rope_tables[key] = (positions, tables)
+        return tables
 
     @property
     def bytes_held(self) -> int:
-        """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, and the later
-        steps' scratch pair (the size of the concatenation the unquantized path makes at every layer)."""
+        """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, the later steps'
+        scratch pair (the size of the concatenation the unquantized path makes at every layer) and, for pre-RoPE
+        keys, the block's cos/sin tables."""
         held = sum(p.nbytes for p in self._packed.values())
         buffers = [*(self._scratch or ()), *(t for k, v, _ in self._kept.values() for t in (k, v))]
         held += sum(t.numel() * t.element_size() for t in buffers)
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
+        held += sum(t.numel() * t.element_size() for _, tables in self._rope_tables.values() for pair in tables
+                    for t in pair)
         return held + (self._layout.nbytes if self._layout is not None else 0)
 
     def report(self) -> KVReport:
@@ -213,12 +238,17 @@ class QuantizedKVStore(KVStore):
         self.accounting.start_block(self._layout.nbytes)
 
 
-def _rotate_reused(k_all: torch.Tensor, positions: torch.Tensor, rope, start: int, end: int) -> None:
-    """Rotate the reused columns of ``k_all`` ``[B, H, T, D]`` in place: ``[0, start)`` and ``[end, T)``, whose
-    positions are ``positions`` ``[B, T_reused]`` in reused-axis order."""
-    k_all[:, :, :start] = rope.rotate(k_all[:, :, :start], positions[:, :start])
+#: cos/sin ``[B, 1, T, D]`` (`RotaryEmbedding.cos_sin`) of the reused prefix and of the reused suffix.
+RopeTables = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _rotate_reused(k_all: torch.Tensor, tables: RopeTables, rope, start: int, end: int) -> None:
+    """Rotate the reused columns of ``k_all`` ``[B, H, T, D]`` in place: ``[0, start)`` and ``[end, T)``, with
+    the cos/sin of their positions (`QuantizedKVStore._rope_for`; each part's own tables, as ``rope.rotate`` of
+    that part would make them, so the result is bit for bit the same)."""
+    rope.rotate_in_place(k_all[:, :, :start], *tables[0])
     if end < k_all.shape[2]:
-        k_all[:, :, end:] = rope.rotate(k_all[:, :, end:], positions[:, start:])
+        rope.rotate_in_place(k_all[:, :, end:], *tables[1])
 
 
 AttentionPath = Literal["auto", "triton", "torch"]

@@ -56,8 +56,17 @@ def quantize_codes(x: torch.Tensor, mn: torch.Tensor, scale: torch.Tensor, bits:
     ``scale == 0`` (zero-range group) the divisor is 1 instead: ``d`` is 0 there, the code is 0, which
     dequantizes to ``mn``, the exact value.
     """
+    return _codes_by_divisor(x, mn, _divisor(scale), bits)
+
+
+def _divisor(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with 1 where it is 0 (see :func:`quantize_codes`)."""
+    return torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale)
+
+
+def _codes_by_divisor(x: torch.Tensor, mn: torch.Tensor, divisor: torch.Tensor, bits: int) -> torch.Tensor:
     u = x - mn
-    u.div_(torch.where(scale == 0, torch.ones((), dtype=scale.dtype, device=scale.device), scale))
+    u.div_(divisor)
     return u.clamp_(0, max_code(bits)).round_().to(torch.uint8)
 
 
@@ -94,12 +103,8 @@ def k_group_stats(
     if protected is not None:
         lo = x.masked_fill(protected[:, None, None], float("inf"))
         hi = x.masked_fill(protected[:, None, None], float("-inf"))
-    shape = (layout.num_groups, *x.shape[1:])
-    mn, mx = x.new_empty(shape), x.new_empty(shape)
-    for _, _, slot, n_groups, size, group in layout.parts():
-        span = slice(slot, slot + n_groups * size)
-        mn[group : group + n_groups] = lo[span].view(n_groups, size, *x.shape[1:]).amin(1)
-        mx[group : group + n_groups] = hi[span].view(n_groups, size, *x.shape[1:]).amax(1)
+    extremes = _group_extremes if layout.batched(x.shape[1] * x.shape[2]) else _group_extremes_by_part
+    mn, mx = extremes(lo, hi, layout)
     if protected is not None:
         empty = (mn > mx)[:, :1, :1]  # only a group with every token protected has min > max
         mn = mn.masked_fill(empty, 0)
@@ -107,8 +112,37 @@ def k_group_stats(
     return GroupStats(scale=minmax_scale(mn, mx, bits), mn=mn)
 
 
+def _group_extremes_by_part(lo: torch.Tensor, hi: torch.Tensor, layout: SlotLayout):
+    """Per-group minimum of ``lo`` and maximum of ``hi`` (``[N, H, D]`` each), group block by group block."""
+    shape = (layout.num_groups, *lo.shape[1:])
+    mn, mx = lo.new_empty(shape), lo.new_empty(shape)
+    for _, _, slot, n_groups, size, group in layout.parts():
+        span = slice(slot, slot + n_groups * size)
+        mn[group : group + n_groups] = lo[span].view(n_groups, size, *lo.shape[1:]).amin(1)
+        mx[group : group + n_groups] = hi[span].view(n_groups, size, *lo.shape[1:]).amax(1)
+    return mn, mx
+
+
+def _group_extremes(lo: torch.Tensor, hi: torch.Tensor, layout: SlotLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group minimum of ``lo`` and maximum of ``hi`` (``[N, H, D]`` each) for a ``batched`` layout: every group
+    gathered to ``[Ng, G, H, D]`` at once, a short group's padding reading +inf (minimum) or -inf (maximum), which
+    leave the result as it is; the same values, reduced in the same order, as group block by group block."""
+    ends = lo.new_tensor([float("inf"), float("-inf")])[:, None, None].expand(2, *lo.shape[1:])
+    ng, g = layout.group_slots.shape
+    lo_ext = torch.cat([lo, ends])
+    hi_ext = lo_ext if hi is lo else torch.cat([hi, ends])
+    mn = lo_ext.index_select(0, layout.group_slots.view(-1)).view(ng, g, *lo.shape[1:]).amin(1)
+    mx = hi_ext.index_select(0, layout.group_slots_high.view(-1)).view(ng, g, *lo.shape[1:]).amax(1)
+    return mn, mx
+
+
 def quantize_k_slots(x: torch.Tensor, layout: SlotLayout, stats: GroupStats, bits: int) -> torch.Tensor:
-    """Codes (uint8 ``[N, H, D]``) of every slot under its group's statistics, group block by group block."""
+    """Codes (uint8 ``[N, H, D]``) of every slot under its group's statistics, group block by group block (or,
+    for a ``batched`` layout, all slots at once under their groups' gathered statistics)."""
+    if layout.batched(x.shape[1] * x.shape[2]):
+        groups = layout.group_of_slot
+        mn, divisor = stats.mn.index_select(0, groups), _divisor(stats.scale).index_select(0, groups)
+        return _codes_by_divisor(x, mn, divisor, bits)
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     for _, _, slot, n_groups, size, group in layout.parts():
         span = slice(slot, slot + n_groups * size)
@@ -135,6 +169,35 @@ def _affine_rows_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tens
     work.mul_(scale.to(torch.float32))
     work.add_(mn.to(torch.float32))
     dest.copy_(work.view(dest.shape[1], dest.shape[0], dest.shape[2]).transpose(0, 1))
+
+
+def dequantize_k_batched(out: torch.Tensor, work: torch.Tensor, stats: GroupStats, layout: SlotLayout) -> torch.Tensor:
+    """:func:`dequantize_k_into` for a ``batched`` layout: ``work`` float32 ``[N + 1, H, D]``, the codes as floats
+    and a zero last row, reduced to the active slots (`SlotLayout.take_active`), is turned into ``code * scale +
+    mn`` with each slot's group statistics gathered, then placed into ``out`` in one gather (`SlotLayout.place`);
+    the same float32 values, rounded once."""
+    work = layout.take_active(work, spare=True)
+    groups = layout.take_active(layout.group_of_slot)
+    _affine_(work[:-1], stats.scale.index_select(0, groups), stats.mn.index_select(0, groups))
+    return layout.place(work, out)
+
+
+def dequantize_v_batched(
+    out: torch.Tensor, work: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, layout: SlotLayout
+) -> torch.Tensor:
+    """:func:`dequantize_v_into` for a ``batched`` layout (``work`` as in :func:`dequantize_k_batched`)."""
+    work, scale, mn = layout.take_active(work, spare=True), layout.take_active(scale), layout.take_active(mn)
+    n, h, d = work.shape[0] - 1, work.shape[1], work.shape[2]
+    groups = scale.shape[-1]
+    _affine_(work[:-1].view(n, h, groups, d // groups), scale[:, :, :, None], mn[:, :, :, None])
+    return layout.place(work, out)
+
+
+def _affine_(work: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:
+    """``work = work * float32(scale) + float32(mn)`` in place (work: float32 codes; :func:`dequantize_codes`
+    before its cast, bit for bit)."""
+    work.mul_(scale.to(torch.float32))
+    work.add_(mn.to(torch.float32))
 
 
 def affine_into(dest: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor) -> None:

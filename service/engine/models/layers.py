@@ -83,7 +83,11 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: ``[B, H, T, D]``; positions: int64 ``[B, T]`` -> rotated x, same dtype."""
-        cos, sin = self.cos_sin(positions)
+        return self.rotate_with(x, *self.cos_sin(positions))
+
+    def rotate_with(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`rotate` with ``cos, sin = cos_sin(positions)`` computed once by the caller (a store that rotates
+        the same reused positions at every layer keeps them)."""
         if self.full_precision:
             t = x.to(torch.float32)
         else:
@@ -91,6 +95,24 @@ class RotaryEmbedding(nn.Module):
         half = self.head_dim // 2
         rotated = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
         return (t * cos + rotated * sin).to(x.dtype)
+
+    def rotate_in_place(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate ``x`` ``[B, H, T, D]`` (any view, e.g. some columns of a larger buffer) in place, bit for bit
+        :meth:`rotate_with`: where the rotation runs in x's own dtype (float32, or ``full_precision`` off) the
+        halves are updated with four products and two sums per element pair, ``x1 cos - x2 sin`` and ``x2 cos +
+        x1 sin``, the same roundings as ``t cos + rotate_half(t) sin`` without its negated copy and
+        concatenation; otherwise (bf16 with ``full_precision``) through :meth:`rotate_with`."""
+        if self.full_precision and x.dtype != torch.float32:
+            x.copy_(self.rotate_with(x, cos, sin))
+            return
+        if not self.full_precision:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        x2_sin = x2 * sin[..., :half]
+        x1_sin = x1 * sin[..., half:]
+        x1.mul_(cos[..., :half]).sub_(x2_sin)
+        x2.mul_(cos[..., half:]).add_(x1_sin)
 
 
 class KVHook(Protocol):
