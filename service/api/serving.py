@@ -144,11 +144,14 @@ class Serving:
                               add_special_tokens)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
-        """``/tokenize``: ids of a prompt or of chat messages (through the chat template)."""
+        """``/tokenize``: ids of a prompt or of chat messages (through the chat template). A text prompt that
+        provably cannot fit the context is refused as on the generation routes: no request could use its ids, and
+        tokenizing a megabyte of text takes ~200 MB for a moment."""
         self._check_model(req.model)
         if req.messages is not None:
             ids = self._chat_ids(req.messages, req.add_generation_prompt)
         else:
+            self._check_fits([req.prompt])
             ids = self._encode(req.prompt, req.add_special_tokens)
         return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.spec.max_length)
 
