@@ -182,13 +182,17 @@ def main(argv: list[str] | None = None) -> int:
 
         print(collect(args.out))
         return 0
-    from service.store.base import StoreError, StoreUnavailable, open_store
+    from service.store.base import InvalidName, StoreError, StoreUnavailable, open_store
 
     # The job logs each sample's TRACE convergence (objective per round, settled or not) at INFO.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.perf_counter()
     settings = settings_from(args)
-    store = open_store(*default_store(args.store, args.store_prefix))
+    try:
+        store = open_store(*default_store(args.store, args.store_prefix))
+    except InvalidName as exc:
+        print(f"{prog('calibration', args.verb)}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         store.list("policy")  # opening contacts nothing (open_store); one read does, before the model loads
     except (StoreError, OSError) as exc:

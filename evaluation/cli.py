@@ -495,10 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
 
     from evaluation.scores import ScoreReportError
+    from service.store.base import InvalidName
 
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (CommandError, ScoreReportError, httpx.HTTPError) as exc:
+    except (CommandError, ScoreReportError, httpx.HTTPError, InvalidName) as exc:
         # A refused or unreachable server during a matrix run is the user's setting too: one line, naming the URL
         # (httpx's own message does not).
         where = ""

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
-from service.store.base import check_store_url
+from service.store.base import InvalidName, check_store_url
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -168,8 +168,15 @@ class StoreSettings(BaseSettings):
 
 def default_store(url: str | None = None, prefix: str | None = None) -> tuple[str, str]:
     """The store URL and Redis key prefix a command uses: the ones given, else the environment's, else the
-    defaults (``DEFAULT_STORE_URL``, ``DEFAULT_STORE_PREFIX``)."""
+    defaults (``DEFAULT_STORE_URL``, ``DEFAULT_STORE_PREFIX``).
+
+    Raises: InvalidName naming ``DLLM_STORE_URL`` when the environment's URL has an unknown scheme."""
     if url and prefix:
         return url, prefix
     env = StoreSettings()
+    if not url:
+        try:
+            check_store_url(env.store_url)
+        except InvalidName as exc:  # a flag is checked by argparse; the environment's value is named here
+            raise InvalidName(f"DLLM_STORE_URL: {exc}") from None
     return url or env.store_url, prefix or env.store_prefix

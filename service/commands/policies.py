@@ -16,7 +16,7 @@ from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.commands import store_url_arg
 from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
-from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, Store, StoreError, open_store
+from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, InvalidName, Store, StoreError, open_store
 
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
 
@@ -74,7 +74,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Copy between the store and the directory; exit 1 if anything was refused or the store failed."""
-    store = open_store(*default_store(args.store, args.store_prefix))
+    try:
+        store = open_store(*default_store(args.store, args.store_prefix))
+    except InvalidName as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     directory = open_store(args.directory)
     src, dst = (store, directory) if args.verb == "export" else (directory, store)
     try:
