@@ -18,6 +18,17 @@ from service.quant.config import KVQuantConfig
 from service.store.base import InvalidName, check_store_url
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: Host header names a loopback-bound server answers when ``allowed_hosts`` is empty (a DNS-rebinding page
+#: reaches it under its own name, which is refused).
+LOOPBACK_HOST_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def effective_allowed_hosts(settings: Settings) -> list[str]:
+    """The Host names the server accepts: ``allowed_hosts``, else the loopback names on a loopback bind, else
+    any (empty list)."""
+    if settings.allowed_hosts:
+        return list(settings.allowed_hosts)
+    return list(LOOPBACK_HOST_NAMES) if settings.host in LOCAL_HOSTS else []
 
 #: The one default store of every command (server, calibration, evaluation, policies) when neither a flag nor
 #: ``DLLM_STORE_URL`` names one: a directory under the working directory.
@@ -118,8 +129,27 @@ class Settings(BaseSettings, DecodeSettings):
         "bytes per token of the model's context, at least 1 MiB"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="uvicorn log level")
+    keep_alive_timeout_s: int = Field(
+        5, gt=0, description="seconds a kept-alive connection may stay silent after an answer; beyond: closed"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, description="seconds a connection may take to send a whole request head (from connecting, or "
+        "from its previous answer), however it trickles; beyond: closed"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, description="seconds a request body may go without a byte while it is received; beyond: "
+        "the connection is closed and the request cancelled"
+    )
+    max_connections: int | None = Field(
+        None, gt=0, description="open connections at most; beyond: the one that waited longest for a request head "
+        "is closed, else 503; empty: the open-file limit minus 128"
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host header values accepted, comma-separated (*.example.com allowed); "
+        "others: 400; empty: localhost names on a loopback bind, any on another"
+    )
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "allowed_hosts", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

@@ -30,7 +30,7 @@ from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.scheduler import ContinuousWorker
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
-from service.store.base import Store, StoreUnavailable, open_store
+from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
 from service.telemetry import Telemetry
 from service.worker import EngineLike, Job, Worker
@@ -38,6 +38,10 @@ from service.worker import EngineLike, Job, Worker
 log = logging.getLogger(__name__)
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+
+class StartupRefused(RuntimeError):
+    """A setting the server cannot start with, found only once it runs (credentials the store refuses)."""
 
 
 def default_kv_store_factory(spec: ModelSpec) -> Callable[[ConfigSnapshot], KVStore | None]:
@@ -90,6 +94,38 @@ class MetricsMiddleware:
                 telemetry.requests.labels(endpoint, str(status["code"])).inc()
                 if endpoint in GENERATION_ENDPOINTS:
                     telemetry.latency.labels(endpoint).observe(time.monotonic() - start)
+
+
+class HostAllowList:
+    """Answers 400 (``code: invalid_host``) to a request whose ``Host`` header is not one of ``allowed``
+    (``*.example.com`` matches subdomains, ``*`` anything): a page that rebinds its own DNS name to this server's
+    address cannot drive it (issue 22). Pure ASGI; the port of the header is ignored."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
+        self.app = app
+        self.exact = {h.lower().strip("[]") for h in allowed if not h.startswith("*")}
+        self.suffixes = tuple(h[1:].lower() for h in allowed if h.startswith("*."))
+        self.any = "*" in allowed
+
+    def accepts(self, host: str) -> bool:
+        """Whether a ``Host`` header value (a name or address, with or without port) is allowed."""
+        host = host.strip().lower()
+        if host.startswith("["):  # [v6]:port
+            name = host[1:host.find("]")] if "]" in host else host
+        else:
+            name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        return self.any or name in self.exact or any(name.endswith(suffix) for suffix in self.suffixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), "")
+            if not self.accepts(host):
+                response = errors.JSONResponse(errors.error_body(
+                    "the Host header names no host this server answers to (DLLM_ALLOWED_HOSTS)",
+                    "invalid_request_error", "invalid_host", None), status_code=400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeout_s: float) -> None:
@@ -157,13 +193,18 @@ def create_app(
             active.reload()
         except StoreUnavailable as exc:
             log.warning("store unreachable at start-up (%s); serving the default configuration until it returns", exc)
+        except StoreAccessDenied as exc:
+            # Not an outage to wait out: serving the default while the store holds another configuration would
+            # be quietly wrong (issue 22). One line, no traceback of the client library.
+            store.close()
+            raise StartupRefused(f"--store-url / DLLM_STORE_URL: {exc}") from None
 
         def reload_after_outage() -> None:
-            with contextlib.suppress(StoreUnavailable):
+            with contextlib.suppress(StoreUnavailable, StoreAccessDenied):
                 active.reload()
 
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
-        monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s)
+        monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s, check=active.poll)
         worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
@@ -200,6 +241,8 @@ def create_app(
     for router in (openai.router, native.router, health.router, admin.router):
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)
+    if settings.allowed_hosts:
+        app.add_middleware(HostAllowList, allowed=settings.allowed_hosts)
     return app
 
 

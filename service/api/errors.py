@@ -28,6 +28,7 @@ from service.store.base import (
     ArtifactUnfit,
     ConfigInvalid,
     InvalidName,
+    StoreAccessDenied,
     StoreUnavailable,
 )
 from service.worker import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
@@ -106,6 +107,7 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
+    (StoreAccessDenied, 503, "service_unavailable_error", "store_access_denied"),
     (ConfigUnavailable, 503, "service_unavailable_error", "config_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),
     (JobCancelled, 499, "invalid_request_error", "cancelled"),
@@ -137,7 +139,8 @@ def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | 
         if isinstance(exc, cls):
             field = getattr(exc, "field", None)
             param = REQUEST_PARAM.get(field, field)
-            headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFull) else None
+            retry = getattr(exc, "retry_after_s", None) if isinstance(exc, QueueFull | StoreUnavailable) else None
+            headers = {"Retry-After": str(retry)} if retry is not None else None
             message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
             return status, error_body(message, type_, code, param), headers
     if isinstance(exc, RequestValidationError | ValidationError):

@@ -4,7 +4,11 @@ Every setting of `service.config.Settings` is also a flag (``--max-batch-size 8`
 ``DLLM_*`` environment. With no ``--model`` (and no ``DLLM_MODEL``) the embedded default model is served.
 SIGTERM: readiness fails and new requests are refused at once, admitted ones finish (up to ``drain_timeout_s``).
 Exit status: 0 after a clean stop, 1 when the drain timeout cut admitted requests, 2 for a bad setting, 3 when
-start-up failed (the port cannot be bound: one line, before the model loads).
+start-up failed (the port cannot be bound, or the store refuses the credentials of its URL: one line, before the
+model loads).
+Idle and slow clients are bounded (`service.connections`: header, body and keep-alive timeouts, a cap on open
+connections below the file-descriptor limit), and on a loopback bind only the loopback Host names are answered
+unless ``allowed_hosts`` says otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from service.commands import add_model_flags
-from service.config import Settings
+from service.config import Settings, effective_allowed_hosts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -89,10 +93,62 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the settings, the app and a uvicorn server that drains on SIGTERM; run until stopped."""
+def check_store(settings: Settings) -> str | None:
+    """None, or the one line saying why the server cannot start with its store: the store answers but refuses the
+    credentials (an unreachable store is no reason: the server starts and reports it)."""
+    from service.store.base import StoreAccessDenied, StoreError, open_store
+
+    try:
+        store = open_store(settings.store_url, prefix=settings.store_prefix)
+    except StoreAccessDenied as exc:
+        return f"--store-url / DLLM_STORE_URL: {exc}"
+    except StoreError:
+        return None
+    try:
+        store.version()
+    except StoreAccessDenied as exc:
+        return f"--store-url / DLLM_STORE_URL: {exc}"
+    except StoreError:
+        return None
+    finally:
+        store.close()
+    return None
+
+
+def uvicorn_server(app: Any, settings: Settings) -> Any:
+    """The uvicorn server of ``app`` under ``settings``: SIGTERM drains the worker first; connections bounded
+    (`service.connections`)."""
     import uvicorn
 
+    from service.connections import ConnectionLimits, default_max_connections, guarded_protocol, sweep
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT, stop admitting before uvicorn stops accepting connections; apply the connection
+        timeouts once a second."""
+
+        def handle_exit(self, sig, frame) -> None:
+            worker = getattr(app.state, "worker", None)
+            if worker is not None:
+                # The worker's drain ends first and answers what is left with a JSON 503; uvicorn's own
+                # graceful timeout (later, below) would cut those requests with a plain-text 500.
+                threading.Thread(target=worker.drain, args=(settings.drain_timeout_s,), daemon=True).start()
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if counter % 10 == 0:
+                sweep(self.server_state.connections)
+            return await super().on_tick(counter)
+
+    limits = ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s,
+                              settings.max_connections or default_max_connections(), settings.retry_after_s)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.drain_timeout_s) + DRAIN_MARGIN_S,
+                            timeout_keep_alive=settings.keep_alive_timeout_s, http=guarded_protocol(limits))
+    return DrainingServer(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the settings, the app and a uvicorn server that drains on SIGTERM; run until stopped."""
     from service.main import create_app
 
     try:
@@ -109,23 +165,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --port / DLLM_PORT: cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); "
               "stop what is using it or choose another --port", file=sys.stderr)
         return STARTUP_FAILED
+    refused = check_store(settings)
+    if refused is not None:
+        sock.close()
+        print(f"error: {refused}", file=sys.stderr)
+        return STARTUP_FAILED
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings.model_copy(update={"allowed_hosts": effective_allowed_hosts(settings)})
     app = create_app(settings)
+    return serve_app(app, settings, sock)
 
-    class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT, stop admitting before uvicorn stops accepting connections."""
 
-        def handle_exit(self, sig, frame) -> None:
-            worker = getattr(app.state, "worker", None)
-            if worker is not None:
-                # The worker's drain ends first and answers what is left with a JSON 503; uvicorn's own
-                # graceful timeout (later, below) would cut those requests with a plain-text 500.
-                threading.Thread(target=worker.drain, args=(settings.drain_timeout_s,), daemon=True).start()
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.drain_timeout_s) + DRAIN_MARGIN_S)
-    server = DrainingServer(config)
+def serve_app(app: Any, settings: Settings, sock: socket.socket) -> int:
+    """Serve ``app`` on the bound ``sock`` until stopped; the exit status (see the module docstring)."""
+    server = uvicorn_server(app, settings)
     # uvicorn restores the SIGTERM handler it found and raises the captured signal again after its graceful
     # shutdown; with Python's default handler that kills the process (status 143) even after a clean drain.
     # A handler that only notes the signal lets the drained server return: a stop that was asked for is no

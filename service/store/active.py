@@ -4,8 +4,10 @@ active configuration per cache mode, kept in step with the store (DESIGN.md flow
 A :class:`ConfigSnapshot` is a validated configuration together with the artifacts it needs (policy table,
 KVQuant state), loaded once; a request takes one at admission and keeps it to the end. :class:`ActiveConfigs`
 holds the current snapshot of each cache mode. It loads the store's active entries at start, applies every
-change event (and reloads everything after the store comes back from an outage), and keeps serving the last
-loaded snapshot while the store is unreachable.
+change event in version order (a gap in the versions, an outage, or a poll that finds the store at another
+version reloads everything: replicas converge on the newest version whatever they missed, issue 22), and keeps
+serving the last loaded snapshot while the store is unreachable. Credentials the store refuses make the server
+not ready (:attr:`ActiveConfigs.store_denied`), never a quiet default.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -24,7 +27,9 @@ from service.store.base import (
     ActiveChange,
     ArtifactConflict,
     AuditEntry,
+    EntryUnreadable,
     Store,
+    StoreAccessDenied,
     StoreError,
     StoreUnavailable,
 )
@@ -37,6 +42,49 @@ Source = Literal["active", "default", "request"]
 
 #: Key id of the audit entry a replica writes when it restores an active configuration the store lost.
 RESTORE_KEY_ID = "replica-restore"
+#: Parsed artifacts a replica keeps (least recently used dropped first; a request naming one again reloads it).
+ARTIFACT_CACHE_SIZE = 64
+
+
+def public_config(config: KVQuantConfig) -> dict[str, Any]:
+    """A configuration as answers to any client show it: a local file path (``policy_file`` ...) is replaced by
+    ``"(a file)"``, so that no path of the host reaches an unauthenticated route (issue 22); logs keep it."""
+    dumped = config.model_dump(mode="json", exclude_none=True)
+    return {k: "(a file)" if k.endswith("_file") else v for k, v in dumped.items()}
+
+
+class ArtifactCache(OrderedDict):
+    """Parsed artifacts by (kind, id), the least recently used dropped beyond ``max_size`` (the ``cache`` of
+    `service.store.config_check.check_config`: ``get`` and item assignment; safe across request threads)."""
+
+    def __init__(self, max_size: int = ARTIFACT_CACHE_SIZE) -> None:
+        super().__init__()
+        self.max_size = max_size
+        self._lock = threading.RLock()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        with self._lock:
+            if key in self:
+                self.move_to_end(key)
+                return self[key]
+            return default
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.max_size:
+                self.popitem(last=False)
+
+    def discard(self, key: Any) -> None:
+        """Drop ``key`` if cached."""
+        with self._lock:
+            self.pop(key, None)
+
+    def keys_now(self) -> list[Any]:
+        """The cached keys (a copy)."""
+        with self._lock:
+            return list(self)
 
 
 class ConfigUnavailable(RuntimeError):
@@ -118,7 +166,19 @@ class ConfigResolver:
     def __init__(self, store: Store, spec: ModelSpec) -> None:
         self.store = store
         self.spec = spec
-        self._artifacts: dict[tuple[str, str], Any] = {}
+        self._artifacts = ArtifactCache()
+
+    def forget(self, kind: str, artifact_id: str) -> None:
+        """Drop a deleted artifact, so that a request naming it is answered from the store (404), not the cache."""
+        self._artifacts.discard((kind, artifact_id))
+
+    def prune(self) -> list[tuple[str, str]]:
+        """Drop every cached artifact the store no longer holds (after missed events); returns them.
+        Raises StoreUnavailable / StoreAccessDenied."""
+        gone = [key for key in self._artifacts.keys_now() if not self.store.exists(*key)]
+        for key in gone:
+            self.forget(*key)
+        return gone
 
     def resolve(self, config: KVQuantConfig, cache_mode: CacheMode, source: Source, set_at: float | None = None
                 ) -> ConfigSnapshot:
@@ -159,7 +219,13 @@ class ActiveConfigs:
         self.losses: dict[str, StoreLoss] = {}
         #: Why each cache mode that is not ready is not (see the class doc).
         self.not_ready: dict[str, str] = {}
+        #: Why the store refuses this server (credentials): the server is not ready while it is set.
+        self.store_denied: str | None = None
+        #: The store version this replica has applied (-1: nothing read yet).
+        self.version = -1
         self._lock = threading.Lock()
+        # Serialises reloads, events and activations, so versions are applied in order.
+        self._sync = threading.RLock()
         self._current: dict[str, ConfigSnapshot] = {}
         for mode in CACHE_MODES:
             self._use_default(mode, count=False)
@@ -209,32 +275,82 @@ class ActiveConfigs:
         try:
             self._install(self.resolver.resolve(config, cache_mode, "default"), count)
         except (ValueError, KeyError, StoreError) as exc:
-            self._refuse(cache_mode, f"the kv_quant setting {config.model_dump(mode='json', exclude_none=True)}", exc)
+            self._refuse(cache_mode, f"the kv_quant setting {public_config(config)}", exc)
 
-    def reload(self) -> None:
-        """Load every active entry of this model from the store (start-up, and after a store outage).
-
-        An entry that does not validate makes its cache mode not ready. A cache mode served from an active entry
-        that the store no longer holds is a loss (:meth:`_lost`); one with no entry and a default that could not be
-        loaded before tries the default again. Raises StoreUnavailable if the store cannot be reached.
-        """
+    def _read_state(self):
+        """The store's state for this model, keeping ``dllm_store_up`` and :attr:`store_denied` current.
+        Raises StoreUnavailable, StoreAccessDenied."""
+        store = self.resolver.store
         try:
-            entries = {e.cache_mode: e for e in self.resolver.store.list_active() if e.fingerprint == self.fingerprint}
-            self.telemetry.store_up.set(1)
+            state = store.active_state(self.fingerprint)
         except StoreUnavailable:
             self.telemetry.store_up.set(0)
             raise
-        for mode in CACHE_MODES:
-            entry = entries.get(mode)
-            if entry is None:
-                current = self._current.get(mode)
-                if current is not None and current.source == "active" and mode not in self.not_ready:
-                    self._lost(current)
-                elif mode in self.not_ready:
-                    self._use_default(mode)
-                continue
-            self.telemetry.store_active_lost.labels(mode).set(0)
-            self._use_entry(mode, entry.config, entry.set_at)
+        except StoreAccessDenied as exc:
+            self.telemetry.store_up.set(0)
+            self.deny(exc)
+            raise
+        self.telemetry.store_up.set(1)
+        if self.store_denied is not None:
+            log.warning("the store accepts this server's credentials again")
+            self.store_denied = None
+        return state
+
+    def deny(self, exc: BaseException) -> None:
+        """The store refused this server's credentials: not ready, saying why (the message has no password)."""
+        if self.store_denied is None:
+            log.error("not ready: %s", exc)
+        self.store_denied = f"the store refuses this server: {exc}"
+        self.telemetry.ready.set(0)
+
+    def reload(self) -> None:
+        """Load every active entry of this model from the store (start-up, after a store outage, after a gap in
+        the versions), and drop cached artifacts the store no longer holds.
+
+        An entry that does not validate, or is stored but cannot be read, makes its cache mode not ready. A cache
+        mode served from an active entry that the store no longer holds is a loss (:meth:`_lost`); one with no
+        entry and a default that could not be loaded before tries the default again.
+        Raises StoreUnavailable if the store cannot be reached, StoreAccessDenied if it refuses this server.
+        """
+        with self._sync:
+            state = self._read_state()
+            for kind, artifact_id in self.resolver.prune():
+                self.telemetry.forget_artifact(artifact_id)
+                log.info("dropped %s %s, which the store no longer holds", kind, artifact_id)
+            for mode in CACHE_MODES:
+                if mode in state.unreadable:
+                    self._refuse(mode, "the store's active entry", EntryUnreadable(state.unreadable[mode]))
+                    continue
+                entry = state.entries.get(mode)
+                if entry is None:
+                    current = self._current.get(mode)
+                    if current is not None and current.source == "active" and mode not in self.not_ready:
+                        self._lost(current)
+                    elif mode in self.not_ready:
+                        self._use_default(mode)
+                    continue
+                self.telemetry.store_active_lost.labels(mode).set(0)
+                self._use_entry(mode, entry.config, entry.set_at)
+            self.version = max(self.version, state.version)
+
+    def poll(self) -> None:
+        """Ping the store and reload when its version is not the one applied here (the periodic check of
+        `service.store.monitor`: replicas converge whatever events they missed).
+        Raises StoreUnavailable, StoreAccessDenied."""
+        store = self.resolver.store
+        try:
+            store.ping()
+            version = store.version()
+        except StoreUnavailable:
+            self.telemetry.store_up.set(0)
+            raise
+        except StoreAccessDenied as exc:
+            self.telemetry.store_up.set(0)
+            self.deny(exc)
+            raise
+        self.telemetry.store_up.set(1)
+        if version != self.version or self.store_denied is not None:
+            self.reload()
 
     def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float) -> None:
         """Serve the store's active ``config`` for ``cache_mode``, or make the mode not ready if it does not
@@ -244,8 +360,7 @@ class ActiveConfigs:
         except StoreUnavailable as exc:
             log.error("could not load the active configuration of %s (%s); serving the previous", cache_mode, exc)
         except (ValueError, KeyError, StoreError) as exc:
-            self._refuse(cache_mode, "the store's active configuration "
-                         f"{config.model_dump(mode='json', exclude_none=True)}", exc)
+            self._refuse(cache_mode, f"the store's active configuration {public_config(config)}", exc)
 
     def _lost(self, snapshot: ConfigSnapshot) -> None:
         """The store no longer holds the active entry ``snapshot`` came from: keep serving it, say so, and unless
@@ -283,15 +398,32 @@ class ActiveConfigs:
         log.warning("wrote the active configuration of %s back to the store (audit key id %s)", mode, RESTORE_KEY_ID)
 
     def on_change(self, change: ActiveChange) -> None:
-        """Apply a store event (called from the store's listener thread)."""
-        entry = change.entry
-        if entry.fingerprint != self.fingerprint:
-            return
-        self.telemetry.store_active_lost.labels(entry.cache_mode).set(0)  # the store holds an entry again
-        current = self._current.get(entry.cache_mode)
-        if current is not None and current.set_at is not None and entry.at < current.set_at:
-            return  # an older change arriving after a newer one this replica already applied
-        self._use_entry(entry.cache_mode, entry.new, entry.at)
+        """Apply a store event (called from the store's listener thread): in version order; an event after a gap
+        (this replica missed one) reloads everything."""
+        with self._sync:
+            if change.version and change.version <= self.version:
+                return  # applied already (this replica's own activation, or a reload that read it)
+            if change.version and self.version >= 0 and change.version != self.version + 1:
+                self._reload_quietly(f"missed versions {self.version + 1}..{change.version - 1}")
+                return
+            if change.event == "artifact_deleted":
+                if change.kind is None or change.id is None:
+                    self._reload_quietly("an artifact was deleted")  # the directory store does not say which
+                    return
+                self.resolver.forget(change.kind, change.id)
+                self.telemetry.forget_artifact(change.id)
+            elif change.entry is not None and change.entry.fingerprint == self.fingerprint:
+                entry = change.entry
+                self.telemetry.store_active_lost.labels(entry.cache_mode).set(0)  # the store holds an entry again
+                self._use_entry(entry.cache_mode, entry.new, entry.at)
+            self.version = max(self.version, change.version)
+
+    def _reload_quietly(self, why: str) -> None:
+        log.info("reloading the active configurations: %s", why)
+        try:
+            self.reload()
+        except (StoreUnavailable, StoreAccessDenied) as exc:
+            log.error("could not reload the active configurations: %s", exc)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str | None) -> AuditEntry:
         """Validate ``config``, make it the store's active configuration (one atomic write + event) and use it
@@ -301,6 +433,10 @@ class ActiveConfigs:
         """
         snapshot = self.resolver.resolve(config, cache_mode, "active")
         audit = self.resolver.store.set_active(self.resolver.spec, cache_mode, config, key_id=key_id)
-        self.telemetry.store_active_lost.labels(cache_mode).set(0)
-        self._install(replace(snapshot, set_at=audit.at))
+        with self._sync:
+            self.telemetry.store_active_lost.labels(cache_mode).set(0)
+            self._install(replace(snapshot, set_at=audit.at))
+            if self.version >= 0 and audit.version > self.version + 1:
+                self._reload_quietly(f"missed versions {self.version + 1}..{audit.version - 1}")
+            self.version = max(self.version, audit.version)
         return audit

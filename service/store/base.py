@@ -20,7 +20,11 @@ What a store holds
   pub/sub; the directory backend is polled), so every replica can act on it (DESIGN.md flow 3). It takes the
   model's `ModelSpec` and refuses (:class:`ConfigInvalid`, :class:`ArtifactNotFound`) a configuration that does
   not resolve and validate against that model.
-* **Audit log**: every change of an active configuration: when, old, new, by which key id.
+* **Version**: a number that only grows, raised by every activation and every deletion in the same atomic
+  write; entries, audit entries and events carry it, so a replica that missed anything (an event lost in an
+  outage, a poll that came late) sees a gap and reloads (:meth:`Store.version`, issue 22).
+* **Audit log**: every change of an active configuration: when, old, new, by which key id (newest
+  :data:`AUDIT_KEEP` kept).
 
 Key layout (Redis; ``P`` is the key prefix, default ``dllm-kvq``)::
 
@@ -28,13 +32,14 @@ Key layout (Redis; ``P`` is the key prefix, default ``dllm-kvq``)::
     P:index:<kind>                zset     ids of that kind, scored by creation time (unix seconds)
     P:active                      hash     field "<fingerprint>:<cache_mode>" -> ActiveEntry JSON
     P:audit                       list     AuditEntry JSON, newest first (trimmed to the newest 10,000)
+    P:version                     string   the store's version (an integer; absent: 0)
     P:events                      channel  ActiveChange JSON, published in the same transaction as the write
 
 Directory layout (root ``R``)::
 
-    R/artifacts/<kind>/<id>             the artifact's bytes (written to a temp file, then renamed)
-    R/active/<fingerprint>--<mode>.json ActiveEntry JSON (temp file + rename)
-    R/audit.jsonl                       AuditEntry JSON lines, oldest first
+    R/artifacts/<kind>/<id>             the artifact's bytes (written to a temp file, then hard-linked)
+    R/active.json                       {version, entries, audit}: every active entry and the audit log in one
+                                        file, replaced whole (temp file + rename), so both change together
     R/.lock                             flock taken by every read-check-write (activate, delete)
 """
 
@@ -46,10 +51,12 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from service.artifacts.base import canonical_json
 from service.artifacts.kvquant_state import KVQuantState
@@ -70,6 +77,9 @@ KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS
 
 CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
 
+#: Audit entries kept by either backend (the newest; older ones are dropped in the write that adds one).
+AUDIT_KEEP = 10_000
+
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Ids become file names and key parts: no path separators, no leading dot, no colon. Matched whole (fullmatch:
 # "$" alone would also take a trailing newline); ID_PATTERN is also the published schema's pattern.
@@ -82,6 +92,10 @@ M = TypeVar("M", bound=BaseModel)
 
 class StoreError(Exception):
     """Base of every store error."""
+
+
+class EntryUnreadable(StoreError, ValueError):
+    """A stored active entry that does not parse (written past the store's checks, or corrupted)."""
 
 
 class InvalidName(StoreError, ValueError):
@@ -113,7 +127,16 @@ class ArtifactInUse(StoreError):
 
 
 class StoreUnavailable(StoreError):
-    """The backend cannot be reached (Redis down); the caller keeps what it last loaded."""
+    """The backend cannot be reached (Redis down) or refused a write (disk full, read-only, Redis ``maxmemory``);
+    nothing was changed, the caller keeps what it last loaded and may retry after ``retry_after_s`` seconds."""
+
+    retry_after_s: int = 5
+
+
+class StoreAccessDenied(StoreError):
+    """The backend answers but refuses these credentials or this user (Redis ``WRONGPASS``/``NOAUTH``/``NOPERM``,
+    a store directory this process may not read): not an outage to wait out, a setting to fix. A server does not
+    start with it, and turns not ready when it appears later."""
 
 
 class ArtifactInfo(BaseModel):
@@ -126,17 +149,20 @@ class ArtifactInfo(BaseModel):
 
 
 class ActiveEntry(BaseModel):
-    """The active configuration of one (model fingerprint, cache mode), with when and by whom it was set."""
+    """The active configuration of one (model fingerprint, cache mode), with when and by whom it was set, and the
+    store version its write made (0: written before versions existed)."""
 
     fingerprint: str
     cache_mode: CacheMode
     config: KVQuantConfig
     set_at: float
     key_id: str | None = None
+    version: int = 0
 
 
 class AuditEntry(BaseModel):
-    """One change of an active configuration; ``old`` is None for the first setting."""
+    """One change of an active configuration; ``old`` is None for the first setting; ``version`` is the store
+    version the change made."""
 
     at: float
     fingerprint: str
@@ -144,13 +170,29 @@ class AuditEntry(BaseModel):
     old: KVQuantConfig | None
     new: KVQuantConfig
     key_id: str | None = None
+    version: int = 0
 
 
 class ActiveChange(BaseModel):
-    """The event published with every change (same fields as the audit entry)."""
+    """The event published with every change of the store's version: ``active_changed`` (``entry`` is the audit
+    entry) or ``artifact_deleted`` (``kind`` and ``id``). ``version`` is the version the change made: a listener
+    whose last version is not ``version - 1`` missed something and reloads."""
 
-    event: str = "active_changed"
-    entry: AuditEntry
+    event: Literal["active_changed", "artifact_deleted"] = "active_changed"
+    version: int = 0
+    entry: AuditEntry | None = None
+    kind: str | None = None
+    id: str | None = None
+
+
+@dataclass
+class ActiveState:
+    """What a store holds for one model at one version: the entry per cache mode, and why each cache mode whose
+    entry is stored but cannot be read (not JSON, not a configuration) is unusable."""
+
+    version: int
+    entries: dict[str, ActiveEntry] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
 
 
 class Subscription:
@@ -158,6 +200,16 @@ class Subscription:
 
     def close(self) -> None:
         """Stop delivering events (idempotent)."""
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """The first error of a failed validation as ``<field>: <message>``, without the input (stored or uploaded
+    bytes are never echoed back)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    if not errors:
+        return "invalid"
+    loc = ".".join(str(p) for p in errors[0]["loc"])
+    return f"{loc}: {errors[0]['msg']}" if loc else str(errors[0]["msg"])
 
 
 def check_kind(kind: str) -> str:
@@ -203,8 +255,8 @@ class Store(ABC):
 
     @property
     def location(self) -> str:
-        """Where the store is, for messages and logs (never a password)."""
-        return self.url
+        """Where the store is, for messages and logs (never a user name or password: :func:`redact_url`)."""
+        return redact_url(self.url)
 
     def not_found(self, kind: str, artifact_id: str) -> ArtifactNotFound:
         """The error for an artifact that is not stored, naming the store it was looked for in."""
@@ -280,16 +332,55 @@ class Store(ABC):
 
     # ---- active configuration --------------------------------------------------------------------------------
     @abstractmethod
-    def get_active(self, fingerprint: str, cache_mode: str) -> ActiveEntry | None:
-        """The active configuration of (fingerprint, cache mode), or None if never set."""
+    def _active_raw(self) -> tuple[int, dict[str, bytes]]:
+        """The store's version and every stored active entry as raw JSON by ``"<fingerprint>:<cache_mode>"``, read
+        together (one snapshot)."""
 
     @abstractmethod
+    def version(self) -> int:
+        """The store's version: raised by every activation and deletion, never lowered (0 before the first)."""
+
+    def active_state(self, fingerprint: str) -> ActiveState:
+        """The version and the entries of one model, read together; an entry that is stored but does not parse is
+        listed in ``unreadable`` with why (never with its bytes)."""
+        version, raw = self._active_raw()
+        state = ActiveState(version)
+        for key, data in raw.items():
+            entry_fp, _, mode = key.rpartition(":")
+            if entry_fp != fingerprint:
+                continue
+            try:
+                state.entries[mode] = ActiveEntry.model_validate_json(data)
+            except ValidationError as exc:
+                state.unreadable[mode] = f"the stored entry is not an active configuration ({describe_invalid(exc)})"
+        return state
+
+    def get_active(self, fingerprint: str, cache_mode: str) -> ActiveEntry | None:
+        """The active configuration of (fingerprint, cache mode), or None if never set.
+
+        Raises: EntryUnreadable when the stored entry does not parse.
+        """
+        check_target(fingerprint, cache_mode)
+        state = self.active_state(fingerprint)
+        if cache_mode in state.unreadable:
+            raise EntryUnreadable(f"cache mode {cache_mode}: {state.unreadable[cache_mode]}")
+        return state.entries.get(cache_mode)
+
     def list_active(self) -> list[ActiveEntry]:
-        """Every active configuration, sorted by (fingerprint, cache mode)."""
+        """Every readable active configuration, sorted by (fingerprint, cache mode) (unreadable ones are left out:
+        :meth:`active_state` names them)."""
+        entries = []
+        for data in self._active_raw()[1].values():
+            try:
+                entries.append(ActiveEntry.model_validate_json(data))
+            except ValidationError:
+                continue
+        return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
 
     @abstractmethod
     def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
-        """Atomically: check referenced artifacts exist, replace the entry, append audit, publish.
+        """Atomically: check referenced artifacts exist, replace the entry, append audit, raise the version,
+        publish; the entry and the audit entry carry the new version.
 
         With ``only_if_absent``, nothing is written and None returned when an entry is already there.
         """
@@ -348,6 +439,52 @@ class Store(ABC):
         """Release connections (idempotent)."""
 
 
+#: Query parameters of a Redis URL that hold credentials (redis-py reads them as connection arguments).
+_SECRET_QUERY = ("password", "username", "user")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its user name and password replaced by ``***`` (in the authority and in ``password=`` /
+    ``username=`` query parameters): what every message, log line and command output shows of a store URL.
+    ``redis://:s3cret@10.0.0.5:6379/0`` -> ``redis://:***@10.0.0.5:6379/0``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<store URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, colon, _password = userinfo.partition(":")
+        netloc = f"{'***' if user else ''}{':***' if colon else ''}@{hostport}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The user name and password a URL carries (raw and percent-decoded), for :func:`scrub`."""
+    from urllib.parse import unquote
+
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    found = []
+    userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+    found += [p for p in userinfo.split(":", 1) if p]
+    found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in _SECRET_QUERY and v]
+    return sorted({s for f in found for s in (f, unquote(f))}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` (an exception message from a client library) with every credential of ``url`` replaced by ``***``."""
+    for secret in url_secrets(url):
+        text = text.replace(secret, "***")
+    return text
+
+
 #: URL schemes of the Redis backend (redis-py's); ``file://`` and a plain path (no scheme) name a directory.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
@@ -365,7 +502,7 @@ def check_store_url(url: str) -> str:
     path = url.removeprefix("file://")
     scheme = _SCHEME.match(path)
     if scheme is not None:
-        raise InvalidName(f"store URL {url!r}: unknown scheme {scheme.group(0)!r}; use redis://host:port/db, "
+        raise InvalidName(f"store URL {redact_url(url)!r}: unknown scheme {scheme.group(0)!r}; use redis://host:port/db, "
                           "rediss://..., unix:///path.sock, file:///path or a plain directory path")
     if not path:
         raise InvalidName("store URL is empty: give redis://host:port/db or a directory path")
@@ -394,6 +531,7 @@ __all__ = [
     "KINDS",
     "ActiveChange",
     "ActiveEntry",
+    "ActiveState",
     "ArtifactConflict",
     "ArtifactInUse",
     "ArtifactInfo",
@@ -403,11 +541,14 @@ __all__ = [
     "ConfigInvalid",
     "InvalidName",
     "Store",
+    "StoreAccessDenied",
     "StoreError",
     "StoreUnavailable",
     "Subscription",
     "check_store_url",
     "content_id",
     "open_store",
+    "redact_url",
     "referenced_ids",
+    "scrub",
 ]

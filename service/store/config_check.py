@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from service.artifacts.base import ArtifactMismatch, legal_v_group_sizes
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
@@ -55,7 +57,11 @@ def check_config(
         service.store.base.ArtifactNotFound: the artifact is not stored (its ``field`` names the id field).
         service.store.base.StoreUnavailable: the store cannot be reached to load it.
     """
-    from service.store.base import ArtifactNotFound, InvalidName  # the store interface imports this module
+    from service.store.base import (  # the store interface imports this module
+        ArtifactNotFound,
+        InvalidName,
+        describe_invalid,
+    )
 
     entry = method(config.method)
     if config.artifact_file is not None:
@@ -83,7 +89,11 @@ def check_config(
         raise ArtifactNotFound(str(exc), f"kv_quant.{entry.spelling('artifact_id')}", public=exc.public) from exc
     except (KVQuantError, InvalidName) as exc:  # an id no store can hold (bad input, 400)
         raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
-    except ValueError as exc:  # stored bytes that are not an artifact of the method's type (rejected, 422)
+    except ValidationError as exc:  # stored bytes that are not an artifact of the method's type (rejected, 422)
+        # pydantic's own message quotes the input: the stored bytes must not reach the answer (issue 22).
+        raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", "the stored artifact is not a valid "
+                            f"{entry.store_kind} ({describe_invalid(exc)})") from exc
+    except ValueError as exc:
         raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
 
 

@@ -1,4 +1,6 @@
-"""A daemon thread that pings the store, so ``dllm_store_up`` follows the connection with no admin traffic.
+"""A daemon thread that pings the store, so ``dllm_store_up`` follows the connection with no admin traffic, and
+(given the server's `ActiveConfigs.poll`) reloads when the store's version is not the one applied: a replica
+converges on the newest version even when it missed events (issue 22).
 
 Without it the gauge changed only when an admin call or a reload touched the store: Redis stopped for 20 s left
 it at 1 and the store-down alert could never fire. Each ping is bounded by the backend's socket timeouts
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
-from service.store.base import Store, StoreUnavailable
+from service.store.base import Store, StoreAccessDenied, StoreUnavailable
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -24,10 +27,13 @@ class StoreMonitor:
         store: any backend (:meth:`Store.ping` raises :class:`StoreUnavailable` when it cannot answer).
         telemetry: owner of ``dllm_store_up``.
         interval_s: seconds between pings.
+        check: what each round calls instead of ``store.ping`` (raising StoreUnavailable / StoreAccessDenied).
     """
 
-    def __init__(self, store: Store, telemetry: Telemetry, interval_s: float) -> None:
+    def __init__(self, store: Store, telemetry: Telemetry, interval_s: float,
+                 check: Callable[[], None] | None = None) -> None:
         self._store = store
+        self._check = check or store.ping
         self._telemetry = telemetry
         self._interval_s = interval_s
         self._stop = threading.Event()
@@ -38,12 +44,15 @@ class StoreMonitor:
         up: bool | None = None
         while not self._stop.is_set():
             try:
-                self._store.ping()
+                self._check()
                 now_up = True
-            except StoreUnavailable as exc:
+            except (StoreUnavailable, StoreAccessDenied) as exc:
                 now_up = False
                 if up is not False:
                     log.warning("store unreachable: %s", exc)
+            except Exception:  # a reload that failed otherwise must not end the monitoring
+                now_up = True
+                log.exception("store check failed")
             if now_up and up is False:
                 log.info("store answers again")
             up = now_up

@@ -2,8 +2,13 @@
 
 Read-check-write operations (activate, delete) use optimistic transactions: ``WATCH`` the keys they read, then
 ``MULTI``/``EXEC`` the writes, retrying if another client changed a watched key in between. The event of an
-activation is ``PUBLISH``ed inside the same transaction as the write and the audit entry, so a replica never sees
-an event for a change that did not happen.
+activation is ``PUBLISH``ed inside the same transaction as the write, the audit entry and the raised version, so
+a replica never sees an event for a change that did not happen, and never an entry without its audit entry.
+
+Errors: a connection that fails or times out, and a write Redis refuses (``OOM`` under ``maxmemory``,
+``READONLY`` replica, ``MISCONF``; the transaction is then discarded whole) raise :class:`StoreUnavailable`;
+refused credentials (``WRONGPASS``, ``NOAUTH``, ``NOPERM``) raise :class:`StoreAccessDenied`. Messages name the
+store by its redacted URL and never carry a password (`service.store.base.redact_url`).
 """
 
 from __future__ import annotations
@@ -13,16 +18,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ExecAbortError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    WatchError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 from redis.retry import Retry
 
 from service.store.base import (
+    AUDIT_KEEP,
     ActiveChange,
     ActiveEntry,
     ArtifactConflict,
@@ -31,26 +46,48 @@ from service.store.base import (
     ArtifactNotFound,
     AuditEntry,
     Store,
+    StoreAccessDenied,
     StoreUnavailable,
     Subscription,
     check_id,
     check_kind,
-    check_target,
+    redact_url,
     referenced_ids,
+    scrub,
 )
 
 log = logging.getLogger(__name__)
 
-AUDIT_KEEP = 10_000
+#: Credentials refused (checked before the connection errors: redis-py's AuthenticationError is one).
+_DENIED = (AuthenticationError, AuthorizationError, NoPermissionError, AuthenticationWrongNumberOfArgsError)
+#: A write Redis refused as a whole (the transaction was discarded): nothing changed, retry later.
+_REFUSED = (OutOfMemoryError, ReadOnlyError, ExecAbortError)
+
+
+def store_error(exc: BaseException, url: str) -> Exception | None:
+    """The store error a redis-py exception means (None: not one of these), its message scrubbed of the URL's
+    credentials."""
+    where = f"Redis at {redact_url(url)}"
+    text = scrub(str(exc), url)
+    if isinstance(exc, _DENIED):
+        return StoreAccessDenied(f"{where} refused the credentials of the store URL: {text}")
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError)):
+        return StoreUnavailable(f"{where} is unreachable: {text}")
+    if isinstance(exc, _REFUSED) or (isinstance(exc, ResponseError) and text.startswith(("MISCONF", "OOM"))):
+        return StoreUnavailable(f"{where} refused the write, nothing was changed: {text}")
+    return None
 
 
 @contextlib.contextmanager
 def _unavailable_on_connection_error(url: str) -> Iterator[None]:
-    """Turn redis-py's connection and timeout errors into :class:`StoreUnavailable`."""
+    """Turn redis-py's connection, timeout, refused-write and credential errors into store errors."""
     try:
         yield
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise StoreUnavailable(f"Redis at {url} is unreachable: {exc}") from exc
+    except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as exc:
+        mapped = store_error(exc, url)
+        if mapped is None:
+            raise
+        raise mapped from None  # the chained redis-py error would repeat what the message already says
 
 
 class RedisStore(Store):
@@ -70,12 +107,8 @@ class RedisStore(Store):
 
     @property
     def location(self) -> str:
-        """The URL without its password, and the key prefix."""
-        parts = urlsplit(self.url)
-        netloc = parts.netloc.rpartition("@")[2]
-        if parts.password is not None:
-            netloc = f"{parts.username or ''}:***@{netloc}"
-        return f"{urlunsplit(parts._replace(netloc=netloc))} (key prefix {self.prefix})"
+        """The URL without its user name and password, and the key prefix."""
+        return f"{redact_url(self.url)} (key prefix {self.prefix})"
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def _artifact_key(self, kind: str, artifact_id: str) -> str:
@@ -91,6 +124,10 @@ class RedisStore(Store):
     @property
     def _audit_key(self) -> str:
         return f"{self.prefix}:audit"
+
+    @property
+    def _version_key(self) -> str:
+        return f"{self.prefix}:version"
 
     @property
     def channel(self) -> str:
@@ -157,7 +194,7 @@ class RedisStore(Store):
         with _unavailable_on_connection_error(self.url), self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(self._active_key, key)
+                    pipe.watch(self._active_key, self._version_key, key)
                     if not pipe.exists(key):
                         raise self.not_found(kind, artifact_id)
                     for raw in pipe.hvals(self._active_key):
@@ -167,26 +204,29 @@ class RedisStore(Store):
                                 f"{kind} {artifact_id!r} is active for model {entry.fingerprint} cache mode "
                                 f"{entry.cache_mode}; activate another configuration first"
                             )
+                    version = int(pipe.get(self._version_key) or 0) + 1
                     pipe.multi()
                     pipe.delete(key)
                     pipe.zrem(self._index_key(kind), artifact_id)
+                    pipe.set(self._version_key, version)
+                    event = ActiveChange(event="artifact_deleted", version=version, kind=kind, id=artifact_id)
+                    pipe.publish(self.channel, event.model_dump_json())
                     pipe.execute()
                     return
                 except WatchError:
                     continue  # an activation or delete raced us: check again
 
     # ---- active configuration --------------------------------------------------------------------------------
-    def get_active(self, fingerprint: str, cache_mode: str) -> ActiveEntry | None:
-        check_target(fingerprint, cache_mode)
-        with _unavailable_on_connection_error(self.url):
-            raw = self._client.hget(self._active_key, self._field(fingerprint, cache_mode))
-        return None if raw is None else ActiveEntry.model_validate_json(raw)
+    def _active_raw(self) -> tuple[int, dict[str, bytes]]:
+        with _unavailable_on_connection_error(self.url), self._client.pipeline(transaction=True) as pipe:
+            pipe.get(self._version_key)
+            pipe.hgetall(self._active_key)
+            version, raw = pipe.execute()
+        return int(version or 0), {k.decode(): v for k, v in raw.items()}
 
-    def list_active(self) -> list[ActiveEntry]:
+    def version(self) -> int:
         with _unavailable_on_connection_error(self.url):
-            raws = self._client.hvals(self._active_key)
-        entries = [ActiveEntry.model_validate_json(r) for r in raws]
-        return sorted(entries, key=lambda e: (e.fingerprint, e.cache_mode))
+            return int(self._client.get(self._version_key) or 0)
 
     def _swap_active(self, entry: ActiveEntry, only_if_absent: bool = False) -> AuditEntry | None:
         field = self._field(entry.fingerprint, entry.cache_mode)
@@ -196,7 +236,7 @@ class RedisStore(Store):
             while True:
                 try:
                     # Watching the referenced artifacts makes activate-vs-delete safe.
-                    pipe.watch(self._active_key, *ref_keys)
+                    pipe.watch(self._active_key, self._version_key, *ref_keys)
                     for (kind, artifact_id), key in zip(refs, ref_keys, strict=True):
                         if not pipe.exists(key):
                             raise ArtifactNotFound(
@@ -207,7 +247,12 @@ class RedisStore(Store):
                     if only_if_absent and raw_old is not None:
                         pipe.unwatch()
                         return None
-                    old = None if raw_old is None else ActiveEntry.model_validate_json(raw_old).config
+                    try:
+                        old = None if raw_old is None else ActiveEntry.model_validate_json(raw_old).config
+                    except ValueError:
+                        old = None  # an unreadable entry is replaced; the audit cannot say what it held
+                    version = int(pipe.get(self._version_key) or 0) + 1
+                    entry = entry.model_copy(update={"version": version})
                     audit = AuditEntry(
                         at=entry.set_at,
                         fingerprint=entry.fingerprint,
@@ -215,12 +260,14 @@ class RedisStore(Store):
                         old=old,
                         new=entry.config,
                         key_id=entry.key_id,
+                        version=version,
                     )
                     pipe.multi()
+                    pipe.set(self._version_key, version)
                     pipe.hset(self._active_key, field, entry.model_dump_json())
                     pipe.lpush(self._audit_key, audit.model_dump_json())
                     pipe.ltrim(self._audit_key, 0, AUDIT_KEEP - 1)
-                    pipe.publish(self.channel, ActiveChange(entry=audit).model_dump_json())
+                    pipe.publish(self.channel, ActiveChange(version=version, entry=audit).model_dump_json())
                     pipe.execute()
                     return audit
                 except WatchError:
@@ -295,7 +342,8 @@ class _RedisSubscription(Subscription):
                     self._on_change(change)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 if not lost:
-                    log.warning("lost Redis events channel (%s); retrying every %.1f s", exc, self._retry_s)
+                    log.warning("lost Redis events channel (%s); retrying every %.1f s", scrub(str(exc), self._store.url),
+                                self._retry_s)
                 lost = True
                 self.connected.clear()
                 self._stop.wait(self._retry_s)

@@ -23,8 +23,8 @@ def health() -> dict[str, str]:
 @router.get("/health/ready")
 @router.head("/health/ready", include_in_schema=False)
 def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: TelemetryDep) -> dict[str, str]:
-    """Ready to serve: the start-up denoise passed, the worker accepts, and every cache mode's configuration can
-    be served (503 otherwise, naming the cache modes that cannot and why)."""
+    """Ready to serve: the start-up denoise passed, the worker accepts, the store accepts this server's
+    credentials, and every cache mode's configuration can be served (503 otherwise, naming what cannot and why)."""
     probe_error = request.app.state.probe_error
     if probe_error is not None:
         raise WorkerUnavailable(f"the start-up denoise check failed: {probe_error}")
@@ -32,6 +32,9 @@ def ready(request: Request, worker: WorkerDep, active: ActiveDep, telemetry: Tel
         reason = "is draining" if worker.fault is None else f"hit a device fault ({worker.fault})"
         telemetry.ready.set(0)
         raise WorkerUnavailable(f"not ready: the worker {reason}")
+    if active.store_denied is not None:
+        telemetry.ready.set(0)
+        raise WorkerUnavailable(f"not ready: {active.store_denied}")
     if active.not_ready:
         telemetry.ready.set(0)
         raise WorkerUnavailable("not ready: " + "; ".join(
