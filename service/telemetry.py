@@ -51,11 +51,19 @@ the two EOS-cut outputs, where the served and the unquantized re-decode agree (D
 ``dllm_config_ready`` is 0 while a cache mode's configuration (the store's active entry, or the ``kv_quant``
 setting without one) does not resolve or validate against the loaded model: that mode's requests get a 503
 (``config_unavailable``) and ``/health/ready`` names it.
+Series labelled with a ``policy`` (a fitted artifact's id) are bounded: those of the :data:`ARTIFACT_SERIES_KEEP`
+artifacts used most recently are kept, older ones dropped, and a deleted artifact's are dropped at once
+(issue 22: 300 stored policies took ``/metrics`` from 273 to 2,073 series and deleting them removed none).
 ``dllm_store_active_lost`` is 1 from the moment a replica finds, after a store outage, that the store no longer
 holds the active configuration it serves (a Redis restarted empty) until the store holds one again.
 """
 
 from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -69,6 +77,18 @@ NFE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 AGREEMENT_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
 CONFIG_LABELS = ("method", "bits", "cache_mode", "policy")
+#: Fitted artifacts whose per-artifact series are kept (least recently used dropped first).
+ARTIFACT_SERIES_KEEP = 32
+#: Label values taken from admin input (an evaluation task or metric name): printable, bounded.
+LABEL_VALUE = re.compile(r"[A-Za-z0-9_.,:/+=@ -]{1,128}")
+
+
+def check_label_value(value: str, field: str) -> str:
+    """Return ``value`` or raise ValueError naming ``field``: a metric label taken from a client must be 1-128
+    characters of ``[A-Za-z0-9_.,:/+=@ -]`` (no NUL, no newline: Prometheus series stay readable and few)."""
+    if not isinstance(value, str) or not LABEL_VALUE.fullmatch(value):
+        raise ValueError(f"{field}: use 1-128 characters of letters, digits and _ . , : / + = @ - or space")
+    return value
 
 
 def config_labels(config: KVQuantConfig, cache_mode: str) -> dict[str, str]:
@@ -153,6 +173,42 @@ class Telemetry:
             ["cache_mode"], registry=r)
         self._active_labels: dict[str, dict[str, str]] = {}
         self._caps: set[tuple[str, str]] = set()
+        # Series labelled with a fitted artifact's id, per id, least recently used first: (metric, label values).
+        self._artifact_series: OrderedDict[str, set[tuple[Any, tuple[str, ...]]]] = OrderedDict()
+        self._series_lock = threading.Lock()
+        self._label_names = {id(m): names for m, names in (
+            (self.kv_bits, (*CONFIG_LABELS, "tensor", "accounting")), (self.kv_bytes, CONFIG_LABELS),
+            (self.kv_bf16_bytes, CONFIG_LABELS), (self.shadow_requests, CONFIG_LABELS),
+            (self.shadow_agreement, CONFIG_LABELS), (self.shadow_exact, CONFIG_LABELS),
+            (self.eval_score, ("task", "metric", *CONFIG_LABELS)), (self.eval_time, ("task", *CONFIG_LABELS)))}
+
+    def _series(self, metric: Any, **labels: str) -> Any:
+        """``metric.labels(**labels)``, remembering the series under its artifact id (bounded, see the module)."""
+        child = metric.labels(**labels)
+        policy = labels.get("policy")
+        if policy:
+            values = tuple(labels[n] for n in self._label_names[id(metric)])
+            with self._series_lock:
+                self._artifact_series.setdefault(policy, set()).add((metric, values))
+                self._artifact_series.move_to_end(policy)
+                while len(self._artifact_series) > ARTIFACT_SERIES_KEEP:
+                    _, series = self._artifact_series.popitem(last=False)
+                    self._remove(series)
+        return child
+
+    @staticmethod
+    def _remove(series: set[tuple[Any, tuple[str, ...]]]) -> None:
+        for metric, values in series:
+            try:
+                metric.remove(*values)
+            except KeyError:
+                continue  # already gone
+
+    def forget_artifact(self, artifact_id: str) -> None:
+        """Drop every series labelled with a deleted artifact's id."""
+        with self._series_lock:
+            series = self._artifact_series.pop(artifact_id, set())
+        self._remove(series)
 
     def render(self) -> bytes:
         """The exposition text of every metric."""
@@ -170,9 +226,9 @@ class Telemetry:
                 ("k", "nominal", kv.k_nominal_bits), ("v", "nominal", kv.v_nominal_bits),
                 ("k", "storage", kv.k_storage_bits), ("v", "storage", kv.v_storage_bits),
             ):
-                self.kv_bits.labels(**labels, tensor=tensor, accounting=accounting).set(value)
-            self.kv_bytes.labels(**labels).set(kv.bytes_held)
-            self.kv_bf16_bytes.labels(**labels).set(kv.bf16_bytes)
+                self._series(self.kv_bits, **labels, tensor=tensor, accounting=accounting).set(value)
+            self._series(self.kv_bytes, **labels).set(kv.bytes_held)
+            self._series(self.kv_bf16_bytes, **labels).set(kv.bf16_bytes)
 
     def set_active(
         self, model: str, cache_mode: str, config: KVQuantConfig, source: str, k_bits_cap: float | None = None
@@ -204,18 +260,24 @@ class Telemetry:
     def observe_shadow(self, config: KVQuantConfig, cache_mode: str, agreement: float, exact: bool) -> None:
         """Record one shadow re-decode's token agreement and exact match."""
         labels = config_labels(config, cache_mode)
-        self.shadow_requests.labels(**labels).inc()
-        self.shadow_agreement.labels(**labels).observe(agreement)
+        self._series(self.shadow_requests, **labels).inc()
+        self._series(self.shadow_agreement, **labels).observe(agreement)
         if exact:
-            self.shadow_exact.labels(**labels).inc()
+            self._series(self.shadow_exact, **labels).inc()
         else:
-            self.shadow_exact.labels(**labels)  # create the series so a 0 is visible
+            self._series(self.shadow_exact, **labels)  # create the series so a 0 is visible
 
     def observe_eval(
         self, task: str, scores: dict[str, float], config: KVQuantConfig, cache_mode: str, at: float
     ) -> None:
-        """Show the evaluation job's last scores of one task under one configuration."""
+        """Show the evaluation job's last scores of one task under one configuration.
+
+        Raises: ValueError (nothing shown) when the task or a metric name is not a legal label value
+        (:func:`check_label_value`)."""
+        check_label_value(task, "task")
+        for metric in scores:
+            check_label_value(metric, f"scores.{metric[:40]!r}")
         labels = config_labels(config, cache_mode)
         for metric, value in scores.items():
-            self.eval_score.labels(task=task, metric=metric, **labels).set(value)
-        self.eval_time.labels(task=task, **labels).set(at)
+            self._series(self.eval_score, task=task, metric=metric, **labels).set(value)
+        self._series(self.eval_time, task=task, **labels).set(at)

@@ -22,7 +22,10 @@ from service.quant.config import KVQuantConfig
 from service.quant.registry import artifact_types
 from service.store.active import ActiveConfigs
 from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
-from service.telemetry import Telemetry
+from service.telemetry import Telemetry, check_label_value
+
+#: Metrics one evaluation report may carry (each becomes a ``dllm_eval_score`` series).
+MAX_SCORES = 64
 
 
 def _without_id(body: bytes, label: str) -> tuple[str | None, bytes]:
@@ -117,8 +120,12 @@ class Admin:
         return {"kind": cls.KIND, "id": artifact_id}
 
     def delete(self, segment: str, artifact_id: str) -> None:
-        """Delete an artifact (ArtifactInUse if an active configuration names it)."""
-        self._tracked(self.store.delete, self.artifact_type(segment).KIND, artifact_id)
+        """Delete an artifact (ArtifactInUse if an active configuration names it); this replica stops serving it at
+        once (its cache and metric series), the others when they see the store's new version."""
+        kind = self.artifact_type(segment).KIND
+        self._tracked(self.store.delete, kind, artifact_id)
+        self.active.resolver.forget(kind, artifact_id)
+        self.telemetry.forget_artifact(artifact_id)
 
     # ---- active configuration ----------------------------------------------------------------------------------
     def view_active(self) -> s.ActiveView:
@@ -153,6 +160,14 @@ class Admin:
         if report.model_fingerprint is not None and report.model_fingerprint != self.spec.fingerprint:
             raise InvalidRequest(f"model_fingerprint {report.model_fingerprint[:16]}... is not the loaded model's "
                                  f"{self.spec.fingerprint[:16]}...", param="model_fingerprint")
+        if len(report.scores) > MAX_SCORES:
+            raise InvalidRequest(f"scores: at most {MAX_SCORES} metrics per report (each is a metric series)",
+                                 param="scores")
+        for value, field in ((report.task, "task"), *((m, f"scores.{m[:40]}") for m in report.scores)):
+            try:
+                check_label_value(value, field)
+            except ValueError as exc:  # a metric label: no NUL or newline, bounded (issue 22)
+                raise InvalidRequest(str(exc), param=field) from None
         at = time.time()
         record = report.model_dump(mode="json") | {"at": at, "key_id": key_id,
                                                    "model_fingerprint": self.spec.fingerprint}

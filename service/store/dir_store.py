@@ -384,7 +384,7 @@ class _PollingSubscription(Subscription):
                 if not failing:
                     log.error("polling %s failed: %s", self._store._state_path, exc)
                 failing = True
-            except Exception:  # noqa: BLE001 - a listener bug must not end event delivery for good
+            except Exception:
                 log.exception("applying a change of %s failed", self._store._state_path)
 
     def close(self) -> None:
