@@ -117,7 +117,7 @@ def server_values(state: Any) -> dict[str, Any]:
     ``context`` (tokens, the model's ``max_length``); ``longest_prompt`` / ``longest_response`` (tokens: the
     context less one position for the other part); ``last_token_id`` (a prompt id: below the logits' width) and
     ``mask_id`` (``{"const": id}``, never in a prompt); ``last_decodable_id`` (``/detokenize``: the tokenizer's
-    size); ``model_names`` (served name and checkpoint id); ``fingerprint`` (the weights'); ``remasking`` (what the
+    size); ``model_names`` (the served name); ``fingerprint`` (the weights'); ``remasking`` (what the
     family's reveal rule takes); ``artifact_kinds`` (admin URL segments of the registered methods); ``max_prompts``
     (prompts in one completion request: the most the queue holds, ``max_queue``).
     """
@@ -130,7 +130,7 @@ def server_values(state: Any) -> dict[str, Any]:
         "last_token_id": spec.vocab_size - 1,
         "mask_id": {"const": spec.mask_id},
         "last_decodable_id": spec.decodable_size - 1,
-        "model_names": list(dict.fromkeys([serving.model_name, spec.model_id])),
+        "model_names": [serving.model_name],  # the public name only: model_id may be a path of the host
         "fingerprint": [spec.fingerprint],
         "remasking": list(reveal_rule(spec.arch).remasking),
         "artifact_kinds": list(artifact_types()),

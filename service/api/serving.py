@@ -117,8 +117,9 @@ class Serving:
     # ---- models and tokenizer ----------------------------------------------------------------------------------------
     def models(self) -> s.ModelList:
         """``/v1/models``: the one served model."""
+        # root: the public name, never the checkpoint's path (a host detail, issue 22).
         return s.ModelList(data=[s.ModelCard(id=self.model_name, max_model_len=self.spec.max_length,
-                                             root=self.spec.model_id)])
+                                             root=self.model_name)])
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.spec.model_id):
@@ -130,7 +131,7 @@ class Serving:
         """The engine's tokenizer (400 when the checkpoint has none)."""
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
-            raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: send token ids instead of text",
+            raise InvalidRequest(f"{self.model_name} has no tokenizer: send token ids instead of text",
                                  param="prompt")
         return tok
 

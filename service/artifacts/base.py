@@ -62,8 +62,9 @@ def check_fingerprint(fingerprint: str, spec: ModelSpec) -> None:
     """Raise :class:`ArtifactMismatch` (field ``weights_fingerprint``) unless it equals ``spec.fingerprint``."""
     if fingerprint != spec.fingerprint:
         raise ArtifactMismatch(
+            # No model path: this answers clients too (issue 22), and the fingerprints say which weights.
             "weights_fingerprint", f"the artifact was fitted on weights {fingerprint[:16]}..., the loaded model "
-            f"{spec.model_id!r} has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
+            f"has {spec.fingerprint[:16]}... (a different or retrained checkpoint)"
         )
 
 
