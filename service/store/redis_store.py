@@ -218,11 +218,16 @@ class RedisStore(Store):
 
     # ---- active configuration --------------------------------------------------------------------------------
     def _active_raw(self) -> tuple[int, dict[str, bytes]]:
-        with _unavailable_on_connection_error(self.url), self._client.pipeline(transaction=True) as pipe:
-            pipe.get(self._version_key)
-            pipe.hgetall(self._active_key)
-            version, raw = pipe.execute()
-        return int(version or 0), {k.decode(): v for k, v in raw.items()}
+        # Not MULTI: Redis refuses a transaction under maxmemory even when it only reads. Every write raises the
+        # version in its own transaction, so equal versions before and after the read mean one snapshot.
+        with _unavailable_on_connection_error(self.url), self._client.pipeline(transaction=False) as pipe:
+            while True:
+                pipe.get(self._version_key)
+                pipe.hgetall(self._active_key)
+                pipe.get(self._version_key)
+                before, raw, after = pipe.execute()
+                if before == after:
+                    return int(before or 0), {k.decode(): v for k, v in raw.items()}
 
     def version(self) -> int:
         with _unavailable_on_connection_error(self.url):
