@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
@@ -441,26 +441,32 @@ class Store(ABC):
 
 #: Query parameters of a Redis URL that hold credentials (redis-py reads them as connection arguments).
 _SECRET_QUERY = ("password", "username", "user")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+_LOOSE_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*:/*)[^/@]*@")
 
 
 def redact_url(url: str) -> str:
     """``url`` with its user name and password replaced by ``***`` (in the authority and in ``password=`` /
     ``username=`` query parameters): what every message, log line and command output shows of a store URL.
-    ``redis://:s3cret@10.0.0.5:6379/0`` -> ``redis://:***@10.0.0.5:6379/0``."""
+    ``redis://:s3cret@10.0.0.5:6379/0`` -> ``redis://:***@10.0.0.5:6379/0``; a path is returned as it is."""
+    if url.startswith("file:") or not _SCHEME.match(url):
+        return url
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<store URL>"
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, hostport = netloc.rpartition("@")
+    out = url
+    if "@" in parts.netloc:
+        userinfo, _, hostport = parts.netloc.rpartition("@")
         user, colon, _password = userinfo.partition(":")
-        netloc = f"{'***' if user else ''}{':***' if colon else ''}@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
+        out = out.replace(parts.netloc, f"{'***' if user else ''}{':***' if colon else ''}@{hostport}", 1)
+    elif "@" in url:  # no authority parsed (a mistyped scheme such as redis:/user:pw@host): redact up to the @
+        out = _LOOSE_USERINFO.sub(r"\1***@", url)
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
         query = urlencode([(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in pairs], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+        out = out.replace("?" + parts.query, "?" + query, 1)
+    return out
 
 
 def url_secrets(url: str) -> list[str]:
@@ -487,7 +493,6 @@ def scrub(text: str, url: str) -> str:
 
 #: URL schemes of the Redis backend (redis-py's); ``file://`` and a plain path (no scheme) name a directory.
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def check_store_url(url: str) -> str:
