@@ -1,0 +1,187 @@
+"""Issue 22, finding 4 and the Host check of finding 9: idle and slow clients are bounded. A real server process
+(the fake engine served exactly as ``dllm-kvq serve`` serves: `tests.support.serve_fake`) and raw sockets:
+1,100 idle connections under ``ulimit -n 1024`` leave ``/health`` answering; silent, half-header, partial-body and
+kept-alive connections are closed by their timeouts; over the connection cap with every connection in a request,
+a newcomer gets a 503; a Host header outside the allow-list is refused."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.processes import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+FLOOD = 1_100
+FD_LIMIT = 1024
+
+
+class Server:
+    """``python -m tests.support.serve_fake`` on a free port, optionally under a lower open-file limit."""
+
+    def __init__(self, tmp_path: Path, fd_limit: int | None = None, **env: str) -> None:
+        self.port = free_port()
+        self.log_path = tmp_path / f"server-{self.port}.log"
+
+        def limit() -> None:
+            if fd_limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.serve_fake"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port),
+                                       "DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_LOG_LEVEL": "warning",
+                                       "DLLM_BLOCK_LENGTH": "4", **env})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                httpx.get(self.url + "/health", timeout=1)  # any answer (a Host allow-list may refuse this one)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        pytest.fail(f"the server did not start: {self.log()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def connect(port: int, send: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if send:
+        sock.sendall(send)
+    return sock
+
+
+def closed_by_server(sock: socket.socket, timeout_s: float = 30.0) -> bytes | None:
+    """What the server sent before closing ``sock`` (None: still open after ``timeout_s``, a failure bound only)."""
+    sock.settimeout(timeout_s)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return received
+
+
+@pytest.fixture
+def many_fds():
+    """This test process opens more than 1,024 sockets: raise its own soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < FLOOD + 200:
+        pytest.skip(f"the open-file hard limit {hard} is under {FLOOD + 200}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, FLOOD + 200), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_health_answers_under_1100_idle_connections_at_ulimit_1024(tmp_path, many_fds):
+    # Long timeouts: the cap alone must keep the server answering.
+    srv = Server(tmp_path, fd_limit=FD_LIMIT, DLLM_HEADER_TIMEOUT_S="300", DLLM_BODY_TIMEOUT_S="300")
+    flood: list[socket.socket] = []
+    try:
+        kinds = [b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n",  # silent; half a header
+                 b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"prompt\": "]  # a partial body
+        for i in range(FLOOD):
+            flood.append(connect(srv.port, kinds[i % 3]))
+        answers = [httpx.get(srv.url + "/health", timeout=30).status_code for _ in range(3)]
+        assert answers == [200, 200, 200], srv.log()
+        assert srv.open_fds() < FD_LIMIT
+        assert "Too many open files" not in srv.log() and "Errno 24" not in srv.log()
+    finally:
+        for sock in flood:
+            sock.close()
+        srv.stop()
+
+
+def test_silent_trickling_partial_and_kept_alive_connections_are_closed(tmp_path):
+    srv = Server(tmp_path, DLLM_HEADER_TIMEOUT_S="1", DLLM_BODY_TIMEOUT_S="1", DLLM_KEEP_ALIVE_TIMEOUT_S="1")
+    try:
+        silent = connect(srv.port)
+        trickle = connect(srv.port, b"GET /health HTTP/1.1\r\n")
+        partial = connect(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                    b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        kept = connect(srv.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        for _ in range(8):  # a byte of header every 0.3 s: each byte used to restart uvicorn's only timer
+            time.sleep(0.3)
+            try:
+                trickle.sendall(b"X")
+            except OSError:
+                break
+        assert closed_by_server(silent) == b""
+        assert closed_by_server(trickle) == b""
+        assert closed_by_server(partial) is not None
+        answered = closed_by_server(kept)
+        assert answered is not None and answered.startswith(b"HTTP/1.1 200")  # answered, then closed when idle
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_over_the_cap_with_every_connection_in_a_request_a_newcomer_gets_503(tmp_path):
+    srv = Server(tmp_path, DLLM_MAX_CONNECTIONS="4", DLLM_BODY_TIMEOUT_S="300")
+    busy = []
+    try:
+        for _ in range(4):  # each in a request: its head arrived, its body has not
+            busy.append(connect(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                          b"application/json\r\nContent-Length: 1000\r\n\r\n{"))
+        time.sleep(0.5)
+        answer = closed_by_server(connect(srv.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
+        assert answer is not None and answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"too_many_connections" in answer and b"retry-after" in answer.lower()
+        for sock in busy:
+            sock.close()
+        time.sleep(0.5)
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        for sock in busy:
+            sock.close()
+        srv.stop()
+
+
+def test_a_host_header_outside_the_allow_list_is_refused(tmp_path):
+    srv = Server(tmp_path)  # a loopback bind: the loopback names only (a DNS-rebinding page uses its own name)
+    try:
+        for host in ("localhost", f"localhost:{srv.port}", f"127.0.0.1:{srv.port}", f"[::1]:{srv.port}"):
+            assert httpx.get(srv.url + "/health", headers={"Host": host}).status_code == 200, host
+        r = httpx.get(srv.url + "/v1/models", headers={"Host": "rebind.attacker.example"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", r.text
+    finally:
+        srv.stop()
+    named = Server(tmp_path, DLLM_ALLOWED_HOSTS="llm.example.com,*.internal.example")
+    try:
+        assert httpx.get(named.url + "/health", headers={"Host": "llm.example.com"}).status_code == 200
+        assert httpx.get(named.url + "/health", headers={"Host": "a.internal.example:8000"}).status_code == 200
+        assert httpx.get(named.url + "/health", headers={"Host": "127.0.0.1"}).status_code == 400
+    finally:
+        named.stop()
