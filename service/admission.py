@@ -35,6 +35,8 @@ from service.engine.spec import ModelSpec
 CPU_BUDGET_BYTES = 1 << 30
 # Reused tokens written by the probe that measures a configuration's bytes per token (several K groups).
 PROBE_TOKENS = 256
+#: Configurations whose per-token KV bytes are remembered (one probe each; the oldest dropped first).
+PER_TOKEN_KEEP = 256
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class MemoryModel:
         self.spec, self.width, self.mlp_hidden, self.element_size = spec, width, mlp_hidden, element_size
         self.forward = ForwardCost(width, mlp_hidden, spec.num_heads, spec.head_dim, spec.vocab_size, element_size)
         self.device = torch.device(device)
-        self._per_token: dict[object, float] = {}
+        self._per_token: dict[object, float] = {}  # insertion-ordered: the oldest is dropped past PER_TOKEN_KEEP
 
     @classmethod
     def for_engine(cls, engine) -> MemoryModel:
@@ -81,6 +83,9 @@ class MemoryModel:
                 self._per_token[key] = 2.0 * s.num_layers * s.num_kv_heads * s.head_dim * self.element_size
             else:
                 self._per_token[key] = self._probe(store) / PROBE_TOKENS
+            # One entry per distinct configuration a client names: bounded (issue 22), a dropped one is measured again.
+            while len(self._per_token) > PER_TOKEN_KEEP:
+                del self._per_token[next(iter(self._per_token))]
         return self._per_token[key]
 
     def _probe(self, store: KVStore) -> int:

@@ -182,14 +182,14 @@ class Telemetry:
             (self.shadow_agreement, CONFIG_LABELS), (self.shadow_exact, CONFIG_LABELS),
             (self.eval_score, ("task", "metric", *CONFIG_LABELS)), (self.eval_time, ("task", *CONFIG_LABELS)))}
 
-    def _series(self, metric: Any, **labels: str) -> Any:
-        """``metric.labels(**labels)``, remembering the series under its artifact id (bounded, see the module)."""
-        child = metric.labels(**labels)
+    def _series(self, family: Any, /, **labels: str) -> Any:
+        """``family.labels(**labels)``, remembering the series under its artifact id (bounded, see the module)."""
+        child = family.labels(**labels)
         policy = labels.get("policy")
         if policy:
-            values = tuple(labels[n] for n in self._label_names[id(metric)])
+            values = tuple(labels[n] for n in self._label_names[id(family)])
             with self._series_lock:
-                self._artifact_series.setdefault(policy, set()).add((metric, values))
+                self._artifact_series.setdefault(policy, set()).add((family, values))
                 self._artifact_series.move_to_end(policy)
                 while len(self._artifact_series) > ARTIFACT_SERIES_KEEP:
                     _, series = self._artifact_series.popitem(last=False)
