@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,14 +34,14 @@ class Server:
         self.port = free_port()
         self.log_path = tmp_path / f"server-{self.port}.log"
 
-        def limit() -> None:
-            if fd_limit is not None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
-
+        cmd = [sys.executable, "-m", "tests.support.serve_fake"]
+        if fd_limit is not None:  # util-linux prlimit: the server's own open-file limit, soft and hard
+            if shutil.which("prlimit") is None:
+                pytest.skip("prlimit (util-linux) is not installed")
+            cmd = ["prlimit", f"--nofile={fd_limit}:{fd_limit}", *cmd]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.support.serve_fake"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port),
+                cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port),
                                        "DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_LOG_LEVEL": "warning",
                                        "DLLM_BLOCK_LENGTH": "4", **env})
         deadline = time.monotonic() + 120
@@ -110,8 +111,8 @@ def test_health_answers_under_1100_idle_connections_at_ulimit_1024(tmp_path, man
     flood: list[socket.socket] = []
     try:
         kinds = [b"", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n",  # silent; half a header
-                 b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n{\"prompt\": "]  # a partial body
+                 (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")]  # a partial body
         for i in range(FLOOD):
             flood.append(connect(srv.port, kinds[i % 3]))
         answers = [httpx.get(srv.url + "/health", timeout=30).status_code for _ in range(3)]

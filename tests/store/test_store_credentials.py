@@ -87,7 +87,7 @@ def command(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
     return subprocess.run([sys.executable, "-m", "service", *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, check=False)
 
 
 def everything_a_client_sees(srv: ServerProcess) -> str:
