@@ -182,7 +182,9 @@ class ActiveConfigs:
         with self._lock:
             return {mode: snap for mode, snap in self._current.items() if mode not in self.not_ready}
 
-    def _install(self, snapshot: ConfigSnapshot, count: bool = True) -> None:
+    def _install(self, snapshot: ConfigSnapshot, count: bool = True, by: str | None = None) -> None:
+        """Serve ``snapshot`` from now on; ``by`` (an admin key id, the key id of a store entry) is logged with
+        every change of what is served."""
         mode = snapshot.cache_mode
         with self._lock:
             old = self._current.get(mode)
@@ -194,6 +196,9 @@ class ActiveConfigs:
         self.telemetry.set_active(self.model_name, mode, snapshot.config, snapshot.source, cap)
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(mode).inc()
+            log.info("cache mode %s: active configuration changed by %s: %s -> %s (%s)", mode, by or "store",
+                     old.config.model_dump(mode="json", exclude_none=True) if old else None,
+                     snapshot.config.model_dump(mode="json", exclude_none=True), snapshot.source)
 
     def _refuse(self, cache_mode: str, what: str, exc: BaseException) -> None:
         """Make ``cache_mode`` not ready: ``what`` cannot be served because of ``exc``. The reason kept (shown by
@@ -234,13 +239,13 @@ class ActiveConfigs:
                     self._use_default(mode)
                 continue
             self.telemetry.store_active_lost.labels(mode).set(0)
-            self._use_entry(mode, entry.config, entry.set_at)
+            self._use_entry(mode, entry.config, entry.set_at, entry.key_id)
 
-    def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float) -> None:
+    def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float, by: str | None = None) -> None:
         """Serve the store's active ``config`` for ``cache_mode``, or make the mode not ready if it does not
         validate; an unreachable store keeps what is served (the outage rule)."""
         try:
-            self._install(self.resolver.resolve(config, cache_mode, "active", set_at))
+            self._install(self.resolver.resolve(config, cache_mode, "active", set_at), by=by)
         except StoreUnavailable as exc:
             log.error("could not load the active configuration of %s (%s); serving the previous", cache_mode, exc)
         except (ValueError, KeyError, StoreError) as exc:
@@ -291,7 +296,7 @@ class ActiveConfigs:
         current = self._current.get(entry.cache_mode)
         if current is not None and current.set_at is not None and entry.at < current.set_at:
             return  # an older change arriving after a newer one this replica already applied
-        self._use_entry(entry.cache_mode, entry.new, entry.at)
+        self._use_entry(entry.cache_mode, entry.new, entry.at, entry.key_id)
 
     def activate(self, cache_mode: CacheMode, config: KVQuantConfig, key_id: str | None) -> AuditEntry:
         """Validate ``config``, make it the store's active configuration (one atomic write + event) and use it
@@ -302,5 +307,5 @@ class ActiveConfigs:
         snapshot = self.resolver.resolve(config, cache_mode, "active")
         audit = self.resolver.store.set_active(self.resolver.spec, cache_mode, config, key_id=key_id)
         self.telemetry.store_active_lost.labels(cache_mode).set(0)
-        self._install(replace(snapshot, set_at=audit.at))
+        self._install(replace(snapshot, set_at=audit.at), by=key_id)
         return audit
