@@ -149,6 +149,26 @@ def check_server(args: list[str]) -> None:
                            f"start it (`{prog('service', 'serve')}`) or fix base_url") from None
 
 
+def check_in_process_model_args(args: list[str]) -> None:
+    """For the in-process model ``dllm-kvq``: its ``--model_args`` (`evaluation.model_args.EvalModelArgs`) and the
+    checkpoint they name, checked before lm-eval starts.
+
+    Raises:
+        CommandError: an unknown key or a bad value (naming it and what is legal), or no checkpoint there.
+    """
+    if _value(args, "--model") != IN_PROCESS_MODEL:
+        return
+    from evaluation.model_args import EvalModelArgs, ModelArgsError
+    from service.engine.errors import EngineInputError
+    from service.engine.loading import resolve_checkpoint_dir
+
+    try:
+        parsed = EvalModelArgs.parse(parse_model_args(_value(args, "--model_args")))
+        resolve_checkpoint_dir(parsed.checkpoint)
+    except (ModelArgsError, EngineInputError) as exc:
+        raise CommandError(f"--model_args: {exc}") from None
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run. Bad input (an
     unknown task or model_arg, an artifact that does not fit, a server that does not answer) is one line."""
@@ -160,8 +180,11 @@ def run_lm_eval(argv: list[str]) -> int:
     from service.artifacts.base import ArtifactMismatch
     from service.store.base import StoreError
 
-    for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
+    runs = lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir))
+    for args in runs:  # every run's input checked before lm-eval starts (it indexes its tasks first: a minute)
+        check_in_process_model_args(args)
         check_server(args)
+    for args in runs:
         sys.argv = ["lm-eval", *args]
         try:
             cli_evaluate()

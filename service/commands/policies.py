@@ -361,6 +361,9 @@ def run_activate(side, args: argparse.Namespace) -> int:
 
     config = KVQuantConfig() if args.verb == "deactivate" else config_from(side, args.target)
     audit = side.activate(args.cache_mode, config)
+    if args.json:
+        print(json.dumps(audit, indent=2))
+        return 0
     print(f"{args.cache_mode}: {describe_config(audit.get('old'))} -> {describe_config(audit['new'])} "
           f"(by {audit.get('key_id') or '-'} at {when(audit['at'])} UTC; model {audit['fingerprint'][:12]})")
     return 0
@@ -442,13 +445,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     verb("show", "one policy or KVQuant state", [managed, json_flag]).add_argument(
         "id", help="its id (policy-... or kvquant-...; `list` shows them)")
     activate = verb("activate", "make a configuration the active one of a cache mode, validated as the server "
-                    "validates it", [managed, model])
+                    "validates it", [managed, model, json_flag])
     activate.add_argument("cache_mode", choices=CACHE_MODES, help="the cache mode it serves")
     activate.add_argument("target", metavar="ID|FILE|JSON",
                           help="a stored policy or KVQuant state id (its bits and group sizes are used), an "
                                "activation body file (runs/calibration/activate/*.json) or an inline JSON "
                                "configuration such as '{\"method\": \"kivi\", \"bits\": 2}'")
-    verb("deactivate", "serve a cache mode unquantized (method none) from now on", [managed, model]).add_argument(
+    verb("deactivate", "serve a cache mode unquantized (method none) from now on",
+         [managed, model, json_flag]).add_argument(
         "cache_mode", choices=CACHE_MODES, help="the cache mode")
     diff = verb("diff", "what differs between two policies (or two KVQuant states)", [managed])
     diff.add_argument("a", help="the first id")

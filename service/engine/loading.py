@@ -185,22 +185,34 @@ def detect_arch(hf_config: dict[str, Any]) -> str:
 
 
 def load_tokenizer(directory: Path):
-    """The checkpoint's tokenizer through transformers, or None when it ships no tokenizer files.
+    """The checkpoint's tokenizer through transformers (4.45+ or 5), never running remote code; None when the
+    checkpoint ships no tokenizer files.
 
-    Tries ``AutoTokenizer`` without remote code; a repo whose tokenizer class is remote code (Dream) falls back to
-    ``PreTrainedTokenizerFast`` over its ``tokenizer.json`` with the special tokens of ``tokenizer_config.json``.
+    A ``tokenizer_class`` of ``tokenizer_config.json`` that transformers itself provides (LLaDA and the embedded
+    model: ``PreTrainedTokenizerFast``) is loaded with that class: ``AutoTokenizer`` would read ``config.json``
+    too, and transformers 5 warns about its model type (``llada``, unknown to it) and ``auto_map`` entries that the
+    engine never uses. Otherwise ``AutoTokenizer`` without remote code; a repo whose tokenizer class is remote code
+    (Dream) falls back to ``PreTrainedTokenizerFast`` over its ``tokenizer.json`` with the special tokens of
+    ``tokenizer_config.json``.
     """
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    import transformers
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    named = getattr(transformers, str(config.get("tokenizer_class")), None) if "auto_map" not in config else None
+    if isinstance(named, type) and issubclass(named, PreTrainedTokenizerBase):
+        try:
+            return named.from_pretrained(directory, trust_remote_code=False)
+        except (ValueError, OSError, KeyError):
+            pass  # the class does not take these files: let AutoTokenizer choose
     try:
         return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     except (ValueError, OSError, KeyError):
         if not (directory / "tokenizer.json").is_file():
             raise
-        config_file = directory / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         return PreTrainedTokenizerFast(
             tokenizer_file=str(directory / "tokenizer.json"), chat_template=config.get("chat_template"), **special
