@@ -1,4 +1,4 @@
-"""``python -m calibration collect | trace | diagnose | fit | kvquant | report | all`` (issue 6 item 7).
+"""``python -m calibration collect | trace | diagnose | fit | kvquant | report | all``.
 
 Every verb takes the same settings (:class:`calibration.job.JobSettings`, one flag each) and a store
 (``--store``: ``redis://host:port/db`` or a directory; default the server's, ``DLLM_STORE_URL`` else
@@ -16,10 +16,14 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from calibration.job import CalibrationJob, JobSettings, RunSummary
+from calibration.settings import JobSettings
 from service.commands import prog, store_url_arg
 from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
+
+if TYPE_CHECKING:
+    from calibration.job import RunSummary
 
 VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
 #: Where ``report`` and ``all`` write without ``--out`` (reports go under runs/, which git ignores).
@@ -44,7 +48,21 @@ def _shard(text: str) -> tuple[int, int]:
     return i, n
 
 
+#: Flags for settings whose flag name is not the field's.
+FIELD_FLAGS = {"shard_index": "--shard", "shard_count": "--shard", "buckets": "--bucket"}
+
+
+def _help(name: str) -> str:
+    """A `JobSettings` field's description and default, for its flag's help."""
+    info = JobSettings.model_fields[name]
+    default = info.default
+    shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+    return f"{info.description} (default {shown})" if default is not None else str(info.description)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``calibrate`` parser: one flag per `JobSettings` field (help and default from the field), the store,
+    the model's dtype, device and threads, and the report folder."""
     defaults = JobSettings()
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
@@ -53,31 +71,26 @@ def build_parser() -> argparse.ArgumentParser:
     add("--store-prefix", default=None,
         help=f"Redis key prefix (default: DLLM_STORE_PREFIX, else {DEFAULT_STORE_PREFIX})")
     add("--bucket", type=_pair, action="append", default=[], metavar="NAME=PATH",
-        help="a prompt-answer JSONL bucket (repeatable; default: the shipped offline corpus)")
+        help="a prompt-answer JSONL bucket (repeatable; default: the embedded model's training split for the "
+             "embedded model, else the shipped offline corpus)")
     add("--pad-answers", action=argparse.BooleanOptionalAction, default=None,
         help="EOS-pad answers to a block multiple instead of cutting them (default: pad only for the embedded "
              "model's training split)")
-    add("--samples", type=int, default=defaults.samples)
-    add("--seed", type=int, default=defaults.seed)
     add("--shard", type=_shard, default=(0, 1), metavar="I/N", help="handle samples I::N (default 0/1)")
-    add("--block-length", type=int, default=defaults.block_length)
-    add("--max-answer-length", type=int, default=defaults.max_answer_length)
-    add("--steps-per-block", type=int, default=defaults.steps_per_block)
+    for name in ("samples", "seed", "block_length", "max_answer_length", "steps_per_block", "k_group_size",
+                 "bit_penalty", "min_records", "win_rate", "sparsity_threshold", "batch_size"):
+        kind = type(getattr(defaults, name))
+        add(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name), help=_help(name))
     add("--rounds", type=int, default=defaults.rounds,
-        help="TRACE refinement round limit (default %(default)s; the log and report say per sample whether the "
-             "assignment settled: on the shipped corpus most samples do not settle even in 12 rounds, "
-             "benchmarks/trace_convergence.py)")
-    add("--cache-modes", nargs="+", choices=("prefix", "dual"), default=list(defaults.cache_modes))
-    add("--bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.bits))
-    add("--k-group-size", type=int, default=defaults.k_group_size)
-    add("--v-group-size", type=int, default=None)
-    add("--bit-penalty", type=float, default=defaults.bit_penalty)
-    add("--min-records", type=int, default=defaults.min_records)
-    add("--win-rate", type=float, default=defaults.win_rate)
-    add("--kvquant-bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.kvquant_bits))
-    add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information")
-    add("--sparsity-threshold", type=float, default=defaults.sparsity_threshold)
-    add("--batch-size", type=int, default=defaults.batch_size)
+        help=_help("rounds") + "; the log and report say per sample whether the assignment settled: on the shipped "
+             "corpus most samples do not settle even in 12 rounds, benchmarks/trace_convergence.py")
+    add("--cache-modes", nargs="+", choices=("prefix", "dual"), default=list(defaults.cache_modes),
+        help=_help("cache_modes"))
+    add("--bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.bits), help=_help("bits"))
+    add("--v-group-size", type=int, default=None, help=_help("v_group_size"))
+    add("--kvquant-bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.kvquant_bits),
+        help=_help("kvquant_bits"))
+    add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information (default: off)")
     add("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32); part of every work "
         "item's key, since trajectories and diagnostics depend on it")
     add("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -85,18 +98,31 @@ def build_parser() -> argparse.ArgumentParser:
     add("--out", type=Path, default=DEFAULT_OUT,
         help="report directory of report and all: report.md and the activation bodies (default %(default)s, "
              "ignored by git like everything under runs/)")
-    add("--no-progress", action="store_true")
+    add("--no-progress", action="store_true", help="no progress bars (default: shown)")
     parser = argparse.ArgumentParser(prog=prog("calibration"), description=__doc__.split("\n")[0])
-    verbs = parser.add_subparsers(dest="verb", required=True)
-    collect = verbs.add_parser("collect", help="download the paper's corpus (needs internet and `datasets`)")
-    collect.add_argument("--out", type=Path, required=True, help="directory for the bucket JSONL files")
-    for verb in VERBS[1:]:
-        sub = verbs.add_parser(verb, parents=[common])
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="verb")
+    collect = verbs.add_parser("collect", help="download the paper's corpus (needs internet and `datasets`)",
+                               description="download the paper's calibration corpus into bucket JSONL files")
+    collect.add_argument("--out", type=Path, required=True, help="directory for the bucket JSONL files (required)")
+    for verb, helptext in VERB_HELP.items():
+        sub = verbs.add_parser(verb, parents=[common], help=helptext, description=helptext)
         if verb == "diagnose":
-            sub.add_argument("--sums-out", type=Path, help="also write this shard's merged sums to a JSON file")
+            sub.add_argument("--sums-out", type=Path,
+                             help="also write this shard's merged sums to a JSON file (default: store only)")
         if verb == "fit":
-            sub.add_argument("--merge", type=Path, nargs="+", help="fit from these sums files instead of the store")
+            sub.add_argument("--merge", type=Path, nargs="+",
+                             help="fit from these sums files instead of the store (default: the store's sums)")
     return parser
+
+
+VERB_HELP = {
+    "trace": "TRACE trajectories of the calibration samples (stored)",
+    "diagnose": "per-layer diagnostic sums along the stored trajectories",
+    "fit": "a dLLM-KVQ policy per cache mode and bit width from the diagnostic sums",
+    "kvquant": "KVQuant states (per-channel non-uniform codebooks) from the trajectories",
+    "report": "the calibration report and one activation body per fitted artifact, from the store",
+    "all": "trace, diagnose, fit, kvquant and report in one run",
+}
 
 
 def settings_from(args: argparse.Namespace) -> JobSettings:
@@ -172,52 +198,104 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
     if summary.activation_configs:
         print("  activation bodies (PUT /admin/active/{cache_mode}): " + ", ".join(summary.activation_configs),
               file=out)
-    print("  nothing was activated; use the admin endpoint to activate a policy or state", file=out)
+    print(f"  nothing was activated; `{prog('service', 'policies')} activate <cache mode> <id or activation "
+          "body>` activates one (--server URL for a running server, else this store)", file=out)
+
+
+def flag_of(field: str) -> str:
+    """The flag that sets a `JobSettings` field (``samples`` -> ``--samples``)."""
+    return FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``calibrate <verb>``: 0 when done; 2, one line naming what is wrong and what to do, for bad input (a
+    setting, the model, the store, a store holding nothing to fit or report on, ``collect`` without a network)."""
     args = build_parser().parse_args(argv)
+    name = prog("calibration", args.verb)
     if args.verb == "collect":
-        from calibration.collect import collect
+        from calibration.collect import CollectError, collect
 
-        print(collect(args.out))
+        try:
+            print(collect(args.out))
+        except CollectError as exc:
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            return 2
         return 0
+    from pydantic import ValidationError
+
     from service.store.base import InvalidName, StoreError, StoreUnavailable, open_store
 
+    try:
+        settings = settings_from(args)
+    except ValidationError as exc:
+        reasons = [f"{flag_of(str(e['loc'][0]))}: {e['msg']}" if e["loc"] else e["msg"]
+                   for e in exc.errors(include_url=False, include_input=False, include_context=False)]
+        print(f"{name}: error: {'; '.join(reasons)}", file=sys.stderr)
+        return 2
+    for path in getattr(args, "merge", None) or []:
+        if not path.is_file():
+            print(f"{name}: error: --merge {path}: no such file; give the files `diagnose --sums-out` wrote",
+                  file=sys.stderr)
+            return 2
     # The job logs each sample's TRACE convergence (objective per round, settled or not) at INFO.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.perf_counter()
-    settings = settings_from(args)
     try:
         store = open_store(*default_store(args.store, args.store_prefix))
     except InvalidName as exc:
-        print(f"{prog('calibration', args.verb)}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     try:
         store.list("policy")  # opening contacts nothing (open_store); one read does, before the model loads
     except (StoreError, OSError) as exc:
         store.close()
-        print(f"{prog('calibration', args.verb)}: error: --store {store.location}: cannot read it ({exc}); start "
+        print(f"{name}: error: --store {store.location}: cannot read it ({exc}); start "
               "the store (redis-server) or give another --store", file=sys.stderr)
         return 2
     try:
         return _run_verb(args, settings, store, started)
     except StoreUnavailable as exc:
-        print(f"{prog('calibration', args.verb)}: error: --store {store.location}: the store went away ({exc})",
-              file=sys.stderr)
+        print(f"{name}: error: --store {store.location}: the store went away ({exc})", file=sys.stderr)
+        return 2
+    except CalibrationInputError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     finally:
         store.close()
 
 
+class CalibrationInputError(Exception):
+    """Bad input found while running a verb: one line, exit 2."""
+
+
 def _run_verb(args: argparse.Namespace, settings: JobSettings, store, started: float) -> int:
     """Load the model and run the verb (`main`, after the store answered)."""
-    from calibration.fit import DiagnosticSums
-    from service.engine import Engine
+    from calibration.job import CalibrationJob
+    from service.engine import Engine, EngineInputError
 
-    job = CalibrationJob(settings, store, Engine.load(settings.model, dtype=args.dtype, device=args.device,
-                                                         threads=args.threads),
-                         progress=not args.no_progress)
+    try:
+        engine = Engine.load(settings.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    except EngineInputError as exc:
+        raise CalibrationInputError(f"--model/--dtype/--device/--threads: {exc}") from None
+    job = CalibrationJob(settings, store, engine, progress=not args.no_progress)
+    try:
+        _dispatch(args, job)
+    except FileNotFoundError as exc:  # merged_sums: the store lacks the diagnostic sums fit and report read
+        if args.verb not in ("fit", "report"):
+            raise
+        raise CalibrationInputError(f"--store {store.location}: {exc} (`{prog('calibration', 'all')}` runs every "
+                                    "step; use the same --model, --samples, --seed and schedule flags)") from None
+    if args.verb in ("report", "all"):
+        paths = write_activation_configs(job.summary, settings.k_group_size, job.v_group_size, args.out)
+        job.summary.activation_configs = [str(p) for p in paths]
+    print_summary(job.summary, time.perf_counter() - started, store=store.location)
+    return 0
+
+
+def _dispatch(args: argparse.Namespace, job) -> None:
+    """Run the verb's step(s) of ``job``."""
+    from calibration.fit import DiagnosticSums
+
     if args.verb == "trace":
         job.trace()
     elif args.verb == "diagnose":
@@ -238,11 +316,6 @@ def _run_verb(args: argparse.Namespace, settings: JobSettings, store, started: f
         job.report(args.out)
     else:
         job.run_all(args.out)
-    if args.verb in ("report", "all"):
-        paths = write_activation_configs(job.summary, settings.k_group_size, job.v_group_size, args.out)
-        job.summary.activation_configs = [str(p) for p in paths]
-    print_summary(job.summary, time.perf_counter() - started, store=store.location)
-    return 0
 
 
 __all__ = ["build_parser", "main", "print_summary", "settings_from", "write_activation_configs"]

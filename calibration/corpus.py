@@ -96,7 +96,9 @@ class HFEncoder:
     def encode_prompt(self, text: str) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": text}]
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            from service.engine.prompts import token_ids  # a list in transformers 4, a mapping in 5
+
+            return token_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def encode_answer(self, text: str) -> list[int]:

@@ -33,94 +33,29 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
-from calibration.corpus import OFFLINE_CORPUS_DIR, HFEncoder, Sample, mixed_chat
+from calibration.corpus import HFEncoder, Sample, mixed_chat
 from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
 from calibration.fit import DiagnosticSums, FitSettings, LayerFit, cell_key, fit_policy, table4
 from calibration.forward import capture_pre_rope, logits_forward
 from calibration.kvquant_fit import fit_kvquant_state
 from calibration.policy_tables import layer_record
 from calibration.report import write_report
+from calibration.settings import JobSettings
 from calibration.trace import Trajectory, rollout, trace
 from service.artifacts.base import Provenance, canonical_json, default_v_group_size
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine import Engine
-from service.engine.loading import EMBEDDED_DIR
 from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
 
-#: The embedded default model's training split, its calibration corpus (issue 3).
-EMBEDDED_TRAIN_SPLIT = EMBEDDED_DIR / "task" / "train_sample.jsonl"
 log = logging.getLogger(__name__)
 KIND_FIT = "calibration_fit"
 KIND_KVQUANT_FIT = "kvquant_fit"
 CODE_VERSION = "dllm-kvq calibration 2"
 
 T = TypeVar("T")
-
-
-class JobSettings(BaseModel):
-    """Every setting of a calibration run (CLI flags map one to one).
-
-    Attributes:
-        model: checkpoint dir or HF repo id; None = the embedded default model.
-        buckets: bucket name -> JSONL path; empty = the embedded model's training split (``train_sample``) when
-            ``model`` is None, else the shipped offline corpus (instruction, qa, code).
-        pad_answers: EOS-pad answers up to a block multiple instead of cutting them; None = pad for the embedded
-            model's training split (it was trained with answers EOS-padded to its response length), cut
-            otherwise (the paper).
-        samples: calibration samples drawn by ``mixed_chat``; seed: its seed.
-        shard_index, shard_count: this run handles samples ``shard_index::shard_count`` (trace, diagnose, kvquant);
-            fit and report always use every sample's sums.
-        block_length, max_answer_length, steps_per_block, rounds: TRACE schedule and refinement limit.
-        cache_modes, bits, k_group_size, v_group_size: what policies are fitted for (v_group_size None:
-            min(32, head_dim)).
-        bit_penalty, min_records, win_rate: fit gates (:class:`calibration.fit.FitSettings`).
-        kvquant_bits, fisher, sparsity_threshold: KVQuant state fit.
-        batch_size: rows per forward in TRACE's score matrix.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str | None = None
-    buckets: dict[str, str] = Field(default_factory=dict)
-    pad_answers: bool | None = None
-    samples: int = Field(8, gt=0)
-    seed: int = 0
-    shard_index: int = Field(0, ge=0)
-    shard_count: int = Field(1, gt=0)
-    block_length: int = Field(32, gt=0)
-    max_answer_length: int = Field(64, gt=0)
-    steps_per_block: int = Field(8, ge=2)
-    rounds: int = Field(3, gt=0)
-    cache_modes: tuple[str, ...] = ("prefix", "dual")
-    bits: tuple[int, ...] = (4, 2)
-    k_group_size: int = Field(32, gt=0)
-    v_group_size: int | None = None
-    bit_penalty: float = Field(0.01, ge=0)
-    min_records: int = Field(8, gt=0)
-    win_rate: float = Field(0.5, ge=0, le=1)
-    kvquant_bits: tuple[int, ...] = (4, 2)
-    fisher: bool = False
-    sparsity_threshold: float = Field(0.99, gt=0, le=1)
-    batch_size: int = Field(16, gt=0)
-
-    @property
-    def uses_embedded_split(self) -> bool:
-        return self.model is None and not self.buckets
-
-    def bucket_paths(self) -> dict[str, str]:
-        if self.buckets:
-            return dict(self.buckets)
-        if self.uses_embedded_split:
-            return {"train": str(EMBEDDED_TRAIN_SPLIT)}
-        return {name: str(OFFLINE_CORPUS_DIR / f"{name}.jsonl") for name in ("instruction", "qa", "code")}
-
-    @property
-    def pads_answers(self) -> bool:
-        return self.uses_embedded_split if self.pad_answers is None else self.pad_answers
 
 
 def input_key(prefix: str, inputs: Any) -> str:

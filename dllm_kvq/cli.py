@@ -17,11 +17,11 @@ USAGE = """usage: dllm-kvq <command> [args ...]
 commands:
   serve       start the OpenAI-compatible server            (python -m service serve)
   generate    decode from the command line                  (python -m service generate)
-  policies    export / import stored artifacts              (python -m service policies)
+  policies    list, show, activate, diff, audit, export     (python -m service policies)
   calibrate   TRACE, diagnostics, policy and KVQuant fits   (python -m calibration)
   evaluate    lm-eval, the result matrix, score pushing     (python -m evaluation)
 
-'dllm-kvq <command> --help' describes a command."""
+'dllm-kvq <command> --help' describes a command; 'dllm-kvq --version' prints the version."""
 
 
 def _service(command: str) -> Callable[[list[str]], int]:
@@ -60,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"dllm-kvq {version('dllm-kvq')}")
+        return 0
     if argv[0] not in COMMANDS:
         print(f"dllm-kvq: unknown command {argv[0]!r}; legal: {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
         return 2

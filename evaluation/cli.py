@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from evaluation.controls import DEFAULT_RULES
 from evaluation.protocol import PRESETS, get_preset
 from service.commands import prog, store_url_arg
 from service.config import STORE_HELP, default_store
@@ -150,6 +149,26 @@ def check_server(args: list[str]) -> None:
                            f"start it (`{prog('service', 'serve')}`) or fix base_url") from None
 
 
+def check_in_process_model_args(args: list[str]) -> None:
+    """For the in-process model ``dllm-kvq``: its ``--model_args`` (`evaluation.model_args.EvalModelArgs`) and the
+    checkpoint they name, checked before lm-eval starts.
+
+    Raises:
+        CommandError: an unknown key or a bad value (naming it and what is legal), or no checkpoint there.
+    """
+    if _value(args, "--model") != IN_PROCESS_MODEL:
+        return
+    from evaluation.model_args import EvalModelArgs, ModelArgsError
+    from service.engine.errors import EngineInputError
+    from service.engine.loading import resolve_checkpoint_dir
+
+    try:
+        parsed = EvalModelArgs.parse(parse_model_args(_value(args, "--model_args")))
+        resolve_checkpoint_dir(parsed.checkpoint)
+    except (ModelArgsError, EngineInputError) as exc:
+        raise CommandError(f"--model_args: {exc}") from None
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run. Bad input (an
     unknown task or model_arg, an artifact that does not fit, a server that does not answer) is one line."""
@@ -161,8 +180,11 @@ def run_lm_eval(argv: list[str]) -> int:
     from service.artifacts.base import ArtifactMismatch
     from service.store.base import StoreError
 
-    for args in lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir)):
+    runs = lm_eval_runs(argv, lambda gsm8k_dir: _task_dir(DEFAULT_TASK_DIR, gsm8k_dir))
+    for args in runs:  # every run's input checked before lm-eval starts (it indexes its tasks first: a minute)
+        check_in_process_model_args(args)
         check_server(args)
+    for args in runs:
         sys.argv = ["lm-eval", *args]
         try:
             cli_evaluate()
@@ -182,8 +204,9 @@ def run_lm_eval(argv: list[str]) -> int:
 def run_tasks(argv: list[str]) -> int:
     """The ``tasks`` subcommand: write the offline task YAMLs."""
     parser = argparse.ArgumentParser(prog=prog("evaluation", "tasks"))
-    parser.add_argument("--out", required=True, help="folder to write <task>.yaml files into")
-    parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
+    parser.add_argument("--out", required=True, help="folder to write <task>.yaml files into (required)")
+    parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl (default: none, "
+                                            "no gsm8k_local task)")
     args = parser.parse_args(argv)
     out = _task_dir(Path(args.out), args.gsm8k_dir)
     print("\n".join(sorted(str(p) for p in out.glob("*.yaml"))))
@@ -191,45 +214,59 @@ def run_tasks(argv: list[str]) -> int:
 
 
 def matrix_parser() -> argparse.ArgumentParser:
+    """The ``matrix`` subcommand's flags (each with its default in the help)."""
+    from evaluation.controls import DEFAULT_RULES
+
     parser = argparse.ArgumentParser(
         prog=prog("evaluation", "matrix"),
         description="Run the paper's result matrix with lm-eval in-process; resumes from --out.")
     parser.add_argument("--table", choices=TABLES, default="main",
                         help="main: Tables 1-2 (methods x bits x cache modes, matrix.*); 3: the K-policy controls of "
                              "Table 3 (table3.*, needs --store); kv: K-only and V-only rows per method and bits "
-                             "(kv_ablation.*)")
-    parser.add_argument("--controls", dest="table", action="store_const", const="3", help="same as --table 3")
+                             "(kv_ablation.*; default %(default)s)")
+    parser.add_argument("--controls", dest="table", action="store_const", const="3",
+                        help="same as --table 3 (default: off)")
     parser.add_argument("--rules", default=",".join(DEFAULT_RULES),
                         help="fixed K rules of --table 3, <score type>:<p> (default %(default)s)")
     parser.add_argument("--models", default="embedded",
-                        help="comma list of checkpoints (dir or HF id); 'embedded' = the embedded default model")
-    parser.add_argument("--tasks", required=True, help="comma list of lm-eval task names")
-    parser.add_argument("--cache-modes", default="prefix,dual")
-    parser.add_argument("--bits", default="4,2")
-    parser.add_argument("--methods", default="none,kivi,kvquant,dllm_kvq")
-    parser.add_argument("--out", required=True, help="matrix folder (cell files, matrix.md/.csv/.json)")
+                        help="comma list of checkpoints (dir or HF id); 'embedded' = the embedded default model "
+                             "(default %(default)s)")
+    parser.add_argument("--tasks", required=True, help="comma list of lm-eval task names (required)")
+    parser.add_argument("--cache-modes", default="prefix,dual", help="comma list of cache modes (default %(default)s)")
+    parser.add_argument("--bits", default="4,2", help="comma list of bit widths, 2, 4, 8 (default %(default)s)")
+    parser.add_argument("--methods", default="none,kivi,kvquant,dllm_kvq",
+                        help="comma list of quantization methods; none is the cache-only row (default %(default)s)")
+    parser.add_argument("--out", required=True, help="matrix folder (cell files, matrix.md/.csv/.json; required)")
     parser.add_argument("--limit", type=int, help="documents per task (default: all)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="take few-shot counts, gen length, block length and threshold from a protocol")
-    parser.add_argument("--num-fewshot", type=int, help="few-shot count for tasks without a preset value")
+                        help="take few-shot counts, gen length, block length and threshold from a protocol "
+                             "(default: none, the flags below)")
+    parser.add_argument("--num-fewshot", type=int,
+                        help="few-shot count for tasks without a preset value (default: each task's own)")
     parser.add_argument("--gen-length", type=int, help="max_gen_toks for every task (default: each task's own)")
-    parser.add_argument("--block-length", type=int, default=32)
-    parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int)
+    parser.add_argument("--block-length", type=int, default=32, help="decoding block length (default %(default)s)")
+    parser.add_argument("--threshold", type=float, default=0.9,
+                        help="confidence threshold of parallel decoding (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=1, help="rows decoded together (default %(default)s)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default %(default)s)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's own)")
     parser.add_argument("--chat-tasks", default="",
-                        help="comma list of tasks run with the chat template (the embedded task always is)")
+                        help="comma list of tasks run with the chat template (the embedded task always is; "
+                             "default: no others)")
     parser.add_argument("--confirm-run-unsafe-code", action="store_true",
-                        help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox")
+                        help="allow code-executing tasks (humaneval, mbpp); run them in a sandbox (default: refused)")
     parser.add_argument("--store", type=store_url_arg, help="policies, states and scores: " + STORE_HELP)
-    parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl")
+    parser.add_argument("--gsm8k-dir", help="folder with GSM8K-format train.jsonl and test.jsonl (default: none, "
+                                            "no gsm8k_local task)")
     parser.add_argument("--from-calibration", metavar="RUN_ID",
-                        help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store")
-    parser.add_argument("--server", help="server base URL to push each finished score to (accuracy telemetry)")
+                        help="add Table 4 (trajectory-level diagnostics) from a calibration run in --store "
+                             "(default: none)")
+    parser.add_argument("--server", help="server base URL to push each finished score to, accuracy telemetry "
+                                         "(default: none)")
     parser.add_argument("--card", metavar="DIR",
-                        help="model folder whose card gets the table (quantization.json + README section; one model)")
+                        help="model folder whose card gets the table (quantization.json + README section; one "
+                             "model; default: none)")
     parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
                         help="environment variable holding the server's admin key (default DLLM_ADMIN_KEY)")
     return parser
@@ -441,21 +478,24 @@ def run_push_scores(argv: list[str]) -> int:
     """The ``push-scores`` subcommand: an lm-eval results file's scores to the server and/or the store."""
     import json
 
-    import httpx
-
-    from evaluation.scores import ScoreReporter, ScoreReportError, reports_from_lm_eval
-
     parser = argparse.ArgumentParser(prog=prog("evaluation", "push-scores"),
                                      description="Send the task scores of an lm-eval results_*.json file to the "
                                                  "server's /admin/eval_scores (and so the store).")
     parser.add_argument("results", help="lm-eval's results_*.json (from --output_path)")
-    parser.add_argument("--server", help="server base URL (admin key in --admin-key-env)")
-    parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY")
+    parser.add_argument("--server", help="server base URL, admin key in --admin-key-env (default: none, the store)")
+    parser.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
+                        help="environment variable holding the server's admin key (default %(default)s)")
     parser.add_argument("--store", type=store_url_arg, help="used when no --server is given: " + STORE_HELP)
-    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"])
+    parser.add_argument("--cache-mode", choices=["none", "prefix", "dual"],
+                        help="the cache mode the scores ran with (default: read from the results file)")
     parser.add_argument("--kv-quant", type=json.loads, help='the KVQuantConfig as JSON, e.g. {"method": "kivi"}; '
-                        "with --cache-mode, needed for a results file of an HTTP run (it does not record them)")
+                        "with --cache-mode, needed for a results file of an HTTP run (it does not record them; "
+                        "default: read from the results file)")
     args = parser.parse_args(argv)
+    import httpx
+
+    from evaluation.scores import ScoreReporter, ScoreReportError, reports_from_lm_eval
+
     store = args.store if args.server else default_store(args.store)[0]
     try:
         reporter = ScoreReporter(server_url=args.server, admin_key_env=args.admin_key_env, store_url=store)
@@ -485,21 +525,36 @@ def run_push_scores(argv: list[str]) -> int:
 COMMANDS = {"lm-eval": run_lm_eval, "tasks": run_tasks, "matrix": run_matrix_command, "push-scores": run_push_scores}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(__doc__)
-        print(f"commands: {', '.join(COMMANDS)}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def user_errors() -> tuple[type[Exception], ...]:
+    """The exceptions that are the user's input or setting (one line, exit 2); imported only when one is raised,
+    so that ``--help`` stays light."""
     import httpx
 
     from evaluation.scores import ScoreReportError
     from service.store.base import InvalidName
 
+    return CommandError, ScoreReportError, httpx.HTTPError, InvalidName
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``evaluate <command>``: its exit status; 2 and one line for bad input, an unknown command named."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print(f"commands: {', '.join(COMMANDS)}")
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"{prog('evaluation')}: error: unknown command {argv[0]!r}; legal: {', '.join(COMMANDS)} "
+              f"(`{prog('evaluation')} --help` describes them)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return COMMANDS[argv[0]](argv[1:])
-    except (CommandError, ScoreReportError, httpx.HTTPError, InvalidName) as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_errors()):
+            raise
+        import httpx
+
         # A refused or unreachable server during a matrix run is the user's setting too: one line, naming the URL
         # (httpx's own message does not).
         where = ""

@@ -13,10 +13,14 @@ precision than the fit's cap allows (``attention:4`` at 2 bits is 3.75 bits), wh
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from service.artifacts.base import Provenance
 from service.artifacts.policy import SCORE_TYPES, LayerPolicy, PolicyTable, nominal_k_bits
 from service.engine.spec import ModelSpec
-from service.store.base import KIND_POLICY, Store
+
+if TYPE_CHECKING:  # the store module imports torch; `evaluate matrix --help` reads DEFAULT_RULES from here
+    from service.store.base import Store
 
 #: The paper's fixed rules (Table 3 shows attention p = 2, 4; q-error and p = 1 complete the grid).
 DEFAULT_RULES: tuple[str, ...] = ("attention:1", "attention:2", "attention:4", "qerror:1", "qerror:2", "qerror:4")
@@ -75,6 +79,6 @@ def is_fixed_rule(artifact: object) -> bool:
 def store_fixed_rule(store: Store, spec: ModelSpec, cache_mode: str, bits: int, rule: str) -> str:
     """Put `fixed_rule_table` in ``store`` (content id: storing it again is a no-op) and return its id."""
     table = fixed_rule_table(spec, cache_mode, bits, rule)
-    if not store.exists(KIND_POLICY, table.id):
-        store.put_model(KIND_POLICY, table)
+    if not store.exists(PolicyTable.KIND, table.id):
+        store.put_model(PolicyTable.KIND, table)
     return table.id

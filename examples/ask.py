@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[stream     ] {len(deltas)} chunks: {deltas}")
     out["answers"].append(_record("chat-stream", q, "".join(deltas), finish, usage, None))
 
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_DIR, trust_remote_code=False)
     q = questions[-1]  # plain completions: the prompt is the rendered chat template, as the model was trained
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": q.prompt}], tokenize=False,
                                            add_generation_prompt=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's Quickstart as one script: the embedded default model served with Redis as the store, calibrated,
-# a 2-bit dLLM-KVQ dual-cache policy activated through the admin endpoint, questions through the official openai
-# client, the Prometheus metrics, a swap to KIVI and back, lm-eval over HTTP on the model's task, and the
-# paper-style table. Each step is the README's command; what they print and write lands in $RUNS.
+# a 2-bit dLLM-KVQ dual-cache policy activated from the command line (`policies activate --server`: the admin
+# endpoint), questions through the official openai client, the Prometheus metrics, a swap to KIVI and back, lm-eval
+# over HTTP on the model's task, and the paper-style table. Each step is the README's command; what they print and
+# write lands in $RUNS.
 #
 # Run from the repository root after `bash scripts/setup.sh`, with redis-server answering at $STORE:
 #   bash examples/quickstart.sh
@@ -19,7 +20,6 @@ STORE=${STORE:-redis://127.0.0.1:6379/0}
 RUNS=${RUNS:-runs/quickstart}
 export DLLM_ADMIN_KEY=${DLLM_ADMIN_KEY:-quickstart-admin-key-0123456789}
 URL=http://127.0.0.1:$PORT
-AUTH="Authorization: Bearer $DLLM_ADMIN_KEY"
 mkdir -p "$RUNS"
 step() { printf '\n== %s\n' "$*"; }
 
@@ -34,8 +34,8 @@ step "calibrate the embedded model on its own training split (policies and KVQua
 $PY -m calibration all --store "$STORE" --out "$RUNS/calibration" --no-progress ${CALIBRATION_ARGS:-}
 
 step "activate the 2-bit dLLM-KVQ policy for the dual cache"
-curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
-  --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-dllm_kvq.json"; echo
+$PY -m service policies activate dual "$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" --server "$URL" --json \
+  | tee "$RUNS/activate-dllm_kvq.json"
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-before.txt"
 
 step "ask questions with the openai client (chat, streamed chat, completions; tokens/s per cache mode)"
@@ -45,14 +45,14 @@ step "read the metrics: effective bits, bytes held against bf16, agreement with 
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-dllm_kvq.txt"
 
 step "swap the dual cache to 2-bit KIVI, ask again, read the metrics"
-curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
-  -d '{"method": "kivi", "bits": 2}' | tee "$RUNS/activate-kivi.json"; echo
+$PY -m service policies activate dual '{"method": "kivi", "bits": 2}' --server "$URL" --json \
+  | tee "$RUNS/activate-kivi.json"
 $PY examples/ask.py --url "$URL" --questions 4 --json "$RUNS/ask-kivi.json"
 $PY examples/kv_metrics.py --url "$URL" --save "$RUNS/metrics-kivi.txt"
 
 step "and back to the dLLM-KVQ policy"
-curl -sS --fail-with-body -X PUT "$URL/admin/active/dual" -H "$AUTH" -H 'content-type: application/json' \
-  --data @"$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" | tee "$RUNS/activate-back.json"; echo
+$PY -m service policies activate dual "$RUNS/calibration/activate/dllm_kvq-dual-2bit.json" --server "$URL" --json \
+  | tee "$RUNS/activate-back.json"
 
 step "lm-eval over HTTP on the embedded model's task (the first ${LIMIT:-32} held-out questions)"
 $PY -m evaluation lm-eval --model local-chat-completions \

@@ -87,7 +87,7 @@ def export(ckpt: Path, out: Path) -> dict:
     (out / "model.safetensors").chmod(0o644)  # package data must be readable by every user of an install
     config = dict(state["config"], torch_dtype="bfloat16")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     generation = {
         "bos_token_id": tok.bos_token_id,

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR, trust_remote_code=False)
     stream = Stream(tok, args.seed)
     ckpts = sorted(args.run_dir.glob("ckpt-*.pt"))
     if args.resume and ckpts:

@@ -15,7 +15,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.engine.params import DecodeSettings
 from service.quant.config import KVQuantConfig
-from service.store.base import InvalidName, check_store_url
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: Host header names a loopback-bound server answers when ``allowed_hosts`` is empty (a DNS-rebinding page
@@ -159,6 +158,9 @@ class Settings(BaseSettings, DecodeSettings):
     @field_validator("store_url")
     @classmethod
     def _known_store_scheme(cls, value: str) -> str:
+        # Imported here: the store module imports torch, and `serve --help` builds its flags from these settings.
+        from service.store.base import check_store_url
+
         check_store_url(value)
         return value
 
@@ -201,6 +203,8 @@ def default_store(url: str | None = None, prefix: str | None = None) -> tuple[st
     defaults (``DEFAULT_STORE_URL``, ``DEFAULT_STORE_PREFIX``).
 
     Raises: InvalidName naming ``DLLM_STORE_URL`` when the environment's URL has an unknown scheme."""
+    from service.store.base import InvalidName, check_store_url
+
     if url and prefix:
         return url, prefix
     env = StoreSettings()

@@ -1,14 +1,15 @@
 """Subcommands of ``python -m service``; each module exposes ``add_parser(subparsers)`` (see `service.__main__`)."""
 
+from __future__ import annotations
+
 import argparse
 import os
 import sys
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
-from pydantic import ValidationError
-from pydantic.fields import FieldInfo
-
-from service.store.base import InvalidName, check_store_url
+if TYPE_CHECKING:  # pydantic is imported by the callers that have fields; --help of a command stays light
+    from pydantic import ValidationError
+    from pydantic.fields import FieldInfo
 
 #: The console command as the user can type it again while it dispatches (`dllm_kvq.cli` sets it, `runnable`),
 #: else None (a ``python -m`` form).
@@ -59,8 +60,8 @@ def add_model_flags(parser: argparse.ArgumentParser | Any, fields: dict[str, Fie
     for name, field in fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = field.description or ""
-        if show_default and field.default is not None:
-            help_text = f"{help_text} (default {field.default})"
+        if show_default:
+            help_text = f"{help_text} (default {_shown_default(field)})"
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
@@ -70,8 +71,24 @@ def add_model_flags(parser: argparse.ArgumentParser | Any, fields: dict[str, Fie
                             metavar=None if literal else name.upper())
 
 
+def _shown_default(field: FieldInfo) -> str:
+    """A field's built-in default as help shows it (``unset`` for None; a structured default as its JSON)."""
+    if field.default_factory is not None:
+        if isinstance(field.default_factory, type) and hasattr(field.default_factory, "model_fields"):
+            # A settings model: not built here (building one may import torch, and --help must stay light).
+            return "{}, every field at its default"
+        value = field.default_factory()
+        return "empty" if not value else str(value)
+    if field.default is None:
+        return "unset"
+    dump = getattr(field.default, "model_dump_json", None)
+    return dump(exclude_none=True) if dump else str(field.default)
+
+
 def store_url_arg(value: str) -> str:
     """argparse ``type`` of a ``--store`` flag: an unknown URL scheme is a one-line usage error naming the flag."""
+    from service.store.base import InvalidName, check_store_url  # here: the store module imports torch
+
     try:
         check_store_url(value)
     except InvalidName as exc:

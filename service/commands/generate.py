@@ -24,37 +24,38 @@ def _token_ids(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """All flags of ``generate`` (model, prompt, decoding, runtime, output); extend here for new options."""
-    from service.quant.registry import methods  # --kv-quant choices: every registered method
-
-    parser.add_argument("--model", default=None, help="checkpoint directory or HF repo id (default: embedded model)")
+    parser.add_argument("--model", default=None, help="checkpoint directory or HF repo id (default: the embedded model)")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs a checkpoint with a tokenizer)")
-    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    prompt.add_argument("--prompt", help="prompt text (needs a checkpoint with a tokenizer; this or --prompt-ids is required)")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt token ids, comma-separated: 1,2,3 (this or --prompt is required)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (default: plain text)")
     parser.add_argument("--gen-length", type=int, default=256, help="response length in tokens (default 256)")
     add_model_flags(parser.add_argument_group("decoding (service.engine.params.DecodeSettings)"),
                     DecodeSettings.model_fields, show_default=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed")
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cuts the text")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh draw)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable); cuts the text (default: none)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--json", action="store_true", help="print the full report as one JSON object")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    parser.add_argument("--json", action="store_true", help="print the full report as one JSON object (default: text and a report line)")
     kv = parser.add_argument_group("KV-cache quantization (cached modes; see service.quant)")
-    kv.add_argument("--kv-quant", choices=methods(), default="none",
-                    help="quantize the reused K/V (default none)")
+    # No argparse choices: listing the registry's methods imports every quantizer (torch) for --help; the
+    # configuration names the legal ones when one is unknown.
+    kv.add_argument("--kv-quant", default="none", metavar="METHOD",
+                    help="quantize the reused K/V with a registered method: none, kivi, kvquant, dllm_kvq (built in) "
+                         "(default none)")
     kv.add_argument("--kv-bits", type=int, choices=[2, 4, 8], default=4, help="code bits (default 4)")
     kv.add_argument("--kv-group-size", type=int, default=32, help="K group size in tokens (default 32)")
     kv.add_argument("--kv-v-group-size", type=int, default=None,
                     help="V group size in channels (default min(32, head_dim))")
-    kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq")
-    kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant")
+    kv.add_argument("--policy", default=None, help="dLLM-KVQ policy table (JSON file), for --kv-quant dllm_kvq (default: none)")
+    kv.add_argument("--kvquant-state", default=None, help="fitted KVQuant state (safetensors), for --kv-quant kvquant (default: none)")
     kv.add_argument("--kv-artifact", default=None,
                     help="the fitted artifact file of any method that applies one (--policy and --kvquant-state "
-                         "are its spellings for dllm_kvq and kvquant)")
+                         "are its spellings for dllm_kvq and kvquant; default: none)")
     kv.add_argument("--kv-keep-dequantized", action="store_true",
-                    help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block)")
+                    help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block; default: off)")
 
 
 def add_parser(subparsers) -> None:

@@ -1,24 +1,49 @@
-"""``python -m service policies export|import``: copy policy tables and KVQuant states between the server's store
-(Redis or a directory; ``--store``, default ``DLLM_STORE_URL``, else ``.dllm-kvq/store``) and a local directory (the directory-store
-layout, ``artifacts/<kind>/<id>``).
+"""``python -m service policies list|show|activate|deactivate|diff|audit|export|import``: the fitted policies and
+KVQuant states, and the active configuration per cache mode, from the command line.
 
-Artifacts keep their content-derived ids; each is parsed and its id recomputed before it is written, so a
-corrupted or hand-edited file is refused, never stored under a wrong id. Existing equal artifacts are skipped.
+Where: ``--server URL`` talks to a running server's ``/admin`` routes with the admin key from ``DLLM_ADMIN_KEY``
+(``--admin-key-env``); otherwise ``--store`` (default ``DLLM_STORE_URL``, else ``.dllm-kvq/store``) is read and
+written directly, and a server on the same store follows the change (its store event). Activation is validated
+as the admin route and `service.store.base.Store.set_active` validate it (over a store, against ``--model``'s
+spec, read without loading the model): nothing that a server could not serve becomes active.
+
+``export``/``import`` copy policy tables and KVQuant states between the store and a local directory (the
+directory-store layout, ``artifacts/<kind>/<id>``). Artifacts keep their content-derived ids; each is parsed and its
+id recomputed before it is written, so a corrupted or hand-edited file is refused, never stored under a wrong id.
+Existing equal artifacts are skipped.
+
+Exit status: 0, 1 when the store or server failed (or an artifact was refused on import/export), 2 for bad input
+(one line naming what and what to do).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import getpass
+import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
-from service.commands import store_url_arg
-from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
-from service.store.base import KIND_KVQUANT_STATE, KIND_POLICY, InvalidName, Store, StoreError, open_store
+from service.commands import prog, store_url_arg
 
+#: Store kinds of the two fitted artifact types (`PolicyTable.KIND`, `KVQuantState.KIND`; literal here so that
+#: ``--help`` imports neither torch nor the artifact modules).
+KIND_POLICY, KIND_KVQUANT_STATE = "policy", "kvquant_state"
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
+CACHE_MODES = ("none", "prefix", "dual")
+#: The configuration fields an artifact fixes when it is activated by id (the rest keep their defaults).
+ARTIFACT_FIELDS = ("bits", "k_group_size", "v_group_size")
+
+
+class PoliciesError(Exception):
+    """Bad input: one line, exit 2."""
+
+
+class BackendError(Exception):
+    """The store or server failed: one line, exit 1."""
 
 
 @dataclass
@@ -32,13 +57,16 @@ class CopyResult:
 
 def content_id(kind: str, data: bytes) -> str:
     """The id an artifact's content gives (ValueError if it is not a valid artifact of that kind)."""
+    from service.artifacts.kvquant_state import KVQuantState
+    from service.artifacts.policy import PolicyTable
+
     if kind == KIND_POLICY:
         return PolicyTable.from_json(data).id
     return KVQuantState.from_bytes(data).id
 
 
-def copy_artifacts(src: Store, dst: Store, kinds: tuple[str, ...] = KINDS) -> CopyResult:
-    """Copy every artifact of ``kinds`` from ``src`` to ``dst``, verifying each id against its content."""
+def copy_artifacts(src, dst, kinds: tuple[str, ...] = KINDS) -> CopyResult:
+    """Copy every artifact of ``kinds`` from the store ``src`` to ``dst``, verifying each id against its content."""
     result = CopyResult()
     for kind in kinds:
         result.copied[kind], result.skipped[kind] = [], []
@@ -58,36 +86,454 @@ def copy_artifacts(src: Store, dst: Store, kinds: tuple[str, ...] = KINDS) -> Co
     return result
 
 
+# ---- the two places policies are managed through ------------------------------------------------------------------
+
+
+def artifact_type(kind: str) -> type:
+    """The artifact class of a store kind among the registered methods' (`service.quant.registry`)."""
+    from service.quant.registry import artifact_types
+
+    return next(cls for cls in artifact_types().values() if cls.KIND == kind)
+
+
+def method_of(kind: str) -> str:
+    """The quantization method that applies artifacts of ``kind`` (``policy`` -> ``dllm_kvq``)."""
+    from service.quant.registry import method, methods
+
+    return next(name for name in methods(with_artifact=True) if method(name).store_kind == kind)
+
+
+class StoreSide:
+    """Policies in a store, read and written directly (`service.store.base.Store`)."""
+
+    def __init__(self, store, model: str | None) -> None:
+        self.store = store
+        self.model = model
+        self.where = f"--store {store.location}"
+        self._spec = None
+
+    def spec(self):
+        """The ``--model`` checkpoint's spec (read once, without loading the model)."""
+        if self._spec is None:
+            from service.engine.errors import EngineInputError
+            from service.engine.loading import checkpoint_spec
+
+            try:
+                self._spec = checkpoint_spec(self.model)
+            except EngineInputError as exc:
+                raise PoliciesError(f"--model: {exc}") from None
+        return self._spec
+
+    def ids(self, kind: str) -> list[tuple[str, float]]:
+        """``(id, created_at)`` of every artifact of ``kind``, oldest first."""
+        return [(i, self.store.info(kind, i).created_at) for i in self.store.list(kind)]
+
+    def summary(self, kind: str, artifact_id: str) -> dict[str, Any] | None:
+        """The artifact's summary (a policy table's JSON, a KVQuant state's metadata), None if absent."""
+        from service.store.base import ArtifactNotFound
+
+        try:
+            data = self.store.get(kind, artifact_id)
+        except ArtifactNotFound:
+            return None
+        return artifact_type(kind).from_bytes(data).summary()
+
+    def active(self) -> list[dict[str, Any]]:
+        """Every active entry (all models): fingerprint, cache_mode, config, set_at, key_id."""
+        return [e.model_dump(mode="json") for e in self.store.list_active()]
+
+    def activate(self, cache_mode: str, config) -> dict[str, Any]:
+        """`Store.set_active` against ``--model``'s spec; the audit entry (old, new)."""
+        from service.store.base import ArtifactNotFound, ConfigInvalid, InvalidName
+
+        spec = self.spec()
+        try:
+            audit = self.store.set_active(spec, cache_mode, config, key_id=f"cli:{getpass.getuser()}")
+        except (ConfigInvalid, ArtifactNotFound, InvalidName) as exc:
+            raise PoliciesError(f"refused for {spec.model_id} ({spec.fingerprint[:12]}): {exc}") from None
+        return audit.model_dump(mode="json")
+
+    def audit(self, limit: int) -> list[dict[str, Any]]:
+        return [e.model_dump(mode="json") for e in self.store.audit(limit)]
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ServerSide:
+    """Policies through a running server's ``/admin`` routes (bearer admin key)."""
+
+    def __init__(self, url: str, key: str, key_env: str) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.key_env = key_env
+        self.where = f"--server {self.url}"
+        self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    def _call(self, method: str, path: str, **kwargs) -> Any:
+        import httpx
+
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{self.where}: cannot reach it ({exc or type(exc).__name__}); start the server "
+                               f"(`{prog('service', 'serve')}`) or fix --server") from None
+        if response.status_code < 400:
+            return response.json() if response.content else None
+        try:
+            error = response.json()["error"]
+            message = error.get("message") or str(error)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            message = response.text.strip()[:300]
+        if response.status_code == 403:
+            raise PoliciesError(f"{self.where}: {message}; start the server with DLLM_ADMIN_KEY set (16+ characters) "
+                                f"and give the same key here in {self.key_env}")
+        if response.status_code == 401:
+            raise PoliciesError(f"{self.where}: {message}; {self.key_env} must hold the server's admin key")
+        if response.status_code in (400, 404, 422):
+            raise PoliciesError(f"{self.where}: refused: {message}")
+        raise BackendError(f"{self.where}: {method} {path} answered {response.status_code}: {message}")
+
+    def ids(self, kind: str) -> list[tuple[str, float]]:
+        plural = artifact_type(kind).PLURAL
+        return [(row["id"], row["created_at"]) for row in self._call("GET", f"/admin/{plural}")["data"]]
+
+    def summary(self, kind: str, artifact_id: str) -> dict[str, Any] | None:
+        import httpx
+
+        plural = artifact_type(kind).PLURAL
+        try:
+            response = self.client.get(f"/admin/{plural}/{artifact_id}")
+        except httpx.HTTPError:
+            response = None
+        if response is not None and response.status_code == 404:
+            return None
+        summary = self._call("GET", f"/admin/{plural}/{artifact_id}")
+        summary.pop("id", None)
+        return summary
+
+    def active(self) -> list[dict[str, Any]]:
+        view = self._call("GET", "/admin/active")
+        return list(view["store"].values())
+
+    def activate(self, cache_mode: str, config) -> dict[str, Any]:
+        return self._call("PUT", f"/admin/active/{cache_mode}", json=config.model_dump(mode="json", exclude_none=True))
+
+    def audit(self, limit: int) -> list[dict[str, Any]]:
+        return self._call("GET", "/admin/audit", params={"limit": limit})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---- presentation ---------------------------------------------------------------------------------------------
+
+
+def when(seconds: float | None) -> str:
+    """Unix seconds as ``YYYY-MM-DD HH:MM`` UTC."""
+    if seconds is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def nominal_k_bits(summary: dict[str, Any]) -> float | None:
+    """A policy's nominal K bits, averaged over layers, each layer's full group counted as the paper does
+    (`service.artifacts.policy.nominal_k_bits`: ``(b (G - p) + 16 p) / G``, scales not counted); None for an
+    artifact without per-layer budgets (a KVQuant state: ``bits`` is its figure)."""
+    from service.artifacts.policy import nominal_k_bits as layer_bits
+
+    layers = summary.get("layers")
+    if not layers:
+        return None
+    return sum(layer_bits(summary["bits"], summary["k_group_size"], layer["p"]) for layer in layers) / len(layers)
+
+
+def describe_config(config: dict[str, Any] | None) -> str:
+    """A configuration in a few words: ``dllm_kvq 2-bit policy_id=policy-1a2b...`` (``none`` = unquantized)."""
+    if config is None:
+        return "(none set)"
+    if config.get("method", "none") == "none":
+        return "none (unquantized)"
+    words = [config["method"], f"{config.get('bits', 4)}-bit"]
+    words += [f"{k}={v}" for k, v in config.items() if k.endswith("_id") and v]
+    return " ".join(words)
+
+
+def find_artifact(side, artifact_id: str) -> tuple[str, dict[str, Any]]:
+    """The kind and summary of a stored policy or KVQuant state (PoliciesError naming where it was looked for)."""
+    for kind in KINDS:
+        summary = side.summary(kind, artifact_id)
+        if summary is not None:
+            return kind, summary
+    raise PoliciesError(f"no policy or KVQuant state with id {artifact_id!r} in {side.where}; "
+                        f"`{prog('service', 'policies list')}` lists them")
+
+
+def config_from(side, target: str):
+    """The `KVQuantConfig` that ``activate``'s TARGET names: an inline JSON object, a file with one (an activation
+    body of ``calibrate report``), or the id of a stored policy or KVQuant state (its method, bits and group
+    sizes)."""
+    from pydantic import ValidationError
+
+    from service.commands import describe_validation_error
+    from service.quant.config import KVQuantConfig
+
+    if target.lstrip().startswith("{"):
+        text, what = target, "the JSON configuration"
+    elif Path(target).is_file():
+        text, what = Path(target).read_text(), target
+    elif "/" in target or target.endswith(".json"):
+        raise PoliciesError(f"{target}: no such file; give a policy or state id, an activation body file "
+                            "(calibrate report writes them under runs/calibration/activate/) or a JSON object")
+    else:
+        kind, summary = find_artifact(side, target)
+        fixed = {name: summary[name] for name in ARTIFACT_FIELDS if name in summary}
+        return KVQuantConfig(method=method_of(kind), artifact_id=target, **fixed)
+    try:
+        return KVQuantConfig.model_validate_json(text)
+    except ValidationError as exc:
+        raise PoliciesError(f"{what}: not a KV quantization configuration: {describe_validation_error(exc)}") from None
+
+
+# ---- verbs -------------------------------------------------------------------------------------------------------
+
+
+def run_list(side, args: argparse.Namespace) -> int:
+    active: dict[str, list[str]] = {}
+    for entry in side.active():
+        for value in entry["config"].values():
+            if isinstance(value, str):
+                active.setdefault(value, []).append(entry["cache_mode"])
+    rows = []
+    for kind in KINDS:
+        for artifact_id, created in side.ids(kind):
+            summary = side.summary(kind, artifact_id) or {}
+            bits = nominal_k_bits(summary)
+            rows.append({"id": artifact_id, "kind": kind, "method": method_of(kind),
+                         "model": summary.get("model_id"), "cache_mode": summary.get("cache_mode"),
+                         "bits": summary.get("bits"), "nominal_k_bits": bits,
+                         "weights_fingerprint": summary.get("weights_fingerprint"), "created_at": created,
+                         "active_for": sorted(set(active.get(artifact_id, [])))})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no policies or KVQuant states in {side.where}; `calibrate all` fits them")
+        return 0
+    header = ("ID", "METHOD", "MODEL", "CACHE", "BITS", "K BITS", "FITTED ON", "CREATED (UTC)", "ACTIVE")
+    table = [header] + [
+        (r["id"], r["method"], str(r["model"]), r["cache_mode"] or "any", str(r["bits"]),
+         f"{r['nominal_k_bits']:.3f}" if r["nominal_k_bits"] is not None else "-",
+         (r["weights_fingerprint"] or "-")[:12], when(r["created_at"]), ",".join(r["active_for"]) or "-")
+        for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    print("K BITS: nominal K bits of a full group averaged over layers, (b(G-p)+16p)/G; FITTED ON: the weights "
+          "fingerprint")
+    return 0
+
+
+def run_show(side, args: argparse.Namespace) -> int:
+    kind, summary = find_artifact(side, args.id)
+    if args.json:
+        print(json.dumps({"id": args.id, "kind": kind, **summary}, indent=2))
+        return 0
+    print(f"{args.id}  ({method_of(kind)} {kind})")
+    for name, value in summary.items():
+        if name not in ("layers", "provenance"):
+            print(f"  {name}: {value}")
+    bits = nominal_k_bits(summary)
+    if bits is not None:
+        print(f"  nominal K bits (mean over layers): {bits:.3f}")
+    provenance = summary.get("provenance") or {}
+    for name in ("created_at", "data", "code"):
+        if provenance.get(name):
+            print(f"  provenance.{name}: {provenance[name]}")
+    for i, layer in enumerate(summary.get("layers") or []):
+        print(f"  layer {i:>3}: {layer['score_type']:<9} p={layer['p']}")
+    return 0
+
+
+def run_activate(side, args: argparse.Namespace) -> int:
+    from service.quant.config import KVQuantConfig
+
+    config = KVQuantConfig() if args.verb == "deactivate" else config_from(side, args.target)
+    audit = side.activate(args.cache_mode, config)
+    if args.json:
+        print(json.dumps(audit, indent=2))
+        return 0
+    print(f"{args.cache_mode}: {describe_config(audit.get('old'))} -> {describe_config(audit['new'])} "
+          f"(by {audit.get('key_id') or '-'} at {when(audit['at'])} UTC; model {audit['fingerprint'][:12]})")
+    return 0
+
+
+def run_diff(side, args: argparse.Namespace) -> int:
+    kinds, summaries = zip(*(find_artifact(side, i) for i in (args.a, args.b)), strict=True)
+    a, b = summaries
+    if kinds[0] != kinds[1]:
+        raise PoliciesError(f"{args.a} is a {kinds[0]}, {args.b} a {kinds[1]}; diff compares two of one kind")
+    lines = []
+    for name in sorted((set(a) | set(b)) - {"layers"}):
+        if a.get(name) != b.get(name):
+            lines.append(f"{name}: {a.get(name)} -> {b.get(name)}")
+    bits = nominal_k_bits(a), nominal_k_bits(b)
+    if bits[0] != bits[1] and None not in bits:
+        lines.append(f"nominal K bits: {bits[0]:.3f} -> {bits[1]:.3f}")
+    layers_a, layers_b = a.get("layers") or [], b.get("layers") or []
+    for i in range(max(len(layers_a), len(layers_b))):
+        la = layers_a[i] if i < len(layers_a) else None
+        lb = layers_b[i] if i < len(layers_b) else None
+        if la != lb:
+            show = [f"{x['score_type']} p={x['p']}" if x else "(absent)" for x in (la, lb)]
+            lines.append(f"layer {i}: {show[0]} -> {show[1]}")
+    print(f"--- {args.a}\n+++ {args.b}")
+    print("\n".join(lines) if lines else "(same content)")
+    return 0
+
+
+def run_audit(side, args: argparse.Namespace) -> int:
+    entries = side.audit(args.limit)
+    if args.json:
+        print(json.dumps(entries, indent=2))
+        return 0
+    if not entries:
+        print(f"no configuration changes in {side.where}")
+    for e in entries:
+        print(f"{when(e['at'])}  {e['cache_mode']:<6} model {e['fingerprint'][:12]}  by {e.get('key_id') or '-'}:  "
+              f"{describe_config(e.get('old'))} -> {describe_config(e['new'])}")
+    return 0
+
+
+VERBS = {"list": run_list, "show": run_show, "activate": run_activate, "deactivate": run_activate,
+         "diff": run_diff, "audit": run_audit}
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``policies export|import``."""
-    p = subparsers.add_parser("policies", help="export/import policies and KVQuant states", description=__doc__)
-    verbs = p.add_subparsers(dest="verb", required=True)
-    for verb, helptext in (("export", "store -> directory"), ("import", "directory -> store")):
-        v = verbs.add_parser(verb, help=helptext)
-        v.add_argument("directory", help="local directory (created on export)")
-        v.add_argument("--store", default=None, type=store_url_arg, help=STORE_HELP)
-        v.add_argument("--store-prefix", default=None,
+    """Register ``policies`` and its verbs."""
+    from service.config import DEFAULT_STORE_PREFIX, STORE_HELP
+
+    p = subparsers.add_parser("policies", help="list, show, activate, diff, audit, export, import policies",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    verbs = p.add_subparsers(dest="verb", required=True, metavar="verb")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--store", default=None, type=store_url_arg, help=STORE_HELP)
+    where.add_argument("--store-prefix", default=None,
                        help=f"Redis key prefix (default: DLLM_STORE_PREFIX, else {DEFAULT_STORE_PREFIX})")
-        v.add_argument("--kind", choices=KINDS, action="append", help="only this kind (repeatable)")
+    managed = argparse.ArgumentParser(add_help=False, parents=[where])
+    managed.add_argument("--server", default=None,
+                         help="a running server's root URL (http://HOST:PORT) to go through instead of --store "
+                              "(default: none, the store directly)")
+    managed.add_argument("--admin-key-env", default="DLLM_ADMIN_KEY",
+                         help="environment variable holding the server's admin key, with --server (default "
+                              "%(default)s)")
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument("--json", action="store_true", help="print JSON instead of text (default: text)")
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument("--model", default=None,
+                       help="over --store: the served checkpoint whose spec the configuration is checked against "
+                            "(dir or HF repo id; default: the embedded model); over --server the server's model")
+
+    def verb(name: str, helptext: str, parents: list) -> argparse.ArgumentParser:
+        v = verbs.add_parser(name, help=helptext, description=helptext, parents=parents)
         v.set_defaults(func=run)
+        return v
+
+    verb("list", "every policy and KVQuant state: method, model, cache mode, bits, nominal K bits, the weights it "
+         "was fitted on, date, where active", [managed, json_flag])
+    verb("show", "one policy or KVQuant state", [managed, json_flag]).add_argument(
+        "id", help="its id (policy-... or kvquant-...; `list` shows them)")
+    activate = verb("activate", "make a configuration the active one of a cache mode, validated as the server "
+                    "validates it", [managed, model, json_flag])
+    activate.add_argument("cache_mode", choices=CACHE_MODES, help="the cache mode it serves")
+    activate.add_argument("target", metavar="ID|FILE|JSON",
+                          help="a stored policy or KVQuant state id (its bits and group sizes are used), an "
+                               "activation body file (runs/calibration/activate/*.json) or an inline JSON "
+                               "configuration such as '{\"method\": \"kivi\", \"bits\": 2}'")
+    verb("deactivate", "serve a cache mode unquantized (method none) from now on",
+         [managed, model, json_flag]).add_argument(
+        "cache_mode", choices=CACHE_MODES, help="the cache mode")
+    diff = verb("diff", "what differs between two policies (or two KVQuant states)", [managed])
+    diff.add_argument("a", help="the first id")
+    diff.add_argument("b", help="the second id")
+    verb("audit", "the newest configuration changes: when, cache mode, model, by whom, old -> new",
+         [managed, json_flag]).add_argument("--limit", type=int, default=20,
+                                            help="how many entries, newest first (default %(default)s)")
+    for name, helptext in (("export", "copy every policy and KVQuant state from the store into a directory"),
+                           ("import", "copy a directory's policies and KVQuant states into the store")):
+        v = verb(name, helptext, [where])
+        v.add_argument("directory", help="local directory in the directory-store layout (created on export)")
+        v.add_argument("--kind", choices=KINDS, action="append",
+                       help="only this kind (repeatable; default: both)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Copy between the store and the directory; exit 1 if anything was refused or the store failed."""
+def open_side(args: argparse.Namespace):
+    """A `ServerSide` (``--server``) or a `StoreSide` (``--store``), or PoliciesError naming what is missing."""
+    import os
+
+    from service.config import default_store
+    from service.store.base import InvalidName, open_store
+
+    if getattr(args, "server", None):
+        if args.store:
+            raise PoliciesError("give --server or --store, not both: over --server the server's own store is used")
+        key = os.environ.get(args.admin_key_env)
+        if not key:
+            raise PoliciesError(f"--server {args.server} needs the server's admin key in {args.admin_key_env} "
+                                f"(export {args.admin_key_env}=...; the server must have been started with it)")
+        return ServerSide(args.server, key, args.admin_key_env)
     try:
         store = open_store(*default_store(args.store, args.store_prefix))
     except InvalidName as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    directory = open_store(args.directory)
-    src, dst = (store, directory) if args.verb == "export" else (directory, store)
+        raise PoliciesError(str(exc)) from None
+    return StoreSide(store, getattr(args, "model", None))
+
+
+def run_copy(args: argparse.Namespace) -> int:
+    """``export`` / ``import``: copy between the store and the directory."""
+    from service.store.base import StoreError, open_store
+
+    directory = Path(args.directory)
+    if args.verb == "import" and not directory.is_dir():
+        raise PoliciesError(f"{args.directory}: no such directory; give the folder `policies export` wrote")
+    if directory.exists() and not directory.is_dir():
+        raise PoliciesError(f"{args.directory} is a file; give a directory")
+    side = open_side(args)
+    store = side.store
+    local = open_store(str(directory))
+    src, dst = (store, local) if args.verb == "export" else (local, store)
     try:
         result = copy_artifacts(src, dst, tuple(args.kind or KINDS))
     except StoreError as exc:
-        print(f"error: --store {store.location}: {exc}", file=sys.stderr)
-        return 1
+        raise BackendError(f"--store {store.location}: {exc}") from None
+    finally:
+        store.close()
     for kind in result.copied:
         print(f"{kind}: {len(result.copied[kind])} copied, {len(result.skipped[kind])} already there")
     for name, reason in result.refused.items():
         print(f"refused {name}: {reason}")
     return 1 if result.refused else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a verb; exit 0, 1 (store or server failed, or an artifact refused) or 2 (bad input), one line each."""
+    from service.store.base import StoreError
+
+    name = prog("service", "policies", args.verb)
+    try:
+        if args.verb in ("export", "import"):
+            return run_copy(args)
+        side = open_side(args)
+        try:
+            return VERBS[args.verb](side, args)
+        except StoreError as exc:
+            raise BackendError(f"{side.where}: {exc}") from None
+        finally:
+            side.close()
+    except PoliciesError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    except BackendError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 1

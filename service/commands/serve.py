@@ -24,14 +24,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from service.commands import add_model_flags
+from service.commands import add_model_flags, prog
 from service.config import Settings, effective_allowed_hosts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``serve`` with one flag per setting."""
     p = subparsers.add_parser("serve", help="start the OpenAI-compatible server", description=__doc__)
-    add_model_flags(p, Settings.model_fields)
+    add_model_flags(p, Settings.model_fields, show_default=True)
     p.set_defaults(func=run)
 
 
@@ -72,6 +72,30 @@ def describe_settings_error(exc: ValidationError) -> str:
             message = f"{where}: {message}"
         lines.append(message)
     return "; ".join(lines)
+
+
+def check_model_settings(settings: Settings) -> str | None:
+    """What is wrong with the model, dtype or device settings, as one line naming the flag and what to do, or None;
+    checked before the port is bound and the model loads (the lifespan would fail with a traceback)."""
+    from service.engine.errors import EngineInputError
+    from service.engine.loading import resolve_checkpoint_dir, resolve_device
+
+    for flag, check, value in (("--device / DLLM_DEVICE", resolve_device, settings.device),
+                               ("--model / DLLM_MODEL", resolve_checkpoint_dir, settings.model)):
+        try:
+            check(value)
+        except EngineInputError as exc:
+            return f"{flag}: {exc}"
+    return None
+
+
+def admin_note(settings: Settings) -> str | None:
+    """The start-up note of a server without an admin key (it cannot be managed while it runs), else None."""
+    if settings.admin_key is not None:
+        return None
+    return (f"note: admin is closed (DLLM_ADMIN_KEY is not set), so the active configuration cannot be changed while "
+            f"this server runs; to manage it (`{prog('service', 'policies')} activate --server ...`), stop it and "
+            "start it again after `export DLLM_ADMIN_KEY=<16+ characters>`")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -165,11 +189,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --port / DLLM_PORT: cannot listen on {settings.host}:{settings.port} ({exc.strerror or exc}); "
               "stop what is using it or choose another --port", file=sys.stderr)
         return STARTUP_FAILED
+    problem = check_model_settings(settings)
+    if problem:
+        sock.close()
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     refused = check_store(settings)
     if refused is not None:
         sock.close()
         print(f"error: {refused}", file=sys.stderr)
         return STARTUP_FAILED
+    note = admin_note(settings)
+    if note:
+        print(note, file=sys.stderr)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings.model_copy(update={"allowed_hosts": effective_allowed_hosts(settings)})
     app = create_app(settings)

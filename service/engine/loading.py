@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,22 +81,28 @@ def resolve_checkpoint_dir(model: str | Path | None) -> Path:
             raise EngineInputError(f"{path} is a directory without config.json; not a checkpoint")
         return path
     name = str(model)
-    if name.count("/") == 1 and not path.exists():
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
+    if path.exists():
+        raise EngineInputError(f"{name} is a file; a checkpoint is a directory with config.json and safetensors")
+    if path.is_absolute() or name.startswith((".", "~")) or name.count("/") != 1:
+        # A path (a repo id is "org/name", never absolute nor relative to "."): say that it is missing, not that
+        # a hub cache lacks it.
+        raise EngineInputError(f"no checkpoint at {name}: {path.resolve()} does not exist; pass a checkpoint "
+                               "directory (config.json + safetensors) or an 'org/name' repo id in the Hugging Face "
+                               "cache")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-        try:
-            return Path(snapshot_download(name, local_files_only=True))
-        except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as err:
-            raise EngineInputError(
-                f"{name!r} is not in the local Hugging Face cache (HF_HOME) and downloads are off; "
-                "download it first or pass a local directory"
-            ) from err
-    raise EngineInputError(f"no checkpoint at {name!r}: expected a directory with config.json or an 'org/name' repo id")
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as err:
+        raise EngineInputError(
+            f"{name!r} is not in the local Hugging Face cache (HF_HOME) and the server never downloads; "
+            f"download it first (`hf download {name}`) or pass a local checkpoint directory"
+        ) from err
 
 
-def read_checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
+def _shard_names(directory: Path) -> tuple[list[str], Path | None]:
+    """The safetensors files of a checkpoint and its index file (None for a single ``model.safetensors``).
 
     Raises:
         EngineInputError: neither file exists, or a listed shard is missing.
@@ -104,17 +111,33 @@ def read_checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (directory / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
+        return ["model.safetensors"], None
     else:
         raise EngineInputError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
-    tensors: dict[str, torch.Tensor] = {}
     for shard in shards:
         if not (directory / shard).is_file():
             raise EngineInputError(f"shard {shard} listed in {index} is missing")
+    return shards, index
+
+
+def read_checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in ``model.safetensors.index.json``.
+
+    Raises:
+        EngineInputError: neither file exists, or a listed shard is missing.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in _shard_names(directory)[0]:
         with safe_open(directory / shard, framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - a safetensors handle is not iterable
                 tensors[name] = handle.get_tensor(name)
     return tensors
+
+
+def _hash_tensor(digest: Any, name: str, tensor: torch.Tensor) -> None:
+    tensor = tensor.detach().to("cpu").contiguous()
+    digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\n".encode())
+    digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def weights_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
@@ -125,9 +148,25 @@ def weights_fingerprint(tensors: dict[str, torch.Tensor]) -> str:
     """
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}\n".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        _hash_tensor(digest, name, tensors[name])
+    return digest.hexdigest()
+
+
+def checkpoint_fingerprint(directory: Path) -> str:
+    """`weights_fingerprint` of a checkpoint folder, reading one tensor at a time (memory: the largest tensor, not
+    the checkpoint: an 8B model's spec without 16 GB of weights in memory).
+
+    Raises:
+        EngineInputError: no safetensors weights there (see `read_checkpoint_tensors`).
+    """
+    with ExitStack() as stack:
+        where = {}
+        for shard in _shard_names(directory)[0]:
+            handle = stack.enter_context(safe_open(directory / shard, framework="pt"))
+            where.update(dict.fromkeys(handle.keys(), handle))
+        digest = hashlib.sha256()
+        for name in sorted(where):
+            _hash_tensor(digest, name, where[name].get_tensor(name))
     return digest.hexdigest()
 
 
@@ -146,22 +185,34 @@ def detect_arch(hf_config: dict[str, Any]) -> str:
 
 
 def load_tokenizer(directory: Path):
-    """The checkpoint's tokenizer through transformers, or None when it ships no tokenizer files.
+    """The checkpoint's tokenizer through transformers (4.45+ or 5), never running remote code; None when the
+    checkpoint ships no tokenizer files.
 
-    Tries ``AutoTokenizer`` without remote code; a repo whose tokenizer class is remote code (Dream) falls back to
-    ``PreTrainedTokenizerFast`` over its ``tokenizer.json`` with the special tokens of ``tokenizer_config.json``.
+    A ``tokenizer_class`` of ``tokenizer_config.json`` that transformers itself provides (LLaDA and the embedded
+    model: ``PreTrainedTokenizerFast``) is loaded with that class: ``AutoTokenizer`` would read ``config.json``
+    too, and transformers 5 warns about its model type (``llada``, unknown to it) and ``auto_map`` entries that the
+    engine never uses. Otherwise ``AutoTokenizer`` without remote code; a repo whose tokenizer class is remote code
+    (Dream) falls back to ``PreTrainedTokenizerFast`` over its ``tokenizer.json`` with the special tokens of
+    ``tokenizer_config.json``.
     """
     if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    import transformers
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    named = getattr(transformers, str(config.get("tokenizer_class")), None) if "auto_map" not in config else None
+    if isinstance(named, type) and issubclass(named, PreTrainedTokenizerBase):
+        try:
+            return named.from_pretrained(directory, trust_remote_code=False)
+        except (ValueError, OSError, KeyError):
+            pass  # the class does not take these files: let AutoTokenizer choose
     try:
         return AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     except (ValueError, OSError, KeyError):
         if not (directory / "tokenizer.json").is_file():
             raise
-        config_file = directory / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
         return PreTrainedTokenizerFast(
             tokenizer_file=str(directory / "tokenizer.json"), chat_template=config.get("chat_template"), **special
@@ -190,36 +241,20 @@ def _eos_ids(directory: Path, config_eos: int, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def load_checkpoint(
-    model: str | Path | None, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-) -> LoadedCheckpoint:
-    """Load config, weights (cast to ``dtype``, on ``device``) and tokenizer; build the :class:`ModelSpec`.
-
-    Raises:
-        EngineInputError: unknown dtype/device, no checkpoint, unsupported architecture, or weights that do not
-            match the config (message names the tensors).
-    """
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
-    directory = resolve_checkpoint_dir(model)
+def _config_of(directory: Path) -> tuple[type[DiffusionLM], Any]:
+    """The model class and its config from ``config.json`` (EngineInputError naming the file when it does not fit)."""
     hf_config = json.loads((directory / "config.json").read_text())
     cls = MODEL_CLASSES[detect_arch(hf_config)]
     try:
-        config = cls.config_from_hf(hf_config)
+        return cls, cls.config_from_hf(hf_config)
     except (KeyError, ValueError) as err:
         raise EngineInputError(f"{directory}/config.json: {err}") from err
-    tensors = read_checkpoint_tensors(directory)
-    fingerprint = weights_fingerprint(tensors)
-    with torch.device("meta"):
-        net = cls(config)
-    try:
-        net.load_checkpoint_tensors({k: v.to(device=torch_device, dtype=torch_dtype) for k, v in tensors.items()})
-    except ValueError as err:
-        raise EngineInputError(f"{directory}: {err}") from err
-    net.eval().requires_grad_(False)
-    tokenizer = load_tokenizer(directory)
+
+
+def _spec(model: str | Path | None, directory: Path, config: Any, fingerprint: str, tokenizer: Any) -> ModelSpec:
     if config.pad_id == config.mask_id:
         raise EngineInputError(f"{directory}: pad id equals the mask id ({config.mask_id}); padding would be decoded")
-    spec = ModelSpec(
+    return ModelSpec(
         arch=config.arch,
         model_id=str(model) if model is not None else "embedded",
         fingerprint=fingerprint,
@@ -234,4 +269,41 @@ def load_checkpoint(
         max_length=config.max_length,
         tokenizer_size=len(tokenizer) if tokenizer is not None else None,
     )
+
+
+def checkpoint_spec(model: str | Path | None) -> ModelSpec:
+    """The :class:`ModelSpec` `load_checkpoint` would give, without building the model (what checking a policy
+    against a model needs: ``dllm-kvq policies activate`` over a store).
+
+    Raises:
+        EngineInputError: as `load_checkpoint`, but nothing about dtype or device.
+    """
+    directory = resolve_checkpoint_dir(model)
+    _, config = _config_of(directory)
+    return _spec(model, directory, config, checkpoint_fingerprint(directory), load_tokenizer(directory))
+
+
+def load_checkpoint(
+    model: str | Path | None, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> LoadedCheckpoint:
+    """Load config, weights (cast to ``dtype``, on ``device``) and tokenizer; build the :class:`ModelSpec`.
+
+    Raises:
+        EngineInputError: unknown dtype/device, no checkpoint, unsupported architecture, or weights that do not
+            match the config (message names the tensors).
+    """
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    directory = resolve_checkpoint_dir(model)
+    cls, config = _config_of(directory)
+    tensors = read_checkpoint_tensors(directory)
+    fingerprint = weights_fingerprint(tensors)
+    with torch.device("meta"):
+        net = cls(config)
+    try:
+        net.load_checkpoint_tensors({k: v.to(device=torch_device, dtype=torch_dtype) for k, v in tensors.items()})
+    except ValueError as err:
+        raise EngineInputError(f"{directory}: {err}") from err
+    net.eval().requires_grad_(False)
+    tokenizer = load_tokenizer(directory)
+    spec = _spec(model, directory, config, fingerprint, tokenizer)
     return LoadedCheckpoint(model=net, spec=spec, tokenizer=tokenizer, directory=directory)

@@ -9,7 +9,7 @@ newer name for it; the models' templates know only ``system``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from service.engine.errors import EngineInputError
@@ -68,8 +68,16 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
         EngineInputError: no tokenizer, no chat template, no messages, or text with a lone surrogate.
     """
     _need(tokenizer, model_id, True, field)
-    return list(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, tokenizer_kwargs={"verbose": False}))
+    return token_ids(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
+                                                   tokenize=True, tokenizer_kwargs={"verbose": False}))
+
+
+def token_ids(encoded: Any) -> list[int]:
+    """The ids of one sequence from ``apply_chat_template(tokenize=True)``: transformers 4 returns them as a list,
+    transformers 5 a `BatchEncoding` (a mapping whose ``input_ids`` holds them, beside ``attention_mask``)."""
+    if isinstance(encoded, Mapping):
+        encoded = encoded["input_ids"]
+    return [int(i) for i in encoded]
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True

@@ -248,7 +248,9 @@ class ActiveConfigs:
         with self._lock:
             return {mode: snap for mode, snap in self._current.items() if mode not in self.not_ready}
 
-    def _install(self, snapshot: ConfigSnapshot, count: bool = True) -> None:
+    def _install(self, snapshot: ConfigSnapshot, count: bool = True, by: str | None = None) -> None:
+        """Serve ``snapshot`` from now on; ``by`` (an admin key id, the key id of a store entry) is logged with
+        every change of what is served."""
         mode = snapshot.cache_mode
         with self._lock:
             old = self._current.get(mode)
@@ -260,6 +262,8 @@ class ActiveConfigs:
         self.telemetry.set_active(self.model_name, mode, snapshot.config, snapshot.source, cap)
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(mode).inc()
+            log.info("cache mode %s: active configuration changed by %s: %s -> %s (%s)", mode, by or "store",
+                     public_config(old.config) if old else None, public_config(snapshot.config), snapshot.source)
 
     def _refuse(self, cache_mode: str, what: str, exc: BaseException) -> None:
         """Make ``cache_mode`` not ready: ``what`` cannot be served because of ``exc``. The reason kept (shown by
@@ -330,7 +334,7 @@ class ActiveConfigs:
                         self._use_default(mode)
                     continue
                 self.telemetry.store_active_lost.labels(mode).set(0)
-                self._use_entry(mode, entry.config, entry.set_at)
+                self._use_entry(mode, entry.config, entry.set_at, entry.key_id)
             self.version = max(self.version, state.version)
 
     def poll(self) -> None:
@@ -352,11 +356,11 @@ class ActiveConfigs:
         if version != self.version or self.store_denied is not None:
             self.reload()
 
-    def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float) -> None:
+    def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float, by: str | None = None) -> None:
         """Serve the store's active ``config`` for ``cache_mode``, or make the mode not ready if it does not
         validate; an unreachable store keeps what is served (the outage rule)."""
         try:
-            self._install(self.resolver.resolve(config, cache_mode, "active", set_at))
+            self._install(self.resolver.resolve(config, cache_mode, "active", set_at), by=by)
         except StoreUnavailable as exc:
             log.error("could not load the active configuration of %s (%s); serving the previous", cache_mode, exc)
         except (ValueError, KeyError, StoreError) as exc:
@@ -415,7 +419,7 @@ class ActiveConfigs:
             elif change.entry is not None and change.entry.fingerprint == self.fingerprint:
                 entry = change.entry
                 self.telemetry.store_active_lost.labels(entry.cache_mode).set(0)  # the store holds an entry again
-                self._use_entry(entry.cache_mode, entry.new, entry.at)
+                self._use_entry(entry.cache_mode, entry.new, entry.at, entry.key_id)
             self.version = max(self.version, change.version)
 
     def _reload_quietly(self, why: str) -> None:
@@ -435,7 +439,7 @@ class ActiveConfigs:
         audit = self.resolver.store.set_active(self.resolver.spec, cache_mode, config, key_id=key_id)
         with self._sync:
             self.telemetry.store_active_lost.labels(cache_mode).set(0)
-            self._install(replace(snapshot, set_at=audit.at))
+            self._install(replace(snapshot, set_at=audit.at), by=key_id)
             if self.version >= 0 and audit.version > self.version + 1:
                 self._reload_quietly(f"missed versions {self.version + 1}..{audit.version - 1}")
             self.version = max(self.version, audit.version)
