@@ -22,7 +22,7 @@ import numpy as np
 
 from calibration.forward import capture_qkv
 from calibration.metrics import METRICS
-from calibration.policy_tables import per_layer_markdown
+from calibration.policy_tables import per_layer_markdown, table4_markdown
 from calibration.trace import Trajectory, rollout
 from service.artifacts.policy import SCORE_TYPES, PolicyTable
 from service.engine.models import DiffusionLM
@@ -60,7 +60,8 @@ def plot_win_rates(rows: Mapping[str, Mapping[str, float]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for i, key in enumerate(keys):
         offsets = np.arange(len(METRICS)) + (i - (len(keys) - 1) / 2) * width
-        label = f"{key} ({rows[key]['effective_k_bits']:.2f} K bits)"
+        configured = rows[key].get("configured_k_bits")
+        label = key if configured is None else f"{key} ({configured:.2f} configured K bits)"
         ax.bar(offsets, [rows[key][m] for m in METRICS], width, label=label)
     ax.axhline(50, color="grey", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(METRICS)), METRICS)
@@ -112,16 +113,6 @@ def plot_cache_surfaces(model: DiffusionLM, trajectory: Trajectory, block: int, 
     return paths[0], paths[1]
 
 
-def _table4_markdown(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
-    lines = ["| policy | " + " | ".join(METRICS) + " | eff. K bits | protected layers |",
-             "|---" * (len(METRICS) + 3) + "|"]
-    for key in sorted(rows):
-        row = rows[key]
-        lines.append(f"| {key} | " + " | ".join(f"{row[m]:.1f}" for m in METRICS)
-                     + f" | {row['effective_k_bits']:.3f} | {int(row['protected_layers'])} |")
-    return lines
-
-
 def _change(value: float | None) -> str:
     return "— (one round)" if value is None else f"{value:+.4f}"
 
@@ -168,15 +159,14 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
         lines.append(f"| {key} | `{table.id}` | {layers} |")
     lines += ["", f"![policy map]({policy_map.name})", "", "### Per-layer policy tables", "",
               ("Win rates: share of the layer's calibration records (%) where its choice beats quantizing every K "
-              "token; nominal K bits of a full group, and averaged over the calibration's reused tokens."), ""]
+              "token. Configured K bits: the layer's nominal K bits on full groups, the figure every report of "
+              "the policy shows; measured: the nominal K bits over the calibration's reused tokens, where a "
+              "segment shorter than a group still keeps p tokens at 16 bits (docs/glossary.md)."), ""]
     for key in sorted(tables):
         lines += per_layer_markdown(key, tables[key], (fit_layers or {}).get(key))
     lines += ["## TRACE convergence", "", *convergence_markdown(convergence, settings.get("rounds", 0)),
               "## Trajectory diagnostics (Table 4)", "",
-              ("Share of records (%) where the selected policy is closer to full recompute than the all-K "
-              "quantized baseline (strictly: a tie, such as the same top-1 key, is not a win), over the layers "
-              "it protects; nominal effective K bits over all layers."), "",
-              *_table4_markdown(rows), "", f"![win rates]({win_rates.name})", "",
+              *table4_markdown(rows), f"![win rates]({win_rates.name})", "",
               "## KVQuant states", "", *(f"- {bits} bits: `{state}`" for bits, state in sorted(kvquant_states.items())),
               "", "## K and V cache surfaces", "",
               (f"Full-recompute |K| and |V| of layer {layer}, kv head {head}, across steps of block {block} of one "
