@@ -6,17 +6,15 @@ cache reports no bits anywhere. In-process server with a fake engine and a direc
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from calibration.policy_tables import per_layer_markdown, table4_markdown
 from evaluation.matrix import Cell, MatrixSettings, cell_configured_bits
 from service.artifacts.base import Provenance
 from service.artifacts.policy import LayerPolicy, PolicyTable
-from service.config import Settings
 from service.quant.accounting import configured_bits, policy_k_bits
 from service.quant.config import KVQuantConfig
-from tests.support.apps import ADMIN_KEY, fake_app
+from tests.support.apps import ADMIN_KEY, fake_admin_client
 from tests.support.fake_engine import FakeEngine
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -44,7 +42,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(store_dir):
-    with TestClient(fake_app(Settings(store_url=str(store_dir), block_length=4, admin_key=ADMIN_KEY))) as c:
+    with fake_admin_client(store_dir) as c:
         yield c
 
 
