@@ -473,6 +473,13 @@ def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], 
     fingerprints = {r["fingerprint"] for r in results}
     if len(fingerprints) != 1:
         raise CommandError(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+    if args.table == "main":
+        import shutil
+
+        from evaluation.plots import TRADEOFF_PNG
+
+        if (Path(args.out) / TRADEOFF_PNG).is_file():  # the card's markdown links it by this name
+            shutil.copyfile(Path(args.out) / TRADEOFF_PNG, Path(args.card) / TRADEOFF_PNG)
     host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
         f", {args.threads} torch thread(s)" if args.threads else "")
     # The command in the form the docs give, whichever form ran it, so the card does not change with it.

@@ -189,7 +189,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def kv_summary(kv_reports: list) -> dict[str, float] | None:
-    """Mean effective bits (nominal and storage, K and V) and peak bytes held over a run's KV reports."""
+    """Mean effective bits (nominal and storage, K and V) over a run's KV reports, the largest bytes held and the
+    largest bf16 size of the same K/V (the cache-only row's footprint in bf16, for `evaluation.plots`)."""
     if not kv_reports:
         return None
     return {
@@ -198,6 +199,7 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
         "k_storage_bits": statistics.fmean(r.k_storage_bits for r in kv_reports),
         "v_storage_bits": statistics.fmean(r.v_storage_bits for r in kv_reports),
         "bytes_held": max(r.bytes_held for r in kv_reports),
+        "bf16_bytes": max(r.bf16_bytes for r in kv_reports),
     }
 
 
@@ -632,6 +634,20 @@ def _csv(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
 
+#: The trade-off plot under the main tables (`evaluation.plots.plot_tradeoff`).
+TRADEOFF_MARKDOWN = """
+### Accuracy against KV memory
+
+![Accuracy against KV memory]({png})
+
+One point per cache mode, method and code width (the rows above); the black stars are the cache-only rows with
+their K/V counted in bf16, the dotted line full recompute. Left: KV bytes held at the peak request; right: the
+measured nominal bits per element (mean of K and V). What to look for: points above and to the left of the others
+keep more accuracy for less memory; a method whose 2-bit point drops far below its 4-bit one does not survive that
+width on this model and task.
+"""
+
+
 def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: list[dict] | None = None,
                   extra_markdown: str = "", extra_json: dict[str, Any] | None = None,
                   fingerprints: Iterable[str] | None = None, files: Iterable[str | Path] | None = None,
@@ -653,8 +669,12 @@ def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: 
         stem, tables = "kv_ablation", ablations.build_sides(results, tasks, table4)
         md, text_csv = ablations.render_sides_markdown(tables, skipped), ablations.render_rows_csv(tables)
     else:
+        from evaluation.plots import TRADEOFF_PNG, plot_tradeoff
+
         stem, tables = "matrix", build_tables(results, tasks)
         md, text_csv = render_markdown(tables, skipped), render_csv(tables)
+        if plot_tradeoff(tables, out / TRADEOFF_PNG) is not None:
+            md += TRADEOFF_MARKDOWN.format(png=TRADEOFF_PNG)
     paths = {"md": out / f"{stem}.md", "csv": out / f"{stem}.csv", "json": out / f"{stem}.json"}
     _write_atomic(paths["md"], md + extra_markdown)
     _write_atomic(paths["csv"], text_csv)
