@@ -13,14 +13,17 @@ same inputs (issue 17), and a retrained model of the same name does not reuse it
 renders them.
 
 Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
-per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
-V) and the wall time. From those, `build_tables` compares each quantized row with the cache-only row of the same
+per-document response token ids and texts, the measured effective bits of the KV reports (mean nominal and
+storage, K and V; bytes held), the configuration's configured bits (`service.quant.accounting.configured_bits`)
+and the wall time. From those, `build_tables` compares each quantized row with the cache-only row of the same
 model and mode, document by document: **exact match** (equal text, %) and **token agreement** (%, DESIGN.md;
 `service.engine.agreement`); a cache-only row is compared with the no-cache row the same way.
 
 `write_outputs` renders the paper's layout, one block per model and bit width (rows: no cache; prefix cache:
 cache only, KIVI, KVQuant, dLLM-KVQ; dual cache: the same), a column per task and the average over tasks, with
-the effective bits and the agreement columns beside each row, as ``matrix.md``, ``matrix.csv`` and ``matrix.json``.
+the effective bits (configured, measured nominal and storage) and the agreement columns beside each row, as
+``matrix.md``, ``matrix.csv`` and ``matrix.json``, and the plot of accuracy against KV memory
+(`evaluation.plots.plot_tradeoff`, ``accuracy_vs_kv.png``).
 Every number in them comes from the cell files; nothing is typed in by hand.
 
 A ``dllm_kvq`` cell needs a policy table and a ``kvquant`` cell a fitted state for the model (fingerprint), cache
