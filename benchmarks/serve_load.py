@@ -24,7 +24,8 @@ It prints the continuous/batch ratios of the same run and the targets: throughpu
 <= 2x alone.
 
 Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]
-[--compare [--requests 16] [--load 0.7]]``.
+[--json FILE] [--plot PNG] [--compare [--requests 16] [--load 0.7]]``; ``--plot`` draws throughput and latency
+against concurrent clients (`evaluation.plots.plot_serve_load`).
 """
 
 from __future__ import annotations
@@ -276,6 +277,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="also plot throughput and latency against concurrent clients into this PNG")
     parser.add_argument("--compare", action="store_true", help="continuous vs batch scheduler (issue #14)")
     parser.add_argument("--load", type=float, default=0.7,
                         help="--compare: open-loop arrival rate as a fraction of the batch worker's capacity")
@@ -313,6 +316,12 @@ def main() -> None:
           f"{worst:.2f}x sequential (target >= 1.0x)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        from evaluation.plots import plot_serve_load
+
+        plot_serve_load(rows, args.plot, f"serve_load: {args.requests} chat completions per level, max_tokens 64, "
+                                         f"{args.device}, {args.threads} torch thread(s)")
+        print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":

@@ -182,7 +182,9 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
     for key, policy_id in sorted(summary.policies.items()):
         row = summary.table4.get(key, {})
         rates = " ".join(f"{m}={row[m]:.1f}%" for m in ("centered_l2", "attention_kl", "top1", "topk") if m in row)
-        print(f"  policy {key}: {policy_id}  [{rates}; eff. K bits {row.get('effective_k_bits', 0):.3f}]", file=out)
+        bits = row.get("configured_k_bits")
+        print(f"  policy {key}: {policy_id}  [{rates}; configured K bits {'—' if bits is None else f'{bits:.3f}'}]",
+              file=out)
     for bits, state_id in sorted(summary.kvquant_states.items()):
         print(f"  kvquant state {bits} bits: {state_id}", file=out)
     if summary.convergence:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from calibration.metrics import METRICS
 from service.artifacts.base import Provenance
 from service.artifacts.policy import SCORE_TYPES, LayerPolicy, PolicyTable, nominal_k_bits
+from service.quant.accounting import policy_k_bits
 
 #: Metric weights of the selection objective (paper, "Policy Diagnostics and Selection").
 WEIGHTS: dict[str, float] = {"centered_l2": 1.0, "attention_kl": 0.001, "top1": 0.10, "topk": 0.05}
@@ -237,7 +238,9 @@ def fit_policy(sums: DiagnosticSums, cache_mode: str, bits: int, settings: FitSe
 
 def table4(sums: DiagnosticSums, table: PolicyTable) -> dict[str, float]:
     """The paper's Table 4 for one policy: win rate (%) per metric over the records of the layers it protects
-    (``p > 0``), the nominal effective K bits over every layer's reused tokens, and the protected-layer count."""
+    (``p > 0``), the policy's configured K bits (``configured_k_bits``, `service.quant.accounting.policy_k_bits`:
+    the figure every report of the policy shows), the nominal K bits measured over every layer's reused tokens of
+    the calibration records (``effective_k_bits``; partial groups make it larger), and the protected-layer count."""
     wins = dict.fromkeys(METRICS, 0)
     records = bit_total = tokens = 0
     for layer, choice in enumerate(table.layers):
@@ -249,5 +252,6 @@ def table4(sums: DiagnosticSums, table: PolicyTable) -> dict[str, float]:
             for name in METRICS:
                 wins[name] += cell.wins[name]
     row = {name: 100.0 * wins[name] / records if records else 0.0 for name in METRICS}
-    row.update(effective_k_bits=bit_total / tokens, protected_layers=sum(1 for c in table.layers if c.p))
+    row.update(configured_k_bits=policy_k_bits(table), effective_k_bits=bit_total / tokens,
+               protected_layers=sum(1 for c in table.layers if c.p))
     return row

@@ -14,6 +14,7 @@ from typing import Any
 from calibration.fit import CandidateSums
 from calibration.metrics import METRICS
 from service.artifacts.policy import PolicyTable, nominal_k_bits
+from service.quant.accounting import policy_k_bits
 
 
 def layer_record(cell: CandidateSums, p: int) -> dict[str, Any]:
@@ -27,13 +28,15 @@ def layer_record(cell: CandidateSums, p: int) -> dict[str, Any]:
 
 def per_layer_markdown(title: str, table: PolicyTable, layers: Sequence[Mapping[str, Any]] | None = None
                        ) -> list[str]:
-    """Markdown lines: a heading and one row per layer (score type, p, full-group nominal K bits ``(b (G - p) +
-    16 p) / G``, and with the fit record's ``layers`` the calibration's effective K bits and win rates)."""
+    """Markdown lines: a heading, the policy's configured K bits (`service.quant.accounting.policy_k_bits`) and one
+    row per layer (score type, p, the layer's configured K bits ``(b (G - p) + 16 p) / G``, and with the fit
+    record's ``layers`` the nominal K bits measured over the calibration's reused tokens and the win rates)."""
     fitted = {int(entry["layer"]): entry for entry in layers or []}
     lines = [f"#### {title}", "",
              (f"Policy `{table.id}` ({table.cache_mode} cache, {table.bits}-bit, K groups of {table.k_group_size}, "
-             f"cap {table.k_bit_cap:g} K bits); {table.provenance.data.split(' (')[0]}"), "",
-             "| Layer | Score type | p | Nominal K bits | Eff. K bits (calibration) | "
+             f"configured K bits {policy_k_bits(table):.3f}, cap {table.k_bit_cap:g}); "
+             f"{table.provenance.data.split(' (')[0]}"), "",
+             "| Layer | Score type | p | Configured K bits | Measured K bits (calibration) | "
              + " | ".join(f"Win {m} %" for m in METRICS) + " |",
              "|---:|---|---:|---:|---:|" + "---:|" * len(METRICS)]
     for i, choice in enumerate(table.layers):
@@ -45,3 +48,29 @@ def per_layer_markdown(title: str, table: PolicyTable, layers: Sequence[Mapping[
                      f"{'—' if eff is None else f'{eff:.3f}'} | "
                      + " | ".join("—" if not rates else f"{rates[m]:.1f}" for m in METRICS) + " |")
     return lines + [""]
+
+
+#: The paper's Table 4 columns -> metric keys of a fit record's ``table4`` rows (`calibration.fit.table4`).
+TABLE4_COLUMNS = {"L2": "centered_l2", "KL": "attention_kl", "Top-1": "top1", "Top-K": "topk", "Cosine": "cosine"}
+#: What a Table 4 win rate is, and is not (printed under every rendering of the table).
+TABLE4_CAVEAT = ("Win rate: share of the calibration records (%) of the layers a policy protects where it is "
+                 "strictly closer to full recompute than quantizing every K token. A tie is not a win: when both "
+                 "pick the same top-1 key (most records, on a small model) the record counts against the policy, so "
+                 "a low Top-1 means \"mostly ties\", not \"mostly worse\". Configured K bits: the policy's nominal "
+                 "K bits on full groups (docs/glossary.md, \"Effective bits\").")
+
+
+def table4_markdown(rows: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The paper's Table 4 as markdown lines: one row per ``"<mode>/<bits>"`` key of a fit record's ``table4``
+    (win rates % per metric, configured K bits, protected layers), then `TABLE4_CAVEAT`. A record written before
+    ``configured_k_bits`` existed shows "—" there."""
+    lines = ["| Mode | Bits | " + " | ".join(TABLE4_COLUMNS) + " | Configured K bits | Protected layers |",
+             "|---|---:|" + "---:|" * (len(TABLE4_COLUMNS) + 2)]
+    for key in sorted(rows):
+        row, (mode, bits) = rows[key], key.split("/")
+        configured, protected = row.get("configured_k_bits"), row.get("protected_layers")
+        lines.append(f"| {mode.capitalize()} | {bits} | "
+                     + " | ".join("—" if row.get(m) is None else f"{row[m]:.1f}" for m in TABLE4_COLUMNS.values())
+                     + f" | {'—' if configured is None else f'{configured:.3f}'}"
+                     + f" | {'—' if protected is None else int(protected)} |")
+    return [*lines, "", TABLE4_CAVEAT, ""]

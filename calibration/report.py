@@ -19,10 +19,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 
 from calibration.forward import capture_qkv
 from calibration.metrics import METRICS
-from calibration.policy_tables import per_layer_markdown
+from calibration.policy_tables import per_layer_markdown, table4_markdown
 from calibration.trace import Trajectory, rollout
 from service.artifacts.policy import SCORE_TYPES, PolicyTable
 from service.engine.models import DiffusionLM
@@ -60,7 +61,8 @@ def plot_win_rates(rows: Mapping[str, Mapping[str, float]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for i, key in enumerate(keys):
         offsets = np.arange(len(METRICS)) + (i - (len(keys) - 1) / 2) * width
-        label = f"{key} ({rows[key]['effective_k_bits']:.2f} K bits)"
+        configured = rows[key].get("configured_k_bits")
+        label = key if configured is None else f"{key} ({configured:.2f} configured K bits)"
         ax.bar(offsets, [rows[key][m] for m in METRICS], width, label=label)
     ax.axhline(50, color="grey", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(METRICS)), METRICS)
@@ -73,53 +75,82 @@ def plot_win_rates(rows: Mapping[str, Mapping[str, float]], path: Path) -> Path:
     return path
 
 
-def plot_cache_surfaces(model: DiffusionLM, trajectory: Trajectory, block: int, layer: int, head: int,
-                        out: Path, max_steps: int = 4) -> tuple[Path, Path]:
-    """``|K|`` and ``|V|`` surfaces (token x channel) of one layer and kv head at up to ``max_steps`` steps of one
-    block, from full-recompute forwards of the TRACE states; red planes mark the active block's bounds."""
+def reuse_error(model: DiffusionLM, trajectory: Trajectory, block: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """How stale a reused cache gets within one block: for every layer and kv head, the relative change
+    ``||X_last - X_first|| / ||X_first||`` of K and of V over the tokens outside the active block, between the
+    block-initial pass (what prefix and dual cache reuse) and the block's last step, both under full recompute.
+
+    Returns:
+        (k_error, v_error) float arrays ``[layers, kv heads]``, and the captures of both steps (per layer
+        ``LayerQKV`` with ``k``/``v`` ``[1, H_kv, T, D]``) and the active block's [start, end) token range.
+    """
     schedule = trajectory.schedule
     states = rollout(trajectory.prompt_ids, trajectory.answer_ids, trajectory.assignment, schedule,
                      model.config.mask_id)
-    steps = [block * schedule.steps_per_block + s for s in
-             np.linspace(0, schedule.steps_per_block - 1, min(max_steps, schedule.steps_per_block)).astype(int)]
+    first, last = block * schedule.steps_per_block, (block + 1) * schedule.steps_per_block - 1
+    device = model.embed.weight.device
+    _, at_first = capture_qkv(model, states[first][None].to(device))
+    _, at_last = capture_qkv(model, states[last][None].to(device))
     start = len(trajectory.prompt_ids) + block * schedule.block_length
     end = start + schedule.block_length
-    captured = {}
-    for step in steps:
-        _, layers = capture_qkv(model, states[step][None].to(model.embed.weight.device))
-        captured[step] = layers[layer]
-    paths = []
+    outside = torch.ones(at_first[0].k.shape[2], dtype=torch.bool)
+    outside[start:end] = False
+    errors = []
     for name in ("k", "v"):
-        fig = plt.figure(figsize=(4.2 * len(steps), 4))
-        for i, step in enumerate(steps):
-            surface = getattr(captured[step], name)[0, head].abs().float().cpu().numpy()  # [T, D]
-            tokens, channels = np.meshgrid(np.arange(surface.shape[0]), np.arange(surface.shape[1]), indexing="ij")
-            ax = fig.add_subplot(1, len(steps), i + 1, projection="3d")
-            ax.plot_surface(tokens, channels, surface, cmap="viridis", linewidth=0)
-            top = float(surface.max()) or 1.0
-            for bound in (start, end - 1):  # the active block's first and last token
-                yy, zz = np.meshgrid([0, surface.shape[1] - 1], [0, top])
-                ax.plot_surface(np.full_like(yy, bound), yy, zz, color="red", alpha=0.25)
-            ax.set_title(f"step {step - block * schedule.steps_per_block} of block {block}", fontsize=9)
-            ax.set_xlabel("token")
-            ax.set_ylabel("channel")
-        fig.suptitle(f"|{name.upper()}| layer {layer}, head {head} (red: active block)")
-        fig.tight_layout()
-        path = out / f"{name}_surface_layer{layer}_head{head}_block{block}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
-    return paths[0], paths[1]
+        rows = []
+        for a, b in zip(at_first, at_last):
+            x, y = getattr(a, name)[0][:, outside].float(), getattr(b, name)[0][:, outside].float()
+            rows.append(((y - x).flatten(1).norm(dim=1) / x.flatten(1).norm(dim=1).clamp_min(1e-12)).cpu().numpy())
+        errors.append(np.stack(rows))
+    return errors[0], errors[1], (at_first, at_last, start, end)
 
 
-def _table4_markdown(rows: Mapping[str, Mapping[str, float]]) -> list[str]:
-    lines = ["| policy | " + " | ".join(METRICS) + " | eff. K bits | protected layers |",
-             "|---" * (len(METRICS) + 3) + "|"]
-    for key in sorted(rows):
-        row = rows[key]
-        lines.append(f"| {key} | " + " | ".join(f"{row[m]:.1f}" for m in METRICS)
-                     + f" | {row['effective_k_bits']:.3f} | {int(row['protected_layers'])} |")
-    return lines
+def plot_reuse_error(k_error: np.ndarray, v_error: np.ndarray, path: Path) -> Path:
+    """Heat maps (layer x kv head) of the relative reuse error of K and V (`reuse_error`), values printed."""
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 + 1.1 * k_error.shape[1] * 2, 1.6 + 0.45 * k_error.shape[0]),
+                             squeeze=False)
+    top = float(max(k_error.max(), v_error.max())) or 1.0
+    for ax, (name, grid) in zip(axes[0], (("K", k_error), ("V", v_error))):
+        image = ax.imshow(grid, cmap="Reds", vmin=0, vmax=top, aspect="auto")
+        for (layer, head), value in np.ndenumerate(grid):
+            ax.text(head, layer, f"{100 * value:.1f}%", ha="center", va="center", fontsize=8,
+                    color="white" if value > 0.6 * top else "black")
+        ax.set_xticks(range(grid.shape[1]))
+        ax.set_yticks(range(grid.shape[0]))
+        ax.set_xlabel("kv head")
+        ax.set_ylabel("layer")
+        ax.set_title(f"{name}: change of the reused tokens\nover one block (relative)", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), label="||last step - block-initial|| / ||block-initial||")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_kv_surfaces(captures: tuple, layer: int, head: int, path: Path) -> Path:
+    """For one layer and kv head, token x channel maps: ``|K|`` and ``|V|`` of the block-initial pass, and how
+    much each reused entry changed by the block's last step; dashed lines bound the active block."""
+    at_first, at_last, start, end = captures
+    panels = [("|K| at the block-initial pass", at_first[layer].k[0, head].abs(), "viridis"),
+              ("|V| at the block-initial pass", at_first[layer].v[0, head].abs(), "viridis"),
+              ("|K last step - K block-initial|", (at_last[layer].k[0, head] - at_first[layer].k[0, head]).abs(),
+               "Reds"),
+              ("|V last step - V block-initial|", (at_last[layer].v[0, head] - at_first[layer].v[0, head]).abs(),
+               "Reds")]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
+    for ax, (title, values, cmap) in zip(axes.flat, panels):
+        grid = values.float().cpu().numpy().T  # [D, T]: channels down, tokens across
+        image = ax.imshow(grid, cmap=cmap, aspect="auto", interpolation="nearest")
+        for bound in (start - 0.5, end - 0.5):
+            ax.axvline(bound, color="black", linestyle="--", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("token position (dashed: active block)")
+        ax.set_ylabel("channel")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"layer {layer}, kv head {head} (the largest K reuse error)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _change(value: float | None) -> str:
@@ -142,21 +173,24 @@ def convergence_markdown(rows: Sequence[Mapping], round_limit: int) -> list[str]
 
 def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str, Mapping[str, float]],
                  model: DiffusionLM, trajectory: Trajectory, settings: Mapping, seconds: Mapping[str, float],
-                 kvquant_states: Mapping[str, str], layer: int | None = None, head: int = 0,
+                 kvquant_states: Mapping[str, str],
                  fit_layers: Mapping[str, Sequence[Mapping]] | None = None,
                  convergence: Sequence[Mapping] = ()) -> Path:
     """Write ``report.md`` and its PNG plots into ``out``; returns the markdown path.
 
-    ``layer`` defaults to 5 (the paper's figures) or the last layer of a smaller model; the surfaces show the
-    trajectory's last block (so the prefix holds the earlier answer blocks). ``fit_layers``: the fit record's
-    per-layer entries per policy key (win rates); ``convergence``: TRACE rows per sample.
+    The K/V pictures use the trajectory's last block (so the reused prefix holds the prompt and the earlier
+    answer blocks): the reuse error of every layer and head, then the surfaces of the head where K's is largest.
+    ``fit_layers``: the fit record's per-layer entries per policy key (win rates); ``convergence``: TRACE rows
+    per sample.
     """
     out.mkdir(parents=True, exist_ok=True)
-    layer = min(5, len(model.layers) - 1) if layer is None else layer
     block = trajectory.schedule.num_blocks - 1
     policy_map = plot_policy_map(tables, out / "policy_map.png")
     win_rates = plot_win_rates(rows, out / "win_rates.png")
-    k_surface, v_surface = plot_cache_surfaces(model, trajectory, block, layer, head, out)
+    k_error, v_error, captures = reuse_error(model, trajectory, block)
+    layer, head = (int(i) for i in np.unravel_index(np.argmax(k_error), k_error.shape))
+    error_map = plot_reuse_error(k_error, v_error, out / "reuse_error.png")
+    surfaces = plot_kv_surfaces(captures, layer, head, out / f"kv_surfaces_layer{layer}_head{head}_block{block}.png")
     lines = ["# dLLM-KVQ calibration report", "",
              f"Model fingerprint `{trajectory.model_fingerprint[:16]}...`; settings:", "", "```",
              *(f"{k}: {v}" for k, v in settings.items()), "```", "",
@@ -168,20 +202,29 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
         lines.append(f"| {key} | `{table.id}` | {layers} |")
     lines += ["", f"![policy map]({policy_map.name})", "", "### Per-layer policy tables", "",
               ("Win rates: share of the layer's calibration records (%) where its choice beats quantizing every K "
-              "token; nominal K bits of a full group, and averaged over the calibration's reused tokens."), ""]
+              "token. Configured K bits: the layer's nominal K bits on full groups, the figure every report of "
+              "the policy shows; measured: the nominal K bits over the calibration's reused tokens, where a "
+              "segment shorter than a group still keeps p tokens at 16 bits (docs/glossary.md)."), ""]
     for key in sorted(tables):
         lines += per_layer_markdown(key, tables[key], (fit_layers or {}).get(key))
     lines += ["## TRACE convergence", "", *convergence_markdown(convergence, settings.get("rounds", 0)),
               "## Trajectory diagnostics (Table 4)", "",
-              ("Share of records (%) where the selected policy is closer to full recompute than the all-K "
-              "quantized baseline (strictly: a tie, such as the same top-1 key, is not a win), over the layers "
-              "it protects; nominal effective K bits over all layers."), "",
-              *_table4_markdown(rows), "", f"![win rates]({win_rates.name})", "",
+              *table4_markdown(rows), f"![win rates]({win_rates.name})", "",
               "## KVQuant states", "", *(f"- {bits} bits: `{state}`" for bits, state in sorted(kvquant_states.items())),
-              "", "## K and V cache surfaces", "",
-              (f"Full-recompute |K| and |V| of layer {layer}, kv head {head}, across steps of block {block} of one "
-              "calibration trajectory; red planes mark the active block."), "",
-              f"![K surfaces]({k_surface.name})", "", f"![V surfaces]({v_surface.name})", "",
+              "", "## Where the reused K/V goes stale", "",
+              (f"Block {block} of one calibration trajectory, full recompute. Left: per layer and kv head, how much "
+               "the K and V of the tokens outside the active block change between the block-initial pass (what "
+               "the prefix and dual caches reuse for the whole block) and the block's last step. What to look "
+               "for: the cells with the largest error are where reuse, and quantization on top of it, costs the "
+               "most; a policy that protects K tokens on those layers spends its bits where they matter. K "
+               f"changes most at layer {layer}, head {head} ({100 * k_error[layer, head]:.1f}%)."), "",
+              f"![reuse error]({error_map.name})", "",
+              (f"Layer {layer}, kv head {head}. Top: |K| and |V| of the block-initial pass, channels down, tokens "
+               "across. What to look for: K has a few channels that are large on every token (horizontal bands), "
+               "V has none, which is why K is quantized per channel and V per token. Bottom: how much each entry "
+               "changed by the block's last step; the error sits in the active block (between the dashed lines) "
+               "and in the tokens next to it, which the cache reuses stale."), "",
+              f"![K and V surfaces]({surfaces.name})", "",
               f"Score types: {', '.join(SCORE_TYPES)}.", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -25,6 +25,7 @@ from typing import Any
 
 from evaluation.controls import rule_label
 from evaluation.matrix import (
+    BITS_NOTE,
     CACHE_MODES,
     METHOD_LABELS,
     MODE_LABELS,
@@ -32,6 +33,7 @@ from evaluation.matrix import (
     Cell,
     _csv,
     _fmt,
+    _pair,
     documents_line,
     documents_per_task,
     index_results,
@@ -107,7 +109,8 @@ def _head_lines(head: list[str]) -> list[str]:
 def render_controls_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -> str:
     """Table 3 in the paper's layout (Method | K high-precision rule | scores), one table per model and bits."""
     tasks = tables["tasks"]
-    head = ["Method", "K high-precision rule", *tasks, "Avg.", "Eff. K bits (nominal)", "Token agr. %"]
+    head = ["Method", "K high-precision rule", *tasks, "Avg.", "K bits configured", "K bits measured (nominal)",
+            "Token agr. %"]
     lines = []
     for block in tables["blocks"]:
         lines += [f"### {block['model']} — K-policy controls (Table 3), {block['bits']}-bit K/V", "",
@@ -117,14 +120,15 @@ def render_controls_markdown(tables: dict[str, Any], skipped: list[dict] | None 
             if r["cache_mode"] != mode:
                 mode = r["cache_mode"]
                 lines.append(f"| *{MODE_LABELS[mode]}* |" + " |" * (len(head) - 1))
-            agr = r["agreement"]
+            agr, conf = r["agreement"], r.get("configured_bits") or {}
             lines.append("| " + " | ".join([
                 r["label"], r["k_rule"], *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                f"{r['kv']['k_nominal_bits']:.2f}" if r["kv"] else "16 (unquantized)",
+                _fmt(conf.get("k")) if r["kv"] else "16 (unquantized)",
+                _fmt(r["kv"]["k_nominal_bits"]) if r["kv"] else "16 (unquantized)",
                 _fmt(agr["token_agreement"], 1) if agr else "—"]) + " |")
         lines += ["", "K/V quantization is active in every row but the cache-only one; V is quantized the same way "
                   "in all of them. Fixed rules keep the same p K tokens per group of 32 at 16 bits on every layer; "
-                  "token agreement is with the cache-only row of the same mode. "
+                  "token agreement is with the cache-only row of the same mode. " + BITS_NOTE + " "
                   + documents_line(tables.get("documents", {})), ""]
     if skipped:
         lines += ["Skipped cells:", ""] + [f"- {s['model']} {s['cell']}: {s['reason']}" for s in skipped] + [""]
@@ -134,8 +138,8 @@ def render_controls_markdown(tables: dict[str, Any], skipped: list[dict] | None 
 def render_sides_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -> str:
     """The K/V ablation: one table per model and bits; rows per mode and method, K+V / K only / V only."""
     tasks = tables["tasks"]
-    head = ["Method", "Quantized", *tasks, "Avg.", "K/V bits (nominal)", "Exact match %", "Token agr. %",
-            *DIAGNOSTICS]
+    head = ["Method", "Quantized", *tasks, "Avg.", "K/V bits configured", "K/V bits measured (nominal)",
+            "Exact match %", "Token agr. %", *DIAGNOSTICS]
     lines = []
     for block in tables["blocks"]:
         lines += [f"### {block['model']} — K-only and V-only quantization, {block['bits']}-bit", "",
@@ -145,17 +149,17 @@ def render_sides_markdown(tables: dict[str, Any], skipped: list[dict] | None = N
             if r["cache_mode"] != mode:
                 mode = r["cache_mode"]
                 lines.append(f"| *{MODE_LABELS[mode]}* |" + " |" * (len(head) - 1))
-            kv, agr, diag = r["kv"], r["agreement"], r.get("diagnostics")
+            kv, agr, diag, conf = r["kv"] or {}, r["agreement"], r.get("diagnostics"), r.get("configured_bits") or {}
             lines.append("| " + " | ".join([
                 METHOD_LABELS[r["method"]], "—" if r["method"] == "none" else SIDE_LABELS[r["sides"]],
                 *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                f"{kv['k_nominal_bits']:.2f} / {kv['v_nominal_bits']:.2f}" if kv else "—",
+                _pair(conf.get("k"), conf.get("v")), _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
                 _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—",
                 *((_fmt(diag[c], 1) if diag else "—") for c in DIAGNOSTICS)]) + " |")
         lines += ["", "The side not quantized is held as it is (16 nominal bits). Exact match and token agreement: "
                   "against the cache-only row of the same mode. L2 / KL / Top-1 / Top-K: Table 4 win rates (%) of "
                   "the row's dLLM-KVQ policy over quantizing every K token, from the calibration run "
-                  "(`--from-calibration`); they judge K only, so V-only and KIVI rows have none. "
+                  "(`--from-calibration`); they judge K only, so V-only and KIVI rows have none. " + BITS_NOTE + " "
                   + documents_line(tables.get("documents", {})), ""]
     if skipped:
         lines += ["Skipped cells:", ""] + [f"- {s['model']} {s['cell']}: {s['reason']}" for s in skipped] + [""]
@@ -168,15 +172,16 @@ def render_rows_csv(tables: dict[str, Any]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["model", "block_bits", "cache_mode", "method", "bits", "sides", "k_rule", "artifact_id", *tasks,
-                     "average", "k_nominal_bits", "v_nominal_bits", "exact_match", "token_agreement",
-                     *DIAGNOSTICS])
+                     "average", "k_configured_bits", "v_configured_bits", "k_nominal_bits", "v_nominal_bits",
+                     "exact_match", "token_agreement", *DIAGNOSTICS])
     for block in tables["blocks"]:
         for r in block["rows"]:
             kv, agr, diag = r["kv"] or {}, r["agreement"] or {}, r.get("diagnostics") or {}
+            conf = r.get("configured_bits") or {}
             writer.writerow([block["model"], block["bits"], r["cache_mode"], r["method"], r["bits"] or "",
                              r["sides"], r.get("k_rule", ""), r["artifact_id"] or "",
                              *(_csv(r["scores"][t]) for t in tasks), _csv(r["average"]),
-                             _csv(kv.get("k_nominal_bits")), _csv(kv.get("v_nominal_bits")),
+                             _csv(conf.get("k")), _csv(conf.get("v")), _csv(kv.get("k_nominal_bits")), _csv(kv.get("v_nominal_bits")),
                              _csv(agr.get("exact_match")), _csv(agr.get("token_agreement")),
                              *(_csv(diag.get(c)) for c in DIAGNOSTICS)])
     return buf.getvalue()

@@ -57,19 +57,19 @@ def table4_rows(store_url: str | None, run_id: str) -> list[dict[str, Any]]:
         rows.append({"run_id": run_id, "cache_mode": mode, "bits": int(bits),
                      "policy_id": record.get("policies", {}).get(key),
                      **{col: values[metric] for col, metric in COLUMNS.items()},
-                     "effective_k_bits": values["effective_k_bits"],
-                     "protected_layers": values.get("protected_layers")})
+                     "configured_k_bits": values.get("configured_k_bits"),
+                     "protected_layers": values.get("protected_layers"), "record": values})
     return rows
 
 
 def table4_markdown(rows: list[dict[str, Any]]) -> str:
-    """Table 4 as markdown: mode, bits, win rates (%) and effective K bits."""
-    lines = ["### Trajectory-level diagnostics (Table 4)", "",
-             f"Calibration run `{rows[0]['run_id']}`: share of paired records (%) where the selected policy beats "
-             "quantizing every K token." if rows else "No rows.", "",
-             "| Mode | Bits | " + " | ".join(COLUMNS) + " | Eff. K bits |",
-             "|---|---:|" + "---:|" * (len(COLUMNS) + 1)]
-    for r in rows:
-        lines.append(f"| {r['cache_mode'].capitalize()} | {r['bits']} | "
-                     + " | ".join(f"{r[c]:.1f}" for c in COLUMNS) + f" | {r['effective_k_bits']:.2f} |")
-    return "\n".join(lines) + "\n"
+    """Table 4 as markdown (`calibration.policy_tables.table4_markdown`, with its "a tie is not a win" caveat):
+    mode, bits, win rates (%), configured K bits, protected layers."""
+    from calibration.policy_tables import table4_markdown as lines_of
+
+    head = ["### Trajectory-level diagnostics (Table 4)", ""]
+    if not rows:
+        return "\n".join([*head, "No rows.", ""])
+    head += [(f"Calibration run `{rows[0]['run_id']}`: share of paired records (%) where the selected policy "
+              "beats quantizing every K token."), ""]
+    return "\n".join([*head, *lines_of({f"{r['cache_mode']}/{r['bits']}": r["record"] for r in rows})])

@@ -30,8 +30,10 @@ from evaluation.protocol import PRESETS, get_preset
 from service.commands import prog, store_url_arg
 from service.config import STORE_HELP, default_store
 
-#: Where the launcher writes the offline task YAMLs when no ``--include_path`` is given.
-DEFAULT_TASK_DIR = Path.home() / ".cache" / "dllm-kvq" / "lm-eval-tasks"
+#: Where the offline task YAMLs live for lm-eval's ``--include_path``: written by ``scripts/setup.sh`` (and by
+#: ``evaluate tasks --out``), rewritten by the launcher on every run that gives no ``--include_path``; under the
+#: working directory's ``.dllm-kvq/``, as the default store is (the YAMLs name this checkout's data files).
+DEFAULT_TASK_DIR = Path(".dllm-kvq") / "lm-eval-tasks"
 
 
 def _csv_list(text: str) -> list[str]:
@@ -169,6 +171,47 @@ def check_in_process_model_args(args: list[str]) -> None:
         raise CommandError(f"--model_args: {exc}") from None
 
 
+def with_server_model_args(args: list[str]) -> list[str]:
+    """For lm-eval's HTTP models, the ``--model_args`` lm-eval cannot find out by itself:
+
+    - ``max_length``: lm-eval's API models read the context length only from this model_arg (default 2048) and
+      never from the server; the launcher adds the server's ``max_model_len`` (``GET /v1/models``) unless given;
+    - ``tokenizer_backend=huggingface`` when ``tokenizer=`` names a local tokenizer and no backend is given:
+      ``local-completions`` otherwise detects the server's remote tokenizer, keeps ``tokenizer=`` as a local one
+      and hands it the chat message lists meant for the server (``TypeError: TextEncodeInput must be ...``).
+
+    Arguments are returned unchanged for other models, or when the server does not answer ``/v1/models``
+    (`check_server` reports an unreachable server).
+    """
+    import json
+    import os
+
+    import httpx
+
+    if _value(args, "--model") not in HTTP_MODELS:
+        return args
+    text = _value(args, "--model_args") or ""
+    given = parse_model_args(text)
+    extra: dict[str, str] = {}
+    if "tokenizer" in given and "tokenizer_backend" not in given:
+        extra["tokenizer_backend"] = "huggingface"
+    url = str(given.get("base_url", ""))
+    if "max_length" not in given and "/v1" in url:
+        key = os.environ.get("OPENAI_API_KEY")  # what lm-eval's local models send
+        try:
+            models = httpx.get(url[:url.index("/v1") + 3] + "/models", timeout=10,
+                               headers={"Authorization": f"Bearer {key}"} if key else None).json()
+            extra["max_length"] = str(int(models["data"][0]["max_model_len"]))
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            pass  # not this server (or not answering): lm-eval's default stands
+    if not extra:
+        return args
+    named = (json.dumps({**given, **extra}) if text.strip().startswith("{")
+             else ",".join(filter(None, [text.strip(), *(f"{k}={v}" for k, v in extra.items())])))
+    i = args.index("--model_args") + 1
+    return [*args[:i], named, *args[i + 1:]]
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """The ``lm-eval`` subcommand: register ``dllm-kvq``, then lm-eval's own CLI once per run. Bad input (an
     unknown task or model_arg, an artifact that does not fit, a server that does not answer) is one line."""
@@ -185,7 +228,7 @@ def run_lm_eval(argv: list[str]) -> int:
         check_in_process_model_args(args)
         check_server(args)
     for args in runs:
-        sys.argv = ["lm-eval", *args]
+        sys.argv = ["lm-eval", *with_server_model_args(args)]
         try:
             cli_evaluate()
         except (ModelArgsError, ArtifactMismatch, StoreError) as exc:
@@ -467,6 +510,13 @@ def _write_card(args: argparse.Namespace, argv: list[str], results: list[dict], 
     fingerprints = {r["fingerprint"] for r in results}
     if len(fingerprints) != 1:
         raise CommandError(f"--card needs the cells of exactly one model, found {len(fingerprints)} fingerprints")
+    if args.table == "main":
+        import shutil
+
+        from evaluation.plots import TRADEOFF_PNG
+
+        if (Path(args.out) / TRADEOFF_PNG).is_file():  # the card's markdown links it by this name
+            shutil.copyfile(Path(args.out) / TRADEOFF_PNG, Path(args.card) / TRADEOFF_PNG)
     host = (f"{platform.machine()} CPU" if args.device == "cpu" else args.device) + (
         f", {args.threads} torch thread(s)" if args.threads else "")
     # The command in the form the docs give, whichever form ran it, so the card does not change with it.

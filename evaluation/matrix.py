@@ -13,14 +13,17 @@ same inputs (issue 17), and a retrained model of the same name does not reuse it
 renders them.
 
 Per (cell, task) the file keeps the task score (the primary metric x 100, `primary_metric`), every metric, the
-per-document response token ids and texts, the mean effective bits of the KV reports (nominal and storage, K and
-V) and the wall time. From those, `build_tables` compares each quantized row with the cache-only row of the same
+per-document response token ids and texts, the measured effective bits of the KV reports (mean nominal and
+storage, K and V; bytes held), the configuration's configured bits (`service.quant.accounting.configured_bits`)
+and the wall time. From those, `build_tables` compares each quantized row with the cache-only row of the same
 model and mode, document by document: **exact match** (equal text, %) and **token agreement** (%, DESIGN.md;
 `service.engine.agreement`); a cache-only row is compared with the no-cache row the same way.
 
 `write_outputs` renders the paper's layout, one block per model and bit width (rows: no cache; prefix cache:
 cache only, KIVI, KVQuant, dLLM-KVQ; dual cache: the same), a column per task and the average over tasks, with
-the effective bits and the agreement columns beside each row, as ``matrix.md``, ``matrix.csv`` and ``matrix.json``.
+the effective bits (configured, measured nominal and storage) and the agreement columns beside each row, as
+``matrix.md``, ``matrix.csv`` and ``matrix.json``, and the plot of accuracy against KV memory
+(`evaluation.plots.plot_tradeoff`, ``accuracy_vs_kv.png``).
 Every number in them comes from the cell files; nothing is typed in by hand.
 
 A ``dllm_kvq`` cell needs a policy table and a ``kvquant`` cell a fitted state for the model (fingerprint), cache
@@ -189,7 +192,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def kv_summary(kv_reports: list) -> dict[str, float] | None:
-    """Mean effective bits (nominal and storage, K and V) and peak bytes held over a run's KV reports."""
+    """Mean effective bits (nominal and storage, K and V) over a run's KV reports, the largest bytes held and the
+    largest bf16 size of the same K/V (the cache-only row's footprint in bf16, for `evaluation.plots`)."""
     if not kv_reports:
         return None
     return {
@@ -198,6 +202,7 @@ def kv_summary(kv_reports: list) -> dict[str, float] | None:
         "k_storage_bits": statistics.fmean(r.k_storage_bits for r in kv_reports),
         "v_storage_bits": statistics.fmean(r.v_storage_bits for r in kv_reports),
         "bytes_held": max(r.bytes_held for r in kv_reports),
+        "bf16_bytes": max(r.bf16_bytes for r in kv_reports),
     }
 
 
@@ -286,6 +291,18 @@ def cell_model_args(cell: Cell, settings: MatrixSettings, artifact_id: str | Non
     return model_args
 
 
+def cell_configured_bits(cell: Cell, settings: MatrixSettings, artifact_id: str | None, spec
+                         ) -> dict[str, float] | None:
+    """The configured bits ``{"k", "v"}`` of ``cell`` (`service.quant.accounting.configured_bits`, with the policy
+    table its ``artifact_id`` names read from ``settings.store_url``); None for cache-only and KVQuant rows."""
+    from evaluation.artifacts import load_artifact
+    from evaluation.model_args import EvalModelArgs
+    from service.quant.accounting import configured_bits
+
+    config = EvalModelArgs(**cell_model_args(cell, settings, artifact_id)).kv_config
+    return configured_bits(config, load_artifact(config, spec, settings.store_url, cell.cache_mode))
+
+
 def cell_inputs(cell: Cell, task: str, settings: MatrixSettings, artifact_id: str | None,
                 fingerprint: str) -> dict[str, Any]:
     """Everything that changes one (cell, task) result: the weights, the task and its decoding settings
@@ -337,7 +354,8 @@ def run_cell_task(engine, cell: Cell, task: str, settings: MatrixSettings, task_
         "settings": {"limit": settings.limit, "block_length": settings.block_length, "threshold": settings.threshold,
                      "gen_length": settings.gen_length, "batch_size": settings.batch_size,
                      "num_fewshot": settings.fewshot.get(task), "chat": task in settings.chat_tasks},
-        "kv": kv_summary(lm.kv_reports), "seconds": seconds,
+        "kv": kv_summary(lm.kv_reports), "configured_bits": cell_configured_bits(cell, settings, artifact_id, engine.spec),
+        "seconds": seconds,
         "records": [{"doc_id": r.doc_id, "ids": list(r.ids), "text": r.text, "nfe": r.nfe}
                     for r in sorted(lm.records, key=lambda r: (r.doc_id is None, r.doc_id))],
     }
@@ -409,6 +427,7 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
                 files.append(path)
                 if path.exists():
                     done += 1
+                    _add_configured_bits(path, cell, settings, artifact_id, engine.spec)
                     continue
                 log.info("run %s %s %s", cell.model, cell.key, task)
                 result = run_cell_task(engine, cell, task, settings, task_manager, artifact_id)
@@ -422,6 +441,15 @@ def run_matrix(cells: list[Cell], settings: MatrixSettings, out_dir: str | Path,
     return {"ran": ran, "skipped": skipped, "already_done": done, "seconds": time.perf_counter() - started,
             "fingerprints": {model: engine.spec.fingerprint for model, engine in engines.items()},
             "files": [str(f) for f in files]}
+
+
+def _add_configured_bits(path: Path, cell: Cell, settings: MatrixSettings, artifact_id: str | None, spec) -> None:
+    """A cell file written before results carried ``configured_bits`` gets them (they follow from the cell's
+    configuration alone, so nothing is rerun)."""
+    result = json.loads(path.read_text())
+    if "configured_bits" not in result:
+        result["configured_bits"] = cell_configured_bits(cell, settings, artifact_id, spec)
+        _write_atomic(path, json.dumps(result))
 
 
 def _missing_reason(cell: Cell) -> str:
@@ -472,7 +500,9 @@ def index_results(results: list[dict[str, Any]]) -> dict[tuple[str, str], list[d
 def table_row(by_cell: dict[tuple[str, str], list[dict]], tasks: list[str], model: str, cell: Cell,
               reference: Cell | None) -> dict[str, Any]:
     """One row: ``label``, ``cache_mode``, ``method``, ``bits``, ``sides``, ``rule``, ``scores`` (task -> score or
-    None), ``average`` (None unless every task has a score), ``kv`` (mean effective bits), ``artifact_id``, and
+    None), ``average`` (None unless every task has a score), ``kv`` (effective bits measured over the run's reused
+    tokens, mean of its requests'), ``configured_bits`` (``{"k", "v"}`` nominal bits the configuration sets on full
+    groups, `service.quant.accounting.configured_bits`; None for cache-only and KVQuant rows), ``artifact_id``, and
     ``agreement`` against ``reference`` (``{"reference", "exact_match", "token_agreement", "documents"}``)."""
     rows = by_cell.get((model, cell.key), [])
     scores = {t: next((r["score"] for r in rows if r["task"] == t), None) for t in tasks}
@@ -488,7 +518,8 @@ def table_row(by_cell: dict[tuple[str, str], list[dict]], tasks: list[str], mode
     return {"label": cell.label, "cache_mode": cell.cache_mode, "method": cell.method, "bits": cell.bits,
             "sides": cell.sides, "rule": cell.rule, "scores": scores,
             "average": statistics.fmean(have) if have and len(have) == len(tasks) else None,
-            "kv": kv, "agreement": agreement, "artifact_id": next((r["artifact_id"] for r in rows), None),
+            "kv": kv, "configured_bits": next((r.get("configured_bits") for r in rows), None),
+            "agreement": agreement, "artifact_id": next((r["artifact_id"] for r in rows), None),
             "seconds": sum(r["seconds"] for r in rows)}
 
 
@@ -539,10 +570,22 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _pair(k: float | None, v: float | None) -> str:
+    """``K / V`` bits, or "—" when the row has none."""
+    return "—" if k is None or v is None else f"{k:.2f} / {v:.2f}"
+
+
+#: How the tables' bit columns read (docs/glossary.md, "Effective bits").
+BITS_NOTE = ("K/V bits configured: the nominal bits the configuration sets on full groups, the figure every report of "
+             "a policy shows (KVQuant: none, its outliers depend on the data); measured: nominal and storage bits "
+             "over the run's reused tokens, where a segment shorter than a group still keeps p tokens at 16 bits.")
+
+
 def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -> str:
     """Markdown: one table per (model, bits) in the paper's layout, with effective bits and agreement columns."""
     tasks = tables["tasks"]
-    head = ["Method", *tasks, "Avg.", "K/V bits (nominal)", "K/V bits (storage)", "Exact match %", "Token agr. %"]
+    head = ["Method", *tasks, "Avg.", "K/V bits configured", "K/V bits measured (nominal)",
+            "K/V bits measured (storage)", "Exact match %", "Token agr. %"]
     lines = []
     for block in tables["blocks"]:
         bits = f"{block['bits']}-bit KV" if block["bits"] is not None else "no quantized rows"
@@ -553,15 +596,17 @@ def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -
             if r["cache_mode"] != "none" and r["cache_mode"] != mode:
                 mode = r["cache_mode"]
                 lines.append(f"| *{MODE_LABELS[mode]}* |" + " |" * (len(head) - 1))
-            kv, agr = r["kv"], r["agreement"]
+            kv, agr, conf = r["kv"] or {}, r["agreement"], r.get("configured_bits") or {}
             label = r["label"] if r["method"] == "none" else f"{r['label']} ({r['bits']}-bit)"
             cells = [label, *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                     f"{kv['k_nominal_bits']:.2f} / {kv['v_nominal_bits']:.2f}" if kv else "—",
-                     f"{kv['k_storage_bits']:.2f} / {kv['v_storage_bits']:.2f}" if kv else "—",
+                     _pair(conf.get("k"), conf.get("v")),
+                     _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
+                     _pair(kv.get("k_storage_bits"), kv.get("v_storage_bits")),
                      _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—"]
             lines.append("| " + " | ".join(cells) + " |")
         lines += ["", "Exact match and token agreement: quantized rows against the cache-only row of the same mode; "
-                  "cache-only rows against the no-cache row. " + documents_line(tables.get("documents", {})), ""]
+                  "cache-only rows against the no-cache row. " + BITS_NOTE + " "
+                  + documents_line(tables.get("documents", {})), ""]
     if skipped:
         lines += ["Skipped cells:", ""] + [f"- {s['model']} {s['cell']}: {s['reason']}" for s in skipped] + [""]
     return "\n".join(lines)
@@ -572,14 +617,15 @@ def render_csv(tables: dict[str, Any]) -> str:
     tasks = tables["tasks"]
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(["model", "block_bits", "cache_mode", "method", "bits", *tasks, "average", "k_nominal_bits",
-                     "v_nominal_bits", "k_storage_bits", "v_storage_bits", "exact_match", "token_agreement",
-                     "agreement_reference", "documents"])
+    writer.writerow(["model", "block_bits", "cache_mode", "method", "bits", *tasks, "average", "k_configured_bits",
+                     "v_configured_bits", "k_nominal_bits", "v_nominal_bits", "k_storage_bits", "v_storage_bits",
+                     "exact_match", "token_agreement", "agreement_reference", "documents"])
     for block in tables["blocks"]:
         for r in block["rows"]:
-            kv, agr = r["kv"] or {}, r["agreement"] or {}
+            kv, agr, conf = r["kv"] or {}, r["agreement"] or {}, r.get("configured_bits") or {}
             writer.writerow([block["model"], block["bits"] or "", r["cache_mode"], r["method"], r["bits"] or "",
                              *(_csv(r["scores"][t]) for t in tasks), _csv(r["average"]),
+                             _csv(conf.get("k")), _csv(conf.get("v")),
                              *(_csv(kv.get(k)) for k in ("k_nominal_bits", "v_nominal_bits", "k_storage_bits",
                                                           "v_storage_bits")),
                              _csv(agr.get("exact_match")), _csv(agr.get("token_agreement")),
@@ -589,6 +635,20 @@ def render_csv(tables: dict[str, Any]) -> str:
 
 def _csv(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
+
+
+#: The trade-off plot under the main tables (`evaluation.plots.plot_tradeoff`).
+TRADEOFF_MARKDOWN = """
+### Accuracy against KV memory
+
+![Accuracy against KV memory]({png})
+
+One point per cache mode, method and code width (the rows above); the black stars are the cache-only rows with
+their K/V counted in bf16, the dotted line full recompute. Left: KV bytes held at the peak request; right: the
+measured nominal bits per element (mean of K and V). What to look for: points above and to the left of the others
+keep more accuracy for less memory; a method whose 2-bit point drops far below its 4-bit one does not survive that
+width on this model and task.
+"""
 
 
 def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: list[dict] | None = None,
@@ -612,8 +672,12 @@ def write_outputs(out_dir: str | Path, tasks: list[str] | None = None, skipped: 
         stem, tables = "kv_ablation", ablations.build_sides(results, tasks, table4)
         md, text_csv = ablations.render_sides_markdown(tables, skipped), ablations.render_rows_csv(tables)
     else:
+        from evaluation.plots import TRADEOFF_PNG, plot_tradeoff
+
         stem, tables = "matrix", build_tables(results, tasks)
         md, text_csv = render_markdown(tables, skipped), render_csv(tables)
+        if plot_tradeoff(tables, out / TRADEOFF_PNG) is not None:
+            md += TRADEOFF_MARKDOWN.format(png=TRADEOFF_PNG)
     paths = {"md": out / f"{stem}.md", "csv": out / f"{stem}.csv", "json": out / f"{stem}.json"}
     _write_atomic(paths["md"], md + extra_markdown)
     _write_atomic(paths["csv"], text_csv)

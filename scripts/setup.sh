@@ -9,3 +9,6 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test]"
+# The project's lm-eval tasks (digit_ledger, gsm8k_local, humaneval_local) where plain lm-eval finds them:
+# `lm_eval --include_path .dllm-kvq/lm-eval-tasks --tasks digit_ledger ...` (docs/evaluation.md).
+.venv/bin/dllm-kvq evaluate tasks --out .dllm-kvq/lm-eval-tasks >/dev/null

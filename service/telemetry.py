@@ -29,6 +29,7 @@ dllm_active_config_info                                gauge (1)  model, cache_m
                                                                   v_group_size, policy, source
 dllm_config_changes_total                              counter    cache_mode
 dllm_policy_k_bits_cap                                 gauge      cache_mode, policy
+dllm_kv_configured_bits                                gauge      cache_mode, method, bits, policy, tensor
 dllm_shadow_requests_total                             counter    method, bits, cache_mode, policy
 dllm_shadow_token_agreement                            histogram  method, bits, cache_mode, policy
 dllm_shadow_exact_match_total                          counter    method, bits, cache_mode, policy
@@ -44,8 +45,10 @@ dllm_store_active_restored_total                       counter    cache_mode
 =====================================================  =========  =============================================
 
 ``tensor`` is ``k`` or ``v``; ``accounting`` is ``nominal`` (the paper's count: codes at b bits, protected tokens
-at 16) or ``storage`` (bytes actually held x 8 / elements). The KV gauges hold the last finished request's values
-for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
+at 16) or ``storage`` (bytes actually held x 8 / elements), measured over the request's reused tokens;
+``dllm_kv_configured_bits`` is the active configuration's nominal bits on full groups, the figure every report of a
+policy shows (`service.quant.accounting`; docs/glossary.md "Effective bits"). The KV gauges hold the last
+finished request's values for that configuration. ``dllm_shadow_token_agreement`` is the share of response positions, up to the longer of
 the two EOS-cut outputs, where the served and the unquantized re-decode agree (DESIGN.md, "token agreement").
 ``dllm_store_up`` follows the connection (the server pings the store every ``store_check_interval_s``).
 ``dllm_config_ready`` is 0 while a cache mode's configuration (the store's active entry, or the ``kv_quant``
@@ -143,6 +146,9 @@ class Telemetry:
         self.active_config = Gauge("dllm_active_config_info", "the active configuration per cache mode (value 1)",
                                    ["model", "cache_mode", "method", "bits", "k_group_size", "v_group_size",
                                     "policy", "source"], registry=r)
+        self.configured_bits = Gauge("dllm_kv_configured_bits", "nominal bits per element the active configuration "
+                                     "sets on full groups (none: unquantized, or KVQuant: data-dependent)",
+                                     ["cache_mode", "method", "bits", "policy", "tensor"], registry=r)
         self.k_bits_cap = Gauge("dllm_policy_k_bits_cap", "nominal K-bit cap the active policy was fitted under",
                                 ["cache_mode", "policy"], registry=r)
         self.config_changes = Counter("dllm_config_changes", "active configuration changes applied",
@@ -231,13 +237,20 @@ class Telemetry:
             self._series(self.kv_bf16_bytes, **labels).set(kv.bf16_bytes)
 
     def set_active(
-        self, model: str, cache_mode: str, config: KVQuantConfig, source: str, k_bits_cap: float | None = None
+        self, model: str, cache_mode: str, config: KVQuantConfig, source: str, k_bits_cap: float | None = None,
+        configured: dict[str, float] | None = None,
     ) -> None:
-        """Show ``config`` as the active configuration of ``cache_mode`` (replacing the previous series), and
-        the nominal K-bit cap of its policy when it has one (for the alert on served bits above the cap)."""
+        """Show ``config`` as the active configuration of ``cache_mode`` (replacing the previous series), the
+        nominal K-bit cap of its policy when it has one (for the alert on served bits above the cap), and its
+        configured bits (``{"k", "v"}``, `service.quant.accounting.configured_bits`) when it has them."""
         old = self._active_labels.pop(cache_mode, None)
         if old is not None:
             self.active_config.remove(*old.values())
+            for tensor in ("k", "v"):
+                try:
+                    self.configured_bits.remove(cache_mode, old["method"], old["bits"], old["policy"], tensor)
+                except KeyError:  # the old configuration had no configured bits
+                    pass
             if old["policy"] and (cache_mode, old["policy"]) in self._caps:
                 self._caps.discard((cache_mode, old["policy"]))
                 self.k_bits_cap.remove(cache_mode, old["policy"])
@@ -245,14 +258,16 @@ class Telemetry:
             "model": model,
             "cache_mode": cache_mode,
             "method": config.method,
-            "bits": str(config.bits),
-            "k_group_size": str(config.k_group_size),
-            "v_group_size": "" if config.v_group_size is None else str(config.v_group_size),
+            "bits": config_labels(config, cache_mode)["bits"],
+            "k_group_size": "" if config.method == "none" else str(config.k_group_size),
+            "v_group_size": "" if config.method == "none" or config.v_group_size is None else str(config.v_group_size),
             "policy": config_labels(config, cache_mode)["policy"],
             "source": source,
         }
         self.active_config.labels(**labels).set(1)
         self._active_labels[cache_mode] = labels
+        for tensor, value in (configured or {}).items():
+            self.configured_bits.labels(cache_mode, config.method, labels["bits"], labels["policy"], tensor).set(value)
         if k_bits_cap is not None and labels["policy"]:
             self.k_bits_cap.labels(cache_mode, labels["policy"]).set(k_bits_cap)
             self._caps.add((cache_mode, labels["policy"]))

@@ -143,12 +143,18 @@ class Admin:
         a configuration that is bad input (a file path, a bound, quantization with cache mode none) is a 400
         (``ConfigInvalid``), one whose stored artifact does not fit it or the model a 422 (``ArtifactUnfit``).
 
-        ``old`` is the store's previous entry, or, when the store had none, the default this replica served.
+        ``old`` and ``new`` are the audit entry's (``GET /admin/audit`` shows the same): ``old`` is the store's
+        previous active entry, null when the store had none (each replica then served its ``kv_quant`` setting,
+        which may differ between replicas, so no one replica's default is the store's history).
+        ``served_before`` is what this replica served for the mode until now (None while it was not ready).
         """
-        served = self.active.all().get(cache_mode)  # None while the mode is not ready
+        served = self.active.all().get(cache_mode)
         audit = self._tracked(self.active.activate, cache_mode, config, key_id)
+        now = self.active.all().get(cache_mode)
         return s.ActivateResponse(fingerprint=audit.fingerprint, cache_mode=audit.cache_mode, at=audit.at,
-                                  key_id=audit.key_id, old=audit.old or (served.config if served else None), new=audit.new)
+                                  key_id=audit.key_id, old=audit.old, new=audit.new,
+                                  served_before=served.config if served else None,
+                                  configured_bits=now.describe().get("configured_bits") if now else None)
 
     def audit(self, limit: int) -> list[dict[str, Any]]:
         """The newest ``limit`` audit entries."""

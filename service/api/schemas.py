@@ -380,10 +380,14 @@ class GenerateResponse(DecodeReport):
 
 # ---- tokenizer (lm-eval's RemoteTokenizer and vLLM's shapes) ---------------------------------------------------------
 class TokenizeRequest(RuledModel):
-    """``/tokenize``: a prompt, or chat messages rendered through the chat template."""
+    """``/tokenize``: a prompt, or chat messages rendered through the chat template.
+
+    ``prompt`` may itself be a list of chat messages: lm-eval's remote tokenizer (``local-completions`` with
+    ``tokenizer_backend=remote`` and ``--apply_chat_template``) posts each request's chat history as ``prompt``;
+    it is rendered through the chat template as ``messages`` is (``add_special_tokens`` does not apply then)."""
 
     model: ModelName | None = None
-    prompt: str | None = None
+    prompt: str | Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
@@ -441,14 +445,20 @@ class ActiveView(BaseModel):
 
 
 class ActivateResponse(BaseModel):
-    """The change made: old and new configuration, when, by which key id."""
+    """The change made, as its audit entry records it (``GET /admin/audit``): old and new configuration, when, by
+    which key id; and what this replica served before."""
 
     fingerprint: str
     cache_mode: CacheMode
     at: float
     key_id: str | None
-    old: KVQuantConfig | None
+    old: KVQuantConfig | None = Field(description="the store's previous active entry (null: the store had none, and "
+                                      "replicas served their kv_quant setting); the audit entry's old")
     new: KVQuantConfig
+    served_before: KVQuantConfig | None = Field(None, description="what this replica served for the cache mode "
+                                                "before the change (its kv_quant setting when old is null)")
+    configured_bits: dict[str, float] | None = Field(None, description="the new configuration's nominal K and V "
+                                                     "bits on full groups (null: unquantized, or KVQuant)")
 
 
 class EvalScoreReport(StrictModel):

@@ -145,12 +145,14 @@ class Serving:
                               add_special_tokens)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
-        """``/tokenize``: ids of a prompt or of chat messages (through the chat template). A text prompt that
+        """``/tokenize``: ids of a prompt or of chat messages (``messages``, or a ``prompt`` that is a message list as
+        lm-eval's remote tokenizer sends it; through the chat template). A text prompt that
         provably cannot fit the context is refused as on the generation routes: no request could use its ids, and
         tokenizing a megabyte of text takes ~200 MB for a moment."""
         self._check_model(req.model)
-        if req.messages is not None:
-            ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        messages = req.prompt if isinstance(req.prompt, list) else req.messages
+        if messages is not None:
+            ids = self._chat_ids(messages, req.add_generation_prompt)
         else:
             self._check_fits([req.prompt])
             ids = self._encode(req.prompt, req.add_special_tokens)

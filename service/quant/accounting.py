@@ -1,8 +1,23 @@
-"""Effective-bit and memory accounting of a quantized KV store, summarized as `service.engine.report.KVReport`.
+"""Effective bits, computed here and only here (terms: docs/glossary.md, "Effective bits").
 
-Per layer and overall, for K and V: *nominal* bits (the paper's count: codes at b bits, protected tokens and
-outliers at 16, scales not counted) and *storage* bits (bytes actually held, with scales, minima, indices and
-outliers, x 8 / elements), averaged over the reused tokens of every block of the request (weighted by elements).
+Two counts (the same for K and for V):
+
+* *nominal* bits: the paper's count, codes at b bits and every element held in high precision (protected K
+  tokens, KVQuant outliers, the side a K-only or V-only row leaves alone) at 16, scales not counted;
+* *storage* bits: bytes actually held (codes, scales, minima, indices, outliers) x 8 / elements.
+
+And two figures that carry them:
+
+* **configured** bits (`configured_bits`): the nominal bits a configuration sets on full groups, known before
+  any data: b for KIVI, the policy's ``(b (G - p) + 16 p) / G`` averaged over layers for dLLM-KVQ, none for the
+  unquantized cache and for KVQuant (its outliers are counted as the data has them). Every report of a policy or
+  configuration shows this figure: calibration summary and report, matrix tables and model card, ``kv_config``
+  and ``/admin`` answers, ``dllm_kv_configured_bits``.
+* **measured** bits (`KVAccounting`, summarized as `service.engine.report.KVReport`): nominal and storage bits
+  over the reused tokens of every block of one request (weighted by elements), per layer and overall; a run's
+  figure is the mean of its requests'. A reused segment shorter than a group still keeps p tokens at 16 bits, so
+  a dLLM-KVQ request measures more nominal K bits than its configured figure.
+
 Elements are real reused tokens x kv heads x head_dim; padding is not counted. ``bytes_held`` is the largest
 amount held after any block-initial pass (every layer's packed K/V plus the block's shared index tensors);
 ``bf16_bytes`` is what the same K/V would take in bf16.
@@ -13,8 +28,43 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from service.artifacts.policy import PolicyTable, nominal_k_bits
 from service.engine.report import KVReport, LayerBits
 from service.quant.base import PackedLayer
+from service.quant.config import KVQuantConfig
+
+#: Nominal bits of an element held in high precision (the paper counts protected tokens at 16).
+HIGH_PRECISION_BITS = 16.0
+#: Methods whose configured bits follow from the configuration (and its policy table) alone.
+_CONFIGURED = ("kivi", "dllm_kvq")
+
+
+def policy_k_bits(table: PolicyTable) -> float:
+    """A dLLM-KVQ policy's configured K bits: the full-group nominal K bits ``(b (G - p) + 16 p) / G`` of each
+    layer's budget p, averaged over layers (bits per K element; what every report of the policy shows)."""
+    per_layer = [nominal_k_bits(table.bits, table.k_group_size, layer.p) for layer in table.layers]
+    return sum(per_layer) / len(per_layer)
+
+
+def configured_bits(config: KVQuantConfig, artifact: Any = None) -> dict[str, float] | None:
+    """The configured nominal bits ``{"k": ..., "v": ...}`` (bits per element) of ``config`` on full groups (module
+    docstring), or None where no figure follows from the configuration: the unquantized cache (method ``none``)
+    and methods whose high-precision share depends on the data (KVQuant's outliers).
+
+    Args:
+        config: the configuration; ``sides`` ``k`` / ``v`` count the side left alone at 16 bits.
+        artifact: the loaded artifact ``config`` names (a `PolicyTable` for ``dllm_kvq``); without it a dLLM-KVQ
+            configuration has no figure (None).
+    """
+    if config.method not in _CONFIGURED:
+        return None
+    k = v = float(config.bits)
+    if config.method == "dllm_kvq":
+        if not isinstance(artifact, PolicyTable):
+            return None
+        k = policy_k_bits(artifact)
+    return {"k": HIGH_PRECISION_BITS if config.sides == "v" else k,
+            "v": HIGH_PRECISION_BITS if config.sides == "k" else v}
 
 
 class KVAccounting:

@@ -104,8 +104,12 @@ class KVQuantConfig(BaseModel):
     def _write_spellings(self, handler):
         """Write the reference under the method's own spellings, so stored and reported configs keep them, and
         leave out references that are not set: a KIVI config beside a dLLM-KVQ one (an activation's old and new)
-        shows no ``artifact_id: null`` next to the other's ``policy_id``, so both read with the same keys."""
+        shows no ``artifact_id: null`` next to the other's ``policy_id``, so both read with the same keys. The
+        unquantized cache (method ``none``) is written as ``{"method": "none"}``: bits and group sizes mean nothing
+        there, and a report reading ``"bits": 4`` beside it would claim a quantization that did not happen."""
         out = handler(self)
+        if self.method == "none":
+            return {"method": "none"}
         entry = _registry().method(self.method)
         for generic in ("artifact_id", "artifact_file"):
             if generic not in out:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
+from service.quant.accounting import configured_bits
 from service.quant.config import KVQuantConfig
 from service.store.base import (
     CACHE_MODES,
@@ -146,12 +147,16 @@ class ConfigSnapshot:
     origin: ConfigSnapshot | None = None
 
     def describe(self) -> dict[str, Any]:
-        """What a report says about the configuration it ran with."""
+        """What a report says about the configuration it ran with: ``configured_bits`` is the configuration's
+        nominal K and V bits on full groups (`service.quant.accounting.configured_bits`; absent where none follows
+        from it: the unquantized cache, KVQuant)."""
+        bits = configured_bits(self.config, self.artifact)
         return {
             "kv_quant": self.config.model_dump(mode="json", exclude_none=True),
             "cache_mode": self.cache_mode,
             "source": self.source,
             "set_at": self.set_at,
+            **({"configured_bits": bits} if bits else {}),
         }
 
     def unquantized(self) -> ConfigSnapshot:
@@ -259,7 +264,8 @@ class ActiveConfigs:
         self.telemetry.config_ready.labels(mode).set(1)
         # The nominal K-bit cap an artifact was fitted under (policy tables have one).
         cap = getattr(snapshot.artifact, "k_bit_cap", None)
-        self.telemetry.set_active(self.model_name, mode, snapshot.config, snapshot.source, cap)
+        self.telemetry.set_active(self.model_name, mode, snapshot.config, snapshot.source, cap,
+                                  configured_bits(snapshot.config, snapshot.artifact))
         if count and (old is None or old.config != snapshot.config):
             self.telemetry.config_changes.labels(mode).inc()
             log.info("cache mode %s: active configuration changed by %s: %s -> %s (%s)", mode, by or "store",

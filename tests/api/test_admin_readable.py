@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
-from tests.support.apps import ADMIN_KEY, fake_app
+from tests.support.apps import ADMIN_KEY, fake_admin_client, fake_app
 from tests.support.artifacts import kvquant_state_for
 from tests.support.fake_engine import FakeEngine
 
@@ -24,7 +24,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(store_dir):
-    with TestClient(fake_app(Settings(store_url=str(store_dir), block_length=4, admin_key=ADMIN_KEY))) as c:
+    with fake_admin_client(store_dir) as c:
         yield c
 
 

@@ -52,9 +52,16 @@ def test_kvquant_state_upload_read_activate_delete(client):
     r = client.put("/admin/active/dual", json={"method": "kvquant", "bits": 4, "kvquant_state_id": state.id},
                    headers=ADMIN)
     assert r.status_code == 422 and r.json()["error"]["param"] == "kv_quant.bits"
+    first = client.put("/admin/active/dual", json={"method": "kivi", "bits": 2}, headers=ADMIN)
+    # The store had no entry: old is null, as the audit entry says; this replica served its kv_quant setting,
+    # which has no bits (the unquantized cache).
+    assert first.status_code == 200 and first.json()["old"] is None
+    assert first.json()["served_before"] == {"method": "none"}
+    assert client.get("/admin/audit", headers=ADMIN).json()[0]["old"] is None
     r = client.put("/admin/active/dual", json={"method": "kvquant", "bits": 2, "kvquant_state_id": state.id},
                    headers=ADMIN)
-    assert r.status_code == 200 and r.json()["old"]["method"] == "none"
+    assert r.status_code == 200 and r.json()["old"] == client.get("/admin/audit", headers=ADMIN).json()[0]["old"]
+    assert r.json()["old"]["method"] == "kivi" == r.json()["served_before"]["method"]
     # Old and new read with the same keys: a reference is written only when set, under the method's spelling.
     assert set(r.json()["new"]) - set(r.json()["old"]) == {"kvquant_state_id"}
     assert "artifact_id" not in r.json()["old"] and "artifact_file" not in r.json()["old"]
@@ -66,7 +73,7 @@ def test_kvquant_state_upload_read_activate_delete(client):
     assert client.get(f"/admin/kvquant_states/{state.id}", headers=ADMIN).status_code == 404
     assert client.get("/admin/widgets", headers=ADMIN).json()["error"]["param"] == "kind"
     audit = client.get("/admin/audit", headers=ADMIN).json()
-    assert [a["new"]["method"] for a in audit] == ["none", "kvquant"]
+    assert [a["new"]["method"] for a in audit] == ["none", "kvquant", "kivi"]
 
 
 def test_a_downloaded_policy_uploads_as_it_is_and_its_id_is_checked(client):

@@ -122,6 +122,12 @@ def test_models_and_tokenizer_endpoints(client):
     tok = client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()
     assert tok == {"tokens": ids("ab"), "count": 2, "max_model_len": 512}
     assert client.post("/tokenize", json={"prompt": "ab"}).json()["tokens"] == [BOS] + ids("ab")
+    # lm-eval's remote tokenizer with --apply_chat_template posts the chat history as the prompt: rendered through
+    # the chat template as messages are (add_special_tokens does not apply to a template).
+    chat = [{"role": "user", "content": "ab"}]
+    as_prompt = client.post("/tokenize", json={"prompt": chat, "add_special_tokens": False})
+    assert as_prompt.status_code == 200 and as_prompt.json() == client.post("/tokenize", json={"messages": chat}).json()
+    assert as_prompt.json()["count"] > 2
     assert client.post("/detokenize", json={"tokens": ids("ab")}).json() == {"prompt": "ab"}
     info = client.get("/tokenizer_info").json()
     assert info["eos_token"] == "<eos>" and "messages" in info["chat_template"]

@@ -114,6 +114,8 @@ CASES = [
     ("/tokenize", "TokenizeRequest", body) for body in [
         {"prompt": "ab"}, {"prompt": ""}, {}, {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
         {"messages": [{"role": "user", "content": "b"}]}, {"prompt": None, "messages": None},
+        {"prompt": [{"role": "user", "content": "b"}], "add_special_tokens": False}, {"prompt": []},
+        {"prompt": [{"role": "robot", "content": "b"}]},
     ]
 ] + [
     ("/detokenize", "DetokenizeRequest", body) for body in [

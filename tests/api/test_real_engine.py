@@ -136,7 +136,7 @@ def test_policy_upload_activate_serve_and_bad_policies(server, engine):
     assert httpx.post(url + "/admin/policies", content=policy.to_json(), headers=ADMIN).status_code == 201
     config = {"method": "dllm_kvq", "bits": 4, "policy_id": policy.id}
     swap = httpx.put(url + "/admin/active/dual", json=config, headers=ADMIN)
-    assert swap.status_code == 200 and swap.json()["old"]["method"] == "none"
+    assert swap.status_code == 200 and swap.json()["served_before"]["method"] == "none"
     r = httpx.post(url + "/generate", timeout=60, json={"prompt": f"copy: {DIGITS}", "chat": True, "max_tokens": 64})
     kv = r.json()["kv"]
     assert r.json()["kv_config"]["kv_quant"]["policy_id"] == policy.id and kv["policy_id"] == policy.id

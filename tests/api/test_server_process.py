@@ -115,7 +115,7 @@ def test_configuration_swap_under_load(server, tmp_path):
         for t in threads:
             t.join()
     assert r.status_code == 200, r.text
-    assert r.json()["old"]["method"] == "none" and r.json()["new"]["method"] == "kivi"
+    assert r.json()["served_before"]["method"] == "none" and r.json()["new"]["method"] == "kivi"
     assert all(r.status_code == 200 for _, r in results)
     methods = [(sent, r.json()["kv_config"]["kv_quant"]["method"]) for sent, r in results]
     assert {m for _, m in methods} == {"none", "kivi"}

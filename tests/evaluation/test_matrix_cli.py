@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 def test_matrix_command_writes_tables_table4_and_scores(tmp_path, capsys):
     store_dir = tmp_path / "store"
-    row = {"centered_l2": 96.4, "attention_kl": 88.9, "top1": 72.9, "topk": 85.9, "effective_k_bits": 4.77}
+    row = {"centered_l2": 96.4, "attention_kl": 88.9, "top1": 72.9, "topk": 85.9, "cosine": 90.0,
+           "configured_k_bits": 4.77, "protected_layers": 2}
     open_store(str(store_dir)).put(KIND_CALIBRATION_FIT, canonical_json({"policies": {}, "table4": {"dual/4": row}}),
                                    "fit-1")
     out = tmp_path / "matrix"
@@ -28,7 +29,8 @@ def test_matrix_command_writes_tables_table4_and_scores(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ran 3 (cell, task) runs" in printed
     md = (out / "matrix.md").read_text()
-    assert "| KIVI (4-bit) |" in md and "| Dual | 4 | 96.4 | 88.9 | 72.9 | 85.9 | 4.77 |" in md
+    assert "| KIVI (4-bit) |" in md and "| Dual | 4 | 96.4 | 88.9 | 72.9 | 85.9 | 90.0 | 4.770 | 2 |" in md
+    assert "A tie is not a win" in md
     rows = list(csv.DictReader((out / "matrix.csv").open()))
     assert [(r["cache_mode"], r["method"]) for r in rows] == [("none", "none"), ("dual", "none"), ("dual", "kivi")]
     assert float(rows[2]["k_nominal_bits"]) == 4.0 and rows[2]["agreement_reference"] == "Cache only"

@@ -20,6 +20,7 @@ from service.artifacts.base import Provenance
 from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.agreement import token_agreement
 from service.engine.params import DecodeParams, RowOptions
+from service.quant.accounting import policy_k_bits
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
 from service.store.base import KIND_POLICY, open_store
@@ -85,6 +86,13 @@ def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
     # By hand: each block reuses 36 K tokens (4 prompt + 32 response) in a group of 4 and one of 32, each keeping
     # p=1 token at 16 bits: (3*4 + 16) + (31*4 + 16) = 168 bits over 36 tokens.
     assert rows[("dual", "dllm_kvq")]["kv"]["k_nominal_bits"] == pytest.approx(168 / 36)
+    # Configured bits: what the configuration sets on full groups of 32, the policy's own figure (p = 1 on every
+    # layer); no figure for the cache-only rows.
+    policy = open_store(store_url[0]).get_model(KIND_POLICY, policy_id, PolicyTable)
+    assert rows[("dual", "dllm_kvq")]["configured_bits"] == {"k": policy_k_bits(policy), "v": 4.0}
+    assert policy_k_bits(policy) == (31 * 4 + 16) / 32
+    assert rows[("dual", "kivi")]["configured_bits"] == {"k": 4.0, "v": 4.0}
+    assert rows[("dual", "none")]["configured_bits"] is None
     md = paths["md"].read_text()
     assert "| dLLM-KVQ (4-bit) |" in md and "- tiny dual-kvquant-4: no KVQuant state" in md
 
@@ -137,6 +145,7 @@ def test_table3_controls_and_kv_ablation_rows(tmp_path, engine, store_url):
     # Nominal K bits by hand: 36 reused K tokens per block in groups of 4 and 32, p tokens of each at 16 bits.
     assert rows[1]["kv"]["k_nominal_bits"] == 4.0
     assert rows[2]["kv"]["k_nominal_bits"] == pytest.approx(((2 * 4 + 2 * 16) + (30 * 4 + 2 * 16)) / 36)
+    assert rows[2]["configured_bits"]["k"] == (30 * 4 + 2 * 16) / 32  # full groups: (b (G - p) + 16 p) / G
     assert all(r["agreement"]["reference"] == "Cache only" for r in rows[1:])
 
     sides = run_matrix(plan_sides(["tiny"], ["dual"], [4], ["kivi"]), settings, out, lambda name: engine)

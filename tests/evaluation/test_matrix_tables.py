@@ -43,11 +43,11 @@ def test_primary_metric():
         primary_metric("t", {"x_stderr,none": 0.1})
 
 
-def _result(cell, task, score, records, kv=None):
+def _result(cell, task, score, records, kv=None, configured=None):
     return {"model": cell.model, "fingerprint": "f", "cell": {"model": cell.model, "cache_mode": cell.cache_mode,
                                                               "method": cell.method, "bits": cell.bits},
             "task": task, "metric": "exact_match,none", "score": score, "metrics": {}, "config": {},
-            "artifact_id": None, "settings": {}, "kv": kv, "seconds": 1.0,
+            "artifact_id": None, "settings": {}, "kv": kv, "configured_bits": configured, "seconds": 1.0,
             "records": [{"doc_id": i, "ids": ids, "text": text, "nfe": 3} for i, (ids, text) in enumerate(records)]}
 
 
@@ -61,8 +61,8 @@ def results():
         _result(ref, "b", 100.0, [([7], "z")]),
         _result(only, "a", 50.0, [([1, 2, 3], "x"), ([4, 6], "w")]),
         _result(only, "b", 100.0, [([7], "z")]),
-        _result(kivi, "a", 0.0, [([1, 2, 9, 9], "q"), ([4, 6], "w")], kv),
-        _result(kivi, "b", 100.0, [([7], "z")], kv),
+        _result(kivi, "a", 0.0, [([1, 2, 9, 9], "q"), ([4, 6], "w")], kv, {"k": 4.0, "v": 4.0}),
+        _result(kivi, "b", 100.0, [([7], "z")], kv, {"k": 4.0, "v": 4.0}),
     ]
 
 
@@ -89,9 +89,11 @@ def test_markdown_and_csv_layout(results):
     md = render_markdown(tables, [{"model": "m", "cell": "prefix-dllm_kvq-4", "reason": "no policy table"}])
     lines = [line for line in md.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| Method | a | b | Avg. |")
-    assert lines[1].startswith("| No cache (full recompute) | 50.00 | 100.00 | 75.00 | — | — | — | — |")
+    assert lines[1].startswith("| No cache (full recompute) | 50.00 | 100.00 | 75.00 | — | — | — | — | — |")
     assert lines[2].startswith("| *Prefix cache* |")
-    assert lines[4] == "| KIVI (4-bit) | 0.00 | 100.00 | 50.00 | 4.00 / 4.00 | 5.00 / 5.50 | 66.7 | 83.3 |"
+    # Configured, then measured nominal and storage K / V bits.
+    assert lines[4] == ("| KIVI (4-bit) | 0.00 | 100.00 | 50.00 | 4.00 / 4.00 | 4.00 / 4.00 | 5.00 / 5.50 | 66.7 "
+                        "| 83.3 |")
     assert "- m prefix-dllm_kvq-4: no policy table" in md
     rows = list(csv.DictReader(io.StringIO(render_csv(tables))))
     assert [(r["cache_mode"], r["method"]) for r in rows] == [("none", "none"), ("prefix", "none"), ("prefix", "kivi")]

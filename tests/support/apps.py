@@ -18,6 +18,13 @@ def fake_app(settings: Settings | None = None, block_delay_s: float = 0.0):
     return create_app(settings, engine=FakeEngine(block_delay_s=block_delay_s), kv_store_factory=lambda snap: None)
 
 
+def fake_admin_client(store_dir):
+    """A TestClient of `fake_app` over a directory store, blocks of 4 and the admin key (a context manager)."""
+    from fastapi.testclient import TestClient
+
+    return TestClient(fake_app(Settings(store_url=str(store_dir), block_length=4, admin_key=ADMIN_KEY)))
+
+
 def fake_app_from_env():
     """``uvicorn --factory tests.support.apps:fake_app_from_env``: settings from DLLM_*, the fake engine's delay
     from ``FAKE_BLOCK_DELAY_S``."""
