@@ -17,14 +17,12 @@
 ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 
 # Stage 1: torch and the project's dependencies. Nothing here depends on the project's source, so a change to
-# service/, calibration/, evaluation/ or dllm_kvq/ rebuilds only the two small stages below.
-FROM ${CUDA_BASE} AS deps
+# service/, calibration/, evaluation/ or dllm_kvq/ rebuilds only the small stages below.
+FROM ${CUDA_BASE} AS torch
 # TORCH_VARIANT selects the wheel index: cu128 (default), cu126, cu130, ... or cpu.
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_VARIANT=cu128
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
-# pip reads PIP_INDEX_URL from the environment: the index for everything but torch.
-ARG PIP_INDEX_URL=https://pypi.org/simple
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -35,7 +33,7 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY --chmod=0755 deploy/docker/pip.sh /usr/local/bin/pip.sh
 # torch first, so the project's `torch>=...` requirement is already met and pip never pulls a second build from
-# PyPI. A wheel in deploy/docker/wheels wins (installed without its dependencies, which the next step resolves
+# PyPI. A wheel in deploy/docker/wheels wins (installed without its dependencies, which the deps stage resolves
 # from PIP_INDEX_URL); otherwise the variant's index.
 RUN --mount=type=secret,id=extra_ca \
     --mount=type=bind,source=deploy/docker/wheels,target=/wheels \
@@ -44,11 +42,18 @@ RUN --mount=type=secret,id=extra_ca \
     else \
       pip.sh install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
     fi
-# The dependency list and the build backend straight from pyproject.toml: this layer is rebuilt only when that
-# file changes.
+
+# The dependency list and the build backend, read from pyproject.toml in a stage of their own: the deps stage
+# copies only this list, so an edit elsewhere in pyproject.toml (test extras, tool settings) keeps its cache.
+FROM torch AS requirements
 COPY pyproject.toml /tmp/pyproject.toml
 RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb')); \
 print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" >/tmp/requirements.txt
+
+FROM torch AS deps
+# pip reads PIP_INDEX_URL from the environment: the index for everything but torch.
+ARG PIP_INDEX_URL=https://pypi.org/simple
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
 RUN --mount=type=secret,id=extra_ca \
     pip.sh install -r /tmp/requirements.txt \
     && python -c "import torch; print('torch', torch.__version__)"

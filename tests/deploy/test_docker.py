@@ -72,9 +72,11 @@ def test_image_is_cuda_based_non_root_with_hf_volume_and_readiness_healthcheck()
     args = {(k, v) for k, v in ins}
     base_default = next(v for k, v in ins if k == "ARG" and v.startswith("CUDA_BASE="))
     assert base_default.split("=", 1)[1].startswith("nvidia/cuda:")
-    # Dependencies and runtime build on the CUDA base; torch comes from the variant's wheel index (cu* by
+    # The build stages and the runtime start from the CUDA base; torch comes from the variant's wheel index (cu* by
     # default) unless TORCH_INDEX_URL or a wheel in deploy/docker/wheels says otherwise.
-    assert [v for k, v in ins if k == "FROM"] == ["${CUDA_BASE} AS deps", "deps AS wheel", "${CUDA_BASE} AS runtime"]
+    assert [v for k, v in ins if k == "FROM"] == [
+        "${CUDA_BASE} AS torch", "torch AS requirements", "torch AS deps", "deps AS wheel", "${CUDA_BASE} AS runtime"
+    ]
     assert ("ARG", "TORCH_VARIANT=cu128") in args
     assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}") in args
     torch_step = next(v for k, v in ins if k == "RUN" and '"torch==${TORCH_VERSION}"' in v)
@@ -129,6 +131,18 @@ def test_the_wheel_stage_copies_every_package_pyproject_lists():
     assert packages >= {"dllm_kvq", "service", "calibration", "evaluation"}
     missing = packages - _copied_packages()
     assert not missing, f"the Dockerfile's wheel stage does not COPY {sorted(missing)}"
+
+
+def test_dependencies_install_before_any_source_is_copied():
+    # Layer caching: a change to the project's code (or to pyproject.toml outside its dependency list) must not
+    # reinstall torch and the dependencies, so the stages that install them copy only these two files, and the
+    # deps stage sees pyproject.toml only as the requirements stage's extracted list.
+    stages = _stages()
+    for name, allowed in (("torch", {"deploy/docker/pip.sh"}), ("requirements", {"pyproject.toml"}), ("deps", set())):
+        copied = {w for k, v in stages[name] if k == "COPY" and "--from=" not in v
+                  for w in v.split()[:-1] if not w.startswith("--")}
+        assert copied <= allowed, (name, copied)
+    assert any(k == "COPY" and v.startswith("--from=requirements ") for k, v in stages["deps"])
 
 
 def test_every_copied_path_exists_and_is_not_dockerignored():
