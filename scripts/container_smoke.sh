@@ -86,7 +86,7 @@ COPIED=()
 CONTAINER="$PROJECT-serve-$$"
 cleanup() {
   status=$?
-  "$ENGINE" rm -f "$CONTAINER" >/dev/null 2>&1 || true
+  "$ENGINE" rm -f -v "$CONTAINER" >/dev/null 2>&1 || true
   if [ -f "$WORK/compose.yml" ]; then
     "${COMPOSE[@]}" "${COMPOSE_FILES[@]}" down -v >/dev/null 2>&1 || true
   fi
@@ -206,7 +206,7 @@ if [ "$code" != 0 ]; then
   die "after SIGTERM the container exited $code (expected 0: a clean drain)"
 fi
 log "the container drained and exited 0"
-"$ENGINE" rm -f "$CONTAINER" >/dev/null
+"$ENGINE" rm -f -v "$CONTAINER" >/dev/null
 
 # ---- the CPU compose stack ----------------------------------------------------------------------------------
 # Redis: the compose file's image where the engine has it; else one built from the same base (Debian's
@@ -231,6 +231,10 @@ services:
       DLLM_API_KEYS: $API_KEY
       DLLM_ADMIN_KEY: $ADMIN_KEY
       DLLM_THREADS: "1"
+    volumes:
+      - store:/data/store  # named, so that down -v removes it (the image's VOLUME would leave an anonymous one)
+volumes:
+  store:
 EOF
 export DLLM_IMAGE_CPU="$IMAGE_CPU" DLLM_REDIS_IMAGE="$REDIS_IMAGE" DLLM_PUBLISH_PORT="$STACK_PORT"
 log "compose stack (api + redis) with ${COMPOSE[*]} on 127.0.0.1:$STACK_PORT"
@@ -244,6 +248,11 @@ fi
 log "stack api ready $seconds s after up"
 "$PY" scripts/container_smoke_client.py stack "http://127.0.0.1:$STACK_PORT" --model embedded \
   --api-key "$API_KEY" --admin-key "$ADMIN_KEY" || { stack_logs; exit 1; }
+# The activation lives in the redis service (the api's store there), not in the api's memory.
+active_key=$("${COMPOSE[@]}" "${COMPOSE_FILES[@]}" exec -T redis redis-cli --scan --pattern '*:active' 2>/dev/null \
+  | grep -v '^time=' || true)
+[ -n "$active_key" ] || die "no active-configuration key in the stack's redis after the activation"
+log "redis holds the activation ($active_key)"
 "${COMPOSE[@]}" "${COMPOSE_FILES[@]}" down -v >"$WORK/compose-down.log" 2>&1 \
   || { tail -20 "$WORK/compose-down.log" >&2; die "compose down failed"; }
 rm -f "$WORK/compose.yml"

@@ -81,17 +81,23 @@ def serve(args: argparse.Namespace) -> None:
         fail(f"/v1/models lists {listed}, expected [{args.model!r}] (DLLM_SERVED_MODEL_NAME)")
     client = openai.OpenAI(base_url=f"{args.url}/v1", api_key=args.api_key, max_retries=0)
     chat(client, args.model)
-    # No cache and EOS ignored: several blocks, so the stream is still running when SIGTERM arrives.
-    max_tokens = 128
+    # No cache and EOS ignored: many blocks, so the stream is still running when SIGTERM arrives (checked below).
+    max_tokens = 256
     stream = client.chat.completions.create(
         model=args.model, messages=[{"role": "user", "content": "next: 1"}], max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "cache_mode": "none"})
-    chunks, finish, usage, stopper = 0, None, None, None
+    chunks, finish, usage, stopper, signalled, last = 0, None, None, None, {}, 0.0
+
+    def stop() -> None:
+        subprocess.run(args.stop, check=True, capture_output=True)
+        signalled["at"] = time.monotonic()  # the engine has delivered the signal
+
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             chunks += 1
+            last = time.monotonic()
             if stopper is None:  # the first block is out, the rest are not: the request is in flight
-                stopper = threading.Thread(target=subprocess.run, args=(args.stop,), kwargs={"check": True})
+                stopper = threading.Thread(target=stop)
                 stopper.start()
                 say(f"SIGTERM sent mid-stream ({' '.join(args.stop)})")
         if chunk.choices and chunk.choices[0].finish_reason:
@@ -101,6 +107,10 @@ def serve(args: argparse.Namespace) -> None:
     if stopper is None:
         fail("the stream produced no content before it ended")
     stopper.join()
+    if "at" not in signalled:
+        fail(f"{' '.join(args.stop)} failed")
+    if signalled["at"] > last:  # nothing was in flight when the signal landed: the check would prove nothing
+        fail(f"the stream ended before SIGTERM was delivered; make it longer than {max_tokens} tokens")
     if finish != "length" or usage != max_tokens or chunks < 2:
         fail(f"the in-flight stream was cut by SIGTERM: finish {finish!r}, {usage} of {max_tokens} tokens, "
              f"{chunks} chunks")
