@@ -32,7 +32,9 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
-def test_hadolint_passes_with_every_finding_fatal():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, REPO / "deploy" / "docker" / "redis" / "Dockerfile"],
+                         ids=["image", "redis"])
+def test_hadolint_passes_with_every_finding_fatal(dockerfile):
     result = run_tool(
         [
             find_tool("hadolint"),
@@ -41,7 +43,7 @@ def test_hadolint_passes_with_every_finding_fatal():
             "--failure-threshold",
             "info",
             "--no-color",
-            str(DOCKERFILE),
+            str(dockerfile),
         ]
     )
     assert result.returncode == 0, result.stdout + result.stderr
