@@ -8,6 +8,7 @@ the README has the table (the decoding settings are listed with `DecodeSettings`
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -38,8 +39,19 @@ STORE_HELP = f"store URL, redis://host:port/db or a directory (default: DLLM_STO
 
 
 def served_model_name(settings: Settings, model_id: str) -> str:
-    """The name the API serves the model under: the setting, else the checkpoint's directory name (or repo id)."""
-    return settings.served_model_name or model_id.rstrip("/").rsplit("/", 1)[-1] or model_id
+    """The name ``/v1/models`` lists and requests may name (the checkpoint's ``model_id`` is accepted as well).
+
+    ``DLLM_SERVED_MODEL_NAME`` when set (vLLM's ``--served-model-name``: a checkpoint mounted at ``/model`` can
+    still be served as ``llada-tiny``); else, for a local checkpoint directory, that directory's name
+    (``/models/llada-tiny/`` -> ``llada-tiny``); else ``model_id`` as given (a hub repo id such as
+    ``GSAI-ML/LLaDA-8B-Instruct``, whole, or ``embedded``).
+    """
+    if settings.served_model_name:
+        return settings.served_model_name
+    path = Path(model_id)
+    if path.is_dir():
+        return path.resolve().name or model_id
+    return model_id
 
 
 def key_id(key: str) -> str:
@@ -58,7 +70,9 @@ class Settings(BaseSettings, DecodeSettings):
 
     # ---- model ---------------------------------------------------------------------------------------------------
     model: str | None = Field(None, description="checkpoint directory or HF repo id; empty: the embedded default")
-    served_model_name: str | None = Field(None, description="name in /v1/models and responses; default: derived")
+    served_model_name: str | None = Field(
+        None, description="name in /v1/models and responses; default: the directory's name or the hub id"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and activations")
     device: str = Field("cpu", description="torch device, e.g. cpu, cuda, cuda:1")
     threads: int | None = Field(None, gt=0, description="torch intra-op threads; empty: torch's default")

@@ -1,6 +1,6 @@
 """The sharded calibration of deploy/k8s/calibration, run outside Kubernetes: the shard Job's command for each
 completion index and then the merge Job's command, exactly as the manifests write them (variables expanded from
-their ConfigMap), through the image's entrypoint. Two shards make the same policy as one run."""
+their ConfigMap), through the image's entrypoint (the `dllm-kvq` console command). Two shards make the same policy as one run."""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ import pytest
 
 from tests.calibration.test_job import CKPT, token_id_bucket
 from tests.deploy.test_k8s import calibration_jobs, job_args
-from tests.deploy.tools import REPO
+from tests.deploy.tools import CONSOLE, REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
 
 
 def run_pod(args: list[str], env: dict[str, str], extra: list[str]) -> str:
@@ -29,7 +27,7 @@ def run_pod(args: list[str], env: dict[str, str], extra: list[str]) -> str:
         "OMP_NUM_THREADS": "1",
     }
     done = subprocess.run(
-        ["sh", str(ENTRYPOINT), *expanded, *extra],
+        [str(CONSOLE), *expanded, *extra],
         cwd=REPO,
         env=process_env,
         capture_output=True,

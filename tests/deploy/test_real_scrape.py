@@ -1,6 +1,6 @@
 """A real scrape: Debian's Prometheus server on loopback, running deploy/prometheus/prometheus.yml (targets
 pointed at a local server) and the alert rules, scrapes a real dllm-kvq server started through the image's
-entrypoint script; its HTTP API then answers the effective-bits query with the value the server reported, and
+entrypoint (the `dllm-kvq` console command); its HTTP API then answers the effective-bits query with the value the server reported, and
 every dashboard query parses and runs."""
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.deploy.test_monitoring import dashboard_exprs, label_names, metric_names, rule_exprs
-from tests.deploy.tools import REPO, find_tool
+from tests.deploy.tools import CONSOLE, REPO, find_tool
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
 HEALTHCHECK = REPO / "deploy" / "docker" / "healthcheck.py"
 # Labels Prometheus adds to every scraped series (the target's and the scrape config's) and the bucket label.
 TARGET_LABELS = {"instance", "job", "service", "le"}
@@ -72,7 +71,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture()
 def server(tmp_path):
-    """The server on the embedded default model, started as the container starts it (entrypoint `serve`)."""
+    """The server on the embedded default model, started as the container starts it (the entrypoint `dllm-kvq serve`)."""
     port = free_port()
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
@@ -91,7 +90,7 @@ def server(tmp_path):
     log = tmp_path / "server.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            ["sh", str(ENTRYPOINT), "serve"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT
+            [str(CONSOLE), "serve"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT
         )
     try:
         # Ready as the container's HEALTHCHECK sees it: the image's own probe script exits 0.

