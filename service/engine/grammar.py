@@ -56,6 +56,7 @@ import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from service.engine.errors import EngineInputError
 
@@ -142,6 +143,7 @@ class GrammarState:
 
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
         self.matcher, self.compiler = matcher, compiler
+        self.ended = False  # an EOS was consumed: only EOS follows
 
     def consume(self, token: int) -> None:
         """Advance by one revealed token (any of the model's EOS ids counts as the grammar's EOS).
@@ -150,7 +152,9 @@ class GrammarState:
             GrammarViolation: the grammar does not allow ``token`` here (a bug: tokens come from its mask).
         """
         if token in self.compiler.eos_ids:
-            token = self.compiler.grammar_eos
+            if self.ended:
+                return  # padding after the end
+            token, self.ended = self.compiler.grammar_eos, True
         if not self.matcher.consume_token(token):
             raise GrammarViolation(f"token {token} is outside the grammar: {self.matcher.get_error()}")
 
@@ -195,9 +199,17 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer: a transformers fast tokenizer is read whole (its byte-level
+        vocabulary, special tokens); any other tokenizer through the text of each id (ids that decode to nothing
+        count as special, never allowed)."""
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                              eos_token=self.grammar_eos)
+            if isinstance(self.tokenizer, PreTrainedTokenizerFast):
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=self.grammar_eos)
+            else:
+                self._ll_tokenizer = llguidance.LLTokenizer(_DecodedVocabulary(self.tokenizer, self.vocab_size,
+                                                                               self.grammar_eos),
+                                                            n_vocab=self.vocab_size)
         return self._ll_tokenizer
 
     @property
@@ -262,13 +274,34 @@ class GrammarCompiler:
                 self.executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
         bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
         allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
-        eos_allowed = allowed[:, self.grammar_eos]
-        allowed[:, self._eos_tensor] |= eos_allowed[:, None]
+        # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
+        # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
+        accepting = torch.tensor([s.ended or s.matcher.is_accepting() for s in states])
+        eos_allowed = allowed[:, self.grammar_eos] & accepting
+        allowed[:, self._eos_tensor] = eos_allowed[:, None]
         return allowed
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "invalid grammar"
+class _DecodedVocabulary(llguidance.TokenizerWrapper):
+    """A tokenizer without a vocabulary file, as llguidance reads one: each id's bytes from its decoded text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: int) -> None:
+        texts = [tokenizer.decode([i]) for i in range(vocab_size)]
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = [i for i, t in enumerate(texts) if not t]
+        self.tokens = [t.encode() if t else f"<|special_{i}|>".encode() for i, t in enumerate(texts)]
+        self._tokenizer = tokenizer
+        self.is_tokenizer_wrapper = True
+        self._accepts_bytes = False
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """The engine's error on one line, at most ``limit`` characters."""
+    flat = " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "invalid grammar"
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 @dataclass
