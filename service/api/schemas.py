@@ -61,7 +61,9 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
   `dream_schedule` `origin`;
 * forward calls (`steps`, else the response positions) x (prompt + response positions) are within the server's
   `max_request_work`, and the request's KV memory fits the server's budget alone (code `over_memory_budget`);
-* text is valid Unicode (no lone surrogate)."""
+* text is valid Unicode (no lone surrogate);
+* a structured-output schema or regex (`response_format`, `structured_outputs`, `guided_*`) compiles within the
+  grammar engine's limits (llguidance: its JSON Schema coverage, Rust regex syntax, bounded work, 5 s)."""
 
 #: The JSON Schema extension key that :func:`from_server` writes and `service.api.openapi` replaces.
 FROM_SERVER = "x-from-server"
