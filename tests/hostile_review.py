@@ -400,8 +400,17 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
     m("chat: max_tokens 8 and max_completion_tokens 64 (conflict)", [{"role": "user", "content": DIGITS}],
       "max_completion_tokens", expect={200, 400}, max_completion_tokens=64)
     m("chat: tools", [{"role": "user", "content": "x"}], "tools", tools=[{"type": "function", "function": {"name": "f"}}])
-    m("chat: response_format json_object", [{"role": "user", "content": "x"}], "response_format",
+    m("chat: response_format json_object (served)", [{"role": "user", "content": "x"}], None, expect=200,
       response_format={"type": "json_object"})
+    m("chat: response_format json_schema that cannot compile", [{"role": "user", "content": "x"}],
+      "response_format.json_schema.schema",
+      response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    m("chat: guided_regex that cannot compile", [{"role": "user", "content": "x"}], "guided_regex",
+      guided_regex="([")
+    m("chat: json_schema of 2000 alternatives (compile bounded)", [{"role": "user", "content": "x"}], None,
+      expect={200, 400}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+          "anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                    for i in range(2000)]}}})
     m("chat: metadata with 10k keys", [{"role": "user", "content": "x"}], None, expect={200, 400},
       metadata={f"k{i}": "v" for i in range(10_000)})
     m("chat: user 1 MB string", [{"role": "user", "content": "copy: 1"}], None, expect={200, 400}, user="u" * 1_000_000)

@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.api.rules import AtMostOne, ExactlyOne, Given, Implies, Is, IsText, NullOrHas, RuledModel, only
+from service.api.structured import StructuredOutputFields
 from service.engine.params import (
     TOKENS_CEILING,
     CacheMode,
@@ -60,7 +61,9 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
   `dream_schedule` `origin`;
 * forward calls (`steps`, else the response positions) x (prompt + response positions) are within the server's
   `max_request_work`, and the request's KV memory fits the server's budget alone (code `over_memory_budget`);
-* text is valid Unicode (no lone surrogate)."""
+* text is valid Unicode (no lone surrogate);
+* a structured-output schema or regex (`response_format`, `structured_outputs`, `guided_*`) compiles within the
+  grammar engine's limits (llguidance: its JSON Schema coverage, Rust regex syntax, bounded work, 5 s)."""
 
 #: The JSON Schema extension key that :func:`from_server` writes and `service.api.openapi` replaces.
 FROM_SERVER = "x-from-server"
@@ -139,16 +142,8 @@ class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optio
         return resolve(dict(self), defaults, gen_length)
 
 
-class ResponseFormatText(BaseModel):
-    """OpenAI's ``response_format`` of type ``text`` (the only one honoured)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: exactly("text")
-
-
-class OpenAISampling(DiffusionKnobs):
-    """Fields shared by completions and chat completions."""
+class OpenAISampling(DiffusionKnobs, StructuredOutputFields):
+    """Fields shared by completions and chat completions (the structured-output fields: `service.api.structured`)."""
 
     model: ModelName | None = None
     max_tokens: ResponseTokens | None = Field(None, description=MAX_TOKENS_HELP)
@@ -218,7 +213,6 @@ class ChatCompletionRequest(OpenAISampling):
                                                          "name)")
     logprobs: only(exactly(False) | None, "logprobs are not supported") = None
     top_logprobs: only(exactly(0) | None, "logprobs are not supported") = None
-    response_format: only(ResponseFormatText | None, "only response_format type 'text'") = None
     tools: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "tools are not supported") = None
     tool_choice: only(exactly("none") | None, "tools are not supported") = None
     parallel_tool_calls: StrictBool | None = None

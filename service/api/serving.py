@@ -35,6 +35,7 @@ from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classif
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
+from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.response import Cut, cut_response
@@ -94,6 +95,10 @@ class Serving:
         self.model_name = model_name
         self._large_texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
         self._bytes_per_token = max_bytes_per_token(getattr(engine, "tokenizer", None))
+        tokenizer = getattr(engine, "tokenizer", None)
+        # Structured output (`service.engine.grammar`): the tokenizer's trie is built on the first grammar request.
+        self._grammars = None if tokenizer is None else GrammarCompiler(tokenizer, self.spec.vocab_size,
+                                                                        self.spec.eos_ids)
 
     def _check_fits(self, texts: list[str]) -> None:
         """Refuse, before tokenizing, a text prompt that provably cannot fit the context
@@ -275,10 +280,23 @@ class Serving:
             ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
 
+    def _grammar(self, req: s.OpenAISampling | s.GenerateRequest) -> CompiledGrammar | None:
+        """The compiled grammar of the request's structured-output fields (`service.api.structured`), or None.
+        Compiling blocks (bounded, cached: `service.engine.grammar.GrammarCompiler`): planning runs off the event
+        loop."""
+        spec = req.grammar_spec() if isinstance(req, s.OpenAISampling) else None
+        if spec is None:
+            return None
+        if self._grammars is None:
+            raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
+                                 param=spec.field)
+        return self._grammars.compile(spec)
+
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
         params, max_tokens = self._params(req, max_tokens)
-        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
+        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
+                         grammar=self._grammar(req))
         jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
         options = getattr(req, "stream_options", None)

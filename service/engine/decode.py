@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 
 from service.engine.cache_hooks import BlockInitialWrite, ReuseRead
+from service.engine.grammar import ConstrainedRow, GrammarState, constrained_reveal
 from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import KVHook
@@ -72,6 +73,7 @@ class RowState:
         status: ``running``, ``stop`` (stopped at EOS), ``cancelled``.
         plan: the fixed schedule's reveal counts of the current block (None under a threshold).
         canvas: the whole-response schedule's state (None in block mode).
+        grammar: the row's grammar state when its response is constrained (`service.engine.grammar`), else None.
     """
 
     pad: int
@@ -83,6 +85,7 @@ class RowState:
     status: Literal["running", "stop", "cancelled"] = "running"
     plan: list[int] | None = None
     canvas: Canvas | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -151,7 +154,8 @@ class Cohort:
         self.eos = torch.tensor(spec.eos_ids, device=device)
         self.banned = torch.tensor(spec.banned_ids, dtype=torch.long, device=device)
         self.rows = [
-            RowState(pad=longest - len(p), temperature=o.temperature, generator=_row_generator(o, params, device))
+            RowState(pad=longest - len(p), temperature=o.temperature, generator=_row_generator(o, params, device),
+                     grammar=o.grammar.start() if o.grammar is not None else None)
             for p, o in zip(prompts, rows)
         ]
         self.num_blocks = params.gen_length // params.block_length
@@ -184,8 +188,11 @@ class Cohort:
 
     def _canvas_pass(self) -> Pass | None:
         start, end = self.response_start, self.seq_len
+        # A constrained row reveals left to right and may need more calls than the schedule's: it goes on while
+        # it has masks (each call reveals at least one).
         stepping = [
-            r for r in self._running() if self.rows[r].canvas.step < self.rows[r].canvas.steps
+            r for r in self._running()
+            if (self.rows[r].canvas.step < self.rows[r].canvas.steps or self.rows[r].grammar is not None)
             and self._has_mask(r, start, end)
         ]
         return self._full_pass(stepping, start, end, None, -1) if stepping else None
@@ -262,10 +269,14 @@ class Cohort:
         else:
             start = self.response_start + self.block * params.block_length
             end = start + params.block_length
+        constrained: dict[int, tuple[torch.Tensor, ConstrainedRow]] = {}
         for j, r in enumerate(call.rows):
             state = self.rows[r]
             candidates = self._mask_columns(r, start, end)
             row_logits = logits[j, candidates - start]
+            if state.grammar is not None:
+                constrained[j] = candidates, self._constrained_row(state, call.step, row_logits)
+                continue
             if self.canvas:
                 chosen, tokens = self.rule.canvas_reveal(
                     state.canvas, row_logits, params, state.temperature, state.generator, self.banned
@@ -276,9 +287,41 @@ class Cohort:
                 )
             self.x[r, candidates[chosen]] = tokens
             counts.append(int(chosen.numel()))
+        if constrained:
+            # The grammar's masks of all constrained rows of the call are filled together, one round per
+            # position of their chains (`service.engine.grammar.constrained_reveal`).
+            constrained_reveal([row for _, row in constrained.values()], self.banned)
+            counts = self._merge_counts(call.rows, constrained, counts)
         if not self.canvas:
             self.step += 1
         self._account(call.rows, counts)
+
+    def _constrained_row(self, state: RowState, step: int, logits: torch.Tensor) -> ConstrainedRow:
+        """A constrained row's part of the reveal: its schedule's count (fixed schedules) or its threshold."""
+        params, masked = self.params, logits.shape[0]
+        if state.canvas is not None:
+            count = None
+            if params.threshold is None:
+                left = max(1, state.canvas.steps - state.canvas.step)
+                count = -(-masked // left)
+            state.canvas.step += 1
+        else:
+            count = self.rule.constrained_count(step, masked, params, state.plan)
+        return ConstrainedRow(state.grammar, logits, count, params.threshold, state.temperature, state.generator)
+
+    def _merge_counts(self, rows: list[int], constrained: dict[int, tuple[torch.Tensor, ConstrainedRow]],
+                      unconstrained: list[int]) -> list[int]:
+        """Write the constrained rows' reveals into ``x``; the reveal count of every row of the call, in order."""
+        counts, others = [], iter(unconstrained)
+        for j, r in enumerate(rows):
+            if j not in constrained:
+                counts.append(next(others))
+                continue
+            candidates, row = constrained[j]
+            if row.chosen:
+                self.x[r, candidates[row.chosen]] = torch.tensor(row.tokens, dtype=torch.long, device=self.x.device)
+            counts.append(len(row.chosen))
+        return counts
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
 

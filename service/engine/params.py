@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from service.engine.errors import EngineInputError
+from service.engine.grammar import CompiledGrammar
 
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
 CacheMode = Literal["none", "prefix", "dual"]
@@ -178,15 +179,17 @@ def resolve(given: dict[str, Any], defaults: DecodeSettings | None, gen_length: 
 
 
 class RowOptions(BaseModel):
-    """Per-row settings inside a batch: sampling temperature, seed, stop strings, and ``max_tokens`` (the most
-    response tokens returned, EOS included; None: the whole decode window; see `service.engine.response`)."""
+    """Per-row settings inside a batch: sampling temperature, seed, stop strings, ``max_tokens`` (the most
+    response tokens returned, EOS included; None: the whole decode window; see `service.engine.response`) and
+    the grammar the response must follow (None: unconstrained; `service.engine.grammar`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     temperature: Temperature = 0.0
     seed: Seed | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = Field(None, gt=0)
+    grammar: CompiledGrammar | None = Field(None, exclude=True)
 
 
 def response_length(max_new_tokens: int, block_length: int) -> int:

@@ -66,6 +66,14 @@ class RevealRule:
         """True when the settings ask for the family's whole-response algorithm (no blocks)."""
         return False
 
+    def constrained_count(self, step: int, masked: int, params: DecodeParams, plan: list[int] | None) -> int | None:
+        """Positions a grammar-constrained row reveals at ``step`` of a block with ``masked`` masks left under a
+        fixed schedule (at least 1; forced tokens come on top, `service.engine.grammar`), or None under a
+        threshold."""
+        if params.threshold is not None:
+            return None
+        return max(1, plan[step] if plan is not None and step < len(plan) else 1)
+
     def reveal(
         self, step: int, logits: torch.Tensor, params: DecodeParams, plan: list[int] | None, temperature: float,
         generator: torch.Generator | None, banned: torch.Tensor | None = None,
@@ -125,6 +133,11 @@ class DreamRule(RevealRule):
 
     def uses_canvas(self, params: DecodeParams) -> bool:
         return params.cache_mode == "none" and params.dream_schedule == "origin"
+
+    def constrained_count(self, step, masked, params, plan):
+        if params.threshold is not None:
+            return None
+        return max(1, dream_fixed_count(masked, step, steps_per_block(params)))
 
     def reveal(self, step, logits, params, plan, temperature, generator, banned=None):
         if step == 0:

@@ -11,6 +11,9 @@ cases are never filtered. The rules, named again at each check:
 * ``schedule``: ``steps`` is a multiple of the number of blocks and at most the response positions;
 * ``work``: forward calls (``steps``, else the response positions) x (prompt + response positions) is within the
   server's ``max_request_work``;
+* ``grammar``: a structured-output field (``response_format`` json_schema, ``structured_outputs``, ``guided_*``)
+  holds a schema or regex the grammar engine compiles (restated by compiling it with llguidance, the engine's
+  library, without the server's tokenizer: `service.engine.grammar`);
 * ``activation``: ``PUT /admin/active/none`` takes no quantizing method (a path parameter against the body);
 * ``upload``: an uploaded artifact is a policy table or KVQuant state fitted to the loaded model (content JSON
   Schema cannot describe: safetensors bytes, layer and head counts); uploads are tested with real artifacts in
@@ -70,8 +73,30 @@ def _given(body: dict[str, Any], *names: str) -> Any:
     return None
 
 
+def _grammar_compiles(body: dict[str, Any]) -> bool:
+    """Rule "grammar": the request's structured-output source, if any, compiles."""
+    import llguidance
+
+    from service.api.schemas import ChatCompletionRequest
+    from service.engine.errors import EngineInputError
+
+    try:
+        spec = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                     **{k: body[k] for k in ("response_format", "structured_outputs",
+                                                                             "guided_json", "guided_regex",
+                                                                             "guided_choice") if k in body}}
+                                                    ).grammar_spec()
+        if spec is None:
+            return True
+        return not llguidance.LLMatcher.validate_grammar(spec.grammar())
+    except (EngineInputError, ValueError):
+        return False
+
+
 def _generation_fits(path: str, body: dict[str, Any]) -> bool:
     server = _server()
+    if not _grammar_compiles(body):
+        return False
     max_tokens = int(_given(body, "max_completion_tokens", "max_tokens") or server["max_tokens"])
     block = int(_given(body, "block_length") or server["block_length"])
     response = -(-max_tokens // block) * block

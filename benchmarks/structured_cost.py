@@ -1,0 +1,115 @@
+"""What the constrained reveal costs (issue 26), ratios measured in one run on the embedded model.
+
+1. **Quality and parallelism on the digit-ledger.** The held-out questions (``--split test``: 192) decoded
+   unconstrained and constrained by the answer format's regex ``( [0-9]){48}``, in batches of ``--batch``: exact
+   match of each, tokens per forward call (response tokens / forward calls, a count) and time per request.
+   The constrained run should keep the exact match (within 1 point) and at least half the tokens per forward.
+2. **A constrained request among unconstrained ones.** 16 requests decoded as the server batches them (one
+   cohort each in one running batch, `service.engine.batch`): all unconstrained, then one of them constrained;
+   the time until the 15 unconstrained ones are done, the median of ``--repeat`` alternating runs, as a ratio.
+3. **Compiling a 200-property schema**, the median of ``--repeat`` compiles (cache off), against the 1 s bound.
+
+Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/structured_cost.py [--split test] [--batch 16]
+[--cache-mode dual] [--repeat 5]`` (about two minutes on one CPU core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split, score
+from service.engine import Engine
+from service.engine.grammar import GrammarCompiler, GrammarSpec
+from service.engine.params import DecodeParams, RowOptions
+from service.engine.prompts import encode_chat
+
+LEDGER_REGEX = r"( [0-9]){48}"
+
+
+def ledger_run(engine: Engine, prompts, answers, params: DecodeParams, rows: RowOptions, batch: int) -> dict:
+    """Exact match, tokens per forward and seconds per request of ``prompts`` decoded in batches."""
+    matched = tokens = forwards = 0
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        report = engine.generate(prompts[i:i + batch], params, [rows] * len(prompts[i:i + batch]))
+        for row, answer in zip(report.rows, answers[i:i + batch]):
+            matched += score(row.text, answer)
+            tokens += len(row.generated_ids)
+            forwards += row.nfe
+    seconds = time.perf_counter() - started
+    return {"exact_match": 100.0 * matched / len(prompts), "tokens_per_forward": tokens / forwards,
+            "s_per_request": seconds / len(prompts)}
+
+
+def mixed_batch(engine: Engine, prompts, params: DecodeParams, grammar) -> float:
+    """Seconds until the unconstrained cohorts of 16 (the first one constrained when ``grammar``) are done."""
+    batch = engine.batch()
+    cohorts = [engine.cohort([p], params, [RowOptions(grammar=grammar if i == 0 else None)])
+               for i, p in enumerate(prompts)]
+    for c in cohorts:
+        batch.join(c)
+    watched = set(cohorts[1:])
+    started = time.perf_counter()
+    with torch.inference_mode():
+        while watched & set(batch.cohorts):
+            batch.step()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--cache-mode", default="dual")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    engine = Engine.load(None, threads=args.threads)
+    compiler = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_ids)
+    ledger = compiler.compile(GrammarSpec.regex(LEDGER_REGEX, "structured_outputs.regex"))
+    questions = load_split(args.split)
+    prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": q.prompt}], "embedded") for q in questions]
+    answers = [q.answer for q in questions]
+    params = DecodeParams(cache_mode=args.cache_mode, block_length=BLOCK_LENGTH, gen_length=GEN_LENGTH)
+
+    free = ledger_run(engine, prompts, answers, params, RowOptions(), args.batch)
+    bound = ledger_run(engine, prompts, answers, params, RowOptions(grammar=ledger), args.batch)
+    print(f"digit-ledger {args.split} ({len(prompts)} questions, cache {args.cache_mode}, batches of {args.batch}):")
+    print("| decoding | exact match % | tokens / forward | s / request |")
+    print("|---|---:|---:|---:|")
+    for name, r in (("unconstrained", free), (f"regex {LEDGER_REGEX}", bound)):
+        print(f"| {name} | {r['exact_match']:.2f} | {r['tokens_per_forward']:.2f} | {r['s_per_request']:.3f} |")
+    print(f"constrained / unconstrained: exact match {bound['exact_match'] - free['exact_match']:+.2f} points, "
+          f"tokens per forward x{bound['tokens_per_forward'] / free['tokens_per_forward']:.2f}, "
+          f"time per request x{bound['s_per_request'] / free['s_per_request']:.2f}")
+
+    sixteen = prompts[:16]
+    alone, mixed = [], []
+    mixed_batch(engine, sixteen, params, None)  # warm-up (the forward-overhead probe, the mask executor)
+    mixed_batch(engine, sixteen, params, ledger)
+    for _ in range(args.repeat):
+        alone.append(mixed_batch(engine, sixteen, params, None))
+        mixed.append(mixed_batch(engine, sixteen, params, ledger))
+    a, m = statistics.median(alone), statistics.median(mixed)
+    print(f"\n16 requests in one running batch: 15 unconstrained done in {a:.3f} s with 16 unconstrained, {m:.3f} s "
+          f"with one constrained (median of {args.repeat}): x{m / a:.3f}")
+
+    wide = {"type": "object", "additionalProperties": False, "required": [f"field_{i}" for i in range(200)],
+            "properties": {f"field_{i}": {"type": ["integer", "string", "boolean"]} for i in range(200)}}
+    times = []
+    for i in range(args.repeat):
+        fresh = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_ids, cache_size=0)
+        fresh.ll_tokenizer  # noqa: B018 -- the tokenizer trie is built once per server, not per compile
+        started = time.perf_counter()
+        fresh.compile(GrammarSpec.json_schema({**wide, "description": str(i)}, "schema"))
+        times.append(time.perf_counter() - started)
+    print(f"200-property schema: compiled in {statistics.median(times) * 1e3:.1f} ms (median of {args.repeat}; "
+          f"bound 1000 ms: x{statistics.median(times):.3f} of it)")
+
+
+if __name__ == "__main__":
+    main()

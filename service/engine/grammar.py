@@ -1,0 +1,385 @@
+"""Structured output: grammars that bind the reveal (issue 26).
+
+A request may ask that its response follow a JSON schema, any JSON object, a regular expression or one of a list
+of strings. The token-level constraint comes from llguidance (chosen on measured compile and mask speed, its
+resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/benchmarks.md):
+
+* :class:`GrammarSpec` says what a request asks (kind, canonical source, the request field it came from);
+* :class:`GrammarCompiler` turns it into a :class:`CompiledGrammar`, bounded in time (a wall-clock limit on a
+  compile thread, off the event loop) and in work and memory (llguidance's parser limits: lexer fuel, lexer
+  states, grammar size), cached by the spec's hash in a bounded LRU; a source it cannot compile is an
+  :class:`~service.engine.errors.EngineInputError` naming the request field (HTTP 400);
+* :class:`GrammarState` is one row's matcher (a copy of the compiled grammar), advanced token by token;
+* :func:`constrained_reveal` is the reveal of the constrained rows of one forward call, done together.
+
+**The constrained reveal.** A diffusion LM reveals masked positions out of order; a grammar says which tokens may
+follow a prefix. A constrained row therefore commits its active block left to right: at each call it takes the
+leftmost masked position and the positions after it, in order, while they are accepted:
+
+* the token of a position is chosen among the tokens the grammar allows after the tokens before it (argmax of
+  the logits there, or a Gumbel-max draw from them at temperature > 0, with the row's generator);
+* its confidence is that token's probability **under the constraint** (softmax over the allowed tokens only);
+* the first position is always accepted (every call reveals at least one token); a later one when the grammar
+  forces it (exactly one token allowed: punctuation, a schema's keys, a fixed separator), or, under a threshold,
+  when its confidence reaches the threshold, or, under a fixed schedule, while the step's count is not reached.
+
+So the forced parts of a format cost no forward calls, and where the model is confident under the constraint
+several positions are revealed in one call, as unconstrained threshold decoding does; the chain stops at the
+first position that is neither. After the grammar's accepting end only EOS is allowed (the model's EOS ids: its
+EOS and end of turn), and a row that revealed it stops as any row does.
+
+DINGO (2025) instead runs a dynamic programme over the regular expression's automaton across all of a block's
+masked positions and commits the most probable valid block in one call. That needs a finite automaton (no JSON
+nesting beyond a bound) and commits positions the model was not confident about; the chain here needs only the
+next-token masks that any context-free grammar gives, keeps the confidence rule of threshold decoding, and pays
+one mask per revealed position. Where the model is confident (the digit-ledger's ``copy``/``next``) it reveals
+as many positions per call as unconstrained decoding; where it is not (``sum``), both reveal about one.
+
+Departures from the family's own reveal, for constrained rows only: one rule for LLaDA and Dream (the chain
+above, confidences in float64), and the positions revealed are contiguous from the left, never scattered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from service.engine.errors import EngineInputError
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
+
+#: JSON output as OpenAI and vLLM write it (``{"a": 1, "b": [2, 3]}``): fixed separators and no free whitespace,
+#: so the separators are forced tokens (revealed without a forward of their own) and a model cannot pad forever.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Largest grammar source accepted, in bytes of its canonical text (a schema's JSON, a regex, the choices' JSON).
+MAX_SOURCE_BYTES = 256 * 1024
+#: Compiled grammars kept per compiler (an LRU; each holds llguidance's parser tables, ~kilobytes to a few MB).
+CACHE_SIZE = 256
+#: Seconds a compile may take before the request is refused (a 200-property schema takes ~20 ms on one core).
+COMPILE_TIMEOUT_S = 5.0
+#: llguidance's bounds on one grammar's work and memory (its defaults are 1M initial lexer fuel ~20 ms, 250k lexer
+#: states ~0.5 GB, grammar size 500k): tighter here, so a hostile schema fails fast and small.
+PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+                 "max_lexer_states": 50_000, "max_grammar_size": 200_000}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request asks its response to follow.
+
+    Attributes:
+        kind: ``json_schema``, ``json_object`` (any JSON object), ``regex`` (the whole response matches it, Rust
+            regex syntax) or ``choice`` (exactly one of the strings).
+        source: the canonical text (a schema or the choices as sorted-key JSON, the regex as given).
+        field: the request field it came from, named by a refusal (e.g. ``response_format.json_schema.schema``).
+    """
+
+    kind: GrammarKind
+    source: str
+    field: str
+
+    @property
+    def key(self) -> str:
+        """Hex SHA-256 of kind and source: the cache key (the field does not change the grammar)."""
+        return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool, field: str) -> GrammarSpec:
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+
+    @classmethod
+    def json_object(cls, field: str) -> GrammarSpec:
+        return cls("json_object", '{"type":"object"}', field)
+
+    @classmethod
+    def regex(cls, pattern: str, field: str) -> GrammarSpec:
+        return cls("regex", pattern, field)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], field: str) -> GrammarSpec:
+        return cls("choice", json.dumps(list(choices)), field)
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this spec (not yet checked: :class:`GrammarCompiler` does)."""
+        if self.kind in ("json_schema", "json_object"):
+            return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        choices = json.loads(self.source)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+class CompiledGrammar:
+    """A compiled grammar, shared by every request that asks for the same spec; :meth:`start` gives a row its own
+    state. Hashable by identity (rows carry it in `service.engine.params.RowOptions`)."""
+
+    def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+        self.spec, self._matcher, self.compiler = spec, matcher, compiler
+
+    def start(self) -> GrammarState:
+        """A fresh state at the start of the response."""
+        return GrammarState(self._matcher.deep_copy(), self.compiler)
+
+    def __repr__(self) -> str:
+        return f"CompiledGrammar({self.spec.kind}, {self.spec.key[:12]})"
+
+
+class GrammarState:
+    """One row's position in its grammar: the tokens consumed so far decide the next mask."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+        self.matcher, self.compiler = matcher, compiler
+        self.ended = False  # an EOS was consumed: only EOS follows
+
+    def consume(self, token: int) -> None:
+        """Advance by one revealed token (any of the model's EOS ids counts as the grammar's EOS).
+
+        Raises:
+            GrammarViolation: the grammar does not allow ``token`` here (a bug: tokens come from its mask).
+        """
+        if token in self.compiler.eos_ids:
+            if self.ended:
+                return  # padding after the end
+            token, self.ended = self.compiler.grammar_eos, True
+        if not self.matcher.consume_token(token):
+            raise GrammarViolation(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+
+    @property
+    def accepting(self) -> bool:
+        """True when the tokens so far are a complete response (EOS is allowed now)."""
+        return self.matcher.is_accepting()
+
+
+class GrammarViolation(RuntimeError):
+    """A row's grammar allows no token, or refused one taken from its own mask: the request fails alone."""
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec`\\ s for one tokenizer, bounded and cached (module docstring).
+
+    Args:
+        tokenizer: the model's transformers fast tokenizer.
+        vocab_size: the logit width (ids at or beyond the tokenizer's size are never allowed).
+        eos_ids: the model's EOS ids (`service.engine.spec.ModelSpec.eos_ids`); the first one the tokenizer knows
+            is the grammar's EOS.
+        cache_size: compiled grammars kept (LRU); timeout_s: seconds one compile may take.
+        threads: threads of llguidance's executor that fills the masks of many rows at once.
+
+    Building the tokenizer's token trie takes ~1 s for a 128k vocabulary: it is done on first use, in the compile
+    thread (never on the event loop), and kept.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], cache_size: int = CACHE_SIZE,
+                 timeout_s: float = COMPILE_TIMEOUT_S, threads: int | None = None) -> None:
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
+        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self.grammar_eos = self.eos_ids[0] if self.eos_ids else tokenizer.eos_token_id
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self.threads = threads or max(1, min(4, (os.cpu_count() or 1) // 2))
+        self._executor: llguidance.LLExecutor | None = None
+        self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
+        self._eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer: a transformers fast tokenizer is read whole (its byte-level
+        vocabulary, special tokens); any other tokenizer through the text of each id (ids that decode to nothing
+        count as special, never allowed)."""
+        if self._ll_tokenizer is None:
+            if isinstance(self.tokenizer, PreTrainedTokenizerFast):
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                  eos_token=self.grammar_eos)
+            else:
+                self._ll_tokenizer = llguidance.LLTokenizer(_DecodedVocabulary(self.tokenizer, self.vocab_size,
+                                                                               self.grammar_eos),
+                                                            n_vocab=self.vocab_size)
+        return self._ll_tokenizer
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(num_threads=self.threads)
+        return self._executor
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar of ``spec``, from the cache or compiled in the compile thread within
+        ``timeout_s`` (blocks the caller; call it off the event loop).
+
+        Raises:
+            EngineInputError: naming ``spec.field``: the source is too large, invalid (the engine's message), over
+                the parser's limits, or took longer than ``timeout_s``.
+        """
+        if len(spec.source.encode()) > MAX_SOURCE_BYTES:
+            raise EngineInputError(f"{spec.field} is {len(spec.source.encode()):,} bytes, over the "
+                                   f"{MAX_SOURCE_BYTES:,} bytes a grammar may have", spec.field)
+        with self._lock:
+            found = self._cache.get(spec.key)
+            if found is not None:
+                self._cache.move_to_end(spec.key)
+                return found
+        future = self._pool.submit(self._compile, spec)
+        try:
+            compiled = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            # The compile thread finishes on its own (llguidance's fuel bounds it); this request is refused now.
+            raise EngineInputError(f"{spec.field} took longer than {self.timeout_s:g} s to compile; simplify it",
+                                   spec.field) from None
+        with self._lock:
+            self._cache[spec.key] = compiled
+            self._cache.move_to_end(spec.key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            grammar = spec.grammar()
+        except (ValueError, TypeError) as exc:
+            raise EngineInputError(f"{spec.field} cannot be compiled: {exc}", spec.field) from None
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise EngineInputError(f"{spec.field} cannot be compiled: {_first_line(matcher.get_error())}",
+                                   spec.field)
+        return CompiledGrammar(spec, matcher, self)
+
+    def cached(self) -> int:
+        """Compiled grammars in the cache."""
+        return len(self._cache)
+
+    def allowed(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """bool ``[len(states), vocab_size]``: the tokens each state allows next, its EOS widened to every EOS id
+        of the model. The masks are filled together (llguidance's executor, in parallel threads)."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(states), self.vocab_size)
+        if len(states) == 1:
+            llguidance.torch.fill_next_token_bitmask(states[0].matcher, bitmask, 0)
+        else:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self.executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
+        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
+        # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
+        # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
+        accepting = torch.tensor([s.ended or s.matcher.is_accepting() for s in states])
+        eos_allowed = allowed[:, self.grammar_eos] & accepting
+        allowed[:, self._eos_tensor] = eos_allowed[:, None]
+        return allowed
+
+
+class _DecodedVocabulary(llguidance.TokenizerWrapper):
+    """A tokenizer without a vocabulary file, as llguidance reads one: each id's bytes from its decoded text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: int) -> None:
+        texts = [tokenizer.decode([i]) for i in range(vocab_size)]
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = [i for i, t in enumerate(texts) if not t]
+        self.tokens = [t.encode() if t else f"<|special_{i}|>".encode() for i, t in enumerate(texts)]
+        self._tokenizer = tokenizer
+        self.is_tokenizer_wrapper = True
+        self._accepts_bytes = False
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    """The engine's error on one line, at most ``limit`` characters."""
+    flat = " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "invalid grammar"
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+@dataclass
+class ConstrainedRow:
+    """One constrained row's part of a reveal.
+
+    Attributes:
+        state: the row's grammar state (advanced by the reveal); logits: ``[N, V]`` of its N masked candidates,
+            ascending and contiguous from its leftmost masked position.
+        count: positions a fixed schedule reveals this call (at least 1), or None under a threshold.
+        threshold: the confidence threshold (None under a fixed schedule).
+        temperature, generator: the row's sampling.
+        chosen, tokens: what the reveal chose (indices into the candidates, their tokens).
+    """
+
+    state: GrammarState
+    logits: torch.Tensor
+    count: int | None
+    threshold: float | None
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    chosen: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+
+def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | None = None) -> None:
+    """Reveal the chains of every constrained row of one call (module docstring), filling ``chosen`` and
+    ``tokens`` and advancing each row's grammar state.
+
+    Round k looks at the k-th candidate of every row whose chain is still open: one mask fill for all of them
+    (:meth:`GrammarCompiler.allowed`), one batched choice and confidence, one host read.
+
+    Args:
+        rows: the constrained rows (all of one model; each with at least one candidate).
+        banned: int64 ids never chosen (the mask id, ids the tokenizer cannot decode), or None.
+
+    Raises:
+        GrammarViolation: a row's grammar allows no token at its position.
+    """
+    open_rows = [r for r in rows if r.logits.shape[0] > 0]
+    k = 0
+    while open_rows:
+        compiler = open_rows[0].state.compiler
+        allowed = compiler.allowed([r.state for r in open_rows])
+        if banned is not None and banned.numel():
+            allowed[:, banned.to(allowed.device)] = False
+        logits = torch.stack([r.logits[k] for r in open_rows]).to(torch.float64)
+        allowed = allowed.to(logits.device)
+        scores = logits.masked_fill(~allowed, float("-inf"))
+        log_probs = torch.log_softmax(scores, dim=-1)
+        tokens = scores.argmax(dim=-1)
+        for j, r in enumerate(open_rows):
+            if r.temperature > 0:
+                noise = torch.rand(scores.shape[1], dtype=torch.float64, generator=r.generator, device=scores.device)
+                gumbel = -torch.log(-torch.log(noise.clamp_min(1e-300)))
+                tokens[j] = (log_probs[j] / r.temperature + gumbel).argmax()
+        confidence = log_probs.gather(-1, tokens[:, None])[:, 0].exp()
+        counts = allowed.sum(dim=-1)
+        token_list, confidence_list, count_list = tokens.tolist(), confidence.tolist(), counts.tolist()
+        still_open = []
+        for j, r in enumerate(open_rows):
+            if count_list[j] == 0:
+                raise GrammarViolation(f"the grammar allows no token here: {r.state.matcher.get_error() or 'dead end'}")
+            forced = count_list[j] == 1
+            if r.count is not None:
+                accept = k == 0 or forced or k < r.count
+            else:
+                accept = k == 0 or forced or confidence_list[j] >= (r.threshold or 0.0)
+            if not accept:
+                continue
+            r.state.consume(token_list[j])
+            r.chosen.append(k)
+            r.tokens.append(token_list[j])
+            if k + 1 < r.logits.shape[0]:
+                still_open.append(r)
+        open_rows = still_open
+        k += 1
+
+
+__all__ = ["CompiledGrammar", "ConstrainedRow", "GrammarCompiler", "GrammarSpec", "GrammarState",
+           "GrammarViolation", "constrained_reveal"]

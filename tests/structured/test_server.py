@@ -1,0 +1,89 @@
+"""Structured output through a real server (``python -m service serve``, the embedded model) and the official
+openai client: ``chat.completions.parse`` with a pydantic model, a streamed JSON schema, vLLM's fields on
+completions under each cache mode, a schema that cannot compile (400 naming the field), and a ``max_tokens`` too
+short for any valid output (``length``, never an invalid ``stop``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.support.processes import ServerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+DIGITS = "4 1 4 4 2 9 7 4 3 2 8 3 3 8 5 9 9 6 6 4 8 5 6 3 6 6 3 5 5 2 2 1 8 6 7 1 1 9 9 1 8 7 2 7 7 3 4 8"
+LEDGER = r"( [0-9]){48}"
+
+
+class Ledger(BaseModel):
+    op: Literal["copy", "next", "sum"]
+    digits: Annotated[list[Annotated[int, Field(ge=0, le=9)]], Field(min_length=1, max_length=4)]
+    ok: bool
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("structured")
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp / "server.log").start(timeout_s=180)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_parse_with_a_pydantic_model_and_streamed(client):
+    messages = [{"role": "user", "content": f"copy: {DIGITS}"}]
+    done = client.chat.completions.parse(model="embedded", messages=messages, response_format=Ledger, max_tokens=64)
+    assert done.choices[0].finish_reason == "stop"
+    assert isinstance(done.choices[0].message.parsed, Ledger)
+
+    schema = {"type": "json_schema", "json_schema": {"name": "ledger", "schema": Ledger.model_json_schema(),
+                                                     "strict": True}}
+    chunks = list(client.chat.completions.create(model="embedded", messages=messages, response_format=schema,
+                                                 max_tokens=64, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    Ledger.model_validate_json(text)
+
+
+@pytest.mark.parametrize("cache_mode", ["none", "prefix", "dual"])
+def test_vllm_fields_on_completions(client, cache_mode):
+    extra = {"cache_mode": cache_mode}
+    regex = client.completions.create(model="embedded", prompt=f"next: {DIGITS}", max_tokens=64,
+                                      extra_body={**extra, "structured_outputs": {"regex": LEDGER}})
+    assert regex.choices[0].finish_reason == "stop" and re.fullmatch(LEDGER, regex.choices[0].text)
+    choice = client.completions.create(model="embedded", prompt="sum: 1 2", max_tokens=8,
+                                       extra_body={**extra, "guided_choice": ["copy", "next", "sum"]})
+    assert choice.choices[0].text in ("copy", "next", "sum")
+    chat = client.chat.completions.create(
+        model="embedded", messages=[{"role": "user", "content": "copy: 1 2"}], max_tokens=32,
+        extra_body={**extra, "guided_json": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                                     "maximum": 9}},
+                                             "required": ["n"], "additionalProperties": False}})
+    assert 0 <= json.loads(chat.choices[0].message.content)["n"] <= 9
+
+
+def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="embedded", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert bad.value.body["param"] == "response_format.json_schema.schema"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="embedded", prompt="x", max_tokens=8, extra_body={"guided_regex": "(["})
+    assert bad.value.body["param"] == "guided_regex"
+
+
+def test_max_tokens_too_short_ends_with_length(client):
+    short = client.completions.create(model="embedded", prompt=f"copy: {DIGITS}", max_tokens=8,
+                                      extra_body={"structured_outputs": {"regex": LEDGER}})
+    assert short.choices[0].finish_reason == "length" and len(short.choices[0].text.split()) <= 8
