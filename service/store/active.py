@@ -403,8 +403,8 @@ class ActiveConfigs:
         with self._sync:
             if change.version and change.version <= self.version:
                 return  # applied already (this replica's own activation, or a reload that read it)
-            if change.version and self.version >= 0 and change.version != self.version + 1:
-                self._reload_quietly(f"missed versions {self.version + 1}..{change.version - 1}")
+            if change.version and change.version != self.version + 1:  # a gap, or nothing read yet (-1)
+                self._reload_quietly(f"at version {self.version}, the store at {change.version}")
                 return
             if change.event == "artifact_deleted":
                 if change.kind is None or change.id is None:
@@ -436,7 +436,7 @@ class ActiveConfigs:
         with self._sync:
             self.telemetry.store_active_lost.labels(cache_mode).set(0)
             self._install(replace(snapshot, set_at=audit.at))
-            if self.version >= 0 and audit.version > self.version + 1:
-                self._reload_quietly(f"missed versions {self.version + 1}..{audit.version - 1}")
+            if audit.version != self.version + 1:  # changes this replica has not applied came first
+                self._reload_quietly(f"at version {self.version}, the store at {audit.version}")
             self.version = max(self.version, audit.version)
         return audit
