@@ -223,6 +223,7 @@ class ActiveConfigs:
         self.store_denied: str | None = None
         #: The store version this replica has applied (-1: nothing read yet).
         self.version = -1
+        self._unreadable: str | None = None  # the damage poll() last found in the store
         self._lock = threading.Lock()
         # Serialises reloads, events and activations, so versions are applied in order.
         self._sync = threading.RLock()
@@ -313,7 +314,12 @@ class ActiveConfigs:
         Raises StoreUnavailable if the store cannot be reached, StoreAccessDenied if it refuses this server.
         """
         with self._sync:
-            state = self._read_state()
+            try:
+                state = self._read_state()
+            except EntryUnreadable as exc:  # reachable, but what it holds cannot be read: no mode is right
+                for mode in CACHE_MODES:
+                    self._refuse(mode, "the store's active configurations", exc)
+                return
             for kind, artifact_id in self.resolver.prune():
                 self.telemetry.forget_artifact(artifact_id)
                 log.info("dropped %s %s, which the store no longer holds", kind, artifact_id)
@@ -341,6 +347,11 @@ class ActiveConfigs:
         try:
             store.ping()
             version = store.version()
+        except EntryUnreadable as exc:
+            if self._unreadable != str(exc):  # refuse (and log) once per damage, not every round
+                self._unreadable = str(exc)
+                self.reload()
+            return
         except StoreUnavailable:
             self.telemetry.store_up.set(0)
             raise
@@ -349,7 +360,8 @@ class ActiveConfigs:
             self.deny(exc)
             raise
         self.telemetry.store_up.set(1)
-        if version != self.version or self.store_denied is not None:
+        if version != self.version or self.store_denied is not None or self._unreadable is not None:
+            self._unreadable = None
             self.reload()
 
     def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float) -> None:

@@ -273,3 +273,22 @@ def test_a_replica_that_missed_an_event_converges_by_version(tmp_path):
         if srv is not None:
             srv.stop()
         own.stop()
+
+
+def test_a_damaged_active_file_makes_every_mode_not_ready(tmp_path):
+    """The store answers but active.json does not parse: no cache mode quietly serves its default."""
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from tests.support.apps import fake_app
+
+    root = tmp_path / "store"
+    DirectoryStore(root).set_active(SPEC, "dual", KVQuantConfig(**DUAL))
+    (root / "active.json").write_bytes(b"\x00\xff{not json")
+    with TestClient(fake_app(Settings(store_url=str(root), admin_key=ADMIN_KEY))) as client:
+        r = client.get("/health/ready")
+        assert r.status_code == 503 and "active.json is not readable" in r.text, r.text
+        assert all(f"cache mode {mode}" in r.text for mode in ("none", "prefix", "dual"))
+        activate = client.put("/admin/active/dual", json=DUAL, headers=ADMIN)
+        assert activate.status_code == 503 and activate.json()["error"]["code"] == "store_unreadable"
+    assert (root / "active.json").read_bytes() == b"\x00\xff{not json"  # nothing overwritten
