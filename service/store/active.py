@@ -25,6 +25,7 @@ from service.quant.config import KVQuantConfig
 from service.store.base import (
     CACHE_MODES,
     ActiveChange,
+    ActiveState,
     ArtifactConflict,
     AuditEntry,
     EntryUnreadable,
@@ -278,9 +279,9 @@ class ActiveConfigs:
         except (ValueError, KeyError, StoreError) as exc:
             self._refuse(cache_mode, f"the kv_quant setting {public_config(config)}", exc)
 
-    def _read_state(self):
+    def _read_state(self) -> ActiveState:
         """The store's state for this model, keeping ``dllm_store_up`` and :attr:`store_denied` current.
-        Raises StoreUnavailable, StoreAccessDenied."""
+        Raises StoreUnavailable, StoreAccessDenied, EntryUnreadable (the store's file is damaged)."""
         store = self.resolver.store
         try:
             state = store.active_state(self.fingerprint)
