@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from service.commands import prog
-from service.store.base import open_store
+from service.store.base import open_store, redact_url
 
 #: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
 KIND_CALIBRATION_FIT = "calibration_fit"
@@ -34,10 +34,11 @@ def calibration_record(store_url: str | None, run_id: str) -> tuple[str, dict[st
         if run_id == "latest":
             if not ids:
                 raise ValueError(f"--from-calibration latest: no calibration run ({KIND_CALIBRATION_FIT}) in the "
-                                 f"store {store_url}; run `{prog('calibration', 'all')} --store {store_url}` first")
+                                 f"store {store.location}; run `{prog('calibration', 'all')} --store "
+                                 f"{redact_url(store_url)}` first")
             run_id = max(ids, key=lambda i: store.info(KIND_CALIBRATION_FIT, i).created_at)
         elif run_id not in ids:
-            raise ValueError(f"--from-calibration {run_id}: no such calibration run in the store {store_url} "
+            raise ValueError(f"--from-calibration {run_id}: no such calibration run in the store {store.location} "
                              f"(it holds {len(ids)}: {', '.join(sorted(ids)[:3]) or 'none'})")
         return run_id, store.get_json(KIND_CALIBRATION_FIT, run_id)
     finally:

@@ -27,6 +27,7 @@ from service.store.base import (
     ArtifactNotFound,
     ArtifactUnfit,
     ConfigInvalid,
+    EntryUnreadable,
     InvalidName,
     StoreAccessDenied,
     StoreUnavailable,
@@ -108,6 +109,7 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
     (StoreAccessDenied, 503, "service_unavailable_error", "store_access_denied"),
+    (EntryUnreadable, 503, "service_unavailable_error", "store_unreadable"),
     (ConfigUnavailable, 503, "service_unavailable_error", "config_unavailable"),
     (BatchFailed, 500, "server_error", "batch_failed"),
     (JobCancelled, 499, "invalid_request_error", "cancelled"),
@@ -179,8 +181,38 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class AnswerUnhandled:
+    """Answers an exception no handler took (a bug: nothing the server raises on purpose) with the JSON 500 of
+    :func:`classify`, and returns: Starlette's last-resort handler answers too but then re-raises, and uvicorn
+    closes the client's kept-alive connection (issue 22). Pure ASGI; an exception after the answer started is
+    left to uvicorn (the answer cannot change any more)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(exc)(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
-    """Route every exception through :func:`classify`."""
+    """Route every exception through :func:`classify` (an unhandled one without closing the connection: the
+    innermost middleware, :class:`AnswerUnhandled`)."""
+    app.add_middleware(AnswerUnhandled)
 
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)

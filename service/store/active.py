@@ -26,6 +26,7 @@ from service.quant.config import KVQuantConfig
 from service.store.base import (
     CACHE_MODES,
     ActiveChange,
+    ActiveState,
     ArtifactConflict,
     AuditEntry,
     EntryUnreadable,
@@ -228,6 +229,7 @@ class ActiveConfigs:
         self.store_denied: str | None = None
         #: The store version this replica has applied (-1: nothing read yet).
         self.version = -1
+        self._unreadable: str | None = None  # the damage poll() last found in the store
         self._lock = threading.Lock()
         # Serialises reloads, events and activations, so versions are applied in order.
         self._sync = threading.RLock()
@@ -287,9 +289,9 @@ class ActiveConfigs:
         except (ValueError, KeyError, StoreError) as exc:
             self._refuse(cache_mode, f"the kv_quant setting {public_config(config)}", exc)
 
-    def _read_state(self):
+    def _read_state(self) -> ActiveState:
         """The store's state for this model, keeping ``dllm_store_up`` and :attr:`store_denied` current.
-        Raises StoreUnavailable, StoreAccessDenied."""
+        Raises StoreUnavailable, StoreAccessDenied, EntryUnreadable (the store's file is damaged)."""
         store = self.resolver.store
         try:
             state = store.active_state(self.fingerprint)
@@ -323,7 +325,12 @@ class ActiveConfigs:
         Raises StoreUnavailable if the store cannot be reached, StoreAccessDenied if it refuses this server.
         """
         with self._sync:
-            state = self._read_state()
+            try:
+                state = self._read_state()
+            except EntryUnreadable as exc:  # reachable, but what it holds cannot be read: no mode is right
+                for mode in CACHE_MODES:
+                    self._refuse(mode, "the store's active configurations", exc)
+                return
             for kind, artifact_id in self.resolver.prune():
                 self.telemetry.forget_artifact(artifact_id)
                 log.info("dropped %s %s, which the store no longer holds", kind, artifact_id)
@@ -351,6 +358,11 @@ class ActiveConfigs:
         try:
             store.ping()
             version = store.version()
+        except EntryUnreadable as exc:
+            if self._unreadable != str(exc):  # refuse (and log) once per damage, not every round
+                self._unreadable = str(exc)
+                self.reload()
+            return
         except StoreUnavailable:
             self.telemetry.store_up.set(0)
             raise
@@ -359,7 +371,8 @@ class ActiveConfigs:
             self.deny(exc)
             raise
         self.telemetry.store_up.set(1)
-        if version != self.version or self.store_denied is not None:
+        if version != self.version or self.store_denied is not None or self._unreadable is not None:
+            self._unreadable = None
             self.reload()
 
     def _use_entry(self, cache_mode: str, config: KVQuantConfig, set_at: float, by: str | None = None) -> None:
@@ -413,8 +426,8 @@ class ActiveConfigs:
         with self._sync:
             if change.version and change.version <= self.version:
                 return  # applied already (this replica's own activation, or a reload that read it)
-            if change.version and self.version >= 0 and change.version != self.version + 1:
-                self._reload_quietly(f"missed versions {self.version + 1}..{change.version - 1}")
+            if change.version and change.version != self.version + 1:  # a gap, or nothing read yet (-1)
+                self._reload_quietly(f"at version {self.version}, the store at {change.version}")
                 return
             if change.event == "artifact_deleted":
                 if change.kind is None or change.id is None:
@@ -446,7 +459,7 @@ class ActiveConfigs:
         with self._sync:
             self.telemetry.store_active_lost.labels(cache_mode).set(0)
             self._install(replace(snapshot, set_at=audit.at), by=key_id)
-            if self.version >= 0 and audit.version > self.version + 1:
-                self._reload_quietly(f"missed versions {self.version + 1}..{audit.version - 1}")
+            if audit.version != self.version + 1:  # changes this replica has not applied came first
+                self._reload_quietly(f"at version {self.version}, the store at {audit.version}")
             self.version = max(self.version, audit.version)
         return audit

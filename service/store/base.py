@@ -544,6 +544,7 @@ __all__ = [
     "ArtifactUnfit",
     "AuditEntry",
     "ConfigInvalid",
+    "EntryUnreadable",
     "InvalidName",
     "Store",
     "StoreAccessDenied",

@@ -40,6 +40,7 @@ from service.store.base import (
     ArtifactInUse,
     ArtifactNotFound,
     AuditEntry,
+    EntryUnreadable,
     Store,
     StoreAccessDenied,
     StoreError,
@@ -259,9 +260,9 @@ class DirectoryStore(Store):
             return self._legacy_state()
         try:
             state = _State.model_validate_json(data)
-        except ValidationError as exc:
-            raise StoreUnavailable(f"store directory {self.location}: {STATE_FILE} is not readable "
-                                   f"({describe_invalid(exc)})") from exc
+        except ValidationError as exc:  # the store answers but its content is damaged: not an outage to wait out
+            raise EntryUnreadable(f"store directory {self.location}: {STATE_FILE} is not readable "
+                                  f"({describe_invalid(exc)})") from exc
         self._cache = (key, state)
         return state.model_copy(deep=True)
 

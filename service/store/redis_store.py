@@ -198,7 +198,10 @@ class RedisStore(Store):
                     if not pipe.exists(key):
                         raise self.not_found(kind, artifact_id)
                     for raw in pipe.hvals(self._active_key):
-                        entry = ActiveEntry.model_validate_json(raw)
+                        try:
+                            entry = ActiveEntry.model_validate_json(raw)
+                        except ValueError:
+                            continue  # unreadable: names nothing this can tell (its cache mode is not ready)
                         if (kind, artifact_id) in referenced_ids(entry.config):
                             raise ArtifactInUse(
                                 f"{kind} {artifact_id!r} is active for model {entry.fingerprint} cache mode "

@@ -186,3 +186,25 @@ def test_a_host_header_outside_the_allow_list_is_refused(tmp_path):
         assert httpx.get(named.url + "/health", headers={"Host": "127.0.0.1"}).status_code == 400
     finally:
         named.stop()
+
+
+def test_an_unhandled_error_answers_500_and_keeps_the_connection(tmp_path):
+    import http.client
+
+    srv = Server(tmp_path, FAKE_UNHANDLED_ROUTE="1")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("GET", "/test/unhandled")
+        first = conn.getresponse()
+        body = first.read()
+        sock = conn.sock
+        assert first.status == 500 and b'"internal_error"' in body and b"a bug" not in body, body
+        assert sock is not None  # not closed by the server (http.client drops a socket the answer closes)
+        conn.request("GET", "/health")
+        second = conn.getresponse()
+        assert second.status == 200 and conn.sock is sock
+        second.read()
+        conn.close()
+        assert "a bug no handler maps" in srv.log()  # logged for the operator
+    finally:
+        srv.stop()

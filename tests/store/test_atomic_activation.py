@@ -273,3 +273,55 @@ def test_a_replica_that_missed_an_event_converges_by_version(tmp_path):
         if srv is not None:
             srv.stop()
         own.stop()
+
+
+def test_a_damaged_active_file_makes_every_mode_not_ready(tmp_path):
+    """The store answers but active.json does not parse: no cache mode quietly serves its default."""
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from tests.support.apps import fake_app
+
+    root = tmp_path / "store"
+    DirectoryStore(root).set_active(SPEC, "dual", KVQuantConfig(**DUAL))
+    (root / "active.json").write_bytes(b"\x00\xff{not json")
+    with TestClient(fake_app(Settings(store_url=str(root), admin_key=ADMIN_KEY))) as client:
+        r = client.get("/health/ready")
+        assert r.status_code == 503 and "active.json is not readable" in r.text, r.text
+        assert all(f"cache mode {mode}" in r.text for mode in ("none", "prefix", "dual"))
+        activate = client.put("/admin/active/dual", json=DUAL, headers=ADMIN)
+        assert activate.status_code == 503 and activate.json()["error"]["code"] == "store_unreadable"
+    assert (root / "active.json").read_bytes() == b"\x00\xff{not json"  # nothing overwritten
+
+
+KILLED_WRITER = """
+import sys, time
+from service.quant.config import KVQuantConfig
+from service.store.dir_store import DirectoryStore
+from tests.support.fake_engine import FakeEngine
+spec, store = FakeEngine().spec, DirectoryStore(sys.argv[1])
+print("writing", flush=True)
+i = 0
+while True:
+    i += 1
+    store.set_active(spec, "dual", KVQuantConfig(method="kivi", bits=2 if i % 2 else 4), key_id=f"k{i}")
+"""
+
+
+def test_a_writer_killed_mid_activation_leaves_entry_and_audit_in_step(tmp_path):
+    """SIGKILL during activations (the attack pass left an active file naming another policy than the newest
+    audit entry): whatever instant the kill lands, the entry, the newest audit entry and the version agree."""
+    import sys
+
+    root = tmp_path / "store"
+    for delay in (0.3, 0.7, 1.1):
+        writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(root)], cwd=Path(__file__).parents[2],
+                                  stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert writer.stdout.readline().strip() == b"writing"
+        time.sleep(delay)
+        writer.kill()
+        writer.wait()
+        store = DirectoryStore(root)
+        entry, newest = store.get_active(SPEC.fingerprint, "dual"), store.audit(limit=1)[0]
+        assert entry is not None and entry.version == newest.version == store.version() > 0
+        assert entry.config == newest.new and entry.key_id == newest.key_id

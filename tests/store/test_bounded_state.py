@@ -117,3 +117,24 @@ def test_eval_score_labels_are_checked_and_no_answer_shows_a_host_path(tmp_path)
         assert answers[1].json()["data"][0]["root"] == answers[1].json()["data"][0]["id"]
     finally:
         srv.stop()
+
+
+def test_stored_bytes_are_never_echoed_in_a_422(tmp_path):
+    """An artifact whose stored bytes are not a policy (the attack pass's ``b'\\x00\\xffnot...'``), named by an
+    activation and by a request: 422 naming the field, without the bytes."""
+    from fastapi.testclient import TestClient
+
+    from service.config import Settings
+    from service.store.base import open_store
+    from tests.support.apps import fake_app
+
+    stored = b"\x00\xffnot a policy at all"
+    open_store(str(tmp_path / "store")).put("policy", stored, artifact_id="garbage-1")
+    config = {"method": "dllm_kvq", "bits": 4, "k_group_size": 32, "policy_id": "garbage-1"}
+    with TestClient(fake_app(Settings(store_url=str(tmp_path / "store"), admin_key=ADMIN_KEY))) as client:
+        answers = [client.put("/admin/active/dual", json=config, headers=ADMIN),
+                   client.post("/v1/completions", json={"model": "fake-llada", "prompt": "a", "max_tokens": 4,
+                                                        "cache_mode": "dual", "kv_quant": config})]
+    for r in answers:
+        assert r.status_code == 422 and r.json()["error"]["param"] == "kv_quant.policy_id", r.text
+        assert "not a policy" not in r.text and "\\u0000" not in r.text and "input_value" not in r.text, r.text
