@@ -103,6 +103,14 @@ def method_of(kind: str) -> str:
     return next(name for name in methods(with_artifact=True) if method(name).store_kind == kind)
 
 
+def cli_key_id() -> str:
+    """The audit log's key id of a change written by this command straight into a store: ``cli:<user>``."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name (a container running under a bare uid)
+        return "cli"
+
+
 class StoreSide:
     """Policies in a store, read and written directly (`service.store.base.Store`)."""
 
@@ -148,7 +156,7 @@ class StoreSide:
 
         spec = self.spec()
         try:
-            audit = self.store.set_active(spec, cache_mode, config, key_id=f"cli:{getpass.getuser()}")
+            audit = self.store.set_active(spec, cache_mode, config, key_id=cli_key_id())
         except (ConfigInvalid, ArtifactNotFound, InvalidName) as exc:
             raise PoliciesError(f"refused for {spec.model_id} ({spec.fingerprint[:12]}): {exc}") from None
         return audit.model_dump(mode="json")
