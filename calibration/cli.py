@@ -1,6 +1,6 @@
 """``python -m calibration collect | trace | diagnose | fit | kvquant | report | all``.
 
-Every verb takes the same settings (:class:`calibration.job.JobSettings`, one flag each) and a store
+Every verb takes the same settings (:class:`calibration.settings.JobSettings`, one flag each) and a store
 (``--store``: ``redis://host:port/db`` or a directory; default the server's, ``DLLM_STORE_URL`` else
 ``.dllm-kvq/store``, so what calibration stores the server finds). Sharding for parallel runs (a Kubernetes Indexed Job):
 ``--shard I/N`` makes ``trace``, ``diagnose`` and ``kvquant`` handle samples ``I::N``; then one ``fit`` (or

@@ -42,7 +42,7 @@ from calibration.forward import capture_pre_rope, logits_forward
 from calibration.kvquant_fit import fit_kvquant_state
 from calibration.policy_tables import layer_record
 from calibration.report import write_report
-from calibration.settings import JobSettings
+from calibration.settings import EMBEDDED_TRAIN_SPLIT, JobSettings  # noqa: F401 - EMBEDDED_TRAIN_SPLIT re-exported
 from calibration.trace import Trajectory, rollout, trace
 from service.artifacts.base import Provenance, canonical_json, default_v_group_size
 from service.artifacts.kvquant_state import KVQuantState

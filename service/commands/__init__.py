@@ -60,7 +60,8 @@ def add_model_flags(parser: argparse.ArgumentParser | Any, fields: dict[str, Fie
     for name, field in fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = field.description or ""
-        if show_default:
+        # A field without a default whose description already says what its absence means keeps that alone.
+        if show_default and not (field.default is None and "default" in help_text):
             help_text = f"{help_text} (default {_shown_default(field)})"
         if field.annotation is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)

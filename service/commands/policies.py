@@ -103,6 +103,14 @@ def method_of(kind: str) -> str:
     return next(name for name in methods(with_artifact=True) if method(name).store_kind == kind)
 
 
+def cli_key_id() -> str:
+    """The audit log's key id of a change written by this command straight into a store: ``cli:<user>``."""
+    try:
+        return f"cli:{getpass.getuser()}"
+    except (KeyError, OSError):  # no user name (a container running under a bare uid)
+        return "cli"
+
+
 class StoreSide:
     """Policies in a store, read and written directly (`service.store.base.Store`)."""
 
@@ -148,7 +156,7 @@ class StoreSide:
 
         spec = self.spec()
         try:
-            audit = self.store.set_active(spec, cache_mode, config, key_id=f"cli:{getpass.getuser()}")
+            audit = self.store.set_active(spec, cache_mode, config, key_id=cli_key_id())
         except (ConfigInvalid, ArtifactNotFound, InvalidName) as exc:
             raise PoliciesError(f"refused for {spec.model_id} ({spec.fingerprint[:12]}): {exc}") from None
         return audit.model_dump(mode="json")
@@ -171,7 +179,9 @@ class ServerSide:
         self.where = f"--server {self.url}"
         self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
 
-    def _call(self, method: str, path: str, **kwargs) -> Any:
+    def _call(self, method: str, path: str, missing_ok: bool = False, **kwargs) -> Any:
+        """The JSON answer of an admin route (None for a 404 with ``missing_ok``); PoliciesError for a refusal
+        (4xx, naming the key setting on 401/403), BackendError when the server cannot be reached or fails."""
         import httpx
 
         try:
@@ -181,6 +191,8 @@ class ServerSide:
                                f"(`{prog('service', 'serve')}`) or fix --server") from None
         if response.status_code < 400:
             return response.json() if response.content else None
+        if response.status_code == 404 and missing_ok:
+            return None
         try:
             error = response.json()["error"]
             message = error.get("message") or str(error)
@@ -200,17 +212,9 @@ class ServerSide:
         return [(row["id"], row["created_at"]) for row in self._call("GET", f"/admin/{plural}")["data"]]
 
     def summary(self, kind: str, artifact_id: str) -> dict[str, Any] | None:
-        import httpx
-
-        plural = artifact_type(kind).PLURAL
-        try:
-            response = self.client.get(f"/admin/{plural}/{artifact_id}")
-        except httpx.HTTPError:
-            response = None
-        if response is not None and response.status_code == 404:
-            return None
-        summary = self._call("GET", f"/admin/{plural}/{artifact_id}")
-        summary.pop("id", None)
+        summary = self._call("GET", f"/admin/{artifact_type(kind).PLURAL}/{artifact_id}", missing_ok=True)
+        if summary is not None:
+            summary.pop("id", None)
         return summary
 
     def active(self) -> list[dict[str, Any]]:

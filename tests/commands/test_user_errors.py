@@ -219,3 +219,20 @@ def test_version():
 
     result = console("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"dllm-kvq {version('dllm-kvq')}"
+
+
+def test_evaluate_matrix_an_unknown_task_before_any_cell(tmp_path):
+    """An unknown task is one line naming it, before any model loads or cell runs (nothing in --out but the
+    offline task files)."""
+    out = tmp_path / "matrix"
+    line = one_line(console("evaluate", "matrix", "--tasks", "nosuchtask", "--limit", "1", "--out", str(out)))
+    assert "--tasks: unknown task(s) nosuchtask" in line
+    assert not [p for p in out.rglob("*") if p.is_file() and "tasks" not in p.relative_to(out).parts]
+
+
+def test_the_light_settings_module_names_the_embedded_split_where_the_engine_has_it():
+    """`calibration.settings` spells the embedded training split's path without importing the engine (torch)."""
+    from calibration.settings import EMBEDDED_TRAIN_SPLIT
+    from service.engine.loading import EMBEDDED_DIR
+
+    assert EMBEDDED_TRAIN_SPLIT == EMBEDDED_DIR / "task" / "train_sample.jsonl" and EMBEDDED_TRAIN_SPLIT.is_file()

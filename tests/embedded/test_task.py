@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from evaluation import embedded_task as task
+from service.engine.prompts import token_ids  # a list in transformers 4, a mapping in 5
 
 TOKENIZER_DIR = "service/assets/embedded"
 
@@ -48,7 +49,7 @@ def test_fixed_offset_from_prompt_digit_to_answer_digit():
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     tails = set()
     for q in task.generate("train", 30):
-        ids = tok.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True)
+        ids = token_ids(tok.apply_chat_template([{"role": "user", "content": q.prompt}], add_generation_prompt=True))
         digit_ids = tok.encode(q.prompt, add_special_tokens=False)[-task.LIST_LENGTH:]
         pos = len(ids) - 1 - ids[::-1].index(digit_ids[-1])
         tails.add(tuple(ids[pos + 1:]))

@@ -2,6 +2,8 @@
 
 from transformers import AutoTokenizer
 
+from service.engine.prompts import token_ids  # a list in transformers 4, a mapping in 5
+
 TOKENIZER_DIR = "service/assets/embedded"
 HUMANEVAL_LIKE = (
     'from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n'
@@ -49,5 +51,5 @@ def test_chat_template_is_llada_format():
         "<|start_header_id|>user<|end_header_id|>\n\nsum: 1 2<|eot_id|>"
         "<|start_header_id|>assistant<|end_header_id|>\n\n"
     )
-    ids = t.apply_chat_template(msgs[1:], add_generation_prompt=True)
+    ids = token_ids(t.apply_chat_template(msgs[1:], add_generation_prompt=True))
     assert ids[0] == t.bos_token_id and ids.count(t.bos_token_id) == 1

@@ -48,3 +48,33 @@ def test_a_lone_surrogate_is_refused_by_name_before_the_tokenizer(llada_with_tok
     with pytest.raises(EngineInputError) as err:
         encode_chat(engine.tokenizer, turns, "tiny")
     assert err.value.field == "messages.1.content"
+
+
+def test_chat_template_ids_are_read_from_either_return_shape():
+    """``apply_chat_template(tokenize=True)`` returns a list of ids in transformers 4 and a `BatchEncoding` (a
+    mapping with ``input_ids`` and ``attention_mask``) in 5: both give the ids (the installed version is one of
+    them; `BatchEncoding` itself is a mapping in both)."""
+    from transformers import BatchEncoding
+
+    from service.engine.prompts import token_ids
+
+    assert token_ids([1, 2, 288]) == [1, 2, 288]
+    assert token_ids(BatchEncoding({"input_ids": [1, 2, 288], "attention_mask": [1, 1, 1]})) == [1, 2, 288]
+    assert token_ids({"input_ids": [7], "attention_mask": [1]}) == [7]
+
+
+def test_the_embedded_tokenizer_loads_without_warnings(caplog, capfd):
+    """Loaded by its own class (``PreTrainedTokenizerFast``), transformers reads no ``config.json`` and so has
+    nothing to say about its model type or ``auto_map`` (transformers 5 did, on every load)."""
+    import logging
+    import warnings
+
+    from service.engine.loading import EMBEDDED_DIR, load_tokenizer
+
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        tokenizer = load_tokenizer(EMBEDDED_DIR)
+    assert tokenizer.mask_token == "<|mdm_mask|>" and len(tokenizer) == 1024
+    assert [str(w.message) for w in caught] == []
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("transformers")] == []
+    assert capfd.readouterr().err == ""
