@@ -128,7 +128,8 @@ def plot_reuse_error(k_error: np.ndarray, v_error: np.ndarray, path: Path) -> Pa
 
 def plot_kv_surfaces(captures: tuple, layer: int, head: int, path: Path) -> Path:
     """For one layer and kv head, token x channel maps: ``|K|`` and ``|V|`` of the block-initial pass, and how
-    much each reused entry changed by the block's last step; dashed lines bound the active block."""
+    much each entry changed by the block's last step; the active block is hatched, and each colour scale ends at
+    the 99.5th percentile of the reused tokens (brighter entries inside the block are clipped)."""
     at_first, at_last, start, end = captures
     panels = [("|K| at the block-initial pass", at_first[layer].k[0, head].abs(), "viridis"),
               ("|V| at the block-initial pass", at_first[layer].v[0, head].abs(), "viridis"),
@@ -139,11 +140,14 @@ def plot_kv_surfaces(captures: tuple, layer: int, head: int, path: Path) -> Path
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
     for ax, (title, values, cmap) in zip(axes.flat, panels):
         grid = values.float().cpu().numpy().T  # [D, T]: channels down, tokens across
-        image = ax.imshow(grid, cmap=cmap, aspect="auto", interpolation="nearest")
-        for bound in (start - 0.5, end - 0.5):
-            ax.axvline(bound, color="black", linestyle="--", linewidth=1)
+        # The colour scale follows the reused tokens (the active block's masked positions would flatten them).
+        reused = np.concatenate([grid[:, :start], grid[:, end:]], axis=1)
+        top = float(np.percentile(reused, 99.5)) if reused.size else None
+        image = ax.imshow(grid, cmap=cmap, aspect="auto", interpolation="nearest", vmin=0, vmax=top or None)
+        ax.axvspan(start - 0.5, end - 0.5, fill=False, hatch="///", edgecolor="black", alpha=0.35, linewidth=0)
+        ax.axvline(start - 0.5, color="black", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("token position (dashed: active block)")
+        ax.set_xlabel("token position (hatched: the active block, recomputed at every step)")
         ax.set_ylabel("channel")
         fig.colorbar(image, ax=ax)
     fig.suptitle(f"layer {layer}, kv head {head} (the largest K reuse error)", fontsize=11)
@@ -220,10 +224,12 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
                f"changes most at layer {layer}, head {head} ({100 * k_error[layer, head]:.1f}%)."), "",
               f"![reuse error]({error_map.name})", "",
               (f"Layer {layer}, kv head {head}. Top: |K| and |V| of the block-initial pass, channels down, tokens "
-               "across. What to look for: K has a few channels that are large on every token (horizontal bands), "
-               "V has none, which is why K is quantized per channel and V per token. Bottom: how much each entry "
-               "changed by the block's last step; the error sits in the active block (between the dashed lines) "
-               "and in the tokens next to it, which the cache reuses stale."), "",
+               "across. What to look for: horizontal bands (channels large on every token). K is quantized per "
+               "channel over groups of tokens, so each band gets its own range; V is quantized per token, so a "
+               "band in V widens every token's range. Bottom: how much each entry changed by the block's last "
+               "step (colour scales follow the reused tokens; brighter entries in the block are clipped). Inside the "
+               "hatched active block every step recomputes it; the columns that change outside it are reused "
+               "tokens the cache keeps stale, the reuse error that quantization adds to."), "",
               f"![K and V surfaces]({surfaces.name})", "",
               f"Score types: {', '.join(SCORE_TYPES)}.", ""]
     path = out / "report.md"
