@@ -570,9 +570,14 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _pair(k: float | None, v: float | None) -> str:
+def _pair(k: float | None, v: float | None, digits: int = 2) -> str:
     """``K / V`` bits, or "—" when the row has none."""
-    return "—" if k is None or v is None else f"{k:.2f} / {v:.2f}"
+    return "—" if k is None or v is None else f"{k:.{digits}f} / {v:.{digits}f}"
+
+
+#: Decimals of configured bits wherever they are printed (a policy's figure reads the same in every report:
+#: calibration summary, report, Table 4, matrix tables, model card).
+CONFIGURED_DIGITS = 3
 
 
 #: How the tables' bit columns read (docs/glossary.md, "Effective bits").
@@ -599,7 +604,7 @@ def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -
             kv, agr, conf = r["kv"] or {}, r["agreement"], r.get("configured_bits") or {}
             label = r["label"] if r["method"] == "none" else f"{r['label']} ({r['bits']}-bit)"
             cells = [label, *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                     _pair(conf.get("k"), conf.get("v")),
+                     _pair(conf.get("k"), conf.get("v"), CONFIGURED_DIGITS),
                      _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
                      _pair(kv.get("k_storage_bits"), kv.get("v_storage_bits")),
                      _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—"]
