@@ -648,11 +648,11 @@ TRADEOFF_MARKDOWN = """
 
 ![Accuracy against KV memory]({png})
 
-One point per cache mode, method and code width (the rows above); the black stars are the cache-only rows with
-their K/V counted in bf16, the dotted line full recompute. Left: KV bytes held at the peak request; right: the
-measured nominal bits per element (mean of K and V). What to look for: points above and to the left of the others
-keep more accuracy for less memory; a method whose 2-bit point drops far below its 4-bit one does not survive that
-width on this model and task.
+One column per cache mode, one point per method and code width (the rows above; methods with the same width and
+score share one label); the black stars are the cache-only rows with their K/V counted in bf16, the dotted line
+full recompute. Top: KV bytes held at the peak request; bottom: the measured nominal bits per element (mean of K
+and V). What to look for: points above and to the left of the others keep more accuracy for less memory; a
+method whose 2-bit point drops far below its 4-bit one does not survive that width on this model and task.
 """
 
 
