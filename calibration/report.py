@@ -1,12 +1,14 @@
-"""The calibration report: markdown with matplotlib plots (issue 6 item 8).
+"""The calibration report: markdown with matplotlib plots (issue 6 item 8; issue 23: pictures only where they show
+something, each with a caption saying what to look for).
 
 * a per-layer policy map (score type and p per layer, one row per cache mode and bits), and per policy its table
-  layer by layer (score type, p, nominal K bits, win rates per metric; `calibration.policy_tables`);
+  layer by layer (score type, p, configured and measured K bits, win rates per metric; `calibration.policy_tables`);
 * TRACE convergence: per sample the objective at each refinement round and whether the assignment settled;
-* win-rate bars per metric (the paper's Table 4: share of records where the selected policy beats the all-K
-  quantized baseline), with the effective K bits;
-* K and V surfaces of one layer and head across the steps of one block, with the active block marked by red
-  planes (the paper's Figures 4 and 5: ``|K|`` / ``|V|`` over token and channel axes, full recompute).
+* win-rate bars per metric and the paper's Table 4 (share of records where the selected policy beats the all-K
+  quantized baseline; a tie is not a win), with each policy's configured K bits;
+* the reuse error of every layer and kv head over the last block of one trajectory (how much the reused K/V
+  would have changed under full recompute), and for the head where K's is largest, token x channel maps of
+  ``|K|``, ``|V|`` and their change (the paper's Figures 4 and 5 show such surfaces as 3D plots).
 """
 
 from __future__ import annotations
