@@ -55,7 +55,7 @@ TABLE4_COLUMNS = {"L2": "centered_l2", "KL": "attention_kl", "Top-1": "top1", "T
 #: What a Table 4 win rate is, and is not (printed under every rendering of the table).
 TABLE4_CAVEAT = ("Win rate: share of the calibration records (%) of the layers a policy protects where it is "
                  "strictly closer to full recompute than quantizing every K token. A tie is not a win: when both "
-                 "pick the same top-1 key (most records, on a small model) the record counts against the policy, so "
+                 "pick the same top-1 key (most records, on a small model) the record is not a win for the policy, so "
                  "a low Top-1 means \"mostly ties\", not \"mostly worse\". Configured K bits: the policy's nominal "
                  "K bits on full groups (docs/glossary.md, \"Effective bits\").")
 

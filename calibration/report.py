@@ -1,12 +1,14 @@
-"""The calibration report: markdown with matplotlib plots (issue 6 item 8).
+"""The calibration report: markdown with matplotlib plots (issue 6 item 8; issue 23: pictures only where they show
+something, each with a caption saying what to look for).
 
 * a per-layer policy map (score type and p per layer, one row per cache mode and bits), and per policy its table
-  layer by layer (score type, p, nominal K bits, win rates per metric; `calibration.policy_tables`);
+  layer by layer (score type, p, configured and measured K bits, win rates per metric; `calibration.policy_tables`);
 * TRACE convergence: per sample the objective at each refinement round and whether the assignment settled;
-* win-rate bars per metric (the paper's Table 4: share of records where the selected policy beats the all-K
-  quantized baseline), with the effective K bits;
-* K and V surfaces of one layer and head across the steps of one block, with the active block marked by red
-  planes (the paper's Figures 4 and 5: ``|K|`` / ``|V|`` over token and channel axes, full recompute).
+* win-rate bars per metric and the paper's Table 4 (share of records where the selected policy beats the all-K
+  quantized baseline; a tie is not a win), with each policy's configured K bits;
+* the reuse error of every layer and kv head over the last block of one trajectory (how much the reused K/V
+  would have changed under full recompute), and for the head where K's is largest, token x channel maps of
+  ``|K|``, ``|V|`` and their change (the paper's Figures 4 and 5 show such surfaces as 3D plots).
 """
 
 from __future__ import annotations
@@ -58,17 +60,19 @@ def plot_win_rates(rows: Mapping[str, Mapping[str, float]], path: Path) -> Path:
     """Grouped bars: win rate (%) per metric, one bar per ``mode/bits`` policy."""
     keys = sorted(rows)
     width = 0.8 / max(1, len(keys))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = plt.subplots(figsize=(10.5, 3.8))
     for i, key in enumerate(keys):
         offsets = np.arange(len(METRICS)) + (i - (len(keys) - 1) / 2) * width
         configured = rows[key].get("configured_k_bits")
-        label = key if configured is None else f"{key} ({configured:.2f} configured K bits)"
+        label = key if configured is None else f"{key} ({configured:.3f} configured K bits)"
         ax.bar(offsets, [rows[key][m] for m in METRICS], width, label=label)
     ax.axhline(50, color="grey", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(METRICS)), METRICS)
     ax.set_ylim(0, 100)
     ax.set_ylabel("records improved over all-K QDQ (%)")
-    ax.legend(fontsize=8)
+    ax.set_title("win rate per metric (a tie is not a win: a record where policy and baseline agree is not counted "
+                 "as one)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -128,7 +132,8 @@ def plot_reuse_error(k_error: np.ndarray, v_error: np.ndarray, path: Path) -> Pa
 
 def plot_kv_surfaces(captures: tuple, layer: int, head: int, path: Path) -> Path:
     """For one layer and kv head, token x channel maps: ``|K|`` and ``|V|`` of the block-initial pass, and how
-    much each reused entry changed by the block's last step; dashed lines bound the active block."""
+    much each entry changed by the block's last step; the active block is hatched, and each colour scale ends at
+    the 99.5th percentile of the reused tokens (brighter entries inside the block are clipped)."""
     at_first, at_last, start, end = captures
     panels = [("|K| at the block-initial pass", at_first[layer].k[0, head].abs(), "viridis"),
               ("|V| at the block-initial pass", at_first[layer].v[0, head].abs(), "viridis"),
@@ -139,11 +144,14 @@ def plot_kv_surfaces(captures: tuple, layer: int, head: int, path: Path) -> Path
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
     for ax, (title, values, cmap) in zip(axes.flat, panels):
         grid = values.float().cpu().numpy().T  # [D, T]: channels down, tokens across
-        image = ax.imshow(grid, cmap=cmap, aspect="auto", interpolation="nearest")
-        for bound in (start - 0.5, end - 0.5):
-            ax.axvline(bound, color="black", linestyle="--", linewidth=1)
+        # The colour scale follows the reused tokens (the active block's masked positions would flatten them).
+        reused = np.concatenate([grid[:, :start], grid[:, end:]], axis=1)
+        top = float(np.percentile(reused, 99.5)) if reused.size else None
+        image = ax.imshow(grid, cmap=cmap, aspect="auto", interpolation="nearest", vmin=0, vmax=top or None)
+        ax.axvspan(start - 0.5, end - 0.5, fill=False, hatch="///", edgecolor="black", alpha=0.35, linewidth=0)
+        ax.axvline(start - 0.5, color="black", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("token position (dashed: active block)")
+        ax.set_xlabel("token position (hatched: the active block, recomputed at every step)")
         ax.set_ylabel("channel")
         fig.colorbar(image, ax=ax)
     fig.suptitle(f"layer {layer}, kv head {head} (the largest K reuse error)", fontsize=11)
@@ -220,10 +228,12 @@ def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str
                f"changes most at layer {layer}, head {head} ({100 * k_error[layer, head]:.1f}%)."), "",
               f"![reuse error]({error_map.name})", "",
               (f"Layer {layer}, kv head {head}. Top: |K| and |V| of the block-initial pass, channels down, tokens "
-               "across. What to look for: K has a few channels that are large on every token (horizontal bands), "
-               "V has none, which is why K is quantized per channel and V per token. Bottom: how much each entry "
-               "changed by the block's last step; the error sits in the active block (between the dashed lines) "
-               "and in the tokens next to it, which the cache reuses stale."), "",
+               "across. What to look for: horizontal bands (channels large on every token). K is quantized per "
+               "channel over groups of tokens, so each band gets its own range; V is quantized per token, so a "
+               "band in V widens every token's range. Bottom: how much each entry changed by the block's last "
+               "step (colour scales follow the reused tokens; brighter entries in the block are clipped). Inside the "
+               "hatched active block every step recomputes it; the columns that change outside it are reused "
+               "tokens the cache keeps stale, the reuse error that quantization adds to."), "",
               f"![K and V surfaces]({surfaces.name})", "",
               f"Score types: {', '.join(SCORE_TYPES)}.", ""]
     path = out / "report.md"

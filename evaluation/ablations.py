@@ -27,6 +27,7 @@ from evaluation.controls import rule_label
 from evaluation.matrix import (
     BITS_NOTE,
     CACHE_MODES,
+    CONFIGURED_DIGITS,
     METHOD_LABELS,
     MODE_LABELS,
     QUANT_METHODS,
@@ -123,7 +124,7 @@ def render_controls_markdown(tables: dict[str, Any], skipped: list[dict] | None 
             agr, conf = r["agreement"], r.get("configured_bits") or {}
             lines.append("| " + " | ".join([
                 r["label"], r["k_rule"], *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                _fmt(conf.get("k")) if r["kv"] else "16 (unquantized)",
+                _fmt(conf.get("k"), CONFIGURED_DIGITS) if r["kv"] else "16 (unquantized)",
                 _fmt(r["kv"]["k_nominal_bits"]) if r["kv"] else "16 (unquantized)",
                 _fmt(agr["token_agreement"], 1) if agr else "—"]) + " |")
         lines += ["", "K/V quantization is active in every row but the cache-only one; V is quantized the same way "
@@ -153,7 +154,8 @@ def render_sides_markdown(tables: dict[str, Any], skipped: list[dict] | None = N
             lines.append("| " + " | ".join([
                 METHOD_LABELS[r["method"]], "—" if r["method"] == "none" else SIDE_LABELS[r["sides"]],
                 *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                _pair(conf.get("k"), conf.get("v")), _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
+                _pair(conf.get("k"), conf.get("v"), CONFIGURED_DIGITS),
+                _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
                 _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—",
                 *((_fmt(diag[c], 1) if diag else "—") for c in DIAGNOSTICS)]) + " |")
         lines += ["", "The side not quantized is held as it is (16 nominal bits). Exact match and token agreement: "

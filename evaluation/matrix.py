@@ -570,9 +570,14 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _pair(k: float | None, v: float | None) -> str:
+def _pair(k: float | None, v: float | None, digits: int = 2) -> str:
     """``K / V`` bits, or "—" when the row has none."""
-    return "—" if k is None or v is None else f"{k:.2f} / {v:.2f}"
+    return "—" if k is None or v is None else f"{k:.{digits}f} / {v:.{digits}f}"
+
+
+#: Decimals of configured bits wherever they are printed (a policy's figure reads the same in every report:
+#: calibration summary, report, Table 4, matrix tables, model card).
+CONFIGURED_DIGITS = 3
 
 
 #: How the tables' bit columns read (docs/glossary.md, "Effective bits").
@@ -599,7 +604,7 @@ def render_markdown(tables: dict[str, Any], skipped: list[dict] | None = None) -
             kv, agr, conf = r["kv"] or {}, r["agreement"], r.get("configured_bits") or {}
             label = r["label"] if r["method"] == "none" else f"{r['label']} ({r['bits']}-bit)"
             cells = [label, *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
-                     _pair(conf.get("k"), conf.get("v")),
+                     _pair(conf.get("k"), conf.get("v"), CONFIGURED_DIGITS),
                      _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),
                      _pair(kv.get("k_storage_bits"), kv.get("v_storage_bits")),
                      _fmt(agr["exact_match"], 1) if agr else "—", _fmt(agr["token_agreement"], 1) if agr else "—"]
@@ -643,11 +648,11 @@ TRADEOFF_MARKDOWN = """
 
 ![Accuracy against KV memory]({png})
 
-One point per cache mode, method and code width (the rows above); the black stars are the cache-only rows with
-their K/V counted in bf16, the dotted line full recompute. Left: KV bytes held at the peak request; right: the
-measured nominal bits per element (mean of K and V). What to look for: points above and to the left of the others
-keep more accuracy for less memory; a method whose 2-bit point drops far below its 4-bit one does not survive that
-width on this model and task.
+One column per cache mode, one point per method and code width (the rows above; methods with the same width and
+score share one label); the black stars are the cache-only rows with their K/V counted in bf16, the dotted line
+full recompute. Top: KV bytes held at the peak request; bottom: the measured nominal bits per element (mean of K
+and V). What to look for: points above and to the left of the others keep more accuracy for less memory; a
+method whose 2-bit point drops far below its 4-bit one does not survive that width on this model and task.
 """
 
 

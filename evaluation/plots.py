@@ -62,46 +62,68 @@ def tradeoff_points(tables: Mapping[str, Any], model: str | None = None) -> list
 
 
 def plot_tradeoff(tables: Mapping[str, Any], path: Path, model: str | None = None) -> Path | None:
-    """Two panels, accuracy (%) against KV KiB held and against effective bits (nominal, measured), one point per
-    (cache mode, method, bit width) of ``model``; the cache-only rows (bf16) as black stars, full recompute as a
-    dotted line. Returns None (and writes nothing) when the matrix has no quantized row."""
+    """Accuracy (%) against KV KiB held (top) and against effective bits (nominal, measured; bottom), one column
+    per cache mode, one point per (method, bit width) of ``model``: colour the method, marker the bit width; points
+    with the same width and score (ties) share one label. The cache-only rows (K/V in bf16) are black stars, full
+    recompute a dotted line. Returns None (and writes nothing) when the matrix has no quantized row."""
+    from matplotlib.ticker import FixedLocator, ScalarFormatter
+
     points = tradeoff_points(tables, model)
-    if not any(p["method"] != "none" for p in points):
+    modes = [m for m in MODE_MARKERS if any(p["mode"] == m and p["method"] != "none" for p in points)]
+    if not modes:
         return None
     reference = next((r["average"] for b in tables["blocks"] for r in b["rows"]
                       if r["cache_mode"] == "none" and r["average"] is not None), None)
-    tasks = ", ".join(tables["tasks"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    axis_labels = (("kib", "KV held at the peak request (KiB; cache only: the same K/V in bf16)"),
+    widths = sorted({p["bits"] for p in points if p["method"] != "none"}, reverse=True)
+    markers = dict(zip(widths, "osD^v"))
+    axis_labels = (("kib", "KV held at the peak request (KiB, log scale)"),
                    ("bits_nominal", "effective bits per K/V element (nominal, measured; mean of K and V)"))
-    for ax, (x, label) in zip(axes, axis_labels):
-        for p in points:
-            if p[x] is None:
-                continue
-            if p["method"] == "none":
-                ax.scatter(p[x], p["accuracy"], marker="*", s=180, color="black", zorder=3)
-                ax.annotate(f"cache only ({p['mode']})", (p[x], p["accuracy"]), textcoords="offset points",
-                            xytext=(-6, 8), ha="right", fontsize=8)
-                continue
-            ax.scatter(p[x], p["accuracy"], marker=MODE_MARKERS.get(p["mode"], "^"), s=70,
-                       color=METHOD_COLORS.get(p["method"], "tab:gray"), edgecolor="black", linewidth=0.5, zorder=3)
-            ax.annotate(f"{p['bits']}b", (p[x], p["accuracy"]), textcoords="offset points", xytext=(6, -3),
-                        fontsize=8)
-        if reference is not None:
-            ax.axhline(reference, color="grey", linestyle=":", linewidth=1)
-        ax.set_xlabel(label, fontsize=9)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"accuracy on {tasks} (%)")
+    fig, axes = plt.subplots(2, len(modes), figsize=(6.2 * len(modes), 8.2), sharey=True, squeeze=False)
+    for col, mode in enumerate(modes):
+        here = [p for p in points if p["mode"] == mode]
+        for row, (x, label) in enumerate(axis_labels):
+            ax = axes[row][col]
+            groups: dict[tuple[int, float], list[dict[str, Any]]] = {}
+            for p in here:
+                if p[x] is None:
+                    continue
+                if p["method"] == "none":
+                    ax.scatter(p[x], p["accuracy"], marker="*", s=220, color="black", zorder=3)
+                    ax.annotate("cache only (K/V in bf16)", (p[x], p["accuracy"]), textcoords="offset points",
+                                xytext=(0, -16), ha="right", fontsize=8)
+                    continue
+                ax.scatter(p[x], p["accuracy"], marker=markers[p["bits"]], s=75, alpha=0.9, zorder=3,
+                           color=METHOD_COLORS.get(p["method"], "tab:gray"), edgecolor="black", linewidth=0.6)
+                groups.setdefault((p["bits"], round(p["accuracy"], 2)), []).append(p)
+            for (bits, accuracy), members in groups.items():
+                names = ", ".join(METHOD_NAMES.get(m["method"], m["method"])
+                                  for m in sorted(members, key=lambda m: m[x]))
+                ax.annotate(f"{names} ({bits}-bit)", (max(m[x] for m in members), accuracy),
+                            textcoords="offset points", xytext=(9, -3), fontsize=8)
+            if reference is not None:
+                ax.axhline(reference, color="grey", linestyle=":", linewidth=1)
+            ax.set_xscale("log", base=2)
+            if x == "bits_nominal":
+                ax.xaxis.set_major_locator(FixedLocator([2, 3, 4, 6, 8, 12, 16]))
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
+            lo, hi = ax.get_xlim()
+            ax.set_xlim(lo, hi * 1.6)  # room for the labels right of the points
+            ax.set_xlabel(label, fontsize=9)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"{mode} cache", fontsize=10)
+        for row in range(2):
+            axes[row][0].set_ylabel(f"accuracy on {', '.join(tables['tasks'])} (%)")
     handles = [plt.Line2D([], [], linestyle="", marker="o", color=c, markeredgecolor="black", label=METHOD_NAMES[m])
                for m, c in METHOD_COLORS.items() if any(p["method"] == m for p in points)]
-    handles += [plt.Line2D([], [], linestyle="", marker=mk, color="white", markeredgecolor="black",
-                           label=f"{mode} cache") for mode, mk in MODE_MARKERS.items()
-                if any(p["mode"] == mode for p in points)]
+    handles += [plt.Line2D([], [], linestyle="", marker=markers[b], color="white", markeredgecolor="black",
+                           label=f"{b}-bit") for b in widths]
     handles += [plt.Line2D([], [], linestyle="", marker="*", color="black", markersize=12, label="cache only"),
                 plt.Line2D([], [], linestyle=":", color="grey", label="full recompute")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.suptitle("Accuracy against KV memory: up and to the left is better (labels: code bits)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.suptitle("Accuracy against KV memory: up and to the left is better", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

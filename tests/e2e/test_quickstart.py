@@ -80,7 +80,9 @@ def test_each_answer_ran_with_the_configuration_activated(run):
     body = _json(run / "calibration" / "activate" / "dllm_kvq-dual-2bit.json")
     assert body["method"] == "dllm_kvq" and body["bits"] == 2 and body["policy_id"].startswith("policy-")
     first, kivi, back = (_json(run / f"activate-{n}.json") for n in ("dllm_kvq", "kivi", "back"))
-    assert first["new"]["policy_id"] == body["policy_id"] and first["old"]["method"] == "none"
+    # The store had no active entry (old null, as /admin/audit records it); the server served its default.
+    assert first["new"]["policy_id"] == body["policy_id"] and first["old"] is None
+    assert first["served_before"] == {"method": "none"}
     assert kivi["old"]["policy_id"] == body["policy_id"] and kivi["new"]["method"] == "kivi"
     assert back["old"]["method"] == "kivi" and back["new"]["policy_id"] == body["policy_id"]
 

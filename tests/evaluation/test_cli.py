@@ -92,3 +92,18 @@ def test_a_misspelled_task_or_model_arg_is_one_line(capsys):
     err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--model_args", "cache=dual", "--tasks",
                              "digit_ledger", "--limit", "1"])
     assert err.startswith(f"{LM_EVAL}: error: --model_args: unknown model_args ['cache']; legal: ")
+
+
+def test_http_model_args_lm_eval_cannot_find_out_itself():
+    from evaluation.cli import with_server_model_args
+    from tests.support.processes import free_port
+
+    nowhere = f"http://127.0.0.1:{free_port()}/v1/completions"  # no server: no max_length to read
+    args = ["--model", "local-completions", "--model_args", f"model=embedded,base_url={nowhere},tokenizer=t"]
+    # A local tokenizer named without a backend: local-completions would detect the server's remote one instead.
+    assert with_server_model_args(args)[-1] == f"model=embedded,base_url={nowhere},tokenizer=t,tokenizer_backend=huggingface"
+    given = ["--model", "local-completions", "--model_args",
+             f'{{"base_url": "{nowhere}", "tokenizer": "t", "tokenizer_backend": "remote", "max_length": 99}}']
+    assert with_server_model_args(given) == given
+    assert with_server_model_args(["--model", "dllm-kvq", "--model_args", "tokenizer=t"]) == [
+        "--model", "dllm-kvq", "--model_args", "tokenizer=t"]

@@ -92,7 +92,7 @@ def test_markdown_and_csv_layout(results):
     assert lines[1].startswith("| No cache (full recompute) | 50.00 | 100.00 | 75.00 | — | — | — | — | — |")
     assert lines[2].startswith("| *Prefix cache* |")
     # Configured, then measured nominal and storage K / V bits.
-    assert lines[4] == ("| KIVI (4-bit) | 0.00 | 100.00 | 50.00 | 4.00 / 4.00 | 4.00 / 4.00 | 5.00 / 5.50 | 66.7 "
+    assert lines[4] == ("| KIVI (4-bit) | 0.00 | 100.00 | 50.00 | 4.000 / 4.000 | 4.00 / 4.00 | 5.00 / 5.50 | 66.7 "
                         "| 83.3 |")
     assert "- m prefix-dllm_kvq-4: no policy table" in md
     rows = list(csv.DictReader(io.StringIO(render_csv(tables))))
