@@ -14,9 +14,11 @@
 #
 # --debootstrap     base = localhost/debian:bookworm, made with debootstrap when absent (no registry needed)
 # --wheels DIR      torch wheels for the build (copied into deploy/docker/wheels for the build, removed after);
-#                   default: a directory of PIP_FIND_LINKS that holds a torch wheel for the variant
+#                   default: a directory of pip's find-links here (PIP_FIND_LINKS, pip.conf) holding a torch
+#                   wheel for the variant
 # --extra-ca PEM    a CA bundle pip in the build trusts besides its own (the build secret extra_ca); default:
-#                   DLLM_BUILD_EXTRA_CA, else the bundle this host's pip trusts (PIP_CERT, REQUESTS_CA_BUNDLE)
+#                   DLLM_BUILD_EXTRA_CA, else the bundle this host's pip trusts (PIP_CERT, pip.conf's cert,
+#                   REQUESTS_CA_BUNDLE)
 # Exit status: 0 passed; 1 a check failed (the output says which); 3 no container engine here (nothing ran).
 # docs/deployment.md ("The container smoke test") has what it covers and how long it takes.
 set -euo pipefail
@@ -133,10 +135,13 @@ if ! probe; then
 fi
 
 # ---- the build ----------------------------------------------------------------------------------------------
+pip_config() {  # $1 = a pip option: its values in this host's pip configuration files (pip.conf), space-separated
+  "$PY" -m pip config list 2>/dev/null | sed -n "s/^[a-z]*\.$1='\(.*\)'\$/\1/p" | tr '\n' ' '
+}
 copy_wheels() {  # $1 = variant: this variant's torch wheels into deploy/docker/wheels (nothing if none found)
   local variant=$1 dir found=""
   local dirs=("$WHEELS")
-  [ -z "$WHEELS" ] && read -r -a dirs <<<"${PIP_FIND_LINKS:-}"
+  [ -z "$WHEELS" ] && read -r -a dirs <<<"${PIP_FIND_LINKS:-} $(pip_config find-links)"
   for dir in "${dirs[@]}"; do
     [ -d "$dir" ] || continue
     for wheel in "$dir"/torch-*+"$variant"-*.whl; do
@@ -152,7 +157,7 @@ copy_wheels() {  # $1 = variant: this variant's torch wheels into deploy/docker/
   if [ -n "$found" ]; then log "torch ($variant) from $found"; else log "torch ($variant) from the index"; fi
 }
 if [ -z "$EXTRA_CA" ]; then
-  for candidate in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}"; do
+  for candidate in "${PIP_CERT:-}" $(pip_config cert) "${REQUESTS_CA_BUNDLE:-}"; do
     [ -n "$candidate" ] && [ -s "$candidate" ] && { EXTRA_CA=$candidate; break; }
   done
 fi
