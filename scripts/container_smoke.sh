@@ -183,6 +183,19 @@ build() {  # $1 = tag, $2 = variant, $3 = base
 build "$IMAGE_CPU" cpu "$BASE"
 "$ENGINE" image inspect "$IMAGE_CPU" | grep -q healthcheck.py \
   || die "$IMAGE_CPU has no HEALTHCHECK (an OCI-format build drops it: podman build --format docker)"
+# The image runs this checkout's code, not a layer cached from an older one: one digest over every .py file of
+# the four packages, in the image's site-packages and here.
+SOURCE_DIGEST='import hashlib, importlib.util, pathlib
+h = hashlib.sha256()
+for name in ("dllm_kvq", "service", "calibration", "evaluation"):
+    root = pathlib.Path(importlib.util.find_spec(name).submodule_search_locations[0])
+    for f in sorted(root.rglob("*.py")):
+        h.update(f"{name}/{f.relative_to(root)}".encode() + b"\0" + f.read_bytes())
+print(h.hexdigest())'
+here=$(PYTHONPATH=. "$PY" -c "$SOURCE_DIGEST")
+inside=$("$ENGINE" run --rm --entrypoint python "$IMAGE_CPU" -c "$SOURCE_DIGEST")
+[ "$here" = "$inside" ] || die "$IMAGE_CPU does not hold this checkout's code (digest $inside, here $here): a stale layer"
+log "the image holds this checkout's code (sources digest ${here:0:12})"
 if [ -n "$GPU_VARIANT" ]; then
   build "$IMAGE_GPU" "$GPU_VARIANT" "${DLLM_GPU_BASE:-$dockerfile_base}"
 fi
