@@ -193,7 +193,8 @@ for name in ("dllm_kvq", "service", "calibration", "evaluation"):
         h.update(f"{name}/{f.relative_to(root)}".encode() + b"\0" + f.read_bytes())
 print(h.hexdigest())'
 here=$(PYTHONPATH=. "$PY" -c "$SOURCE_DIGEST")
-inside=$("$ENGINE" run --rm --entrypoint python "$IMAGE_CPU" -c "$SOURCE_DIGEST")
+inside=$("$ENGINE" run --rm --entrypoint python "$IMAGE_CPU" -c "$SOURCE_DIGEST" 2>"$WORK/digest.log") \
+  || { cat "$WORK/digest.log" >&2; die "$IMAGE_CPU cannot run python"; }
 [ "$here" = "$inside" ] || die "$IMAGE_CPU does not hold this checkout's code (digest $inside, here $here): a stale layer"
 log "the image holds this checkout's code (sources digest ${here:0:12})"
 if [ -n "$GPU_VARIANT" ]; then
@@ -209,7 +210,8 @@ PORT=$(free_port)
 log "running $IMAGE_CPU as $CONTAINER (default entrypoint and command) on 127.0.0.1:$PORT"
 "$ENGINE" run -d --name "$CONTAINER" -p "127.0.0.1:$PORT:8000" \
   -e DLLM_API_KEYS="$API_KEY" -e DLLM_SERVED_MODEL_NAME=smoke-model -e DLLM_THREADS=1 \
-  -e DLLM_DRAIN_TIMEOUT_S=120 --stop-timeout 150 "$IMAGE_CPU" >/dev/null
+  -e DLLM_DRAIN_TIMEOUT_S=120 --stop-timeout 150 "$IMAGE_CPU" >/dev/null 2>"$WORK/run.log" \
+  || { cat "$WORK/run.log" >&2; die "$ENGINE run failed"; }
 if ! seconds=$("$PY" scripts/container_smoke_client.py ready "http://127.0.0.1:$PORT" --timeout 600 \
     --alive sh -c "$ENGINE inspect --format '{{.State.Running}}' $CONTAINER | grep -qx true"); then
   "$ENGINE" logs "$CONTAINER" 2>&1 | tail -40 >&2
