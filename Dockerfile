@@ -87,10 +87,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     DLLM_HOST=0.0.0.0 \
     DLLM_PORT=8000 \
     DLLM_STORE_URL=/data/store
-# The project itself: a few MB on top of the cached venv layer. `dllm-kvq --help` proves the console command the
-# entrypoint runs imports.
-RUN --mount=type=bind,from=wheel,source=/dist,target=/dist \
-    pip install --no-deps --no-index --no-cache-dir /dist/*.whl \
+# The project itself: a few MB on top of the cached venv layer. Copied, not bind-mounted from the wheel stage:
+# a COPY's cache key is what it copies, while a RUN's mount from another stage is not part of the RUN's key, so
+# a new wheel would meet a cached install (podman did exactly that). `dllm-kvq --help` proves the console
+# command the entrypoint runs imports.
+COPY --from=wheel /dist /tmp/dist
+RUN pip install --no-deps --no-index --no-cache-dir /tmp/dist/*.whl \
+    && rm -rf /tmp/dist \
     && dllm-kvq --help >/dev/null \
     && python -c "import dllm_kvq.cli, service, calibration, evaluation"
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/dllm-kvq/healthcheck.py

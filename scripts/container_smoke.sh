@@ -14,9 +14,11 @@
 #
 # --debootstrap     base = localhost/debian:bookworm, made with debootstrap when absent (no registry needed)
 # --wheels DIR      torch wheels for the build (copied into deploy/docker/wheels for the build, removed after);
-#                   default: a directory of PIP_FIND_LINKS that holds a torch wheel for the variant
+#                   default: a directory of pip's find-links here (PIP_FIND_LINKS, pip.conf) holding a torch
+#                   wheel for the variant
 # --extra-ca PEM    a CA bundle pip in the build trusts besides its own (the build secret extra_ca); default:
-#                   DLLM_BUILD_EXTRA_CA, else the bundle this host's pip trusts (PIP_CERT, REQUESTS_CA_BUNDLE)
+#                   DLLM_BUILD_EXTRA_CA, else the bundle this host's pip trusts (PIP_CERT, pip.conf's cert,
+#                   REQUESTS_CA_BUNDLE)
 # Exit status: 0 passed; 1 a check failed (the output says which); 3 no container engine here (nothing ran).
 # docs/deployment.md ("The container smoke test") has what it covers and how long it takes.
 set -euo pipefail
@@ -133,10 +135,13 @@ if ! probe; then
 fi
 
 # ---- the build ----------------------------------------------------------------------------------------------
+pip_config() {  # $1 = a pip option: its values in this host's pip configuration files (pip.conf), space-separated
+  "$PY" -m pip config list 2>/dev/null | sed -n "s/^[a-z]*\.$1='\(.*\)'\$/\1/p" | tr '\n' ' '
+}
 copy_wheels() {  # $1 = variant: this variant's torch wheels into deploy/docker/wheels (nothing if none found)
   local variant=$1 dir found=""
   local dirs=("$WHEELS")
-  [ -z "$WHEELS" ] && read -r -a dirs <<<"${PIP_FIND_LINKS:-}"
+  [ -z "$WHEELS" ] && read -r -a dirs <<<"${PIP_FIND_LINKS:-} $(pip_config find-links)"
   for dir in "${dirs[@]}"; do
     [ -d "$dir" ] || continue
     for wheel in "$dir"/torch-*+"$variant"-*.whl; do
@@ -152,7 +157,7 @@ copy_wheels() {  # $1 = variant: this variant's torch wheels into deploy/docker/
   if [ -n "$found" ]; then log "torch ($variant) from $found"; else log "torch ($variant) from the index"; fi
 }
 if [ -z "$EXTRA_CA" ]; then
-  for candidate in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}"; do
+  for candidate in "${PIP_CERT:-}" $(pip_config cert) "${REQUESTS_CA_BUNDLE:-}"; do
     [ -n "$candidate" ] && [ -s "$candidate" ] && { EXTRA_CA=$candidate; break; }
   done
 fi
@@ -178,6 +183,20 @@ build() {  # $1 = tag, $2 = variant, $3 = base
 build "$IMAGE_CPU" cpu "$BASE"
 "$ENGINE" image inspect "$IMAGE_CPU" | grep -q healthcheck.py \
   || die "$IMAGE_CPU has no HEALTHCHECK (an OCI-format build drops it: podman build --format docker)"
+# The image runs this checkout's code, not a layer cached from an older one: one digest over every .py file of
+# the four packages, in the image's site-packages and here.
+SOURCE_DIGEST='import hashlib, importlib.util, pathlib
+h = hashlib.sha256()
+for name in ("dllm_kvq", "service", "calibration", "evaluation"):
+    root = pathlib.Path(importlib.util.find_spec(name).submodule_search_locations[0])
+    for f in sorted(root.rglob("*.py")):
+        h.update(f"{name}/{f.relative_to(root)}".encode() + b"\0" + f.read_bytes())
+print(h.hexdigest())'
+here=$(PYTHONPATH=. "$PY" -c "$SOURCE_DIGEST")
+inside=$("$ENGINE" run --rm --entrypoint python "$IMAGE_CPU" -c "$SOURCE_DIGEST" 2>"$WORK/digest.log") \
+  || { cat "$WORK/digest.log" >&2; die "$IMAGE_CPU cannot run python"; }
+[ "$here" = "$inside" ] || die "$IMAGE_CPU does not hold this checkout's code (digest $inside, here $here): a stale layer"
+log "the image holds this checkout's code (sources digest ${here:0:12})"
 if [ -n "$GPU_VARIANT" ]; then
   build "$IMAGE_GPU" "$GPU_VARIANT" "${DLLM_GPU_BASE:-$dockerfile_base}"
 fi
@@ -191,7 +210,8 @@ PORT=$(free_port)
 log "running $IMAGE_CPU as $CONTAINER (default entrypoint and command) on 127.0.0.1:$PORT"
 "$ENGINE" run -d --name "$CONTAINER" -p "127.0.0.1:$PORT:8000" \
   -e DLLM_API_KEYS="$API_KEY" -e DLLM_SERVED_MODEL_NAME=smoke-model -e DLLM_THREADS=1 \
-  -e DLLM_DRAIN_TIMEOUT_S=120 --stop-timeout 150 "$IMAGE_CPU" >/dev/null
+  -e DLLM_DRAIN_TIMEOUT_S=120 --stop-timeout 150 "$IMAGE_CPU" >/dev/null 2>"$WORK/run.log" \
+  || { cat "$WORK/run.log" >&2; die "$ENGINE run failed"; }
 if ! seconds=$("$PY" scripts/container_smoke_client.py ready "http://127.0.0.1:$PORT" --timeout 600 \
     --alive sh -c "$ENGINE inspect --format '{{.State.Running}}' $CONTAINER | grep -qx true"); then
   "$ENGINE" logs "$CONTAINER" 2>&1 | tail -40 >&2
