@@ -71,6 +71,10 @@ class MemoryModel:
         return cls(engine.spec, model.config.width, model.config.mlp_hidden, model.embed.weight.element_size(),
                    model.embed.weight.device)
 
+    def knows(self, key: object) -> bool:
+        """Whether the bytes per token of configuration ``key`` are measured (asking costs no torch work)."""
+        return key in self._per_token
+
     def kv_bytes_per_token(self, key: object, make_store: Callable[[], KVStore]) -> float:
         """Bytes held per reused token (all layers, K and V) by the stores ``make_store`` builds; measured once
         per ``key`` (the configuration)."""

@@ -106,12 +106,22 @@ class ContinuousWorker(Worker):
         return store if store is not None else FullPrecisionKVStore()
 
     def submit(self, job: Job) -> Job:
-        """As :meth:`Worker.submit`, and first: refuse a request that could never fit the budget.
+        """As :meth:`Worker.submit`, and first: refuse a request that could never fit the budget. Never runs torch
+        work (the async route calls it on the event loop): a configuration whose bytes per token are not measured
+        yet is sized on the worker thread when the request comes up for admission, and refused there (the same
+        error, through the job's future).
 
         Raises:
             RequestTooLarge: its KV bytes and its own forward exceed the budget even alone (``field``
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
         """
+        if job.snapshot.config.method == "none" or self.memory.knows((job.snapshot.config, job.snapshot.cache_mode)):
+            self._check_size(job)
+        return super().submit(job)
+
+    def _check_size(self, job: Job) -> None:
+        """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`)."""
+        job.sized = True
         cost = self._cost(job)
         if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
@@ -124,7 +134,6 @@ class ContinuousWorker(Worker):
                 f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
                 field,
             )
-        return super().submit(job)
 
     def _fits(self, cost: Cost) -> bool:
         held = sum(m.cost.kv for m in self._members)
@@ -144,6 +153,13 @@ class ContinuousWorker(Worker):
             at, head = 0, None
             while at < len(queue) and len(self._members) < self.max_batch_size:
                 job = queue[at]
+                if not job.sized:  # its configuration was measured here, off the event loop
+                    try:
+                        self._check_size(job)
+                    except RequestTooLarge as exc:
+                        del queue[at]
+                        _set_exception(job, exc)
+                        continue
                 cost = self._cost(job)
                 size = cost.kv + cost.transient
                 if self._members and (not self._fits(cost) or (head is not None and size >= head)):
@@ -209,6 +225,7 @@ class ContinuousWorker(Worker):
                     return
                 continue
             self.telemetry.forwards.observe(self._batch.forwards)
+            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
             for cohort, exc in self._batch.failed:
                 if is_device_fault(exc):
                     self._fail_batch(exc)

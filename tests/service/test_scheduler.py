@@ -132,3 +132,25 @@ def test_a_small_request_does_not_wait_for_a_large_one_blocked_at_the_head(engin
         assert results["small"].batch_size == 2  # beside the running one, never beside the large one
     else:
         assert joined["running"] <= joined["large"] <= joined["small"] and order[-1] == "small"
+
+
+def test_a_new_kv_configuration_is_measured_on_the_worker_thread_not_in_submit(engine):
+    """`submit` runs on the event loop: the first request of a quantized configuration is sized when it comes up
+    for admission on the worker thread (a request too large fails there, through its future, the same error);
+    once measured, the next one is refused in `submit` at once."""
+    prompt = four_prompts("llada")[2]
+    probe = _worker(engine, 1 << 30)
+    small = _cost(probe, prompt, _params(gen_length=32), KIVI2)
+    worker = _worker(engine, small.kv + small.transient)
+    key = (KIVI2, "dual")
+    job = worker.submit(Job(prompt, _params(gen_length=512), RowOptions(), _snapshot(KIVI2)))
+    assert not worker.memory.knows(key)  # nothing measured in submit
+    worker.start()
+    with pytest.raises(RequestTooLarge) as too_long:
+        job.future.result(timeout=300)
+    assert too_long.value.field == "max_tokens" and worker.memory.knows(key)
+    with pytest.raises(RequestTooLarge):
+        worker.submit(Job(prompt, _params(gen_length=512), RowOptions(), _snapshot(KIVI2)))
+    ok = worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(KIVI2)))
+    assert ok.future.result(timeout=300).row.finish_reason == "length"
+    worker.stop()
