@@ -314,6 +314,7 @@ class ConstrainedRow:
         count: positions a fixed schedule reveals this call (at least 1), or None under a threshold.
         threshold: the confidence threshold (None under a fixed schedule).
         temperature, generator: the row's sampling.
+        start: the window column of the first candidate (where the caller needs it).
         chosen, tokens: what the reveal chose (indices into the candidates, their tokens).
     """
 
@@ -323,6 +324,7 @@ class ConstrainedRow:
     threshold: float | None
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    start: int = 0
     chosen: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
