@@ -276,8 +276,10 @@ class GrammarCompiler:
         allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
         # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
         # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
-        accepting = torch.tensor([s.ended or s.matcher.is_accepting() for s in states])
-        eos_allowed = allowed[:, self.grammar_eos] & accepting
+        accepting = torch.tensor([s.matcher.is_accepting() for s in states])
+        ended = torch.tensor([s.ended for s in states])
+        eos_allowed = (allowed[:, self.grammar_eos] & accepting) | ended
+        allowed[ended] = False  # after the end, only EOS (padding the rest of the block)
         allowed[:, self._eos_tensor] = eos_allowed[:, None]
         return allowed
 
