@@ -10,7 +10,10 @@ resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/be
   states, grammar size), cached by the spec's hash in a bounded LRU; a source it cannot compile is an
   :class:`~service.engine.errors.EngineInputError` naming the request field (HTTP 400);
 * :class:`GrammarState` is one row's matcher (a copy of the compiled grammar), advanced token by token;
-* :func:`constrained_reveal` is the reveal of the constrained rows of one forward call, done together.
+* :func:`constrained_reveal` decides the chains (below) of all constrained rows of one forward together, across
+  requests; the running batch (`service.engine.batch.RunningBatch`) then hands each chain to the batched reveal
+  (`service.engine.reveal.reveal_batch`) as exactly those columns, so constrained and unconstrained rows share
+  the forward, the reveal and the iteration's one host read.
 
 **The constrained reveal.** A diffusion LM reveals masked positions out of order; a grammar says which tokens may
 follow a prefix. A constrained row therefore commits its active block left to right: at each call it takes the
@@ -36,7 +39,10 @@ one mask per revealed position. Where the model is confident (the digit-ledger's
 as many positions per call as unconstrained decoding; where it is not (``sum``), both reveal about one.
 
 Departures from the family's own reveal, for constrained rows only: one rule for LLaDA and Dream (the chain
-above, confidences in float64), and the positions revealed are contiguous from the left, never scattered.
+above, confidences in float64), and the positions revealed are contiguous from the left, never scattered; a
+fixed schedule's count is the family's (LLaDA's even split, Dream's timestep share, 1 at Dream's block-initial
+pass), at least one. A grammar whose text the vocabulary cannot spell on (no token fits, which a byte-level
+tokenizer never meets) fails that request alone (:class:`GrammarViolation`) rather than end it invalid.
 """
 
 from __future__ import annotations
