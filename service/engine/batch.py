@@ -329,7 +329,7 @@ class RunningBatch:
                         mask = call.cohort.allowed(r, call)
                         if mask is not None:
                             allowed[rows.start + j, : mask.shape[0] if mask.shape[0] > 1 else None] = mask
-        allowed, fixed = self._constrain(group, logits, lists, allowed)
+        fixed = self._constrain(group, logits, lists)
         wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
@@ -343,33 +343,33 @@ class RunningBatch:
         return result
 
     @staticmethod
-    def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list], allowed: torch.Tensor | None
-                   ) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+    def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list]) -> list[tuple[int, int]]:
         """The grammar-constrained rows of the forward (`service.engine.grammar`): their chains are decided
-        together (one mask fill for all of them per position), then handed to the batched reveal as exactly
-        those columns: the row's window ends after its chain, each chain column allows only its token, and the
-        row reveals every candidate (no count, no threshold, no sampling: the chain already chose). Returns the
-        reveal's ``allowed`` and, per constrained row, (batch row, masks left after the call), since the reveal
-        counts masks only within the shortened window."""
+        together (one mask fill for all of them per position, across requests), then handed to the batched
+        reveal as exactly those columns: the row's window ends after its chain, each chain column's logits keep
+        only its token (written in place: ``logits`` serve this reveal only), and the row reveals every candidate
+        (no count, no threshold, no sampling: the chain already chose). Returns, per constrained row, (batch row,
+        masks left after the call): the reveal counts masks only within the shortened window."""
         found = [(rows.start + j, call, j) for call, rows in zip(group, _rows(group))
                  for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
         if not found:
-            return allowed, []
+            return []
         chains = [call.cohort.constrained_row(call, j, logits[b]) for b, call, j in found]
         constrained_reveal(chains, group[0].cohort.banned)
-        if allowed is None:
-            allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
         fixed = []
         for (b, call, j), chain in zip(found, chains):
             end = chain.start + len(chain.chosen)
-            allowed[b, chain.start:end] = False
-            allowed[b, torch.arange(chain.start, end), torch.tensor(chain.tokens)] = True
+            columns = torch.arange(chain.start, end, device=logits.device)
+            tokens = torch.tensor(chain.tokens, device=logits.device)
+            kept = logits[b, columns, tokens]
+            logits[b, chain.start:end] = float("-inf")
+            logits[b, columns, tokens] = kept
             for key, value in (("width", end), ("count", None), ("fraction", None), ("first_only", False),
                                ("threshold", None), ("temperature", 0.0), ("generator", None),
                                ("random_remasking", False), ("neg_entropy", False)):
                 lists[key][b] = value
             fixed.append((b, call.reveal_width - end))
-        return allowed, fixed
+        return fixed
 
     def _run_group(self, group: list[Pass], calls: int) -> list[tuple[list[Pass], RevealResult]]:
         """The group's forward and reveal; when it raises, each pass again alone, the failing ones into

@@ -202,6 +202,7 @@ class GrammarCompiler:
         self._executor: llguidance.LLExecutor | None = None
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
         self._eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
+        self._words, self._shifts = (vocab_size + 31) // 32, torch.arange(32, dtype=torch.int32)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -272,13 +273,13 @@ class GrammarCompiler:
     def allowed(self, states: Sequence[GrammarState]) -> torch.Tensor:
         """bool ``[len(states), vocab_size]``: the tokens each state allows next, its EOS widened to every EOS id
         of the model. The masks are filled together (llguidance's executor, in parallel threads)."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(states), self.vocab_size)
+        bitmask = torch.empty((len(states), self._words), dtype=torch.int32)  # every word is written
         if len(states) == 1:
             llguidance.torch.fill_next_token_bitmask(states[0].matcher, bitmask, 0)
         else:
             llguidance.torch.fill_next_token_bitmask_par(
                 self.executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
-        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        bits = (bitmask[:, :, None] >> self._shifts) & 1
         allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
         # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
         # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
