@@ -10,7 +10,10 @@ resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/be
   states, grammar size), cached by the spec's hash in a bounded LRU; a source it cannot compile is an
   :class:`~service.engine.errors.EngineInputError` naming the request field (HTTP 400);
 * :class:`GrammarState` is one row's matcher (a copy of the compiled grammar), advanced token by token;
-* :func:`constrained_reveal` is the reveal of the constrained rows of one forward call, done together.
+* :func:`constrained_reveal` decides the chains (below) of all constrained rows of one forward together, across
+  requests; the running batch (`service.engine.batch.RunningBatch`) then hands each chain to the batched reveal
+  (`service.engine.reveal.reveal_batch`) as exactly those columns, so constrained and unconstrained rows share
+  the forward, the reveal and the iteration's one host read.
 
 **The constrained reveal.** A diffusion LM reveals masked positions out of order; a grammar says which tokens may
 follow a prefix. A constrained row therefore commits its active block left to right: at each call it takes the
@@ -36,7 +39,10 @@ one mask per revealed position. Where the model is confident (the digit-ledger's
 as many positions per call as unconstrained decoding; where it is not (``sum``), both reveal about one.
 
 Departures from the family's own reveal, for constrained rows only: one rule for LLaDA and Dream (the chain
-above, confidences in float64), and the positions revealed are contiguous from the left, never scattered.
+above, confidences in float64), and the positions revealed are contiguous from the left, never scattered; a
+fixed schedule's count is the family's (LLaDA's even split, Dream's timestep share, 1 at Dream's block-initial
+pass), at least one. A grammar whose text the vocabulary cannot spell on (no token fits, which a byte-level
+tokenizer never meets) fails that request alone (:class:`GrammarViolation`) rather than end it invalid.
 """
 
 from __future__ import annotations
@@ -196,6 +202,7 @@ class GrammarCompiler:
         self._executor: llguidance.LLExecutor | None = None
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
         self._eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
+        self._words, self._shifts = (vocab_size + 31) // 32, torch.arange(32, dtype=torch.int32)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -266,18 +273,20 @@ class GrammarCompiler:
     def allowed(self, states: Sequence[GrammarState]) -> torch.Tensor:
         """bool ``[len(states), vocab_size]``: the tokens each state allows next, its EOS widened to every EOS id
         of the model. The masks are filled together (llguidance's executor, in parallel threads)."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(states), self.vocab_size)
+        bitmask = torch.empty((len(states), self._words), dtype=torch.int32)  # every word is written
         if len(states) == 1:
             llguidance.torch.fill_next_token_bitmask(states[0].matcher, bitmask, 0)
         else:
             llguidance.torch.fill_next_token_bitmask_par(
                 self.executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
-        bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+        bits = (bitmask[:, :, None] >> self._shifts) & 1
         allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
         # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
         # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
-        accepting = torch.tensor([s.ended or s.matcher.is_accepting() for s in states])
-        eos_allowed = allowed[:, self.grammar_eos] & accepting
+        accepting = torch.tensor([s.matcher.is_accepting() for s in states])
+        ended = torch.tensor([s.ended for s in states])
+        eos_allowed = (allowed[:, self.grammar_eos] & accepting) | ended
+        allowed[ended] = False  # after the end, only EOS (padding the rest of the block)
         allowed[:, self._eos_tensor] = eos_allowed[:, None]
         return allowed
 
@@ -314,6 +323,7 @@ class ConstrainedRow:
         count: positions a fixed schedule reveals this call (at least 1), or None under a threshold.
         threshold: the confidence threshold (None under a fixed schedule).
         temperature, generator: the row's sampling.
+        start: the window column of the first candidate (where the caller needs it).
         chosen, tokens: what the reveal chose (indices into the candidates, their tokens).
     """
 
@@ -323,6 +333,7 @@ class ConstrainedRow:
     threshold: float | None
     temperature: float = 0.0
     generator: torch.Generator | None = None
+    start: int = 0
     chosen: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 

@@ -1,0 +1,61 @@
+"""The constrained reveal on both model families and every schedule (issue 26): the tiny random LLaDA and Dream
+checkpoints (no tokenizer of their own: ids 100-194 stand for the printable ASCII characters, read by the grammar
+engine through each id's text) under the regex ``[0-9]{6}``, with every cache mode, Dream's whole-response
+schedule, threshold and fixed schedules, greedy and sampled: every response is six digits then EOS, and a
+constrained row decodes the same alone and beside unconstrained rows (its own grammar state, shared forwards)."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+
+from service.engine.grammar import GrammarCompiler, GrammarSpec
+from service.engine.params import DecodeParams, RowOptions
+
+REGEX = r"[0-9]{6}"
+PROMPTS = [[7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [20, 21]]
+OFFSET, ALPHABET = 100, string.printable[:95]
+
+
+class CharIds:
+    """A tokenizer without files: id ``OFFSET + k`` is the character ``ALPHABET[k]``, every other id has no text."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(ALPHABET[i - OFFSET] for i in ids if 0 <= i - OFFSET < len(ALPHABET))
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [OFFSET + ALPHABET.index(c) for c in text if c in ALPHABET]}
+
+
+@pytest.fixture(scope="module")
+def compilers(engines):
+    return {arch: GrammarCompiler(CharIds(), e.spec.vocab_size, e.spec.eos_ids) for arch, e in engines.items()}
+
+
+SCHEDULES = [
+    ("llada", {"cache_mode": "none", "threshold": 0.9}), ("llada", {"cache_mode": "prefix", "steps": 8}),
+    ("llada", {"cache_mode": "dual", "threshold": 0.5}),
+    ("dream", {"cache_mode": "none", "threshold": 0.9}),  # Dream's whole-response (origin) schedule
+    ("dream", {"cache_mode": "none", "steps": 8}), ("dream", {"cache_mode": "none", "steps": 8, "dream_schedule": "block"}),
+    ("dream", {"cache_mode": "prefix", "threshold": 0.9}), ("dream", {"cache_mode": "dual", "steps": 8}),
+]
+
+
+@pytest.mark.parametrize("arch,settings", SCHEDULES, ids=[f"{a}-{'-'.join(map(str, s.values()))}" for a, s in SCHEDULES])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_family_and_schedule(engines, compilers, arch, settings, temperature):
+    engine = engines[arch]
+    grammar = compilers[arch].compile(GrammarSpec.regex(REGEX, "structured_outputs.regex"))
+    params = DecodeParams(block_length=8, gen_length=16, **{"threshold": None, **settings})
+    rows = [RowOptions(grammar=grammar, temperature=temperature, seed=1), RowOptions(temperature=temperature, seed=2),
+            RowOptions(grammar=grammar, temperature=temperature, seed=3)]
+    report = engine.generate(PROMPTS, params, rows)
+    for i in (0, 2):
+        ids = report.rows[i].generated_ids
+        assert CharIds().decode(ids[:6]).isdigit() and len(ids) == 7 and ids[6] in engine.spec.eos_ids, (i, ids)
+        assert report.rows[i].finish_reason == "stop"
+        alone = engine.generate([PROMPTS[i]], params, [rows[i]])
+        assert alone.rows[0].generated_ids == ids
+    free = engine.generate([PROMPTS[1]], params, [rows[1]])
+    assert report.rows[1].generated_ids == free.rows[0].generated_ids
