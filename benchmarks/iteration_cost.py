@@ -247,4 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from machine import Run  # benchmarks/machine.py, beside this script
+
+    with Run():
+        main()
