@@ -87,6 +87,19 @@ class Settings(BaseSettings, DecodeSettings):
     )
     shadow_queue: int = Field(16, gt=0, description="most shadow re-decodes waiting; beyond it they are dropped")
 
+    # ---- OpenAI contract (issue 25) --------------------------------------------------------------------------------
+    allow_special_tokens_in_content: bool = Field(
+        False, description="chat message content may spell control tokens (<|eot_id|> ... become those tokens); "
+        "default: such text is tokenized as text, only the chat template makes control tokens"
+    )
+    likelihood_mc_num: int = Field(
+        128, gt=0, description="Monte-Carlo samples of each prompt ELBO of an echo + logprobs completion (a request "
+        "may override it with mc_num); the in-process lm-eval model's default"
+    )
+    likelihood_mc_batch_size: int = Field(
+        32, gt=0, description="Monte-Carlo samples per forward of a prompt ELBO (mc_num is rounded up to a multiple)"
+    )
+
     # ---- stores and keys -------------------------------------------------------------------------------------------
     store_url: str = Field(
         DEFAULT_STORE_URL,

@@ -137,7 +137,8 @@ class Serving:
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         turns = [{"role": m.role, "content": m.text} for m in messages]
         return self._tokenize(sum(len(t["content"]) for t in turns), encode_chat, self.engine.tokenizer, turns,
-                              self.spec.model_id, add_generation_prompt)
+                              self.spec.model_id, add_generation_prompt, "messages",
+                              self.settings.allow_special_tokens_in_content)
 
     def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.spec.model_id,
@@ -206,6 +207,35 @@ class Serving:
         except StoreUnavailable:
             raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
 
+    def _mask_param(self, req: Any, prompt_param: str, index: int, count: int) -> tuple[str, str, str]:
+        """Where the mask token of prompt ``index`` of ``count`` is (the field named in the error's ``param``, and
+        the path to it), and how the client wrote it: a content or a text prompt that spells it, or a token id."""
+        mask = self.spec.mask_id
+        tok = getattr(self.engine, "tokenizer", None)
+        to_token = getattr(tok, "convert_ids_to_tokens", None)
+        spelled = to_token(mask) if to_token is not None else None
+        if prompt_param == "messages":
+            for i, m in enumerate(req.messages):
+                if spelled and spelled in m.text:
+                    return f"messages.{i}.content", f"messages.{i}.content", f"the text {spelled!r}"
+            return "messages", "messages", f"the mask id {mask}"
+        prompt = req.prompt
+        one = prompt if count == 1 else prompt[index]
+        path = "prompt" if count == 1 else f"prompt.{index}"
+        if isinstance(one, str):
+            return "prompt", path, f"the text {spelled!r}" if spelled and spelled in one else f"the mask id {mask}"
+        at = list(one).index(mask)
+        return "prompt", f"{path}.{at}", f"the token id {mask}" + (f" ({spelled!r})" if spelled else "")
+
+    def _refuse_mask(self, req: Any, prompts: list[list[int]], prompt_param: str) -> None:
+        """A prompt holding the mask token is a 400 naming the field and what the client wrote (the engine only
+        knows the id, which a text prompt never showed)."""
+        for i, ids in enumerate(prompts):
+            if self.spec.mask_id in ids:
+                param, path, what = self._mask_param(req, prompt_param, i, len(prompts))
+                raise InvalidRequest(f"{path} holds {what}, the model's mask token: a prompt must not contain it "
+                                     "(only the response is masked)", param=param)
+
     def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot,
               prompt_param: str = "prompt") -> list[Job]:
         # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
@@ -267,7 +297,7 @@ class Serving:
             if not req.chat:  # a chat template may trim or drop text: no bound
                 self._check_fits([req.prompt])
             ids = self._tokenize(len(req.prompt), encode_prompt, self.engine.tokenizer, req.prompt,
-                                 self.spec.model_id, req.chat)
+                                 self.spec.model_id, req.chat, self.settings.allow_special_tokens_in_content)
         else:
             ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
@@ -275,6 +305,7 @@ class Serving:
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
         params, max_tokens = self._params(req, max_tokens)
+        self._refuse_mask(req, prompts, prompt_param)
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
         jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
@@ -383,9 +414,11 @@ class Serving:
         )
 
     # ---- streaming -----------------------------------------------------------------------------------------------
-    async def stream(self, plan: Plan) -> AsyncIterator[str]:
+    async def stream(self, plan: Plan, request: Request | None = None) -> AsyncIterator[str]:
         """SSE events of a streaming completion or chat (jobs must be submitted with :meth:`submit` first, so a
-        full queue is a 429 before the stream starts). Cancels the jobs when the client goes away."""
+        full queue is a 429 before the stream starts). Cancels the jobs when the client goes away, and marks the
+        request cancelled (:func:`mark_cancelled`) so that the metrics count it as 499, not as the 200 its
+        headers already said."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         n = len(plan.jobs)
@@ -397,6 +430,7 @@ class Serving:
         prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
         completion_tokens = 0
         deadline = loop.time() + self.settings.request_timeout_s
+        ended = False
         try:
             if plan.kind == "chat":
                 yield self._chunk(plan, 0, role=True)
@@ -425,8 +459,11 @@ class Serving:
                 completion_tokens += len(cut.ids)
                 open_rows.discard(i)
                 delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
-                yield self._chunk(plan, i, text=delta, finish_reason=cut.finish_reason)
+                if delta:  # the text held back for a stop string, before the finish chunk (which has none)
+                    yield self._chunk(plan, i, text=delta)
+                yield self._chunk(plan, i, text="", finish_reason=cut.finish_reason)
                 if not open_rows:
+                    ended = True
                     self._observe(plan, [j.future.result() for j in plan.jobs])
                     if plan.include_usage:
                         yield self._chunk(plan, None, usage=s.Usage(
@@ -437,9 +474,14 @@ class Serving:
             if isinstance(exc, asyncio.CancelledError | JobCancelled):
                 raise
             _, body, _ = classify(exc)
+            ended = True
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             self._cancel(plan)
+            if not ended and request is not None:
+                # Left before the end: the client went away (the generator is cancelled or closed at a yield) or
+                # its jobs were cancelled.
+                mark_cancelled(request)
         yield "data: [DONE]\n\n"
 
     def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
@@ -458,6 +500,19 @@ class Serving:
             body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
                                         choices=choices, usage=usage)
         return f"data: {json.dumps(body.model_dump(mode='json', exclude=exclude))}\n\n"
+
+
+#: The ASGI scope key under which the metrics middleware (`service.main.MetricsMiddleware`) leaves a dict for the
+#: request's outcome: ``{"cancelled": True}`` once :func:`mark_cancelled` ran.
+OUTCOME_KEY = "dllm.outcome"
+
+
+def mark_cancelled(request: Request) -> None:
+    """Record that the request was cancelled (client gone, jobs cancelled) after its status was sent (a stream's
+    200), so that it is counted as 499 and as a cancellation."""
+    outcome = request.scope.get(OUTCOME_KEY)
+    if outcome is not None:
+        outcome["cancelled"] = True
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -505,4 +560,4 @@ async def _wait_disconnect(request: Request, poll_s: float = 0.1) -> None:
         await asyncio.sleep(poll_s)
 
 
-__all__ = ["Plan", "Serving", "held_back"]
+__all__ = ["OUTCOME_KEY", "Plan", "Serving", "held_back", "mark_cancelled"]

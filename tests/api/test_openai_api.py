@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
+from service.engine.params import MAX_STOP_STRINGS
 from tests.support.apps import fake_app, sse_events
 from tests.support.fake_engine import BOS, EOS, OFFSET
 
@@ -203,7 +204,7 @@ def test_admin_closed_without_key(client):
     ({"steps": 1_000_000_000, "threshold": None}, "steps"),
     ({"steps": 16, "threshold": None}, "steps"),  # more steps than the 8 response positions
     ({"block_length": 1 << 20}, "block_length"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
     ({"stop": ["x" * 257]}, "stop"),
     ({"seed": 1 << 64}, "seed"),
     ({"temperature": 2.5}, "temperature"),
