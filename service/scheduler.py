@@ -83,6 +83,8 @@ class ContinuousWorker(Worker):
         return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
 
     def _cost(self, job: Job) -> Cost:
+        if job.task is not None:  # full passes without cache: no KV held
+            return Cost(0, job.task.transient_bytes(self.memory.forward))
         return self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
 
     def _store(self, job: Job) -> KVStore:
@@ -97,6 +99,10 @@ class ContinuousWorker(Worker):
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
         """
         cost = self._cost(job)
+        if job.task is not None and cost.transient > self.budget_bytes:
+            raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over the "
+                                  f"server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
+                                  "prompt")
         if cost.kv + cost.transient > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
@@ -147,8 +153,11 @@ class ContinuousWorker(Worker):
                 job.on_block(block, ids[0])
 
         try:
-            cohort = self.engine.cohort([job.prompt_ids], job.params, [job.row], self._store(job), on_block,
-                                        lambda: [job.cancelled])
+            if job.task is not None:
+                cohort = job.task.cohort(self.engine, lambda: job.cancelled)
+            else:
+                cohort = self.engine.cohort([job.prompt_ids], job.params, [job.row], self._store(job), on_block,
+                                            lambda: [job.cancelled])
         except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return None
@@ -208,6 +217,12 @@ class ContinuousWorker(Worker):
         self._members.remove(member)
         self._running = [m.job for m in self._members]
         job = member.job
+        if job.task is not None:
+            if job.cancelled or member.cohort.cancelled:
+                _set_exception(job, JobCancelled("cancelled while running"))
+            else:
+                _set_result(job, member.cohort.scores())
+            return
         report: DecodeReport = self.engine.report(member.cohort)
         if job.cancelled or report.rows[0].finish_reason == "cancelled":
             _set_exception(job, JobCancelled("cancelled while running"))

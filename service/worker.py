@@ -167,6 +167,9 @@ class Job:
     served: tuple[list[int], str | None] | None = None
     # The start-up readiness probe: not a user request, so not in the request metrics.
     internal: bool = False
+    # Work other than decoding (`service.engine.likelihood.LikelihoodTask`): run as a cohort of its own, its result
+    # is the cohort's ``scores()``; ``params`` and ``row`` are then unused.
+    task: Any = None
 
     def cancel(self) -> None:
         """Mark the job cancelled (thread-safe, idempotent)."""
@@ -180,7 +183,8 @@ class Job:
     @property
     def batch_key(self) -> tuple[Any, ...]:
         """Jobs with equal keys can share a batch: decode params, snapshot, shadow or not, internal or not."""
-        return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal)
+        return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal,
+                None if self.task is None else id(self))  # a task runs alone
 
 
 class _AllCancelled(Exception):
@@ -305,11 +309,14 @@ class Worker:
             WorkerUnavailable: draining, or stopped by a device fault.
             QueueFull: ``max_queue`` jobs already wait.
         """
-        work = work_tokens(len(job.prompt_ids), job.params)
+        if job.task is not None:
+            work, field, lower = job.task.work, "prompt", "mc_num"
+        else:
+            work = work_tokens(len(job.prompt_ids), job.params)
+            field = lower = "steps" if job.params.steps is not None else "max_tokens"
         if self.max_work is not None and work > self.max_work:
-            field = "steps" if job.params.steps is not None else "max_tokens"
             raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
-                                  f"the server's ceiling of {self.max_work:,}: lower {field} or shorten the prompt",
+                                  f"the server's ceiling of {self.max_work:,}: lower {lower} or shorten the prompt",
                                   field)
         with self._cond:
             if not self.accepting:
@@ -424,6 +431,9 @@ class Worker:
                 if job.on_block is not None and not job.cancelled:
                     job.on_block(block, row_ids)
 
+        if batch[0].task is not None:
+            self._run_task(batch[0])
+            return
         snapshot = batch[0].snapshot
         try:
             report = self.engine.generate(
@@ -461,6 +471,25 @@ class Worker:
             _set_result(job, JobResult(single, snapshot, started - job.admitted_at, len(batch)))
             if observed:
                 self._maybe_shadow(job, report.rows[i])
+
+    def _run_task(self, job: Job) -> None:
+        """A job's task alone in a batch of its own, to the end (the batch scheduler)."""
+        import torch
+
+        batch = self.engine.batch()
+        cohort = job.task.cohort(self.engine, lambda: job.cancelled)
+        batch.join(cohort)
+        try:
+            with torch.inference_mode():
+                while batch.cohorts:
+                    batch.step()
+        except Exception as exc:  # noqa: BLE001 -- as a failed batch
+            _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+            return
+        if job.cancelled or cohort.cancelled:
+            _set_exception(job, JobCancelled("cancelled while running"))
+        else:
+            _set_result(job, cohort.scores())
 
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:

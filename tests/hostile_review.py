@@ -364,7 +364,7 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
     p("30 prompts in one request", ["copy: 1 2 3"] * 30, None, expect={200, 400, 429})
     # More prompts than the queue holds: a retry can never succeed, so 429 (retry later) would mislead.
     p("1000 prompts in one request (queue holds 64)", ["copy: 1 2 3"] * 1000, "prompt", expect=400)
-    p("stop: 5 strings", "copy: 1 2", "stop", stop=["a", "b", "c", "d", "e"])
+    p("stop: 17 strings (over the bound of 16)", "copy: 1 2", "stop", stop=[f"s{i}" for i in range(17)])
     p("stop: empty string", "copy: 1 2", "stop", stop="")
     p("stop: 100k characters", "copy: 1 2", "stop", stop="x" * 100_000)
     p("stop: list of ints", "copy: 1 2", "stop", stop=[1, 2])

@@ -126,6 +126,22 @@ class NullOrHas(Cond):
         return {"required": [self.field], "properties": {self.field: {"type": "object", "not": self._has()}}}
 
 
+class Not(Cond):
+    """The condition ``cond`` does not hold."""
+
+    def __init__(self, cond: Cond) -> None:
+        self.cond = cond
+
+    def holds(self, model: BaseModel) -> bool:
+        return not self.cond.holds(model)
+
+    def schema(self, defaults=None) -> dict[str, Any]:
+        return self.cond.negated(defaults)
+
+    def negated(self, defaults=None) -> dict[str, Any]:
+        return self.cond.schema(defaults)
+
+
 class Rule:
     """A cross-field rule: ``message`` says what is legal, ``param`` is the field a refusal names."""
 
@@ -241,5 +257,5 @@ def only(annotation: Any, legal: str) -> Any:
     return Annotated[annotation, WrapValidator(refuse)]
 
 
-__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "NullOrHas",
+__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas",
            "RuledModel", "only"]

@@ -32,11 +32,14 @@ from fastapi import Request
 
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
+from service.api.logprobs import chat_logprobs, completion_logprobs, tokens_within
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
+from service.engine.likelihood import LikelihoodTask
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text
+from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.store.active import ActiveConfigs, ConfigSnapshot
@@ -57,7 +60,13 @@ LARGE_TEXT_CHARS = 64 * 1024
 
 @dataclass
 class Plan:
-    """A validated request: its jobs (one per prompt) and what shaping the answer needs."""
+    """A validated request: its jobs (one per prompt and choice: choice ``k`` is prompt ``k // n``) and what
+    shaping the answer needs.
+
+    Attributes (issue 25): ``prompts`` the prompts' ids; ``logprobs`` the alternatives per returned token (None: no
+    log-probabilities); ``echo`` the prompts' texts to put before each choice's text (None: no echo); ``scores``
+    the jobs scoring each prompt's tokens (echo with logprobs), and ``scored`` their results once run.
+    """
 
     kind: Kind
     endpoint: str
@@ -66,6 +75,17 @@ class Plan:
     include_usage: bool = False
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    prompts: list[list[int]] = field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None
+    echo: list[str] | None = None
+    scores: list[Job] = field(default_factory=list)
+    scored: list[list[TokenLogprob]] = field(default_factory=list)
+
+    @property
+    def all_jobs(self) -> list[Job]:
+        """Every job to admit and wait for: the choices', then the scores'."""
+        return [*self.jobs, *self.scores]
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -220,8 +240,9 @@ class Serving:
                     return f"messages.{i}.content", f"messages.{i}.content", f"the text {spelled!r}"
             return "messages", "messages", f"the mask id {mask}"
         prompt = req.prompt
-        one = prompt if count == 1 else prompt[index]
-        path = "prompt" if count == 1 else f"prompt.{index}"
+        several = isinstance(prompt, list) and isinstance(prompt[0], str | list)  # strings, or lists of ids
+        one = prompt[index] if several else prompt
+        path = f"prompt.{index}" if several else "prompt"
         if isinstance(one, str):
             return "prompt", path, f"the text {spelled!r}" if spelled and spelled in one else f"the mask id {mask}"
         at = list(one).index(mask)
@@ -282,7 +303,45 @@ class Serving:
         else:
             raise InvalidRequest("prompt must be a string, a list of strings, token ids or lists of token ids, "
                                  "and not empty", param="prompt")
-        return self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
+        if req.max_tokens == 0:  # echo only (the request's rules): nothing generated
+            self._refuse_mask(req, prompts, "prompt")
+            plan = Plan("completion", "/v1/completions", [], request_id=s.new_id("cmpl"), prompts=prompts)
+            snapshot = self.active.snapshot(req.cache_mode or self.settings.cache_mode)
+        else:
+            plan = self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
+            snapshot = plan.jobs[0].snapshot
+        plan.logprobs = req.logprobs
+        if req.echo:
+            plan.echo = [x if isinstance(x, str) else self._prompt_text(x)
+                         for x in ([p] if isinstance(p, str) or isinstance(p[0], int) else p)]
+            if req.logprobs is not None:
+                plan.scores = self._score_jobs(req, prompts, snapshot)
+        return plan
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        tok = getattr(self.engine, "tokenizer", None)
+        return tok.decode(ids) if tok is not None else ""
+
+    def _score_jobs(self, req: s.CompletionRequest, prompts: list[list[int]], snapshot: ConfigSnapshot) -> list[Job]:
+        """Jobs scoring each prompt's tokens with the Monte-Carlo ELBO (`service.engine.likelihood`); cost bounded
+        by the work ceiling and memory admission at :meth:`submit`."""
+        mc_num = req.mc_num or self.settings.likelihood_mc_num
+        batch = min(self.settings.likelihood_mc_batch_size, mc_num)
+        if mc_num % batch:
+            raise InvalidRequest(f"mc_num {mc_num} must be a multiple of {batch} (DLLM_LIKELIHOOD_MC_BATCH_SIZE) "
+                                 "when it is larger", param="mc_num")
+        seed = req.seed if req.seed is not None else LIKELIHOOD_SEED
+        jobs = []
+        for i, ids in enumerate(prompts):
+            self._check_ids(ids, "prompt")
+            if len(ids) > self.spec.max_length:
+                raise InvalidRequest(f"prompt {i} has {len(ids)} tokens, over the model's context of "
+                                     f"{self.spec.max_length}", param="prompt")
+            task = LikelihoodTask(tuple(ids), mc_num, batch, seed, req.logprobs or 0)
+            params = DecodeParams(gen_length=self.settings.block_length, block_length=self.settings.block_length,
+                                  cache_mode="none", threshold=None, steps=1)
+            jobs.append(Job(ids, params, RowOptions(), snapshot, task=task))
+        return jobs
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
         """Validate and apply the chat template for ``/v1/chat/completions``."""
@@ -306,19 +365,22 @@ class Serving:
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
         params, max_tokens = self._params(req, max_tokens)
         self._refuse_mask(req, prompts, prompt_param)
-        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens)
+        logprobs = _logprobs_asked(req)
+        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
+                         logprobs=logprobs)
         jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
         options = getattr(req, "stream_options", None)
         return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
-                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix))
+                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix),
+                    prompts=prompts, logprobs=logprobs)
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
         """Admit every job of the plan, or none (QueueFull / WorkerUnavailable leave nothing queued)."""
         admitted = []
         try:
-            for job in plan.jobs:
+            for job in plan.all_jobs:
                 admitted.append(self.worker.submit(job))
         except BaseException as exc:
             for job in admitted:
@@ -328,7 +390,7 @@ class Serving:
             raise
 
     def _cancel(self, plan: Plan) -> None:
-        for job in plan.jobs:
+        for job in plan.all_jobs:
             if not job.future.done():
                 self.worker.cancel(job)
 
@@ -338,7 +400,7 @@ class Serving:
         Raises: QueueFull, WorkerUnavailable, BatchFailed, JobCancelled, RequestTimeout.
         """
         self.submit(plan)
-        gathered = asyncio.gather(*(asyncio.wrap_future(j.future) for j in plan.jobs), return_exceptions=True)
+        gathered = asyncio.gather(*(asyncio.wrap_future(j.future) for j in plan.all_jobs), return_exceptions=True)
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({gathered, watcher}, timeout=self.settings.request_timeout_s,
@@ -358,6 +420,7 @@ class Serving:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
+        results, plan.scored = results[:len(plan.jobs)], results[len(plan.jobs):]
         self._observe(plan, results)
         return results
 
@@ -374,29 +437,57 @@ class Serving:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
-        """The ``/v1/completions`` answer: one choice per prompt, summed usage."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
+        """The ``/v1/completions`` answer: one choice per prompt (and per ``n``), summed usage; with ``echo`` the
+        prompt's text (and scores) before each choice's (an echo with ``max_tokens`` 0: the prompts alone)."""
+        choices = []
+        prompt_tokens = sum(len(p) for p in plan.prompts) * plan.n
+        completion_tokens = 0
+        tok = getattr(self.engine, "tokenizer", None)
+        if not plan.jobs:  # echo with max_tokens 0
+            for i, ids in enumerate(plan.prompts):
+                logprobs = None
+                if plan.logprobs is not None:
+                    logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
+                choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
+                                                  finish_reason="length"))
+        for k, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
             cut = self.cut(job, result.row.generated_ids)
-            choices.append(s.CompletionChoice(index=i, text=cut.text, finish_reason=cut.finish_reason))
-            prompt_tokens += len(job.prompt_ids)
+            i = k // plan.n
+            echo = plan.echo[i] if plan.echo is not None else ""
+            logprobs = None
+            if plan.logprobs is not None:
+                scored = plan.scored[i] if plan.scored else None
+                logprobs = completion_logprobs(tok, (result.row.logprobs or [])[:len(cut.ids)],
+                                               plan.prompts[i] if scored is not None else None, scored,
+                                               offset=0 if scored is not None else len(echo))
+            choices.append(s.CompletionChoice(index=k, text=echo + (cut.text or ""), logprobs=logprobs,
+                                              finish_reason=cut.finish_reason))
             completion_tokens += len(cut.ids)
+        snapshot = results[0].snapshot if results else self.active.snapshot(self.settings.cache_mode)
         return s.CompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
             usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens),
-            kv_config=results[0].snapshot.describe(),
+            kv_config=snapshot.describe(),
         )
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
-        """The ``/v1/chat/completions`` answer."""
-        cut = self.cut(plan.jobs[0], results[0].row.generated_ids)
-        prompt_tokens = len(plan.jobs[0].prompt_ids)
+        """The ``/v1/chat/completions`` answer (one choice per ``n``, summed usage)."""
+        choices, completion_tokens = [], 0
+        tok = getattr(self.engine, "tokenizer", None)
+        for k, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
+            cut = self.cut(job, result.row.generated_ids)
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = chat_logprobs(tok, (result.row.logprobs or [])[:len(cut.ids)])
+            choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=cut.text), logprobs=logprobs,
+                                        finish_reason=cut.finish_reason))
+            completion_tokens += len(cut.ids)
+        prompt_tokens = len(plan.jobs[0].prompt_ids) * len(plan.jobs)
         return s.ChatCompletionResponse(
-            id=plan.request_id, created=plan.created, model=self.model_name,
-            choices=[s.ChatChoice(index=0, message=s.ChatMessageOut(content=cut.text), finish_reason=cut.finish_reason)],
-            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(cut.ids),
-                          total_tokens=prompt_tokens + len(cut.ids)),
+            id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
+            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens),
             kv_config=results[0].snapshot.describe(),
         )
 
@@ -426,6 +517,7 @@ class Serving:
             job.on_block = _threadsafe(loop, events, i)
             job.future.add_done_callback(lambda _f, i=i: loop.call_soon_threadsafe(events.put_nowait, ("done", i)))
         emitted = [""] * n
+        sent = [0] * n  # tokens whose log-probabilities went out (with the chunk that completed their text)
         open_rows = set(range(n))
         prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
         completion_tokens = 0
@@ -445,11 +537,17 @@ class Serving:
                 job = plan.jobs[i]
                 if kind == "block":
                     # Cut as the final answer is cut: what is streamed never goes past it.
-                    text = self.cut(job, rest[1]).text or ""
+                    _, ids, captured = rest
+                    cut = self.cut(job, ids)
+                    text = cut.text or ""
                     text = text[: len(text) - held_back(text, job.row.stop)]
                     delta = text[len(emitted[i]):] if text.startswith(emitted[i]) else ""
+                    entries = None
+                    if plan.logprobs is not None and captured is not None:
+                        done_tokens = tokens_within(self.engine.decode_text, cut.ids, len(emitted[i]) + len(delta))
+                        entries, sent[i] = captured[sent[i]:done_tokens], max(sent[i], done_tokens)
+                    yield self._chunk(plan, i, text=delta, logprobs=entries, offset=len(emitted[i]))
                     emitted[i] += delta
-                    yield self._chunk(plan, i, text=delta)
                     continue
                 exc = job.future.exception()
                 if exc is not None:
@@ -459,8 +557,11 @@ class Serving:
                 completion_tokens += len(cut.ids)
                 open_rows.discard(i)
                 delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
-                if delta:  # the text held back for a stop string, before the finish chunk (which has none)
-                    yield self._chunk(plan, i, text=delta)
+                entries = None
+                if plan.logprobs is not None:
+                    entries = (result.row.logprobs or [])[sent[i]:len(cut.ids)]
+                if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
+                    yield self._chunk(plan, i, text=delta, logprobs=entries, offset=len(emitted[i]))
                 yield self._chunk(plan, i, text="", finish_reason=cut.finish_reason)
                 if not open_rows:
                     ended = True
@@ -485,17 +586,23 @@ class Serving:
         yield "data: [DONE]\n\n"
 
     def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None, usage: s.Usage | None = None) -> str:
-        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``."""
+               finish_reason: str | None = None, usage: s.Usage | None = None,
+               logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> str:
+        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``;
+        ``logprobs``: the entries of the tokens whose text this chunk completes (``offset``: the characters sent
+        before it)."""
         exclude = {"kv_config"} | (set() if plan.include_usage else {"usage"})
+        tok = getattr(self.engine, "tokenizer", None)
         if plan.kind == "chat":
             delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text)
-            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta,
+            chat = chat_logprobs(tok, logprobs) if logprobs is not None else None
+            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta, logprobs=chat,
                                                                   finish_reason=finish_reason)]
             body = s.ChatCompletionChunk(id=plan.request_id, created=plan.created, model=self.model_name,
                                          choices=choices, usage=usage)
         else:
-            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "",
+            legacy = completion_logprobs(tok, logprobs, offset=offset) if logprobs is not None else None
+            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "", logprobs=legacy,
                                                                    finish_reason=finish_reason)]
             body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
                                         choices=choices, usage=usage)
@@ -513,6 +620,21 @@ def mark_cancelled(request: Request) -> None:
     outcome = request.scope.get(OUTCOME_KEY)
     if outcome is not None:
         outcome["cancelled"] = True
+
+
+#: The Monte-Carlo seed of a likelihood request that gives none (the in-process lm-eval model's default seed, and
+#: the one lm-eval's local-completions sends).
+LIKELIHOOD_SEED = 1234
+
+
+def _logprobs_asked(req: Any) -> int | None:
+    """Alternatives per returned token a request asks for (None: no log-probabilities): completions' ``logprobs``
+    (an int), chat's ``top_logprobs`` when ``logprobs`` is true."""
+    if isinstance(req, s.CompletionRequest):
+        return req.logprobs
+    if isinstance(req, s.ChatCompletionRequest) and req.logprobs:
+        return req.top_logprobs or 0
+    return None
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -543,7 +665,8 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: i
     """An ``on_block`` callback that hands (block, ids) from the worker thread to the event loop."""
 
     def on_block(block: int, ids: list[int]) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids)))
+        # ids: `service.engine.decode.CommittedIds`, whose captured log-probabilities (if asked for) come along.
+        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids), getattr(ids, "logprobs", None)))
 
     return on_block
 

@@ -52,6 +52,7 @@ from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import KVHook
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.report import TokenLogprob
 from service.engine.response import cut_response
 from service.engine.reveal import Canvas
 from service.engine.spec import ModelSpec
@@ -83,6 +84,8 @@ class RowState:
     status: Literal["running", "stop", "cancelled"] = "running"
     plan: list[int] | None = None
     canvas: Canvas | None = None
+    # Response position -> its token's log-probability and alternatives, when the row asked (RowOptions.logprobs).
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass
@@ -275,6 +278,9 @@ class Cohort:
                     call.step, row_logits, params, state.plan, state.temperature, state.generator, self.banned
                 )
             self.x[r, candidates[chosen]] = tokens
+            if self.row_options[r].logprobs is not None:
+                capture_logprobs(state.logprobs, candidates[chosen] - self.response_start, row_logits[chosen], tokens,
+                                 self.row_options[r].logprobs)
             counts.append(int(chosen.numel()))
         if not self.canvas:
             self.step += 1
@@ -327,6 +333,18 @@ class Cohort:
             response = response[:cut]
         return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
+    def response_logprobs(self, row: int, count: int) -> list[TokenLogprob] | None:
+        """The captured log-probabilities of the row's first ``count`` response tokens (None: not asked for)."""
+        if self.row_options[row].logprobs is None:
+            return None
+        captured = self.rows[row].logprobs
+        return [captured[i] for i in range(count)]
+
+    def _committed(self, row: int) -> CommittedIds:
+        ids = CommittedIds(self.response_ids(row, committed_only=True))
+        ids.logprobs = self.response_logprobs(row, len(ids))
+        return ids
+
     def _committed_blocks(self, row: int) -> int:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""
         if self.rows[row].status == "stop":
@@ -343,8 +361,34 @@ class Cohort:
             self.first_block_s = time.perf_counter() - self.started_s
         if self.on_block is not None:
             for block in range(self._emitted_blocks, committed):
-                self.on_block(block, [self.response_ids(r, committed_only=True) for r in range(len(self.rows))])
+                self.on_block(block, [self._committed(r) for r in range(len(self.rows))])
         self._emitted_blocks = max(self._emitted_blocks, committed)
+
+
+class CommittedIds(list):
+    """A row's committed response ids as ``on_block`` gets them; ``logprobs`` holds their captured
+    log-probabilities when the row asked for them (else None)."""
+
+    logprobs: list[TokenLogprob] | None = None
+
+
+def capture_logprobs(into: dict[int, TokenLogprob], positions: torch.Tensor, logits: torch.Tensor,
+                     tokens: torch.Tensor, top_k: int) -> None:
+    """Record the revealed tokens' log-probabilities under the logits that revealed them (no extra forward).
+
+    Args:
+        into: response position -> entry; positions: int64 ``[n]`` response positions revealed;
+        logits: ``[n, V]`` their logits at this step (model dtype; the log-softmax runs in float32, before any
+        temperature); tokens: int64 ``[n]`` the tokens chosen; top_k: alternatives kept per token.
+    """
+    if positions.numel() == 0:
+        return
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+    values, ids = logp.topk(top_k, dim=-1) if top_k else (logp[:, :0], tokens[:, None][:, :0])
+    for pos, token, lp, top_ids, top_values in zip(positions.tolist(), tokens.tolist(), chosen, ids.tolist(),
+                                                   values.tolist()):
+        into[pos] = TokenLogprob(token=token, logprob=lp, top=list(zip(top_ids, top_values)))
 
 
 def _row_generator(options: RowOptions, params: DecodeParams, device: torch.device) -> torch.Generator | None:

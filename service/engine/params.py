@@ -52,6 +52,8 @@ MAX_STOP_CHARS = 256
 #: valid string").
 STOP_RULE = (f"stop is one string or a list of at most {MAX_STOP_STRINGS} strings, each of 1-{MAX_STOP_CHARS} "
              "characters")
+#: Most alternatives per token a request may ask for (OpenAI chat's ``top_logprobs`` bound).
+MAX_TOP_LOGPROBS = 20
 #: Sampling temperature range (OpenAI's 0..2).
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 #: Temperatures below this decode exactly as greedy (temperature 0; :class:`RowOptions`). Sampling divides the
@@ -232,6 +234,8 @@ class RowOptions(BaseModel):
     seed: Seed | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = Field(None, gt=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="capture each revealed token's "
+                                 "log-probability and this many alternatives (None: capture nothing)")
 
 
 def response_length(max_new_tokens: int, block_length: int) -> int:

@@ -137,8 +137,10 @@ def test_health_ready_metrics(client):
 BAD = [
     ({"prompt": "a", "n": 2}, "n"),
     ({"prompt": "a", "top_p": 0.5}, "top_p"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # generates nothing: only with echo
+    ({"prompt": "a", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "a", "mc_num": 8}, "mc_num"),
     ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),

@@ -130,3 +130,52 @@ def test_the_mask_token_error_names_the_field_and_the_text(client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="embedded", prompt=prompt, max_tokens=8)
         assert err.value.body["param"] == "prompt" and message in err.value.body["message"], err.value.body
+
+
+# ---- item 1: log-probabilities of the revealed tokens ----------------------------------------------------------------
+def test_chat_logprobs_streamed_and_not_are_the_reveal_values(client):
+    messages = [{"role": "user", "content": TEST_0["prompt"]}]
+    out = client.chat.completions.create(model="embedded", messages=messages, max_tokens=64, logprobs=True,
+                                         top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(t.token for t in content).startswith(out.choices[0].message.content)
+    for t in content:  # greedy (temperature 0): each token was the top of the distribution that chose it
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob) and t.bytes == list(t.token.encode())
+    chunks = [c for c in client.chat.completions.create(model="embedded", messages=messages, max_tokens=64,
+                                                        logprobs=True, top_logprobs=3, stream=True) if c.choices]
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert out.choices[0].logprobs.model_dump() == client.chat.completions.create(
+        model="embedded", messages=messages, max_tokens=64, logprobs=True, top_logprobs=3).choices[0].logprobs.model_dump()
+    plain = client.chat.completions.create(model="embedded", messages=messages, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_are_cut_with_the_text(client):
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(REPO / "service/assets/embedded").apply_chat_template(
+        [{"role": "user", "content": TEST_0["prompt"]}], tokenize=False, add_generation_prompt=True)
+    whole = client.completions.create(model="embedded", prompt=prompt, max_tokens=64, logprobs=2)
+    assert whole.choices[0].text.split() == TEST_0["answer"].split()
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    assert all(len(top) >= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    # A stop string inside the answer: the values stop with the text; max_tokens cuts them too.
+    stop = " ".join(TEST_0["answer"].split()[3:5])
+    cut = client.completions.create(model="embedded", prompt=prompt, max_tokens=64, logprobs=2, stop=[stop])
+    n = cut.usage.completion_tokens
+    assert cut.choices[0].finish_reason == "stop" and n < whole.usage.completion_tokens
+    assert cut.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    # max_tokens 33..64 decode the same 64 positions (whole blocks), cut back.
+    short = client.completions.create(model="embedded", prompt=prompt, max_tokens=40, logprobs=2)
+    assert short.choices[0].finish_reason == "length"
+    assert short.choices[0].logprobs.token_logprobs == lp.token_logprobs[:40]
+    streamed = [c.choices[0] for c in client.completions.create(model="embedded", prompt=prompt, max_tokens=64,
+                                                               logprobs=2, stop=[stop], stream=True)]
+    values = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+    assert values == lp.token_logprobs[:n] and streamed[-1].logprobs is None
+    echoed = client.completions.create(model="embedded", prompt=prompt, max_tokens=40, echo=True)
+    assert echoed.choices[0].text == prompt + short.choices[0].text
