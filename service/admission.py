@@ -11,12 +11,12 @@ A running request holds two kinds of memory:
   (`service.engine.forward_cost`: activations of one layer, the K/V of one layer with GQA repeats and a second
   copy, the LM head's logits).
 
-The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest transient among
-them`` fits the budget (issue #14: "plus the transient memory of the largest forward it would run"). Its work
-(:func:`work_tokens`) is held against a ceiling at submission by every worker. The bound holds for merged forwards
-too: the running batch merges passes of several requests into one forward only while the merged forward's
-transient stays within the largest single-request transient of the batch (`service.engine.batch.plan_forwards`),
-so no forward ever needs more than admission reserved.
+The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest forward's
+transient`` fits the budget. Forwards are bounded by a token budget (``max_batched_tokens``,
+`service.engine.batch.plan_forwards`): the activation memory of a forward at that budget is measured once at
+start-up (:meth:`MemoryModel.measure_forward`) and reserved off the budget; a request whose own block-initial
+pass is larger runs it alone and reserves its own transient. Its work (:func:`work_tokens`) is held against a
+ceiling at submission by every worker.
 """
 
 from __future__ import annotations
@@ -71,6 +71,10 @@ class MemoryModel:
         return cls(engine.spec, model.config.width, model.config.mlp_hidden, model.embed.weight.element_size(),
                    model.embed.weight.device)
 
+    def knows(self, key: object) -> bool:
+        """Whether the bytes per token of configuration ``key`` are measured (asking costs no torch work)."""
+        return key in self._per_token
+
     def kv_bytes_per_token(self, key: object, make_store: Callable[[], KVStore]) -> float:
         """Bytes held per reused token (all layers, K and V) by the stores ``make_store`` builds; measured once
         per ``key`` (the configuration)."""
@@ -108,6 +112,30 @@ class MemoryModel:
         # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
         cols = params.gen_length if params.cache_mode == "none" else params.block_length
         return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
+
+    def measure_forward(self, engine, tokens: int, block: int = 32) -> int:
+        """Activation bytes of one forward at the token budget (``max_batched_tokens``), measured once at
+        start-up: on CUDA the peak allocated during a block-initial-shaped forward of ``tokens`` input tokens
+        (rows of up to 1,024 columns, logits at ``block`` columns per row) over what was allocated before; on
+        other devices (no allocator statistics) the cost model's bytes of that forward
+        (`service.engine.forward_cost.ForwardCost.bytes`). An engine without a torch model (the tests' fake): the
+        cost model."""
+        width = max(1, min(tokens, self.spec.max_length, 1024))
+        rows = max(1, -(-tokens // width))
+        cols = min(block, width)
+        estimate = self.forward.bytes(rows, width, width, cols)
+        model = getattr(engine, "model", None)
+        if model is None or self.device.type != "cuda":
+            return estimate
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            ids = torch.full((rows, width), self.spec.pad_id, dtype=torch.long, device=self.device)
+            positions = torch.arange(width, device=self.device).expand(rows, width)
+            model(ids, positions=positions, logits_at=positions[:, :cols], max_position=width)
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device) - before)
 
     def transient(self, seq_len: int, logits_cols: int) -> int:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns

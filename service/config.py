@@ -65,7 +65,15 @@ class Settings(BaseSettings, DecodeSettings):
         "continuous", description="continuous: rows join and leave a running batch, admitted by KV memory; "
         "batch: the legacy worker (identical settings batched, run to the end)"
     )
-    max_batch_size: int = Field(8, gt=0, description="most rows decoded together (a cap; memory admits)")
+    max_batch_size: int = Field(32, gt=0, description="most rows decoded together (a cap; memory admits)")
+    max_batched_tokens: int = Field(
+        16384, gt=0, description="most input tokens of one forward (vLLM's max_num_batched_tokens); its activation "
+        "memory is measured at start-up and taken off the memory budget before KV admission"
+    )
+    backfill_s: float | None = Field(
+        2.0, ge=0.0, description="how long a request waiting for memory at the head of the queue lets smaller "
+        "requests that fit run ahead of it; after that memory is reserved for it; empty: first come, first served"
+    )
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
     batch_wait_ms: float = Field(5.0, ge=0.0, description="batch scheduler: how long it waits to fill a batch")
     kv_budget_bytes: int | None = Field(

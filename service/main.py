@@ -142,8 +142,10 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
                       batch_wait_s=settings.batch_wait_ms / 1000, **common)
     memory = MemoryModel.for_engine(engine)
     budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
+    forward = memory.measure_forward(engine, settings.max_batched_tokens)
     return ContinuousWorker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
-                            **common)
+                            max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
+                            backfill_s=settings.backfill_s, **common)
 
 
 def create_app(

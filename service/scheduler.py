@@ -5,16 +5,25 @@ It keeps the :class:`~service.worker.Worker` life cycle (bounded queue and 429, 
 handling, shadow re-decodes) and replaces how work is taken:
 
 * **Iterations.** One thread owns the engine's `RunningBatch`; each iteration runs every running request's next
-  forward call, grouped into at most two forwards (`service.engine.batch`). Requests with different prompt and
+  forward call, packed into as few forwards as the token budget allows (`service.engine.batch`). Requests with different prompt and
   response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV configurations share
   them, each with its own KV store; each decodes exactly as it would alone.
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
   (`service.admission`), and fewer than ``max_rows`` rows run. A request that could never fit, even alone, is
   refused at :meth:`submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the prompt).
-* **Fairness.** First come, first served: while the head of the queue waits for memory, nobody behind it jumps
-  ahead, so a long request is never starved by a stream of short ones. Shadow re-decodes join only when no user
-  request waits, and only within the budget.
+* **Forwards apart from KV.** The running batch packs each iteration's passes into forwards of at most
+  ``max_batched_tokens`` input tokens (`service.engine.batch`); the activation memory of such a forward
+  (``forward_bytes``, measured once at start-up, `service.admission.MemoryModel.measure_forward`) is reserved
+  off the budget, so admission counts KV bytes against what is left (a request whose own block-initial pass is
+  larger than the token budget runs that pass alone and reserves its own transient).
+* **Fairness without head-of-line blocking** (issue 22 item 5). First come, first served, except: while the
+  head of the queue waits for memory, requests behind it that are smaller and fit now run beside the running
+  ones (backfill), for at most ``backfill_s`` seconds of the head's wait; from then on the memory that frees up
+  is reserved for the head (nobody passes it), so it starts within ``backfill_s`` plus the time the requests
+  already running take to finish, and a small request never waits for a large one's whole run. With
+  ``backfill_s`` None, strictly first come, first served. Shadow re-decodes join only when no user request
+  waits, and only within the budget.
 * **Faults.** A request whose decoding raises (its options, its KV store) fails alone with a 500 naming the
   cause; the rest of the batch goes on (`service.engine.batch`). A device fault fails everything.
 * **Leaving.** A finished request (EOS, its length, cancellation or disconnect) leaves at the next iteration and
@@ -66,14 +75,21 @@ class ContinuousWorker(Worker):
         memory: the model's :class:`~service.admission.MemoryModel`.
         budget_bytes: KV bytes of running rows + the largest forward may not exceed this.
         max_rows: most rows running at once (``max_batch_size`` of the settings).
+        max_batched_tokens: most input tokens of one forward (None: the engine's default).
+        forward_bytes: activation bytes of a forward at ``max_batched_tokens`` (reserved off the budget).
+        backfill_s: how long a request blocked at the head lets smaller ones that fit pass it (None: never).
     """
 
     def __init__(self, engine: EngineLike, kv_store_factory: KVStoreFactory, telemetry: Telemetry,
-                 memory: MemoryModel, budget_bytes: int, max_rows: int = 8, **kw) -> None:
+                 memory: MemoryModel, budget_bytes: int, max_rows: int = 8, max_batched_tokens: int | None = None,
+                 forward_bytes: int = 0, backfill_s: float | None = None, **kw) -> None:
         super().__init__(engine, kv_store_factory, telemetry, max_batch_size=max_rows, **kw)
         if budget_bytes < 1:
             raise ValueError(f"budget_bytes must be >= 1, got {budget_bytes}")
+        if forward_bytes < 0 or (backfill_s is not None and backfill_s < 0):
+            raise ValueError(f"forward_bytes and backfill_s must be >= 0, got {forward_bytes}, {backfill_s}")
         self.memory, self.budget_bytes = memory, budget_bytes
+        self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._batch = None
         self._members: list[_Running] = []
         telemetry.kv_budget.set(budget_bytes)
@@ -92,21 +108,34 @@ class ContinuousWorker(Worker):
         return store if store is not None else FullPrecisionKVStore()
 
     def submit(self, job: Job) -> Job:
-        """As :meth:`Worker.submit`, and first: refuse a request that could never fit the budget.
+        """As :meth:`Worker.submit`, and first: refuse a request that could never fit the budget. Never runs torch
+        work (the async route calls it on the event loop): a configuration whose bytes per token are not measured
+        yet is sized on the worker thread when the request comes up for admission, and refused there (the same
+        error, through the job's future).
 
         Raises:
             RequestTooLarge: its KV bytes and its own forward exceed the budget even alone (``field``
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
         """
+        if (job.task is not None or job.snapshot.config.method == "none"
+                or self.memory.knows((job.snapshot.config, job.snapshot.cache_mode))):
+            self._check_size(job)
+        return super().submit(job)
+
+    def _check_size(self, job: Job) -> None:
+        """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`)."""
+        job.sized = True
         cost = self._cost(job)
-        if job.task is not None and cost.transient > self.budget_bytes:
-            raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over the "
-                                  f"server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
-                                  "prompt")
-        if cost.kv + cost.transient > self.budget_bytes:
+        if job.task is not None:
+            if cost.transient > self.budget_bytes:
+                raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over "
+                                      f"the server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
+                                      "prompt")
+            return
+        if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
-            fits_short = short.kv + short.transient <= self.budget_bytes
+            fits_short = short.kv + max(short.transient, self.forward_bytes) <= self.budget_bytes
             field = "max_tokens" if fits_short else "prompt"
             raise RequestTooLarge(
                 f"this request needs about {cost.kv + cost.transient:,} bytes (KV {cost.kv:,} + its largest "
@@ -114,28 +143,45 @@ class ContinuousWorker(Worker):
                 f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
                 field,
             )
-        return super().submit(job)
 
     def _fits(self, cost: Cost) -> bool:
         held = sum(m.cost.kv for m in self._members)
-        transient = max([cost.transient, *(m.cost.transient for m in self._members)])
+        transient = max([self.forward_bytes, cost.transient, *(m.cost.transient for m in self._members)])
         return held + cost.kv + transient <= self.budget_bytes
 
     def _admit(self) -> list[_Running]:
-        """Move jobs from the queues into the batch while they fit (caller holds the lock)."""
+        """Move jobs from the queues into the batch while they fit, the head first; smaller jobs behind a
+        blocked head while it may still be passed (module doc, fairness). Caller holds the lock."""
         joined = []
         self._purge_cancelled()
         blocked = False
+        now = time.monotonic()
         for queue in (self._queue, self._shadow):
             if queue is self._shadow and (self._queue or blocked):
                 break  # shadow re-decodes only when no user request waits
-            while queue and len(self._members) < self.max_batch_size:
-                job = queue[0]
+            at, head = 0, None
+            while at < len(queue) and len(self._members) < self.max_batch_size:
+                job = queue[at]
+                if not job.sized:  # its configuration was measured here, off the event loop
+                    try:
+                        self._check_size(job)
+                    except RequestTooLarge as exc:
+                        del queue[at]
+                        _set_exception(job, exc)
+                        continue
                 cost = self._cost(job)
-                if self._members and not self._fits(cost):
+                size = cost.kv + cost.transient
+                if self._members and (not self._fits(cost) or (head is not None and size >= head)):
+                    if at > 0:  # a later job that does not fit, or is no smaller than the head: not now
+                        at += 1
+                        continue
                     blocked = True
-                    break
-                queue.popleft()
+                    job.blocked_at = job.blocked_at or now
+                    if self.backfill_s is None or now - job.blocked_at >= self.backfill_s:
+                        break  # memory is reserved for the head: nobody passes it
+                    head, at = size, 1
+                    continue
+                del queue[at]
                 member = self._join(job, cost)
                 if member is not None:
                     joined.append(member)
@@ -165,14 +211,15 @@ class ContinuousWorker(Worker):
         member = _Running(job, cohort, cost, now, len(self._members) + 1)
         self._members.append(member)
         self._running = [m.job for m in self._members]
-        self._batch.join(cohort)
+        if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
+            self._batch.join(cohort)
         if job.served is None and not job.internal:
             self.telemetry.queue_time.observe(now - job.admitted_at)
         return member
 
     # ---- the thread ------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        self._batch = self.engine.batch()
+        self._batch = self.engine.batch(self.max_batched_tokens) if self.max_batched_tokens else self.engine.batch()
         while True:
             with self._cond:
                 while True:
@@ -185,12 +232,14 @@ class ContinuousWorker(Worker):
                 self._publish()
             try:
                 self._batch.step(on_done=self._finished)
+                self._step_tasks()
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
                     return
                 continue
             self.telemetry.forwards.observe(self._batch.forwards)
+            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
             for cohort, exc in self._batch.failed:
                 if is_device_fault(exc):
                     self._fail_batch(exc)
@@ -200,6 +249,22 @@ class ContinuousWorker(Worker):
                     self._fail_member(next(m for m in self._members if m.cohort is cohort), exc)
                 self._publish()
                 self._cond.notify_all()
+
+    def _step_tasks(self) -> None:
+        """One forward of every running task (`service.worker.Job.task`); a finished one leaves at once, a failing
+        one fails alone."""
+        for member in [m for m in self._members if m.job.task is not None]:
+            try:
+                more = member.cohort.step()
+            except Exception as exc:
+                if is_device_fault(exc):
+                    raise
+                with self._cond:
+                    self._fail_member(member, exc)
+                    self._cond.notify_all()
+                continue
+            if not more:
+                self._finished(member.cohort)
 
     def _finished(self, cohort) -> None:
         """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""

@@ -105,6 +105,8 @@ class Telemetry:
                                     "(continuous) or requests per batch (batch scheduler)", buckets=BATCH_BUCKETS, registry=r)
         self.forwards = Histogram("dllm_forwards_per_iteration", "forward calls per scheduler iteration",
                                   buckets=(0, 1, 2, 3, 4), registry=r)
+        self.row_forwards = Counter("dllm_row_forwards_total", "rows summed over forward calls (divided by the "
+                                    "forwards: rows per forward)", registry=r)
         self.kv_budget = Gauge("dllm_kv_budget_bytes", "memory budget for running rows' KV + the largest forward",
                                registry=r)
         self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",

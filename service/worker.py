@@ -163,6 +163,10 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     first_block_at: float | None = None
+    # When the continuous scheduler first found it at the head of the queue without the memory to start.
+    blocked_at: float | None = None
+    # Whether the continuous scheduler checked that it can ever fit its memory budget.
+    sized: bool = False
     # Shadow jobs: the served ids and text to compare against (None for normal jobs).
     served: tuple[list[int], str | None] | None = None
     # The start-up readiness probe: not a user request, so not in the request metrics.
@@ -474,15 +478,10 @@ class Worker:
 
     def _run_task(self, job: Job) -> None:
         """A job's task alone in a batch of its own, to the end (the batch scheduler)."""
-        import torch
-
-        batch = self.engine.batch()
         cohort = job.task.cohort(self.engine, lambda: job.cancelled)
-        batch.join(cohort)
         try:
-            with torch.inference_mode():
-                while batch.cohorts:
-                    batch.step()
+            while cohort.step():
+                pass
         except Exception as exc:  # noqa: BLE001 -- as a failed batch
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return

@@ -1,209 +1,221 @@
-"""Continuous batching: the passes of many cohorts, at different blocks and steps, in few forwards.
+"""Continuous batching: one iteration runs every running request's next call in as few forwards as a token budget
+allows, reveals for all their rows in one batched call, and reads the device once (issue 21).
 
-Each iteration (:meth:`RunningBatch.step`) takes every cohort's next call (`service.engine.decode.Pass`) and runs
-them grouped into forwards by :func:`plan_forwards`: passes (full: block-initial passes, no-cache steps,
-whole-response calls; window: cached steps) share a forward while that costs no more than running them apart, by
-a cost model of a forward's fixed overhead plus its arithmetic at the padded shape (`service.engine.forward_cost`),
-and while the merged forward's transient memory stays within the largest single cohort's (what admission
-reserves). The forwards run cheapest first, so a short request's steps never wait behind a long one's full pass
-in the same iteration. Within a forward every row keeps its own layout:
+An iteration (:meth:`RunningBatch.step`) is a plain loop:
 
-* inputs and positions are right-padded to the longest row of the forward (padded query columns are computed and
-  thrown away);
-* keys are right-padded to the longest key length, and the key mask hides the padding, so each row attends over
-  exactly the keys it would attend over alone;
-* the KV hook (:class:`MergedHook`) hands each cohort's hook only its own rows and real columns, so each cohort's
-  store writes and reads only its own reused K/V, and puts the per-cohort key tensors side by side;
-* the LM head runs only at each row's own block columns (``logits_at``).
+1. **plan**: each cohort says what its next call needs (`service.engine.decode.Pass`, built on the host);
+   :func:`plan_forwards` groups them: window passes (later steps of cached modes) together, full passes
+   (block-initial passes, no-cache steps, whole-response calls) together, each forward holding at most
+   ``max_batched_tokens`` input tokens counted at the padded shape (rows x widest input; vLLM's
+   ``max_num_batched_tokens``); a pass larger than the budget runs alone;
+2. **run**: per forward, inputs and positions are right-padded to the widest pass, keys carry a key mask (each
+   row attends over exactly its own keys: its padding and anything past its sequence get no weight), RoPE's
+   cos/sin are looked up in the model's table once, and the LM head runs only at each row's reveal columns;
+3. **reveal**: one batched reveal over all rows of the forward (`service.engine.reveal.reveal_batch`), each row
+   by its own family rule, settings and generator; the revealed windows go back into each cohort's tokens;
+4. **read**: one host read for the whole iteration (per row: tokens revealed, masks left, EOS reached and the
+   window's tokens), from which each cohort updates its host state (:meth:`Cohort.absorb`): counts, EOS,
+   cancellation, committed blocks; finished cohorts leave.
 
-A cohort joins at the next iteration after :meth:`RunningBatch.join` and leaves in the iteration of its last
-forward (EOS, its length, a stop condition of the caller, cancellation), its store cleared at once: its next
-call is asked for right after each forward, so a finished cohort is known without waiting for another iteration.
+**Attention across requests.** In a window forward, the rows of every store kept in sequence order (the engine's
+full-precision store, `FullPrecisionKVStore.sequence_kv`) are put side by side with one concatenation per layer,
+the fresh window's K/V written over their window columns with one scatter, and attended in the forward's one call.
+Other stores (quantized) answer through the protocol (``window_kv``: their dequantized layer with the window in
+place) and join the same concatenation; a store that attends itself (the fused kernel on CUDA, ``attend``) gets
+its rows' queries and the hook attends the others, so the layer still makes one attention call for the rest.
+Padded query columns write their K/V into a spare key column that no row attends.
 
-**A failing row fails alone** (issue 13): an exception raised by one cohort (its next call, its reveal, its KV
-store's hook inside a merged forward) takes only that cohort out of the batch (:attr:`RunningBatch.failed`); when
-a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's state:
-the block-initial pass rewrites each layer's reused K/V whole), so the others go on and the culprit is found.
+**A failing row fails alone** (issue 13): an exception raised by one cohort (its next call, its KV store's hook
+inside a merged forward, its constraint) takes only that cohort out of the batch (:attr:`RunningBatch.failed`);
+when a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's
+state: the block-initial pass rewrites each layer's reused K/V whole, a window pass writes only window columns),
+so the others go on and the culprit is found.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from service.engine.decode import Cohort, Pass
-from service.engine.forward_cost import ForwardCost
 from service.engine.models import DiffusionLM
+from service.engine.models.layers import attend
+from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 
-#: A merged forward may cost at most this fraction more than its passes run apart (padding against overhead).
-PADDING_SLACK = 0.1
+#: Input tokens one forward may hold at its padded shape when no budget is set (DLLM_MAX_BATCHED_TOKENS):
+#: 32 requests of a 456-token sequence in one block-initial forward, 512 rows of a 32-token window.
+DEFAULT_MAX_BATCHED_TOKENS = 16384
 
 
-class MergedHook:
-    """The KV hook of a merged forward: each cohort's hook on its own rows and columns, results padded together.
+def forward_tokens(group: list[Pass]) -> int:
+    """Input tokens of the forward that holds ``group``, at its padded shape (rows x widest input)."""
+    return sum(len(p.rows) for p in group) * max(p.width for p in group)
 
-    Args:
-        passes: the passes in the forward, in batch order; key_len: the forward's key length (longest pass).
-    """
 
-    def __init__(self, passes: list[Pass], key_len: int) -> None:
-        self.passes, self.key_len = passes, key_len
+def plan_forwards(passes: list[Pass], max_tokens: int) -> list[list[Pass]]:
+    """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
+    packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` (a
+    pass alone always runs). Window and full passes never share a forward (their keys come from different
+    places), so an iteration with both kinds makes at least two forwards."""
+    groups: list[list[Pass]] = []
+    for kind in ("window", "full"):
+        current: list[Pass] = []
+        for p in sorted((p for p in passes if p.kind == kind), key=lambda p: (p.width, p.seq_len)):
+            if current and forward_tokens([*current, p]) > max_tokens:
+                groups.append(current)
+                current = []
+            current.append(p)
+        if current:
+            groups.append(current)
+    return groups
+
+
+def _rows(group: list[Pass]) -> list[slice]:
+    """Each pass's rows in the forward (consecutive, in group order)."""
+    slices, offset = [], 0
+    for p in group:
+        slices.append(slice(offset, offset + len(p.rows)))
+        offset += len(p.rows)
+    return slices
+
+
+def _padded(x: torch.Tensor, width: int, value: int = 0) -> torch.Tensor:
+    return x if x.shape[1] == width else F.pad(x, (0, width - x.shape[1]), value=value)
+
+
+class BlockWrites:
+    """KV hook of a full forward: each cohort's block-initial hook on its own rows and columns; attention runs
+    over the forward's own K/V."""
+
+    def __init__(self, group: list[Pass]) -> None:
+        self.parts = [(p, rows) for p, rows in zip(group, _rows(group)) if p.hook is not None]
 
     def __call__(self, layer, q, k_pre, k, v):
-        parts, replaced, offset = [], False, 0
-        for p in self.passes:
-            n, width = len(p.rows), p.input_ids.shape[1]
-            rows = slice(offset, offset + n)
-            offset += n
-            out = None
-            if p.hook is not None:
-                out = p.hook(layer, q[rows, :, :width], k_pre[rows, :, :width], k[rows, :, :width],
-                             v[rows, :, :width])
-            replaced = replaced or out is not None
-            parts.append(out if out is not None else (k[rows, :, :width], v[rows, :, :width]))
-        if not replaced:
-            return None  # every cohort attends over its fresh K/V (full passes): the forward's own tensors
-
-        def padded(x: torch.Tensor) -> torch.Tensor:
-            return F.pad(x, (0, 0, 0, self.key_len - x.shape[2]))
-
-        return torch.cat([padded(kk) for kk, _ in parts]), torch.cat([padded(vv) for _, vv in parts])
+        for p, rows in self.parts:
+            t = p.seq_len
+            p.hook(layer, q[rows, :, :t], k_pre[rows, :, :t], k[rows, :, :t], v[rows, :, :t])
 
 
-def run_passes(model: DiffusionLM, passes: list[Pass], pad_id: int) -> list[torch.Tensor]:
-    """One forward over ``passes`` (full and window passes alike); the logits of each, ``[n, N_pass, V]``, in
-    order.
+class BatchedReuse:
+    """KV hook of a window forward: every row's reused K/V in sequence order, side by side, with the fresh window
+    written over its window columns (module doc).
 
-    With a single pass the call is exactly the cohort's own forward (no padding, no merged hook).
+    Args:
+        group: the forward's window passes; key_len: keys per row (longest sequence + 1 spare column);
+        dest: int64 ``[R, 1, W, 1]``, the key column each input column's fresh K/V goes to (padded input
+        columns: the spare column); key_mask: bool ``[R, key_len]``.
     """
-    if len(passes) == 1:
-        p = passes[0]
-        rows = len(p.rows)
-        logits = model(p.input_ids, positions=p.positions, key_mask=p.key_mask, kv_hook=p.hook,
-                       logits_at=p.logits_cols.expand(rows, -1))
-        return [logits]
-    width = max(p.input_ids.shape[1] for p in passes)
-    key_len = max(p.key_len for p in passes)
-    cols = max(p.logits_cols.numel() for p in passes)
-    ids, positions, masks, at = [], [], [], []
-    for p in passes:
-        n, w = len(p.rows), p.input_ids.shape[1]
-        ids.append(F.pad(p.input_ids, (0, width - w), value=pad_id))
-        positions.append(F.pad(p.positions, (0, width - w)))
-        mask = p.key_mask if p.key_mask is not None else torch.ones(
-            n, p.key_len, dtype=torch.bool, device=p.input_ids.device)
-        masks.append(F.pad(mask, (0, key_len - p.key_len), value=False))
-        at.append(F.pad(p.logits_cols, (0, cols - p.logits_cols.numel())).expand(n, -1))
-    hook = MergedHook(passes, key_len) if any(p.hook is not None for p in passes) else None
-    logits = model(torch.cat(ids), positions=torch.cat(positions), key_mask=torch.cat(masks), kv_hook=hook,
-                   logits_at=torch.cat(at))
-    out, offset = [], 0
-    for p in passes:
-        n = len(p.rows)
-        out.append(logits[offset:offset + n, : p.logits_cols.numel()])
-        offset += n
-    return out
+
+    def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor) -> None:
+        self.parts = list(zip(group, _rows(group)))
+        self.key_len, self.dest, self.key_mask = key_len, dest, key_mask
+
+    def _kv(self, p: Pass, rows: slice, layer, q, k_pre, k, v):
+        """The pass's keys and values ``[n, H_kv, key_len, D]``, or the attention output when its store
+        attended itself."""
+        if p.hook is None:  # a store kept in sequence order
+            kk, vv = p.cohort.store.sequence_kv(layer)
+            if p.selection is not None:
+                kk, vv = kk.index_select(0, p.selection), vv.index_select(0, p.selection)
+        else:
+            w = p.width
+            out = p.hook(layer, q[rows, :, :w], k_pre[rows, :, :w], k[rows, :, :w], v[rows, :, :w])
+            if isinstance(out, torch.Tensor):
+                return out
+            kk, vv = out
+        if kk.shape[2] < self.key_len:
+            kk, vv = (F.pad(x, (0, 0, 0, self.key_len - x.shape[2])) for x in (kk, vv))
+        return kk, vv
+
+    def __call__(self, layer, q, k_pre, k, v):
+        got = [self._kv(p, rows, layer, q, k_pre, k, v) for p, rows in self.parts]
+        fused = [isinstance(g, torch.Tensor) for g in got]
+        if not any(fused):
+            return self._gathered(got, slice(None), k, v)
+        # Some stores attended themselves: attend the other rows here, then put the outputs in row order.
+        outputs = []
+        for (p, rows), g, own in zip(self.parts, got, fused):
+            if own:
+                outputs.append(F.pad(g, (0, 0, 0, q.shape[2] - g.shape[2])))
+            else:
+                kk, vv = self._gathered([g], rows, k, v)
+                outputs.append(attend(q[rows], kk, vv, self.key_mask[rows]))
+        return torch.cat(outputs)
+
+    def _gathered(self, got, rows, k, v):
+        ks, vs = [g[0] for g in got], [g[1] for g in got]
+        kk = ks[0] if len(ks) == 1 else torch.cat(ks)
+        vv = vs[0] if len(vs) == 1 else torch.cat(vs)
+        dest = self.dest[rows].expand(-1, k.shape[1], -1, k.shape[3])
+        # In place: a store's own buffer only has its window columns (never reused) and spare column written.
+        kk.scatter_(2, dest, k[rows])
+        vv.scatter_(2, dest, v[rows])
+        return kk, vv
 
 
-def _shape(passes: list[Pass]) -> tuple[int, int, int]:
-    """(rows, input columns, keys) of the forward that merges ``passes`` (padded to the widest)."""
-    return (sum(len(p.rows) for p in passes), max(p.input_ids.shape[1] for p in passes),
-            max(p.key_len for p in passes))
-
-
-def peak_bytes(cost: ForwardCost, cohort: Cohort) -> int:
-    """Transient bytes of the cohort's largest forward: a full pass over its sequence (what admission reserves)."""
-    cols = cohort.seq_len - cohort.response_start if cohort.canvas else cohort.params.block_length
-    return cost.bytes(len(cohort.rows), cohort.seq_len, cohort.seq_len, cols)
-
-
-_OVERHEAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def forward_overhead(model: DiffusionLM, cost: ForwardCost) -> float:
-    """The fixed cost of one forward call (Python, kernel launches), in the units of :meth:`ForwardCost.flops`.
-
-    Measured once per model: the best of 3 timings of forwards over 1 and 128 columns give the seconds per
-    flop and the time a forward takes beyond its arithmetic. On a small model (the embedded one: ~8 ms on one CPU
-    thread, the arithmetic of ~100 columns) this, not padding, decides whether merging pays.
-    """
-    if model not in _OVERHEAD:
-        device = model.embed.weight.device
-        seconds = []
-        with torch.inference_mode():
-            for width in (1, 128):
-                ids = torch.zeros(1, width, dtype=torch.long, device=device)
-                positions = torch.arange(width, device=device)[None]
-                best = float("inf")
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    model(ids, positions=positions, logits_at=positions[:, :1])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    best = min(best, time.perf_counter() - t0)
-                seconds.append(best)
-        small, large = cost.flops(1, 1, 1), cost.flops(1, 128, 128)
-        per_second = (large - small) / max(seconds[1] - seconds[0], 1e-9)
-        _OVERHEAD[model] = max(0.0, seconds[0] * per_second - small)
-    return _OVERHEAD[model]
-
-
-def plan_forwards(passes: list[Pass], cost: ForwardCost, cap_bytes: int, overhead: float = 0.0,
-                  slack: float = PADDING_SLACK) -> list[list[Pass]]:
-    """Group one iteration's passes into forwards, cheapest forward first.
-
-    A forward costs ``overhead`` (:func:`forward_overhead`) plus its arithmetic at the padded shape
-    (:meth:`ForwardCost.flops`). Passes of both kinds, ordered by key length and width, join the current group
-    while the merged forward costs at most ``1 + slack`` times the group and the pass run apart, and its transient
-    memory (:meth:`ForwardCost.bytes`) is at most ``cap_bytes``; a pass that does not fit starts a new group (a
-    single pass always runs).
-    """
-    def price(group: list[Pass]) -> float:
-        return overhead + cost.flops(*_shape(group))
-
-    groups: list[list[Pass]] = []
-    current: list[Pass] = []
-    for p in sorted(passes, key=lambda p: (p.key_len, p.input_ids.shape[1])):
-        if current:
-            merged = [*current, p]
-            cols = max(q.logits_cols.numel() for q in merged)
-            if (price(merged) <= (1 + slack) * (price(current) + price([p]))
-                    and cost.bytes(*_shape(merged), cols) <= cap_bytes):
-                current = merged
-                continue
-            groups.append(current)
-        current = [p]
-    if current:
-        groups.append(current)
-    # Cheapest first: a short request's forward (and its result, through ``on_done``) never waits for a long
-    # request's pass within the same iteration.
-    return sorted(groups, key=price)
+def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward over ``group`` (passes of one kind): the logits at each row's reveal columns ``[R, W_r, V]``
+    and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal."""
+    device = group[0].input_ids.device
+    width = max(p.width for p in group)
+    ids = torch.cat([_padded(p.input_ids, width, pad_id) for p in group]) if len(group) > 1 else group[0].input_ids
+    positions = (torch.cat([_padded(p.positions, width) for p in group]) if len(group) > 1
+                 else group[0].positions)
+    pads = [pad for p in group for pad in p.pads]
+    lengths = [p.seq_len for p in group for _ in p.rows]
+    longest = max(lengths)
+    window = group[0].kind == "window"
+    key_len = longest + 1 if window else width
+    key_mask = None
+    if window or any(pads) or any(t < key_len for t in lengths):
+        columns = torch.arange(key_len, device=device)[None, :]
+        key_mask = ((columns >= torch.tensor(pads, device=device)[:, None])
+                    & (columns < torch.tensor(lengths, device=device)[:, None]))
+    reveal = max(p.reveal_width for p in group)
+    offsets = [p.logits_offset for p in group for _ in p.rows]
+    last = [p.reveal_width - 1 for p in group for _ in p.rows]
+    cols = torch.arange(reveal, device=device)[None, :]
+    if all(p.reveal_width == reveal for p in group):
+        at = cols + torch.tensor(offsets, device=device)[:, None]
+    else:
+        at = torch.minimum(cols, torch.tensor(last, device=device)[:, None]) + torch.tensor(offsets, device=device)[:, None]
+    hook = None
+    if window:
+        starts = [p.input_start for p in group for _ in p.rows]
+        widths = [p.width for p in group for _ in p.rows]
+        wcols = torch.arange(width, device=device)[None, :]
+        dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
+                           wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
+        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask)
+    elif any(p.hook is not None for p in group):
+        hook = BlockWrites(group)
+    logits = model(ids, positions=positions, key_mask=key_mask, kv_hook=hook, logits_at=at, max_position=longest)
+    return logits, ids.gather(1, at)
 
 
 class RunningBatch:
-    """The cohorts being decoded together; :meth:`step` runs one iteration.
+    """The cohorts being decoded together; :meth:`step` runs one iteration (module doc).
 
     Args:
         model: the network; pad_id: the token id of padded input columns.
-        padding_slack: see :func:`plan_forwards` (``inf`` merges every pass of a kind the memory cap allows).
+        max_batched_tokens: most input tokens of one forward at its padded shape (:func:`plan_forwards`).
 
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
         forwards: forward calls made by the last :meth:`step` (more when a merged forward failed); merged: the most
-            cohorts that shared one of them.
+            cohorts that shared one of them; rows: row-forwards of the last step (rows summed over forwards).
         failed: (cohort, exception) of the cohorts that raised in the last :meth:`step` (they have left).
     """
 
-    def __init__(self, model: DiffusionLM, pad_id: int, padding_slack: float = PADDING_SLACK) -> None:
-        self.model, self.pad_id, self.padding_slack = model, pad_id, padding_slack
-        self.cost = ForwardCost.of(model)
+    def __init__(self, model: DiffusionLM, pad_id: int, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> None:
+        if max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be >= 1, got {max_batched_tokens}")
+        self.model, self.pad_id, self.max_batched_tokens = model, pad_id, max_batched_tokens
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
-        self.forwards = self.merged = 0
+        self.forwards = self.merged = self.rows = 0
         self.failed: list[tuple[Cohort, BaseException]] = []
 
     def join(self, cohort: Cohort) -> None:
@@ -233,9 +245,9 @@ class RunningBatch:
             on_done(cohort)
 
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
-        """One iteration: every cohort's next call, grouped into forwards (:func:`plan_forwards`). Returns the
-        cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called for each as
-        soon as it is known. Cohorts that raised leave too and are listed in :attr:`failed`.
+        """One iteration (module doc). Returns the cohorts that finished (they have left the batch, their stores
+        cleared); ``on_done`` is called for each as soon as it is known. Cohorts that raised leave too and are
+        listed in :attr:`failed`.
 
         Raises whatever the forward raises when every cohort of the iteration failed with it (nothing to isolate:
         the caller decides, e.g. a device fault); the cohorts stay in the batch then.
@@ -246,31 +258,93 @@ class RunningBatch:
             if cohort not in self._next:  # joined since the last iteration
                 self._ask(cohort, finished, on_done)
         calls = [self._next[c] for c in self.cohorts if c in self._next]
-        cap = max((peak_bytes(self.cost, c) for c in self.cohorts), default=0)
-        overhead = forward_overhead(self.model, self.cost) if len(calls) > 1 else 0.0
-        self.forwards = self.merged = 0
-        for group in plan_forwards(calls, self.cost, cap, overhead, self.padding_slack):
+        self.forwards = self.merged = self.rows = 0
+        done: list[tuple[list[Pass], RevealResult]] = []
+        for group in plan_forwards(calls, self.max_batched_tokens):
             self.merged = max(self.merged, len(group))
-            for call, logits in self._run_group(group, len(calls)):
+            done += self._run_group(group, len(calls))
+        self._absorb(done)
+        for group, _ in done:
+            for call in group:
                 del self._next[call.cohort]
-                try:
-                    call.cohort.apply(call, logits)
-                except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own
-                    self.failed.append((call.cohort, exc))
+                if any(c is call.cohort for c, _ in self.failed):
                     continue
                 self._ask(call.cohort, finished, on_done)
         for cohort, _ in self.failed:
             self.leave(cohort)
         return finished
 
-    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[Pass, torch.Tensor]]:
-        """The group's forward; when it raises, each pass again alone, the failing ones into :attr:`failed`.
-        Re-raises when every call of the iteration (``calls``) failed alone."""
-        if not group:
-            return []
+    def _absorb(self, done: list[tuple[list[Pass], RevealResult]]) -> None:
+        """The iteration's one host read, then each cohort's host bookkeeping."""
+        if not done:
+            return
+        flat = [torch.cat([res.counts[:, None], res.masks_left[:, None], res.stop[:, None].long(), res.tokens],
+                          dim=1).flatten() for _, res in done]
+        values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
+        offset = 0
+        for group, res in done:
+            width = 3 + res.tokens.shape[1]
+            logprobs = self._logprobs(group, res)
+            for call, rows in zip(group, _rows(group)):
+                table = [values[offset + r * width: offset + (r + 1) * width] for r in range(rows.start, rows.stop)]
+                try:
+                    call.cohort.absorb(call, [t[0] for t in table], [t[1] for t in table], [bool(t[2]) for t in table],
+                                       [t[3:] for t in table], logprobs[rows] if logprobs is not None else None)
+                except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (a callback of its caller)
+                    self.failed.append((call.cohort, exc))
+            offset += width * res.tokens.shape[0]
+
+    @staticmethod
+    def _logprobs(group: list[Pass], res: RevealResult) -> list | None:
+        """Per row, ``(column, token, logprob, [(id, logprob), ...])`` of each revealed column, when a cohort of
+        the forward asked for them (a second host read, only then)."""
+        if res.token_logprobs is None:
+            return None
+        revealed, tokens, logp = res.revealed.tolist(), res.tokens.tolist(), res.token_logprobs.tolist()
+        top = (list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None
+               else [None] * len(revealed))
+        out = []
+        for r, row in enumerate(revealed):
+            call = next(p for p, rows in zip(group, _rows(group)) if rows.start <= r < rows.stop)
+            k = call.cohort.logprobs or 0
+            out.append([(call.reveal_start + j, tokens[r][j], logp[r][j],
+                         list(zip(top[r][0][j][:k], top[r][1][j][:k])) if top[r] is not None else [])
+                        for j, hit in enumerate(row) if hit])
+        return out
+
+    def _reveal(self, group: list[Pass], logits: torch.Tensor, tokens: torch.Tensor) -> RevealResult:
+        """The group's one batched reveal; its rows' new windows written back into their cohorts."""
+        first = group[0].cohort
+        lists: dict[str, list] = {}
+        for call in group:
+            for key, values in call.cohort.reveal_rows(call).items():
+                lists.setdefault(key, []).extend(values)
+        allowed = None
+        if any(call.cohort.allowed is not None for call in group):
+            allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
+            for call, rows in zip(group, _rows(group)):
+                if call.cohort.allowed is not None:
+                    for j, r in enumerate(call.rows):
+                        mask = call.cohort.allowed(r, call)
+                        if mask is not None:
+                            allowed[rows.start + j, : mask.shape[0] if mask.shape[0] > 1 else None] = mask
+        wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
+        result = reveal_batch(first.rule, RevealBatch(
+            logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
+            allowed=allowed, logprobs=max(wanted) if wanted else None, **lists,
+        ))
+        for call, rows in zip(group, _rows(group)):
+            call.cohort.write(call, result.tokens[rows])
+        return result
+
+    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[list[Pass], RevealResult]]:
+        """The group's forward and reveal; when it raises, each pass again alone, the failing ones into
+        :attr:`failed`. Re-raises when every call of the iteration (``calls``) failed alone."""
         self.forwards += 1
         try:
-            return list(zip(group, run_passes(self.model, group, self.pad_id)))
+            result = self._reveal(group, *run_forward(self.model, group, self.pad_id))
+            self.rows += sum(len(p.rows) for p in group)
+            return [(group, result)]
         except Exception as exc:
             if len(group) == 1 and calls == 1:
                 raise
@@ -281,7 +355,8 @@ class RunningBatch:
         for call in group:
             self.forwards += 1
             try:
-                done.append((call, run_passes(self.model, [call], self.pad_id)[0]))
+                done.append(([call], self._reveal([call], *run_forward(self.model, [call], self.pad_id))))
+                self.rows += len(call.rows)
             except Exception as exc:  # noqa: BLE001 -- isolate the culprit
                 self.failed.append((call.cohort, exc))
         if not done and len(group) == calls:

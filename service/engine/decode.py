@@ -84,23 +84,26 @@ class RowState:
     status: Literal["running", "stop", "cancelled"] = "running"
     plan: list[int] | None = None
     canvas: Canvas | None = None
-    # Response position -> its token's log-probability and alternatives, when the row asked (RowOptions.logprobs).
-    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass
 class Pass:
-    """One cohort's part of a forward call.
+    """One cohort's part of a forward call, described on the host (building it reads nothing from the device).
 
     Attributes:
         cohort: who asked; rows: its row indices in the call (ascending).
         kind: ``full`` (the input is every column of the sequence) or ``window`` (the input is the active block, or
             block + suffix, next to reused K/V read from the store).
-        input_ids, positions: int64 ``[n, L]``; key_mask: bool ``[n, T]`` over the keys (True = attend), or None
-            when no row of the pass is padded; key_len: T, the keys each row attends over.
-        hook: the cohort's KV hook of this call, or None.
-        logits_cols: int64 ``[N]`` input columns whose logits the reveal needs (position-aligned).
+        input_ids, positions: int64 ``[n, L]``; input_start: the sequence column of input column 0.
+        pads: left-padding columns of each row; seq_len: T, the keys each row attends over (its sequence).
+        hook: the cohort's KV hook of this call (block-initial write, or the protocol read of a store that is not
+            gathered in sequence order), or None.
+        reveal_start, reveal_width: the sequence columns ``[reveal_start, reveal_start + reveal_width)`` whose
+            logits the reveal needs (the active block, or the response of a whole-response call).
         step: the call's index within the block (0 = block-initial pass); -1 for a whole-response call.
+        count, fraction, first_only: per row, the reveal's plan (`service.engine.reveal.RevealBatch`).
+        segments, selection, reused_positions: a window pass's block layout, its rows among the block-initial
+            pass's rows (int64, None = all) and the RoPE positions of the reused columns (pre-RoPE stores only).
     """
 
     cohort: Cohort
@@ -108,11 +111,29 @@ class Pass:
     kind: Literal["full", "window"]
     input_ids: torch.Tensor
     positions: torch.Tensor
-    key_mask: torch.Tensor | None
-    key_len: int
+    input_start: int
+    pads: list[int]
+    seq_len: int
     hook: KVHook | None
-    logits_cols: torch.Tensor
+    reveal_start: int
+    reveal_width: int
     step: int
+    count: list[int | None]
+    fraction: list[float | None]
+    first_only: list[bool]
+    segments: Segments | None = None
+    selection: torch.Tensor | None = None
+    reused_positions: torch.Tensor | None = None
+
+    @property
+    def width(self) -> int:
+        """Input columns of the pass."""
+        return self.input_ids.shape[1]
+
+    @property
+    def logits_offset(self) -> int:
+        """The input column of the reveal's first column."""
+        return self.reveal_start - self.input_start
 
 
 class Cohort:
@@ -128,9 +149,17 @@ class Cohort:
             ``ignore_eos``).
         cancelled: polled after every forward call; rows it marks True stop decoding.
 
+    The cohort keeps on the host what its next call needs (each row's masked columns left in its window, its
+    status, the response tokens read back after each call), so :meth:`next_pass` never reads the device; the
+    running batch reveals for all rows at once and hands each cohort its rows' results (:meth:`absorb`).
+
     Attributes:
         done: no further call is needed; started_s, finished_s: ``perf_counter`` at the first call and when done;
         first_block_s: seconds from the first call to the first block committed by every row.
+        allowed: optional constraint on the tokens a row may choose, ``allowed(row, call) -> bool [W, V] or [1,
+            V] tensor or None`` (True = allowed), asked at every call (`service.engine.reveal.RevealBatch`).
+        logprobs: None, or k >= 0: record each revealed token's log-probability and k alternatives
+            (:attr:`token_logprobs`, one list per row of ``(column, token, logprob, [(id, logprob)...])``).
     """
 
     def __init__(
@@ -144,21 +173,23 @@ class Cohort:
         longest = max(len(p) for p in prompts)
         self.response_start = longest
         self.seq_len = longest + params.gen_length
-        self.x = torch.full((len(prompts), self.seq_len), spec.mask_id, dtype=torch.long, device=device)
-        for i, prompt in enumerate(prompts):
-            pad = longest - len(prompt)
-            self.x[i, :pad] = spec.pad_id
-            self.x[i, pad:longest] = torch.tensor(prompt, dtype=torch.long)
-        self.pads = torch.tensor([longest - len(p) for p in prompts], device=device)
-        self.positions = (torch.arange(self.seq_len, device=device) - self.pads[:, None]).clamp(min=0)
+        pads = [longest - len(p) for p in prompts]
+        host = [[spec.pad_id] * pad + list(p) + [spec.mask_id] * params.gen_length for p, pad in zip(prompts, pads)]
+        self.x = torch.tensor(host, dtype=torch.long, device=device)
+        self.pads = pads
+        self.positions = (torch.arange(self.seq_len, device=device)[None, :]
+                          - torch.tensor(pads, device=device)[:, None]).clamp(min=0)
         self.eos = torch.tensor(spec.eos_ids, device=device)
         self.banned = torch.tensor(spec.banned_ids, dtype=torch.long, device=device)
         self.rows = [
-            RowState(pad=longest - len(p), temperature=o.temperature, generator=_row_generator(o, params, device))
-            for p, o in zip(prompts, rows)
+            RowState(pad=pad, temperature=o.temperature, generator=_row_generator(o, params, device))
+            for pad, o in zip(pads, rows)
         ]
+        #: Per row, the response as last read back (the mask id where not revealed yet).
+        self.response = [[spec.mask_id] * params.gen_length for _ in prompts]
         self.num_blocks = params.gen_length // params.block_length
         self.canvas = self.rule.uses_canvas(params)
+        self._masks_left = [params.gen_length if self.canvas else params.block_length for _ in prompts]
         if self.canvas:
             for state in self.rows:
                 state.canvas = self.rule.start_canvas(params)
@@ -166,10 +197,17 @@ class Cohort:
         self.block, self.step = 0, 0
         self._live: list[int] = []
         self._segments: Segments | None = None
+        self._reused_positions: torch.Tensor | None = None
+        self._selections: dict[tuple[int, ...], torch.Tensor] = {}
         self._emitted_blocks = 0
         self.done = False
         self.started_s = self.finished_s = 0.0
         self.first_block_s = 0.0
+        self.allowed: Callable[[int, Pass], torch.Tensor | None] | None = None
+        # Rows that ask for log-probabilities (RowOptions.logprobs) set it: the most alternatives any row wants.
+        wanted = [o.logprobs for o in rows if o.logprobs is not None]
+        self.logprobs: int | None = max(wanted) if wanted else None
+        self.token_logprobs: list[list[tuple]] = [[] for _ in prompts]
 
     # ------------------------------------------------------------------------------------------------- calls
 
@@ -188,8 +226,7 @@ class Cohort:
     def _canvas_pass(self) -> Pass | None:
         start, end = self.response_start, self.seq_len
         stepping = [
-            r for r in self._running() if self.rows[r].canvas.step < self.rows[r].canvas.steps
-            and self._has_mask(r, start, end)
+            r for r in self._running() if self.rows[r].canvas.step < self.rows[r].canvas.steps and self._masks_left[r]
         ]
         return self._full_pass(stepping, start, end, None, -1) if stepping else None
 
@@ -208,139 +245,162 @@ class Cohort:
                 for r in live:
                     state = self.rows[r]
                     state.steps_per_block.append(0)
-                    state.plan = self.rule.block_plan(int(self._mask_columns(r, start, end).numel()), self.params)
+                    # A block is all masks before its first call (blocks are decoded left to right).
+                    self._masks_left[r] = self.params.block_length
+                    state.plan = self.rule.block_plan(self.params.block_length, self.params)
                 if mode != "none":
                     self._segments = Segments(
                         pad_lengths=tuple(self.rows[r].pad for r in live), block_start=start, block_end=end,
                         seq_len=self.seq_len, cache_mode=mode,
                     )
+                    self._reused_positions = None
                     hook = BlockInitialWrite(self.store, self._segments, self._key_mask(live))
                 return self._full_pass(live, start, end, hook, 0)
-            stepping = [r for r in self._running() if r in self._live and self._has_mask(r, start, end)]
+            stepping = [r for r in self._running() if r in self._live and self._masks_left[r]]
             if stepping:
                 if mode == "none":
                     return self._full_pass(stepping, start, end, None, self.step)
                 return self._window_pass(stepping)
             self.block, self.step = self.block + 1, 0
 
+    def _select(self, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``tensor[rows]``: a view when the rows are all of the cohort's (one request: one row)."""
+        if len(rows) == tensor.shape[0]:
+            return tensor
+        return tensor[rows]
+
     def _key_mask(self, rows: list[int]) -> torch.Tensor | None:
         """bool ``[n, T]`` (True = real token) over all columns, or None when none of ``rows`` is padded."""
-        pads = self.pads[rows]
-        if not bool((pads > 0).any()):
+        pads = [self.pads[r] for r in rows]
+        if not any(pads):
             return None
-        return torch.arange(self.seq_len, device=pads.device)[None, :] >= pads[:, None]
+        return torch.arange(self.seq_len, device=self.x.device)[None, :] >= torch.tensor(pads, device=self.x.device)[:, None]
+
+    def _plan(self, rows: list[int], step: int) -> tuple[list, list, list]:
+        plans = [self.rule.row_plan(step, self._masks_left[r], self.params, self.rows[r].plan, self.rows[r].canvas)
+                 for r in rows]
+        return [p[0] for p in plans], [p[1] for p in plans], [p[2] for p in plans]
 
     def _full_pass(self, rows: list[int], start: int, end: int, hook: KVHook | None, step: int) -> Pass:
-        """Every column of ``rows``; logits of columns [start, end)."""
+        """Every column of ``rows``; the reveal's columns [start, end)."""
+        count, fraction, first_only = self._plan(rows, step)
         return Pass(
-            self, rows, "full", self.x[rows], self.positions[rows], self._key_mask(rows), self.seq_len, hook,
-            torch.arange(start, end, device=self.x.device), step,
+            self, rows, "full", self._select(self.x, rows), self._select(self.positions, rows), 0,
+            [self.pads[r] for r in rows], self.seq_len, hook, start, end - start, step, count, fraction, first_only,
         )
 
     def _window_pass(self, rows: list[int]) -> Pass:
-        """Window with reused K/V: prefix mode computes [s, T), dual mode [s, e); logits of [s, e)."""
+        """Window with reused K/V: prefix mode computes [s, T), dual mode [s, e); the reveal's columns [s, e)."""
         segments = self._segments
         start, end = segments.block_start, segments.block_end
         window_end = self.seq_len if segments.cache_mode == "prefix" else end
         selection = None
         if rows != self._live:
-            selection = torch.tensor([self._live.index(r) for r in rows], device=self.x.device)
+            key = tuple(self._live.index(r) for r in rows)
+            if key not in self._selections:
+                self._selections[key] = torch.tensor(key, device=self.x.device)
+            selection = self._selections[key]
         reused_positions = None
         if self.store.pre_rope_keys:
-            reused_positions = self.positions[rows][:, segments.reused_columns.to(self.x.device)]
-        hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
+            # Made once per block and set of rows, so a store that keeps tables per positions sees the same tensor.
+            if self._reused_positions is None or self._reused_positions[0] != rows:
+                columns = segments.reused_columns.to(self.x.device)
+                self._reused_positions = (rows, self._select(self.positions, rows)[:, columns])
+            reused_positions = self._reused_positions[1]
+        hook = None
+        if not getattr(self.store, "sequence_ordered", False):
+            hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
+        count, fraction, first_only = self._plan(rows, self.step)
         return Pass(
-            self, rows, "window", self.x[rows, start:window_end], self.positions[rows, start:window_end],
-            self._key_mask(rows), self.seq_len, hook, torch.arange(0, end - start, device=self.x.device), self.step,
+            self, rows, "window", self._select(self.x, rows)[:, start:window_end],
+            self._select(self.positions, rows)[:, start:window_end], start, [self.pads[r] for r in rows],
+            self.seq_len, hook, start, end - start, self.step, count, fraction, first_only, segments, selection,
+            reused_positions,
         )
 
     # -------------------------------------------------------------------------------------------------- reveals
 
-    def apply(self, call: Pass, logits: torch.Tensor) -> None:
-        """Apply one call's reveals to each of its rows (logits ``[n, N, V]`` of ``call.logits_cols``), then count
-        the call, stop rows at EOS, poll cancellation and commit blocks."""
-        params, counts = self.params, []
-        if self.canvas:
-            start, end = self.response_start, self.seq_len
+    def reveal_rows(self, call: Pass) -> dict:
+        """The host lists of :class:`~service.engine.reveal.RevealBatch` for the call's rows."""
+        params, states = self.params, [self.rows[r] for r in call.rows]
+        return {
+            "width": [call.reveal_width] * len(call.rows), "step": [call.step] * len(call.rows),
+            "count": call.count, "fraction": call.fraction, "first_only": call.first_only,
+            "threshold": [params.threshold] * len(call.rows), "temperature": [s.temperature for s in states],
+            "generator": [s.generator for s in states],
+            "random_remasking": [params.remasking == "random"] * len(call.rows),
+            "neg_entropy": [params.threshold is None] * len(call.rows),
+            "ignore_eos": [params.ignore_eos] * len(call.rows),
+        }
+
+    def write(self, call: Pass, window: torch.Tensor) -> None:
+        """Put the call's revealed window ``[n, W >= reveal_width]`` (int64) into the cohort's tokens."""
+        end = call.reveal_start + call.reveal_width
+        if len(call.rows) == self.x.shape[0]:
+            self.x[:, call.reveal_start:end] = window[:, : call.reveal_width]
         else:
-            start = self.response_start + self.block * params.block_length
-            end = start + params.block_length
+            self.x[call.rows, call.reveal_start:end] = window[:, : call.reveal_width]
+
+    def absorb(self, call: Pass, counts: list[int], masks_left: list[int], stops: list[bool],
+               window: list[list[int]], logprobs: list | None = None) -> None:
+        """Take a call's results, read back once for the whole iteration: per row the tokens revealed, the
+        masks left in its window, whether it reached EOS, the window's tokens (and, when asked, its log-probs);
+        then count the call, poll cancellation and commit blocks."""
+        offset = call.reveal_start - self.response_start
         for j, r in enumerate(call.rows):
             state = self.rows[r]
-            candidates = self._mask_columns(r, start, end)
-            row_logits = logits[j, candidates - start]
-            if self.canvas:
-                chosen, tokens = self.rule.canvas_reveal(
-                    state.canvas, row_logits, params, state.temperature, state.generator, self.banned
-                )
-            else:
-                chosen, tokens = self.rule.reveal(
-                    call.step, row_logits, params, state.plan, state.temperature, state.generator, self.banned
-                )
-            self.x[r, candidates[chosen]] = tokens
-            if self.row_options[r].logprobs is not None:
-                capture_logprobs(state.logprobs, candidates[chosen] - self.response_start, row_logits[chosen], tokens,
-                                 self.row_options[r].logprobs)
-            counts.append(int(chosen.numel()))
+            self.response[r][offset: offset + call.reveal_width] = window[j][: call.reveal_width]
+            self._masks_left[r] = masks_left[j]
+            if state.canvas is not None:
+                if self.params.threshold is not None:
+                    state.canvas.carried = (call.count[j] or 0) - counts[j]
+                    if state.canvas.carried and state.canvas.step == state.canvas.steps - 1:
+                        state.canvas.quota, state.canvas.steps = 0, state.canvas.steps + 1
+                state.canvas.step += 1
+            if logprobs is not None:
+                self.token_logprobs[r].extend(logprobs[j])
+            state.nfe += 1
+            state.reveals.append(counts[j])
+            state.steps_per_block[-1] += 1
+            if stops[j]:
+                state.status = "stop"
         if not self.canvas:
             self.step += 1
-        self._account(call.rows, counts)
-
-    # ------------------------------------------------------------------------------------------------ bookkeeping
-
-    def _mask_columns(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Absolute columns in [start, end) of ``row`` that still hold the mask id (int64, ascending)."""
-        return (self.x[row, start:end] == self.spec.mask_id).nonzero()[:, 0] + start
-
-    def _has_mask(self, row: int, start: int, end: int) -> bool:
-        return bool((self.x[row, start:end] == self.spec.mask_id).any())
-
-    def _running(self) -> list[int]:
-        return [r for r, state in enumerate(self.rows) if state.status == "running"]
-
-    def _account(self, rows: list[int], counts: list[int]) -> None:
-        """Count one forward call for ``rows``; then EOS stops, cancellation and block commits."""
-        for r, count in zip(rows, counts):
-            state = self.rows[r]
-            state.nfe += 1
-            state.reveals.append(count)
-            state.steps_per_block[-1] += 1
-            if not self.params.ignore_eos and self._eos_reached(r):
-                state.status = "stop"
         if self.cancelled is not None:
             for r, flag in enumerate(self.cancelled()):
                 if flag and self.rows[r].status == "running":
                     self.rows[r].status = "cancelled"
         self._emit_blocks()
 
-    def _eos_reached(self, row: int) -> bool:
-        """True once the row's response has an EOS with every position before it revealed."""
-        response = self.x[row, self.response_start:]
-        is_eos = torch.isin(response, self.eos)
-        if not bool(is_eos.any()):
-            return False
-        first = int(is_eos.nonzero()[0, 0])
-        return not bool((response[:first] == self.spec.mask_id).any())
+    # ------------------------------------------------------------------------------------------------ bookkeeping
+
+    def _running(self) -> list[int]:
+        return [r for r, state in enumerate(self.rows) if state.status == "running"]
 
     def response_ids(self, row: int, committed_only: bool = False) -> list[int]:
         """The row's response ids: cut after the first EOS unless ``ignore_eos``, and before the first mask."""
-        response = self.x[row, self.response_start:].tolist()
-        masked = [i for i, token in enumerate(response) if token == self.spec.mask_id]
-        if masked:
-            cut = masked[0]
+        response = self.response[row]
+        if self.spec.mask_id in response:
+            cut = response.index(self.spec.mask_id)
             if committed_only:
                 cut -= cut % self.params.block_length
             response = response[:cut]
         return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
     def response_logprobs(self, row: int, count: int) -> list[TokenLogprob] | None:
-        """The captured log-probabilities of the row's first ``count`` response tokens (None: not asked for)."""
-        if self.row_options[row].logprobs is None:
+        """The log-probabilities of the row's first ``count`` response tokens as the step that revealed each gave
+        them (:attr:`token_logprobs`), with the row's own number of alternatives; None when the row did not ask
+        (`RowOptions.logprobs`)."""
+        k = self.row_options[row].logprobs
+        if k is None:
             return None
-        captured = self.rows[row].logprobs
-        return [captured[i] for i in range(count)]
+        by_position = {column - self.response_start: (token, value, top)
+                       for column, token, value, top in self.token_logprobs[row]}
+        return [TokenLogprob(token=by_position[i][0], logprob=by_position[i][1], top=list(by_position[i][2])[:k])
+                for i in range(count)]
 
     def _committed(self, row: int) -> CommittedIds:
+        """The row's committed ids for ``on_block``, with their log-probabilities when it asked for them."""
         ids = CommittedIds(self.response_ids(row, committed_only=True))
         ids.logprobs = self.response_logprobs(row, len(ids))
         return ids
@@ -349,8 +409,8 @@ class Cohort:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""
         if self.rows[row].status == "stop":
             return self.num_blocks
-        masked = (self.x[row, self.response_start:] == self.spec.mask_id).nonzero()
-        first = int(masked[0, 0]) if masked.numel() else self.params.gen_length
+        response = self.response[row]
+        first = response.index(self.spec.mask_id) if self.spec.mask_id in response else self.params.gen_length
         return first // self.params.block_length
 
     def _emit_blocks(self) -> None:
@@ -366,29 +426,10 @@ class Cohort:
 
 
 class CommittedIds(list):
-    """A row's committed response ids as ``on_block`` gets them; ``logprobs`` holds their captured
-    log-probabilities when the row asked for them (else None)."""
+    """A row's committed response ids as ``on_block`` gets them; ``logprobs`` holds their log-probabilities when
+    the row asked for them (else None)."""
 
     logprobs: list[TokenLogprob] | None = None
-
-
-def capture_logprobs(into: dict[int, TokenLogprob], positions: torch.Tensor, logits: torch.Tensor,
-                     tokens: torch.Tensor, top_k: int) -> None:
-    """Record the revealed tokens' log-probabilities under the logits that revealed them (no extra forward).
-
-    Args:
-        into: response position -> entry; positions: int64 ``[n]`` response positions revealed;
-        logits: ``[n, V]`` their logits at this step (model dtype; the log-softmax runs in float32, before any
-        temperature); tokens: int64 ``[n]`` the tokens chosen; top_k: alternatives kept per token.
-    """
-    if positions.numel() == 0:
-        return
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
-    values, ids = logp.topk(top_k, dim=-1) if top_k else (logp[:, :0], tokens[:, None][:, :0])
-    for pos, token, lp, top_ids, top_values in zip(positions.tolist(), tokens.tolist(), chosen, ids.tolist(),
-                                                   values.tolist()):
-        into[pos] = TokenLogprob(token=token, logprob=lp, top=list(zip(top_ids, top_values)))
 
 
 def _row_generator(options: RowOptions, params: DecodeParams, device: torch.device) -> torch.Generator | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine.batch import PADDING_SLACK, RunningBatch
+from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, RunningBatch
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
@@ -109,9 +109,10 @@ class Engine:
             cohort.store.clear()
         return self.report(cohort)
 
-    def batch(self, padding_slack: float = PADDING_SLACK) -> RunningBatch:
-        """An empty continuous batch on this model (see `service.engine.batch`; ``padding_slack`` as there)."""
-        return RunningBatch(self.model, self.spec.pad_id, padding_slack)
+    def batch(self, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`; ``max_batched_tokens``: the
+        most input tokens of one forward)."""
+        return RunningBatch(self.model, self.spec.pad_id, max_batched_tokens)
 
     def cohort(
         self,

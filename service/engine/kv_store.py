@@ -108,6 +108,8 @@ class KVStore:
 
     needs_scores: bool = False
     pre_rope_keys: bool = False
+    #: True for a store whose layers a running batch may gather in sequence order (`FullPrecisionKVStore`).
+    sequence_ordered: bool = False
 
     def write(
         self,
@@ -202,18 +204,47 @@ class KVStore:
 
 
 class FullPrecisionKVStore(KVStore):
-    """The default store: keeps the reused K/V as they are (Fast-dLLM's unquantized cache reuse)."""
+    """The default store: keeps the K/V as they are (Fast-dLLM's unquantized cache reuse).
+
+    It keeps each layer's whole sequence in order, ``[B, H_kv, T + 1, D]`` (post-RoPE keys, one spare column at
+    the end), not only the reused columns: a later step of a running batch (`service.engine.batch`) puts the
+    rows of many such stores side by side in one tensor per layer (:meth:`sequence_kv`) and writes the fresh
+    window's K/V over the window's columns (which no later step reuses; the spare column takes the padded query
+    columns of a merged forward and is never attended), so the rows of every request attend in one call with no
+    per-request concatenation. :meth:`read` gives the reused columns as the protocol says. (A subclass that
+    writes or reads its own way, with ``_layers`` holding the reused columns, is read through the protocol.)
+    """
 
     def __init__(self) -> None:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sequence: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._segments: Segments | None = None
+
+    @property
+    def sequence_ordered(self) -> bool:  # type: ignore[override]
+        """True unless a subclass writes, reads or rotates its own way (then the batch uses :meth:`window_kv`)."""
+        cls = type(self)
+        return (cls.write is FullPrecisionKVStore.write and cls.read is FullPrecisionKVStore.read
+                and cls.window_kv is KVStore.window_kv and not self.pre_rope_keys)
 
     def write(self, layer, k, v, segments, scores=None) -> None:
-        columns = segments.reused_columns.to(k.device)
-        # index_select copies, so the store never aliases the forward's activations.
-        self._layers[layer] = (k.index_select(2, columns), v.index_select(2, columns))
+        # F.pad copies, so the store never aliases the forward's activations.
+        self._sequence[layer] = (torch.nn.functional.pad(k, (0, 0, 0, 1)), torch.nn.functional.pad(v, (0, 0, 0, 1)))
+        self._segments = segments
 
     def read(self, layer):
-        return self._layers[layer]
+        if layer not in self._sequence:
+            return self._layers[layer]
+        k, v = self._sequence[layer]
+        columns = self._segments.reused_columns.to(k.device)
+        return k.index_select(2, columns), v.index_select(2, columns)
+
+    def sequence_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K (post-RoPE) and V over the whole sequence plus a spare column, ``[B, H_kv, T + 1, D]``:
+        the reused columns as written, the window's columns holding whatever the last step put there."""
+        return self._sequence[layer]
 
     def clear(self) -> None:
         self._layers.clear()
+        self._sequence.clear()
+        self._segments = None

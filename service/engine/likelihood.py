@@ -31,14 +31,12 @@ estimates of ``mc_num`` samples of ``T`` tokens, plus ``T - 1`` rows for the alt
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from service.engine.decode import Pass
 from service.engine.report import TokenLogprob
 
 #: ``logits_fn(ids)``: ids ``[B, T]`` int64 -> logits ``[B, T, V]`` float where ``logits[:, i]`` scores the token
@@ -143,29 +141,28 @@ def greedy_check(logits_fn: LogitsFn, context: list[int], continuation: list[int
 
 
 class _NoStore:
-    """A likelihood reuses no K/V: nothing to clear (`service.engine.batch.RunningBatch.leave`)."""
+    """A likelihood reuses no K/V: nothing to clear (what a worker does with a finished cohort's store)."""
 
     def clear(self) -> None:
         pass
 
 
 class PromptLikelihood:
-    """The per-token values of one prompt, computed as a cohort of a `service.engine.batch.RunningBatch` (full
-    passes without cache, one per Monte-Carlo batch, then the alternatives' passes), so that a server runs it in
-    its decoding iterations under its memory admission (module docstring).
+    """The per-token values of one prompt (module docstring), computed one forward per :meth:`step`, so that a
+    server's worker interleaves them with its decoding iterations (under its memory admission) and can stop them.
+
+    Each forward is the in-process model's own call (``model(ids)``, every column's logits), so the values are
+    those of :func:`mc_loglikelihood` bit for bit on the same machine.
 
     Args:
         model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
         mc_num, mc_batch_size, seed: as :func:`mc_loglikelihood` (``mc_num`` a multiple of ``mc_batch_size``).
         top_k: alternatives per token (0: none).
-        cancelled: polled before each pass; True ends the work (``cancelled`` becomes True).
+        cancelled: polled before each forward; True ends the work (``cancelled`` becomes True).
 
     Raises:
         ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
     """
-
-    canvas = True  # every pass is a full forward over the prompt (`service.engine.batch.peak_bytes`)
-    response_start = 1  # logits at columns 1..T-1 at most
 
     def __init__(self, model, mask_id: int, ids: list[int], mc_num: int, mc_batch_size: int, seed: int,
                  top_k: int = 0, cancelled: Callable[[], bool] | None = None) -> None:
@@ -175,35 +172,29 @@ class PromptLikelihood:
         self.model, self.mask_id, self.ids = model, mask_id, list(ids)
         self.mc_num, self.mc_batch_size, self.seed, self.top_k = mc_num, mc_batch_size, seed, top_k
         self.seq_len = len(ids)
-        self.rows = list(range(mc_batch_size))
         self.store = _NoStore()
         self._cancelled = cancelled
         self.device = model.embed.weight.device
         self._losses: dict[int, list[float]] = {c: [] for c in range(1, self.seq_len)}
         self._top: dict[int, tuple[tuple[int, float], ...]] = {}
-        self._work = self._passes()
+        self._work = self._forwards()
         self.done = self.cancelled = False
-        self.started_s = self.finished_s = self.first_block_s = 0.0
+        self.forwards = 0
 
     @staticmethod
     def work_tokens(prompt_len: int, mc_num: int) -> int:
-        """Token-forwards (rows x tokens over every pass) of a prompt of ``prompt_len`` tokens."""
+        """Token-forwards (rows x tokens over every forward) of a prompt of ``prompt_len`` tokens."""
         return (prompt_len - 1) * (mc_num + 1) * prompt_len
 
-    def _pass(self, rows: torch.Tensor, first_col: int) -> Pass:
-        n, t = rows.shape
-        cols = torch.arange(first_col, t, device=self.device)
-        return Pass(self, list(range(n)), "full", rows.to(self.device),
-                    torch.arange(t, device=self.device).expand(n, t), None, t, None, cols, -1)
-
-    def _passes(self) -> Iterator[tuple[Pass, Callable[[torch.Tensor], None]]]:
-        """Every pass with what to do with its logits: the estimates of each split, then the alternatives."""
+    def _forwards(self) -> Iterator[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """Every forward's input ``[b, T]`` with what to do with its logits: each split's estimate, then the
+        alternatives (``b`` splits per forward, each row with its split's tokens onward masked)."""
         for c in range(1, self.seq_len):
             for seq, noisy, ratio in noisings(self.ids[:c], self.ids[c:], self.mask_id, self.mc_num,
                                               self.mc_batch_size, self.seed):
                 def loss(logits, c=c, seq=seq, noisy=noisy, ratio=ratio):
                     self._losses[c].append(batch_loss(logits, seq, noisy, ratio, self.mask_id))
-                yield self._pass(noisy, c), loss
+                yield noisy, loss
         if self.top_k <= 0:
             return
         x = torch.tensor(self.ids, dtype=torch.long)
@@ -213,30 +204,27 @@ class PromptLikelihood:
             for j, c in enumerate(splits):
                 rows[j, c:] = self.mask_id
 
-            def top(logits, c0=c0, splits=splits):
+            def top(logits, splits=splits):
                 for j, c in enumerate(splits):
-                    values, tokens = torch.log_softmax(logits[j, c - c0].float(), -1).topk(self.top_k)
+                    values, tokens = torch.log_softmax(logits[j, c].float(), -1).topk(self.top_k)
                     self._top[c] = tuple((int(t), float(v)) for t, v in zip(tokens.tolist(), values.tolist()))
-            yield self._pass(rows, c0), top
+            yield rows, top
 
-    def next_pass(self) -> Pass | None:
-        """The next forward's pass, or None once done (or cancelled)."""
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run the next forward; False once there is none left (or the work was cancelled): then ``done``."""
         if self.done:
-            return None
-        if not self.started_s:
-            self.started_s = time.perf_counter()
+            return False
         if self._cancelled is not None and self._cancelled():
             self.cancelled = True
-        step = None if self.cancelled else next(self._work, None)
-        if step is None:
-            self.done, self.finished_s = True, time.perf_counter()
-            return None
-        self._current = step
-        return step[0]
-
-    def apply(self, call: Pass, logits: torch.Tensor) -> None:
-        """Take the logits ``[n, N, V]`` of the pass :meth:`next_pass` returned."""
-        self._current[1](logits)
+        item = None if self.cancelled else next(self._work, None)
+        if item is None:
+            self.done = True
+            return False
+        rows, use = item
+        use(self.model(rows.to(self.device)))
+        self.forwards += 1
+        return True
 
     def scores(self) -> list[TokenLogprob]:
         """The values of tokens ``1..T-1`` (token 0 has none: nothing precedes it), once done: ``logprob`` the ELBO
@@ -265,9 +253,9 @@ class LikelihoodTask:
 
     def transient_bytes(self, forward_cost) -> int:
         """Bytes of its largest forward (`service.engine.forward_cost.ForwardCost.bytes`): ``mc_batch_size`` rows
-        of the whole prompt with logits at all but its first column."""
+        of the whole prompt with logits at every column (the in-process model's call)."""
         t = len(self.ids)
-        return forward_cost.bytes(self.mc_batch_size, t, t, max(1, t - 1))
+        return forward_cost.bytes(self.mc_batch_size, t, t, t)
 
     def cohort(self, engine, cancelled: Callable[[], bool] | None = None) -> PromptLikelihood:
         """Its cohort on ``engine``'s model."""

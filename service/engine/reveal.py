@@ -22,6 +22,10 @@ import torch
 from service.engine.errors import EngineInputError
 from service.engine.params import DecodeParams
 from service.engine.sampling import (
+    _ENTROPY_EPS,
+    DREAM_EPS,
+    _choosable,
+    _gumbel_denominator,
     dream_fixed_count,
     dream_threshold_reveals,
     dream_tokens_and_confidence,
@@ -72,6 +76,18 @@ class RevealRule:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def row_plan(self, step: int, masked: int, params: DecodeParams, plan: list[int] | None,
+                 canvas: Canvas | None) -> tuple[int | None, float | None, bool]:
+        """How many of a row's candidates the batched reveal may take at this call (host only): ``(count,
+        fraction, first_only)`` of :class:`RevealBatch`; ``masked`` is the row's masked columns in its window
+        before the call. This default: the fixed plan's count at ``step``, else every candidate."""
+        return (plan[step] if plan is not None else None), None, False
+
+    def choose_batch(self, logits: torch.Tensor, batch: RevealBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and confidences of every column of every row of ``batch``: int64 ``[R, W]`` and ``[R, W]``
+        (the family's dtype); ``logits`` ``[R, W, V]`` after the batch's ``allowed``."""
+        raise NotImplementedError
+
     def start_canvas(self, params: DecodeParams) -> Canvas:
         raise NotImplementedError(f"{type(self).__name__} has no whole-response schedule")
 
@@ -80,6 +96,20 @@ class RevealRule:
         generator: torch.Generator | None, banned: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__} has no whole-response schedule")
+
+
+_FRACTIONS: dict[tuple[int, int], float | None] = {}
+
+
+def _dream_fraction(step: int, steps: int) -> float | None:
+    """Dream's fixed-schedule share ``1 - ts[step + 1] / ts[step]`` (float32, `dream_fixed_count`) as a float,
+    or None at the last step (every candidate); made once per (step, steps)."""
+    if step >= steps - 1:
+        return None
+    if (step, steps) not in _FRACTIONS:
+        ts = torch.linspace(1, DREAM_EPS, steps + 1)
+        _FRACTIONS[(step, steps)] = float(1 - ts[step + 1] / ts[step])
+    return _FRACTIONS[(step, steps)]
 
 
 def steps_per_block(params: DecodeParams) -> int:
@@ -96,6 +126,25 @@ class LLaDARule(RevealRule):
         if params.threshold is not None:
             return None
         return llada_fixed_schedule(masked, steps_per_block(params))
+
+    def choose_batch(self, logits, batch):
+        """``llada_tokens_and_confidence`` over every row: greedy rows take the argmax of the logits; a sampling
+        row draws its Gumbel noise ``[width, V]`` from its own generator; confidences are the float64 softmax
+        probability of the token, or (``random`` remasking) ``[width]`` uniform draws after the noise."""
+        tokens = _choosable(logits, batch.banned).argmax(dim=-1)
+        for r, temperature in enumerate(batch.temperature):
+            if temperature > 0:
+                w = batch.width[r]
+                row = logits[r, :w].to(torch.float64).exp() / _gumbel_denominator(
+                    (w, logits.shape[-1]), temperature, batch.generator[r], logits.device)
+                tokens[r, :w] = _choosable(row, batch.banned).argmax(dim=-1)
+        confidence = torch.softmax(logits.to(torch.float64), dim=-1).gather(-1, tokens[..., None])[..., 0]
+        for r, random in enumerate(batch.random_remasking):
+            if random:  # drawn after the row's noise, from the same generator
+                w = batch.width[r]
+                confidence[r, :w] = torch.rand(w, dtype=torch.float64, generator=batch.generator[r],
+                                               device=logits.device)
+        return tokens, confidence
 
     def reveal(self, step, logits, params, plan, temperature, generator, banned=None):
         tokens, confidence = llada_tokens_and_confidence(logits, temperature, params.remasking, generator, banned)
@@ -125,6 +174,43 @@ class DreamRule(RevealRule):
 
     def uses_canvas(self, params: DecodeParams) -> bool:
         return params.cache_mode == "none" and params.dream_schedule == "origin"
+
+    def row_plan(self, step, masked, params, plan, canvas):
+        if canvas is not None:
+            if params.threshold is not None:
+                return canvas.quota + canvas.carried, None, False
+            return None, _dream_fraction(canvas.step, canvas.steps), False
+        if step == 0:
+            return None, None, True
+        if params.threshold is None:
+            return None, _dream_fraction(step, steps_per_block(params)), False
+        return None, None, False
+
+    def choose_batch(self, logits, batch):
+        """``dream_tokens_and_confidence`` over every row, in the logits dtype: a sampling row's logits divided
+        by its temperature and its Gumbel noise ``[width, V]`` drawn from its own generator; confidence is the
+        token's probability, or the negative entropy for rows of a fixed schedule."""
+        scaled = logits
+        if any(t > 0 for t in batch.temperature):
+            scaled = logits.clone()
+            for r, temperature in enumerate(batch.temperature):
+                if temperature > 0:
+                    scaled[r] = logits[r] / temperature
+        probs = torch.softmax(scaled, dim=-1)
+        tokens = _choosable(probs, batch.banned).argmax(dim=-1)
+        for r, temperature in enumerate(batch.temperature):
+            if temperature > 0:
+                w = batch.width[r]
+                gumbel = -torch.log(_gumbel_denominator((w, logits.shape[-1]), 1.0, batch.generator[r],
+                                                        logits.device))
+                noisy = torch.log_softmax(scaled[r, :w].to(torch.float64), dim=-1) + gumbel
+                tokens[r, :w] = _choosable(noisy, batch.banned).argmax(dim=-1)
+        confidence = probs.gather(-1, tokens[..., None])[..., 0]
+        if any(batch.neg_entropy):
+            entropy = (probs * torch.log(probs + _ENTROPY_EPS)).sum(dim=-1)
+            rows = torch.tensor(batch.neg_entropy, dtype=torch.bool, device=logits.device)
+            confidence = torch.where(rows[:, None], entropy, confidence)
+        return tokens, confidence
 
     def reveal(self, step, logits, params, plan, temperature, generator, banned=None):
         if step == 0:
@@ -159,3 +245,134 @@ class DreamRule(RevealRule):
             chosen = select_reveals(confidence, count, None)
         canvas.step += 1
         return chosen, tokens[chosen]
+
+
+# ---- the batched reveal: every row of an iteration's forward in one call ------------------------------------------
+
+
+@dataclass
+class RevealBatch:
+    """The rows of one forward, for :meth:`RevealRule.reveal_batch` (R rows, W columns, V vocabulary).
+
+    Tensors (on the logits' device):
+        logits: ``[R, W, V]`` model dtype, position-aligned logits of each row's window: the active block's
+            columns (block mode) or the response's (whole-response schedule), right-padded to W.
+        tokens: int64 ``[R, W]``, the tokens at those columns now (the mask id where still masked; padding
+            columns hold anything).
+        eos: int64 ids that end a response; banned: int64 ids never chosen (`service.engine.sampling`), or None.
+        allowed: optional per-row constraint, bool ``[R, W, V]`` or ``[R, 1, V]`` (True = the token may be
+            chosen at that column). It acts as a logits processor: disallowed tokens get ``-inf`` logits before
+            the choice, the confidence and the log-probabilities (each column must allow at least one token; a
+            row without a constraint allows everything).
+
+    Host lists (one entry per row; no host read of device data is needed to build them):
+        width: the row's window columns (<= W); step: the call's index in the block (0 = block-initial pass),
+        -1 for a whole-response call; count: the most tokens the row may reveal at this call (LLaDA's fixed
+        schedule, Dream's whole-response threshold quota), None for all candidates; fraction: Dream's fixed
+        schedule, reveal ``int(n x fraction)`` (float32) of the row's n masked candidates, None otherwise;
+        first_only: reveal exactly the first masked column (Dream's block-initial pass); threshold: None for a
+        fixed count; temperature, generator: the row's sampling (generator None when greedy and not random
+        remasking); random_remasking: LLaDA's ``remasking="random"``; neg_entropy: Dream's fixed-schedule
+        confidence; ignore_eos.
+
+    Options:
+        logprobs: None, or k >= 0: also return each column's chosen token's log-probability and its k most
+            likely alternatives (:class:`RevealResult`), from this call's logits (no other forward).
+    """
+
+    logits: torch.Tensor
+    tokens: torch.Tensor
+    mask_id: int
+    eos: torch.Tensor
+    banned: torch.Tensor | None
+    width: list[int]
+    step: list[int]
+    count: list[int | None]
+    fraction: list[float | None]
+    first_only: list[bool]
+    threshold: list[float | None]
+    temperature: list[float]
+    generator: list[torch.Generator | None]
+    random_remasking: list[bool]
+    neg_entropy: list[bool]
+    ignore_eos: list[bool]
+    allowed: torch.Tensor | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class RevealResult:
+    """What :meth:`RevealRule.reveal_batch` decided, per row (tensors on the logits' device).
+
+    Attributes:
+        tokens: int64 ``[R, W]``, the window after the call (revealed columns hold their tokens).
+        revealed: bool ``[R, W]``, the columns this call revealed.
+        counts: int64 ``[R]``, tokens revealed; masks_left: int64 ``[R]``, masked columns left in the window.
+        stop: bool ``[R]``, the row's response now has an EOS with every position before it revealed (never with
+            ``ignore_eos``).
+        token_logprobs: float32 ``[R, W]``, log-probability of the chosen token at each column (only with
+            ``logprobs``; meaningful where ``revealed``); top_ids int64 / top_logprobs float32 ``[R, W, k]``, the
+            k most likely tokens and their log-probabilities (only with ``logprobs`` = k > 0).
+    """
+
+    tokens: torch.Tensor
+    revealed: torch.Tensor
+    counts: torch.Tensor
+    masks_left: torch.Tensor
+    stop: torch.Tensor
+    token_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def _rows_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def reveal_batch(rule: RevealRule, batch: RevealBatch) -> RevealResult:
+    """One call's reveals for every row of a forward, as tensor operations over all rows (no host read).
+
+    The family's rule gives tokens and confidences (:meth:`RevealRule.choose_batch`); then, per row, of its n
+    masked candidates the ``k`` most confident are considered (k = n, or ``count``, or ``int(n x fraction)``),
+    the first always revealed and each other one iff its confidence is not below the threshold (every one of
+    them under a fixed count), or exactly the first candidate (``first_only``). Each row decides exactly as
+    the per-row rule does alone (`service.engine.sampling.select_reveals`): its columns, its settings, its
+    generator; nothing of another row enters.
+    """
+    logits, tokens = batch.logits, batch.tokens
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
+    device = tokens.device
+    w = tokens.shape[1]
+    cols = torch.arange(w, device=device)
+    valid = cols[None, :] < _rows_tensor(batch.width, torch.long, device)[:, None]
+    masked = tokens == batch.mask_id
+    candidates = masked & valid
+    chosen, confidence = rule.choose_batch(logits, batch)
+    n = candidates.sum(-1)
+    count = _rows_tensor([-1 if c is None else c for c in batch.count], torch.long, device)
+    k = torch.where(count >= 0, torch.minimum(count, n), n)
+    if any(f is not None for f in batch.fraction):
+        fraction = _rows_tensor([-1.0 if f is None else f for f in batch.fraction], torch.float32, device)
+        k = torch.where(fraction >= 0, (n.to(torch.float32) * fraction).to(torch.long), k)
+    confidence = confidence.masked_fill(~candidates, float("-inf"))
+    threshold = _rows_tensor([float("-inf") if t is None else t for t in batch.threshold], confidence.dtype, device)
+    ordered, order = confidence.topk(w, dim=-1)
+    keep = (cols[None, :] < k[:, None]) & ((cols[None, :] == 0) | ~(ordered < threshold[:, None]))
+    revealed = torch.zeros_like(candidates).scatter(1, order, keep) & candidates
+    if any(batch.first_only):
+        first = candidates & (candidates.cumsum(-1) == 1)
+        revealed = torch.where(_rows_tensor(batch.first_only, torch.bool, device)[:, None], first, revealed)
+    new = torch.where(revealed, chosen, tokens)
+    still = (new == batch.mask_id) & valid
+    is_eos = torch.isin(new, batch.eos) & valid
+    first_eos = torch.where(is_eos.any(-1), is_eos.to(torch.int8).argmax(-1), w)
+    stop = (is_eos.any(-1) & ~(still & (cols[None, :] < first_eos[:, None])).any(-1)
+            & ~_rows_tensor(batch.ignore_eos, torch.bool, device))
+    result = RevealResult(new, revealed, revealed.sum(-1), still.sum(-1), stop)
+    if batch.logprobs is not None:
+        logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        result.token_logprobs = logp.gather(-1, chosen[..., None])[..., 0]
+        if batch.logprobs > 0:
+            result.top_logprobs, result.top_ids = logp.topk(batch.logprobs, dim=-1)
+    return result

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.engine import EngineInputError
-from service.engine.batch import PADDING_SLACK, _shape, peak_bytes, plan_forwards
+from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, forward_tokens, plan_forwards
 from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
@@ -44,12 +44,12 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("slack", [float("inf"), PADDING_SLACK], ids=["merge-all", "default"])
+@pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100], ids=["default", "small-budget"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
-def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, slack):
+def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget):
     engine = engines[arch]
     prompts = four_prompts(arch)
-    batch = engine.batch(slack)
+    batch = engine.batch(budget)
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
     cohorts, iteration, merged = {}, 0, []
     with torch.inference_mode():
@@ -61,9 +61,9 @@ def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, slack)
             batch.step()
             merged.append(batch.merged)
             iteration += 1
-    # passes of different requests, at different blocks and settings, shared forwards (as far as the memory cap
-    # of `plan_forwards` allows on this tiny model)
-    assert max(merged) >= 2
+    # passes of different requests, at different blocks and settings, shared forwards (as far as the token
+    # budget of `plan_forwards` allows)
+    assert max(merged) >= (4 if budget == DEFAULT_MAX_BATCHED_TOKENS else 2)
     for index, (prompt, params, row, kind, _) in enumerate(MIXED):
         got = engine.report(cohorts[index])
         alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind))
@@ -89,7 +89,7 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_kv(engines):
         batch.step()
         flag[0] = True
         finished += batch.step()  # the row is marked cancelled after this forward and leaves at once
-        assert finished == [leave] and leave not in batch.cohorts and leave.store._layers == {}
+        assert finished == [leave] and leave not in batch.cohorts and leave.store._sequence == {}
         while batch.cohorts:
             finished += batch.step()
     assert engine.report(leave).rows[0].finish_reason == "cancelled"
@@ -104,9 +104,9 @@ def test_every_family_declares_its_reveal_rule():
         reveal_rule("third")
 
 
-def test_merged_forwards_stay_within_the_memory_admission_reserved(engines):
-    """`plan_forwards` merges passes only while the merged forward's transient fits the largest cohort's own
-    (what admission reserves); with room it merges full and window passes of different requests into one."""
+def test_forwards_hold_at_most_the_token_budget(engines):
+    """`plan_forwards` packs passes of one kind into a forward while its padded tokens (rows x widest input) fit
+    the budget; window and full passes never share a forward; a pass larger than the budget runs alone."""
     engine = engines["llada"]
     prompts = four_prompts("llada")
     batch = engine.batch()
@@ -118,11 +118,11 @@ def test_merged_forwards_stay_within_the_memory_admission_reserved(engines):
                 batch.step()  # some cohorts move to cached steps, so both kinds are pending
         calls = [batch._next[c] if c in batch._next else c.next_pass() for c in batch.cohorts]
     assert {c.kind for c in calls} == {"full", "window"}
-    cap = max(peak_bytes(batch.cost, c) for c in batch.cohorts)
-    huge = 1e18  # an overhead that makes every merge pay
-    groups = plan_forwards(calls, batch.cost, cap, overhead=huge)
+    everything = plan_forwards(calls, 1 << 30)
+    assert len(everything) == 2 and [{p.kind for p in g} for g in everything] == [{"window"}, {"full"}]
+    budget = max(p.width * len(p.rows) for p in calls)
+    groups = plan_forwards(calls, budget)
+    assert len(groups) > 2 and sorted(id(p) for g in groups for p in g) == sorted(id(p) for p in calls)
     for group in groups:
-        rows, width, keys = _shape(group)
-        assert batch.cost.bytes(rows, width, keys, max(p.logits_cols.numel() for p in group)) <= cap or len(group) == 1
-    assert len(groups) > 1  # the cap split what the overhead alone would have merged
-    assert len(plan_forwards(calls, batch.cost, 1 << 60, overhead=huge)) == 1
+        assert forward_tokens(group) <= budget and len({p.kind for p in group}) == 1
+    assert all(len(g) == 1 for g in plan_forwards(calls, 1))  # each pass alone, none dropped

@@ -98,3 +98,59 @@ def test_a_request_that_can_never_fit_is_refused_naming_the_field(engine):
         worker.submit(Job(prompt * 20, _params(gen_length=32), RowOptions(), _snapshot()))
     assert too_big.value.field == "prompt"
     assert worker.num_waiting == 0
+
+
+@pytest.mark.parametrize("backfill_s", [3600.0, None], ids=["backfill", "first-come-first-served"])
+def test_a_small_request_does_not_wait_for_a_large_one_blocked_at_the_head(engine, backfill_s):
+    """Issue 22 item 5, the case's shape: a request costing the whole budget waits at the head of the queue
+    behind a running one; a small request behind it runs beside the running one and finishes before the large
+    one starts, while the large one still runs and completes (memory is reserved for it once ``backfill_s`` has
+    passed). Strictly first come, first served, the small one waits for the large one's whole run."""
+    prompts = four_prompts("llada")
+    probe = _worker(engine, 1 << 30)
+    running = (prompts[1], _params(gen_length=128))
+    large = (prompts[2] * 3, _params(gen_length=256))
+    small = (prompts[0], _params(gen_length=32))
+    costs = [_cost(probe, p, params, KVQuantConfig()) for p, params in (running, large, small)]
+    budget = costs[1].kv + costs[1].transient  # the large one fits only alone
+    assert costs[0].kv + costs[2].kv + max(costs[0].transient, costs[2].transient) <= budget  # small fits beside
+    worker = _worker(engine, budget, max_rows=8, backfill_s=backfill_s)
+    order = []
+    jobs = {}
+    for name, (prompt, params) in zip(("running", "large", "small"), (running, large, small)):
+        jobs[name] = worker.submit(Job(prompt, params, RowOptions(), _snapshot()))
+        jobs[name].future.add_done_callback(lambda _, name=name: order.append(name))
+    worker.start()
+    results = {name: job.future.result(timeout=600) for name, job in jobs.items()}
+    worker.stop()
+    joined = {name: results[name].queue_s + jobs[name].admitted_at for name in jobs}
+    alone = engine.generate([small[0]], small[1]).rows[0]
+    assert results["small"].row.generated_ids == alone.generated_ids
+    assert results["large"].row.finish_reason == "length"  # the large one still completes
+    if backfill_s is not None:
+        assert joined["small"] < joined["large"] and order.index("small") < order.index("large")
+        assert results["small"].batch_size == 2  # beside the running one, never beside the large one
+    else:
+        assert joined["running"] <= joined["large"] <= joined["small"] and order[-1] == "small"
+
+
+def test_a_new_kv_configuration_is_measured_on_the_worker_thread_not_in_submit(engine):
+    """`submit` runs on the event loop: the first request of a quantized configuration is sized when it comes up
+    for admission on the worker thread (a request too large fails there, through its future, the same error);
+    once measured, the next one is refused in `submit` at once."""
+    prompt = four_prompts("llada")[2]
+    probe = _worker(engine, 1 << 30)
+    small = _cost(probe, prompt, _params(gen_length=32), KIVI2)
+    worker = _worker(engine, small.kv + small.transient)
+    key = (KIVI2, "dual")
+    job = worker.submit(Job(prompt, _params(gen_length=512), RowOptions(), _snapshot(KIVI2)))
+    assert not worker.memory.knows(key)  # nothing measured in submit
+    worker.start()
+    with pytest.raises(RequestTooLarge) as too_long:
+        job.future.result(timeout=300)
+    assert too_long.value.field == "max_tokens" and worker.memory.knows(key)
+    with pytest.raises(RequestTooLarge):
+        worker.submit(Job(prompt, _params(gen_length=512), RowOptions(), _snapshot(KIVI2)))
+    ok = worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(KIVI2)))
+    assert ok.future.result(timeout=300).row.finish_reason == "length"
+    worker.stop()

@@ -69,7 +69,7 @@ class FakeEngine:
         return _report(answers, params, time.monotonic() - t0, self.decode_text)
 
     # ---- the continuous scheduler's interface: one block per iteration for every cohort -------------------------
-    def batch(self) -> FakeBatch:
+    def batch(self, max_batched_tokens: int | None = None) -> FakeBatch:
         return FakeBatch(self)
 
     def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None):

@@ -67,6 +67,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = float(theta)
         self.full_precision = full_precision
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inv_freq(self, device: torch.device | str) -> torch.Tensor:
         """float32 ``[D / 2]``: ``1 / theta^(2j/D)`` (also read by the fused attention kernel, which rotates
@@ -80,6 +81,26 @@ class RotaryEmbedding(nn.Module):
         angles = positions.to(torch.float32)[..., None] * self.inv_freq(positions.device)  # [B, T, D/2]
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, T, D]
         return angles.cos(), angles.sin()
+
+    def table(self, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin ``[L, D]`` of positions ``0 .. L-1`` with ``L >= length``, built once per device and
+        grown (to the next power of two, at least 1024) only when a longer sequence comes: a forward looks its
+        positions up (:meth:`cos_sin_at`) instead of computing them at every layer. Each entry is the value
+        :meth:`cos_sin` computes for that position (the same float32 product and cos/sin, elementwise)."""
+        device = torch.device(device)
+        held = self._tables.get(device)
+        if held is None or held[0].shape[0] < length:
+            size = max(1024, 1 << max(0, length - 1).bit_length())
+            cos, sin = self.cos_sin(torch.arange(size, device=device)[None])
+            held = (cos[0, 0], sin[0, 0])
+            self._tables[device] = held
+        return held
+
+    def cos_sin_at(self, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`cos_sin` of ``positions`` int64 ``[B, T]`` (every value below ``length``), looked up in the
+        table: float32 cos, sin ``[B, 1, T, D]``."""
+        cos, sin = self.table(length, positions.device)
+        return cos[positions][:, None], sin[positions][:, None]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: ``[B, H, T, D]``; positions: int64 ``[B, T]`` -> rotated x, same dtype."""
@@ -144,12 +165,21 @@ class ForwardContext:
         key_mask: bool ``[B, T_k]`` (True = attend) over the keys attended to, or None for no padding.
         rope: the model's rotary embedding.
         kv_hook: optional :class:`KVHook`.
+        cos, sin: float32 ``[B, 1, T, D]`` RoPE tables of ``positions`` (made once per forward).
     """
 
     positions: torch.Tensor
     key_mask: torch.Tensor | None
     rope: RotaryEmbedding
     kv_hook: KVHook | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # RoPE's cos/sin are the same at every layer: made once per forward (looked up in the model's table when
+        # the caller states the longest position, else computed from the positions).
+        if self.cos is None:
+            self.cos, self.sin = self.rope.cos_sin(self.positions)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -216,8 +246,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k_pre = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = ctx.rope.rotate(q, ctx.positions)
-        k = ctx.rope.rotate(k_pre, ctx.positions)
+        q = ctx.rope.rotate_with(q, ctx.cos, ctx.sin)
+        k = ctx.rope.rotate_with(k_pre, ctx.cos, ctx.sin)
         replaced = None if ctx.kv_hook is None else ctx.kv_hook(layer, q, k_pre, k, v)
         if isinstance(replaced, torch.Tensor):  # the hook attended itself (fused kernel over a packed cache)
             out = replaced

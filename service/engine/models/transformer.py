@@ -112,6 +112,7 @@ class DiffusionLM(nn.Module):
         kv_hook: KVHook | None = None,
         logits_range: tuple[int, int] | None = None,
         logits_at: torch.Tensor | None = None,
+        max_position: int | None = None,
     ) -> torch.Tensor:
         """Position-aligned logits.
 
@@ -127,6 +128,8 @@ class DiffusionLM(nn.Module):
                 runs only there (the vocabulary projection dominates small windows).
             logits_at: int64 ``[B, N]`` input columns whose logits are wanted, per row (instead of
                 ``logits_range``; rows of a continuous batch decode different blocks).
+            max_position: an upper bound (exclusive) on ``positions``, when the caller knows it: RoPE's cos/sin
+                are then looked up in the model's table (built once per length) instead of computed per forward.
 
         Returns:
             ``[B, b - a, V]`` (or ``[B, N, V]``) logits in the model dtype, position-aligned (Dream shifted, see module doc).
@@ -140,7 +143,10 @@ class DiffusionLM(nn.Module):
                 key_mask = attention_mask
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        ctx = ForwardContext(positions=positions, key_mask=key_mask, rope=self.rope, kv_hook=kv_hook)
+        cos = sin = None
+        if max_position is not None:
+            cos, sin = self.rope.cos_sin_at(positions, max_position)
+        ctx = ForwardContext(positions=positions, key_mask=key_mask, rope=self.rope, kv_hook=kv_hook, cos=cos, sin=sin)
         x = self.embed(input_ids)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             x = layer(x, ctx, index)

@@ -1,0 +1,227 @@
+"""What one iteration of the running batch costs, in machine-independent counts (issue 21), with a projected H200
+time against the roofline.
+
+A GPU in eager mode pays for every dispatched tensor operation (a kernel launch, ~5 us of host time) and for every
+host read of device data (a sync: the host waits for the device's queue to drain); a well-built runtime reads the
+weights once per iteration for every row in flight and does host work that does not grow with the rows. This
+benchmark counts, for one **later-step iteration** and one **block-initial iteration** of a running batch of
+``rows`` requests (one row each):
+
+* **tensor ops**: every aten operation dispatched (`torch.utils._python_dispatch.TorchDispatchMode`), views
+  included (the issue's definition);
+* **host syncs**: aten operations whose result the host must read (``_local_scalar_dense``: ``.item()``,
+  ``bool()``, ``int()``; ``nonzero``, ``equal``, ``masked_select``, ``unique``, ``repeat_interleave`` without an
+  output size) plus calls of ``Tensor.tolist`` and ``Tensor.numpy`` (which read without dispatching);
+* **forwards**: calls of the model's ``forward``; **rows/fwd**: the most rows in one of them;
+* **bytes read** at LLaDA-8B's real size (bf16 weights ``W``, 16.0 GB): ``W x forwards`` plus the reused K/V of
+  every row at every layer (full precision: ``2 x 32 x 32 x 128 x 2`` bytes per token; 4-bit stores at an assumed
+  4.6 effective bits: KIVI's K statistics per 32 tokens and V per 128 channels);
+* **projected H200 time** = ``max(ops x LAUNCH_US, bytes / PEAK) + syncs x SYNC_US`` (launch-bound host or
+  bandwidth-bound device, whichever is slower, plus a drained queue per sync), against the **roofline**
+  ``(W + K/V) / PEAK``: one weight read and each row's K/V read once.
+
+The model has LLaDA-8B's layer count and head layout (32 layers, 32 heads, MHA) with the width shrunk to 128 (head
+dim 4, MLP 384, vocabulary 4096) so that the arithmetic is small; counts do not depend on the width. Each request:
+a 200-token prompt, 256 generated, block 32, 8 fixed steps per block (``steps=64``, so every row takes part in
+every step), ``ignore_eos``. The KV stores: the engine's full precision (``none``) and `service.quant` at 4 bits
+(KIVI, dLLM-KVQ with p = 1 on every layer, KVQuant), made as in `benchmarks/decode_speed.py`.
+
+Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
+[--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--gen-length 256] [--block-length 32]
+[--slack inf]``. ``--slack`` is the running batch's ``padding_slack`` where it has one (``inf`` merges whenever
+memory allows, as a launch-bound GPU would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
+from benchmarks.decode_speed import PRESETS, quantized_store, random_engine
+from service.engine import Engine
+from service.engine.params import DecodeParams
+
+#: Host cost of one eager kernel launch on a GPU (seconds), and the extra stall of one host read (a drained queue).
+LAUNCH_S = 5e-6
+SYNC_S = 20e-6
+#: H200 HBM bandwidth (bytes/s).
+PEAK_BYTES_PER_S = 4.8e12
+#: LLaDA-8B at bf16: parameters (golden SPEC 1.1 geometry) and full-precision K/V bytes per token (all layers).
+LLADA_8B = PRESETS["8b"]
+ASSUMED_BITS = {"none": 16.0, "kivi": 4.6, "dllm_kvq": 4.6, "kvquant": 4.6}
+
+#: aten operations whose result the host reads (a sync on a GPU).
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "equal", "masked_select", "unique", "_unique", "_unique2",
+            "unique_consecutive", "unique_dim", "is_nonzero"}
+
+
+def llada_8b_bytes() -> tuple[int, int]:
+    """(weight bytes, full-precision K/V bytes per token over all layers) of LLaDA-8B in bf16."""
+    p = LLADA_8B
+    c, m, v, layers = p["width"], p["mlp_hidden"], p["vocab_size"], p["num_layers"]
+    params = layers * (4 * c * c + 3 * c * m + 2 * c) + 2 * v * c + c
+    return 2 * params, 2 * layers * c * 2  # K and V: heads x head_dim = width
+
+
+class Counter(TorchDispatchMode):
+    """Counts dispatched aten operations and host syncs (module doc) while active; ``Tensor.tolist`` and
+    ``Tensor.numpy`` are wrapped for the duration, since they read without dispatching."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.syncs = 0
+        self._saved: dict[str, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = func.__name__.split(".")[0]
+        if name in SYNC_OPS or (name == "repeat_interleave" and "output_size" not in (kwargs or {})
+                                and isinstance(args[0], torch.Tensor) and len(args) == 1):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in ("tolist", "numpy"):
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+
+            def wrapped(tensor, *a, _original=original, **kw):
+                self.syncs += 1
+                return _original(tensor, *a, **kw)
+
+            setattr(torch.Tensor, name, wrapped)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        return super().__exit__(*exc)
+
+
+class ForwardCount:
+    """Counts the model's forward calls and the most rows one of them held (wraps ``model.forward``)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.calls, self.most_rows = model, 0, 0
+        self._forward = model.forward
+
+    def __enter__(self):
+        def counted(input_ids, *args, **kwargs):
+            self.calls += 1
+            self.most_rows = max(self.most_rows, int(input_ids.shape[0]))
+            return self._forward(input_ids, *args, **kwargs)
+
+        self.model.forward = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward
+
+
+@dataclass(frozen=True)
+class IterationCost:
+    """Counts of one iteration (module doc)."""
+
+    ops: int
+    syncs: int
+    forwards: int
+    most_rows: int
+
+
+def _batch(engine: Engine):
+    """The engine's running batch, with ``padding_slack`` when the batch takes one (the legacy grouping)."""
+    return engine.batch(**({"padding_slack": ARGS["slack"]} if "padding_slack" in
+                          inspect.signature(engine.batch).parameters else {}))
+
+
+ARGS = {"slack": float("inf")}
+
+
+def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt_length: int
+            ) -> tuple[IterationCost, IterationCost]:
+    """(block-initial iteration, later-step iteration) of ``rows`` requests that joined together."""
+    gen = torch.Generator().manual_seed(rows)
+    vocab = engine.spec.vocab_size
+    batch = _batch(engine)
+    for _ in range(rows):
+        prompt = torch.randint(3, vocab - 1, (prompt_length,), generator=gen).tolist()
+        store = None if method == "none" else quantized_store(method, keep=False)(engine)
+        batch.join(engine.cohort([prompt], params, None, store))
+    costs = []
+    with torch.inference_mode():
+        for _ in range(2):
+            with ForwardCount(engine.model) as forwards, Counter() as counter:
+                batch.step()
+            costs.append(IterationCost(counter.ops, counter.syncs, forwards.calls, forwards.most_rows))
+        for cohort in list(batch.cohorts):
+            batch.leave(cohort)
+    return costs[0], costs[1]
+
+
+def projected(cost: IterationCost, rows: int, method: str, reused: int) -> tuple[float, float, float]:
+    """(bytes read, projected seconds, roofline seconds) of an iteration at LLaDA-8B's size (module doc)."""
+    weights, kv_per_token = llada_8b_bytes()
+    kv = rows * reused * kv_per_token * ASSUMED_BITS[method] / 16.0
+    read = weights * cost.forwards + kv
+    seconds = max(cost.ops * LAUNCH_S, read / PEAK_BYTES_PER_S) + cost.syncs * SYNC_S
+    return read, seconds, (weights + kv) / PEAK_BYTES_PER_S
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32,64")
+    parser.add_argument("--caches", default="dual,prefix")
+    parser.add_argument("--methods", default="none,kivi,dllm_kvq,kvquant")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prompt-length", type=int, default=200)
+    parser.add_argument("--gen-length", type=int, default=256)
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--steps-per-block", type=int, default=8)
+    parser.add_argument("--slack", type=float, default=float("inf"))
+    parser.add_argument("--no-time", action="store_true", help="counts only (no projected times)")
+    args = parser.parse_args(argv)
+    ARGS["slack"] = args.slack
+    torch.set_num_threads(1)
+    PRESETS["8b-narrow"] = {"width": 128, "num_layers": args.layers, "num_heads": 32, "mlp_hidden": 384,
+                            "vocab_size": 4096}
+    engine = random_engine("8b-narrow", torch.float32, "cpu", 10.0)
+    blocks = args.gen_length // args.block_length
+    reused = args.prompt_length + args.gen_length - args.block_length
+    print(f"iteration cost: LLaDA-8B layout narrowed ({args.layers} layers, 32 heads x head dim 4, width 128, MLP "
+          f"384, vocabulary 4096), prompt {args.prompt_length}, {args.gen_length} generated, block "
+          f"{args.block_length}, {args.steps_per_block} steps per block; projected at LLaDA-8B bf16 on an H200: "
+          f"{LAUNCH_S * 1e6:.0f} us per op, {SYNC_S * 1e6:.0f} us per sync, {PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
+    header = (f"{'cache':<7}{'KV':<9}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
+              f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
+    if not args.no_time:
+        header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>6}"
+    print(header)
+    results = []
+    for cache in args.caches.split(","):
+        params = DecodeParams(cache_mode=cache, gen_length=args.gen_length, block_length=args.block_length,
+                              threshold=None, steps=args.steps_per_block * blocks, ignore_eos=True)
+        for method in args.methods.split(","):
+            for rows in (int(r) for r in args.rows.split(",")):
+                initial, later = measure(engine, rows, params, method, args.prompt_length)
+                line = (f"{cache:<7}{method:<9}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
+                        f"{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}{initial.syncs:>6}"
+                        f"{initial.forwards:>4}")
+                row = {"cache": cache, "method": method, "rows": rows, "later": later, "initial": initial}
+                if not args.no_time:
+                    read, seconds, roof = projected(later, rows, method, reused)
+                    line += f" | {read / 1e9:>9.1f}{seconds * 1e3:>8.1f}{roof * 1e3:>9.1f}{seconds / roof:>5.1f}x"
+                    row.update(read=read, seconds=seconds, roofline=roof)
+                print(line, flush=True)
+                results.append(row)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""`benchmarks/iteration_cost.py` counts one iteration's tensor ops, host syncs and forwards (tiny size, counts only;
+no times): the running batch costs per batch, not per row (issue 21)."""
+
+from __future__ import annotations
+
+from benchmarks import iteration_cost
+
+
+def _table(capsys, **kw):
+    argv = ["--layers", "2", "--prompt-length", "20", "--gen-length", "64", "--block-length", "16",
+            "--steps-per-block", "4", "--no-time"]
+    for key, value in kw.items():
+        argv += [f"--{key}", value]
+    results = iteration_cost.main(argv)
+    out = capsys.readouterr().out
+    assert "later: ops" in out and "initial: ops" in out
+    return {(r["cache"], r["method"], r["rows"]): r for r in results}
+
+
+def test_a_later_step_of_many_rows_is_one_forward_with_one_host_read(capsys):
+    table = _table(capsys, rows="1,8", caches="dual,prefix", methods="none")
+    for cache in ("dual", "prefix"):
+        one, eight = table[(cache, "none", 1)], table[(cache, "none", 8)]
+        assert eight["later"].forwards == 1 and eight["later"].most_rows == 8
+        assert eight["initial"].forwards == 1 and eight["initial"].most_rows == 8
+        assert eight["later"].syncs <= 2 and eight["initial"].syncs <= 2
+        # 7 more rows cost far less than 7 more forwards: the ops grow by a small share per row
+        assert eight["later"].ops < 1.5 * one["later"].ops
+
+
+def test_the_counter_sees_host_reads():
+    import torch
+
+    x = torch.arange(6)
+    with iteration_cost.Counter() as counter:
+        x.tolist()
+        bool(x.any())
+        x.nonzero()
+        (x + 1).sum()
+    assert counter.syncs == 3 and counter.ops >= 5
