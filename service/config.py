@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.engine.params import DecodeSettings
+from service.engine.params import N_CEILING, DecodeSettings
 from service.quant.config import KVQuantConfig
 from service.store.base import InvalidName, check_store_url
 
@@ -100,6 +100,8 @@ class Settings(BaseSettings, DecodeSettings):
         False, description="chat message content may spell control tokens (<|eot_id|> ... become those tokens); "
         "default: such text is tokenized as text, only the chat template makes control tokens"
     )
+    max_n: int = Field(8, gt=0, le=N_CEILING, description="most choices (n) of one request: rows of one cohort, "
+                       "each costing a response's memory and work")
     likelihood_mc_num: int = Field(
         128, gt=0, description="Monte-Carlo samples of each prompt ELBO of an echo + logprobs completion (a request "
         "may override it with mc_num); the in-process lm-eval model's default"

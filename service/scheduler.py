@@ -101,7 +101,8 @@ class ContinuousWorker(Worker):
     def _cost(self, job: Job) -> Cost:
         if job.task is not None:  # full passes without cache: no KV held
             return Cost(0, job.task.transient_bytes(self.memory.forward))
-        return self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+        one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+        return Cost(one.kv * len(job.rows), one.transient * len(job.rows))  # n choices: n rows
 
     def _store(self, job: Job) -> KVStore:
         store = self._kv_store_factory(job.snapshot)
@@ -196,14 +197,15 @@ class ContinuousWorker(Worker):
             if job.first_block_at is None:
                 job.first_block_at = time.monotonic()
             if job.on_block is not None and not job.cancelled:
-                job.on_block(block, ids[0])
+                job.on_block(block, ids)
 
         try:
             if job.task is not None:
                 cohort = job.task.cohort(self.engine, lambda: job.cancelled)
             else:
-                cohort = self.engine.cohort([job.prompt_ids], job.params, [job.row], self._store(job), on_block,
-                                            lambda: [job.cancelled])
+                rows = job.rows
+                cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
+                                            lambda: [job.cancelled] * len(rows))
         except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return None

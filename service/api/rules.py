@@ -3,7 +3,7 @@ the published document says exactly what the server refuses (issue 13).
 
 * :class:`RuledModel`: a request model whose ``rules`` (cross-field: "give threshold or steps, not both") run after
   field validation and are written into the model's schema as ``allOf`` entries.
-* :func:`only`: an OpenAI field this server honours at its neutral values only (``n`` = 1, ``top_p`` = 1 ...): the
+* :func:`only`: an OpenAI field this server honours at its neutral values only (``top_p`` = 1, ``best_of`` = 1 ...): the
   annotation names those values (schema and validation alike), any other value is refused saying what is legal.
 
 A refused rule is a pydantic error whose context names the field (``param``), so `service.api.errors` answers a
@@ -245,7 +245,7 @@ class RuledModel(BaseModel):
 
 def only(annotation: Any, legal: str) -> Any:
     """An OpenAI field accepted only at the values ``annotation`` admits (its schema says them); any other value
-    is refused as a field error whose message says ``legal`` (e.g. ``only n = 1 is supported``)."""
+    is refused as a field error whose message says ``legal`` (e.g. ``only top_p = 1 is supported``)."""
 
     def refuse(value: Any, handler) -> Any:
         try:

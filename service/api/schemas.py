@@ -4,7 +4,7 @@ Protocol models only; the serving logic is in `service.api.serving`. Every reque
 (a field that is neither OpenAI's nor ours is a 400 naming it) and declares what the server accepts once, for its
 validation and its published schema alike (issue 13, `service.api.rules`): strict types, bounds, cross-field rules
 (``rules``), and the OpenAI fields this server honours only at their neutral value (`service.api.rules.only`:
-``n`` = 1, ``top_p`` = 1 ...; any other value is a 400 that names the field and says what is legal, so a client
+``top_p`` = 1, ``best_of`` = 1 ...; any other value is a 400 that names the field and says what is legal, so a client
 learns why instead of getting a silent ignore). Bounds that the running server decides (the loaded model's context
 length, vocabulary and name, the registered artifact kinds) are marked with :func:`from_server` and filled into the
 document by `service.api.openapi`; the engine checks them. vLLM's servers are the reference for shapes.
@@ -43,6 +43,7 @@ from service.api.rules import (
 )
 from service.engine.params import (
     MAX_TOP_LOGPROBS,
+    N_CEILING,
     TOKENS_CEILING,
     CacheMode,
     DecodeParams,
@@ -167,7 +168,9 @@ class OpenAISampling(DiffusionKnobs):
     temperature: StrictTemperature | None = None
     top_p: only(Annotated[float, Field(strict=True, ge=1.0, le=1.0)] | None,
                 "only top_p = 1 is supported (diffusion decoding samples the full distribution)") = None
-    n: only(exactly(1) | None, "only n = 1 is supported") = None
+    n: json_int(ge=1, le=N_CEILING, json_schema_extra=from_server(maximum="max_n")) | None = Field(
+        None, description="choices per prompt, decoded as rows of one cohort, each with its own seed (seed + index "
+        "when a seed is given); at most the server's DLLM_MAX_N")
     stop: Stop | None = None
     seed: StrictSeed | None = None
     stream: StrictBool | None = False

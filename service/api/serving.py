@@ -257,17 +257,17 @@ class Serving:
                 raise InvalidRequest(f"{path} holds {what}, the model's mask token: a prompt must not contain it "
                                      "(only the response is masked)", param=param)
 
-    def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot,
+    def _jobs(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions], snapshot: ConfigSnapshot,
               prompt_param: str = "prompt") -> list[Job]:
         # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
         # once, by the engine: a 400 naming the field now, rather than a failed batch later.
         try:
-            validate_request(self.spec, prompts, params, [row] * len(prompts))
+            validate_request(self.spec, prompts, params, [rows[0]] * len(prompts))
         except EngineInputError as exc:
             if exc.field == "prompt":
                 exc.field = prompt_param  # the chat route's prompt is its messages
             raise
-        return [Job(ids, params, row, snapshot) for ids in prompts]
+        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:])) for ids in prompts]
 
     def _check_count(self, count: int) -> None:
         """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that
@@ -366,14 +366,19 @@ class Serving:
         params, max_tokens = self._params(req, max_tokens)
         self._refuse_mask(req, prompts, prompt_param)
         logprobs = _logprobs_asked(req)
+        n = getattr(req, "n", None) or 1
+        if n > self.settings.max_n:
+            raise InvalidRequest(f"n {n} is over this server's {self.settings.max_n} choices per request "
+                                 "(DLLM_MAX_N)", param="n")
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
                          logprobs=logprobs)
-        jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
+        rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
+        jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
         options = getattr(req, "stream_options", None)
         return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
                     include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix),
-                    prompts=prompts, logprobs=logprobs)
+                    prompts=prompts, n=n, logprobs=logprobs)
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
@@ -440,7 +445,7 @@ class Serving:
         """The ``/v1/completions`` answer: one choice per prompt (and per ``n``), summed usage; with ``echo`` the
         prompt's text (and scores) before each choice's (an echo with ``max_tokens`` 0: the prompts alone)."""
         choices = []
-        prompt_tokens = sum(len(p) for p in plan.prompts) * plan.n
+        prompt_tokens = sum(len(p) for p in plan.prompts)  # once per prompt, whatever n (OpenAI's count)
         completion_tokens = 0
         tok = getattr(self.engine, "tokenizer", None)
         if not plan.jobs:  # echo with max_tokens 0
@@ -450,14 +455,14 @@ class Serving:
                     logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
                 choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
                                                   finish_reason="length"))
-        for k, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
-            cut = self.cut(job, result.row.generated_ids)
+        for k, (job, row) in enumerate(_choice_rows(plan, results)):
+            cut = self.cut(job, row.generated_ids)
             i = k // plan.n
             echo = plan.echo[i] if plan.echo is not None else ""
             logprobs = None
             if plan.logprobs is not None:
                 scored = plan.scored[i] if plan.scored else None
-                logprobs = completion_logprobs(tok, (result.row.logprobs or [])[:len(cut.ids)],
+                logprobs = completion_logprobs(tok, (row.logprobs or [])[:len(cut.ids)],
                                                plan.prompts[i] if scored is not None else None, scored,
                                                offset=0 if scored is not None else len(echo))
             choices.append(s.CompletionChoice(index=k, text=echo + (cut.text or ""), logprobs=logprobs,
@@ -475,15 +480,15 @@ class Serving:
         """The ``/v1/chat/completions`` answer (one choice per ``n``, summed usage)."""
         choices, completion_tokens = [], 0
         tok = getattr(self.engine, "tokenizer", None)
-        for k, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
-            cut = self.cut(job, result.row.generated_ids)
+        for k, (job, row) in enumerate(_choice_rows(plan, results)):
+            cut = self.cut(job, row.generated_ids)
             logprobs = None
             if plan.logprobs is not None:
-                logprobs = chat_logprobs(tok, (result.row.logprobs or [])[:len(cut.ids)])
+                logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(cut.ids)])
             choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=cut.text), logprobs=logprobs,
                                         finish_reason=cut.finish_reason))
             completion_tokens += len(cut.ids)
-        prompt_tokens = len(plan.jobs[0].prompt_ids) * len(plan.jobs)
+        prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
             usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -512,58 +517,61 @@ class Serving:
         headers already said."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        n = len(plan.jobs)
         for i, job in enumerate(plan.jobs):
             job.on_block = _threadsafe(loop, events, i)
             job.future.add_done_callback(lambda _f, i=i: loop.call_soon_threadsafe(events.put_nowait, ("done", i)))
-        emitted = [""] * n
-        sent = [0] * n  # tokens whose log-probabilities went out (with the chunk that completed their text)
-        open_rows = set(range(n))
+        choices = len(plan.jobs) * plan.n  # choice k: job k // n, its row k % n
+        emitted = [""] * choices
+        sent = [0] * choices  # tokens whose log-probabilities went out (with the chunk that completed their text)
+        open_jobs = set(range(len(plan.jobs)))
         prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
         completion_tokens = 0
         deadline = loop.time() + self.settings.request_timeout_s
         ended = False
         try:
             if plan.kind == "chat":
-                yield self._chunk(plan, 0, role=True)
-            while open_rows:
+                for k in range(choices):
+                    yield self._chunk(plan, k, role=True)
+            while open_jobs:
                 try:
                     event = await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     raise RequestTimeout(f"the request took longer than {self.settings.request_timeout_s} s")
                 kind, i, *rest = event
-                if i not in open_rows:
+                if i not in open_jobs:
                     continue
                 job = plan.jobs[i]
                 if kind == "block":
-                    # Cut as the final answer is cut: what is streamed never goes past it.
-                    _, ids, captured = rest
-                    cut = self.cut(job, ids)
-                    text = cut.text or ""
-                    text = text[: len(text) - held_back(text, job.row.stop)]
-                    delta = text[len(emitted[i]):] if text.startswith(emitted[i]) else ""
-                    entries = None
-                    if plan.logprobs is not None and captured is not None:
-                        done_tokens = tokens_within(self.engine.decode_text, cut.ids, len(emitted[i]) + len(delta))
-                        entries, sent[i] = captured[sent[i]:done_tokens], max(sent[i], done_tokens)
-                    yield self._chunk(plan, i, text=delta, logprobs=entries, offset=len(emitted[i]))
-                    emitted[i] += delta
+                    _, rows_ids, rows_captured = rest
+                    for j, (ids, captured) in enumerate(zip(rows_ids, rows_captured, strict=True)):
+                        k = i * plan.n + j
+                        # Cut as the final answer is cut: what is streamed never goes past it.
+                        cut = self.cut(job, ids)
+                        text = cut.text or ""
+                        text = text[: len(text) - held_back(text, job.row.stop)]
+                        delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
+                        entries = None
+                        if plan.logprobs is not None and captured is not None:
+                            done = tokens_within(self.engine.decode_text, cut.ids, len(emitted[k]) + len(delta))
+                            entries, sent[k] = captured[sent[k]:done], max(sent[k], done)
+                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
+                        emitted[k] += delta
                     continue
                 exc = job.future.exception()
                 if exc is not None:
                     raise exc
                 result: JobResult = job.future.result()
-                cut = self.cut(job, result.row.generated_ids)
-                completion_tokens += len(cut.ids)
-                open_rows.discard(i)
-                delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
-                entries = None
-                if plan.logprobs is not None:
-                    entries = (result.row.logprobs or [])[sent[i]:len(cut.ids)]
-                if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
-                    yield self._chunk(plan, i, text=delta, logprobs=entries, offset=len(emitted[i]))
-                yield self._chunk(plan, i, text="", finish_reason=cut.finish_reason)
-                if not open_rows:
+                open_jobs.discard(i)
+                for j, row in enumerate(result.report.rows):
+                    k = i * plan.n + j
+                    cut = self.cut(job, row.generated_ids)
+                    completion_tokens += len(cut.ids)
+                    delta = cut.text[len(emitted[k]):] if cut.text.startswith(emitted[k]) else ""
+                    entries = (row.logprobs or [])[sent[k]:len(cut.ids)] if plan.logprobs is not None else None
+                    if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
+                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
+                    yield self._chunk(plan, k, text="", finish_reason=cut.finish_reason)
+                if not open_jobs:
                     ended = True
                     self._observe(plan, [j.future.result() for j in plan.jobs])
                     if plan.include_usage:
@@ -627,6 +635,19 @@ def mark_cancelled(request: Request) -> None:
 LIKELIHOOD_SEED = 1234
 
 
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index``: the request's seed + index (kept within a 64-bit generator seed), or None
+    (each choice its own fresh random seed)."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
+
+
+def _choice_rows(plan: Plan, results: list[JobResult]) -> list[tuple[Job, Any]]:
+    """(job, row report) of every choice in order: choice ``k`` is row ``k % n`` of job ``k // n``."""
+    return [(job, row) for job, result in zip(plan.jobs, results, strict=True) for row in result.report.rows]
+
+
 def _logprobs_asked(req: Any) -> int | None:
     """Alternatives per returned token a request asks for (None: no log-probabilities): completions' ``logprobs``
     (an int), chat's ``top_logprobs`` when ``logprobs`` is true."""
@@ -664,9 +685,11 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: i
                 ) -> Callable[[int, list[int]], None]:
     """An ``on_block`` callback that hands (block, ids) from the worker thread to the event loop."""
 
-    def on_block(block: int, ids: list[int]) -> None:
-        # ids: `service.engine.decode.CommittedIds`, whose captured log-probabilities (if asked for) come along.
-        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids), getattr(ids, "logprobs", None)))
+    def on_block(block: int, ids: list[list[int]]) -> None:
+        # One list per row of the job: `service.engine.decode.CommittedIds`, whose log-probabilities (when asked
+        # for) come along.
+        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, [list(r) for r in ids],
+                                                      [getattr(r, "logprobs", None) for r in ids]))
 
     return on_block
 

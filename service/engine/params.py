@@ -52,6 +52,8 @@ MAX_STOP_CHARS = 256
 #: valid string").
 STOP_RULE = (f"stop is one string or a list of at most {MAX_STOP_STRINGS} strings, each of 1-{MAX_STOP_CHARS} "
              "characters")
+#: A static ceiling on the choices (``n``) of one request; the server's ``max_n`` setting is the real bound.
+N_CEILING = 128
 #: Most alternatives per token a request may ask for (OpenAI chat's ``top_logprobs`` bound).
 MAX_TOP_LOGPROBS = 20
 #: Sampling temperature range (OpenAI's 0..2).

@@ -135,7 +135,7 @@ def test_health_ready_metrics(client):
 
 
 BAD = [
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 9}, "n"),  # over DLLM_MAX_N (8)
     ({"prompt": "a", "top_p": 0.5}, "top_p"),
     ({"prompt": "a", "logprobs": 21}, "logprobs"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # generates nothing: only with echo

@@ -179,3 +179,33 @@ def test_completion_logprobs_are_cut_with_the_text(client):
     assert values == lp.token_logprobs[:n] and streamed[-1].logprobs is None
     echoed = client.completions.create(model="embedded", prompt=prompt, max_tokens=40, echo=True)
     assert echoed.choices[0].text == prompt + short.choices[0].text
+
+
+# ---- item 3: n > 1 -----------------------------------------------------------------------------------------------------
+def test_n_choices_are_rows_with_their_own_seeds_and_summed_usage(client):
+    # The running sum past a few digits is where the embedded model is unsure: samples differ.
+    messages = [{"role": "user", "content": "sum: 3 1 4 1 5 9 2 6"}]
+    common = {"model": "embedded", "messages": messages, "max_tokens": 16, "temperature": 2.0}
+    three = client.chat.completions.create(**common, n=3, seed=11)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    # Choice j decodes as a request of its own with seed 11 + j would.
+    alone = [client.chat.completions.create(**common, seed=11 + j).choices[0] for j in range(3)]
+    assert [c.message.content for c in three.choices] == [c.message.content for c in alone]
+    assert len({c.message.content for c in three.choices}) > 1  # different seeds, different samples
+    assert three.usage.completion_tokens == sum(
+        client.chat.completions.create(**common, seed=11 + j).usage.completion_tokens for j in range(3))
+    assert three.usage.prompt_tokens == client.chat.completions.create(**common, seed=0).usage.prompt_tokens
+    streamed: dict[int, str] = {}
+    finished = set()
+    for chunk in client.chat.completions.create(**common, n=3, seed=11, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == {0, 1, 2} and [streamed[k] for k in range(3)] == [c.message.content for c in three.choices]
+    texts = client.completions.create(model="embedded", prompt=["copy: 1 2", "copy: 3 4"], max_tokens=8, n=2,
+                                      temperature=1.0, seed=5)
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**common, n=9)
+    assert err.value.body["param"] == "n" and "DLLM_MAX_N" in err.value.body["message"]
