@@ -210,16 +210,16 @@ def write_shipped(directory: Path) -> None:
         write_jsonl(questions, directory / f"{name}.jsonl")
 
 
-#: Task names this module defines.
-EMBEDDED_TASKS: tuple[str, ...] = ("digit_ledger",)
+#: Task names this module defines (and its multiple-choice variant, `evaluation.embedded_choice`).
+EMBEDDED_TASKS: tuple[str, ...] = ("digit_ledger", "digit_ledger_choice")
 
 
 def _split_file(name: str) -> Path:
     return Path(str(resources.files("service").joinpath(f"assets/embedded/task/{name}.jsonl")))
 
 
-def embedded_task_configs() -> dict[str, dict]:
-    """``{"digit_ledger": <lm-eval task config>}`` (module docstring), for `evaluation.tasks.write_task_dir`.
+def task_data() -> dict:
+    """The data fields of an lm-eval config over the shipped held-out splits (``validation``, ``test``).
 
     Raises:
         FileNotFoundError: the shipped split files are missing from the installed package.
@@ -230,14 +230,24 @@ def embedded_task_configs() -> dict[str, dict]:
     for path in files.values():
         if not path.is_file():
             raise FileNotFoundError(f"embedded task split {path} is missing (service/assets/embedded/task)")
+    return {"tag": [OFFLINE_TAG], "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}},
+            "validation_split": "validation", "test_split": "test"}
+
+
+def embedded_task_configs() -> dict[str, dict]:
+    """``{"digit_ledger": <lm-eval task config>, "digit_ledger_choice": ...}`` (module docstring; the second is
+    `evaluation.embedded_choice`), for `evaluation.tasks.write_task_dir`.
+
+    Raises:
+        FileNotFoundError: the shipped split files are missing from the installed package.
+    """
+    from evaluation.embedded_choice import choice_task_config
+
     return {
         "digit_ledger": {
             "task": "digit_ledger",
-            "tag": [OFFLINE_TAG],
-            "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}},
-            "validation_split": "validation",
-            "test_split": "test",
+            **task_data(),
             "output_type": "generate_until",
             "doc_to_text": "{{prompt}}",
             "doc_to_target": "{{answer}}",
@@ -246,7 +256,8 @@ def embedded_task_configs() -> dict[str, dict]:
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
                              "ignore_case": False, "ignore_punctuation": False, "regexes_to_ignore": ["\\s+"]}],
             "metadata": {"version": 1.0},
-        }
+        },
+        "digit_ledger_choice": choice_task_config(),
     }
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.engine.params import DecodeSettings
+from service.engine.params import N_CEILING, DecodeSettings
 from service.quant.config import KVQuantConfig
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -118,6 +118,21 @@ class Settings(BaseSettings, DecodeSettings):
         0.0, ge=0.0, le=1.0, description="probability a quantized request is re-decoded unquantized (agreement)"
     )
     shadow_queue: int = Field(16, gt=0, description="most shadow re-decodes waiting; beyond it they are dropped")
+
+    # ---- OpenAI contract (issue 25) --------------------------------------------------------------------------------
+    allow_special_tokens_in_content: bool = Field(
+        False, description="chat message content may spell control tokens (<|eot_id|> ... become those tokens); "
+        "default: such text is tokenized as text, only the chat template makes control tokens"
+    )
+    max_n: int = Field(8, gt=0, le=N_CEILING, description="most choices (n) of one request: rows of one cohort, "
+                       "each costing a response's memory and work")
+    likelihood_mc_num: int = Field(
+        128, gt=0, description="Monte-Carlo samples of each prompt ELBO of an echo + logprobs completion (a request "
+        "may override it with mc_num); the in-process lm-eval model's default"
+    )
+    likelihood_mc_batch_size: int = Field(
+        32, gt=0, description="Monte-Carlo samples per forward of a prompt ELBO (mc_num is rounded up to a multiple)"
+    )
 
     # ---- stores and keys -------------------------------------------------------------------------------------------
     store_url: str = Field(

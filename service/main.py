@@ -22,7 +22,7 @@ from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
 from service.api import body, errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
-from service.api.serving import Serving
+from service.api.serving import OUTCOME_KEY, Serving
 from service.config import Settings, served_model_name
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
@@ -38,6 +38,8 @@ from service.worker import EngineLike, Job, Worker
 log = logging.getLogger(__name__)
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
+#: nginx's status for a request whose client closed the connection (`service.api.errors`: JobCancelled).
+CLIENT_CLOSED = 499
 
 
 class StartupRefused(RuntimeError):
@@ -67,7 +69,9 @@ def load_engine(settings: Settings) -> EngineLike:
 
 class MetricsMiddleware:
     """Counts every request by route and status, and times the generation endpoints (streams included: the
-    time runs until the last byte). Pure ASGI, so streaming and disconnect detection are untouched."""
+    time runs until the last byte). Pure ASGI, so streaming and disconnect detection are untouched. A request
+    cancelled by its client is counted with status 499 and in ``dllm_requests_cancelled_total``, also a stream
+    whose 200 was already sent (the serving marks it, `service.api.serving.mark_cancelled`)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -78,6 +82,7 @@ class MetricsMiddleware:
             return
         start = time.monotonic()
         status = {"code": 500}
+        outcome = scope[OUTCOME_KEY] = {"cancelled": False}
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -91,7 +96,11 @@ class MetricsMiddleware:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "other"
             if telemetry is not None:
-                telemetry.requests.labels(endpoint, str(status["code"])).inc()
+                # A request cancelled after its status went out (a stream whose client left) is a 499 too.
+                code = CLIENT_CLOSED if outcome["cancelled"] else status["code"]
+                telemetry.requests.labels(endpoint, str(code)).inc()
+                if code == CLIENT_CLOSED:
+                    telemetry.cancelled.labels(endpoint).inc()
                 if endpoint in GENERATION_ENDPOINTS:
                     telemetry.latency.labels(endpoint).observe(time.monotonic() - start)
 

@@ -99,7 +99,10 @@ class ContinuousWorker(Worker):
         return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
 
     def _cost(self, job: Job) -> Cost:
-        return self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+        if job.task is not None:  # full passes without cache: no KV held
+            return Cost(0, job.task.transient_bytes(self.memory.forward))
+        one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+        return Cost(one.kv * len(job.rows), one.transient * len(job.rows))  # n choices: n rows
 
     def _store(self, job: Job) -> KVStore:
         store = self._kv_store_factory(job.snapshot)
@@ -115,7 +118,8 @@ class ContinuousWorker(Worker):
             RequestTooLarge: its KV bytes and its own forward exceed the budget even alone (``field``
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
         """
-        if job.snapshot.config.method == "none" or self.memory.knows((job.snapshot.config, job.snapshot.cache_mode)):
+        if (job.task is not None or job.snapshot.config.method == "none"
+                or self.memory.knows((job.snapshot.config, job.snapshot.cache_mode))):
             self._check_size(job)
         return super().submit(job)
 
@@ -123,6 +127,12 @@ class ContinuousWorker(Worker):
         """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`)."""
         job.sized = True
         cost = self._cost(job)
+        if job.task is not None:
+            if cost.transient > self.budget_bytes:
+                raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over "
+                                      f"the server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
+                                      "prompt")
+            return
         if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
@@ -187,11 +197,15 @@ class ContinuousWorker(Worker):
             if job.first_block_at is None:
                 job.first_block_at = time.monotonic()
             if job.on_block is not None and not job.cancelled:
-                job.on_block(block, ids[0])
+                job.on_block(block, ids)
 
         try:
-            cohort = self.engine.cohort([job.prompt_ids], job.params, [job.row], self._store(job), on_block,
-                                        lambda: [job.cancelled])
+            if job.task is not None:
+                cohort = job.task.cohort(self.engine, lambda: job.cancelled)
+            else:
+                rows = job.rows
+                cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
+                                            lambda: [job.cancelled] * len(rows))
         except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return None
@@ -199,7 +213,8 @@ class ContinuousWorker(Worker):
         member = _Running(job, cohort, cost, now, len(self._members) + 1)
         self._members.append(member)
         self._running = [m.job for m in self._members]
-        self._batch.join(cohort)
+        if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
+            self._batch.join(cohort)
         if job.served is None and not job.internal:
             self.telemetry.queue_time.observe(now - job.admitted_at)
         return member
@@ -219,6 +234,7 @@ class ContinuousWorker(Worker):
                 self._publish()
             try:
                 self._batch.step(on_done=self._finished)
+                self._step_tasks()
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
@@ -236,6 +252,22 @@ class ContinuousWorker(Worker):
                 self._publish()
                 self._cond.notify_all()
 
+    def _step_tasks(self) -> None:
+        """One forward of every running task (`service.worker.Job.task`); a finished one leaves at once, a failing
+        one fails alone."""
+        for member in [m for m in self._members if m.job.task is not None]:
+            try:
+                more = member.cohort.step()
+            except Exception as exc:
+                if is_device_fault(exc):
+                    raise
+                with self._cond:
+                    self._fail_member(member, exc)
+                    self._cond.notify_all()
+                continue
+            if not more:
+                self._finished(member.cohort)
+
     def _finished(self, cohort) -> None:
         """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
         with self._cond:
@@ -252,6 +284,12 @@ class ContinuousWorker(Worker):
         self._members.remove(member)
         self._running = [m.job for m in self._members]
         job = member.job
+        if job.task is not None:
+            if job.cancelled or member.cohort.cancelled:
+                _set_exception(job, JobCancelled("cancelled while running"))
+            else:
+                _set_result(job, member.cohort.scores())
+            return
         report: DecodeReport = self.engine.report(member.cohort)
         if job.cancelled or report.rows[0].finish_reason == "cancelled":
             _set_exception(job, JobCancelled("cancelled while running"))

@@ -9,6 +9,7 @@ id for dllm_kvq, the KVQuant state id for kvquant, empty otherwise).
 name                                                   type       labels
 =====================================================  =========  =============================================
 dllm_requests_total                                    counter    endpoint, status
+dllm_requests_cancelled_total                          counter    endpoint
 dllm_request_latency_seconds                           histogram  endpoint
 dllm_time_to_first_block_seconds                       histogram  endpoint
 dllm_queue_time_seconds                                histogram  -
@@ -112,6 +113,8 @@ class Telemetry:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dllm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=r)
+        self.cancelled = Counter("dllm_requests_cancelled", "requests cancelled by their client (disconnect, abort; "
+                                 "streams too), also counted as status 499", ["endpoint"], registry=r)
         self.latency = Histogram("dllm_request_latency_seconds", "end-to-end latency of generation requests",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.first_block = Histogram("dllm_time_to_first_block_seconds",

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from service.admission import work_tokens
 from service.engine.agreement import exact_match, token_agreement
+from service.engine.batch import spans
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
@@ -135,30 +136,31 @@ def is_device_fault(exc: BaseException) -> bool:
 class JobResult:
     """What a finished job returns: its row of the batch report, the snapshot it ran with, times in seconds."""
 
-    report: DecodeReport  # a one-row view of the batch's report (params, timings and kv are the batch's)
+    report: DecodeReport  # a view of the job's rows of the batch's report (params, timings and kv are the batch's)
     snapshot: ConfigSnapshot
     queue_s: float
     batch_size: int
 
     @property
     def row(self) -> RowReport:
-        """The job's row report."""
+        """The job's (first) row report."""
         return self.report.rows[0]
 
 
 @dataclass(eq=False)
 class Job:
-    """One admitted request row.
+    """One admitted request: one prompt decoded as ``len(rows)`` rows (``n`` choices: ``row`` and ``more_rows``,
+    rows of one cohort).
 
-    ``on_block(block_index, ids)`` is called from the worker thread with this row's response ids committed so
-    far; it must not block (the HTTP side hands it to its event loop).
+    ``on_block(block_index, ids)`` is called from the worker thread with the response ids committed so far, one
+    list per row of the job; it must not block (the HTTP side hands it to its event loop).
     """
 
     prompt_ids: list[int]
     params: DecodeParams
     row: RowOptions
     snapshot: ConfigSnapshot
-    on_block: Callable[[int, list[int]], None] | None = None
+    on_block: Callable[[int, list[list[int]]], None] | None = None
     admitted_at: float = field(default_factory=time.monotonic)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -171,6 +173,16 @@ class Job:
     served: tuple[list[int], str | None] | None = None
     # The start-up readiness probe: not a user request, so not in the request metrics.
     internal: bool = False
+    # Work other than decoding (`service.engine.likelihood.LikelihoodTask`): run as a cohort of its own, its result
+    # is the cohort's ``scores()``; ``params`` and ``row`` are then unused.
+    task: Any = None
+    # The other choices of the same prompt (n > 1, issue 25): decoded with ``row`` as rows of one cohort.
+    more_rows: tuple[RowOptions, ...] = ()
+
+    @property
+    def rows(self) -> list[RowOptions]:
+        """The job's rows: ``row``, then ``more_rows``."""
+        return [self.row, *self.more_rows]
 
     def cancel(self) -> None:
         """Mark the job cancelled (thread-safe, idempotent)."""
@@ -184,7 +196,8 @@ class Job:
     @property
     def batch_key(self) -> tuple[Any, ...]:
         """Jobs with equal keys can share a batch: decode params, snapshot, shadow or not, internal or not."""
-        return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal)
+        return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal,
+                None if self.task is None else id(self))  # a task runs alone
 
 
 class _AllCancelled(Exception):
@@ -309,11 +322,14 @@ class Worker:
             WorkerUnavailable: draining, or stopped by a device fault.
             QueueFull: ``max_queue`` jobs already wait.
         """
-        work = work_tokens(len(job.prompt_ids), job.params)
+        if job.task is not None:
+            work, field, lower = job.task.work, "prompt", "mc_num"
+        else:
+            work = work_tokens(len(job.prompt_ids), job.params) * len(job.rows)
+            field = lower = "steps" if job.params.steps is not None else "max_tokens"
         if self.max_work is not None and work > self.max_work:
-            field = "steps" if job.params.steps is not None else "max_tokens"
             raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
-                                  f"the server's ceiling of {self.max_work:,}: lower {field} or shorten the prompt",
+                                  f"the server's ceiling of {self.max_work:,}: lower {lower} or shorten the prompt",
                                   field)
         with self._cond:
             if not self.accepting:
@@ -418,25 +434,30 @@ class Worker:
             for job in batch:
                 self.telemetry.queue_time.observe(started - job.admitted_at)
 
+        spans = _spans(batch)
+
         def on_block(block: int, ids: list[list[int]]) -> None:
             if all(j.cancelled for j in batch):
                 raise _AllCancelled
             now = time.monotonic()
-            for job, row_ids in zip(batch, ids, strict=True):
+            for job, span in zip(batch, spans, strict=True):
                 if job.first_block_at is None:
                     job.first_block_at = now
                 if job.on_block is not None and not job.cancelled:
-                    job.on_block(block, row_ids)
+                    job.on_block(block, ids[span])
 
+        if batch[0].task is not None:
+            self._run_task(batch[0])
+            return
         snapshot = batch[0].snapshot
         try:
             report = self.engine.generate(
-                [j.prompt_ids for j in batch],
+                [j.prompt_ids for j in batch for _ in j.rows],
                 batch[0].params,
-                rows=[j.row for j in batch],
+                rows=[r for j in batch for r in j.rows],
                 kv_store=self._kv_store_factory(snapshot),
                 on_block=on_block,
-                cancelled=lambda: [j.cancelled for j in batch],
+                cancelled=lambda: [j.cancelled for j in batch for _ in j.rows],
             )
         except _AllCancelled:
             for job in batch:
@@ -457,14 +478,28 @@ class Worker:
             return
         if observed:
             self.telemetry.observe_report(report, snapshot.cache_mode, snapshot.config)
-        for i, job in enumerate(batch):
+        for job, span in zip(batch, spans, strict=True):
             if job.cancelled:
                 _set_exception(job, JobCancelled("cancelled while running"))
                 continue
-            single = DecodeReport(rows=[report.rows[i]], params=report.params, timings=report.timings, kv=report.kv)
-            _set_result(job, JobResult(single, snapshot, started - job.admitted_at, len(batch)))
+            own = DecodeReport(rows=report.rows[span], params=report.params, timings=report.timings, kv=report.kv)
+            _set_result(job, JobResult(own, snapshot, started - job.admitted_at, len(batch)))
             if observed:
-                self._maybe_shadow(job, report.rows[i])
+                self._maybe_shadow(job, report.rows[span.start])
+
+    def _run_task(self, job: Job) -> None:
+        """A job's task alone in a batch of its own, to the end (the batch scheduler)."""
+        cohort = job.task.cohort(self.engine, lambda: job.cancelled)
+        try:
+            while cohort.step():
+                pass
+        except Exception as exc:  # noqa: BLE001 -- as a failed batch
+            _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+            return
+        if job.cancelled or cohort.cancelled:
+            _set_exception(job, JobCancelled("cancelled while running"))
+        else:
+            _set_result(job, cohort.scores())
 
     def _fail_everything(self, exc: BaseException) -> None:
         with self._cond:
@@ -502,6 +537,11 @@ class Worker:
             else:
                 exact = served_ids == row.generated_ids
             self.telemetry.observe_shadow(origin.config, origin.cache_mode, agreement, exact)
+
+
+def _spans(batch: list[Job]) -> list[slice]:
+    """Each job's rows in a batch whose rows are the jobs' rows in order."""
+    return spans(len(job.rows) for job in batch)
 
 
 def _set_result(job: Job, result: JobResult) -> None:

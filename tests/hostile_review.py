@@ -288,9 +288,9 @@ def number_cases(h: Hostile) -> None:
     c("seed 7.5 float", {"seed": 7.5}, "seed")
     c("seed -2**63 (legal)", {"seed": -(1 << 63), "temperature": 1.0}, None, expect=200)
     c("n '1' string (docs: strictly typed)", {"n": "1"}, "n")
-    c("n 2 (unsupported)", {"n": 2}, "n")
+    c("n 9 (over DLLM_MAX_N, 8)", {"n": 9}, "n")
     c("best_of 3", {"best_of": 3}, "best_of")
-    c("logprobs 5", {"logprobs": 5}, "logprobs")
+    c("logprobs 21 (over 20)", {"logprobs": 21}, "logprobs")
     c("top_p 0.5", {"top_p": 0.5}, "top_p")
     c("top_p NaN", {"top_p": float("nan")}, "top_p")
     c("frequency_penalty Infinity", {"frequency_penalty": float("inf")}, "frequency_penalty")
@@ -364,12 +364,12 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
     p("30 prompts in one request", ["copy: 1 2 3"] * 30, None, expect={200, 400, 429})
     # More prompts than the queue holds: a retry can never succeed, so 429 (retry later) would mislead.
     p("1000 prompts in one request (queue holds 64)", ["copy: 1 2 3"] * 1000, "prompt", expect=400)
-    p("stop: 5 strings", "copy: 1 2", "stop", stop=["a", "b", "c", "d", "e"])
+    p("stop: 17 strings (over the bound of 16)", "copy: 1 2", "stop", stop=[f"s{i}" for i in range(17)])
     p("stop: empty string", "copy: 1 2", "stop", stop="")
     p("stop: 100k characters", "copy: 1 2", "stop", stop="x" * 100_000)
     p("stop: list of ints", "copy: 1 2", "stop", stop=[1, 2])
     p("suffix given", "copy: 1 2", "suffix", suffix="end")
-    p("echo true", "copy: 1 2", "echo", echo=True)
+    p("echo true with stream (not streamed)", "copy: 1 2", "echo", echo=True, stream=True)
     p("unknown top-level field", "copy: 1 2", "foo", foo=1)
     p("model gpt-4", "copy: 1 2", "model", expect=404, model="gpt-4")
     p("model with NUL", "copy: 1 2", "model", expect=404, model="embedded\x00")
@@ -646,15 +646,15 @@ def openai_client_cases(h: Hostile) -> None:
     o("sdk: models.list", lambda: client.models.list().data[0].id, "2xx")
     o("sdk: chat legal", lambda: client.chat.completions.create(model="embedded", messages=msgs, max_tokens=64)
       .choices[0].message.content, "2xx")
-    o("sdk: chat n=2", lambda: client.chat.completions.create(model="embedded", messages=msgs, n=2), 400, "n")
+    o("sdk: chat n=9", lambda: client.chat.completions.create(model="embedded", messages=msgs, n=9), 400, "n")
     o("sdk: chat model 'gpt-4o'", lambda: client.chat.completions.create(model="gpt-4o", messages=msgs), 404, "model")
     o("sdk: completions kv_quant bits 3", lambda: client.completions.create(
         model="embedded", prompt="next: 1 2 3", max_tokens=8, extra_body={"kv_quant": {"method": "kivi", "bits": 3}}),
       400, "bits")
     o("sdk: completions max_tokens 10**9", lambda: client.completions.create(
         model="embedded", prompt="next: 1 2 3", max_tokens=10**9), 400, "max_tokens")
-    o("sdk: chat logprobs + top_logprobs", lambda: client.chat.completions.create(
-        model="embedded", messages=msgs, logprobs=True, top_logprobs=3), 400, "logprobs")
+    o("sdk: chat top_logprobs without logprobs", lambda: client.chat.completions.create(
+        model="embedded", messages=msgs, top_logprobs=3), 400, "top_logprobs")
     o("sdk: chat seed and temperature 1.5 (legal)", lambda: client.chat.completions.create(
         model="embedded", messages=msgs, temperature=1.5, seed=123, max_tokens=32).choices[0].finish_reason, "2xx")
 

@@ -119,7 +119,8 @@ def server_values(state: Any) -> dict[str, Any]:
     ``mask_id`` (``{"const": id}``, never in a prompt); ``last_decodable_id`` (``/detokenize``: the tokenizer's
     size); ``model_names`` (the served name); ``fingerprint`` (the weights'); ``remasking`` (what the
     family's reveal rule takes); ``artifact_kinds`` (admin URL segments of the registered methods); ``max_prompts``
-    (prompts in one completion request: the most the queue holds, ``max_queue``).
+    (prompts in one completion request: the most the queue holds, ``max_queue``); ``max_n`` (choices per prompt,
+    ``DLLM_MAX_N``).
     """
     serving = state.serving
     spec = serving.spec
@@ -135,6 +136,7 @@ def server_values(state: Any) -> dict[str, Any]:
         "remasking": list(reveal_rule(spec.arch).remasking),
         "artifact_kinds": list(artifact_types()),
         "max_prompts": serving.settings.max_queue,
+        "max_n": serving.settings.max_n,
     }
 
 

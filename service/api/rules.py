@@ -3,7 +3,7 @@ the published document says exactly what the server refuses (issue 13).
 
 * :class:`RuledModel`: a request model whose ``rules`` (cross-field: "give threshold or steps, not both") run after
   field validation and are written into the model's schema as ``allOf`` entries.
-* :func:`only`: an OpenAI field this server honours at its neutral values only (``n`` = 1, ``top_p`` = 1 ...): the
+* :func:`only`: an OpenAI field this server honours at its neutral values only (``top_p`` = 1, ``best_of`` = 1 ...): the
   annotation names those values (schema and validation alike), any other value is refused saying what is legal.
 
 A refused rule is a pydantic error whose context names the field (``param``), so `service.api.errors` answers a
@@ -126,6 +126,22 @@ class NullOrHas(Cond):
         return {"required": [self.field], "properties": {self.field: {"type": "object", "not": self._has()}}}
 
 
+class Not(Cond):
+    """The condition ``cond`` does not hold."""
+
+    def __init__(self, cond: Cond) -> None:
+        self.cond = cond
+
+    def holds(self, model: BaseModel) -> bool:
+        return not self.cond.holds(model)
+
+    def schema(self, defaults=None) -> dict[str, Any]:
+        return self.cond.negated(defaults)
+
+    def negated(self, defaults=None) -> dict[str, Any]:
+        return self.cond.schema(defaults)
+
+
 class Rule:
     """A cross-field rule: ``message`` says what is legal, ``param`` is the field a refusal names."""
 
@@ -229,7 +245,7 @@ class RuledModel(BaseModel):
 
 def only(annotation: Any, legal: str) -> Any:
     """An OpenAI field accepted only at the values ``annotation`` admits (its schema says them); any other value
-    is refused as a field error whose message says ``legal`` (e.g. ``only n = 1 is supported``)."""
+    is refused as a field error whose message says ``legal`` (e.g. ``only top_p = 1 is supported``)."""
 
     def refuse(value: Any, handler) -> Any:
         try:
@@ -241,5 +257,5 @@ def only(annotation: Any, legal: str) -> Any:
     return Annotated[annotation, WrapValidator(refuse)]
 
 
-__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "NullOrHas",
+__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas",
            "RuledModel", "only"]

@@ -4,7 +4,7 @@ Protocol models only; the serving logic is in `service.api.serving`. Every reque
 (a field that is neither OpenAI's nor ours is a 400 naming it) and declares what the server accepts once, for its
 validation and its published schema alike (issue 13, `service.api.rules`): strict types, bounds, cross-field rules
 (``rules``), and the OpenAI fields this server honours only at their neutral value (`service.api.rules.only`:
-``n`` = 1, ``top_p`` = 1 ...; any other value is a 400 that names the field and says what is legal, so a client
+``top_p`` = 1, ``best_of`` = 1 ...; any other value is a 400 that names the field and says what is legal, so a client
 learns why instead of getting a silent ignore). Bounds that the running server decides (the loaded model's context
 length, vocabulary and name, the registered artifact kinds) are marked with :func:`from_server` and filled into the
 document by `service.api.openapi`; the engine checks them. vLLM's servers are the reference for shapes.
@@ -29,9 +29,22 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from service.api.rules import AtMostOne, ExactlyOne, Given, Implies, Is, IsText, NullOrHas, RuledModel, only
+from service.api.rules import (
+    AtMostOne,
+    ExactlyOne,
+    Given,
+    Implies,
+    Is,
+    IsText,
+    Not,
+    NullOrHas,
+    RuledModel,
+    only,
+)
 from service.api.structured import StructuredOutputFields
 from service.engine.params import (
+    MAX_TOP_LOGPROBS,
+    N_CEILING,
     TOKENS_CEILING,
     CacheMode,
     DecodeParams,
@@ -150,7 +163,9 @@ class OpenAISampling(DiffusionKnobs, StructuredOutputFields):
     temperature: StrictTemperature | None = None
     top_p: only(Annotated[float, Field(strict=True, ge=1.0, le=1.0)] | None,
                 "only top_p = 1 is supported (diffusion decoding samples the full distribution)") = None
-    n: only(exactly(1) | None, "only n = 1 is supported") = None
+    n: json_int(ge=1, le=N_CEILING, json_schema_extra=from_server(maximum="max_n")) | None = Field(
+        None, description="choices per prompt, decoded as rows of one cohort, each with its own seed (seed + index "
+        "when a seed is given); at most the server's DLLM_MAX_N")
     stop: Stop | None = None
     seed: StrictSeed | None = None
     stream: StrictBool | None = False
@@ -168,6 +183,19 @@ class OpenAISampling(DiffusionKnobs, StructuredOutputFields):
 
 _MAX_PROMPTS = from_server(maxItems="max_prompts")
 
+# ---- log-probabilities and likelihoods (issue 25) ---------------------------------------------------------------------
+#: Most Monte-Carlo samples one request may ask for per prompt ELBO (each split of the prompt costs that many rows).
+MAX_MC_NUM = 4096
+TopLogprobs = json_int(ge=0, le=MAX_TOP_LOGPROBS)
+LOGPROBS_HELP = ("log-probability of each returned token as the model gave it at the step that revealed it, and "
+                 "this many alternatives (0-20); with echo = true, the prompt's tokens get their Monte-Carlo ELBO "
+                 "increments (docs/api.md, \"Log-probabilities\")")
+ECHO_HELP = "the prompt before the completion; with logprobs, the prompt's tokens scored (max_tokens 0: only them)"
+MC_NUM_HELP = ("our field: Monte-Carlo samples of each prompt ELBO of echo = true with logprobs (default: the "
+               "server's DLLM_LIKELIHOOD_MC_NUM); a multiple of the server's DLLM_LIKELIHOOD_MC_BATCH_SIZE when above it")
+#: A completion's ``max_tokens``: 0 (only with echo: nothing generated, the prompt scored) or a response length.
+CompletionTokens = json_int(ge=0, le=TOKENS_CEILING, json_schema_extra=from_server(maximum="longest_response"))
+
 
 class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``: OpenAI's legacy completions."""
@@ -175,10 +203,21 @@ class CompletionRequest(OpenAISampling):
     # More prompts than the queue can ever hold is a 400 naming prompt (a 429 would invite a vain retry).
     prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)] | PromptIds
             | Annotated[list[PromptIds], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)])
+    max_tokens: CompletionTokens | None = Field(None, description=MAX_TOKENS_HELP + "; 0 only with echo = true")
     best_of: only(exactly(1) | None, "only best_of = 1 is supported") = None
-    echo: only(exactly(False) | None, "echo is not supported") = None
-    logprobs: only(None, "logprobs are not supported") = None
+    echo: StrictBool | None = Field(None, description=ECHO_HELP)
+    logprobs: TopLogprobs | None = Field(None, description=LOGPROBS_HELP)
+    mc_num: json_int(ge=1, le=MAX_MC_NUM) | None = Field(None, description=MC_NUM_HELP)
     suffix: only(None, "suffix (insertion) is not supported") = None
+
+    rules = (
+        Implies(Is("max_tokens", 0), Is("echo", True), "max_tokens 0 generates nothing: only with echo = true (the "
+                "prompt and, with logprobs, its scores)", "max_tokens"),
+        Implies(Given("mc_num"), Is("echo", True), "mc_num sets the samples of the prompt's ELBO: only with echo = "
+                "true", "mc_num"),
+        Implies(Is("echo", True), Not(Is("stream", True)), "echo is not streamed: send it with stream = false",
+                "echo"),
+    )
 
 
 class TextPart(StrictModel):
@@ -211,8 +250,9 @@ class ChatCompletionRequest(OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: ResponseTokens | None = Field(None, description="the same as max_tokens (OpenAI's newer "
                                                          "name)")
-    logprobs: only(exactly(False) | None, "logprobs are not supported") = None
-    top_logprobs: only(exactly(0) | None, "logprobs are not supported") = None
+    logprobs: StrictBool | None = Field(None, description="each returned token's log-probability as the model gave "
+                                        "it at the step that revealed it (docs/api.md, \"Log-probabilities\")")
+    top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (0-20); needs logprobs = true")
     tools: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "tools are not supported") = None
     tool_choice: only(exactly("none") | None, "tools are not supported") = None
     parallel_tool_calls: StrictBool | None = None
@@ -231,7 +271,9 @@ class ChatCompletionRequest(OpenAISampling):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),)
+    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),
+             Implies(Given("top_logprobs"), Is("logprobs", True), "top_logprobs needs logprobs = true",
+                     "top_logprobs"))
 
 
 # ---- OpenAI responses ------------------------------------------------------------------------------------------------
@@ -252,12 +294,22 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy ``logprobs`` of a completion choice: per token its text, log-probability (None for the first
+    prompt token of an echo: nothing precedes it), alternatives by text, and character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     """One choice of a completion (or of a streamed completion chunk)."""
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 
@@ -280,12 +332,33 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One alternative of a chat token."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """One returned token of a chat choice with its alternatives."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat ``logprobs``: the returned tokens in order."""
+
+    content: list[ChatTokenLogprob] | None = None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     """One choice of a chat completion."""
 
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -313,7 +386,7 @@ class ChatChunkChoice(BaseModel):
 
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

@@ -32,12 +32,15 @@ from fastapi import Request
 
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
+from service.api.logprobs import chat_logprobs, completion_logprobs, tokens_within
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
+from service.engine.likelihood import LikelihoodTask
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text
+from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.store.active import ActiveConfigs, ConfigSnapshot
@@ -58,7 +61,13 @@ LARGE_TEXT_CHARS = 64 * 1024
 
 @dataclass
 class Plan:
-    """A validated request: its jobs (one per prompt) and what shaping the answer needs."""
+    """A validated request: its jobs (one per prompt and choice: choice ``k`` is prompt ``k // n``) and what
+    shaping the answer needs.
+
+    Attributes (issue 25): ``prompts`` the prompts' ids; ``logprobs`` the alternatives per returned token (None: no
+    log-probabilities); ``echo`` the prompts' texts to put before each choice's text (None: no echo); ``scores``
+    the jobs scoring each prompt's tokens (echo with logprobs), and ``scored`` their results once run.
+    """
 
     kind: Kind
     endpoint: str
@@ -67,6 +76,17 @@ class Plan:
     include_usage: bool = False
     request_id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    prompts: list[list[int]] = field(default_factory=list)
+    n: int = 1
+    logprobs: int | None = None
+    echo: list[str] | None = None
+    scores: list[Job] = field(default_factory=list)
+    scored: list[list[TokenLogprob]] = field(default_factory=list)
+
+    @property
+    def all_jobs(self) -> list[Job]:
+        """Every job to admit and wait for: the choices', then the scores'."""
+        return [*self.jobs, *self.scores]
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
@@ -143,7 +163,8 @@ class Serving:
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         turns = [{"role": m.role, "content": m.text} for m in messages]
         return self._tokenize(sum(len(t["content"]) for t in turns), encode_chat, self.engine.tokenizer, turns,
-                              self.spec.model_id, add_generation_prompt)
+                              self.spec.model_id, add_generation_prompt, "messages",
+                              self.settings.allow_special_tokens_in_content)
 
     def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.spec.model_id,
@@ -214,17 +235,47 @@ class Serving:
         except StoreUnavailable:
             raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
 
-    def _jobs(self, prompts: list[list[int]], params: DecodeParams, row: RowOptions, snapshot: ConfigSnapshot,
+    def _mask_param(self, req: Any, prompt_param: str, index: int, count: int) -> tuple[str, str, str]:
+        """Where the mask token of prompt ``index`` of ``count`` is (the field named in the error's ``param``, and
+        the path to it), and how the client wrote it: a content or a text prompt that spells it, or a token id."""
+        mask = self.spec.mask_id
+        tok = getattr(self.engine, "tokenizer", None)
+        to_token = getattr(tok, "convert_ids_to_tokens", None)
+        spelled = to_token(mask) if to_token is not None else None
+        if prompt_param == "messages":
+            for i, m in enumerate(req.messages):
+                if spelled and spelled in m.text:
+                    return f"messages.{i}.content", f"messages.{i}.content", f"the text {spelled!r}"
+            return "messages", "messages", f"the mask id {mask}"
+        prompt = req.prompt
+        several = isinstance(prompt, list) and isinstance(prompt[0], str | list)  # strings, or lists of ids
+        one = prompt[index] if several else prompt
+        path = f"prompt.{index}" if several else "prompt"
+        if isinstance(one, str):
+            return "prompt", path, f"the text {spelled!r}" if spelled and spelled in one else f"the mask id {mask}"
+        at = list(one).index(mask)
+        return "prompt", f"{path}.{at}", f"the token id {mask}" + (f" ({spelled!r})" if spelled else "")
+
+    def _refuse_mask(self, req: Any, prompts: list[list[int]], prompt_param: str) -> None:
+        """A prompt holding the mask token is a 400 naming the field and what the client wrote (the engine only
+        knows the id, which a text prompt never showed)."""
+        for i, ids in enumerate(prompts):
+            if self.spec.mask_id in ids:
+                param, path, what = self._mask_param(req, prompt_param, i, len(prompts))
+                raise InvalidRequest(f"{path} holds {what}, the model's mask token: a prompt must not contain it "
+                                     "(only the response is masked)", param=param)
+
+    def _jobs(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions], snapshot: ConfigSnapshot,
               prompt_param: str = "prompt") -> list[Job]:
         # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
         # once, by the engine: a 400 naming the field now, rather than a failed batch later.
         try:
-            validate_request(self.spec, prompts, params, [row] * len(prompts))
+            validate_request(self.spec, prompts, params, [rows[0]] * len(prompts))
         except EngineInputError as exc:
             if exc.field == "prompt":
                 exc.field = prompt_param  # the chat route's prompt is its messages
             raise
-        return [Job(ids, params, row, snapshot) for ids in prompts]
+        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:])) for ids in prompts]
 
     def _check_count(self, count: int) -> None:
         """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that
@@ -260,7 +311,45 @@ class Serving:
         else:
             raise InvalidRequest("prompt must be a string, a list of strings, token ids or lists of token ids, "
                                  "and not empty", param="prompt")
-        return self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
+        if req.max_tokens == 0:  # echo only (the request's rules): nothing generated
+            self._refuse_mask(req, prompts, "prompt")
+            plan = Plan("completion", "/v1/completions", [], request_id=s.new_id("cmpl"), prompts=prompts)
+            snapshot = self.active.snapshot(req.cache_mode or self.settings.cache_mode)
+        else:
+            plan = self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
+            snapshot = plan.jobs[0].snapshot
+        plan.logprobs = req.logprobs
+        if req.echo:
+            plan.echo = [x if isinstance(x, str) else self._prompt_text(x)
+                         for x in ([p] if isinstance(p, str) or isinstance(p[0], int) else p)]
+            if req.logprobs is not None:
+                plan.scores = self._score_jobs(req, prompts, snapshot)
+        return plan
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        tok = getattr(self.engine, "tokenizer", None)
+        return tok.decode(ids) if tok is not None else ""
+
+    def _score_jobs(self, req: s.CompletionRequest, prompts: list[list[int]], snapshot: ConfigSnapshot) -> list[Job]:
+        """Jobs scoring each prompt's tokens with the Monte-Carlo ELBO (`service.engine.likelihood`); cost bounded
+        by the work ceiling and memory admission at :meth:`submit`."""
+        mc_num = req.mc_num or self.settings.likelihood_mc_num
+        batch = min(self.settings.likelihood_mc_batch_size, mc_num)
+        if mc_num % batch:
+            raise InvalidRequest(f"mc_num {mc_num} must be a multiple of {batch} (DLLM_LIKELIHOOD_MC_BATCH_SIZE) "
+                                 "when it is larger", param="mc_num")
+        seed = req.seed if req.seed is not None else LIKELIHOOD_SEED
+        jobs = []
+        for i, ids in enumerate(prompts):
+            self._check_ids(ids, "prompt")
+            if len(ids) > self.spec.max_length:
+                raise InvalidRequest(f"prompt {i} has {len(ids)} tokens, over the model's context of "
+                                     f"{self.spec.max_length}", param="prompt")
+            task = LikelihoodTask(tuple(ids), mc_num, batch, seed, req.logprobs or 0)
+            params = DecodeParams(gen_length=self.settings.block_length, block_length=self.settings.block_length,
+                                  cache_mode="none", threshold=None, steps=1)
+            jobs.append(Job(ids, params, RowOptions(), snapshot, task=task))
+        return jobs
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
         """Validate and apply the chat template for ``/v1/chat/completions``."""
@@ -275,7 +364,7 @@ class Serving:
             if not req.chat:  # a chat template may trim or drop text: no bound
                 self._check_fits([req.prompt])
             ids = self._tokenize(len(req.prompt), encode_prompt, self.engine.tokenizer, req.prompt,
-                                 self.spec.model_id, req.chat)
+                                 self.spec.model_id, req.chat, self.settings.allow_special_tokens_in_content)
         else:
             ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
@@ -295,20 +384,28 @@ class Serving:
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
         params, max_tokens = self._params(req, max_tokens)
+        self._refuse_mask(req, prompts, prompt_param)
+        logprobs = _logprobs_asked(req)
+        n = getattr(req, "n", None) or 1
+        if n > self.settings.max_n:
+            raise InvalidRequest(f"n {n} is over this server's {self.settings.max_n} choices per request "
+                                 "(DLLM_MAX_N)", param="n")
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
-                         grammar=self._grammar(req))
-        jobs = self._jobs(prompts, params, row, self._snapshot(req, params.cache_mode), prompt_param)
+                         logprobs=logprobs, grammar=self._grammar(req))
+        rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
+        jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
         options = getattr(req, "stream_options", None)
         return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
-                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix))
+                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix),
+                    prompts=prompts, n=n, logprobs=logprobs)
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
         """Admit every job of the plan, or none (QueueFull / WorkerUnavailable leave nothing queued)."""
         admitted = []
         try:
-            for job in plan.jobs:
+            for job in plan.all_jobs:
                 admitted.append(self.worker.submit(job))
         except BaseException as exc:
             for job in admitted:
@@ -318,7 +415,7 @@ class Serving:
             raise
 
     def _cancel(self, plan: Plan) -> None:
-        for job in plan.jobs:
+        for job in plan.all_jobs:
             if not job.future.done():
                 self.worker.cancel(job)
 
@@ -328,7 +425,7 @@ class Serving:
         Raises: QueueFull, WorkerUnavailable, BatchFailed, JobCancelled, RequestTimeout.
         """
         self.submit(plan)
-        gathered = asyncio.gather(*(asyncio.wrap_future(j.future) for j in plan.jobs), return_exceptions=True)
+        gathered = asyncio.gather(*(asyncio.wrap_future(j.future) for j in plan.all_jobs), return_exceptions=True)
         watcher = asyncio.create_task(_wait_disconnect(request))
         try:
             done, _ = await asyncio.wait({gathered, watcher}, timeout=self.settings.request_timeout_s,
@@ -348,6 +445,7 @@ class Serving:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
+        results, plan.scored = results[:len(plan.jobs)], results[len(plan.jobs):]
         self._observe(plan, results)
         return results
 
@@ -364,29 +462,57 @@ class Serving:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
-        """The ``/v1/completions`` answer: one choice per prompt, summed usage."""
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, (job, result) in enumerate(zip(plan.jobs, results, strict=True)):
-            cut = self.cut(job, result.row.generated_ids)
-            choices.append(s.CompletionChoice(index=i, text=cut.text, finish_reason=cut.finish_reason))
-            prompt_tokens += len(job.prompt_ids)
+        """The ``/v1/completions`` answer: one choice per prompt (and per ``n``), summed usage; with ``echo`` the
+        prompt's text (and scores) before each choice's (an echo with ``max_tokens`` 0: the prompts alone)."""
+        choices = []
+        prompt_tokens = sum(len(p) for p in plan.prompts)  # once per prompt, whatever n (OpenAI's count)
+        completion_tokens = 0
+        tok = getattr(self.engine, "tokenizer", None)
+        if not plan.jobs:  # echo with max_tokens 0
+            for i, ids in enumerate(plan.prompts):
+                logprobs = None
+                if plan.logprobs is not None:
+                    logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
+                choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
+                                                  finish_reason="length"))
+        for k, (job, row) in enumerate(_choice_rows(plan, results)):
+            cut = self.cut(job, row.generated_ids)
+            i = k // plan.n
+            echo = plan.echo[i] if plan.echo is not None else ""
+            logprobs = None
+            if plan.logprobs is not None:
+                scored = plan.scored[i] if plan.scored else None
+                logprobs = completion_logprobs(tok, (row.logprobs or [])[:len(cut.ids)],
+                                               plan.prompts[i] if scored is not None else None, scored,
+                                               offset=0 if scored is not None else len(echo))
+            choices.append(s.CompletionChoice(index=k, text=echo + (cut.text or ""), logprobs=logprobs,
+                                              finish_reason=cut.finish_reason))
             completion_tokens += len(cut.ids)
+        snapshot = results[0].snapshot if results else self.active.snapshot(self.settings.cache_mode)
         return s.CompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
             usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens),
-            kv_config=results[0].snapshot.describe(),
+            kv_config=snapshot.describe(),
         )
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
-        """The ``/v1/chat/completions`` answer."""
-        cut = self.cut(plan.jobs[0], results[0].row.generated_ids)
+        """The ``/v1/chat/completions`` answer (one choice per ``n``, summed usage)."""
+        choices, completion_tokens = [], 0
+        tok = getattr(self.engine, "tokenizer", None)
+        for k, (job, row) in enumerate(_choice_rows(plan, results)):
+            cut = self.cut(job, row.generated_ids)
+            logprobs = None
+            if plan.logprobs is not None:
+                logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(cut.ids)])
+            choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=cut.text), logprobs=logprobs,
+                                        finish_reason=cut.finish_reason))
+            completion_tokens += len(cut.ids)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
-            id=plan.request_id, created=plan.created, model=self.model_name,
-            choices=[s.ChatChoice(index=0, message=s.ChatMessageOut(content=cut.text), finish_reason=cut.finish_reason)],
-            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=len(cut.ids),
-                          total_tokens=prompt_tokens + len(cut.ids)),
+            id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
+            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens),
             kv_config=results[0].snapshot.describe(),
         )
 
@@ -404,50 +530,69 @@ class Serving:
         )
 
     # ---- streaming -----------------------------------------------------------------------------------------------
-    async def stream(self, plan: Plan) -> AsyncIterator[str]:
+    async def stream(self, plan: Plan, request: Request | None = None) -> AsyncIterator[str]:
         """SSE events of a streaming completion or chat (jobs must be submitted with :meth:`submit` first, so a
-        full queue is a 429 before the stream starts). Cancels the jobs when the client goes away."""
+        full queue is a 429 before the stream starts). Cancels the jobs when the client goes away, and marks the
+        request cancelled (:func:`mark_cancelled`) so that the metrics count it as 499, not as the 200 its
+        headers already said."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        n = len(plan.jobs)
         for i, job in enumerate(plan.jobs):
             job.on_block = _threadsafe(loop, events, i)
             job.future.add_done_callback(lambda _f, i=i: loop.call_soon_threadsafe(events.put_nowait, ("done", i)))
-        emitted = [""] * n
-        open_rows = set(range(n))
+        choices = len(plan.jobs) * plan.n  # choice k: job k // n, its row k % n
+        emitted = [""] * choices
+        sent = [0] * choices  # tokens whose log-probabilities went out (with the chunk that completed their text)
+        open_jobs = set(range(len(plan.jobs)))
         prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
         completion_tokens = 0
         deadline = loop.time() + self.settings.request_timeout_s
+        ended = False
         try:
             if plan.kind == "chat":
-                yield self._chunk(plan, 0, role=True)
-            while open_rows:
+                for k in range(choices):
+                    yield self._chunk(plan, k, role=True)
+            while open_jobs:
                 try:
                     event = await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     raise RequestTimeout(f"the request took longer than {self.settings.request_timeout_s} s")
                 kind, i, *rest = event
-                if i not in open_rows:
+                if i not in open_jobs:
                     continue
                 job = plan.jobs[i]
                 if kind == "block":
-                    # Cut as the final answer is cut: what is streamed never goes past it.
-                    text = self.cut(job, rest[1]).text or ""
-                    text = text[: len(text) - held_back(text, job.row.stop)]
-                    delta = text[len(emitted[i]):] if text.startswith(emitted[i]) else ""
-                    emitted[i] += delta
-                    yield self._chunk(plan, i, text=delta)
+                    _, rows_ids, rows_captured = rest
+                    for j, (ids, captured) in enumerate(zip(rows_ids, rows_captured, strict=True)):
+                        k = i * plan.n + j
+                        # Cut as the final answer is cut: what is streamed never goes past it.
+                        cut = self.cut(job, ids)
+                        text = cut.text or ""
+                        text = text[: len(text) - held_back(text, job.row.stop)]
+                        delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
+                        entries = None
+                        if plan.logprobs is not None and captured is not None:
+                            done = tokens_within(self.engine.decode_text, cut.ids, len(emitted[k]) + len(delta))
+                            entries, sent[k] = captured[sent[k]:done], max(sent[k], done)
+                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
+                        emitted[k] += delta
                     continue
                 exc = job.future.exception()
                 if exc is not None:
                     raise exc
                 result: JobResult = job.future.result()
-                cut = self.cut(job, result.row.generated_ids)
-                completion_tokens += len(cut.ids)
-                open_rows.discard(i)
-                delta = cut.text[len(emitted[i]):] if cut.text.startswith(emitted[i]) else ""
-                yield self._chunk(plan, i, text=delta, finish_reason=cut.finish_reason)
-                if not open_rows:
+                open_jobs.discard(i)
+                for j, row in enumerate(result.report.rows):
+                    k = i * plan.n + j
+                    cut = self.cut(job, row.generated_ids)
+                    completion_tokens += len(cut.ids)
+                    delta = cut.text[len(emitted[k]):] if cut.text.startswith(emitted[k]) else ""
+                    entries = (row.logprobs or [])[sent[k]:len(cut.ids)] if plan.logprobs is not None else None
+                    if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
+                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
+                    yield self._chunk(plan, k, text="", finish_reason=cut.finish_reason)
+                if not open_jobs:
+                    ended = True
                     self._observe(plan, [j.future.result() for j in plan.jobs])
                     if plan.include_usage:
                         yield self._chunk(plan, None, usage=s.Usage(
@@ -458,27 +603,79 @@ class Serving:
             if isinstance(exc, asyncio.CancelledError | JobCancelled):
                 raise
             _, body, _ = classify(exc)
+            ended = True
             yield f"data: {json.dumps(body)}\n\n"
         finally:
             self._cancel(plan)
+            if not ended and request is not None:
+                # Left before the end: the client went away (the generator is cancelled or closed at a yield) or
+                # its jobs were cancelled.
+                mark_cancelled(request)
         yield "data: [DONE]\n\n"
 
     def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None, usage: s.Usage | None = None) -> str:
-        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``."""
+               finish_reason: str | None = None, usage: s.Usage | None = None,
+               logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> str:
+        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``;
+        ``logprobs``: the entries of the tokens whose text this chunk completes (``offset``: the characters sent
+        before it)."""
         exclude = {"kv_config"} | (set() if plan.include_usage else {"usage"})
+        tok = getattr(self.engine, "tokenizer", None)
         if plan.kind == "chat":
             delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text)
-            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta,
+            chat = chat_logprobs(tok, logprobs) if logprobs is not None else None
+            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta, logprobs=chat,
                                                                   finish_reason=finish_reason)]
             body = s.ChatCompletionChunk(id=plan.request_id, created=plan.created, model=self.model_name,
                                          choices=choices, usage=usage)
         else:
-            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "",
+            legacy = completion_logprobs(tok, logprobs, offset=offset) if logprobs is not None else None
+            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "", logprobs=legacy,
                                                                    finish_reason=finish_reason)]
             body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
                                         choices=choices, usage=usage)
         return f"data: {json.dumps(body.model_dump(mode='json', exclude=exclude))}\n\n"
+
+
+#: The ASGI scope key under which the metrics middleware (`service.main.MetricsMiddleware`) leaves a dict for the
+#: request's outcome: ``{"cancelled": True}`` once :func:`mark_cancelled` ran.
+OUTCOME_KEY = "dllm.outcome"
+
+
+def mark_cancelled(request: Request) -> None:
+    """Record that the request was cancelled (client gone, jobs cancelled) after its status was sent (a stream's
+    200), so that it is counted as 499 and as a cancellation."""
+    outcome = request.scope.get(OUTCOME_KEY)
+    if outcome is not None:
+        outcome["cancelled"] = True
+
+
+#: The Monte-Carlo seed of a likelihood request that gives none (the in-process lm-eval model's default seed, and
+#: the one lm-eval's local-completions sends).
+LIKELIHOOD_SEED = 1234
+
+
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index``: the request's seed + index (kept within a 64-bit generator seed), or None
+    (each choice its own fresh random seed)."""
+    if seed is None:
+        return None
+    return seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
+
+
+def _choice_rows(plan: Plan, results: list[JobResult]) -> list[tuple[Job, Any]]:
+    """(job, row report) of every choice in order: choice ``k`` is row ``k % n`` of job ``k // n``."""
+    return [(job, row) for job, result in zip(plan.jobs, results, strict=True) for row in result.report.rows]
+
+
+def _logprobs_asked(req: Any) -> int | None:
+    """Alternatives per returned token a request asks for (None: no log-probabilities): completions' ``logprobs``
+    (an int), chat's ``top_logprobs`` when ``logprobs`` is true."""
+    if isinstance(req, s.CompletionRequest):
+        return req.logprobs
+    if isinstance(req, s.ChatCompletionRequest) and req.logprobs:
+        return req.top_logprobs or 0
+    return None
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -508,8 +705,11 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: i
                 ) -> Callable[[int, list[int]], None]:
     """An ``on_block`` callback that hands (block, ids) from the worker thread to the event loop."""
 
-    def on_block(block: int, ids: list[int]) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, list(ids)))
+    def on_block(block: int, ids: list[list[int]]) -> None:
+        # One list per row of the job: `service.engine.decode.CommittedIds`, whose log-probabilities (when asked
+        # for) come along.
+        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, [list(r) for r in ids],
+                                                      [getattr(r, "logprobs", None) for r in ids]))
 
     return on_block
 
@@ -526,4 +726,4 @@ async def _wait_disconnect(request: Request, poll_s: float = 0.1) -> None:
         await asyncio.sleep(poll_s)
 
 
-__all__ = ["Plan", "Serving", "held_back"]
+__all__ = ["OUTCOME_KEY", "Plan", "Serving", "held_back", "mark_cancelled"]

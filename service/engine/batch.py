@@ -34,7 +34,7 @@ so the others go on and the culprit is found.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -80,13 +80,18 @@ def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PA
     return groups
 
 
+def spans(counts: Iterable[int]) -> list[slice]:
+    """Consecutive slices of the given lengths, from 0 (each part's rows in a batch of parts laid end to end)."""
+    slices, offset = [], 0
+    for count in counts:
+        slices.append(slice(offset, offset + count))
+        offset += count
+    return slices
+
+
 def _rows(group: list[Pass]) -> list[slice]:
     """Each pass's rows in the forward (consecutive, in group order)."""
-    slices, offset = [], 0
-    for p in group:
-        slices.append(slice(offset, offset + len(p.rows)))
-        offset += len(p.rows)
-    return slices
+    return spans(len(p.rows) for p in group)
 
 
 def _padded(x: torch.Tensor, width: int, value: int = 0) -> torch.Tensor:

@@ -53,6 +53,7 @@ from service.engine.kv_store import KVStore, Segments
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import KVHook
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.report import TokenLogprob
 from service.engine.response import cut_response
 from service.engine.reveal import Canvas
 from service.engine.spec import ModelSpec
@@ -207,7 +208,9 @@ class Cohort:
         self.started_s = self.finished_s = 0.0
         self.first_block_s = 0.0
         self.allowed: Callable[[int, Pass], torch.Tensor | None] | None = None
-        self.logprobs: int | None = None
+        # Rows that ask for log-probabilities (RowOptions.logprobs) set it: the most alternatives any row wants.
+        wanted = [o.logprobs for o in rows if o.logprobs is not None]
+        self.logprobs: int | None = max(wanted) if wanted else None
         self.token_logprobs: list[list[tuple]] = [[] for _ in prompts]
 
     # ------------------------------------------------------------------------------------------------- calls
@@ -417,6 +420,24 @@ class Cohort:
             response = response[:cut]
         return cut_response(response, self.spec.eos_ids, self.params.ignore_eos).ids
 
+    def response_logprobs(self, row: int, count: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of the row's first ``count`` response tokens as the step that revealed each gave
+        them (:attr:`token_logprobs`), with the row's own number of alternatives; None when the row did not ask
+        (`RowOptions.logprobs`)."""
+        k = self.row_options[row].logprobs
+        if k is None:
+            return None
+        by_position = {column - self.response_start: (token, value, top)
+                       for column, token, value, top in self.token_logprobs[row]}
+        return [TokenLogprob(token=by_position[i][0], logprob=by_position[i][1], top=list(by_position[i][2])[:k])
+                for i in range(count)]
+
+    def _committed(self, row: int) -> CommittedIds:
+        """The row's committed ids for ``on_block``, with their log-probabilities when it asked for them."""
+        ids = CommittedIds(self.response_ids(row, committed_only=True))
+        ids.logprobs = self.response_logprobs(row, len(ids))
+        return ids
+
     def _committed_blocks(self, row: int) -> int:
         """Leading blocks of the row with no mask left (all of them once the row stopped at EOS)."""
         if self.rows[row].status == "stop":
@@ -433,8 +454,15 @@ class Cohort:
             self.first_block_s = time.perf_counter() - self.started_s
         if self.on_block is not None:
             for block in range(self._emitted_blocks, committed):
-                self.on_block(block, [self.response_ids(r, committed_only=True) for r in range(len(self.rows))])
+                self.on_block(block, [self._committed(r) for r in range(len(self.rows))])
         self._emitted_blocks = max(self._emitted_blocks, committed)
+
+
+class CommittedIds(list):
+    """A row's committed response ids as ``on_block`` gets them; ``logprobs`` holds their log-probabilities when
+    the row asked for them (else None)."""
+
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _row_generator(options: RowOptions, params: DecodeParams, device: torch.device) -> torch.Generator | None:

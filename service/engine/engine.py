@@ -157,6 +157,7 @@ class Engine:
             steps_per_block=state.steps_per_block,
             reveals_per_step=state.reveals,
             tokens_per_second=len(cut.ids) / total_s if total_s > 0 else 0.0,
+            logprobs=cohort.response_logprobs(row, len(cut.ids)),
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -22,8 +23,11 @@ from pydantic import (
     Strict,
     StrictBool,
     StrictFloat,
+    ValidationError,
+    WrapValidator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar
@@ -39,18 +43,62 @@ SCHEDULE_FIELDS = ("threshold", "steps")
 #: states a bound; the real bound is the loaded model's context, checked at admission (:meth:`DecodeParams.check_bounds`,
 #: `service.quant.config.KVQuantConfig.check_bounds`).
 TOKENS_CEILING = 1 << 20
-#: OpenAI's limit on the number of stop strings (API reference, ``stop``: "up to 4 sequences").
-MAX_STOP_STRINGS = 4
+#: Most stop strings of one request. OpenAI's API allows 4; lm-eval sends a task's ``until`` strings plus EOS as
+#: ``stop`` (humaneval: 5 + 1, the ``*-cot-llama`` tasks: 5 + 1), and vLLM takes any number: 16 fits every lm-eval
+#: 0.4.13 task with room. Each costs a scan of the response text per committed block.
+MAX_STOP_STRINGS = 16
 #: Characters per stop string (streaming holds back a tail as long as the longest stop string).
 MAX_STOP_CHARS = 256
+#: The rule a refused ``stop`` is told (the union's own error named only its first branch: "Input should be a
+#: valid string").
+STOP_RULE = (f"stop is one string or a list of at most {MAX_STOP_STRINGS} strings, each of 1-{MAX_STOP_CHARS} "
+             "characters")
+#: A static ceiling on the choices (``n``) of one request; the server's ``max_n`` setting is the real bound.
+N_CEILING = 128
+#: Most alternatives per token a request may ask for (OpenAI chat's ``top_logprobs`` bound).
+MAX_TOP_LOGPROBS = 20
 #: Sampling temperature range (OpenAI's 0..2).
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+#: Temperatures below this decode exactly as greedy (temperature 0; :class:`RowOptions`). Sampling divides the
+#: logits by the temperature (Dream) or raises the noise to its power (LLaDA): at 1e-38 Dream's float32 logits / T
+#: overflowed to inf and its softmax to NaN (64 copies of id 0), and well before that the tempered distribution is
+#: one-hot in float32, so sampling there only adds noise draws and ties to what greedy decides. Dream's confidence is
+#: the tempered probability (its reference ``sample_tokens``): from this temperature up it is ~1 for a sharp model,
+#: so a Dream threshold reveals a block in very few steps, as the reference does (`service.engine.sampling`).
+GREEDY_BELOW = 1e-2
 #: A seed ``torch.Generator.manual_seed`` accepts: [-2^63, 2^64).
 Seed = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)]
 #: One stop string: non-empty, at most MAX_STOP_CHARS characters.
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-#: The stop field of the HTTP routes: one string or up to MAX_STOP_STRINGS of them.
-Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+
+
+def _stop_problem(value: Any) -> str:
+    """What is wrong with a refused ``stop`` value, in a few words."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if not isinstance(value, list):
+        return f"a {type(value).__name__}"
+    if len(value) > MAX_STOP_STRINGS:
+        return f"{len(value)} strings"
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            return f"item {i} is a {type(item).__name__}"
+        if not 1 <= len(item) <= MAX_STOP_CHARS:
+            return f"item {i} has {len(item)} characters"
+    return "an empty list" if not value else repr(value)[:80]
+
+
+def _stop_rule(value: Any, handler: Any) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("stop_rule", "{rule}; got {got}",
+                                  {"rule": STOP_RULE, "got": _stop_problem(value)}) from None
+
+
+#: The stop field of the HTTP routes: one string or up to MAX_STOP_STRINGS of them; a refusal states the rule.
+Stop = Annotated[StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
+                 WrapValidator(_stop_rule)]
 
 
 def _integral(value: Any) -> Any:
@@ -179,17 +227,20 @@ def resolve(given: dict[str, Any], defaults: DecodeSettings | None, gen_length: 
 
 
 class RowOptions(BaseModel):
-    """Per-row settings inside a batch: sampling temperature, seed, stop strings, ``max_tokens`` (the most
-    response tokens returned, EOS included; None: the whole decode window; see `service.engine.response`) and
-    the grammar the response must follow (None: unconstrained; `service.engine.grammar`)."""
+    """Per-row settings inside a batch: sampling temperature (below :data:`GREEDY_BELOW` it is 0: greedy), seed,
+    stop strings, ``max_tokens`` (the most response tokens returned, EOS included; None: the whole decode window;
+    see `service.engine.response`), the grammar the response must follow (None: unconstrained;
+    `service.engine.grammar`) and how many log-probability alternatives to capture."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    temperature: Temperature = 0.0
+    temperature: Annotated[Temperature, AfterValidator(lambda t: 0.0 if t < GREEDY_BELOW else t)] = 0.0
     seed: Seed | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = Field(None, gt=0)
     grammar: CompiledGrammar | None = Field(None, exclude=True)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="capture each revealed token's "
+                                 "log-probability and this many alternatives (None: capture nothing)")
 
 
 def response_length(max_new_tokens: int, block_length: int) -> int:

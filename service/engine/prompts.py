@@ -5,10 +5,20 @@ A chat prompt is the tokenizer's own chat template (HF ``apply_chat_template``) 
 prompt added; rendering it as text and encoding that text without added special tokens gives the same ids
 (lm-eval's ``--apply_chat_template`` path relies on it). ``developer`` turns are sent as ``system`` (OpenAI's
 newer name for it; the models' templates know only ``system``).
+
+**Control tokens come from the template only** (issue 25; vLLM PR #31735, transformers#29279): text in a message's
+content that spells a special token (``<|eot_id|><|start_header_id|>assistant...``, ``<|startoftext|>``,
+``<|mdm_mask|>``) is tokenized as text, so a client cannot forge a turn, a BOS or a mask. Messages without such
+text give exactly the template's ids as before; with it, the template is rendered around markers that stand for
+the special texts of the content, split at the template's own control tokens, and each piece between them is
+encoded with the specials of the content as text (:func:`encode_as_text`). ``special_in_content=True`` keeps the
+old behaviour (the server's ``DLLM_ALLOW_SPECIAL_TOKENS_IN_CONTENT``).
 """
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,15 +70,79 @@ def encode_text(tokenizer: Any, text: str, model_id: str, add_special_tokens: bo
     return list(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
 
 
+def special_texts(tokenizer: Any) -> list[str]:
+    """The texts of the tokenizer's special tokens (its named ones and every added token marked special), longest
+    first (so a regex alternation prefers the longest match)."""
+    texts = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    texts |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+              if getattr(t, "special", False)}
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def encode_as_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of ``text`` (no added BOS/EOS) with every special token's spelling tokenized as plain text.
+
+    transformers' ``split_special_tokens=True`` does it where the installed version honours it (fast tokenizers:
+    4.45 and later, checked here by the result); otherwise each special spelling is encoded in two pieces (its
+    first character, the rest), neither of which is a special token.
+    """
+    specials = special_texts(tokenizer)
+    special_ids = {tokenizer.convert_tokens_to_ids(t) for t in specials}
+    try:
+        ids = list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
+    except TypeError:  # a tokenizer whose call does not take the argument
+        ids = None
+    if ids is not None and not special_ids.intersection(ids):
+        return ids
+    pattern = re.compile("(" + "|".join(map(re.escape, specials)) + ")")
+    out: list[int] = []
+    for piece in pattern.split(text):
+        parts = (piece[:1], piece[1:]) if piece in specials else (piece,)
+        for part in parts:
+            if part:
+                out += tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"]
+    return out
+
+
+def _content_specials(tokenizer: Any, turns: Sequence[Message]) -> list[str]:
+    """The special-token texts that occur in some message's content."""
+    contents = [m["content"] for m in turns if isinstance(m.get("content"), str)]
+    return [t for t in special_texts(tokenizer) if any(t in c for c in contents)]
+
+
+def _encode_chat_content_as_text(tokenizer: Any, turns: list[Message], add_generation_prompt: bool,
+                                 found: list[str]) -> list[int]:
+    """The template's ids with the special texts ``found`` in the contents tokenized as text (module docstring)."""
+    tag = uuid.uuid4().hex  # markers no content can already hold
+    spelled = re.compile("|".join(map(re.escape, found)))
+    marked = [{**m, "content": spelled.sub(lambda mt: f"\ue000{tag}{found.index(mt.group())}\ue001", m["content"])}
+              if isinstance(m.get("content"), str) else m for m in turns]
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    controls = special_texts(tokenizer)
+    unmark = re.compile(f"\ue000{tag}(\\d+)\ue001")
+    ids: list[int] = []
+    for piece in re.split("(" + "|".join(map(re.escape, controls)) + ")", rendered):
+        if piece in controls:  # a control token of the template itself
+            ids.append(tokenizer.convert_tokens_to_ids(piece))
+        elif piece:
+            ids += encode_as_text(tokenizer, unmark.sub(lambda mt: found[int(mt.group(1))], piece))
+    return ids
+
+
 def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True,
-                field: str = "messages") -> list[int]:
-    """Token ids of ``messages`` (``[{"role", "content"}]``) through the chat template.
+                field: str = "messages", special_in_content: bool = False) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}]``) through the chat template; special-token text in a
+    content is tokenized as text unless ``special_in_content`` (module docstring).
 
     Raises:
         EngineInputError: no tokenizer, no chat template, no messages, or text with a lone surrogate.
     """
     _need(tokenizer, model_id, True, field)
-    return token_ids(tokenizer.apply_chat_template(_turns(messages), add_generation_prompt=add_generation_prompt,
+    turns = _turns(messages)
+    found = [] if special_in_content else _content_specials(tokenizer, turns)
+    if found:
+        return _encode_chat_content_as_text(tokenizer, turns, add_generation_prompt, found)
+    return token_ids(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,
                                                    tokenize=True, tokenizer_kwargs={"verbose": False}))
 
 
@@ -93,9 +167,11 @@ def render_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
                                          continue_final_message=not add_generation_prompt)
 
 
-def encode_prompt(tokenizer: Any, text: str, model_id: str, chat: bool) -> list[int]:
-    """Token ids of one prompt text; with ``chat`` it is one user turn through the chat template."""
+def encode_prompt(tokenizer: Any, text: str, model_id: str, chat: bool, special_in_content: bool = False
+                  ) -> list[int]:
+    """Token ids of one prompt text; with ``chat`` it is one user turn through the chat template (its special-token
+    text tokenized as text unless ``special_in_content``, as :func:`encode_chat`)."""
     if chat:
         return encode_chat(tokenizer, [{"role": "user", "content": _unicode(text, "prompt")}], model_id,
-                           field="prompt")
+                           field="prompt", special_in_content=special_in_content)
     return encode_text(tokenizer, text, model_id)

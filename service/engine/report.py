@@ -48,6 +48,20 @@ class KVReport(BaseModel):
     per_layer: list[LayerBits] = []
 
 
+class TokenLogprob(BaseModel):
+    """One token's log-probability and its most likely alternatives, in nats.
+
+    For a decoded token: the model's log-softmax at the step that revealed it (the distribution that chose it at
+    temperature 0; before any temperature), ``top`` its largest entries. For a scored prompt token
+    (`service.engine.likelihood`): its ELBO increment, and ``top`` the first reveal step's alternatives.
+    """
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list, description="(token id, log-probability), "
+                                         "most likely first")
+
+
 class RowReport(BaseModel):
     """One row of a batch. ``generated_ids`` are the response tokens returned and ``text`` their text, cut by
     `service.engine.response.cut_response` (at the row's ``max_tokens``, after the first EOS unless
@@ -61,6 +75,8 @@ class RowReport(BaseModel):
     steps_per_block: list[int]
     reveals_per_step: list[int]
     tokens_per_second: float
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="per returned token, when the row asked for them (`RowOptions.logprobs`)")
 
 
 class DecodeReport(BaseModel):

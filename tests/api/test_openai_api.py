@@ -7,6 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.config import Settings
+from service.engine.params import MAX_STOP_STRINGS
 from tests.support.apps import fake_app, sse_events
 from tests.support.fake_engine import BOS, EOS, OFFSET
 
@@ -140,10 +141,12 @@ def test_health_ready_metrics(client):
 
 
 BAD = [
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 9}, "n"),  # over DLLM_MAX_N (8)
     ({"prompt": "a", "top_p": 0.5}, "top_p"),
-    ({"prompt": "a", "logprobs": 1}, "logprobs"),
-    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # generates nothing: only with echo
+    ({"prompt": "a", "echo": True, "stream": True}, "echo"),
+    ({"prompt": "a", "mc_num": 8}, "mc_num"),
     ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "a", "max_tokens": "many"}, "max_tokens"),
@@ -209,7 +212,7 @@ def test_admin_closed_without_key(client):
     ({"steps": 1_000_000_000, "threshold": None}, "steps"),
     ({"steps": 16, "threshold": None}, "steps"),  # more steps than the 8 response positions
     ({"block_length": 1 << 20}, "block_length"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
     ({"stop": ["x" * 257]}, "stop"),
     ({"seed": 1 << 64}, "seed"),
     ({"temperature": 2.5}, "temperature"),

@@ -8,18 +8,16 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-import uuid
 
 import httpx
 import openai
 import pytest
 
 from service.engine import Engine
-from service.store.redis_store import RedisStore
 from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
 from tests.support.metrics import metric_sum, metrics
-from tests.support.processes import SHARED_REDIS_URL, ServerProcess
+from tests.support.processes import embedded_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -33,13 +31,9 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    prefix = f"test-real-{uuid.uuid4().hex[:8]}"
-    srv = ServerProcess({"DLLM_STORE_URL": SHARED_REDIS_URL, "DLLM_STORE_PREFIX": prefix, "DLLM_ADMIN_KEY": ADMIN_KEY,
-                         "DLLM_SHADOW_RATE": "1.0", "DLLM_BATCH_WAIT_MS": "50", "DLLM_THREADS": "1"},
-                        log_path=tmp_path_factory.mktemp("real") / "server.log").start(timeout_s=180)
-    yield srv
-    srv.stop()
-    RedisStore(SHARED_REDIS_URL, prefix=prefix).delete_everything()
+    with embedded_server(tmp_path_factory.mktemp("real"), "real", DLLM_ADMIN_KEY=ADMIN_KEY, DLLM_SHADOW_RATE="1.0",
+                         DLLM_BATCH_WAIT_MS="50") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

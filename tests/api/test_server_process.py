@@ -224,7 +224,9 @@ def test_full_queue_429_disconnect_frees_the_slot_and_sigterm_drains(tmp_path, p
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "next", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and time.monotonic() - left < 2.0
         m = metrics(srv.url)
-        assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="499") == 1
+        # Both clients that went away, the stream (whose headers said 200) and the plain one, are cancellations.
+        assert metric_sum(m, "dllm_requests_total", endpoint="/v1/completions", status="499") == 2
+        assert metric_sum(m, "dllm_requests_cancelled_total", endpoint="/v1/completions") == 2
         assert metric_sum(m, "dllm_requests_total", status="429") == 1
         assert metric_sum(m, "dllm_requests_running") == 0 and metric_sum(m, "dllm_requests_waiting") == 0
         # A handled disconnect logs nothing above INFO (it once left asyncio's "exception was never retrieved").
@@ -304,6 +306,6 @@ def test_streaming_raw_sse_and_bad_input_over_http(server):
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "n": 3})
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "a", "n": 9})  # over DLLM_MAX_N (8)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert redis.Redis.from_url(SHARED_REDIS_URL).ping()

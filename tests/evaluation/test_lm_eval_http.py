@@ -2,7 +2,7 @@
 under its own key prefix): every lm-eval command of docs/evaluation.md's "lm-eval over HTTP" (plain ``lm_eval`` and
 the launcher; chat completions, completions with the chat template through the server's or the checkpoint's
 tokenizer, completions without one) runs as documented and answers as the in-process model does on the same
-slice, with the server's context length; the likelihood payload gets an explicit 400, and scores reach /metrics
+slice, with the server's context length; the likelihood payload is answered, and scores reach /metrics
 and the store."""
 
 from __future__ import annotations
@@ -209,17 +209,21 @@ def test_completions_with_remote_tokenizer_equal_in_process(server, engine, task
         assert lm.kv_reports and all(r.k_nominal_bits == 2.0 for r in lm.kv_reports)
 
 
-def test_likelihood_payload_gets_an_explicit_400(server):
+def test_likelihood_payload_is_answered(server):
+    """lm-eval's own likelihood request (echo, logprobs 1, max_tokens 1): the prompt's tokens scored, then the one
+    generated token (which lm-eval drops); tests/api/test_likelihood_http.py checks the values."""
     api = LocalCompletionsAPI(model="embedded", base_url=f"{server.url}/v1/completions", tokenizer_backend="remote",
                               max_retries=1)
-    payload = api._create_payload([[10, 11, 12, 13]], generate=False)  # lm-eval's own likelihood request
+    payload = api._create_payload([[10, 11, 12, 13]], generate=False)
     assert payload["echo"] is True and payload["logprobs"] == 1 and payload["max_tokens"] == 1
-    r = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=30)
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["param"] in ("echo", "logprobs") and "not supported" in error["message"]
-    with pytest.raises(Exception, match="400"):
-        api.loglikelihood([Instance("loglikelihood", {}, ("copy: 1 2", " 1 2"), 0)], disable_tqdm=True)
+    r = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=120)
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == 5 and logprobs["token_logprobs"][0] is None
+    assert all(len(top) >= 1 for top in logprobs["top_logprobs"][1:])
+    ((value, greedy),) = api.loglikelihood([Instance("loglikelihood", {}, ("copy: 1 2", " 1 2"), 0)],
+                                           disable_tqdm=True)
+    assert value < 0 and greedy is False
 
 
 def test_scores_reach_metrics_and_the_store(server, engine, task_dir, prefix, monkeypatch):

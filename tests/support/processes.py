@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -152,3 +153,22 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def embedded_server(log_dir: Path, name: str, **env: str):
+    """``python -m service serve`` on the embedded model with the suite's own Redis under a fresh key prefix (deleted
+    afterwards), one torch thread; ``env`` adds DLLM_* settings. Yields the started :class:`ServerProcess`."""
+    import uuid
+
+    from service.store.redis_store import RedisStore
+
+    prefix = f"test-{name}-{uuid.uuid4().hex[:8]}"
+    srv = ServerProcess({"DLLM_STORE_URL": shared_redis_url(), "DLLM_STORE_PREFIX": prefix, "DLLM_THREADS": "1",
+                         **env},
+                        log_path=log_dir / "server.log").start(timeout_s=180)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        RedisStore(shared_redis_url(), prefix=prefix).delete_everything()

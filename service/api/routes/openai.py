@@ -30,7 +30,7 @@ async def completions(body: s.CompletionRequest, request: Request, serving: Serv
     plan = await run_in_threadpool(serving.plan_completion, body)
     if plan.stream:
         serving.submit(plan)
-        return StreamingResponse(serving.stream(plan), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(serving.stream(plan, request), media_type="text/event-stream", headers=SSE_HEADERS)
     return serving.completion_response(plan, await serving.run(plan, request))
 
 
@@ -42,5 +42,5 @@ async def chat_completions(body: s.ChatCompletionRequest, request: Request, serv
     plan = await run_in_threadpool(serving.plan_chat, body)
     if plan.stream:
         serving.submit(plan)
-        return StreamingResponse(serving.stream(plan), media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(serving.stream(plan, request), media_type="text/event-stream", headers=SSE_HEADERS)
     return serving.chat_response(plan, await serving.run(plan, request))

@@ -1,0 +1,263 @@
+"""Log-likelihood of a continuation under a masked diffusion model: the LLaDA authors' Monte-Carlo estimate.
+
+A diffusion LM has no left-to-right factorisation, so ``log p(continuation | context)`` is estimated by the
+model's ELBO (LLaDA paper, Eq. 6; ``ML-GSAI/LLaDA`` ``eval_llada.py``, ``get_loglikelihood``). Each Monte-Carlo
+sample draws a mask count ``l`` in ``1..L`` (``L`` = continuation tokens), masks ``l`` continuation positions
+uniformly at random (the context is never masked), runs one full forward pass and adds the cross-entropy of
+the masked positions weighted by ``L / l``. The estimate is minus the mean over ``mc_num`` samples. As in the
+reference, the ``l`` of the samples in one forward batch are stratified: ``l_j = ((k + j * L / b) - 1) mod L + 1``
+for a random start ``k`` (lower variance than independent draws).
+
+Departures from the reference, on purpose:
+- Randomness comes from a ``torch.Generator`` seeded by ``seed`` and the request's tokens, so a request's
+  estimate does not depend on which other requests are scored with it, on the batch size or on the order.
+- ``is_greedy`` (``greedy_check``) reveals the masked continuation one most-confident token per forward pass, as
+  the reference's ``suffix_greedy_prediction``; it costs ``L`` forward passes and is off by default, as the
+  reference recommends.
+- A single forward pass has no reused K/V, so cache mode and KV quantization do not apply to likelihoods.
+
+**Per-token values of a whole prompt** (:class:`PromptLikelihood`, the server's ``echo`` + ``logprobs``,
+issue 25): a client such as lm-eval's ``local-completions`` sends context and continuation as one token list
+and sums the returned values from its own split ``c`` on (``token_logprobs[c:]``); the server does not know
+``c``. So it estimates ``E_c`` = this module's ELBO of ``x[c:]`` given ``x[:c]`` for **every** split ``c`` in
+``1..T-1`` (the same draws as :func:`mc_loglikelihood`: seeded by the split's own context and continuation) and
+returns ``v_i = E_i - E_{i+1}`` (``E_T = 0``) for token ``i``: whatever the split, ``sum(v[c:]) = E_c``, the
+in-process value, up to float rounding. A ``v_i`` is an ELBO increment, not a conditional log-probability of one
+token (it may even be positive). Its ``top`` alternatives are the model's log-probabilities at position ``i``
+when ``x[:i]`` is given and ``x[i:]`` is masked (the first reveal step of that position). Cost: ``T - 1``
+estimates of ``mc_num`` samples of ``T`` tokens, plus ``T - 1`` rows for the alternatives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.report import TokenLogprob
+
+#: ``logits_fn(ids)``: ids ``[B, T]`` int64 -> logits ``[B, T, V]`` float where ``logits[:, i]`` scores the token
+#: at position ``i`` (the engine aligns Dream's shifted logits).
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def request_generator(seed: int, context: list[int], continuation: list[int]) -> torch.Generator:
+    """A CPU generator seeded by ``seed`` and the request's tokens (order- and batch-independent)."""
+    digest = hashlib.sha256(repr((seed, list(context), list(continuation))).encode()).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return gen
+
+
+def _masked_batch(seq: torch.Tensor, prompt_len: int, mask_id: int, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stratified noising of ``b`` copies of ``seq`` ``[b, T]``: (noisy ``[b, T]``, mask ratio ``[b]``)."""
+    b, total = seq.shape
+    target_len = total - prompt_len
+    k = int(torch.randint(1, target_len + 1, (), generator=gen))
+    counts = torch.round(torch.linspace(float(k), k + (b - 1) * (target_len / b), steps=b)).long()
+    counts = ((counts - 1) % target_len) + 1                                   # [b], each in 1..L
+    is_mask = torch.zeros(b, total, dtype=torch.bool)
+    for i in range(b):
+        chosen = torch.randperm(target_len, generator=gen)[: int(counts[i])]
+        is_mask[i, prompt_len + chosen] = True
+    noisy = torch.where(is_mask, torch.full_like(seq, mask_id), seq)
+    return noisy, counts.to(torch.float64) / target_len
+
+
+def _check(continuation: list[int], mc_num: int, mc_batch_size: int) -> None:
+    if not continuation:
+        raise ValueError("continuation must contain at least one token")
+    if mc_batch_size < 1 or mc_num < 1 or mc_num % mc_batch_size:
+        raise ValueError(f"mc_num ({mc_num}) must be a positive multiple of mc_batch_size ({mc_batch_size})")
+
+
+def noisings(context: list[int], continuation: list[int], mask_id: int, mc_num: int, mc_batch_size: int,
+             seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The ``mc_num / mc_batch_size`` forward batches of the estimate: (clean ``[b, T]``, noisy ``[b, T]`` int64,
+    mask ratio ``[b]`` float64), drawn from `request_generator` (module docstring)."""
+    gen = request_generator(seed, context, continuation)
+    seq = torch.tensor([list(context) + list(continuation)], dtype=torch.long).repeat(mc_batch_size, 1)
+    for _ in range(mc_num // mc_batch_size):
+        noisy, ratio = _masked_batch(seq, len(context), mask_id, gen)
+        yield seq, noisy, ratio
+
+
+def batch_loss(logits: torch.Tensor, seq: torch.Tensor, noisy: torch.Tensor, ratio: torch.Tensor, mask_id: int
+               ) -> float:
+    """One batch's term of the estimate: the weighted cross-entropy of the masked positions per sample.
+
+    Args:
+        logits: ``[b, T', V]`` logits of the last ``T'`` columns (every masked column among them).
+        seq, noisy, ratio: a batch of :func:`noisings`.
+    """
+    start = seq.shape[1] - logits.shape[1]
+    masked = noisy[:, start:] == mask_id
+    ce = F.cross_entropy(logits.float().cpu()[masked], seq[:, start:][masked], reduction="none").double()
+    weights = ratio.unsqueeze(1).expand_as(masked)[masked]
+    return float((ce / weights).sum()) / seq.shape[0]
+
+
+@torch.no_grad()
+def mc_loglikelihood(logits_fn: LogitsFn, context: list[int], continuation: list[int], *, mask_id: int,
+                     mc_num: int = 128, mc_batch_size: int = 32, seed: int = 1234,
+                     device: torch.device | str = "cpu") -> float:
+    """Monte-Carlo ELBO estimate of ``log p(continuation | context)`` in nats (module docstring).
+
+    Args:
+        logits_fn: full forward without cache (see `LogitsFn`).
+        context, continuation: token ids; ``continuation`` must be non-empty.
+        mask_id: the model's ``<mask>`` id.
+        mc_num: Monte-Carlo samples (the reference's default 128); must be a multiple of ``mc_batch_size``.
+        mc_batch_size: samples per forward pass.
+        seed: base seed (see `request_generator`).
+
+    Raises:
+        ValueError: empty continuation, or ``mc_num`` not a positive multiple of ``mc_batch_size``.
+    """
+    _check(continuation, mc_num, mc_batch_size)
+    losses = [batch_loss(logits_fn(noisy.to(device)), seq, noisy, ratio, mask_id)
+              for seq, noisy, ratio in noisings(context, continuation, mask_id, mc_num, mc_batch_size, seed)]
+    return -sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def greedy_check(logits_fn: LogitsFn, context: list[int], continuation: list[int], *, mask_id: int,
+                 device: torch.device | str = "cpu") -> bool:
+    """Whether confidence-ordered greedy unmasking (one token per forward) reproduces ``continuation``."""
+    seq = torch.tensor([list(context) + [mask_id] * len(continuation)], dtype=torch.long)
+    for _ in range(len(continuation)):
+        masked = seq[0] == mask_id
+        logits = logits_fn(seq.to(device)).float().cpu()[0, masked]               # [m, V]
+        probs = torch.softmax(logits, dim=-1)
+        conf, tokens = probs.max(dim=-1)
+        best = int(conf.argmax())
+        positions = masked.nonzero().squeeze(1)
+        seq[0, positions[best]] = tokens[best]
+    return seq[0, len(context):].tolist() == list(continuation)
+
+
+class _NoStore:
+    """A likelihood reuses no K/V: nothing to clear (what a worker does with a finished cohort's store)."""
+
+    def clear(self) -> None:
+        pass
+
+
+class PromptLikelihood:
+    """The per-token values of one prompt (module docstring), computed one forward per :meth:`step`, so that a
+    server's worker interleaves them with its decoding iterations (under its memory admission) and can stop them.
+
+    Each forward is the in-process model's own call (``model(ids)``, every column's logits), so the values are
+    those of :func:`mc_loglikelihood` bit for bit on the same machine.
+
+    Args:
+        model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
+        mc_num, mc_batch_size, seed: as :func:`mc_loglikelihood` (``mc_num`` a multiple of ``mc_batch_size``).
+        top_k: alternatives per token (0: none).
+        cancelled: polled before each forward; True ends the work (``cancelled`` becomes True).
+
+    Raises:
+        ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
+    """
+
+    def __init__(self, model, mask_id: int, ids: list[int], mc_num: int, mc_batch_size: int, seed: int,
+                 top_k: int = 0, cancelled: Callable[[], bool] | None = None) -> None:
+        if not ids:
+            raise ValueError("the prompt must hold at least one token")
+        _check([0], mc_num, mc_batch_size)
+        self.model, self.mask_id, self.ids = model, mask_id, list(ids)
+        self.mc_num, self.mc_batch_size, self.seed, self.top_k = mc_num, mc_batch_size, seed, top_k
+        self.seq_len = len(ids)
+        self.store = _NoStore()
+        self._cancelled = cancelled
+        self.device = model.embed.weight.device
+        self._losses: dict[int, list[float]] = {c: [] for c in range(1, self.seq_len)}
+        self._top: dict[int, tuple[tuple[int, float], ...]] = {}
+        self._work = self._forwards()
+        self.done = self.cancelled = False
+        self.forwards = 0
+
+    @staticmethod
+    def work_tokens(prompt_len: int, mc_num: int) -> int:
+        """Token-forwards (rows x tokens over every forward) of a prompt of ``prompt_len`` tokens."""
+        return (prompt_len - 1) * (mc_num + 1) * prompt_len
+
+    def _forwards(self) -> Iterator[tuple[torch.Tensor, Callable[[torch.Tensor], None]]]:
+        """Every forward's input ``[b, T]`` with what to do with its logits: each split's estimate, then the
+        alternatives (``b`` splits per forward, each row with its split's tokens onward masked)."""
+        for c in range(1, self.seq_len):
+            for seq, noisy, ratio in noisings(self.ids[:c], self.ids[c:], self.mask_id, self.mc_num,
+                                              self.mc_batch_size, self.seed):
+                def loss(logits, c=c, seq=seq, noisy=noisy, ratio=ratio):
+                    self._losses[c].append(batch_loss(logits, seq, noisy, ratio, self.mask_id))
+                yield noisy, loss
+        if self.top_k <= 0:
+            return
+        x = torch.tensor(self.ids, dtype=torch.long)
+        for c0 in range(1, self.seq_len, self.mc_batch_size):
+            splits = list(range(c0, min(c0 + self.mc_batch_size, self.seq_len)))
+            rows = x.repeat(len(splits), 1)
+            for j, c in enumerate(splits):
+                rows[j, c:] = self.mask_id
+
+            def top(logits, splits=splits):
+                for j, c in enumerate(splits):
+                    values, tokens = torch.log_softmax(logits[j, c].float(), -1).topk(self.top_k)
+                    self._top[c] = tuple((int(t), float(v)) for t, v in zip(tokens.tolist(), values.tolist()))
+            yield rows, top
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Run the next forward; False once there is none left (or the work was cancelled): then ``done``."""
+        if self.done:
+            return False
+        if self._cancelled is not None and self._cancelled():
+            self.cancelled = True
+        item = None if self.cancelled else next(self._work, None)
+        if item is None:
+            self.done = True
+            return False
+        rows, use = item
+        use(self.model(rows.to(self.device)))
+        self.forwards += 1
+        return True
+
+    def scores(self) -> list[TokenLogprob]:
+        """The values of tokens ``1..T-1`` (token 0 has none: nothing precedes it), once done: ``logprob`` the ELBO
+        increment, ``top`` the first reveal step's alternatives (module docstring)."""
+        elbo = {c: -sum(v) / len(v) for c, v in self._losses.items()}
+        elbo[self.seq_len] = 0.0
+        return [TokenLogprob(token=self.ids[i], logprob=elbo[i] - elbo[i + 1], top=list(self._top.get(i, ())))
+                for i in range(1, self.seq_len)]
+
+
+@dataclass(frozen=True)
+class LikelihoodTask:
+    """A job's request for the per-token values of one prompt (module docstring), run by the server's worker
+    (`service.worker.Job.task`): what it costs, and its :class:`PromptLikelihood` once it joins a batch."""
+
+    ids: tuple[int, ...]
+    mc_num: int
+    mc_batch_size: int
+    seed: int
+    top_k: int
+
+    @property
+    def work(self) -> int:
+        """Token-forwards of every pass (for the server's work ceiling)."""
+        return PromptLikelihood.work_tokens(len(self.ids), self.mc_num)
+
+    def transient_bytes(self, forward_cost) -> int:
+        """Bytes of its largest forward (`service.engine.forward_cost.ForwardCost.bytes`): ``mc_batch_size`` rows
+        of the whole prompt with logits at every column (the in-process model's call)."""
+        t = len(self.ids)
+        return forward_cost.bytes(self.mc_batch_size, t, t, t)
+
+    def cohort(self, engine, cancelled: Callable[[], bool] | None = None) -> PromptLikelihood:
+        """Its cohort on ``engine``'s model."""
+        return PromptLikelihood(engine.model, engine.spec.mask_id, list(self.ids), self.mc_num, self.mc_batch_size,
+                                self.seed, self.top_k, cancelled)
