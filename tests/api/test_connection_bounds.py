@@ -52,6 +52,7 @@ class Server:
                 return
             except httpx.HTTPError:
                 time.sleep(0.1)
+        self.stop()  # the caller never gets this object to stop
         pytest.fail(f"the server did not start: {self.log()}")
 
     @property
