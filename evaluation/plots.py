@@ -162,6 +162,7 @@ def plot_serve_load(rows: Sequence[Mapping[str, float]], path: Path, title: str 
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -63,5 +63,5 @@ def test_no_quantized_row_no_plot(tmp_path, results):
 def test_serve_load_plot(tmp_path):
     rows = [{"clients": c, "req_per_s": 1.0 + c / 8, "tok_per_s": 50.0 + c, "p50_s": 0.1 * (c + 1),
              "p90_s": 0.2 * (c + 1), "p99_s": 0.3 * (c + 1), "mean_batch": max(1, c)} for c in (0, 1, 4, 8, 16)]
-    path = plot_serve_load(rows, tmp_path / "load.png", "title")
+    path = plot_serve_load(rows, tmp_path / "new" / "load.png", "title")  # its folder is made
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
