@@ -241,16 +241,21 @@ def when(seconds: float | None) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d %H:%M")
 
 
-def nominal_k_bits(summary: dict[str, Any]) -> float | None:
-    """A policy's nominal K bits, averaged over layers, each layer's full group counted as the paper does
-    (`service.artifacts.policy.nominal_k_bits`: ``(b (G - p) + 16 p) / G``, scales not counted); None for an
-    artifact without per-layer budgets (a KVQuant state: ``bits`` is its figure)."""
-    from service.artifacts.policy import nominal_k_bits as layer_bits
+def configured_k_bits(summary: dict[str, Any]) -> float | None:
+    """A policy's configured K bits, the figure every report of it shows (docs/glossary.md, "Effective bits";
+    computed by `service.quant.accounting.policy_k_bits`); None for an artifact without per-layer budgets (a
+    KVQuant state: ``bits`` is its figure) or a summary that is not a whole policy table."""
+    from pydantic import ValidationError
 
-    layers = summary.get("layers")
-    if not layers:
+    from service.artifacts.policy import PolicyTable
+    from service.quant.accounting import policy_k_bits
+
+    if not summary.get("layers"):
         return None
-    return sum(layer_bits(summary["bits"], summary["k_group_size"], layer["p"]) for layer in layers) / len(layers)
+    try:
+        return policy_k_bits(PolicyTable.model_validate(summary))
+    except ValidationError:
+        return None
 
 
 def describe_config(config: dict[str, Any] | None) -> str:
@@ -313,10 +318,10 @@ def run_list(side, args: argparse.Namespace) -> int:
     for kind in KINDS:
         for artifact_id, created in side.ids(kind):
             summary = side.summary(kind, artifact_id) or {}
-            bits = nominal_k_bits(summary)
+            bits = configured_k_bits(summary)
             rows.append({"id": artifact_id, "kind": kind, "method": method_of(kind),
                          "model": summary.get("model_id"), "cache_mode": summary.get("cache_mode"),
-                         "bits": summary.get("bits"), "nominal_k_bits": bits,
+                         "bits": summary.get("bits"), "configured_k_bits": bits,
                          "weights_fingerprint": summary.get("weights_fingerprint"), "created_at": created,
                          "active_for": sorted(set(active.get(artifact_id, [])))})
     if args.json:
@@ -328,13 +333,13 @@ def run_list(side, args: argparse.Namespace) -> int:
     header = ("ID", "METHOD", "MODEL", "CACHE", "BITS", "K BITS", "FITTED ON", "CREATED (UTC)", "ACTIVE")
     table = [header] + [
         (r["id"], r["method"], str(r["model"]), r["cache_mode"] or "any", str(r["bits"]),
-         f"{r['nominal_k_bits']:.3f}" if r["nominal_k_bits"] is not None else "-",
+         f"{r['configured_k_bits']:.3f}" if r["configured_k_bits"] is not None else "-",
          (r["weights_fingerprint"] or "-")[:12], when(r["created_at"]), ",".join(r["active_for"]) or "-")
         for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    print("K BITS: nominal K bits of a full group averaged over layers, (b(G-p)+16p)/G; FITTED ON: the weights "
+    print("K BITS: configured K bits (docs/glossary.md), (b(G-p)+16p)/G averaged over layers; FITTED ON: the weights "
           "fingerprint")
     return 0
 
@@ -348,9 +353,9 @@ def run_show(side, args: argparse.Namespace) -> int:
     for name, value in summary.items():
         if name not in ("layers", "provenance"):
             print(f"  {name}: {value}")
-    bits = nominal_k_bits(summary)
+    bits = configured_k_bits(summary)
     if bits is not None:
-        print(f"  nominal K bits (mean over layers): {bits:.3f}")
+        print(f"  configured K bits: {bits:.3f}")
     provenance = summary.get("provenance") or {}
     for name in ("created_at", "data", "code"):
         if provenance.get(name):
@@ -382,9 +387,9 @@ def run_diff(side, args: argparse.Namespace) -> int:
     for name in sorted((set(a) | set(b)) - {"layers"}):
         if a.get(name) != b.get(name):
             lines.append(f"{name}: {a.get(name)} -> {b.get(name)}")
-    bits = nominal_k_bits(a), nominal_k_bits(b)
+    bits = configured_k_bits(a), configured_k_bits(b)
     if bits[0] != bits[1] and None not in bits:
-        lines.append(f"nominal K bits: {bits[0]:.3f} -> {bits[1]:.3f}")
+        lines.append(f"configured K bits: {bits[0]:.3f} -> {bits[1]:.3f}")
     layers_a, layers_b = a.get("layers") or [], b.get("layers") or []
     for i in range(max(len(layers_a), len(layers_b))):
         la = layers_a[i] if i < len(layers_a) else None
@@ -444,7 +449,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         v.set_defaults(func=run)
         return v
 
-    verb("list", "every policy and KVQuant state: method, model, cache mode, bits, nominal K bits, the weights it "
+    verb("list", "every policy and KVQuant state: method, model, cache mode, bits, configured K bits, the weights it "
          "was fitted on, date, where active", [managed, json_flag])
     verb("show", "one policy or KVQuant state", [managed, json_flag]).add_argument(
         "id", help="its id (policy-... or kvquant-...; `list` shows them)")

@@ -62,9 +62,9 @@ def test_list_show_diff_over_a_store(store_dir):
     assert set(rows) == set(ids.values())
     p1 = rows[ids["p1"]]
     # Embedded model: 4 layers of G = 32, p = 1 at 2 bits -> (2 * 31 + 16) / 32 = 2.4375 nominal K bits.
-    assert (p1["method"], p1["model"], p1["cache_mode"], p1["bits"], p1["nominal_k_bits"]) == (
+    assert (p1["method"], p1["model"], p1["cache_mode"], p1["bits"], p1["configured_k_bits"]) == (
         "dllm_kvq", "embedded", "dual", 2, 2.4375)
-    assert rows[ids["state"]]["method"] == "kvquant" and rows[ids["state"]]["nominal_k_bits"] is None
+    assert rows[ids["state"]]["method"] == "kvquant" and rows[ids["state"]]["configured_k_bits"] is None
     text = cli("list", "--store", path)
     assert text.returncode == 0 and ids["p1"] in text.stdout and "2.438" in text.stdout
 
@@ -74,7 +74,7 @@ def test_list_show_diff_over_a_store(store_dir):
     diff = cli("diff", ids["p0"], ids["p1"], "--store", path)
     assert diff.returncode == 0, diff.stderr
     assert "layer 0: attention p=0 -> attention p=1" in diff.stdout
-    assert "nominal K bits: 2.000 -> 2.438" in diff.stdout
+    assert "configured K bits: 2.000 -> 2.438" in diff.stdout
     mixed = cli("diff", ids["p0"], ids["state"], "--store", path)
     assert mixed.returncode == 2 and len(mixed.stderr.splitlines()) == 1
 
