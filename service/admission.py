@@ -142,6 +142,53 @@ class MemoryModel:
         (`service.engine.forward_cost.ForwardCost.bytes`)."""
         return self.forward.bytes(1, seq_len, seq_len, logits_cols)
 
+def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
+    """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
+    forward ``reserve`` and the requests' own transients within ``budget`` (bytes)."""
+    transient = max([reserve, cost.transient, *(c.transient for c in running)])
+    return sum(c.kv for c in running) + cost.kv + transient <= budget
+
+
+def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost], budget: int, now: float,
+                   reserve: int = 0, max_rows: int | None = None, backfill_s: float | None = None,
+                   ) -> tuple[list[int], int | None]:
+    """Which waiting requests join the running batch now (a pure function of costs and times; the scheduler
+    applies it, `service.scheduler`).
+
+    Args:
+        waiting: per waiting request in queue order, its cost and when it was first blocked at the head of the
+            queue (seconds on the clock of ``now``; None if never).
+        running: the costs of the running requests; budget, reserve: bytes (see :func:`fits`).
+        max_rows: most requests running at once (None: no cap).
+        backfill_s: how long a blocked head lets smaller requests that fit pass it (None: never).
+
+    Returns:
+        (indices into ``waiting`` of the requests that join, in order; the index of the request blocked at the
+        head for memory, or None). First come, first served: each joins while it fits (a request alone always
+        does); the first that does not is the head; while it has waited less than ``backfill_s``, later requests
+        smaller than it (KV + transient) that fit join too, else nobody passes it.
+    """
+    chosen: list[int] = []
+    held = list(running)
+    head, head_size = None, None
+    for i, (cost, blocked_at) in enumerate(waiting):
+        if max_rows is not None and len(held) >= max_rows:
+            break
+        size = cost.kv + cost.transient
+        if (not held or fits(held, cost, budget, reserve)) and (head_size is None or size < head_size):
+            chosen.append(i)
+            held.append(cost)
+            continue
+        if head is not None:
+            continue  # backfill: this one does not fit now, or is no smaller than the head
+        head = i
+        waited = 0.0 if blocked_at is None else now - blocked_at
+        if backfill_s is None or waited >= backfill_s:
+            break  # memory is reserved for the head: nobody passes it
+        head_size = size
+    return chosen, head
+
+
 def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
 
