@@ -3,8 +3,9 @@
 A running request holds two kinds of memory:
 
 * **KV bytes**: the reused K/V its store holds, at the storage bits of its configuration (the accounting of
-  ``DecodeReport.kv``: codes, scales, minima, indices and outliers). The reused region is largest at the last
-  block: ``seq_len - block_length`` tokens (prefix and dual); cache mode ``none`` holds nothing. Bytes per reused
+  ``DecodeReport.kv``: codes, scales, minima, indices and outliers), counted over ``seq_len + 1`` tokens (the
+  full-precision store keeps the whole sequence in order and a spare column; the reused region alone is largest
+  at the last block, ``seq_len - block_length``); cache mode ``none`` holds nothing. Bytes per reused
   token are measured once per configuration by writing every layer of the configuration's own store with a probe
   of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
 * **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
@@ -108,7 +109,10 @@ class MemoryModel:
     def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
         """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
         seq_len = prompt_len + params.gen_length
-        reused = 0 if params.cache_mode == "none" else seq_len - params.block_length
+        # The full-precision store keeps the whole sequence in order plus a spare column (the window's columns are
+        # written over at each later step, `FullPrecisionKVStore`); counted so for every store: a quantized one
+        # is then over-counted by a block of its few bits per token.
+        reused = 0 if params.cache_mode == "none" else seq_len + 1
         # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
         cols = params.gen_length if params.cache_mode == "none" else params.block_length
         return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
