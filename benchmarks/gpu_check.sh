@@ -9,6 +9,8 @@
 # 3. benchmarks/decode_speed.py --preset 8b --device cuda --dtype bfloat16 at about 1k and 4k reused tokens, batch
 #    1 and 8, 8 fixed steps per block: the dual cache unquantized and KIVI / dLLM-KVQ / KVQuant at 4 and 2 bits,
 #    whose later steps run the fused Triton kernel (--kv-attention auto on CUDA);
+# 4. benchmarks/iteration_cost.py on the device (issue 21): tensor ops, host syncs, forwards and the measured
+#    time of one later-step iteration of 1-64 requests, LLaDA-8B random weights in bf16 (unquantized and KIVI);
 # then prints ONE table: tokens/s per configuration, method and bits, time vs the unquantized dual cache, the KV
 # bytes a later step reads, the bytes a forward reads (weights + KV) and the bandwidth that implies against the
 # device's peak (PEAK_GBS, default 4800 GB/s for an H200; a lower bound: block-initial forwards are counted too).
@@ -41,6 +43,12 @@ for prompt in 800 3872; do
       --methods "$METHODS" --peak-bandwidth "$PEAK_GBS" | tee "$OUT/decode_${prompt}_${batch}.txt"
   done
 done
+
+echo "== iteration cost (issue 21): LLaDA-8B random weights, bf16, measured later-step time per iteration"
+# Counts (ops, syncs, forwards) are dispatch-level, as on the CPU; the last column is wall time on the device. Eager only
+# (CUDA graphs are not built). Not run yet on a GPU: no device was lent to the session that wrote it.
+timeout 240 "$PYTHON" benchmarks/iteration_cost.py --device cuda --dtype bfloat16 --width 4096 --vocab 126464 \
+  --rows 1,8,32,64 --caches dual --methods none,kivi | tee "$OUT/iteration_cost.txt"
 
 "$PYTHON" - "$OUT" "$PEAK_GBS" <<'PY'
 """Collect the decode_speed tables into one."""

@@ -28,7 +28,9 @@ every step), ``ignore_eos``. The KV stores: the engine's full precision (``none`
 
 Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
 [--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--gen-length 256] [--block-length 32]
-[--slack inf]``. ``--slack`` is the running batch's ``padding_slack`` where it has one (``inf`` merges whenever
+[--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32]``. On CUDA
+(``--device cuda``, e.g. ``--width 4096 --vocab 126464 --dtype bfloat16``: LLaDA-8B itself) a column adds the
+measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the running batch's ``padding_slack`` where it has one (``inf`` merges whenever
 memory allows, as a launch-bound GPU would).
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,8 +148,10 @@ ARGS = {"slack": float("inf")}
 
 
 def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt_length: int
-            ) -> tuple[IterationCost, IterationCost]:
-    """(block-initial iteration, later-step iteration) of ``rows`` requests that joined together."""
+            ) -> tuple[IterationCost, IterationCost, float]:
+    """(block-initial iteration, later-step iteration, measured seconds of a later step) of ``rows`` requests
+    that joined together; the seconds only on CUDA (a third iteration, uncounted, timed with a sync before and
+    after), else 0."""
     gen = torch.Generator().manual_seed(rows)
     vocab = engine.spec.vocab_size
     batch = _batch(engine)
@@ -160,9 +165,16 @@ def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt
             with ForwardCount(engine.model) as forwards, Counter() as counter:
                 batch.step()
             costs.append(IterationCost(counter.ops, counter.syncs, forwards.calls, forwards.most_rows))
+        seconds = 0.0
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+            start = time.perf_counter()
+            batch.step()
+            torch.cuda.synchronize(engine.device)
+            seconds = time.perf_counter() - start
         for cohort in list(batch.cohorts):
             batch.leave(cohort)
-    return costs[0], costs[1]
+    return costs[0], costs[1], seconds
 
 
 def projected(cost: IterationCost, rows: int, method: str, reused: int) -> tuple[float, float, float]:
@@ -186,22 +198,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps-per-block", type=int, default=8)
     parser.add_argument("--slack", type=float, default=float("inf"))
     parser.add_argument("--no-time", action="store_true", help="counts only (no projected times)")
+    parser.add_argument("--width", type=int, default=128, help="model width (LLaDA-8B: 4096; counts do not depend "
+                        "on it)")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--device", default="cpu", help="on cuda a measured later-step time is added")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
     ARGS["slack"] = args.slack
     torch.set_num_threads(1)
-    PRESETS["8b-narrow"] = {"width": 128, "num_layers": args.layers, "num_heads": 32, "mlp_hidden": 384,
-                            "vocab_size": 4096}
-    engine = random_engine("8b-narrow", torch.float32, "cpu", 10.0)
+    PRESETS["8b-narrow"] = {"width": args.width, "num_layers": args.layers, "num_heads": 32,
+                            "mlp_hidden": 3 * args.width, "vocab_size": args.vocab}
+    engine = random_engine("8b-narrow", getattr(torch, args.dtype), args.device, 10.0)
     blocks = args.gen_length // args.block_length
     reused = args.prompt_length + args.gen_length - args.block_length
-    print(f"iteration cost: LLaDA-8B layout narrowed ({args.layers} layers, 32 heads x head dim 4, width 128, MLP "
-          f"384, vocabulary 4096), prompt {args.prompt_length}, {args.gen_length} generated, block "
+    print(f"iteration cost: LLaDA-8B layout ({args.layers} layers, 32 heads x head dim {args.width // 32}, width "
+          f"{args.width}, MLP {3 * args.width}, vocabulary {args.vocab}; {args.dtype} on {args.device}), prompt "
+          f"{args.prompt_length}, {args.gen_length} generated, block "
           f"{args.block_length}, {args.steps_per_block} steps per block; projected at LLaDA-8B bf16 on an H200: "
           f"{LAUNCH_S * 1e6:.0f} us per op, {SYNC_S * 1e6:.0f} us per sync, {PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
     header = (f"{'cache':<7}{'KV':<9}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
               f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
     if not args.no_time:
         header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>6}"
+    if engine.device.type == "cuda":
+        header += f" | {'measured ms':>11}"
     print(header)
     results = []
     for cache in args.caches.split(","):
@@ -209,7 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               threshold=None, steps=args.steps_per_block * blocks, ignore_eos=True)
         for method in args.methods.split(","):
             for rows in (int(r) for r in args.rows.split(",")):
-                initial, later = measure(engine, rows, params, method, args.prompt_length)
+                initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length)
                 line = (f"{cache:<7}{method:<9}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
                         f"{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}{initial.syncs:>6}"
                         f"{initial.forwards:>4}")
@@ -217,11 +237,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if not args.no_time:
                     read, seconds, roof = projected(later, rows, method, reused)
                     line += f" | {read / 1e9:>9.1f}{seconds * 1e3:>8.1f}{roof * 1e3:>9.1f}{seconds / roof:>5.1f}x"
-                    row.update(read=read, seconds=seconds, roofline=roof)
+                    row.update(read=read, projected=seconds, roofline=roof)
+                if engine.device.type == "cuda":
+                    line += f" | {measured_s * 1e3:>11.1f}"
+                    row["measured"] = measured_s
                 print(line, flush=True)
                 results.append(row)
     return results
 
 
 if __name__ == "__main__":
-    main()
+    from machine import Run  # benchmarks/machine.py, beside this script
+
+    with Run():
+        main()

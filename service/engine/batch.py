@@ -48,6 +48,8 @@ from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 #: Input tokens one forward may hold at its padded shape when no budget is set (DLLM_MAX_BATCHED_TOKENS):
 #: 32 requests of a 456-token sequence in one block-initial forward, 512 rows of a 32-token window.
 DEFAULT_MAX_BATCHED_TOKENS = 16384
+#: A forward's padded tokens may exceed its real tokens by at most this fraction (:func:`plan_forwards`).
+PADDING_SLACK = 0.25
 
 
 def forward_tokens(group: list[Pass]) -> int:
@@ -55,16 +57,21 @@ def forward_tokens(group: list[Pass]) -> int:
     return sum(len(p.rows) for p in group) * max(p.width for p in group)
 
 
-def plan_forwards(passes: list[Pass], max_tokens: int) -> list[list[Pass]]:
+def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK) -> list[list[Pass]]:
     """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
-    packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` (a
-    pass alone always runs). Window and full passes never share a forward (their keys come from different
-    places), so an iteration with both kinds makes at least two forwards."""
+    packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` and
+    within ``1 + padding_slack`` times its real tokens (padded columns are arithmetic thrown away: block-initial
+    passes of very different lengths go into different forwards); a pass alone always runs. Window and full
+    passes never share a forward (their keys come from different places), so an iteration with both kinds makes
+    at least two forwards."""
     groups: list[list[Pass]] = []
     for kind in ("window", "full"):
         current: list[Pass] = []
         for p in sorted((p for p in passes if p.kind == kind), key=lambda p: (p.width, p.seq_len)):
-            if current and forward_tokens([*current, p]) > max_tokens:
+            merged = [*current, p]
+            padded = forward_tokens(merged)
+            if current and (padded > max_tokens
+                            or padded > (1 + padding_slack) * sum(len(q.rows) * q.width for q in merged)):
                 groups.append(current)
                 current = []
             current.append(p)
