@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     header = (f"{'cache':<7}{'KV':<9}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
               f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
     if not args.no_time:
-        header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>6}"
+        header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>7}"
     if engine.device.type == "cuda":
         header += f" | {'measured ms':>11}"
     print(header)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row = {"cache": cache, "method": method, "rows": rows, "later": later, "initial": initial}
                 if not args.no_time:
                     read, seconds, roof = projected(later, rows, method, reused)
-                    line += f" | {read / 1e9:>9.1f}{seconds * 1e3:>8.1f}{roof * 1e3:>9.1f}{seconds / roof:>5.1f}x"
+                    line += f" | {read / 1e9:>9.1f}{seconds * 1e3:>8.1f}{roof * 1e3:>9.1f}{seconds / roof:>6.1f}x"
                     row.update(read=read, projected=seconds, roofline=roof)
                 if engine.device.type == "cuda":
                     line += f" | {measured_s * 1e3:>11.1f}"

@@ -3,8 +3,9 @@
 A running request holds two kinds of memory:
 
 * **KV bytes**: the reused K/V its store holds, at the storage bits of its configuration (the accounting of
-  ``DecodeReport.kv``: codes, scales, minima, indices and outliers). The reused region is largest at the last
-  block: ``seq_len - block_length`` tokens (prefix and dual); cache mode ``none`` holds nothing. Bytes per reused
+  ``DecodeReport.kv``: codes, scales, minima, indices and outliers), counted over ``seq_len + 1`` tokens (the
+  full-precision store keeps the whole sequence in order and a spare column; the reused region alone is largest
+  at the last block, ``seq_len - block_length``); cache mode ``none`` holds nothing. Bytes per reused
   token are measured once per configuration by writing every layer of the configuration's own store with a probe
   of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
 * **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
@@ -113,7 +114,10 @@ class MemoryModel:
     def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
         """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
         seq_len = prompt_len + params.gen_length
-        reused = 0 if params.cache_mode == "none" else seq_len - params.block_length
+        # The full-precision store keeps the whole sequence in order plus a spare column (the window's columns are
+        # written over at each later step, `FullPrecisionKVStore`); counted so for every store: a quantized one
+        # is then over-counted by a block of its few bits per token.
+        reused = 0 if params.cache_mode == "none" else seq_len + 1
         # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
         cols = params.gen_length if params.cache_mode == "none" else params.block_length
         return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
@@ -146,6 +150,53 @@ class MemoryModel:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
         (`service.engine.forward_cost.ForwardCost.bytes`)."""
         return self.forward.bytes(1, seq_len, seq_len, logits_cols)
+
+def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
+    """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
+    forward ``reserve`` and the requests' own transients within ``budget`` (bytes)."""
+    transient = max([reserve, cost.transient, *(c.transient for c in running)])
+    return sum(c.kv for c in running) + cost.kv + transient <= budget
+
+
+def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost], budget: int, now: float,
+                   reserve: int = 0, max_rows: int | None = None, backfill_s: float | None = None,
+                   ) -> tuple[list[int], int | None]:
+    """Which waiting requests join the running batch now (a pure function of costs and times; the scheduler
+    applies it, `service.scheduler`).
+
+    Args:
+        waiting: per waiting request in queue order, its cost and when it was first blocked at the head of the
+            queue (seconds on the clock of ``now``; None if never).
+        running: the costs of the running requests; budget, reserve: bytes (see :func:`fits`).
+        max_rows: most requests running at once (None: no cap).
+        backfill_s: how long a blocked head lets smaller requests that fit pass it (None: never).
+
+    Returns:
+        (indices into ``waiting`` of the requests that join, in order; the index of the request blocked at the
+        head for memory, or None). First come, first served: each joins while it fits (a request alone always
+        does); the first that does not is the head; while it has waited less than ``backfill_s``, later requests
+        smaller than it (KV + transient) that fit join too, else nobody passes it.
+    """
+    chosen: list[int] = []
+    held = list(running)
+    head, head_size = None, None
+    for i, (cost, blocked_at) in enumerate(waiting):
+        if max_rows is not None and len(held) >= max_rows:
+            break
+        size = cost.kv + cost.transient
+        if (not held or fits(held, cost, budget, reserve)) and (head_size is None or size < head_size):
+            chosen.append(i)
+            held.append(cost)
+            continue
+        if head is not None:
+            continue  # backfill: this one does not fit now, or is no smaller than the head
+        head = i
+        waited = 0.0 if blocked_at is None else now - blocked_at
+        if backfill_s is None or waited >= backfill_s:
+            break  # memory is reserved for the head: nobody passes it
+        head_size = size
+    return chosen, head
+
 
 def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.

@@ -36,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from service.admission import Cost, MemoryModel
+from service.admission import Cost, MemoryModel, plan_admission
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.report import DecodeReport
 from service.telemetry import Telemetry
@@ -145,14 +145,10 @@ class ContinuousWorker(Worker):
                 field,
             )
 
-    def _fits(self, cost: Cost) -> bool:
-        held = sum(m.cost.kv for m in self._members)
-        transient = max([self.forward_bytes, cost.transient, *(m.cost.transient for m in self._members)])
-        return held + cost.kv + transient <= self.budget_bytes
-
     def _admit(self) -> list[_Running]:
-        """Move jobs from the queues into the batch while they fit, the head first; smaller jobs behind a
-        blocked head while it may still be passed (module doc, fairness). Caller holds the lock."""
+        """Move jobs from the queues into the batch by :func:`~service.admission.plan_admission` (module doc,
+        fairness); a job whose configuration was not measured yet is sized first, here on the worker thread.
+        Caller holds the lock."""
         joined = []
         self._purge_cancelled()
         blocked = False
@@ -160,30 +156,23 @@ class ContinuousWorker(Worker):
         for queue in (self._queue, self._shadow):
             if queue is self._shadow and (self._queue or blocked):
                 break  # shadow re-decodes only when no user request waits
-            at, head = 0, None
-            while at < len(queue) and len(self._members) < self.max_batch_size:
-                job = queue[at]
-                if not job.sized:  # its configuration was measured here, off the event loop
-                    try:
-                        self._check_size(job)
-                    except RequestTooLarge as exc:
-                        del queue[at]
-                        _set_exception(job, exc)
-                        continue
-                cost = self._cost(job)
-                size = cost.kv + cost.transient
-                if self._members and (not self._fits(cost) or (head is not None and size >= head)):
-                    if at > 0:  # a later job that does not fit, or is no smaller than the head: not now
-                        at += 1
-                        continue
-                    blocked = True
-                    job.blocked_at = job.blocked_at or now
-                    if self.backfill_s is None or now - job.blocked_at >= self.backfill_s:
-                        break  # memory is reserved for the head: nobody passes it
-                    head, at = size, 1
-                    continue
-                del queue[at]
-                member = self._join(job, cost)
+            for job in [j for j in queue if not j.sized]:
+                try:
+                    self._check_size(job)
+                except RequestTooLarge as exc:
+                    queue.remove(job)
+                    _set_exception(job, exc)
+            jobs = list(queue)
+            costs = [self._cost(job) for job in jobs]
+            chosen, head = plan_admission(
+                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [m.cost for m in self._members],
+                self.budget_bytes, now, self.forward_bytes, self.max_batch_size, self.backfill_s)
+            if head is not None:  # blocked by the running requests (or by those joining before it)
+                blocked = True
+                jobs[head].blocked_at = jobs[head].blocked_at or now
+            for i in chosen:
+                queue.remove(jobs[i])
+                member = self._join(jobs[i], costs[i])
                 if member is not None:
                     joined.append(member)
         self.telemetry.memory_waiting.set(len(self._queue) if blocked else 0)

@@ -61,6 +61,7 @@ from typing import Any, Literal
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
@@ -201,8 +202,7 @@ class GrammarCompiler:
         self.threads = threads or max(1, min(4, (os.cpu_count() or 1) // 2))
         self._executor: llguidance.LLExecutor | None = None
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
-        self._eos_tensor = torch.tensor(self.eos_ids, dtype=torch.long)
-        self._words, self._shifts = (vocab_size + 31) // 32, torch.arange(32, dtype=torch.int32)
+        self._words = (vocab_size + 31) // 32
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -271,24 +271,28 @@ class GrammarCompiler:
         return len(self._cache)
 
     def allowed(self, states: Sequence[GrammarState]) -> torch.Tensor:
-        """bool ``[len(states), vocab_size]``: the tokens each state allows next, its EOS widened to every EOS id
-        of the model. The masks are filled together (llguidance's executor, in parallel threads)."""
+        """bool ``[len(states), vocab_size]`` (CPU): the tokens each state allows next, its EOS widened to every
+        EOS id of the model. The masks are filled together (llguidance's executor, in parallel threads) and
+        unpacked on the host (numpy: a few microseconds; a handful of torch calls cost more at this size)."""
         bitmask = torch.empty((len(states), self._words), dtype=torch.int32)  # every word is written
         if len(states) == 1:
             llguidance.torch.fill_next_token_bitmask(states[0].matcher, bitmask, 0)
         else:
             llguidance.torch.fill_next_token_bitmask_par(
                 self.executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask)
-        bits = (bitmask[:, :, None] >> self._shifts) & 1
-        allowed = bits.reshape(len(states), -1)[:, : self.vocab_size].bool()
-        # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token to
-        # go on with, which would end an invalid response with "stop"); then every EOS id of the model.
-        accepting = torch.tensor([s.matcher.is_accepting() for s in states])
-        ended = torch.tensor([s.ended for s in states])
-        eos_allowed = (allowed[:, self.grammar_eos] & accepting) | ended
-        allowed[ended] = False  # after the end, only EOS (padding the rest of the block)
-        allowed[:, self._eos_tensor] = eos_allowed[:, None]
-        return allowed
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
+        allowed = allowed.astype(bool)
+        for i, state in enumerate(states):
+            # EOS only where the response is complete (llguidance also offers it where its tokenizer has no token
+            # to go on with, which would end an invalid response with "stop"); after the end, only EOS (padding
+            # the rest of the block); then every EOS id of the model.
+            if state.ended:
+                allowed[i] = False
+                eos = True
+            else:
+                eos = bool(allowed[i, self.grammar_eos]) and state.matcher.is_accepting()
+            allowed[i, list(self.eos_ids)] = eos
+        return torch.from_numpy(allowed)
 
 
 class _DecodedVocabulary(llguidance.TokenizerWrapper):

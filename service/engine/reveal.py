@@ -70,7 +70,6 @@ class RevealRule:
         """True when the settings ask for the family's whole-response algorithm (no blocks)."""
         return False
 
-
     def reveal(
         self, step: int, logits: torch.Tensor, params: DecodeParams, plan: list[int] | None, temperature: float,
         generator: torch.Generator | None, banned: torch.Tensor | None = None,
