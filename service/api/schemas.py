@@ -75,7 +75,7 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
 * forward calls (`steps`, else the response positions) x (prompt + response positions) are within the server's
   `max_request_work`, and the request's KV memory fits the server's budget alone (code `over_memory_budget`);
 * text is valid Unicode (no lone surrogate);
-* chat: `top_logprobs` needs `logprobs` = true."""
+* chat: top_logprobs needs logprobs = true."""
 #: The chat rule GENERATION_RULES states in words (`ChatCompletionRequest`).
 TOP_LOGPROBS_RULE = "top_logprobs needs logprobs = true"
 
