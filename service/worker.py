@@ -79,6 +79,10 @@ class EngineLike(Protocol):
 
     def report(self, cohort: Any) -> DecodeReport: ...
 
+    # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``step()``, ``scores()``).
+    def likelihood(self, ids: list[int], mc_num: int, mc_batch_size: int, seed: int, top_k: int = 0,
+                   cancelled: Callable[[], bool] | None = None) -> Any: ...
+
 
 class WorkerError(Exception):
     """Base of the errors a job can end with."""

@@ -313,6 +313,11 @@ class Serving:
                                  "and not empty", param="prompt")
         if req.max_tokens == 0:  # echo only (the request's rules): nothing generated
             self._refuse_mask(req, prompts, "prompt")
+            for i, ids in enumerate(prompts):
+                self._check_ids(ids, "prompt")
+                if not 1 <= len(ids) <= self.spec.max_length:
+                    raise InvalidRequest(f"prompt {i} has {len(ids)} tokens: echo with max_tokens 0 takes 1 to "
+                                         f"{self.spec.max_length} (the model's context)", param="prompt")
             plan = Plan("completion", "/v1/completions", [], request_id=s.new_id("cmpl"), prompts=prompts)
             snapshot = self.active.snapshot(req.cache_mode or self.settings.cache_mode)
         else:
@@ -342,9 +347,9 @@ class Serving:
         jobs = []
         for i, ids in enumerate(prompts):
             self._check_ids(ids, "prompt")
-            if len(ids) > self.spec.max_length:
-                raise InvalidRequest(f"prompt {i} has {len(ids)} tokens, over the model's context of "
-                                     f"{self.spec.max_length}", param="prompt")
+            if not 1 <= len(ids) <= self.spec.max_length:
+                raise InvalidRequest(f"prompt {i} has {len(ids)} tokens: a scored prompt has 1 to "
+                                     f"{self.spec.max_length} (the model's context)", param="prompt")
             task = LikelihoodTask(tuple(ids), mc_num, batch, seed, req.logprobs or 0)
             params = DecodeParams(gen_length=self.settings.block_length, block_length=self.settings.block_length,
                                   cache_mode="none", threshold=None, steps=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, RunningBatch
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
+from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
 from service.engine.models import reveal_rule
 from service.engine.params import DecodeParams, RowOptions
@@ -108,6 +110,15 @@ class Engine:
         finally:
             cohort.store.clear()
         return self.report(cohort)
+
+    def likelihood(self, ids: list[int], mc_num: int, mc_batch_size: int, seed: int, top_k: int = 0,
+                   cancelled: Callable[[], bool] | None = None) -> PromptLikelihood:
+        """The per-token ELBO values of one prompt, one forward per ``step()`` (`service.engine.likelihood`).
+
+        Raises:
+            ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
+        """
+        return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
     def batch(self, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> RunningBatch:
         """An empty continuous batch on this model (see `service.engine.batch`; ``max_batched_tokens``: the

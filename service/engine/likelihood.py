@@ -258,6 +258,5 @@ class LikelihoodTask:
         return forward_cost.bytes(self.mc_batch_size, t, t, t)
 
     def cohort(self, engine, cancelled: Callable[[], bool] | None = None) -> PromptLikelihood:
-        """Its cohort on ``engine``'s model."""
-        return PromptLikelihood(engine.model, engine.spec.mask_id, list(self.ids), self.mc_num, self.mc_batch_size,
-                                self.seed, self.top_k, cancelled)
+        """Its work on ``engine`` (`service.engine.Engine.likelihood`)."""
+        return engine.likelihood(list(self.ids), self.mc_num, self.mc_batch_size, self.seed, self.top_k, cancelled)

@@ -14,6 +14,11 @@ cases are never filtered. The rules, named again at each check:
 * ``grammar``: a structured-output field (``response_format`` json_schema, ``structured_outputs``, ``guided_*``)
   holds a schema or regex the grammar engine compiles (restated by compiling it with llguidance, the engine's
   library, without the server's tokenizer: `service.engine.grammar`);
+* ``choices``: each of the ``n`` choices costs the work above (the ceiling holds for their sum);
+* ``likelihood``: a completion with ``echo`` and ``logprobs`` scores every prompt token: ``(T - 1) x (mc_num + 1)
+  x T`` token-forwards within ``max_request_work``, and ``mc_num`` a multiple of the server's Monte-Carlo batch
+  when above it;
+* ``top_logprobs``: chat's ``top_logprobs`` needs ``logprobs`` = true;
 * ``activation``: ``PUT /admin/active/none`` takes no quantizing method (a path parameter against the body);
 * ``upload``: an uploaded artifact is a policy table or KVQuant state fitted to the loaded model (content JSON
   Schema cannot describe: safetensors bytes, layer and head counts); uploads are tested with real artifacts in
@@ -93,10 +98,29 @@ def _grammar_compiles(body: dict[str, Any]) -> bool:
         return False
 
 
+def _likelihood_fits(body: dict[str, Any]) -> bool:
+    """Rule "likelihood" (module docstring)."""
+    server = _server()
+    mc_num = int(body.get("mc_num") or server["mc_num"])
+    batch = min(server["mc_batch_size"], mc_num)
+    if mc_num % batch:
+        return False
+    return all(tokens >= 1 and (server["max_work"] is None
+                                or (tokens - 1) * (mc_num + 1) * tokens <= server["max_work"])
+               for tokens in _prompt_lengths("/v1/completions", body))
+
+
 def _generation_fits(path: str, body: dict[str, Any]) -> bool:
     server = _server()
     if not _grammar_compiles(body):
         return False
+    if path == "/v1/chat/completions" and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+        return False  # rule "top_logprobs"
+    if path == "/v1/completions" and body.get("echo") is True:
+        if body.get("logprobs") is not None and not _likelihood_fits(body):
+            return False
+        if body.get("max_tokens") == 0:  # nothing generated: the prompts only
+            return all(1 <= t <= server["context"] for t in _prompt_lengths(path, body))
     max_tokens = int(_given(body, "max_completion_tokens", "max_tokens") or server["max_tokens"])
     block = int(_given(body, "block_length") or server["block_length"])
     response = -(-max_tokens // block) * block
@@ -112,7 +136,8 @@ def _generation_fits(path: str, body: dict[str, Any]) -> bool:
             return False
         # Rule "work": the request's token-forwards within the server's ceiling (if it has one).
         calls = int(steps) if steps is not None else response
-        if server["max_work"] is not None and calls * (tokens + response) > server["max_work"]:
+        choices = int(body.get("n") or 1)  # rule "choices"
+        if server["max_work"] is not None and calls * (tokens + response) * choices > server["max_work"]:
             return False
     return True
 

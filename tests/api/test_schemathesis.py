@@ -51,7 +51,8 @@ def server(tmp_path_factory):
     context = httpx.get(proc.url + "/v1/models").json()["data"][0]["max_model_len"]
     proc.facts = {"url": proc.url, "context": context, "max_tokens": settings.default_max_tokens,
                   "block_length": settings.block_length, "steps": settings.steps,
-                  "max_work": settings.max_request_work}
+                  "max_work": settings.max_request_work, "mc_num": settings.likelihood_mc_num,
+                  "mc_batch_size": settings.likelihood_mc_batch_size}
     yield proc
     proc.stop()
 

@@ -53,6 +53,13 @@ class FakeEngine:
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def likelihood(self, ids, mc_num, mc_batch_size, seed, top_k=0, cancelled=None):
+        """The real estimator (`service.engine.likelihood`) over a tiny seeded bigram-free network."""
+        from service.engine.likelihood import PromptLikelihood
+
+        return PromptLikelihood(_tiny_lm(self.spec.vocab_size), MASK, ids, mc_num, mc_batch_size, seed, top_k,
+                                cancelled)
+
     def generate(self, prompts, params: DecodeParams, rows: list[RowOptions] | None = None, kv_store=None,
                  on_block=None, cancelled=None) -> DecodeReport:
         t0 = time.monotonic()
@@ -156,3 +163,20 @@ def _report(answers, params: DecodeParams, total_s: float, decode_text) -> Decod
                                  steps_per_block=[1] * num_blocks, reveals_per_step=[params.block_length] *
                                  num_blocks, tokens_per_second=0.0))
     return DecodeReport(rows=reports, params=params, timings=Timings(total_s=total_s))
+
+
+def _tiny_lm(vocab: int):
+    """A seeded embedding whose logits are its rows' dot products: a torch module with ``embed`` (what
+    `service.engine.likelihood.PromptLikelihood` needs), the same weights every time."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, 8)
+            torch.nn.init.normal_(self.embed.weight, generator=torch.Generator().manual_seed(0))
+
+        def forward(self, ids):
+            return self.embed(ids) @ self.embed.weight.T
+
+    return Tiny().eval()
