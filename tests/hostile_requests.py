@@ -4,11 +4,12 @@ server's rules would send them (issue 13, "Done when").
     python tests/hostile_requests.py http://127.0.0.1:8000 ADMIN_KEY SERVER_PID
 
 Prints one line per request (status, seconds, what was sent) and a summary. Exits 1 when any request got a 5xx,
-took longer than 5 s, got a status of the wrong family (a hostile input accepted, a plain one refused) or an error
+took longer than ``--slow-s`` (5 s; with ``--no-time-bar`` a slow request is reported, not failed: a loaded machine
+is slow, not wrong), got a status of the wrong family (a hostile input accepted, a plain one refused) or an error
 body that is not OpenAI's ``{"error": {message, type, param, code}}``; when the server's peak or current resident
-memory (``/proc/<pid>/status`` VmHWM, VmRSS) went over 1 GB; or when ``/health/ready`` was not 200 between two
-requests. Needs a served model with a tokenizer, a chat template and a context of at least 4,096 tokens (the
-embedded model qualifies) and an admin key.
+memory (``/proc/<pid>/status`` VmHWM, VmRSS) went over 1 GB; or when ``/health/ready`` was not 200 (or not answered
+within ``--ready-timeout-s``, 5 s) between two requests. Needs a served model with a tokenizer, a chat template and
+a context of at least 4,096 tokens (the embedded model qualifies) and an admin key.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import httpx
 
-SLOW_S = 5.0
+SLOW_S = 5.0  # the default of --slow-s and --ready-timeout-s
 RSS_LIMIT_KB = 1_000_000  # 1 GB in /proc's kB (KiB)
 OK, CLIENT_ERROR = "2xx", "4xx"
 
@@ -152,8 +153,11 @@ def admin_cases(info: dict[str, Any], key: str) -> list[Case]:
 class Reviewer:
     """Sends the cases, times them, watches memory and readiness, and keeps the failures."""
 
-    def __init__(self, url: str, admin_key: str, pid: int) -> None:
+    def __init__(self, url: str, admin_key: str, pid: int, slow_s: float = SLOW_S, time_bar: bool = True,
+                 ready_timeout_s: float = SLOW_S) -> None:
         self.url = url.rstrip("/")
+        self.slow_s, self.time_bar, self.ready_timeout_s = slow_s, time_bar, ready_timeout_s
+        self.slow: list[str] = []
         self.admin_key = admin_key
         self.status_path = Path(f"/proc/{pid}/status")
         self.http = httpx.Client(base_url=self.url, timeout=30)
@@ -175,8 +179,11 @@ class Reviewer:
             self.fail(f"{name}: {status}, expected {expect}: {(body or b'')[:300]!r}")
         elif status >= 400 and body is not None and not _openai_error(body):
             self.fail(f"{name}: {status} without an OpenAI error body: {body[:300]!r}")
-        if seconds > SLOW_S:
-            self.fail(f"{name}: took {seconds:.2f} s (limit {SLOW_S} s)")
+        if seconds > self.slow_s and self.time_bar:
+            self.fail(f"{name}: took {seconds:.2f} s (limit {self.slow_s:g} s)")
+        elif seconds > self.slow_s:
+            self.slow.append(f"{name}: {seconds:.2f} s")
+            print(f"    SLOW over {self.slow_s:g} s (reported, not a failure: --no-time-bar)", flush=True)
 
     def send(self, case: Case) -> None:
         headers = dict(case.headers)
@@ -198,7 +205,7 @@ class Reviewer:
     def between(self) -> None:
         """Between two requests: the server is ready and under the memory limit."""
         try:
-            ready = self.http.get("/health/ready", timeout=SLOW_S).status_code
+            ready = self.http.get("/health/ready", timeout=self.ready_timeout_s).status_code
         except httpx.HTTPError as exc:
             ready = f"unreachable ({exc})"
         if ready != 200:
@@ -263,6 +270,8 @@ class Reviewer:
             self.send(case)
         print(f"\n{self.sent} requests in {time.monotonic() - start:.1f} s; server peak memory "
               f"{self.peak_kb / 1e6:.2f} GB; {len(self.failures)} failures", flush=True)
+        if self.slow:
+            print(f"{len(self.slow)} over {self.slow_s:g} s, not judged (--no-time-bar): " + "; ".join(self.slow))
         for why in self.failures:
             print(f"  - {why}")
         return 1 if self.failures else 0
@@ -290,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("admin_key", help="the server's admin key")
     parser.add_argument("pid", type=int, help="the server's process id (its memory is read from /proc)")
+    parser.add_argument("--slow-s", type=float, default=SLOW_S, help="a request over this many seconds fails")
+    parser.add_argument("--no-time-bar", action="store_true",
+                        help="report requests over --slow-s but do not fail on them (a loaded or shared machine)")
+    parser.add_argument("--ready-timeout-s", type=float, default=SLOW_S,
+                        help="a /health/ready not answered within this many seconds fails")
     args = parser.parse_args(argv)
-    return Reviewer(args.url, args.admin_key, args.pid).run()
+    return Reviewer(args.url, args.admin_key, args.pid, args.slow_s, not args.no_time_bar,
+                    args.ready_timeout_s).run()
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
+from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import ServerProcess
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,9 +27,9 @@ def test_a_request_cut_by_the_drain_timeout_gets_a_json_503(tmp_path):
                                                                            timeout=60)))
     try:
         worker.start()
-        time.sleep(1.0)
+        until(lambda: metric_sum(metrics(srv.url), "dllm_requests_running") == 1, "the long request running")
         srv.proc.send_signal(signal.SIGTERM)
-        worker.join(timeout=30)
+        worker.join(timeout=60)
         r = box["r"]
         assert r.status_code == 503, (r.status_code, r.text, srv.log())
         error = r.json()["error"]
@@ -48,7 +49,9 @@ def test_a_clean_drain_exits_0(tmp_path):
                                                                            json=request, timeout=60)))
     try:
         worker.start()
-        time.sleep(0.3)
+        # SIGTERM once the request is admitted (or, on a fast machine, already answered), never before it arrived.
+        until(lambda: "r" in box or metric_sum(metrics(srv.url), "dllm_requests_running") == 1,
+              "the request admitted")
         srv.proc.send_signal(signal.SIGTERM)
         worker.join(timeout=60)
         assert box["r"].status_code == 200, (box["r"].text, srv.log())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
 from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import embedded_server
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -95,11 +95,10 @@ def test_quantized_request_reports_bits_and_metrics_and_shadow(server):
     assert metric_sum(m, "dllm_kv_effective_bits", tensor="k", accounting="storage", **labels) == pytest.approx(
         kv["k_storage_bits"])
     assert metric_sum(m, "dllm_kv_bytes_held", **labels) == kv["bytes_held"]
-    # The shadow re-decode (rate 1) ran at low priority after the answer; wait for it.
-    for _ in range(100):
-        if metric_sum(metrics(server.url), "dllm_shadow_requests_total", **labels) >= 1:
-            break
-        time.sleep(0.1)
+    # The shadow re-decode (rate 1) runs at low priority after the answer; wait for it (a hang guard: on a loaded
+    # machine it may take many seconds).
+    until(lambda: metric_sum(metrics(server.url), "dllm_shadow_requests_total", **labels) >= 1,
+          "the shadow re-decode", timeout_s=120)
     m = metrics(server.url)
     assert metric_sum(m, "dllm_shadow_requests_total", **labels) == 1
     assert 0.0 <= metric_sum(m, "dllm_shadow_token_agreement_sum", **labels) <= 1.0

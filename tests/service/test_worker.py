@@ -41,7 +41,7 @@ def test_compatible_jobs_batch_in_queue_order_up_to_the_limit():
     for j in jobs:  # queued before the thread starts, so the batches are deterministic
         worker.submit(j)
     worker.start()
-    results = [j.future.result(timeout=10) for j in jobs]
+    results = [j.future.result(timeout=60) for j in jobs]
     # The head job(4) takes the next two compatible ones (limit 3); then job(8) alone; the kivi job has another
     # snapshot, so it runs alone, and so does the last job(4).
     assert engine.calls == [3, 1, 1, 1]
@@ -59,10 +59,10 @@ def test_queue_bound_cancel_frees_a_slot_and_drain_refuses_new_jobs():
     assert full.value.retry_after_s == 1
     worker.cancel(a)
     with pytest.raises(JobCancelled):
-        a.future.result(timeout=1)
+        a.future.result(timeout=30)
     c = worker.submit(job())  # the cancelled job's slot is free
     worker.start()
-    assert worker.drain(timeout_s=10) is True
+    assert worker.drain(timeout_s=60) is True
     assert b.future.result().row.generated_ids and c.future.result().row.generated_ids
     with pytest.raises(WorkerUnavailable, match="shutting down"):
         worker.submit(job())
@@ -74,12 +74,12 @@ def test_batch_failure_and_device_fault():
     worker.start()
     bad = worker.submit(job(prompt=(OFFSET + ALPHABET.index("!"),)))  # "!" makes the fake engine raise
     with pytest.raises(Exception, match="injected fault"):
-        bad.future.result(timeout=10)
-    assert worker.submit(job()).future.result(timeout=10).row.generated_ids == [11, 10, 2]
+        bad.future.result(timeout=60)
+    assert worker.submit(job()).future.result(timeout=60).row.generated_ids == [11, 10, 2]
     assert worker.healthy
     fatal = worker.submit(job(prompt=(OFFSET + ALPHABET.index("#"),)))
     with pytest.raises(Exception, match="illegal memory access"):
-        fatal.future.result(timeout=10)
+        fatal.future.result(timeout=60)
     with pytest.raises(WorkerUnavailable, match="device fault"):
         worker.submit(job())
     assert not worker.healthy
@@ -104,9 +104,9 @@ def test_shadow_re_decode_only_for_quantized_jobs_and_labelled_by_the_served_con
     worker.telemetry.observe_shadow = lambda config, mode, agreement, exact: (observed.append(
         (config.method, mode, agreement, exact)), done.set())
     worker.start()
-    worker.submit(job()).future.result(timeout=10)
-    worker.submit(job(snapshot=KIVI)).future.result(timeout=10)
-    assert done.wait(10)
+    worker.submit(job()).future.result(timeout=60)
+    worker.submit(job(snapshot=KIVI)).future.result(timeout=60)
+    assert done.wait(60)
     worker.drain(10)
     assert observed == [("kivi", "dual", 1.0, True)]  # the fake engine ignores the cache: full agreement
     assert engine.calls == [1, 1, 1]

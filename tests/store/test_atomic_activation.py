@@ -27,6 +27,7 @@ from tests.support.apps import ADMIN_KEY
 from tests.support.artifacts import policy_for
 from tests.support.fake_engine import FakeEngine
 from tests.support.processes import RedisProcess, ServerProcess
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ def replica(tmp_path: Path, store_url: str, name: str, **env) -> ServerProcess:
                          log_path=tmp_path / f"{name}.log").start()
 
 
-def wait_for(condition, timeout_s: float = 15.0, what: str = "") -> None:
+def wait_for(condition, timeout_s: float = 30.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
@@ -258,10 +259,8 @@ def test_a_replica_that_missed_an_event_converges_by_version(tmp_path):
         pubsub = redis.Redis.from_url(own.url).pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(store.channel)
         assert httpx.put(srv.url + "/admin/active/prefix", json=PREFIX, headers=ADMIN).status_code == 200
-        message = None
-        for _ in range(50):
-            message = message or pubsub.get_message(timeout=0.1)
-        assert message is not None and json.loads(message["data"])["version"] == store.version() == 1
+        message = until(lambda: pubsub.get_message(timeout=0.1), "the activation's event")
+        assert json.loads(message["data"])["version"] == store.version() == 1
         # The lost event: entry and version written, nothing published.
         entry = ActiveEntry(fingerprint=SPEC.fingerprint, cache_mode="dual", config=KVQuantConfig(**DUAL),
                             set_at=time.time(), version=2)

@@ -33,8 +33,8 @@ def replica(tmp_path, redis_url: str, name: str, **env) -> ServerProcess:
                           **env}, FACTORY, log_path=tmp_path / f"{name}.log").start()
 
 
-def wait_for(condition, timeout_s: float = 10.0, what: str = "") -> float:
-    """Seconds until ``condition()`` holds (fails the test after ``timeout_s``)."""
+def wait_for(condition, timeout_s: float = 30.0, what: str = "") -> float:
+    """Seconds until ``condition()`` holds (fails the test after ``timeout_s``: a hang guard, not a time bound)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         if condition():

@@ -39,7 +39,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen | None = None) -> None:
+def wait_port(port: int, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
     """Wait until something accepts connections on 127.0.0.1:port (RuntimeError after timeout or if proc died)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
