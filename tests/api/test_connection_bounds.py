@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.support.processes import free_port
+from tests.support.waiting import until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,14 +158,16 @@ def test_over_the_cap_with_every_connection_in_a_request_a_newcomer_gets_503(tmp
         for _ in range(4):  # each in a request: its head arrived, its body has not
             busy.append(connect(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                                           b"application/json\r\nContent-Length: 1000\r\n\r\n{"))
-        time.sleep(0.5)
-        answer = closed_by_server(connect(srv.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
-        assert answer is not None and answer.startswith(b"HTTP/1.1 503"), answer
+        # The four may not all be registered yet on a loaded machine: ask again until the cap answers (a hang guard).
+        def refused() -> bytes | None:
+            got = closed_by_server(connect(srv.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))
+            return got if got is not None and got.startswith(b"HTTP/1.1 503") else None
+
+        answer = until(refused, "a newcomer over the cap gets 503")
         assert b"too_many_connections" in answer and b"retry-after" in answer.lower()
         for sock in busy:
             sock.close()
-        time.sleep(0.5)
-        assert httpx.get(srv.url + "/health").status_code == 200
+        until(lambda: httpx.get(srv.url + "/health").status_code == 200, "health answers once the busy ones left")
     finally:
         for sock in busy:
             sock.close()
