@@ -341,8 +341,11 @@ class RunningBatch:
                         mask = call.cohort.allowed(r, call)
                         if mask is not None:
                             allowed[rows.start + j, : mask.shape[0] if mask.shape[0] > 1 else None] = mask
-        fixed = self._constrain(group, logits, lists)
         wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
+        # A constrained row's chain columns keep only their chosen token's logit (below); its log-probabilities
+        # are the model's own, so keep those rows' logits as the forward gave them (only when asked).
+        model_logits = logits.clone() if wanted and _any_constrained(group) else None
+        fixed = self._constrain(group, logits, lists)
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
             allowed=allowed, logprobs=max(wanted) if wanted else None, **lists,
@@ -350,6 +353,8 @@ class RunningBatch:
         if fixed:
             rows, masks_left = zip(*fixed)
             result.masks_left[list(rows)] = torch.tensor(masks_left, device=result.masks_left.device)
+            if model_logits is not None:
+                _model_logprobs(result, model_logits, list(rows), max(wanted))
         for call, rows in zip(group, _rows(group)):
             call.cohort.write(call, result.tokens[rows])
         return result
@@ -408,3 +413,18 @@ class RunningBatch:
         if not done and len(group) == calls:
             raise self.failed[-1][1]
         return done
+
+
+def _any_constrained(group: list[Pass]) -> bool:
+    """Whether any row of the forward's passes is grammar-constrained (`service.engine.grammar`)."""
+    return any(call.cohort.rows[r].grammar is not None for call in group for r in call.rows)
+
+
+def _model_logprobs(result: RevealResult, logits: torch.Tensor, rows: list[int], k: int) -> None:
+    """Set ``result``'s log-probabilities of batch ``rows`` from the forward's own ``logits`` ``[R, W, V]`` (the
+    unconstrained distribution, as for every other row; vLLM's default raw log-probabilities likewise): the
+    constrained reveal edited those rows' logits to force its chain. ``k``: alternatives kept per column."""
+    logp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)
+    result.token_logprobs[rows] = logp.gather(-1, result.tokens[rows][..., None])[..., 0]
+    if k > 0:
+        result.top_logprobs[rows], result.top_ids[rows] = logp.topk(k, dim=-1)

@@ -59,3 +59,30 @@ def test_every_family_and_schedule(engines, compilers, arch, settings, temperatu
         assert alone.rows[0].generated_ids == ids
     free = engine.generate([PROMPTS[1]], params, [rows[1]])
     assert report.rows[1].generated_ids == free.rows[0].generated_ids
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_log_probabilities_of_a_constrained_row_are_the_models(engines, compilers, arch):
+    """A constrained row's returned log-probabilities are the forward's own (unconstrained) distribution, as every
+    other row's: the chain's edited logits (only the chosen token kept) would give 0 for every token and no
+    alternatives. Greedy, one token per step (a fixed schedule of gen_length steps): the first revealed token's
+    value is the block-initial pass's log-softmax at its column."""
+    import torch
+
+    engine = engines[arch]
+    grammar = compilers[arch].compile(GrammarSpec.regex(REGEX, "structured_outputs.regex"))
+    params = DecodeParams(block_length=8, gen_length=8, cache_mode="none", threshold=None, steps=8,
+                          **({"dream_schedule": "block"} if arch == "dream" else {}))
+    row = engine.generate([PROMPTS[0]], params, [RowOptions(grammar=grammar, logprobs=2)]).rows[0]
+    assert len(row.logprobs) == len(row.generated_ids) == 7
+    for token, entry in zip(row.generated_ids, row.logprobs):
+        assert entry.token == token and -1e30 < entry.logprob < 0 and len(entry.top) == 2
+        assert all(-1e30 < v <= 0 for _, v in entry.top) and entry.top[0][1] >= entry.logprob
+    x = torch.tensor([PROMPTS[0] + [engine.spec.mask_id] * 8])
+    with torch.inference_mode():
+        logits = engine.model(x)[0, len(PROMPTS[0]):].float()
+    if arch == "dream":
+        logits = torch.cat([logits[:1], logits[:-1]])  # Dream predicts each position from the one before it
+    logp = torch.log_softmax(logits, -1)
+    # The first column is revealed at the block-initial pass (leftmost first under a constraint).
+    assert row.logprobs[0].logprob == pytest.approx(float(logp[0, row.generated_ids[0]]), abs=1e-4)
