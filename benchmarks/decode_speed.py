@@ -202,6 +202,15 @@ class KVTraffic:
             return out
 
         store.window_kv, store.attend = tracked_window_kv, tracked_attend
+        if hasattr(store, "sequence_kv"):  # the full-precision store: the engine reads its sequence in order
+            sequence_kv = store.sequence_kv
+
+            def tracked_sequence_kv(layer):
+                k_all, v_all = sequence_kv(layer)
+                self._note(layer, _nbytes((k_all, v_all)))  # the batch's concatenation copies it
+                return k_all, v_all
+
+            store.sequence_kv = tracked_sequence_kv
 
     def _note(self, layer: int, attention_input: int) -> None:
         store = self.store
@@ -209,8 +218,9 @@ class KVTraffic:
             self.alive = max(self.alive, store.bytes_held)
             self.per_layer[layer] = store._packed[layer].nbytes + attention_input
             return
-        held = _nbytes(t for kv in store._layers.values() for t in kv)
-        packed = _nbytes(store._layers[layer])
+        layers = getattr(store, "_sequence", None) or store._layers
+        held = _nbytes(t for kv in layers.values() for t in kv)
+        packed = _nbytes(layers[layer])
         self.alive = max(self.alive, held + attention_input)  # the concatenation is new memory
         self.per_layer[layer] = packed + attention_input
 
