@@ -71,8 +71,9 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
-    # The running batch's interface (`service.engine.batch`): an empty batch, a request's cohort, its report.
-    def batch(self) -> Any: ...
+    # The running batch's interface (`service.engine.batch`): an empty batch (forwards of at most
+    # ``max_batched_tokens`` input tokens; default: the engine's), a request's cohort, its report.
+    def batch(self, max_batched_tokens: int = ...) -> Any: ...
 
     def cohort(
         self,
