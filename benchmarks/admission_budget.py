@@ -4,7 +4,7 @@ Builds the ``small`` random preset of `benchmarks/decode_speed.py` (LLaDA-shaped
 budget to exactly what two unquantized ``--dtype`` (bf16) rows of a ``--context``-token sequence need (their KV at
 the longest plus one row's largest forward, `service.admission`), and sends the same ``--rows`` requests (prompt
 ``context - gen`` tokens, ``--gen`` response tokens, dual cache, fixed schedule of 2 steps per block) through the
-server's continuous scheduler (`service.scheduler.ContinuousWorker`), once per configuration. Prints the rows the
+server's continuous scheduler (`service.worker.Worker`), once per configuration. Prints the rows the
 budget fits by its arithmetic, the rows in flight at once (most, from the scheduler), generated tokens/s and the
 ratio of the 2-bit row to the unquantized one. Targets (issue #14): 2-bit KIVI admits >= 5 rows at once and its
 throughput is >= 1.8x the unquantized rows'.
@@ -34,18 +34,17 @@ from service.admission import MemoryModel
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from service.scheduler import ContinuousWorker
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import Job
+from service.worker import Job, Worker
 
 CONFIGS = {"unquantized": KVQuantConfig(), "kivi 2-bit": KVQuantConfig(method="kivi", bits=2)}
 
 
 def run(engine, memory: MemoryModel, budget: int, config: KVQuantConfig, prompts, params) -> dict:
     telemetry = Telemetry()
-    worker = ContinuousWorker(engine, lambda snap: make_kv_store(snap.config, engine.spec), telemetry, memory,
-                              budget, max_rows=64, max_queue=256)
+    worker = Worker(engine, lambda snap: make_kv_store(snap.config, engine.spec), telemetry, memory,
+                    budget, max_rows=64, max_queue=256)
     snapshot = ConfigSnapshot(config, "dual", "request")
     worker.start()
     t0 = time.perf_counter()

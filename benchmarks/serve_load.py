@@ -9,19 +9,18 @@ latency p50/p90/p99, the mean batch size the server formed (from ``/metrics``), 
 sequential. Targets (issue #5): >= 1.2x at 8 clients on CPU (batching only shares per-forward overhead there),
 never below 1.0x; >= 3x on a GPU.
 
-``--compare`` (issue #14) instead starts two servers in turn, the legacy batch worker (``--scheduler batch``) first,
-then the continuous scheduler, on the same mixed workload (prompts of 20-1,000 tokens; ``max_tokens`` 32-256; a
-quarter of the requests with 2-bit KIVI), and measures on each:
+``--mixed`` instead runs a mixed workload (prompts of 20-1,000 tokens; ``max_tokens`` 32-256; a quarter of the
+requests with 2-bit KIVI) and measures:
 
-* **capacity**: every request sent at once; generated tokens/s until the last answer (the throughput ratio);
-* **open loop**: Poisson arrivals at ``--load`` (0.7) times the batch worker's capacity in requests/s, measured in
-  this run, so neither server is overloaded and latency is service, not an ever-growing queue: latency p50/p99;
-* **head-of-line**: a 32-token request alone (median of 3) and sent 50 ms after a 256-token one;
+* **capacity**: every request sent at once; generated tokens/s until the last answer;
+* **open loop**: Poisson arrivals at ``--load`` (0.7) times that capacity in requests/s, measured in this run, so
+  the server is not overloaded and latency is service, not an ever-growing queue: latency p50/p99;
+* **head-of-line**: a 32-token request alone (median of 3) and sent 50 ms after a 256-token one (target <= 2x);
 * **memory**: the server's RSS after warm-up (weights, runtime and allocator: the fixed part) and its peak
   (VmHWM) through the run, against the KV budget (``--kv-budget-bytes``, default 1 GiB on CPU).
 
-It prints the continuous/batch ratios of the same run and the targets: throughput >= 1.5x, p50 lower, head-of-line
-<= 2x alone.
+(Issue 14's ``--compare`` ran this workload on the legacy batch worker and then the continuous scheduler; it
+went with the batch worker in issue 21, and its figures stay in docs/admission.md as history.)
 
 Each level also reports the server's CPU seconds (generated tokens per server CPU second, a throughput other jobs
 on a shared machine do not distort), the rows per forward call (``dllm_row_forwards_total`` over the forwards)
@@ -29,7 +28,7 @@ and the ratios to the first level; issue 21's targets: at 16 clients >= 2.5x one
 second and >= 6 rows per forward.
 
 Usage: ``python benchmarks/serve_load.py [--requests 48] [--threads 1] [--model PATH] [--device cpu]
-[--levels 0,1,4,8,16] [--json FILE] [--plot PNG] [--compare [--requests 16] [--load 0.7]]``; ``--plot`` draws
+[--levels 0,1,4,8,16] [--json FILE] [--plot PNG] [--mixed [--requests 16] [--load 0.7]]``; ``--plot`` draws
 throughput and latency against concurrent clients (`evaluation.plots.plot_serve_load`).
 """
 
@@ -64,12 +63,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, port: int, store: str, log, scheduler: str = "continuous"
-                 ) -> subprocess.Popen:
+def start_server(args: argparse.Namespace, port: int, store: str, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store,
-           "--max-batch-size", "16", "--max-queue", "256", "--batch-wait-ms", str(args.batch_wait_ms),
-           "--threads", str(args.threads), "--device", args.device, "--log-level", "warning",
-           "--scheduler", scheduler, "--kv-budget-bytes", str(args.kv_budget_bytes)]
+           "--max-batch-size", "16", "--max-queue", "256", "--threads", str(args.threads), "--device", args.device,
+           "--log-level", "warning", "--kv-budget-bytes", str(args.kv_budget_bytes)]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -177,7 +174,7 @@ def completion(client: httpx.Client, ids: list[int], max_tokens: int, quantized:
 
 
 def mixed_workload(n: int, ids: list[int], seed: int) -> list[tuple[float, list[int], int, bool]]:
-    """(arrival gap s, prompt ids, max_tokens, quantized) per request, seeded: the same for both schedulers."""
+    """(arrival gap s, prompt ids, max_tokens, quantized) per request, seeded: the same every run."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -230,55 +227,41 @@ def run_hol(url: str, ids: list[int]) -> dict:
     return {"alone_s": alone, "beside_s": beside}
 
 
-def compare(args: argparse.Namespace) -> None:
-    """Batch worker, then continuous scheduler, one run (module docstring)."""
-    rows: dict[str, dict] = {}
-    rate = None
-    for scheduler in ("batch", "continuous"):
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
-            proc = start_server(args, port, str(Path(tmp) / "store"), log, scheduler)
-            try:
-                text = " ".join(json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line)
-                ids = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
-                while len(ids) < 2000:
-                    ids = ids + ids
-                workload = mixed_workload(args.requests, ids, seed=0)
-                run_mixed(url, workload[:4], None)  # warm-up
-                row = {"rss_idle_mb": rss_mb(proc.pid, "VmRSS"),
-                       "capacity": measured(proc.pid, run_mixed, url, workload, None)}
-                if rate is None:  # below the legacy worker's capacity, measured just now
-                    rate = args.load * row["capacity"]["req_per_s"]
-                row["open"] = measured(proc.pid, run_mixed, url, workload, rate)
-                row.update(run_hol(url, ids), rss_peak_mb=rss_mb(proc.pid))
-                rows[scheduler] = row
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
-    c, b = rows["continuous"], rows["batch"]
-    print(f"serve_load --compare: {args.requests} requests (prompts 20-1000 tokens, max_tokens 32-256, 1/4 KIVI "
-          f"2-bit); open loop: Poisson {rate:.3f}/s = {args.load} x the batch worker's capacity; device "
-          f"{args.device}, {args.threads} torch thread(s); load: 1-minute load average at the end of each phase")
-    print(f"{'scheduler':>11} {'cap tok/s':>9} {'tok/CPU s':>9} {'load':>5} {'open tok/s':>10} {'load':>5} "
-          f"{'p50 s':>7} {'p99 s':>7} {'32 alone':>9} {'beside 256':>11} {'HOL x':>6} {'idle MiB':>8} {'peak MiB':>8}")
-    for name, r in rows.items():
-        cap, open_ = r["capacity"], r["open"]
-        print(f"{name:>11} {cap['tok_per_s']:9.1f} {cap['tok_per_cpu_s']:9.1f} {cap['load']:5.1f} "
-              f"{open_['tok_per_s']:10.1f} {open_['load']:5.1f} "
-              f"{r['open']['p50_s']:7.2f} {r['open']['p99_s']:7.2f} {r['alone_s']:9.3f} {r['beside_s']:11.3f} "
-              f"{r['beside_s'] / r['alone_s']:6.2f} {r['rss_idle_mb']:8.0f} {r['rss_peak_mb']:8.0f}")
-    ratio = c["capacity"]["tok_per_s"] / b["capacity"]["tok_per_s"]
-    per_cpu = c["capacity"]["tok_per_cpu_s"] / b["capacity"]["tok_per_cpu_s"]
-    p50 = c["open"]["p50_s"] / b["open"]["p50_s"]
-    hol = c["beside_s"] / c["alone_s"]
-    print(f"throughput (capacity) continuous/batch {ratio:.2f}x per wall second, {per_cpu:.2f}x per server CPU second "
-          f"(target >= 1.5x: {'met' if min(ratio, per_cpu) >= 1.5 else 'NOT met'}); "
-          f"p50 continuous/batch {p50:.2f}x ({'lower: met' if p50 < 1 else 'NOT lower'}); head-of-line {hol:.2f}x "
-          f"alone (target <= 2x: {'met' if hol <= 2 else 'NOT met'}); continuous RSS peak - idle "
-          f"{c['rss_peak_mb'] - c['rss_idle_mb']:.0f} MiB (budget {args.kv_budget_bytes / 2**20:.0f} MiB)")
+def mixed(args: argparse.Namespace) -> None:
+    """The mixed workload, one server (module docstring)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
+        proc = start_server(args, port, str(Path(tmp) / "store"), log)
+        try:
+            text = " ".join(json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line)
+            ids = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=60).json()["tokens"]
+            while len(ids) < 2000:
+                ids = ids + ids
+            workload = mixed_workload(args.requests, ids, seed=0)
+            run_mixed(url, workload[:4], None)  # warm-up
+            r = {"rss_idle_mb": rss_mb(proc.pid, "VmRSS"),
+                 "capacity": measured(proc.pid, run_mixed, url, workload, None)}
+            rate = args.load * r["capacity"]["req_per_s"]  # below the capacity measured just now
+            r["open"] = measured(proc.pid, run_mixed, url, workload, rate)
+            r.update(run_hol(url, ids), rss_peak_mb=rss_mb(proc.pid))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"serve_load --mixed: {args.requests} requests (prompts 20-1000 tokens, max_tokens 32-256, 1/4 KIVI "
+          f"2-bit); open loop: Poisson {rate:.3f}/s = {args.load} x the capacity; device {args.device}, "
+          f"{args.threads} torch thread(s); load: 1-minute load average at the end of each phase")
+    print(f"{'cap tok/s':>9} {'tok/CPU s':>9} {'load':>5} {'open tok/s':>10} {'load':>5} {'p50 s':>7} {'p99 s':>7} "
+          f"{'32 alone':>9} {'beside 256':>11} {'HOL x':>6} {'idle MiB':>8} {'peak MiB':>8}")
+    cap, open_ = r["capacity"], r["open"]
+    hol = r["beside_s"] / r["alone_s"]
+    print(f"{cap['tok_per_s']:9.1f} {cap['tok_per_cpu_s']:9.1f} {cap['load']:5.1f} {open_['tok_per_s']:10.1f} "
+          f"{open_['load']:5.1f} {open_['p50_s']:7.2f} {open_['p99_s']:7.2f} {r['alone_s']:9.3f} "
+          f"{r['beside_s']:11.3f} {hol:6.2f} {r['rss_idle_mb']:8.0f} {r['rss_peak_mb']:8.0f}")
+    print(f"head-of-line {hol:.2f}x alone (target <= 2x); RSS peak - idle {r['rss_peak_mb'] - r['rss_idle_mb']:.0f} "
+          f"MiB (budget {args.kv_budget_bytes / 2**20:.0f} MiB)")
     if args.json:
-        args.json.write_text(json.dumps({"rate": rate, **rows}, indent=2))
+        args.json.write_text(json.dumps({"rate": rate, **r}, indent=2))
 
 
 def main() -> None:
@@ -287,19 +270,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     parser.add_argument("--plot", type=Path, default=None,
                         help="also plot throughput and latency against concurrent clients into this PNG")
-    parser.add_argument("--compare", action="store_true", help="continuous vs batch scheduler (issue #14)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="mixed workload: capacity, open loop, head-of-line, memory (module docstring)")
     parser.add_argument("--load", type=float, default=0.7,
-                        help="--compare: open-loop arrival rate as a fraction of the batch worker's capacity")
-    parser.add_argument("--kv-budget-bytes", type=int, default=1 << 30, help="--compare: the servers' KV budget")
+                        help="--mixed: open-loop arrival rate as a fraction of the capacity measured first")
+    parser.add_argument("--kv-budget-bytes", type=int, default=1 << 30, help="the server's KV budget")
     parser.add_argument("--levels", default="0,1,4,8,16",
                         help="concurrent clients per level, comma-separated (0 = sequential from one client)")
     args = parser.parse_args()
-    if args.compare:
-        compare(args)
+    if args.mixed:
+        mixed(args)
         return
 
     questions = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]

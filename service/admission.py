@@ -17,7 +17,7 @@ transient`` fits the budget. Forwards are bounded by a token budget (``max_batch
 `service.engine.batch.plan_forwards`): the activation memory of a forward at that budget is measured once at
 start-up (:meth:`MemoryModel.measure_forward`) and reserved off the budget; a request whose own block-initial
 pass is larger runs it alone and reserves its own transient. Its work (:func:`work_tokens`) is held against a
-ceiling at submission by every worker.
+ceiling at submission by the worker.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost]
                    reserve: int = 0, max_rows: int | None = None, backfill_s: float | None = None,
                    ) -> tuple[list[int], int | None]:
     """Which waiting requests join the running batch now (a pure function of costs and times; the scheduler
-    applies it, `service.scheduler`).
+    applies it, `service.worker`).
 
     Args:
         waiting: per waiting request in queue order, its cost and when it was first blocked at the head of the

@@ -85,10 +85,6 @@ class Settings(BaseSettings, DecodeSettings):
     )
 
     # ---- worker ----------------------------------------------------------------------------------------------------
-    scheduler: Literal["continuous", "batch"] = Field(
-        "continuous", description="continuous: rows join and leave a running batch, admitted by KV memory; "
-        "batch: the legacy worker (identical settings batched, run to the end)"
-    )
     max_batch_size: int = Field(32, gt=0, description="most rows decoded together (a cap; memory admits)")
     max_batched_tokens: int = Field(
         16384, gt=0, description="most input tokens of one forward (vLLM's max_num_batched_tokens); its activation "
@@ -99,7 +95,6 @@ class Settings(BaseSettings, DecodeSettings):
         "requests that fit run ahead of it; after that memory is reserved for it; empty: first come, first served"
     )
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
-    batch_wait_ms: float = Field(5.0, ge=0.0, description="batch scheduler: how long it waits to fill a batch")
     kv_budget_bytes: int | None = Field(
         None, gt=0, description="memory for running rows' KV + the largest forward; empty: a fraction of free "
         "GPU memory, 1 GiB on CPU"

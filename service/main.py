@@ -28,7 +28,6 @@ from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
-from service.scheduler import ContinuousWorker
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
@@ -148,8 +147,8 @@ async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeo
 def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveConfigs, worker: Worker,
                  ready: bool) -> str:
     """The one line the server logs once started: model, weights fingerprint, store, the active configuration of
-    every cache mode (method, bits, policy or state id, where it came from), the KV memory budget of the
-    continuous scheduler (none for the batch worker) and readiness."""
+    every cache mode (method, bits, policy or state id, where it came from), the worker's KV memory budget and
+    readiness."""
 
     def describe(snapshot: ConfigSnapshot) -> str:
         c = snapshot.config
@@ -160,28 +159,23 @@ def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveC
 
     served = {mode: describe(snap) for mode, snap in active.all().items()}
     configs = ", ".join(f"{mode}={served.get(mode, 'NOT ready')}" for mode in sorted(served | active.not_ready))
-    budget = getattr(worker, "budget_bytes", None)
-    budget_text = f"KV budget {budget / 2**20:,.0f} MiB" if budget else "no KV budget (batch scheduler)"
+    budget_text = f"KV budget {worker.budget_bytes / 2**20:,.0f} MiB"
     return (f"serving {model_name!r} ({spec.model_id}, {spec.arch}, {spec.num_layers} layers), weights fingerprint "
             f"{spec.fingerprint}; store {store.location}; active: {configs}; {budget_text}; "
             f"{'ready' if ready else 'NOT ready'}")
 
 
 def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, telemetry: Telemetry) -> Worker:
-    """The worker the settings ask for: the continuous scheduler (admission by the KV memory budget) or the
-    legacy batch worker."""
-    common = {"max_queue": settings.max_queue, "retry_after_s": settings.retry_after_s,
-              "shadow_rate": settings.shadow_rate, "shadow_queue": settings.shadow_queue,
-              "max_work": settings.max_request_work}
-    if settings.scheduler == "batch":
-        return Worker(engine, kv_store_factory, telemetry, max_batch_size=settings.max_batch_size,
-                      batch_wait_s=settings.batch_wait_ms / 1000, **common)
+    """The worker with the settings' limits: its KV memory budget (``kv_budget_bytes``, else a fraction of free
+    GPU memory) and the activation memory of a forward at ``max_batched_tokens``, measured here once."""
     memory = MemoryModel.for_engine(engine)
     budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
     forward = memory.measure_forward(engine, settings.max_batched_tokens)
-    return ContinuousWorker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
-                            max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
-                            backfill_s=settings.backfill_s, **common)
+    return Worker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
+                  max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
+                  backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
+                  shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
+                  max_work=settings.max_request_work)
 
 
 def create_app(

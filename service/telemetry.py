@@ -124,8 +124,8 @@ class Telemetry:
                                     buckets=QUEUE_BUCKETS, registry=r)
         self.running = Gauge("dllm_requests_running", "rows being decoded", registry=r)
         self.waiting = Gauge("dllm_requests_waiting", "requests admitted and waiting for the worker", registry=r)
-        self.batch_size = Histogram("dllm_batch_size", "most rows decoded together with a request "
-                                    "(continuous) or requests per batch (batch scheduler)", buckets=BATCH_BUCKETS, registry=r)
+        self.batch_size = Histogram("dllm_batch_size", "most requests decoded together with a request",
+                                    buckets=BATCH_BUCKETS, registry=r)
         self.forwards = Histogram("dllm_forwards_per_iteration", "forward calls per scheduler iteration",
                                   buckets=(0, 1, 2, 3, 4), registry=r)
         self.row_forwards = Counter("dllm_row_forwards_total", "rows summed over forward calls (divided by the "

@@ -1,25 +1,43 @@
-"""The worker: one thread owns the engine, takes admitted jobs from a bounded queue and decodes them in batches.
+"""The worker: one thread owns the engine and runs the continuous scheduler; requests join a running batch at
+the next iteration and leave the moment they finish, admitted by KV memory (issue #14; DESIGN.md flow 1).
 
-DESIGN.md flow 1. The HTTP side calls :meth:`Worker.submit` (from the event loop; never blocks) and awaits the
-job's future; the worker thread does everything that touches the model. Rules:
+The HTTP side calls :meth:`Worker.submit` (from the event loop; never blocks, never runs torch work) and awaits
+the job's future; the worker thread does everything that touches the model, as one loop: admit (move waiting
+jobs into the running batch), run one iteration, finish (set the results of the jobs that left). Rules:
 
 * **Bounded queue.** At most ``max_queue`` jobs wait; one more raises :class:`QueueFull` (HTTP 429 + Retry-After).
-* **Batching.** The worker takes the oldest job and every queued job compatible with it (same `DecodeParams`:
-  response length, block length, cache mode, threshold or steps; and the same KV quantization snapshot), in
-  queue order, up to ``max_batch_size``, waiting up to ``batch_wait_s`` for more to arrive. Temperature, seed and
-  stop strings are per row (`RowOptions`). The engine guarantees a row decodes the same alone or batched.
+* **Iterations.** The engine's `RunningBatch` runs every running request's next forward call, packed into as few
+  forwards as the token budget allows (`service.engine.batch`). Requests with different prompt and response
+  lengths, block lengths, thresholds or steps, temperatures, cache modes and KV configurations share them, each
+  with its own KV store; each decodes exactly as it would alone.
+* **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
+  row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
+  (`service.admission`), and fewer than ``max_rows`` rows run. A request that could never fit, even alone, is
+  refused at :meth:`Worker.submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the prompt).
+* **Forwards apart from KV.** The running batch packs each iteration's passes into forwards of at most
+  ``max_batched_tokens`` input tokens (`service.engine.batch`); the activation memory of such a forward
+  (``forward_bytes``, measured once at start-up, `service.admission.MemoryModel.measure_forward`) is reserved
+  off the budget, so admission counts KV bytes against what is left (a request whose own block-initial pass is
+  larger than the token budget runs that pass alone and reserves its own transient).
+* **Fairness without head-of-line blocking** (issue 22 item 5). First come, first served, except: while the
+  head of the queue waits for memory, requests behind it that are smaller and fit now run beside the running
+  ones (backfill), for at most ``backfill_s`` seconds of the head's wait; from then on the memory that frees up
+  is reserved for the head (nobody passes it), so it starts within ``backfill_s`` plus the time the requests
+  already running take to finish, and a small request never waits for a large one's whole run. With
+  ``backfill_s`` None, strictly first come, first served.
 * **Snapshots.** A job carries the configuration snapshot taken at admission and its result names it, so a swap
   of the active configuration never changes a request already admitted.
-* **Cancellation.** A cancelled job still waiting is dropped (its slot is free at once); a running row is reported
-  to the engine through ``cancelled``; a batch whose rows are all cancelled is abandoned at the next committed
-  block.
-* **Faults.** An exception in a batch fails that batch's jobs (:class:`BatchFailed`, HTTP 500) and the worker goes
-  on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting job and makes the
-  worker unhealthy (readiness 503; new jobs refused with :class:`WorkerUnavailable`).
+* **Cancellation.** A cancelled job still waiting is dropped (its slot is free at once); a running one (client
+  gone, timeout) leaves the batch at the next iteration and its store is cleared at once.
+* **Faults.** A request whose decoding raises (its options, its KV store) fails alone with :class:`BatchFailed`
+  (HTTP 500 naming the cause); the rest of the batch goes on. An iteration that raises fails its requests and
+  the worker goes on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting
+  job and makes the worker unhealthy (readiness 503; new jobs refused with :class:`WorkerUnavailable`).
 * **Drain.** :meth:`Worker.drain` refuses new jobs and lets admitted ones finish up to a timeout (SIGTERM).
 * **Shadow re-decode** (accuracy telemetry, issue #5 item 6): after a quantized job finishes, with probability
-  ``shadow_rate`` the same request is queued again with the unquantized cache in a separate low-priority queue,
-  run only when no normal job waits; its token agreement and exact match with the served output are recorded.
+  ``shadow_rate`` the same request is queued again with the unquantized cache in a separate low-priority queue;
+  shadow jobs join only when no user request waits, and only within the budget; their token agreement and exact
+  match with the served output are recorded.
 """
 
 from __future__ import annotations
@@ -34,10 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.admission import work_tokens
+from service.admission import Cost, MemoryModel, plan_admission, work_tokens
 from service.engine.agreement import exact_match, token_agreement
-from service.engine.batch import spans
-from service.engine.kv_store import KVStore
+from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
@@ -52,20 +69,11 @@ class EngineLike(Protocol):
 
     spec: ModelSpec
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: DecodeParams,
-        rows: list[RowOptions] | None = None,
-        kv_store: KVStore | None = None,
-        on_block: Callable[[int, list[list[int]]], None] | None = None,
-        cancelled: Callable[[], list[bool]] | None = None,
-    ) -> DecodeReport: ...
-
     def decode_text(self, ids: list[int]) -> str | None: ...
 
-    # The continuous scheduler's interface (`service.engine.batch`): an empty batch, a request's cohort, its report.
-    def batch(self) -> Any: ...
+    # The running batch's interface (`service.engine.batch`): an empty batch (forwards of at most
+    # ``max_batched_tokens`` input tokens; default: the engine's), a request's cohort, its report.
+    def batch(self, max_batched_tokens: int = ...) -> Any: ...
 
     def cohort(
         self,
@@ -138,9 +146,11 @@ def is_device_fault(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class JobResult:
-    """What a finished job returns: its row of the batch report, the snapshot it ran with, times in seconds."""
+    """What a finished job returns: its rows' report, the snapshot it ran with, the seconds it waited before it
+    joined the batch (``queue_s``), and the most requests that ran together with it, itself included
+    (``batch_size``)."""
 
-    report: DecodeReport  # a view of the job's rows of the batch's report (params, timings and kv are the batch's)
+    report: DecodeReport
     snapshot: ConfigSnapshot
     queue_s: float
     batch_size: int
@@ -169,9 +179,9 @@ class Job:
     cancel_event: threading.Event = field(default_factory=threading.Event)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     first_block_at: float | None = None
-    # When the continuous scheduler first found it at the head of the queue without the memory to start.
+    # When admission first found it at the head of the queue without the memory to start.
     blocked_at: float | None = None
-    # Whether the continuous scheduler checked that it can ever fit its memory budget.
+    # Whether admission checked that it can ever fit the memory budget.
     sized: bool = False
     # Shadow jobs: the served ids and text to compare against (None for normal jobs).
     served: tuple[list[int], str | None] | None = None
@@ -197,34 +207,43 @@ class Job:
         """Whether the job was cancelled."""
         return self.cancel_event.is_set()
 
-    @property
-    def batch_key(self) -> tuple[Any, ...]:
-        """Jobs with equal keys can share a batch: decode params, snapshot, shadow or not, internal or not."""
-        return (self.params, self.snapshot.config, self.snapshot.cache_mode, self.served is None, self.internal,
-                None if self.task is None else id(self))  # a task runs alone
-
-
-class _AllCancelled(Exception):
-    """Raised from ``on_block`` to abandon a batch whose every row is cancelled."""
-
 
 KVStoreFactory = Callable[[ConfigSnapshot], KVStore | None]
 
 
+@dataclass(eq=False)
+class _Running:
+    """A job in the batch: its cohort, its reserved cost, when it joined, and the most jobs that ran with it."""
+
+    job: Job
+    cohort: Any
+    cost: Cost
+    joined_at: float
+    peak_rows: int
+
+
 class Worker:
-    """Owns the engine; see the module docstring for the rules.
+    """Owns the engine and runs the continuous scheduler; see the module docstring for the rules.
 
     Args:
         engine: the loaded engine.
-        kv_store_factory: builds the KV store of a batch from its snapshot (None: the engine's full precision).
+        kv_store_factory: builds a job's KV store from its snapshot (None: the engine's full precision).
         telemetry: where metrics go.
-        max_batch_size, max_queue: limits (>= 1).
-        batch_wait_s: how long to wait for compatible jobs to fill a batch.
+        memory: the model's :class:`~service.admission.MemoryModel`.
+        budget_bytes: KV bytes of running rows + the largest forward may not exceed this (>= 1).
+        max_rows: most jobs running at once (``max_batch_size`` of the settings, >= 1).
+        max_queue: most jobs waiting (>= 1).
+        max_batched_tokens: most input tokens of one forward (None: the engine's default).
+        forward_bytes: activation bytes of a forward at ``max_batched_tokens`` (reserved off the budget, >= 0).
+        backfill_s: how long a job blocked at the head lets smaller ones that fit pass it (None: never; >= 0).
         retry_after_s: sent with :class:`QueueFull`.
         shadow_rate: probability in [0, 1] of a shadow re-decode of a finished quantized job.
         shadow_queue: most shadow jobs waiting; more are dropped (counted).
         seed: seeds the shadow sampling (tests).
         max_work: most token-forwards one row may cost (`service.admission.work_tokens`); None: no ceiling.
+
+    Raises:
+        ValueError: a limit out of its range.
     """
 
     def __init__(
@@ -232,25 +251,32 @@ class Worker:
         engine: EngineLike,
         kv_store_factory: KVStoreFactory,
         telemetry: Telemetry,
-        max_batch_size: int = 8,
+        memory: MemoryModel,
+        budget_bytes: int,
+        max_rows: int = 8,
         max_queue: int = 64,
-        batch_wait_s: float = 0.005,
+        max_batched_tokens: int | None = None,
+        forward_bytes: int = 0,
+        backfill_s: float | None = None,
         retry_after_s: int = 1,
         shadow_rate: float = 0.0,
         shadow_queue: int = 16,
         seed: int | None = None,
         max_work: int | None = None,
     ) -> None:
-        if max_batch_size < 1 or max_queue < 1:
-            raise ValueError(f"max_batch_size and max_queue must be >= 1, got {max_batch_size}, {max_queue}")
+        if max_rows < 1 or max_queue < 1 or budget_bytes < 1:
+            raise ValueError(f"max_rows, max_queue and budget_bytes must be >= 1, got {max_rows}, {max_queue}, "
+                             f"{budget_bytes}")
+        if forward_bytes < 0 or (backfill_s is not None and backfill_s < 0):
+            raise ValueError(f"forward_bytes and backfill_s must be >= 0, got {forward_bytes}, {backfill_s}")
         if not 0.0 <= shadow_rate <= 1.0:
             raise ValueError(f"shadow_rate must be in [0, 1], got {shadow_rate}")
         self.engine = engine
         self._kv_store_factory = kv_store_factory
         self.telemetry = telemetry
-        self.max_batch_size = max_batch_size
-        self.max_queue = max_queue
-        self.batch_wait_s = batch_wait_s
+        self.memory, self.budget_bytes = memory, budget_bytes
+        self.max_rows, self.max_queue = max_rows, max_queue
+        self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -259,13 +285,16 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
-        self._running: list[Job] = []
+        # The running jobs, in the order they joined: the only record of what runs (drain, counts, failures).
+        self._members: list[_Running] = []
+        self._batch: Any = None  # the engine's running batch, made on the worker thread
         self._accepting = True
         self._stopping = False
         #: Client jobs a drain cancelled because its timeout ran out (the exit status reports it).
         self.cut_by_drain = 0
         self.fault: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="dllm-kvq-worker", daemon=True)
+        telemetry.kv_budget.set(budget_bytes)
 
     # ---- life cycle ------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -298,11 +327,11 @@ class Worker:
         with self._cond:
             self._accepting = False
             self._shadow.clear()
-            while (self._queue or self._running) and time.monotonic() < deadline:
+            while (self._queue or self._members) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-            finished = not (self._queue or self._running)
-            self.cut_by_drain += sum(job.served is None and not job.internal for job in [*self._queue, *self._running])
-            for job in [*self._queue, *self._running]:
+            left = [*self._queue, *(m.job for m in self._members)]
+            self.cut_by_drain += sum(job.served is None and not job.internal for job in left)
+            for job in left:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
                 _set_exception(job, WorkerUnavailable(f"the server is shutting down and the drain timeout "
                                                       f"({timeout_s:.0f} s) ran out before this request finished"))
@@ -310,7 +339,7 @@ class Worker:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
-        return finished
+        return not left
 
     def stop(self) -> None:
         """Stop at once: cancel everything (used on shutdown after a drain, and in tests)."""
@@ -318,11 +347,15 @@ class Worker:
 
     # ---- admission -------------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
-        """Admit a job (never blocks).
+        """Admit a job (never blocks, never runs torch work: the async route calls it on the event loop).
+
+        A configuration whose bytes per token are not measured yet is sized on the worker thread when the job
+        comes up for admission, and refused there (the same :class:`RequestTooLarge`, through the job's future).
 
         Raises:
             RequestTooLarge: its work is over ``max_work`` (``field``: ``steps`` under a fixed schedule, else
-                ``max_tokens``).
+                ``max_tokens``); or its KV bytes and its own forward exceed the budget even alone (``field``
+                ``max_tokens`` when a one-block response would fit, else ``prompt``).
             WorkerUnavailable: draining, or stopped by a device fault.
             QueueFull: ``max_queue`` jobs already wait.
         """
@@ -335,6 +368,9 @@ class Worker:
             raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
                                   f"the server's ceiling of {self.max_work:,}: lower {lower} or shorten the prompt",
                                   field)
+        if (job.task is not None or job.snapshot.config.method == "none"
+                or self.memory.knows((job.snapshot.config, job.snapshot.cache_mode))):
+            self._check_size(job)
         with self._cond:
             if not self.accepting:
                 reason = "is shutting down" if self.fault is None else f"hit a device fault ({self.fault})"
@@ -364,8 +400,8 @@ class Worker:
 
     @property
     def num_running(self) -> int:
-        """Jobs in the batch being decoded."""
-        return len(self._running)
+        """Jobs in the running batch."""
+        return len(self._members)
 
     def _purge_cancelled(self) -> None:
         """Drop cancelled waiting jobs (caller holds the lock)."""
@@ -375,145 +411,215 @@ class Worker:
                 _set_exception(job, JobCancelled("cancelled before it started"))
             self.telemetry.waiting.set(len(self._queue))
 
-    # ---- the thread ------------------------------------------------------------------------------------------------
-    def _next_batch(self) -> list[Job] | None:
-        """Wait for work; return the next batch (normal jobs first, then shadow jobs), or None to stop."""
-        with self._cond:
-            while True:
-                self._purge_cancelled()
-                if self._queue:
-                    break
-                if self._shadow:
-                    return self._take(self._shadow)
-                if self._stopping:
-                    return None
-                self._cond.wait()
-            deadline = time.monotonic() + self.batch_wait_s
-            # Wait briefly for more compatible jobs, unless the batch is already full.
-            while time.monotonic() < deadline and not self._stopping:
-                head = self._queue[0]
-                if sum(1 for j in self._queue if j.batch_key == head.batch_key) >= self.max_batch_size:
-                    break
-                self._cond.wait(timeout=deadline - time.monotonic())
-                self._purge_cancelled()
-                if not self._queue:
-                    return []
-            batch = self._take(self._queue)
-            self._running = batch
-            self.telemetry.waiting.set(len(self._queue))
-            self.telemetry.running.set(len(batch))
-            return batch
+    def _per_token(self, job: Job) -> float:
+        return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
 
-    def _take(self, queue: deque[Job]) -> list[Job]:
-        """Remove and return the head of ``queue`` and its compatible followers, up to max_batch_size."""
-        key = queue[0].batch_key
-        batch = [j for j in queue if j.batch_key == key][: self.max_batch_size]
-        for job in batch:
-            queue.remove(job)
-        return batch
+    def _cost(self, job: Job) -> Cost:
+        if job.task is not None:  # full passes without cache: no KV held
+            return Cost(0, job.task.transient_bytes(self.memory.forward))
+        one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+        return Cost(one.kv * len(job.rows), one.transient * len(job.rows))  # n choices: n rows
 
-    def _loop(self) -> None:
-        while True:
-            batch = self._next_batch()
-            if batch is None:
-                return
-            if not batch:
-                continue
-            try:
-                self._run(batch)
-            finally:
-                with self._cond:
-                    self._running = []
-                    self.telemetry.running.set(0)
-                    self._cond.notify_all()
-            if self.fault is not None:
-                return
+    def _store(self, job: Job) -> KVStore:
+        store = self._kv_store_factory(job.snapshot)
+        return store if store is not None else FullPrecisionKVStore()
 
-    def _run(self, batch: list[Job]) -> None:
-        started = time.monotonic()
-        is_shadow = batch[0].served is not None
-        observed = not is_shadow and not batch[0].internal
-        if observed:
-            self.telemetry.batch_size.observe(len(batch))
-            for job in batch:
-                self.telemetry.queue_time.observe(started - job.admitted_at)
+    def _check_size(self, job: Job) -> None:
+        """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`)."""
+        job.sized = True
+        cost = self._cost(job)
+        if job.task is not None:
+            if cost.transient > self.budget_bytes:
+                raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over "
+                                      f"the server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
+                                      "prompt")
+            return
+        if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
+            one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
+            short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
+            fits_short = short.kv + max(short.transient, self.forward_bytes) <= self.budget_bytes
+            field = "max_tokens" if fits_short else "prompt"
+            raise RequestTooLarge(
+                f"this request needs about {cost.kv + cost.transient:,} bytes (KV {cost.kv:,} + its largest "
+                f"forward {cost.transient:,}), over the server's memory budget of {self.budget_bytes:,} bytes even "
+                f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
+                field,
+            )
 
-        spans = _spans(batch)
+    def _admit(self) -> None:
+        """Move jobs from the queues into the batch by :func:`~service.admission.plan_admission` (module doc,
+        fairness); a job whose configuration was not measured yet is sized first, here on the worker thread.
+        Caller holds the lock."""
+        self._purge_cancelled()
+        blocked = False
+        now = time.monotonic()
+        for queue in (self._queue, self._shadow):
+            if queue is self._shadow and (self._queue or blocked):
+                break  # shadow re-decodes only when no user request waits
+            for job in [j for j in queue if not j.sized]:
+                try:
+                    self._check_size(job)
+                except RequestTooLarge as exc:
+                    queue.remove(job)
+                    _set_exception(job, exc)
+            jobs = list(queue)
+            costs = [self._cost(job) for job in jobs]
+            chosen, head = plan_admission(
+                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [m.cost for m in self._members],
+                self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
+            if head is not None:  # blocked by the running requests (or by those joining before it)
+                blocked = True
+                jobs[head].blocked_at = jobs[head].blocked_at or now
+            for i in chosen:
+                queue.remove(jobs[i])
+                self._join(jobs[i], costs[i])
+        self.telemetry.memory_waiting.set(len(self._queue) if blocked else 0)
+        self.telemetry.waiting.set(len(self._queue))
+
+    def _join(self, job: Job, cost: Cost) -> None:
+        """Make the job's cohort and add it to the batch (a job the engine refuses fails alone). Caller holds the
+        lock."""
 
         def on_block(block: int, ids: list[list[int]]) -> None:
-            if all(j.cancelled for j in batch):
-                raise _AllCancelled
-            now = time.monotonic()
-            for job, span in zip(batch, spans, strict=True):
-                if job.first_block_at is None:
-                    job.first_block_at = now
-                if job.on_block is not None and not job.cancelled:
-                    job.on_block(block, ids[span])
+            if job.first_block_at is None:
+                job.first_block_at = time.monotonic()
+            if job.on_block is not None and not job.cancelled:
+                job.on_block(block, ids)
 
-        if batch[0].task is not None:
-            self._run_task(batch[0])
-            return
-        snapshot = batch[0].snapshot
         try:
-            report = self.engine.generate(
-                [j.prompt_ids for j in batch for _ in j.rows],
-                batch[0].params,
-                rows=[r for j in batch for r in j.rows],
-                kv_store=self._kv_store_factory(snapshot),
-                on_block=on_block,
-                cancelled=lambda: [j.cancelled for j in batch for _ in j.rows],
-            )
-        except _AllCancelled:
-            for job in batch:
-                _set_exception(job, JobCancelled("cancelled while running"))
-            return
-        except Exception as exc:  # one batch's failure must not stop the worker (unless the device is gone)
-            fatal = is_device_fault(exc)
-            self.telemetry.worker_faults.labels(str(fatal).lower()).inc()
-            log.exception("batch of %d failed (device fault: %s)", len(batch), fatal)
-            error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
-            for job in batch:
-                _set_exception(job, error)
-            if fatal:
-                self._fail_everything(exc)
-            return
-        if is_shadow:
-            self._record_shadow(batch, report)
-            return
-        if observed:
-            self.telemetry.observe_report(report, snapshot.cache_mode, snapshot.config)
-        for job, span in zip(batch, spans, strict=True):
-            if job.cancelled:
-                _set_exception(job, JobCancelled("cancelled while running"))
-                continue
-            own = DecodeReport(rows=report.rows[span], params=report.params, timings=report.timings, kv=report.kv)
-            _set_result(job, JobResult(own, snapshot, started - job.admitted_at, len(batch)))
-            if observed:
-                self._maybe_shadow(job, report.rows[span.start])
-
-    def _run_task(self, job: Job) -> None:
-        """A job's task alone in a batch of its own, to the end (the batch scheduler)."""
-        cohort = job.task.cohort(self.engine, lambda: job.cancelled)
-        try:
-            while cohort.step():
-                pass
-        except Exception as exc:  # noqa: BLE001 -- as a failed batch
+            if job.task is not None:
+                cohort = job.task.cohort(self.engine, lambda: job.cancelled)
+            else:
+                rows = job.rows
+                cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
+                                            lambda: [job.cancelled] * len(rows))
+        except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return
-        if job.cancelled or cohort.cancelled:
-            _set_exception(job, JobCancelled("cancelled while running"))
-        else:
-            _set_result(job, cohort.scores())
+        now = time.monotonic()
+        self._members.append(_Running(job, cohort, cost, now, len(self._members) + 1))
+        if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
+            self._batch.join(cohort)
+        if job.served is None and not job.internal:
+            self.telemetry.queue_time.observe(now - job.admitted_at)
 
-    def _fail_everything(self, exc: BaseException) -> None:
+    # ---- the thread: admit -> run one iteration -> finish ------------------------------------------------------------
+    def _loop(self) -> None:
+        self._batch = self.engine.batch(self.max_batched_tokens) if self.max_batched_tokens else self.engine.batch()
+        while True:
+            with self._cond:
+                while True:
+                    self._admit()
+                    if self._members:
+                        break
+                    if self._stopping:
+                        return
+                    self._cond.wait()
+                self._publish()
+            try:
+                self._batch.step(on_done=self._finished)
+                self._step_tasks()
+            except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
+                self._fail_batch(exc)
+                if self.fault is not None:
+                    return
+                continue
+            self.telemetry.forwards.observe(self._batch.forwards)
+            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
+            for _cohort, exc in self._batch.failed:
+                if is_device_fault(exc):
+                    self._fail_batch(exc)
+                    return
+            with self._cond:
+                for cohort, exc in self._batch.failed:
+                    self._fail_member(self._member(cohort), exc)
+                self._publish()
+                self._cond.notify_all()
+
+    def _member(self, cohort: Any) -> _Running:
+        return next(m for m in self._members if m.cohort is cohort)
+
+    def _step_tasks(self) -> None:
+        """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
+        alone."""
+        for member in [m for m in self._members if m.job.task is not None]:
+            try:
+                more = member.cohort.step()
+            except Exception as exc:
+                if is_device_fault(exc):
+                    raise
+                with self._cond:
+                    self._fail_member(member, exc)
+                    self._cond.notify_all()
+                continue
+            if not more:
+                self._finished(member.cohort)
+
+    def _finished(self, cohort: Any) -> None:
+        """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
         with self._cond:
-            self.fault = exc
-            self.telemetry.ready.set(0)
-            for job in self._queue:
-                _set_exception(job, WorkerUnavailable(f"the server hit a device fault ({exc})"))
-            self._queue.clear()
-            self._shadow.clear()
-            self.telemetry.waiting.set(0)
+            self._finish(self._member(cohort))
+            self._cond.notify_all()
+
+    def _publish(self) -> None:
+        for member in self._members:
+            member.peak_rows = max(member.peak_rows, len(self._members))
+        self.telemetry.running.set(len(self._members))
+        self.telemetry.kv_reserved.set(sum(m.cost.kv for m in self._members))
+
+    def _finish(self, member: _Running) -> None:
+        self._members.remove(member)
+        job = member.job
+        if job.task is not None:
+            if job.cancelled or member.cohort.cancelled:
+                _set_exception(job, JobCancelled("cancelled while running"))
+            else:
+                _set_result(job, member.cohort.scores())
+            return
+        report: DecodeReport = self.engine.report(member.cohort)
+        if job.cancelled or report.rows[0].finish_reason == "cancelled":
+            _set_exception(job, JobCancelled("cancelled while running"))
+            return
+        if job.served is not None:
+            self._record_shadow(job, report)
+            return
+        if not job.internal:
+            self.telemetry.batch_size.observe(member.peak_rows)
+            self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
+        _set_result(job, JobResult(report, job.snapshot, member.joined_at - job.admitted_at, member.peak_rows))
+        if not job.internal:
+            self._maybe_shadow(job, report.rows[0])
+
+    def _fail_member(self, member: _Running, exc: BaseException) -> None:
+        """One request raised (its options, its KV store): it fails alone with a 500 naming the cause; the others
+        go on (issue 13). Caller holds the lock; the batch already let it go."""
+        self.telemetry.worker_faults.labels("false").inc()
+        log.error("a request failed alone (%d others go on)", len(self._members) - 1, exc_info=exc)
+        self._members.remove(member)
+        _set_exception(member.job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+
+    def _fail_batch(self, exc: BaseException) -> None:
+        """An iteration raised: every running request fails; a device fault also fails the waiting ones and stops
+        the worker."""
+        fatal = is_device_fault(exc)
+        self.telemetry.worker_faults.labels(str(fatal).lower()).inc()
+        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._members), fatal)
+        error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
+        with self._cond:
+            for member in self._members:
+                self._batch.leave(member.cohort)
+                _set_exception(member.job, error)
+            self._members = []
+            self._publish()
+            if fatal:
+                self.fault = exc
+                self.telemetry.ready.set(0)
+                for job in self._queue:
+                    _set_exception(job, WorkerUnavailable(f"the server hit a device fault ({exc})"))
+                self._queue.clear()
+                self._shadow.clear()
+                self.telemetry.waiting.set(0)
+            self._cond.notify_all()
 
     # ---- shadow re-decode ------------------------------------------------------------------------------------------
     def _maybe_shadow(self, job: Job, row: RowReport) -> None:
@@ -531,21 +637,16 @@ class Worker:
             self._shadow.append(shadow)
             self._cond.notify_all()
 
-    def _record_shadow(self, batch: list[Job], report: DecodeReport) -> None:
-        for job, row in zip(batch, report.rows, strict=True):
-            served_ids, served_text = job.served
-            origin = job.snapshot.origin
-            agreement = token_agreement(served_ids, row.generated_ids)
-            if served_text is not None and row.text is not None:
-                exact = exact_match(served_text, row.text)
-            else:
-                exact = served_ids == row.generated_ids
-            self.telemetry.observe_shadow(origin.config, origin.cache_mode, agreement, exact)
-
-
-def _spans(batch: list[Job]) -> list[slice]:
-    """Each job's rows in a batch whose rows are the jobs' rows in order."""
-    return spans(len(job.rows) for job in batch)
+    def _record_shadow(self, job: Job, report: DecodeReport) -> None:
+        row = report.rows[0]
+        served_ids, served_text = job.served
+        origin = job.snapshot.origin
+        agreement = token_agreement(served_ids, row.generated_ids)
+        if served_text is not None and row.text is not None:
+            exact = exact_match(served_text, row.text)
+        else:
+            exact = served_ids == row.generated_ids
+        self.telemetry.observe_shadow(origin.config, origin.cache_mode, agreement, exact)
 
 
 def _set_result(job: Job, result: JobResult) -> None:

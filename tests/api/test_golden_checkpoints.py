@@ -21,7 +21,7 @@ def _runs(arch: str, mode: str, schedule: str, gen_length: int) -> list[dict]:
 @pytest.mark.parametrize("arch,mode,schedule", [("llada", "dual", "threshold"), ("dream", "prefix", "fixed")])
 def test_generate_matches_the_reference_alone_and_batched(tmp_path, arch, mode, schedule):
     runs = _runs(arch, mode, schedule, 64)[:2]
-    settings = Settings(model=str(CKPT[arch]), store_url=str(tmp_path / "store"), threads=1, batch_wait_ms=300,
+    settings = Settings(model=str(CKPT[arch]), store_url=str(tmp_path / "store"), threads=1,
                         max_batch_size=4)
 
     def body(run):

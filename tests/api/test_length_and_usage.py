@@ -26,7 +26,7 @@ COPY = [{"role": "user", "content": f"copy: {DIGITS}"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("length")
-    srv = ServerProcess({"DLLM_STORE_URL": str(tmp / "store"), "DLLM_THREADS": "1", "DLLM_BATCH_WAIT_MS": "20"},
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp / "store"), "DLLM_THREADS": "1"},
                         log_path=tmp / "server.log").start(timeout_s=180)
     yield srv
     srv.stop()

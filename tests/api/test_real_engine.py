@@ -31,8 +31,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with embedded_server(tmp_path_factory.mktemp("real"), "real", DLLM_ADMIN_KEY=ADMIN_KEY, DLLM_SHADOW_RATE="1.0",
-                         DLLM_BATCH_WAIT_MS="50") as srv:
+    with embedded_server(tmp_path_factory.mktemp("real"), "real", DLLM_ADMIN_KEY=ADMIN_KEY, DLLM_SHADOW_RATE="1.0") as srv:
         yield srv
 
 

@@ -51,8 +51,7 @@ def start(tmp_path, prefix, delay=0.02, **env) -> ServerProcess:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prefix):
     """One server for the tests that leave it healthy (each uses its own cache mode where it swaps)."""
-    srv = start(tmp_path_factory.mktemp("server"), prefix, DLLM_MAX_BATCH_SIZE=8, DLLM_BATCH_WAIT_MS=20,
-                DLLM_SHADOW_RATE=1.0)
+    srv = start(tmp_path_factory.mktemp("server"), prefix, DLLM_MAX_BATCH_SIZE=8, DLLM_SHADOW_RATE=1.0)
     yield srv
     srv.stop()
 

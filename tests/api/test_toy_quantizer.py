@@ -72,7 +72,7 @@ def toy_method():
 
 def test_a_registered_quantizer_is_served_with_its_artifact(tmp_path, toy_method):
     admin = {"Authorization": "Bearer toy-admin-key-0123456789"}
-    settings = Settings(store_url=str(tmp_path / "store"), threads=1, batch_wait_ms=0,
+    settings = Settings(store_url=str(tmp_path / "store"), threads=1,
                         admin_key="toy-admin-key-0123456789")
     with TestClient(create_app(settings)) as client:
         spec = client.app.state.engine.spec

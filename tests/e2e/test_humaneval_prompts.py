@@ -42,7 +42,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("humaneval-server")
-    srv = ServerProcess({"DLLM_THREADS": "1", "DLLM_STORE_URL": str(tmp / "store"), "DLLM_BATCH_WAIT_MS": "50"},
+    srv = ServerProcess({"DLLM_THREADS": "1", "DLLM_STORE_URL": str(tmp / "store")},
                         log_path=tmp / "server.log").start(timeout_s=180)
     yield srv
     srv.stop()

@@ -20,6 +20,15 @@ def test_environment_is_read_with_prefix(monkeypatch):
     assert s.model is None
 
 
+def test_an_environment_still_naming_the_removed_scheduler_settings_starts(monkeypatch):
+    # DLLM_SCHEDULER and DLLM_BATCH_WAIT_MS chose and tuned the legacy batch worker (gone, issue 21): an env file
+    # copied from an older .env.example must not stop the server (docs/settings.md, "Removed settings").
+    monkeypatch.setenv("DLLM_SCHEDULER", "batch")
+    monkeypatch.setenv("DLLM_BATCH_WAIT_MS", "5")
+    s = Settings(max_batch_size=4)
+    assert s.max_batch_size == 4 and "scheduler" not in Settings.model_fields and not hasattr(s, "batch_wait_ms")
+
+
 def test_arguments_override_environment(monkeypatch):
     monkeypatch.setenv("DLLM_PORT", "9000")
     assert Settings(port=9100).port == 9100

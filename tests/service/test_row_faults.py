@@ -12,10 +12,9 @@ from service.engine import Engine
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
-from service.scheduler import ContinuousWorker
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import BatchFailed, Job
+from service.worker import BatchFailed, Job, Worker
 from tests.support.fastdllm import CKPT, four_prompts
 
 # The configuration whose store breaks (its k_group_size only tells it apart; method none is unquantized).
@@ -57,7 +56,7 @@ def test_three_co_batched_requests_one_fails_two_succeed(engine):
     params = DecodeParams(gen_length=96, block_length=32, threshold=0.9, ignore_eos=True)
     prompts = four_prompts("llada")[:3]
     configs = [KVQuantConfig(), BROKEN, KVQuantConfig()]
-    worker = ContinuousWorker(
+    worker = Worker(
         engine, lambda snap: LosingStore() if snap.config == BROKEN else FullPrecisionKVStore(), Telemetry(),
         MemoryModel.for_engine(engine), 1 << 30, max_rows=8)
     jobs = [worker.submit(Job(p, params, RowOptions(), ConfigSnapshot(c, "dual", "request")))

@@ -11,10 +11,9 @@ from service.engine import Engine
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from service.scheduler import ContinuousWorker
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import Job, RequestTooLarge
+from service.worker import Job, RequestTooLarge, Worker
 from tests.support.fastdllm import CKPT, four_prompts
 
 KIVI2 = KVQuantConfig(method="kivi", bits=2, k_group_size=8)
@@ -27,9 +26,9 @@ def engine():
     return Engine.load(CKPT["llada"])
 
 
-def _worker(engine, budget: int, **kw) -> ContinuousWorker:
-    return ContinuousWorker(engine, lambda snap: make_kv_store(snap.config, engine.spec), Telemetry(),
-                            MemoryModel.for_engine(engine), budget, **kw)
+def _worker(engine, budget: int, **kw) -> Worker:
+    return Worker(engine, lambda snap: make_kv_store(snap.config, engine.spec), Telemetry(),
+                  MemoryModel.for_engine(engine), budget, **kw)
 
 
 def _params(**kw) -> DecodeParams:
@@ -40,7 +39,7 @@ def _snapshot(config: KVQuantConfig = UNQUANTIZED, mode: str = "dual") -> Config
     return ConfigSnapshot(config, mode, "request")
 
 
-def _cost(worker: ContinuousWorker, prompt: list[int], params: DecodeParams, config: KVQuantConfig):
+def _cost(worker: Worker, prompt: list[int], params: DecodeParams, config: KVQuantConfig):
     return worker._cost(Job(prompt, params, RowOptions(), _snapshot(config, params.cache_mode)))
 
 

@@ -1,5 +1,6 @@
-"""The worker without HTTP: batching rules, cancellation, queue bound, drain, fault classification, shadow
-re-decodes (with the fake engine, which records the size of every batch it is given)."""
+"""The worker without HTTP: requests sharing iterations, cancellation, queue bound, drain, fault classification,
+shadow re-decodes (with the fake engine, which records the rows of every iteration it runs: one block of every
+running request)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 
 import pytest
 
+from service.admission import MemoryModel
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.store.active import ConfigSnapshot
@@ -31,22 +33,24 @@ def job(gen=4, snapshot=NONE, prompt=(10, 11)) -> Job:
 
 
 def make_worker(engine: FakeEngine, **kw) -> Worker:
-    return Worker(engine, lambda snap: None, Telemetry(), **kw)
+    """A worker whose memory budget (1 GiB) holds every job of these tests: only ``max_rows`` limits the batch."""
+    return Worker(engine, lambda snap: None, Telemetry(), MemoryModel.for_engine(engine), 1 << 30, **kw)
 
 
-def test_compatible_jobs_batch_in_queue_order_up_to_the_limit():
+def test_jobs_of_any_settings_join_in_queue_order_up_to_max_rows_and_leave_when_done():
     engine = FakeEngine()
-    worker = make_worker(engine, max_batch_size=3, batch_wait_s=0.0)
+    worker = make_worker(engine, max_rows=3)
     jobs = [job(4), job(8), job(4), job(4), job(4, KIVI), job(4)]
-    for j in jobs:  # queued before the thread starts, so the batches are deterministic
+    for j in jobs:  # queued before the thread starts, so the iterations are deterministic
         worker.submit(j)
     worker.start()
     results = [j.future.result(timeout=60) for j in jobs]
-    # The head job(4) takes the next two compatible ones (limit 3); then job(8) alone; the kivi job has another
-    # snapshot, so it runs alone, and so does the last job(4).
-    assert engine.calls == [3, 1, 1, 1]
-    assert [r.batch_size for r in results] == [3, 1, 3, 3, 1, 1]
-    assert results[4].snapshot is KIVI
+    # Iteration 1: the first three (a 2-block job among 1-block ones); 2: the 2-block job alone, the others left;
+    # 3: the next two join it (the kivi job's other snapshot and length do not matter) as it leaves; 4: the last.
+    assert engine.calls == [3, 1, 2, 1]
+    assert [r.batch_size for r in results] == [3, 3, 3, 3, 3, 3]
+    assert results[4].snapshot is KIVI and results[0].snapshot is NONE
+    assert all(r.row.generated_ids == [11, 10, 2] for r in results)  # the prompt reversed, then EOS
     worker.stop()
 
 
@@ -70,7 +74,7 @@ def test_queue_bound_cancel_frees_a_slot_and_drain_refuses_new_jobs():
 
 def test_batch_failure_and_device_fault():
     engine = FakeEngine()
-    worker = make_worker(engine, batch_wait_s=0.0)
+    worker = make_worker(engine)
     worker.start()
     bad = worker.submit(job(prompt=(OFFSET + ALPHABET.index("!"),)))  # "!" makes the fake engine raise
     with pytest.raises(Exception, match="injected fault"):
@@ -98,7 +102,7 @@ def test_device_fault_classification(exc, fatal):
 
 def test_shadow_re_decode_only_for_quantized_jobs_and_labelled_by_the_served_config():
     engine = FakeEngine()
-    worker = make_worker(engine, batch_wait_s=0.0, shadow_rate=1.0, seed=0)
+    worker = make_worker(engine, shadow_rate=1.0, seed=0)
     done = threading.Event()
     observed = []
     worker.telemetry.observe_shadow = lambda config, mode, agreement, exact: (observed.append(

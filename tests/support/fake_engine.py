@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from service.engine.params import DecodeParams, RowOptions
+from service.engine.params import DecodeParams
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.spec import ModelSpec
 from service.worker import DeviceFault
@@ -48,7 +48,7 @@ class FakeEngine:
         self.spec = ModelSpec(arch="llada", model_id="fake-llada", fingerprint="fa" * 32, num_layers=2,
                               num_heads=2, num_kv_heads=2, head_dim=8, vocab_size=128, mask_id=MASK,
                               eos_ids=(EOS,), pad_id=PAD, max_length=max_length)
-        self.calls: list[int] = []  # batch sizes, in order
+        self.calls: list[int] = []  # rows of every iteration, in order
 
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -60,22 +60,7 @@ class FakeEngine:
         return PromptLikelihood(_tiny_lm(self.spec.vocab_size), MASK, ids, mc_num, mc_batch_size, seed, top_k,
                                 cancelled)
 
-    def generate(self, prompts, params: DecodeParams, rows: list[RowOptions] | None = None, kv_store=None,
-                 on_block=None, cancelled=None) -> DecodeReport:
-        t0 = time.monotonic()
-        self.calls.append(len(prompts))
-        _check_faults(prompts)
-        answers = [_answer(p, params) for p in prompts]
-        num_blocks = params.gen_length // params.block_length
-        for b in range(num_blocks):
-            if cancelled is not None and all(cancelled()):
-                break
-            time.sleep(self.block_delay_s)
-            if on_block is not None:
-                on_block(b, [a[: (b + 1) * params.block_length] for a in answers])
-        return _report(answers, params, time.monotonic() - t0, self.decode_text)
-
-    # ---- the continuous scheduler's interface: one block per iteration for every cohort -------------------------
+    # ---- the running batch's interface: one block per iteration for every cohort ----------------------------------
     def batch(self, max_batched_tokens: int | None = None) -> FakeBatch:
         return FakeBatch(self)
 
