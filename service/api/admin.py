@@ -25,7 +25,6 @@ from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
 from service.telemetry import Telemetry, check_label_value
 
 #: Metrics one evaluation report may carry (each becomes a ``dllm_eval_score`` series).
-MAX_SCORES = 64
 
 
 def _without_id(body: bytes, label: str) -> tuple[str | None, bytes]:
@@ -166,8 +165,8 @@ class Admin:
         if report.model_fingerprint is not None and report.model_fingerprint != self.spec.fingerprint:
             raise InvalidRequest(f"model_fingerprint {report.model_fingerprint[:16]}... is not the loaded model's "
                                  f"{self.spec.fingerprint[:16]}...", param="model_fingerprint")
-        if len(report.scores) > MAX_SCORES:
-            raise InvalidRequest(f"scores: at most {MAX_SCORES} metrics per report (each is a metric series)",
+        if len(report.scores) > s.MAX_SCORES:
+            raise InvalidRequest(f"scores: at most {s.MAX_SCORES} metrics per report (each is a metric series)",
                                  param="scores")
         for value, field in ((report.task, "task"), *((m, f"scores.{m[:40]}") for m in report.scores)):
             try:

@@ -59,6 +59,7 @@ from service.engine.params import (
 )
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
+from service.telemetry import LABEL_VALUE
 
 MAX_TOKENS_HELP = ("most response tokens returned (decoding runs whole blocks, the response is cut back); the "
                    "prompt's tokens + max_tokens rounded up to whole blocks must fit the model's context")
@@ -538,12 +539,21 @@ class ActivateResponse(BaseModel):
                                                      "bits on full groups (null: unquantized, or KVQuant)")
 
 
+#: `service.telemetry.LABEL_VALUE` as a JSON Schema pattern (anchored: JSON Schema patterns search).
+LABEL_PATTERN = f"^{LABEL_VALUE.pattern}$"
+#: Metrics in one evaluation report (each is a metric series).
+MAX_SCORES = 64
+
+
 class EvalScoreReport(StrictModel):
     """What the evaluation job reports for one task under one configuration."""
 
-    task: str = Field(min_length=1, max_length=200)
+    # The label rule (`service.telemetry.check_label_value`, checked by the admin route) published in the schema.
+    task: str = Field(min_length=1, max_length=200, json_schema_extra={"pattern": LABEL_PATTERN, "maxLength": 128},
+                      description="a metric label: 1-128 characters of letters, digits and _ . , : / + = @ - or space")
     scores: dict[str, Annotated[StrictFloat, Field(allow_inf_nan=False)]] = Field(
-        min_length=1, description="metric name -> value (finite)")
+        min_length=1, description="metric name (a label, as task) -> value (finite); at most 64 metrics",
+        json_schema_extra={"propertyNames": {"pattern": LABEL_PATTERN}, "maxProperties": MAX_SCORES})
     kv_quant: KVQuantConfig = Field(default_factory=KVQuantConfig)
     cache_mode: CacheMode
     model_fingerprint: Annotated[str, Field(json_schema_extra=from_server(enum="fingerprint"))] | None = Field(
