@@ -341,11 +341,13 @@ class RunningBatch:
                         mask = call.cohort.allowed(r, call)
                         if mask is not None:
                             allowed[rows.start + j, : mask.shape[0] if mask.shape[0] > 1 else None] = mask
-        fixed = self._constrain(group, logits, lists)
         wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
+        # The chains below rewrite the logits in place; the log-probabilities are the model's, read before.
+        model_logits = logits.clone() if wanted and self._constrained_rows(group) else None
+        fixed = self._constrain(group, logits, lists)
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
-            allowed=allowed, logprobs=max(wanted) if wanted else None, **lists,
+            allowed=allowed, logprobs=max(wanted) if wanted else None, logprob_logits=model_logits, **lists,
         ))
         if fixed:
             rows, masks_left = zip(*fixed)
@@ -355,6 +357,12 @@ class RunningBatch:
         return result
 
     @staticmethod
+    def _constrained_rows(group: list[Pass]) -> list[tuple[int, Pass, int]]:
+        """(batch row, pass, row of the pass) of each grammar-constrained row of the forward."""
+        return [(rows.start + j, call, j) for call, rows in zip(group, _rows(group))
+                for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
+
+    @staticmethod
     def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list]) -> list[tuple[int, int]]:
         """The grammar-constrained rows of the forward (`service.engine.grammar`): their chains are decided
         together (one mask fill for all of them per position, across requests), then handed to the batched
@@ -362,8 +370,7 @@ class RunningBatch:
         only its token (written in place: ``logits`` serve this reveal only), and the row reveals every candidate
         (no count, no threshold, no sampling: the chain already chose). Returns, per constrained row, (batch row,
         masks left after the call): the reveal counts masks only within the shortened window."""
-        found = [(rows.start + j, call, j) for call, rows in zip(group, _rows(group))
-                 for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
+        found = RunningBatch._constrained_rows(group)
         if not found:
             return []
         chains = [call.cohort.constrained_row(call, j, logits[b]) for b, call, j in found]

@@ -59,3 +59,21 @@ def test_every_family_and_schedule(engines, compilers, arch, settings, temperatu
         assert alone.rows[0].generated_ids == ids
     free = engine.generate([PROMPTS[1]], params, [rows[1]])
     assert report.rows[1].generated_ids == free.rows[0].generated_ids
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_logprobs_of_a_constrained_row_are_the_models(engines, compilers, arch):
+    """A grammar picks among the tokens it allows, but the log-probabilities returned are the model's own at
+    the revealing step (as unconstrained): finite (a top-k alternative at ``-inf`` made the HTTP answer a 500:
+    "Out of range float values are not JSON compliant"), and not the 0.0 of a chain-forced column."""
+    engine = engines[arch]
+    grammar = compilers[arch].compile(GrammarSpec.regex(REGEX, "structured_outputs.regex"))
+    params = DecodeParams(block_length=8, gen_length=16, cache_mode="dual", threshold=0.9)
+    row = engine.generate([PROMPTS[0]], params, [RowOptions(grammar=grammar, logprobs=3)]).rows[0]
+    assert CharIds().decode(row.generated_ids[:6]).isdigit()
+    assert len(row.logprobs) == len(row.generated_ids) > 0
+    for entry in row.logprobs:
+        values = [entry.logprob] + [v for _, v in entry.top]
+        assert len(entry.top) == 3 and all(-1e30 < v <= 0 for v in values), entry
+        assert [v for _, v in entry.top] == sorted((v for _, v in entry.top), reverse=True)
+    assert any(entry.logprob < -1e-6 for entry in row.logprobs)  # the model is not certain of every digit
