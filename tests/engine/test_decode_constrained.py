@@ -10,6 +10,7 @@ import string
 
 import pytest
 
+from service.engine.errors import EngineInputError
 from service.engine.grammar import GrammarCompiler, GrammarSpec
 from service.engine.params import DecodeParams, RowOptions
 
@@ -77,3 +78,13 @@ def test_logprobs_of_a_constrained_row_are_the_models(engines, compilers, arch):
         assert len(entry.top) == 3 and all(-1e30 < v <= 0 for v in values), entry
         assert [v for _, v in entry.top] == sorted((v for _, v in entry.top), reverse=True)
     assert any(entry.logprob < -1e-6 for entry in row.logprobs)  # the model is not certain of every digit
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema({"$ref": "#"}, "response_format.json_schema.schema"),
+                                  GrammarSpec.json_schema({"anyOf": [{"$ref": "#"}]}, "structured_outputs.json")])
+def test_a_grammar_that_allows_nothing_is_refused_at_compile(compilers, spec):
+    """A schema whose only value would be infinitely deep compiles in llguidance but allows no first token; it
+    is bad input naming the field (was a 500 "the grammar allows no token here" from the decoding loop)."""
+    with pytest.raises(EngineInputError, match="allows no") as info:
+        compilers["llada"].compile(spec)
+    assert info.value.field == spec.field
