@@ -508,9 +508,12 @@ def run_copy(args: argparse.Namespace) -> int:
         raise PoliciesError(f"{args.directory}: no such directory; give the folder `policies export` wrote")
     if directory.exists() and not directory.is_dir():
         raise PoliciesError(f"{args.directory} is a file; give a directory")
+    try:
+        local = open_store(str(directory))
+    except StoreError as exc:  # a folder that cannot be made: under a file, read-only, /proc
+        raise PoliciesError(f"{args.directory}: {exc}") from None
     side = open_side(args)
     store = side.store
-    local = open_store(str(directory))
     src, dst = (store, local) if args.verb == "export" else (local, store)
     try:
         result = copy_artifacts(src, dst, tuple(args.kind or KINDS))
