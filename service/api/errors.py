@@ -176,9 +176,10 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
     """400 naming the first bad field (``messages.0.role``); malformed JSON says so."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    raw = [p for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    full = tuple(first.get("loc", ()))
+    raw = [p for p in full if p not in ("body", "query", "path")]
     body = getattr(exc, "body", None)
-    if isinstance(body, dict):
+    if full[:1] == ("body",) and isinstance(body, dict):  # a path or query parameter is not in the body
         loc = _body_path(raw, body, names_itself=first.get("type") in ("missing", "extra_forbidden"))
     else:
         # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.

@@ -29,3 +29,12 @@ def test_param_is_the_path_in_the_body(extra, param):
     status, answer, _ = classify(exc)
     assert status == 400 and answer["error"]["param"] == param, answer
     assert answer["error"]["message"].startswith(f"{param}: ") or f"'{param}'" in answer["error"]["message"]
+
+
+def test_a_path_parameter_keeps_its_name():
+    """A bad path parameter (``PUT /admin/active/turbo``) is named though the body has no such key."""
+    body = {"method": "kivi", "bits": 2}
+    error = {"type": "literal_error", "loc": ("path", "cache_mode"), "msg": "Input should be 'none', 'prefix' or 'dual'",
+             "input": "turbo"}
+    status, answer, _ = classify(RequestValidationError([error], body=body))
+    assert status == 400 and answer["error"]["param"] == "cache_mode", answer
