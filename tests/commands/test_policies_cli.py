@@ -231,3 +231,14 @@ def test_export_to_a_directory_that_cannot_be_made_is_one_line(store_dir, tmp_pa
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     assert target in result.stderr and "cannot" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("verb", [["list"], ["audit"], ["show", "policy-x"], ["export", "runs/never-written"]])
+def test_reading_a_store_directory_that_does_not_exist_is_refused_and_makes_nothing(tmp_path, verb):
+    """A mistyped ``--store`` path for a verb that only reads: one line naming it, exit 2, and no directory made
+    (was: the folders created at the typo and "no policies ..." with exit 0)."""
+    typo = tmp_path / "no" / "such" / "store"
+    result = cli(*verb, "--store", str(typo))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and str(typo) in result.stderr, result.stderr
+    assert not (tmp_path / "no").exists() and not (REPO / "runs" / "never-written").exists()
