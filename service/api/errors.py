@@ -154,14 +154,39 @@ def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | 
     return 500, error_body("internal server error", "server_error", "internal_error", None), None
 
 
+def _body_path(loc: list, body: dict[str, Any], names_itself: bool) -> list[str]:
+    """The parts of a pydantic error location that are keys or indices of the request body, in order: a union's
+    branch labels (``dict[str,any]``, ``list[int]``) and a tagged union's tag (``json_schema`` in
+    ``response_format.json_schema.json_schema.schema``) are not in the body and are dropped; with
+    ``names_itself`` (a missing or unknown field) the last part is kept though absent."""
+    path, here = [], body
+    for i, part in enumerate(loc):
+        if ((isinstance(here, dict) and part in here)
+                or (isinstance(here, list) and isinstance(part, int) and 0 <= part < len(here))):
+            here = here[part]
+        elif i < len(loc) - 1 or not names_itself:
+            continue  # a label pydantic adds
+        else:
+            here = None
+        path.append(str(part))
+    return path
+
+
 def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dict[str, Any], None]:
     """400 naming the first bad field (``messages.0.role``); malformed JSON says so."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-    # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
-    # Match the tags exactly: a prefix test would also drop real fields such as "stream".
-    loc = [p for p in loc if not (p in ("str", "int", "float", "bool") or p.startswith(("list[", "function-", "constrained-")))]
+    full = tuple(first.get("loc", ()))
+    raw = [p for p in full if p not in ("body", "query", "path")]
+    body = getattr(exc, "body", None)
+    if full[:1] == ("body",) and isinstance(body, dict):  # a path or query parameter is not in the body
+        loc = _body_path(raw, body, names_itself=first.get("type") in ("missing", "extra_forbidden"))
+    else:
+        # Unions report the branch they tried ("str", "list[int]"); drop those parts of the location.
+        # Match the tags exactly: a prefix test would also drop real fields such as "stream".
+        loc = [str(p) for p in raw]
+        loc = [p for p in loc if not (p in ("str", "int", "float", "bool")
+                                      or p.startswith(("list[", "dict[", "function-", "constrained-")))]
     # A cross-field rule fails at the model's level and names its field in the context (`service.api.rules`).
     ruled = (first.get("ctx") or {}).get("param")
     param = ".".join([*loc, ruled] if ruled else loc) or None

@@ -477,6 +477,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="only this kind (repeatable; default: both)")
 
 
+#: Verbs that only read the store (``export`` reads it and writes a local folder).
+READ_VERBS = frozenset({"list", "show", "diff", "audit", "export"})
+
+
 def open_side(args: argparse.Namespace):
     """A `ServerSide` (``--server``) or a `StoreSide` (``--store``), or PoliciesError naming what is missing."""
     import os
@@ -492,6 +496,12 @@ def open_side(args: argparse.Namespace):
             raise PoliciesError(f"--server {args.server} needs the server's admin key in {args.admin_key_env} "
                                 f"(export {args.admin_key_env}=...; the server must have been started with it)")
         return ServerSide(args.server, key, args.admin_key_env)
+    if args.store and args.verb in READ_VERBS:
+        # A directory store is made on first write; a verb that only reads must not make one at a typo.
+        path = args.store.removeprefix("file://") if "://" not in args.store.removeprefix("file://") else None
+        if path is not None and not Path(path).expanduser().is_dir():
+            raise PoliciesError(f"--store {args.store}: no such directory (a directory store is made by "
+                                "`calibrate` or `policies activate`/`import`); check the path")
     try:
         store = open_store(*default_store(args.store, args.store_prefix))
     except InvalidName as exc:
@@ -510,7 +520,11 @@ def run_copy(args: argparse.Namespace) -> int:
         raise PoliciesError(f"{args.directory} is a file; give a directory")
     side = open_side(args)
     store = side.store
-    local = open_store(str(directory))
+    try:
+        local = open_store(str(directory))
+    except StoreError as exc:  # a folder that cannot be made: under a file, read-only, /proc
+        store.close()
+        raise PoliciesError(f"{args.directory}: {exc}") from None
     src, dst = (store, local) if args.verb == "export" else (local, store)
     try:
         result = copy_artifacts(src, dst, tuple(args.kind or KINDS))

@@ -342,22 +342,25 @@ class RunningBatch:
                         if mask is not None:
                             allowed[rows.start + j, : mask.shape[0] if mask.shape[0] > 1 else None] = mask
         wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
-        # A constrained row's chain columns keep only their chosen token's logit (below); its log-probabilities
-        # are the model's own, so keep those rows' logits as the forward gave them (only when asked).
-        model_logits = logits.clone() if wanted and _any_constrained(group) else None
+        # The chains below rewrite the logits in place; the log-probabilities are the model's, read before.
+        model_logits = logits.clone() if wanted and self._constrained_rows(group) else None
         fixed = self._constrain(group, logits, lists)
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
-            allowed=allowed, logprobs=max(wanted) if wanted else None, **lists,
+            allowed=allowed, logprobs=max(wanted) if wanted else None, logprob_logits=model_logits, **lists,
         ))
         if fixed:
             rows, masks_left = zip(*fixed)
             result.masks_left[list(rows)] = torch.tensor(masks_left, device=result.masks_left.device)
-            if model_logits is not None:
-                _model_logprobs(result, model_logits, list(rows), max(wanted))
         for call, rows in zip(group, _rows(group)):
             call.cohort.write(call, result.tokens[rows])
         return result
+
+    @staticmethod
+    def _constrained_rows(group: list[Pass]) -> list[tuple[int, Pass, int]]:
+        """(batch row, pass, row of the pass) of each grammar-constrained row of the forward."""
+        return [(rows.start + j, call, j) for call, rows in zip(group, _rows(group))
+                for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
 
     @staticmethod
     def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list]) -> list[tuple[int, int]]:
@@ -367,8 +370,7 @@ class RunningBatch:
         only its token (written in place: ``logits`` serve this reveal only), and the row reveals every candidate
         (no count, no threshold, no sampling: the chain already chose). Returns, per constrained row, (batch row,
         masks left after the call): the reveal counts masks only within the shortened window."""
-        found = [(rows.start + j, call, j) for call, rows in zip(group, _rows(group))
-                 for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
+        found = RunningBatch._constrained_rows(group)
         if not found:
             return []
         chains = [call.cohort.constrained_row(call, j, logits[b]) for b, call, j in found]
@@ -413,18 +415,3 @@ class RunningBatch:
         if not done and len(group) == calls:
             raise self.failed[-1][1]
         return done
-
-
-def _any_constrained(group: list[Pass]) -> bool:
-    """Whether any row of the forward's passes is grammar-constrained (`service.engine.grammar`)."""
-    return any(call.cohort.rows[r].grammar is not None for call in group for r in call.rows)
-
-
-def _model_logprobs(result: RevealResult, logits: torch.Tensor, rows: list[int], k: int) -> None:
-    """Set ``result``'s log-probabilities of batch ``rows`` from the forward's own ``logits`` ``[R, W, V]`` (the
-    unconstrained distribution, as for every other row; vLLM's default raw log-probabilities likewise): the
-    constrained reveal edited those rows' logits to force its chain. ``k``: alternatives kept per column."""
-    logp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)
-    result.token_logprobs[rows] = logp.gather(-1, result.tokens[rows][..., None])[..., 0]
-    if k > 0:
-        result.top_logprobs[rows], result.top_ids[rows] = logp.topk(k, dim=-1)

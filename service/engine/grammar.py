@@ -231,7 +231,7 @@ class GrammarCompiler:
 
         Raises:
             EngineInputError: naming ``spec.field``: the source is too large, invalid (the engine's message), over
-                the parser's limits, or took longer than ``timeout_s``.
+                the parser's limits, took longer than ``timeout_s``, or allows no first token.
         """
         if len(spec.source.encode()) > MAX_SOURCE_BYTES:
             raise EngineInputError(f"{spec.field} is {len(spec.source.encode()):,} bytes, over the "
@@ -264,6 +264,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise EngineInputError(f"{spec.field} cannot be compiled: {_first_line(matcher.get_error())}",
                                    spec.field)
+        if not self.allowed([GrammarState(matcher.deep_copy(), self)]).any():
+            # llguidance compiles a schema whose only value is infinitely deep ({"$ref": "#"}); no response
+            # can follow it, and decoding it would fail at the first reveal.
+            raise EngineInputError(f"{spec.field} allows no response: its grammar has no first token (a schema "
+                                   "that only refers to itself, or an empty language)", spec.field)
         return CompiledGrammar(spec, matcher, self)
 
     def cached(self) -> int:

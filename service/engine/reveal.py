@@ -278,6 +278,10 @@ class RevealBatch:
     Options:
         logprobs: None, or k >= 0: also return each column's chosen token's log-probability and its k most
             likely alternatives (:class:`RevealResult`), from this call's logits (no other forward).
+        logprob_logits: None, or ``[R, W, V]``: the logits the log-probabilities are read from when ``logits``
+            no longer are the model's (a grammar chain keeps only its chosen token's logit in place,
+            `service.engine.batch`), so a constrained row reports the model's distribution, as vLLM's raw
+            logprobs do, not 0.0 for its token and ``-inf`` (no JSON number) for every alternative.
     """
 
     logits: torch.Tensor
@@ -298,6 +302,7 @@ class RevealBatch:
     ignore_eos: list[bool]
     allowed: torch.Tensor | None = None
     logprobs: int | None = None
+    logprob_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -371,7 +376,12 @@ def reveal_batch(rule: RevealRule, batch: RevealBatch) -> RevealResult:
             & ~_rows_tensor(batch.ignore_eos, torch.bool, device))
     result = RevealResult(new, revealed, revealed.sum(-1), still.sum(-1), stop)
     if batch.logprobs is not None:
-        logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        source = logits
+        if batch.logprob_logits is not None:
+            source = batch.logprob_logits
+            if batch.allowed is not None:
+                source = source.masked_fill(~batch.allowed, float("-inf"))
+        logp = torch.log_softmax(source.to(torch.float32), dim=-1)
         result.token_logprobs = logp.gather(-1, chosen[..., None])[..., 0]
         if batch.logprobs > 0:
             result.top_logprobs, result.top_ids = logp.topk(batch.logprobs, dim=-1)

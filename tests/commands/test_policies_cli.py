@@ -219,3 +219,26 @@ def _wait_for(condition, log_path: Path, timeout_s: float = 60, proc: subprocess
             pass
         time.sleep(0.2)
     raise AssertionError(f"condition not met in {timeout_s} s; log: {log_path.read_text()[-3000:]}")
+
+
+def test_export_to_a_directory_that_cannot_be_made_is_one_line(store_dir, tmp_path):
+    """``policies export`` into a folder under a file (or /proc, or a read-only disk): one line naming the folder,
+    exit 2, no traceback (was a StoreUnavailable traceback)."""
+    path, _ = store_dir
+    (tmp_path / "a-file").write_text("")
+    target = str(tmp_path / "a-file" / "backup")
+    result = cli("export", target, "--store", path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert target in result.stderr and "cannot" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("verb", [["list"], ["audit"], ["show", "policy-x"], ["export", "runs/never-written"]])
+def test_reading_a_store_directory_that_does_not_exist_is_refused_and_makes_nothing(tmp_path, verb):
+    """A mistyped ``--store`` path for a verb that only reads: one line naming it, exit 2, and no directory made
+    (was: the folders created at the typo and "no policies ..." with exit 0)."""
+    typo = tmp_path / "no" / "such" / "store"
+    result = cli(*verb, "--store", str(typo))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert len(result.stderr.splitlines()) == 1 and str(typo) in result.stderr, result.stderr
+    assert not (tmp_path / "no").exists() and not (REPO / "runs" / "never-written").exists()

@@ -10,6 +10,7 @@ import string
 
 import pytest
 
+from service.engine.errors import EngineInputError
 from service.engine.grammar import GrammarCompiler, GrammarSpec
 from service.engine.params import DecodeParams, RowOptions
 
@@ -86,3 +87,31 @@ def test_log_probabilities_of_a_constrained_row_are_the_models(engines, compiler
     logp = torch.log_softmax(logits, -1)
     # The first column is revealed at the block-initial pass (leftmost first under a constraint).
     assert row.logprobs[0].logprob == pytest.approx(float(logp[0, row.generated_ids[0]]), abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_logprobs_of_a_constrained_row_are_the_models(engines, compilers, arch):
+    """A grammar picks among the tokens it allows, but the log-probabilities returned are the model's own at
+    the revealing step (as unconstrained): finite (a top-k alternative at ``-inf`` made the HTTP answer a 500:
+    "Out of range float values are not JSON compliant"), and not the 0.0 of a chain-forced column."""
+    engine = engines[arch]
+    grammar = compilers[arch].compile(GrammarSpec.regex(REGEX, "structured_outputs.regex"))
+    params = DecodeParams(block_length=8, gen_length=16, cache_mode="dual", threshold=0.9)
+    row = engine.generate([PROMPTS[0]], params, [RowOptions(grammar=grammar, logprobs=3)]).rows[0]
+    assert CharIds().decode(row.generated_ids[:6]).isdigit()
+    assert len(row.logprobs) == len(row.generated_ids) > 0
+    for entry in row.logprobs:
+        values = [entry.logprob] + [v for _, v in entry.top]
+        assert len(entry.top) == 3 and all(-1e30 < v <= 0 for v in values), entry
+        assert [v for _, v in entry.top] == sorted((v for _, v in entry.top), reverse=True)
+    assert any(entry.logprob < -1e-6 for entry in row.logprobs)  # the model is not certain of every digit
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema({"$ref": "#"}, "response_format.json_schema.schema"),
+                                  GrammarSpec.json_schema({"anyOf": [{"$ref": "#"}]}, "structured_outputs.json")])
+def test_a_grammar_that_allows_nothing_is_refused_at_compile(compilers, spec):
+    """A schema whose only value would be infinitely deep compiles in llguidance but allows no first token; it
+    is bad input naming the field (was a 500 "the grammar allows no token here" from the decoding loop)."""
+    with pytest.raises(EngineInputError, match="allows no") as info:
+        compilers["llada"].compile(spec)
+    assert info.value.field == spec.field
