@@ -217,7 +217,7 @@ class QuantizedKVStore(KVStore):
         """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, the later steps'
         scratch pair (the size of the concatenation the unquantized path makes at every layer) and, for pre-RoPE
         keys, the block's cos/sin tables."""
-        held = sum(p.nbytes for p in self._packed.values())
+        held = sum(p.nbytes + p.derived_nbytes for p in self._packed.values())
         buffers = [*(self._scratch or ()), *(t for k, v, _ in self._kept.values() for t in (k, v))]
         held += sum(t.numel() * t.element_size() for t in buffers)
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
