@@ -38,6 +38,7 @@ from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
+from service.quant.rows import batch_key, dequantize_rows
 
 
 class QuantizedKVStore(KVStore):
@@ -177,6 +178,21 @@ class QuantizedKVStore(KVStore):
             inv_freq=rope.inv_freq(q.device) if pre_rope else None,
             rope_full_precision=rope.full_precision,
         )
+
+    def batch_key(self, layer, device):
+        """Later steps of stores of one uniform format dequantize together (`service.quant.rows`): not with
+        kept dequantized copies, pre-RoPE keys (KVQuantizer formats of their own), a side held as it is, or the
+        fused kernel (which reads the packed layer itself)."""
+        quantizer = self.quantizer
+        if (self.keep_dequantized or self.pre_rope_keys or layer not in self._packed or self._fused(device)
+                or not (quantizer.quantizes_k and quantizer.quantizes_v)
+                or any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
+                       for name in ("dequantize", "dequantize_k", "dequantize_v"))):
+            return None
+        return batch_key(quantizer, self._packed[layer], self._layout.num_slots)
+
+    def window_kv_batch(self, stores, layer, key_len):
+        return dequantize_rows(stores, layer, key_len)
 
     def _fused(self, device: torch.device) -> bool:
         if not (self.quantizer.quantizes_k and self.quantizer.quantizes_v):
