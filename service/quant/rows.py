@@ -95,30 +95,30 @@ def _protected(index: _Index, layer: int, packed: list[PackedLayer], n: int) -> 
     return index.protected[layer]
 
 
-def _float_codes(words: list[torch.Tensor], bits: int, numel: int, h: int, d: int) -> torch.Tensor:
-    """float32 ``[S x numel / (H x D) + 1, H, D]``: the codes of the streams (stacked: they have one length) as
-    floats, stream after stream, then a zero row (what the placing gather reads outside the reused columns)."""
+def _decode_into(dst: torch.Tensor, words: list[torch.Tensor], bits: int) -> None:
+    """Write the codes of the streams (all of one length) as floats into ``dst`` float32 ``[..., numel]`` (its
+    leading dims, in C order, one per stream): one stack, one gather through the per-byte table, one copy."""
     key = (bits, words[0].device)
     if key not in _TABLES:
         _TABLES[key] = byte_table(torch.arange(2**bits, dtype=torch.float32, device=words[0].device), bits)
     table = _TABLES[key]
-    per_byte = table.shape[0]
+    per_byte, numel = table.shape[0], dst.shape[-1]
     m = -(-numel // per_byte)
-    s = len(words)
     data = torch.stack(words).view(torch.uint8)[:, :m].reshape(-1).to(torch.int32)
-    planes = table.index_select(1, data).view(per_byte, s, m).transpose(0, 1)  # stream i's plane p at [i, p]
-    work = table.new_empty(s * numel + h * d)
+    # plane p of stream i at [p, i]: moved to [i, p], which is stream i's codes in order (the planar layout)
+    planes = table.index_select(1, data).view(per_byte, *dst.shape[:-1], m).movedim(0, -2)
     if per_byte * m == numel:
-        work[: s * numel].view(s, per_byte, m).copy_(planes)
+        dst.view(*dst.shape[:-1], per_byte, m).copy_(planes)
     else:
-        work[: s * numel].view(s, numel).copy_(planes.reshape(s, per_byte * m)[:, :numel])
-    work[s * numel:].zero_()
-    return work.view(-1, h, d)
+        dst.copy_(planes.reshape(*dst.shape[:-1], per_byte * m)[..., :numel])
 
 
 def dequantize_rows(stores: list, layer: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``QuantizedKVStore.window_kv_batch`` (module doc): ``[R, H, key_len, D]`` K and V of every row of
-    ``stores`` (all with one `batch_key`), model dtype, zeros outside the reused columns."""
+    ``stores`` (all with one `batch_key`), model dtype, zeros outside the reused columns.
+
+    K and V share one float32 work buffer ``[2, S x n + 1, H, D]`` (each with a zero last row) and one placing
+    gather; without protected tokens their streams have one length and are decoded in one gather too."""
     quantizer = stores[0].quantizer
     packed: list[PackedLayer] = [store._packed[layer] for store in stores]
     first = packed[0]
@@ -130,11 +130,19 @@ def dequantize_rows(stores: list, layer: int, key_len: int) -> tuple[torch.Tenso
     protected = "protected_slots" in first.k.tensors
     p = first.k.tensors["protected_slots"].numel() if protected else 0
 
-    # K: codes of the unprotected slots, then every slot's (a protected one reads the zero row).
-    k_work = _float_codes([x.k.tensors["codes"] for x in packed], bits, (n - p) * h * d, h, d)
-    if protected:
+    work = torch.empty(2, s * n + 1, h, d, dtype=torch.float32, device=first.k.tensors["codes"].device)
+    k_words, v_words = [x.k.tensors["codes"] for x in packed], [x.v.tensors["codes"] for x in packed]
+    if not protected:
+        _decode_into(work[:, : s * n].view(2, s, n * h * d), k_words + v_words, bits)
+    else:  # K: codes of the unprotected slots, then every slot's (a protected one reads the zero row)
+        codes = work.new_empty(s * (n - p) + 1, h, d)
+        _decode_into(codes[:-1].view(s, (n - p) * h * d), k_words, bits)
+        codes[-1].zero_()
         code_rows, slots = _protected(index, layer, packed, n)
-        k_work = k_work.index_select(0, code_rows)
+        torch.index_select(codes, 0, code_rows, out=work[0])
+        _decode_into(work[1, : s * n].view(s, n * h * d), v_words, bits)
+    work[:, -1].zero_()
+    k_work, v_work = work[0], work[1]
     scale = torch.cat([x.k.tensors["scale"] for x in packed])
     mn = torch.cat([x.k.tensors["mn"] for x in packed])
     _affine_(k_work[:-1], scale.index_select(0, index.group_of_slot), mn.index_select(0, index.group_of_slot))
@@ -142,18 +150,11 @@ def dequantize_rows(stores: list, layer: int, key_len: int) -> tuple[torch.Tenso
         values = torch.cat([x.k.tensors["protected_values"] for x in packed])
         k_work.index_copy_(0, slots, values.to(torch.float32))
     # V: per token over channel groups.
-    v_work = _float_codes([x.v.tensors["codes"] for x in packed], bits, n * h * d, h, d)
     v_scale = torch.cat([x.v.tensors["scale"] for x in packed])
     v_mn = torch.cat([x.v.tensors["mn"] for x in packed])
     groups = v_scale.shape[-1]
     _affine_(v_work[:-1].view(s * n, h, groups, d // groups), v_scale[:, :, :, None], v_mn[:, :, :, None])
-    return (_place(k_work, index.slot_map, total_rows, key_len, first.dtype),
-            _place(v_work, index.slot_map, total_rows, key_len, first.dtype))
-
-
-def _place(work: torch.Tensor, slot_map: torch.Tensor, rows: int, key_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[R, H, key_len, D]`` in ``dtype``: each (row, column) its slot's values, the zero row where none."""
-    h, d = work.shape[1], work.shape[2]
-    out = torch.empty(rows, h, key_len, d, dtype=dtype, device=work.device)
-    out.copy_(work.index_select(0, slot_map).view(rows, key_len, h, d).permute(0, 2, 1, 3))
-    return out
+    # Every (row, column) its slot's K and V, the zero rows where none; one gather, one transposing copy.
+    out = torch.empty(2, total_rows, h, key_len, d, dtype=first.dtype, device=work.device)
+    out.copy_(work.index_select(1, index.slot_map).view(2, total_rows, key_len, h, d).permute(0, 1, 3, 2, 4))
+    return out[0], out[1]
