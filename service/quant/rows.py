@@ -59,6 +59,12 @@ _INDEXES: dict[tuple, _Index] = {}
 _KEPT_INDEXES = 8
 
 
+def forget(layout) -> None:
+    """Drop the kept indexes made from ``layout`` (its store is cleared: the block or the request ended)."""
+    for key in [key for key, index in _INDEXES.items() if any(held is layout for held in index.layouts)]:
+        del _INDEXES[key]
+
+
 def _index(layouts: list, segments: list, key_len: int) -> _Index:
     key = (tuple(id(layout) for layout in layouts), key_len)
     held = _INDEXES.get(key)

@@ -38,7 +38,7 @@ from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
-from service.quant.rows import batch_key, dequantize_rows
+from service.quant.rows import batch_key, dequantize_rows, forget
 
 
 class QuantizedKVStore(KVStore):
@@ -202,7 +202,10 @@ class QuantizedKVStore(KVStore):
         return self.attention == "triton"
 
     def clear(self) -> None:
-        """Drop the held tensors; the accounting stays for :meth:`report`."""
+        """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`);
+        the accounting stays for :meth:`report`."""
+        if self._layout is not None:
+            forget(self._layout)
         self._segments = None
         self._layout = None
         self._packed.clear()

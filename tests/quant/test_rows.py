@@ -63,6 +63,13 @@ def test_rows_of_many_stores_equal_each_store_alone(method, dtype, bits):
                     assert torch.equal(together[:, end:t], alone[:, end:t])
                     assert not together[:, start:end].any() and not together[:, t:].any()  # window, spare: zeros
                 row += 1
+    from service.quant.rows import _INDEXES
+
+    layouts = [s._layout for s in stores]
+    assert any(held is layouts[0] for index in _INDEXES.values() for held in index.layouts)
+    for s in stores:
+        s.clear()  # the request ended: its pooled indexes go with it
+    assert not any(held is layout for index in _INDEXES.values() for held in index.layouts for layout in layouts)
 
 
 def test_only_equal_formats_and_lengths_share_a_key():
