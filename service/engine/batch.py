@@ -142,8 +142,34 @@ class BatchedReuse:
             kk, vv = (F.pad(x, (0, 0, 0, self.key_len - x.shape[2])) for x in (kk, vv))
         return kk, vv
 
+    def _together(self, layer: int, device: torch.device) -> list:
+        """Per part, the keys and values its store gave together with the other stores of its kind
+        (`KVStore.window_kv_batch`: one dequantization for all their rows), or None for a part that answers
+        alone (its store has no batch key, or no other store shares it, or only some of its rows take part)."""
+        kinds: dict = {}
+        for i, (p, _) in enumerate(self.parts):
+            if p.hook is not None and p.selection is None:
+                key = p.cohort.store.batch_key(layer, device)
+                if key is not None:
+                    kinds.setdefault(key, []).append(i)
+        got: list = [None] * len(self.parts)
+        for members in kinds.values():
+            if len(members) < 2:
+                continue
+            stores = [self.parts[i][0].cohort.store for i in members]
+            kk, vv = stores[0].window_kv_batch(stores, layer, self.key_len)
+            if len(members) == len(self.parts):  # the whole forward: no split, no concatenation
+                return [(kk, vv)]
+            for i, rows in zip(members, spans(len(self.parts[i][0].rows) for i in members)):
+                got[i] = (kk[rows], vv[rows])
+        return got
+
     def __call__(self, layer, q, k_pre, k, v):
-        got = [self._kv(p, rows, layer, q, k_pre, k, v) for p, rows in self.parts]
+        together = self._together(layer, q.device)
+        if len(together) == 1 and len(self.parts) > 1:
+            return self._gathered(together, slice(None), k, v)
+        got = [g if g is not None else self._kv(p, rows, layer, q, k_pre, k, v)
+               for g, (p, rows) in zip(together, self.parts)]
         fused = [isinstance(g, torch.Tensor) for g in got]
         if not any(fused):
             return self._gathered(got, slice(None), k, v)

@@ -21,6 +21,7 @@ Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -193,6 +194,25 @@ class KVStore:
         k_all = torch.cat([k_reused[:, :, :start], k, k_reused[:, :, start:]], dim=2)
         v_all = torch.cat([v_reused[:, :, :start], v, v_reused[:, :, start:]], dim=2)
         return k_all, v_all
+
+    def batch_key(self, layer: int, device: torch.device) -> Hashable | None:
+        """Stores whose keys are equal (and not None) give a later step's reused K/V of all their rows at once
+        (:meth:`window_kv_batch`), so a running batch pays one set of tensor operations per layer for them, not
+        one per request. None (this default): this store answers alone (:meth:`window_kv` or :meth:`attend`)."""
+        return None
+
+    def window_kv_batch(
+        self, stores: list[KVStore], layer: int, key_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reused K/V of every row of ``stores`` (this one among them, all with this one's
+        :meth:`batch_key`, every row of each taking part, in order), ``[R, H_kv, key_len, D]`` each: row ``r``
+        holds its reused keys (post-RoPE) and values at their sequence columns and zeros elsewhere; the caller
+        writes the fresh window over its columns. A fresh pair, the caller's to write into.
+
+        Raises:
+            NotImplementedError: a store whose :meth:`batch_key` is always None.
+        """
+        raise NotImplementedError
 
     def clear(self) -> None:
         """Drop everything held (end of a request)."""

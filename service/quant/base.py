@@ -14,7 +14,8 @@ protected values, indices, outliers), whence its **storage** bits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -73,10 +74,23 @@ class PackedLayer:
     dtype: torch.dtype
     num_heads: int
     head_dim: int
+    #: Index tensors derived from the held ones at the layer's first read of a block and kept for its later
+    #: steps (:meth:`derived_index`): not part of the packed format (``nbytes``), counted in the store's bytes.
+    derived: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def derived_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.derived.values() )
+
+    def derived_index(self, name: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``derived[name]``, made by ``make()`` at its first use (the held tensors never change)."""
+        if name not in self.derived:
+            self.derived[name] = make()
+        return self.derived[name]
 
 
 class KVQuantizer:
@@ -193,22 +207,25 @@ class KVQuantizer:
         t = packed.k.tensors
         h, d = packed.num_heads, packed.head_dim
         n = layout.num_slots
-        protected = t["protected_slots"].long() if "protected_slots" in t else None
+        protected = code_rows = None
+        if "protected_slots" in t:
+            # Protected slots get code 0 (a zero row of the codes; overwritten below), so every slot dequantizes
+            # at once. The gather index is made at the layer's first read of a block: fixed shapes, no host read.
+            protected = packed.derived_index("protected_slots", lambda: t["protected_slots"].long())
+            code_rows = packed.derived_index("code_rows", lambda: _code_rows(protected, n))
         n_codes = n if protected is None else n - protected.numel()
         stats = GroupStats(scale=t["scale"], mn=t["mn"])
         if layout.batched(h * d):
             work = _float_codes(t["codes"], self.bits, n_codes, h, d)
-            if protected is not None:  # protected slots get code 0 here, overwritten below
-                full = work.new_zeros(n + 1, h, d)
-                work = full.index_copy_(0, _unprotected(protected, n), work[:-1])
+            if code_rows is not None:  # [n + 1, H, D], the last row zero as `SlotLayout.place` wants
+                work = work.index_select(0, code_rows)
             out = dequantize_k_batched(layout.empty_output(h, d, packed.dtype, out), work, stats, layout)
             if protected is not None:
                 layout.scatter_slots(t["protected_values"], protected, out)
             return out
         codes = unpack_stream(t["codes"], self.bits, n_codes * h * d).view(n_codes, h, d)
-        if protected is not None:
-            # Protected slots get code 0 here (overwritten below), so every run dequantizes at once.
-            codes = _expand_rows(codes, _unprotected(protected, n), n)
+        if code_rows is not None:
+            codes = _expand_rows(codes, code_rows[:-1])
         out = layout.empty_output(h, d, packed.dtype, out)
         dequantize_k_into(out, codes, stats, layout)
         if protected is not None:
@@ -253,25 +270,33 @@ def _float_codes(words: torch.Tensor, bits: int, n: int, h: int, d: int) -> torc
     return work
 
 
-def _unprotected(protected: torch.Tensor, n: int) -> torch.Tensor:
-    """int64: the slots of ``[0, n)`` not in ``protected`` (ascending)."""
-    keep = torch.ones(n, dtype=torch.bool, device=protected.device)
-    keep[protected] = False
-    return keep.nonzero().squeeze(1)
+def _code_rows(protected: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n + 1]``: for each slot of ``[0, n)`` its row among the codes of the unprotected slots (held in
+    slot order), ``n - len(protected)`` (a zero row after them) for a protected slot and for the spare last entry.
 
-
-def _expand_rows(codes: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, H, D]`` zeros with ``codes`` ``[len(rows), H, D]`` (uint8) copied into ``rows``.
-
-    Rows are moved as int64 words when their byte length allows (8x fewer elements for ``index_copy_``).
+    A slot's row is its index less the protected slots before it (a cumulative count): fixed shapes, so no host
+    read of how many slots are kept (``nonzero`` would be one per layer on a GPU).
     """
-    full = codes.new_zeros(n, *codes.shape[1:])
+    n_codes = n - protected.numel()
+    mask = torch.zeros(n + 1, dtype=torch.bool, device=protected.device)
+    mask[protected] = True
+    mask[n] = True
+    rows = torch.arange(n + 1, device=protected.device) - mask.cumsum(0)
+    return rows.masked_fill_(mask, n_codes)
+
+
+def _expand_rows(codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[len(rows), H, D]``: ``codes`` ``[n_codes, H, D]`` (uint8) gathered by ``rows``, where ``n_codes`` stands
+    for a zero row (see :func:`_code_rows`).
+
+    Rows are moved as int64 words when their byte length allows (8x fewer elements for the gather).
+    """
+    full = torch.cat([codes, codes.new_zeros(1, *codes.shape[1:])])
     width = codes[0].numel() if codes.shape[0] else 0
     if width and width % 8 == 0:
-        full.view(n, width).view(torch.int64).index_copy_(0, rows, codes.reshape(-1, width).view(torch.int64))
-    else:
-        full.index_copy_(0, rows, codes)
-    return full
+        words = full.view(full.shape[0], width).view(torch.int64).index_select(0, rows)
+        return words.view(torch.uint8).view(rows.numel(), *codes.shape[1:])
+    return full.index_select(0, rows)
 
 
 def _held(x: torch.Tensor) -> PackedTensor:

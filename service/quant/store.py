@@ -38,6 +38,7 @@ from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
+from service.quant.rows import batch_key, dequantize_rows, forget
 
 
 class QuantizedKVStore(KVStore):
@@ -178,6 +179,21 @@ class QuantizedKVStore(KVStore):
             rope_full_precision=rope.full_precision,
         )
 
+    def batch_key(self, layer, device):
+        """Later steps of stores of one uniform format dequantize together (`service.quant.rows`): not with
+        kept dequantized copies, pre-RoPE keys (KVQuantizer formats of their own), a side held as it is, or the
+        fused kernel (which reads the packed layer itself)."""
+        quantizer = self.quantizer
+        if (self.keep_dequantized or self.pre_rope_keys or layer not in self._packed or self._fused(device)
+                or not (quantizer.quantizes_k and quantizer.quantizes_v)
+                or any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
+                       for name in ("dequantize", "dequantize_k", "dequantize_v"))):
+            return None
+        return batch_key(quantizer, self._packed[layer], self._layout.num_slots)
+
+    def window_kv_batch(self, stores, layer, key_len):
+        return dequantize_rows(stores, layer, key_len)
+
     def _fused(self, device: torch.device) -> bool:
         if not (self.quantizer.quantizes_k and self.quantizer.quantizes_v):
             return False  # the kernel reads codes; a side held as it is (``sides``) goes through window_kv
@@ -186,7 +202,10 @@ class QuantizedKVStore(KVStore):
         return self.attention == "triton"
 
     def clear(self) -> None:
-        """Drop the held tensors; the accounting stays for :meth:`report`."""
+        """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`);
+        the accounting stays for :meth:`report`."""
+        if self._layout is not None:
+            forget(self._layout)
         self._segments = None
         self._layout = None
         self._packed.clear()
@@ -217,7 +236,7 @@ class QuantizedKVStore(KVStore):
         """Bytes held now: packed layers, the block's index tensors, kept dequantized copies, the later steps'
         scratch pair (the size of the concatenation the unquantized path makes at every layer) and, for pre-RoPE
         keys, the block's cos/sin tables."""
-        held = sum(p.nbytes for p in self._packed.values())
+        held = sum(p.nbytes + p.derived_nbytes for p in self._packed.values())
         buffers = [*(self._scratch or ()), *(t for k, v, _ in self._kept.values() for t in (k, v))]
         held += sum(t.numel() * t.element_size() for t in buffers)
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())

@@ -105,8 +105,10 @@ def test_protection_covers_short_groups():
 
 @pytest.mark.parametrize("width", [(2, 16), (1, 6)])  # int64 row moves, and the byte fallback
 def test_code_rows_expand_around_protected_slots(width):
-    from service.quant.base import _expand_rows
+    from service.quant.base import _code_rows, _expand_rows
 
     codes = torch.randint(0, 16, (3, *width), dtype=torch.uint8)
-    full = _expand_rows(codes, torch.tensor([0, 2, 3]), 5)
+    rows = _code_rows(torch.tensor([1, 4]), 5)  # slots 1 and 4 protected: 0, 2, 3 hold codes 0, 1, 2
+    assert rows.tolist() == [0, 3, 1, 2, 3, 3]
+    full = _expand_rows(codes, rows[:-1])
     assert torch.equal(full[[0, 2, 3]], codes) and not full[[1, 4]].any()

@@ -1,0 +1,90 @@
+"""Later steps of several quantized stores dequantized together (`service.quant.rows`): the same keys and values,
+bit for bit, as each store's own `window_kv`, and the stores that may not share one batch key."""
+
+import pytest
+import torch
+
+from service.engine.kv_store import Segments
+from service.engine.models.layers import RotaryEmbedding
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
+from tests.quant.helpers import SPEC, kv, policy, state
+
+
+def store(method, bits, **kw):
+    if method == "dllm_kvq":
+        table = policy([("qerror", 3), ("attention", 2)], bits=bits)
+        cfg = KVQuantConfig(method="dllm_kvq", bits=bits, k_group_size=8, policy_id="p")
+        return make_kv_store(cfg.model_copy(update={"artifact_id": table.id}), SPEC, artifact=table,
+                             attention="torch")
+    if method == "kvquant":
+        st = state(bits)
+        cfg = KVQuantConfig(method="kvquant", bits=bits, kvquant_state_id="s")
+        return make_kv_store(cfg.model_copy(update={"artifact_id": st.id}), SPEC, artifact=st, attention="torch")
+    return make_kv_store(KVQuantConfig(method="kivi", bits=bits, k_group_size=8, **kw), SPEC, attention="torch")
+
+
+#: Requests of two rows, of different padding and sequence lengths (so different places on the forward's key
+#: axis), each row with reused segments of the same lengths (so equal slot and protected-token counts: their
+#: streams have one length and they share a batch key).
+LAYOUTS = [
+    Segments((0, 3), block_start=20, block_end=28, seq_len=38, cache_mode="dual"),
+    Segments((4, 7), block_start=24, block_end=32, seq_len=42, cache_mode="dual"),
+    Segments((2, 5), block_start=22, block_end=30, seq_len=40, cache_mode="dual"),
+]
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_rows_of_many_stores_equal_each_store_alone(method, dtype, bits):
+    rope = RotaryEmbedding(SPEC.head_dim, 10000.0, False)
+    stores, windows = [], []
+    for i, seg in enumerate(LAYOUTS):
+        s = store(method, bits)
+        k, v = kv(seg.batch_size, seg.seq_len, dtype, seed=10 + i)
+        for layer in range(2):
+            s.write(layer, k, v, seg, torch.rand(seg.batch_size, seg.seq_len))
+        stores.append(s)
+        windows.append((k[:, :, seg.block_start:seg.block_end], v[:, :, seg.block_start:seg.block_end]))
+    key_len = max(seg.seq_len for seg in LAYOUTS) + 1
+    for layer in range(2):
+        keys = {s.batch_key(layer, torch.device("cpu")) for s in stores}
+        assert len(keys) == 1 and None not in keys
+        kk, vv = stores[0].window_kv_batch(stores, layer, key_len)
+        assert kk.shape == (6, SPEC.num_kv_heads, key_len, SPEC.head_dim) and kk.dtype == dtype
+        row = 0
+        for s, seg, (wk, wv) in zip(stores, LAYOUTS, windows):
+            ak, av = s.window_kv(layer, wk, wv, seg, None, None, rope)
+            start, end, t = seg.block_start, seg.block_end, seg.seq_len
+            for b in range(seg.batch_size):
+                for alone, together in ((ak[b], kk[row]), (av[b], vv[row])):
+                    assert torch.equal(together[:, :start], alone[:, :start])
+                    assert torch.equal(together[:, end:t], alone[:, end:t])
+                    assert not together[:, start:end].any() and not together[:, t:].any()  # window, spare: zeros
+                row += 1
+    from service.quant.rows import _INDEXES
+
+    layouts = [s._layout for s in stores]
+    assert any(held is layouts[0] for index in _INDEXES.values() for held in index.layouts)
+    for s in stores:
+        s.clear()  # the request ended: its pooled indexes go with it
+    assert not any(held is layout for index in _INDEXES.values() for held in index.layouts for layout in layouts)
+
+
+def test_only_equal_formats_and_lengths_share_a_key():
+    cpu = torch.device("cpu")
+    seg = LAYOUTS[0]
+    k, v = kv(2, seg.seq_len)
+    made = {}
+    for name, s in {"kivi4": store("kivi", 4), "kivi2": store("kivi", 2), "dllm4": store("dllm_kvq", 4),
+                    "kvquant4": store("kvquant", 4), "kept": store("kivi", 4, keep_dequantized=True)}.items():
+        s.write(0, k, v, seg, torch.rand(2, seg.seq_len))
+        made[name] = s.batch_key(0, cpu)
+    assert made["kvquant4"] is None and made["kept"] is None  # pre-RoPE keys; kept copies answer alone
+    assert len({made["kivi4"], made["kivi2"], made["dllm4"]}) == 3
+    assert made["kivi4"] is not None and store("kivi", 4).batch_key(0, cpu) is None  # nothing written yet
+    longer = store("kivi", 4)
+    other = Segments((0, 3), block_start=30, block_end=38, seq_len=48, cache_mode="dual")
+    longer.write(0, *kv(2, 48), other)
+    assert longer.batch_key(0, cpu) != made["kivi4"]  # other reused lengths: other stream lengths
