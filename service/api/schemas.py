@@ -76,7 +76,8 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
   `dream_schedule` `origin`;
 * forward calls (`steps`, else the response positions) x (prompt + response positions) are within the server's
   `max_request_work`, and the request's KV memory fits the server's budget alone (code `over_memory_budget`);
-* text is valid Unicode (no lone surrogate);
+* text is valid Unicode (no lone surrogate), and a text prompt does not hold the mask token's text (chat content is
+  tokenized as text and may);
 * a structured-output schema or regex (`response_format`, `structured_outputs`, `guided_*`) compiles within the
   grammar engine's limits (llguidance: its JSON Schema coverage, Rust regex syntax, bounded work, 5 s);
 * chat: top_logprobs needs logprobs = true."""

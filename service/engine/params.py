@@ -30,7 +30,6 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from service.engine.errors import EngineInputError
-from service.engine.grammar import CompiledGrammar
 
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
 CacheMode = Literal["none", "prefix", "dual"]
@@ -238,7 +237,9 @@ class RowOptions(BaseModel):
     seed: Seed | None = None
     stop: tuple[str, ...] = ()
     max_tokens: int | None = Field(None, gt=0)
-    grammar: CompiledGrammar | None = Field(None, exclude=True)
+    # A `service.engine.grammar.CompiledGrammar`; typed Any at run time so that importing the settings (every
+    # command's --help) does not import the grammar engine, which imports torch and transformers.
+    grammar: Any = Field(None, exclude=True)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="capture each revealed token's "
                                  "log-probability and this many alternatives (None: capture nothing)")
 

@@ -19,6 +19,8 @@ cases are never filtered. The rules, named again at each check:
   x T`` token-forwards within ``max_request_work``, and ``mc_num`` a multiple of the server's Monte-Carlo batch
   when above it;
 * ``top_logprobs``: chat's ``top_logprobs`` needs ``logprobs`` = true;
+* ``mask``: a text prompt (taken as written, special tokens included) does not hold the mask token's text (the mask
+  is never input; chat content is tokenized as text and may);
 * ``activation``: ``PUT /admin/active/none`` takes no quantizing method (a path parameter against the body);
 * ``upload``: an uploaded artifact is a policy table or KVQuant state fitted to the loaded model (content JSON
   Schema cannot describe: safetensors bytes, layer and head counts); uploads are tested with real artifacts in
@@ -114,6 +116,11 @@ def _generation_fits(path: str, body: dict[str, Any]) -> bool:
     server = _server()
     if not _grammar_compiles(body):
         return False
+    if path != "/v1/chat/completions" and not (path == "/generate" and body.get("chat")):
+        prompt = body.get("prompt")
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
+        if any(server["mask_text"] in text for text in texts):
+            return False  # rule "mask"
     if path == "/v1/chat/completions" and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
         return False  # rule "top_logprobs"
     if path == "/v1/completions" and body.get("echo") is True:

@@ -104,7 +104,9 @@ CASES = [
     for extra in [
         {}, {"max_tokens": 4, "max_completion_tokens": 4}, {"max_completion_tokens": 4},
         {"modalities": ["text"]}, {"modalities": []}, {"response_format": {"type": "text"}},
-        {"response_format": {"type": "json_object"}}, {"tools": []}, {"tools": [{"type": "function"}]},
+        # (JSON cannot be written in the fake model's alphabet, no "{": a regex and a choice it can write.)
+        {"structured_outputs": {"regex": "[a-z]{3}"}}, {"structured_outputs": {"choice": ["yes", "no"]}},
+        {"tools": []}, {"tools": [{"type": "function"}]},
         {"tool_choice": "none"}, {"tool_choice": "auto"}, {"logprobs": False}, {"logprobs": True},
         {"top_logprobs": 0}, {"top_logprobs": 1}, {"logprobs": True, "top_logprobs": 2},
         {"logprobs": True, "top_logprobs": 21}, {"store": False}, {"store": True}, {"audio": {}},

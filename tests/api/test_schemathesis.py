@@ -52,9 +52,17 @@ def server(tmp_path_factory):
     proc.facts = {"url": proc.url, "context": context, "max_tokens": settings.default_max_tokens,
                   "block_length": settings.block_length, "steps": settings.steps,
                   "max_work": settings.max_request_work, "mc_num": settings.likelihood_mc_num,
-                  "mc_batch_size": settings.likelihood_mc_batch_size}
+                  "mc_batch_size": settings.likelihood_mc_batch_size, "mask_text": _mask_text(proc.url)}
     yield proc
     proc.stop()
+
+
+def _mask_text(url: str) -> str:
+    """The text of the served model's mask token (the embedded checkpoint's tokenizer; its id from the server)."""
+    from service.engine.loading import load_tokenizer
+
+    mask_id = httpx.get(url + "/tokenizer_info").json()["mask_token_id"]
+    return load_tokenizer(ROOT / "service" / "assets" / "embedded").convert_ids_to_tokens(mask_id)
 
 
 def _st() -> str:
