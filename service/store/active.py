@@ -16,8 +16,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
@@ -37,6 +38,8 @@ from service.store.base import (
 )
 from service.store.config_check import ConfigInvalid, check_config
 from service.telemetry import Telemetry
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -293,8 +296,18 @@ class ActiveConfigs:
         """The store's state for this model, keeping ``dllm_store_up`` and :attr:`store_denied` current.
         Raises StoreUnavailable, StoreAccessDenied, EntryUnreadable (the store's file is damaged)."""
         store = self.resolver.store
+        state = self._ask_store(lambda: store.active_state(self.fingerprint))
+        if self.store_denied is not None:
+            log.warning("the store accepts this server's credentials again")
+            self.store_denied = None
+        return state
+
+    def _ask_store(self, ask: Callable[[], T]) -> T:
+        """The answer of ``ask()``, a call of the store, keeping ``dllm_store_up`` current and noting a refusal of
+        this server's credentials (:meth:`deny`). Raises what ``ask`` raised (StoreUnavailable, StoreAccessDenied,
+        EntryUnreadable)."""
         try:
-            state = store.active_state(self.fingerprint)
+            answer = ask()
         except StoreUnavailable:
             self.telemetry.store_up.set(0)
             raise
@@ -303,10 +316,7 @@ class ActiveConfigs:
             self.deny(exc)
             raise
         self.telemetry.store_up.set(1)
-        if self.store_denied is not None:
-            log.warning("the store accepts this server's credentials again")
-            self.store_denied = None
-        return state
+        return answer
 
     def deny(self, exc: BaseException) -> None:
         """The store refused this server's credentials: not ready, saying why (the message has no password)."""
@@ -355,23 +365,19 @@ class ActiveConfigs:
         `service.store.monitor`: replicas converge whatever events they missed).
         Raises StoreUnavailable, StoreAccessDenied."""
         store = self.resolver.store
-        try:
+
+        def version() -> int:
             store.ping()
-            version = store.version()
+            return store.version()
+
+        try:
+            current = self._ask_store(version)
         except EntryUnreadable as exc:
             if self._unreadable != str(exc):  # refuse (and log) once per damage, not every round
                 self._unreadable = str(exc)
                 self.reload()
             return
-        except StoreUnavailable:
-            self.telemetry.store_up.set(0)
-            raise
-        except StoreAccessDenied as exc:
-            self.telemetry.store_up.set(0)
-            self.deny(exc)
-            raise
-        self.telemetry.store_up.set(1)
-        if version != self.version or self.store_denied is not None or self._unreadable is not None:
+        if current != self.version or self.store_denied is not None or self._unreadable is not None:
             self._unreadable = None
             self.reload()
 
