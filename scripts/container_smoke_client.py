@@ -125,7 +125,9 @@ def stack(args: argparse.Namespace) -> None:
     status, body = http("PUT", f"{args.url}/admin/active/dual", wanted, args.admin_key)
     if status != 200:
         fail(f"PUT /admin/active/dual answered {status}: {body}")
-    say(f"activation: {body['old']['method']} -> {body['new']['method']} {body['new'].get('bits')}-bit")
+    # ``old`` is the store's previous entry (null on a first activation); ``served_before`` what the api served.
+    before = body["old"] or body.get("served_before") or {"method": "none"}
+    say(f"activation: {before['method']} -> {body['new']['method']} {body['new'].get('bits')}-bit")
     status, body = http("POST", f"{args.url}/generate", {"prompt": "next: 1 2 3", "max_tokens": 8,
                                                         "cache_mode": "dual"}, args.api_key)
     if status != 200:
