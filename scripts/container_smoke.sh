@@ -105,8 +105,9 @@ if [ "$DEBOOTSTRAP" = 1 ]; then
   if ! "$ENGINE" image exists "$BASE" 2>/dev/null && ! "$ENGINE" image inspect "$BASE" >/dev/null 2>&1; then
     command -v debootstrap >/dev/null || die "--debootstrap: debootstrap is not installed (apt-get install debootstrap)"
     # The Debian mirror apt uses here (deb822 .sources or a one-line sources.list), else Debian's CDN.
+    # Either file may be absent (a missing one is no error: `|| true`, or set -e and pipefail end the script).
     mirror=${DLLM_DEBIAN_MIRROR:-$( (sed -n 's|^URIs: *\([^ ]*/debian\)/*$|\1|p' /etc/apt/sources.list.d/*.sources
-      sed -n 's|^deb  *\(http[^ ]*/debian\)/* .*|\1|p' /etc/apt/sources.list) 2>/dev/null | head -1)}
+      sed -n 's|^deb  *\(http[^ ]*/debian\)/* .*|\1|p' /etc/apt/sources.list) 2>/dev/null | head -1 || true)}
     mirror=${mirror:-http://deb.debian.org/debian}
     log "making $BASE with debootstrap from $mirror"
     debootstrap --variant=minbase bookworm "$WORK/rootfs" "$mirror" >"$WORK/debootstrap.log" 2>&1 \
