@@ -7,8 +7,8 @@
 #
 # prometheus   Debian's `prometheus`: the server (the real-scrape test) and `promtool` (config and rule checks)
 # containers   rootful podman for the container tier (scripts/container_smoke.sh), runc (the runtime it falls
-#              back to where crun cannot start containers) and debootstrap (a Debian base image without a
-#              registry)
+#              back to where crun cannot start containers), debootstrap (a Debian base image without a
+#              registry) and CNI's dnsname plugin (compose services resolve each other's names)
 # Exits 1, saying why, when a tool is missing and cannot be installed here.
 set -euo pipefail
 [ "$#" -gt 0 ] || set -- prometheus containers
@@ -21,7 +21,11 @@ for tool in "$@"; do
     containers)
       command -v podman >/dev/null || packages+=(podman)
       command -v runc >/dev/null || packages+=(runc)
-      command -v debootstrap >/dev/null || packages+=(debootstrap) ;;
+      command -v debootstrap >/dev/null || packages+=(debootstrap)
+      # Compose services find each other by name (the api reaches redis:6379): with podman's CNI backend that
+      # is the dnsname plugin, a Recommends that --no-install-recommends leaves out.
+      [ -x /usr/lib/cni/dnsname ] || command -v aardvark-dns >/dev/null || [ -x /usr/lib/podman/aardvark-dns ] \
+        || packages+=(golang-github-containernetworking-plugin-dnsname) ;;
     *) echo "install_tools.sh: unknown tool set $tool (prometheus, containers)" >&2; exit 2 ;;
   esac
 done
