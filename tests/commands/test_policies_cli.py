@@ -1,6 +1,8 @@
 """``dllm-kvq policies list|show|activate|deactivate|diff|audit`` over a store and over a running server (issue 23
 item 1): activation is validated as ``Store.set_active`` and the admin route validate it, and the server logs every
-change of its active configuration with who made it, old and new."""
+change of its active configuration with who made it, old and new. The admin-key checks run a real ``python -m
+service policies`` subprocess; the other cases call the same ``main`` in this process (`tests.support.cli`), which
+saves an interpreter start per call (the server they talk to is still a real process)."""
 
 from __future__ import annotations
 
@@ -17,17 +19,23 @@ from service.engine.loading import checkpoint_spec, load_checkpoint
 from service.quant.config import KVQuantConfig
 from service.store.base import open_store
 from tests.support.artifacts import kvquant_state_for, policy_for
+from tests.support.cli import service_main
 from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "policies-cli-admin-key-0123"
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def subprocess_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m service policies ...`` as a user runs it (a subprocess: the exit status and both streams)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "service", "policies", *args], capture_output=True, text=True,
                           timeout=300, check=False, env=full_env, cwd=REPO)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The same command's ``main`` in this process (``env`` set for the call)."""
+    return service_main("policies", *args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +138,12 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(store_dir, spec, args,
 
 
 def test_server_path_needs_the_admin_key_in_one_line(store_dir):
-    result = cli("list", "--server", "http://127.0.0.1:9", env={"DLLM_ADMIN_KEY": ""})
+    result = subprocess_cli("list", "--server", "http://127.0.0.1:9", env={"DLLM_ADMIN_KEY": ""})
     assert result.returncode == 2
     assert result.stderr.strip().endswith("--server http://127.0.0.1:9 needs the server's admin key in "
                                           "DLLM_ADMIN_KEY (export DLLM_ADMIN_KEY=...; the server must have been "
                                           "started with it)")
-    down = cli("list", "--server", f"http://127.0.0.1:{free_port()}", env={"DLLM_ADMIN_KEY": ADMIN_KEY})
+    down = subprocess_cli("list", "--server", f"http://127.0.0.1:{free_port()}", env={"DLLM_ADMIN_KEY": ADMIN_KEY})
     assert down.returncode == 1 and "cannot reach it" in down.stderr and len(down.stderr.splitlines()) == 1
 
 
@@ -242,3 +250,4 @@ def test_reading_a_store_directory_that_does_not_exist_is_refused_and_makes_noth
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1 and str(typo) in result.stderr, result.stderr
     assert not (tmp_path / "no").exists() and not (REPO / "runs" / "never-written").exists()
+
