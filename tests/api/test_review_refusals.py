@@ -42,3 +42,17 @@ def test_a_bad_prompt_says_what_is_wrong(client, prompt, says):
     assert error["param"] == "prompt" and error["message"].startswith(f"prompt: {says}"), error
     assert PROMPT_RULE in error["message"] and "valid string" not in error["message"]
 
+
+@pytest.mark.parametrize(("tools", "quoted"), [
+    ([{"type": "function"}], '[{"type": "function"}]'),
+    ("x", '"x"'),
+    ([{"type": "function", "function": {"name": "f", "description": "d" * 80}}], "a list of 1 item"),
+    ({"a": 1, "b": None}, '{"a": 1, "b": null}'),
+])
+def test_a_refused_tools_value_is_quoted_as_json(client, tools, quoted):
+    """Was Python's repr: ``[{'type': 'function'}]``."""
+    body = {"messages": [{"role": "user", "content": "w1"}], "tools": tools, "max_tokens": 4}
+    error = refusal(client.post("/v1/chat/completions", json=body))
+    assert error["param"] == "tools"
+    assert error["message"] == f"tools: {quoted} cannot be honoured: tools are not supported"
+
