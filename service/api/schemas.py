@@ -287,12 +287,17 @@ class TextPart(StrictModel):
     text: str
 
 
-class ChatMessage(StrictModel):
-    """One chat message; ``developer`` is treated as ``system``."""
+class ChatMessage(RuledModel):
+    """One chat message; ``developer`` is treated as ``system``. Only an assistant message may leave ``content``
+    out or null (OpenAI's: its content is optional, every other role's is required)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    rules = (Implies(Not(Is("role", "assistant")), Given("content"),
+                     "content is required (a string or a list of text parts) in a system, developer or user "
+                     "message; only an assistant message may leave it out or null", "content"),)
 
     @property
     def text(self) -> str:

@@ -56,3 +56,14 @@ def test_a_refused_tools_value_is_quoted_as_json(client, tools, quoted):
     assert error["param"] == "tools"
     assert error["message"] == f"tools: {quoted} cannot be honoured: tools are not supported"
 
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+@pytest.mark.parametrize("message", [{"content": None}, {}])
+def test_null_content_is_refused_but_for_an_assistant(client, role, message):
+    """OpenAI requires content in every message but an assistant's; a null user content was decoded as ""."""
+    messages = [{"role": "user", "content": "w1"}, {"role": role, **message}]
+    error = refusal(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4}))
+    assert error["param"] == "messages.1.content" and error["message"].startswith("messages.1.content: content is "
+                                                                                  "required"), error
+    messages = [{"role": "user", "content": "w1"}, {"role": "assistant", **message}, {"role": "user", "content": "w2"}]
+    assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4}).status_code == 200
