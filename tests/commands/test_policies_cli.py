@@ -251,3 +251,16 @@ def test_reading_a_store_directory_that_does_not_exist_is_refused_and_makes_noth
     assert len(result.stderr.splitlines()) == 1 and str(typo) in result.stderr, result.stderr
     assert not (tmp_path / "no").exists() and not (REPO / "runs" / "never-written").exists()
 
+
+@pytest.mark.parametrize(("limit", "says"), [("-1", "expected 1 to 10000 entries, got -1"),
+                                             ("0", "expected 1 to 10000 entries, got 0"),
+                                             ("10001", "expected 1 to 10000 entries, got 10001"),
+                                             ("x", "expected a whole number of entries, got 'x'")])
+def test_an_audit_limit_out_of_range_is_a_usage_error(store_dir, limit, says):
+    """``audit --limit -1`` was accepted (the store read every entry); the bounds are the server's
+    ``GET /admin/audit?limit=`` bounds, refused by argparse (exit 2) before the store is opened."""
+    path, _ = store_dir
+    result = cli("audit", "--store", path, "--limit", limit)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(f"error: argument --limit: {says}"), result.stderr
+    assert cli("audit", "--store", path, "--limit", "10000").returncode == 0
