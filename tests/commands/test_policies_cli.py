@@ -143,7 +143,7 @@ def test_server_path_needs_the_admin_key_in_one_line(store_dir):
     assert result.stderr.strip().endswith("--server http://127.0.0.1:9 needs the server's admin key in "
                                           "DLLM_ADMIN_KEY (export DLLM_ADMIN_KEY=...; the server must have been "
                                           "started with it)")
-    down = subprocess_cli("list", "--server", f"http://127.0.0.1:{free_port()}", env={"DLLM_ADMIN_KEY": ADMIN_KEY})
+    down = cli("list", "--server", f"http://127.0.0.1:{free_port()}", env={"DLLM_ADMIN_KEY": ADMIN_KEY})
     assert down.returncode == 1 and "cannot reach it" in down.stderr and len(down.stderr.splitlines()) == 1
 
 
