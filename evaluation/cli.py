@@ -415,8 +415,10 @@ def run_matrix_command(argv: list[str]) -> int:
         confirm_run_unsafe_code=args.confirm_run_unsafe_code, store_url=args.store,
         include_path=str(_task_dir(Path(args.out) / "tasks", args.gsm8k_dir)),
     )
-    task_manager = matrix.task_manager_for(tasks, settings.include_path)
-    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    # Names in no task file are refused after a text scan (seconds); the rest after lm-eval's indexing (a minute).
+    unknown = matrix.tasks_named_nowhere(tasks, settings.include_path)
+    task_manager = None if unknown else matrix.task_manager_for(tasks, settings.include_path)
+    unknown = unknown or [t for t in tasks if t not in task_manager.all_tasks]
     if unknown:
         raise CommandError(f"--tasks: unknown task(s) {', '.join(unknown)}; looked in lm-eval's tasks and "
                            f"{settings.include_path} (the offline tasks; --gsm8k-dir for gsm8k_local)")

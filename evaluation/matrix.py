@@ -264,6 +264,30 @@ class MatrixSettings:
                 "block_length": self.block_length, "threshold": self.threshold, "chat": task in self.chat_tasks}
 
 
+def tasks_named_nowhere(tasks: list[str], include_path: str | None) -> list[str]:
+    """The names in ``tasks`` that neither ``include_path``'s tasks define nor any of lm-eval's task YAML files
+    (``lm_eval/tasks/**/*.yaml``) contains, in order: certainly unknown to lm-eval's TaskManager, which takes each
+    name (task, group or tag) from a YAML file's text. Scanning those files for the bytes of a name takes seconds;
+    indexing them in a TaskManager (`task_manager_for`) takes a minute or more on a small CPU. A name found in some
+    file may still be unknown (inside another name, or a comment): `task_manager_for` decides those."""
+    from pathlib import Path
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    rest = list(tasks)
+    if include_path:
+        own = TaskManager(include_path=include_path, include_defaults=False)
+        rest = [t for t in rest if t not in own.all_tasks]
+    missing = {t.encode() for t in rest}
+    for path in (Path(lm_eval.__file__).parent / "tasks").rglob("*.yaml"):
+        if not missing:
+            break
+        text = path.read_bytes()
+        missing = {name for name in missing if name not in text}
+    return [t for t in rest if t.encode() in missing]
+
+
 def task_manager_for(tasks: list[str], include_path: str | None):
     """lm-eval's TaskManager over ``include_path`` alone when it defines every task (indexing lm-eval's thousands
     of built-in tasks takes ~20 s on a small CPU), otherwise over the built-ins too."""

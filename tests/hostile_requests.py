@@ -75,8 +75,12 @@ def cases(info: dict[str, Any]) -> list[Case]:
         Case("messages empty", "POST", cc, CLIENT_ERROR, {"model": "embedded", "messages": []}),
         Case("role 'tool'", "POST", cc, CLIENT_ERROR,
              {"model": "embedded", "messages": [{"role": "tool", "content": "x"}]}),
-        Case("content null", "POST", cc, OK,
+        # OpenAI requires a user message's content; only an assistant's may be null.
+        Case("content null", "POST", cc, CLIENT_ERROR,
              {"model": "embedded", "messages": [{"role": "user", "content": None}], "max_tokens": 8}),
+        Case("assistant content null", "POST", cc, OK,
+             {"model": "embedded", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None},
+                                                {"role": "user", "content": "y"}], "max_tokens": 8}),
         Case("unicode: emoji, RTL, zero-width, NUL, controls", "POST", cc, OK,
              chat("\U0001f600 \u202eabc\u200b \x00\x01\x1b[31m \ufeff \uffff \U0010ffff")),
         Case("lone surrogate in a message", "POST", cc, CLIENT_ERROR,

@@ -243,6 +243,31 @@ class RuledModel(BaseModel):
         return schema
 
 
+#: Longest JSON text of a refused value quoted in an error message; a longer one is described by its shape.
+QUOTED_VALUE_CHARS = 60
+
+
+def describe_value(value: Any) -> str:
+    """A refused request value as its client wrote it: its JSON text (``0.5``, ``"x"``, ``[{"type": "function"}]``)
+    when short, else its JSON shape (``a list of 3 items``, ``an object with 2 keys``, ``a string of 900
+    characters``). Never Python's repr, which a client of a JSON API did not write (``{'type': 'function'}``)."""
+    import json
+
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        text = None
+    if text is not None and len(text) <= QUOTED_VALUE_CHARS:
+        return text
+    if isinstance(value, list):
+        return f"a list of {len(value)} item{'' if len(value) == 1 else 's'}"
+    if isinstance(value, dict):
+        return f"an object with {len(value)} key{'' if len(value) == 1 else 's'}"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    return f"a {type(value).__name__}"
+
+
 def only(annotation: Any, legal: str) -> Any:
     """An OpenAI field accepted only at the values ``annotation`` admits (its schema says them); any other value
     is refused as a field error whose message says ``legal`` (e.g. ``only top_p = 1 is supported``)."""
@@ -252,10 +277,10 @@ def only(annotation: Any, legal: str) -> Any:
             return handler(value)
         except ValidationError:
             raise PydanticCustomError("unhonoured", "{value} cannot be honoured: {legal}",
-                                      {"value": repr(value), "legal": legal}) from None
+                                      {"value": describe_value(value), "legal": legal}) from None
 
     return Annotated[annotation, WrapValidator(refuse)]
 
 
 __all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas",
-           "RuledModel", "only"]
+           "RuledModel", "describe_value", "only"]

@@ -24,7 +24,9 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictStr,
+    ValidationError,
     WithJsonSchema,
+    WrapValidator,
     create_model,
     model_validator,
 )
@@ -113,6 +115,57 @@ PromptTokenId = json_int(ge=0, json_schema_extra=from_server(maximum="last_token
 PromptIds = Annotated[list[PromptTokenId], Field(min_length=1, json_schema_extra=from_server(maxItems="longest_prompt"))]
 #: A text prompt: not empty (its tokens, not its characters, count against the context).
 PromptText = Annotated[str, Field(min_length=1)]
+#: The rule a refused ``prompt`` is told (the union's own error named only its first branch: "Input should be a
+#: valid string", also for token ids out of range or an empty list).
+PROMPT_RULE = ("prompt is a non-empty string, a list of them, a non-empty list of token ids (integers from 0 up "
+               "to the model's vocabulary size) or a list of such lists")
+
+
+def _is_token_id(item: Any) -> bool:
+    return (isinstance(item, int) and not isinstance(item, bool)) or (isinstance(item, float) and item.is_integer())
+
+
+def _one_prompt_problem(value: Any, where: str) -> str | None:
+    """What is wrong with one prompt (text or token ids) at ``where`` (``"item 2"``, or ``""`` for the whole
+    prompt), in a few words; None when this check finds nothing (another rule refused it)."""
+    at = f" at {where}" if where else ""
+    if isinstance(value, str):
+        return f"an empty prompt{at} (an empty string)" if not value else None
+    if not isinstance(value, list):
+        return f"a {type(value).__name__}{at}"
+    if not value:
+        return f"an empty prompt{at} (an empty list)"
+    for i, item in enumerate(value):
+        if not _is_token_id(item):
+            return f"item {i}{' of ' + where if where else ''} is a {type(item).__name__}, not a token id"
+        if item < 0:
+            return f"token id {int(item)} (item {i}{' of ' + where if where else ''}) is out of range: ids are >= 0"
+    return None
+
+
+def prompt_problem(value: Any) -> str | None:
+    """What is wrong with a refused ``prompt`` value (one prompt or a list of them), in a few words; None when
+    nothing here explains the refusal."""
+    if isinstance(value, list) and value and not all(_is_token_id(item) for item in value):
+        if all(isinstance(item, str) for item in value) or all(isinstance(item, list) for item in value):
+            for i, item in enumerate(value):
+                problem = _one_prompt_problem(item, f"item {i}")
+                if problem is not None:
+                    return problem
+            return None
+        kinds = sorted({type(item).__name__ for item in value})
+        return f"a list mixing {', '.join(kinds)}"
+    return _one_prompt_problem(value, "")
+
+
+def _prompt_rule(value: Any, handler: Any) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        problem = prompt_problem(value)
+        if problem is None:
+            raise
+        raise PydanticCustomError("prompt_rule", "{got}; {rule}", {"got": problem, "rule": PROMPT_RULE}) from None
 #: ``model``: the served model's name (or its checkpoint id); another name is a 404.
 ModelName = Annotated[str, Field(json_schema_extra=from_server(enum="model_names"))]
 #: A response length in tokens (``max_tokens``): room for at least one prompt token in the context.
@@ -207,8 +260,9 @@ class CompletionRequest(OpenAISampling):
     """``POST /v1/completions``: OpenAI's legacy completions."""
 
     # More prompts than the queue can ever hold is a 400 naming prompt (a 429 would invite a vain retry).
-    prompt: (PromptText | Annotated[list[PromptText], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)] | PromptIds
-            | Annotated[list[PromptIds], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)])
+    prompt: Annotated[PromptText | Annotated[list[PromptText], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)]
+                      | PromptIds | Annotated[list[PromptIds], Field(min_length=1, json_schema_extra=_MAX_PROMPTS)],
+                      WrapValidator(_prompt_rule)]
     max_tokens: CompletionTokens | None = Field(None, description=MAX_TOKENS_HELP + "; 0 only with echo = true")
     best_of: only(exactly(1) | None, "only best_of = 1 is supported") = None
     echo: StrictBool | None = Field(None, description=ECHO_HELP)
@@ -233,12 +287,17 @@ class TextPart(StrictModel):
     text: str
 
 
-class ChatMessage(StrictModel):
-    """One chat message; ``developer`` is treated as ``system``."""
+class ChatMessage(RuledModel):
+    """One chat message; ``developer`` is treated as ``system``. Only an assistant message may leave ``content``
+    out or null (OpenAI's: its content is optional, every other role's is required)."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    rules = (Implies(Not(Is("role", "assistant")), Given("content"),
+                     "content is required (a string or a list of text parts) in a system, developer or user "
+                     "message; only an assistant message may leave it out or null", "content"),)
 
     @property
     def text(self) -> str:

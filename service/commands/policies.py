@@ -467,14 +467,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     diff.add_argument("a", help="the first id")
     diff.add_argument("b", help="the second id")
     verb("audit", "the newest configuration changes: when, cache mode, model, by whom, old -> new",
-         [managed, json_flag]).add_argument("--limit", type=int, default=20,
-                                            help="how many entries, newest first (default %(default)s)")
+         [managed, json_flag]).add_argument("--limit", type=_audit_limit, default=20,
+                                            help=f"how many entries, newest first: 1-{MAX_AUDIT_LIMIT} "
+                                                 "(default %(default)s)")
     for name, helptext in (("export", "copy every policy and KVQuant state from the store into a directory"),
                            ("import", "copy a directory's policies and KVQuant states into the store")):
         v = verb(name, helptext, [where])
         v.add_argument("directory", help="local directory in the directory-store layout (created on export)")
         v.add_argument("--kind", choices=KINDS, action="append",
                        help="only this kind (repeatable; default: both)")
+
+
+#: Most audit entries one ``audit`` asks for: the bound of the server's ``GET /admin/audit?limit=``, so the store
+#: and the server sides take the same values.
+MAX_AUDIT_LIMIT = 10_000
+
+
+def _audit_limit(text: str) -> int:
+    """``--limit``: an integer in [1, MAX_AUDIT_LIMIT] (argparse type; anything else is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of entries, got {text!r}") from None
+    if not 1 <= value <= MAX_AUDIT_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_AUDIT_LIMIT} entries, got {value}")
+    return value
 
 
 #: Verbs that only read the store (``export`` reads it and writes a local folder).

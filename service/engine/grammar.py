@@ -66,6 +66,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from service.engine.errors import EngineInputError
+from service.engine.schema_values import has_finite_value
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
 
@@ -231,7 +232,8 @@ class GrammarCompiler:
 
         Raises:
             EngineInputError: naming ``spec.field``: the source is too large, invalid (the engine's message), over
-                the parser's limits, took longer than ``timeout_s``, or allows no first token.
+                the parser's limits, took longer than ``timeout_s``, allows no first token, or is a JSON schema
+                that no finite value satisfies.
         """
         if len(spec.source.encode()) > MAX_SOURCE_BYTES:
             raise EngineInputError(f"{spec.field} is {len(spec.source.encode()):,} bytes, over the "
@@ -256,6 +258,12 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        if spec.kind == "json_schema" and not has_finite_value(json.loads(spec.source)):
+            # llguidance compiles these and allows their first token; decoding then fails at the parser's work
+            # limit, deep in the response (`service.engine.schema_values`).
+            raise EngineInputError(f"{spec.field} allows no response: no finite JSON value satisfies it (a "
+                                   "required property or item that can only hold the schema it is in, such as "
+                                   '{"$ref": "#"})', spec.field)
         try:
             grammar = spec.grammar()
         except (ValueError, TypeError) as exc:

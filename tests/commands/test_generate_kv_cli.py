@@ -1,4 +1,6 @@
-"""``python -m service generate --kv-quant ...``: quantized decoding from the command line, and its bad input."""
+"""``python -m service generate --kv-quant ...``: quantized decoding from the command line, and its bad input. The
+policy-file report runs a real subprocess; the other cases call the same ``main`` in this process
+(`tests.support.cli`), which saves an interpreter start and a torch import per call."""
 
 from __future__ import annotations
 
@@ -11,17 +13,26 @@ import pytest
 
 from service.artifacts.base import Provenance
 from service.artifacts.policy import LayerPolicy, PolicyTable
+from tests.support.cli import service_main
 from tests.support.fastdllm import CKPT, REPO_ROOT, four_prompts
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _generate_args(*args: str) -> list[str]:
     prompt = ",".join(map(str, four_prompts("llada")[1]))
-    return subprocess.run(
-        [sys.executable, "-m", "service", "generate", "--threads", "1", "--model", str(CKPT["llada"]),
-         "--prompt-ids", prompt, "--gen-length", "64", "--ignore-eos", *args],
-        check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
+    return ["generate", "--threads", "1", "--model", str(CKPT["llada"]), "--prompt-ids", prompt, "--gen-length", "64",
+            "--ignore-eos", *args]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """A real ``python -m service generate`` subprocess."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "service", *_generate_args(*args)], check=False, cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    """The same command's ``main`` in this process."""
+    return service_main(*_generate_args(*args))
 
 
 @pytest.fixture(scope="module")
@@ -52,16 +63,16 @@ def test_dllm_kvq_from_a_policy_file_reports_kv(tmp_path, spec):
 
 
 def test_bad_kv_input_exits_2_with_what_is_legal(tmp_path, spec):
-    out = _cli("--kv-quant", "kvquant")
+    out = _main("--kv-quant", "kvquant")
     assert out.returncode == 2 and "needs exactly one of kvquant_state_id or kvquant_state_file" in out.stderr
     path = tmp_path / "policy.json"
     path.write_text(_policy(spec, spec.num_layers + 1).to_json())
-    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path))
+    out = _main("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path))
     assert out.returncode == 2 and "layers: the policy has 4 layer entries, the model has 3" in out.stderr
-    out = _cli("--kv-quant", "kivi", "--kv-bits", "3")
+    out = _main("--kv-quant", "kivi", "--kv-bits", "3")
     assert out.returncode == 2 and "invalid choice: 3 (choose from 2, 4, 8)" in out.stderr
     # Full recompute reuses nothing: the server refuses this (400), so does the CLI.
-    out = _cli("--kv-quant", "kivi", "--kv-bits", "2", "--cache-mode", "none")
+    out = _main("--kv-quant", "kivi", "--kv-bits", "2", "--cache-mode", "none")
     assert out.returncode == 2 and "cache mode 'none' reuses nothing" in out.stderr
 
 
@@ -70,18 +81,18 @@ def test_a_policy_fitted_for_another_cache_mode_is_refused_naming_the_field(tmp_
     the dual-cache policy with --cache-mode prefix is refused before any decoding, naming the field and the flag."""
     path = tmp_path / "policy.json"
     path.write_text(_policy(spec, spec.num_layers).to_json())  # fitted for the dual cache
-    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "prefix")
+    out = _main("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "prefix")
     assert out.returncode == 2, out.stdout
     assert out.stderr.strip().splitlines() == [
         (f"error: --policy {path} does not fit: cache_mode: the artifact has 'dual', the configuration asks for "
         "'prefix' (set by --cache-mode)")]
     # The same file with the cache mode it was fitted for decodes.
-    assert _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "dual").returncode == 0
+    assert _main("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path), "--cache-mode", "dual").returncode == 0
 
 
 def test_a_missing_policy_file_is_named_by_its_flag(tmp_path):
     missing = tmp_path / "nope"
-    out = _cli("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(missing))
+    out = _main("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(missing))
     assert out.returncode == 2
     assert out.stderr.startswith(f"error: --policy '{missing}' cannot be used: ")
     assert "policy_file" not in out.stderr.replace(str(missing), "")

@@ -1,6 +1,8 @@
 """``dllm-kvq policies list|show|activate|deactivate|diff|audit`` over a store and over a running server (issue 23
 item 1): activation is validated as ``Store.set_active`` and the admin route validate it, and the server logs every
-change of its active configuration with who made it, old and new."""
+change of its active configuration with who made it, old and new. The admin-key checks run a real ``python -m
+service policies`` subprocess; the other cases call the same ``main`` in this process (`tests.support.cli`), which
+saves an interpreter start per call (the server they talk to is still a real process)."""
 
 from __future__ import annotations
 
@@ -17,17 +19,23 @@ from service.engine.loading import checkpoint_spec, load_checkpoint
 from service.quant.config import KVQuantConfig
 from service.store.base import open_store
 from tests.support.artifacts import kvquant_state_for, policy_for
+from tests.support.cli import service_main
 from tests.support.processes import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "policies-cli-admin-key-0123"
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def subprocess_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python -m service policies ...`` as a user runs it (a subprocess: the exit status and both streams)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "service", "policies", *args], capture_output=True, text=True,
                           timeout=300, check=False, env=full_env, cwd=REPO)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The same command's ``main`` in this process (``env`` set for the call)."""
+    return service_main("policies", *args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +138,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(store_dir, spec, args,
 
 
 def test_server_path_needs_the_admin_key_in_one_line(store_dir):
-    result = cli("list", "--server", "http://127.0.0.1:9", env={"DLLM_ADMIN_KEY": ""})
+    result = subprocess_cli("list", "--server", "http://127.0.0.1:9", env={"DLLM_ADMIN_KEY": ""})
     assert result.returncode == 2
     assert result.stderr.strip().endswith("--server http://127.0.0.1:9 needs the server's admin key in "
                                           "DLLM_ADMIN_KEY (export DLLM_ADMIN_KEY=...; the server must have been "
@@ -242,3 +250,17 @@ def test_reading_a_store_directory_that_does_not_exist_is_refused_and_makes_noth
     assert result.returncode == 2, result.stdout + result.stderr
     assert len(result.stderr.splitlines()) == 1 and str(typo) in result.stderr, result.stderr
     assert not (tmp_path / "no").exists() and not (REPO / "runs" / "never-written").exists()
+
+
+@pytest.mark.parametrize(("limit", "says"), [("-1", "expected 1 to 10000 entries, got -1"),
+                                             ("0", "expected 1 to 10000 entries, got 0"),
+                                             ("10001", "expected 1 to 10000 entries, got 10001"),
+                                             ("x", "expected a whole number of entries, got 'x'")])
+def test_an_audit_limit_out_of_range_is_a_usage_error(store_dir, limit, says):
+    """``audit --limit -1`` was accepted (the store read every entry); the bounds are the server's
+    ``GET /admin/audit?limit=`` bounds, refused by argparse (exit 2) before the store is opened."""
+    path, _ = store_dir
+    result = cli("audit", "--store", path, "--limit", limit)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(f"error: argument --limit: {says}"), result.stderr
+    assert cli("audit", "--store", path, "--limit", "10000").returncode == 0

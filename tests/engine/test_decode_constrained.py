@@ -115,3 +115,35 @@ def test_a_grammar_that_allows_nothing_is_refused_at_compile(compilers, spec):
     with pytest.raises(EngineInputError, match="allows no") as info:
         compilers["llada"].compile(spec)
     assert info.value.field == spec.field
+
+
+#: The reviewer's schema: its first token (``{``) is fine, but every value needs an ``a`` that holds another one.
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema", [
+    ENDLESS,
+    # No token is forced here (``{`` or ``[`` first), and neither branch ends.
+    {"anyOf": [ENDLESS, {"type": "array", "items": {"$ref": "#"}, "minItems": 1}]},
+    {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}},
+     "type": "object", "properties": {"head": {"$ref": "#/$defs/node"}}, "required": ["head"]},
+])
+def test_a_schema_with_no_finite_value_is_refused_at_compile(compilers, schema):
+    """These compile in llguidance and allow a first token; decoding then failed the batch mid-response at the
+    parser's work limit (a 500 "decoding failed: GrammarViolation ... Too many items"). Now bad input naming the
+    field, before any decoding."""
+    spec = GrammarSpec.json_schema(schema, "response_format.json_schema.schema")
+    with pytest.raises(EngineInputError, match="allows no response: no finite JSON value satisfies it") as info:
+        compilers["llada"].compile(spec)
+    assert info.value.field == spec.field
+
+
+def test_a_recursive_schema_with_a_way_out_compiles(compilers):
+    """A linked list whose ``next`` is optional, and a tree whose children may be an empty list, have finite
+    values: they compile."""
+    for schema in ({"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}},
+                    "required": ["v"]},
+                   {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+                    "required": ["kids"]},
+                   {"anyOf": [ENDLESS, {"type": "null"}]}):
+        assert compilers["llada"].compile(GrammarSpec.json_schema(schema, "structured_outputs.json"))

@@ -81,6 +81,16 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="embedded", prompt="x", max_tokens=8, extra_body={"guided_regex": "(["})
     assert bad.value.body["param"] == "guided_regex"
+    # No finite value (every "a" holds another such object), though its first token is fine: a 400 before any
+    # decoding (was a 500 from the decoding loop at the parser's work limit); the server decodes on.
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="embedded", messages=[{"role": "user", "content": "x"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": endless}})
+    assert bad.value.body["param"] == "response_format.json_schema.schema"
+    assert "no finite JSON value" in bad.value.body["message"]
+    assert client.completions.create(model="embedded", prompt="x", max_tokens=8).choices
 
 
 def test_max_tokens_too_short_ends_with_length(client):
