@@ -94,24 +94,31 @@ def _index(stores: list, positions: list[torch.Tensor], rope, key_len: int, dtyp
         elif n:
             groups.append((n, [i], total))
         total += n
-    total_rows = sum(layout.batch_size for layout in layouts)
-    slot_map = torch.full((total_rows * key_len,), total, dtype=torch.int64, device=device)
-    cos_parts, sin_parts, row0 = [None] * len(stores), [None] * len(stores), 0
-    for i, (store, layout, reused) in enumerate(zip(stores, layouts, positions)):
-        n, start = layout.num_slots, store._segments.block_start
-        slot_map[(layout.rows + row0) * key_len + layout.seq_cols] = torch.arange(base[i], base[i] + n, device=device)
-        # The tables the store's own window_kv makes (`QuantizedKVStore._rope_for`), read at each slot's
-        # (row, reused column): the same float32 values.
-        tables = [rope.cos_sin(reused[:, :start]), rope.cos_sin(reused[:, start:])]
-        for parts, j in ((cos_parts, 0), (sin_parts, 1)):
-            whole = torch.cat([tables[0][j], tables[1][j]], dim=2)[:, 0]  # [B, T_reused, D]
-            parts[i] = whole[layout.rows, layout.cols]
-        row0 += layout.batch_size
-    cos, sin = (torch.cat([parts[i] for i in order])[:, None] for parts in (cos_parts, sin_parts))
+    # Built on the host from the layouts' runs (a handful of device operations per block, not per store): each
+    # slot's place on the forward's key axis, and its position's place in the stores' positions laid end to end.
+    slot_map = [total] * (sum(layout.batch_size for layout in layouts) * key_len)
+    row0, first = [0] * len(stores), [0] * len(stores)
+    for i in range(1, len(stores)):
+        row0[i] = row0[i - 1] + layouts[i - 1].batch_size
+        first[i] = first[i - 1] + positions[i - 1].numel()
+    at = []
+    for i in order:
+        layout, reused, seg = layouts[i], positions[i], stores[i]._segments
+        for (row, col, slot, length, _), (_, seq_col, _, _, _) in zip(layout.runs, layout.on_sequence(seg).runs):
+            where = (row0[i] + row) * key_len + seq_col
+            slot_map[where : where + length] = range(base[i] + slot, base[i] + slot + length)
+            at.extend(range(first[i] + row * reused.shape[1] + col, first[i] + row * reused.shape[1] + col + length))
+    # RoPE's cos/sin of every slot's position in one call: elementwise the same float32 values as the tables
+    # each store's window_kv makes of its prefix and suffix positions (`QuantizedKVStore._rope_for`), as the
+    # model's own position table is (`RotaryEmbedding.table`).
+    flat = torch.cat([reused.reshape(-1) for reused in positions])
+    slot_positions = flat.index_select(0, torch.tensor(at, dtype=torch.int64, device=device))
+    cos, sin = (t[0, 0][:, None] for t in rope.cos_sin(slot_positions[None]))  # [N_all, 1, D]
     if not rope.full_precision:  # rotate_in_place casts them to the model dtype at every call otherwise
         cos, sin = cos.to(dtype), sin.to(dtype)
     bases = [b * c for b in base] + [(total + 1 + b) * c for b in base]
-    index = _Index(tuple(layouts), tuple(positions), groups, total, slot_map, cos, sin,
+    index = _Index(tuple(layouts), tuple(positions), groups, total,
+                   torch.tensor(slot_map, dtype=torch.int64, device=device), cos, sin,
                    torch.tensor(bases, dtype=torch.int64, device=device))
     if len(_INDEXES) >= _KEPT_INDEXES:
         del _INDEXES[next(iter(_INDEXES))]
