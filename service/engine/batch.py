@@ -121,9 +121,9 @@ class BatchedReuse:
         columns: the spare column); key_mask: bool ``[R, key_len]``.
     """
 
-    def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor) -> None:
+    def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor, rope=None) -> None:
         self.parts = list(zip(group, _rows(group)))
-        self.key_len, self.dest, self.key_mask = key_len, dest, key_mask
+        self.key_len, self.dest, self.key_mask, self.rope = key_len, dest, key_mask, rope
 
     def _kv(self, p: Pass, rows: slice, layer, q, k_pre, k, v):
         """The pass's keys and values ``[n, H_kv, key_len, D]``, or the attention output when its store
@@ -157,7 +157,8 @@ class BatchedReuse:
             if len(members) < 2:
                 continue
             stores = [self.parts[i][0].cohort.store for i in members]
-            kk, vv = stores[0].window_kv_batch(stores, layer, self.key_len)
+            positions = [self.parts[i][0].reused_positions for i in members]
+            kk, vv = stores[0].window_kv_batch(stores, layer, self.key_len, positions, self.rope)
             if len(members) == len(self.parts):  # the whole forward: no split, no concatenation
                 return [(kk, vv)]
             for i, rows in zip(members, spans(len(self.parts[i][0].rows) for i in members)):
@@ -227,7 +228,7 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[tor
         wcols = torch.arange(width, device=device)[None, :]
         dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
                            wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
-        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask)
+        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask, model.rope)
     elif any(p.hook is not None for p in group):
         hook = BlockWrites(group)
     logits = model(ids, positions=positions, key_mask=key_mask, kv_hook=hook, logits_at=at, max_position=longest)

@@ -202,12 +202,15 @@ class KVStore:
         return None
 
     def window_kv_batch(
-        self, stores: list[KVStore], layer: int, key_len: int
+        self, stores: list[KVStore], layer: int, key_len: int, positions: list[torch.Tensor | None] | None = None,
+        rope: RotaryEmbedding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The reused K/V of every row of ``stores`` (this one among them, all with this one's
         :meth:`batch_key`, every row of each taking part, in order), ``[R, H_kv, key_len, D]`` each: row ``r``
         holds its reused keys (post-RoPE) and values at their sequence columns and zeros elsewhere; the caller
-        writes the fresh window over its columns. A fresh pair, the caller's to write into.
+        writes the fresh window over its columns. A fresh pair, the caller's to write into. ``positions`` (per
+        store, int64 ``[B, T_reused]``, as :meth:`window_kv` gets them) and ``rope`` are what stores with
+        ``pre_rope_keys`` rotate their keys with; the caller passes them always.
 
         Raises:
             NotImplementedError: a store whose :meth:`batch_key` is always None.

@@ -20,7 +20,7 @@ from service.artifacts.base import Provenance
 from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
 from service.quant import nuq
-from service.quant.base import KVQuantizer, PackedLayer, PackedTensor
+from service.quant.base import KVQuantizer, PackedLayer, PackedTensor, _finite_slots
 from service.quant.config import KVQuantConfig
 from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.layout import SlotLayout
@@ -46,13 +46,50 @@ class KVQuantQuantizer(KVQuantizer):
         # Per (layer, device), made at the first read: the keys' static offset and half range, and each
         # codebook as a per-byte table (`service.quant.packing.byte_table`). Fixed per model, like the state.
         self._read_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        # Per layer, whether the K and V codebooks are strictly increasing (`nuq.nearest_code`'s fast path): read
+        # once here from the state (host tensors), not from the device at every write.
+        self._increasing = [(bool((k[1:] > k[:-1]).all()), bool((v[1:] > v[:-1]).all()))
+                            for k, v in zip(state.k_lut, state.v_lut)]
+
+    def quantize(self, layer, k, v, layout, scores=None):
+        """`KVQuantizer.quantize` with one host read for the layer (a sync on a GPU), where reading each
+        data-dependent size as it comes took nine: everything that decides a size (both sides' outliers, the value
+        tokens whose median is needed, `nuq.dense_range`) and both finiteness checks (`base._finite_slots`) are
+        computed first and read together (:func:`_read_once`); then the outlier indices are taken with those
+        sizes. The same codes, ranges, outliers and errors as quantizing K then V (``quantize_k``, ``quantize_v``).
+        K's slots, codes and outliers are held while V is read (``N x C`` bytes more than one side at a time)."""
+        if not (self.quantizes_k and self.quantizes_v):
+            return super().quantize(layer, k, v, layout, scores)
+        s = self.state
+        k_slots, v_slots = layout.gather(k), layout.gather(v)
+        kx, vx = k_slots.reshape(k_slots.shape[0], -1), v_slots.reshape(v_slots.shape[0], -1)
+        upper, lower, k_lut = (t[layer].to(k.device) for t in (s.k_upper, s.k_lower, s.k_lut))
+        k_increasing, v_increasing = self._increasing[layer]
+        k_codes, k_outliers = nuq.quantize_keys(kx, upper, lower, k_lut, self.sparse, k_increasing)
+        xf, v_outliers, mx, mn, need = nuq.value_candidates(vx, self.sparse, s.meta.sparsity_threshold)
+        sums = torch.stack([k_slots.sum(dtype=torch.float32), v_slots.sum(dtype=torch.float32)])
+        masks = [k_outliers, v_outliers] + ([need] if need is not None else [])
+        indices, not_finite = _read_once(masks, ~torch.isfinite(sums))
+        # A sum that is not finite is only a hint (`base._finite_slots`): its scan decides, and names the culprit.
+        for name, x, flagged in (("K", k, not_finite[0]), ("V", v, not_finite[1])):
+            if flagged:
+                _finite_slots(layer, name, x, layout)
+        v_codes, offset, half_range, _ = nuq.quantize_values_of(
+            xf, v_outliers, mx, mn, indices[2] if need is not None else None, s.v_lut[layer].to(v.device),
+            v_increasing,
+        )
+        return PackedLayer(
+            k=self._pack(kx, k_codes, indices[0], {}),
+            v=self._pack(vx, v_codes, indices[1], {"offset": offset, "half_range": half_range}),
+            dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3],
+        )
 
     def quantize_k(self, layer, x, layout, scores):
         s = self.state
         x2d = x.reshape(x.shape[0], -1)  # [N, H*D], column h*D + d
         upper, lower, lut = (t[layer].to(x.device) for t in (s.k_upper, s.k_lower, s.k_lut))
-        codes, outliers = nuq.quantize_keys(x2d, upper, lower, lut, self.sparse)
-        return self._pack(x2d, codes, outliers, {})
+        codes, outliers = nuq.quantize_keys(x2d, upper, lower, lut, self.sparse, self._increasing[layer][0])
+        return self._pack(x2d, codes, _flat_nonzero(outliers), {})
 
     def dequantize_k(self, layer, packed, layout, out=None):
         # nuq.dequantize_keys (lut[code] * range + offset, float32), the lookup read straight from the stream.
@@ -66,9 +103,9 @@ class KVQuantQuantizer(KVQuantizer):
         x2d = x.reshape(x.shape[0], -1)
         lut = self.state.v_lut[layer].to(x.device)
         codes, offset, half_range, outliers = nuq.quantize_values(
-            x2d, lut, self.sparse, self.state.meta.sparsity_threshold
+            x2d, lut, self.sparse, self.state.meta.sparsity_threshold, self._increasing[layer][1]
         )
-        return self._pack(x2d, codes, outliers, {"offset": offset, "half_range": half_range})
+        return self._pack(x2d, codes, _flat_nonzero(outliers), {"offset": offset, "half_range": half_range})
 
     def dequantize_v(self, layer, packed, layout, out=None):
         # nuq.dequantize_values, likewise.
@@ -102,8 +139,8 @@ class KVQuantQuantizer(KVQuantizer):
         )
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
-    def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, outliers: torch.Tensor, extra: dict) -> PackedTensor:
-        index = _flat_nonzero(outliers)
+    def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, index: torch.Tensor, extra: dict) -> PackedTensor:
+        """``index``: int64, the outliers' flat indices into ``x2d``, ascending."""
         n_out = index.numel()
         tensors = {
             "codes": pack_stream(codes, self.bits),
@@ -144,6 +181,28 @@ def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
     if mask.device.type == "cpu":
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return mask.flatten().nonzero().squeeze(1)
+
+
+def _read_once(masks: list[torch.Tensor], flags: torch.Tensor) -> tuple[list[torch.Tensor], list[bool]]:
+    """The flat indices (int64, ascending, as :func:`_flat_nonzero`) of the True entries of each mask and the bool
+    ``flags`` (1-D), with one read of the host: on a CPU one copy of them all read as numpy (``flatnonzero``,
+    several times faster there than ``torch.nonzero``); elsewhere the counts and flags in one small read, then
+    ``nonzero_static`` of each mask at its count (no further sync)."""
+    if flags.device.type == "cpu":
+        host = torch.cat([m.reshape(-1) for m in masks] + [flags]).numpy()
+        indices, start = [], 0
+        for m in masks:
+            indices.append(torch.from_numpy(np.flatnonzero(host[start : start + m.numel()])))
+            start += m.numel()
+        return indices, [bool(f) for f in host[start:]]
+    return _read_counts(masks, flags)
+
+
+def _read_counts(masks: list[torch.Tensor], flags: torch.Tensor) -> tuple[list[torch.Tensor], list[bool]]:
+    """:func:`_read_once` off a CPU (any device; tested on a CPU)."""
+    counts = torch.cat([torch.stack([m.sum() for m in masks]), flags.long()]).tolist()
+    indices = [torch.nonzero_static(m.reshape(-1), size=c).squeeze(1) for m, c in zip(masks, counts)]
+    return indices, [bool(f) for f in counts[len(masks):]]
 
 
 def fit_state(

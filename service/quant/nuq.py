@@ -35,7 +35,7 @@ _EXHAUSTIVE_CHUNK = 2**15
 _COMPARE_ENTRIES = 16
 
 
-def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+def nearest_code(u: torch.Tensor, lut: torch.Tensor, increasing: bool | None = None) -> torch.Tensor:
     """Index (uint8) of the nearest ``lut`` entry to each element of ``u`` (ties: the earlier entry).
 
     The reference's ``argmin`` over ``|u - c|`` (the first minimum wins). A strictly increasing codebook (what
@@ -46,12 +46,16 @@ def nearest_code(u: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     the same integer as the binary search, several times faster on a CPU); larger codebooks use ``searchsorted``.
     Any other codebook (the reference's k-means order) is searched exhaustively, in chunks of elements so the
     ``[chunk, 2^b]`` distance matrix stays small. ``u`` holds no NaN (callers normalize finite values by finite
-    ranges; +/-inf sorts past every entry either way).
+    ranges; +/-inf sorts past every entry either way). ``increasing``: whether ``lut`` is strictly increasing, when
+    the caller knows (a state's codebooks are fixed, `KVQuantQuantizer`), so that it is not read from the device
+    at every call; None checks.
     """
     flat = u.reshape(-1)
     n = lut.numel()
     code = torch.empty(flat.numel(), dtype=torch.uint8, device=u.device)
-    if n < 2 or not bool((lut[1:] > lut[:-1]).all()):
+    if increasing is None:
+        increasing = n >= 2 and bool((lut[1:] > lut[:-1]).all())
+    if n < 2 or not increasing:
         for i in range(0, flat.numel(), _EXHAUSTIVE_CHUNK):
             part = flat[i : i + _EXHAUSTIVE_CHUNK]
             code[i : i + _EXHAUSTIVE_CHUNK] = (part[:, None] - lut).abs_().argmin(-1)
@@ -84,11 +88,9 @@ def _lookup(lut: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _normalized(x: torch.Tensor, offset: torch.Tensor, half_range: torch.Tensor) -> torch.Tensor:
-    u = (x - offset).div_(half_range)
-    zero = half_range == 0
-    if not bool(zero.any()):  # the usual case: no constant channel or token, nothing to replace
-        return u
-    return u.masked_fill_(zero, 0)
+    # A zero range (constant channel or token) gives 0/0: its entries normalize to 0. The fill is unconditional:
+    # asking whether any range is zero would read the device at every call, and filling nothing changes nothing.
+    return (x - offset).div_(half_range).masked_fill_(half_range == 0, 0)
 
 
 def key_offset_range(upper: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +99,8 @@ def key_offset_range(upper: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Te
     return ((upper + lower) / 2).float(), ((upper - lower) / 2).float()
 
 
-def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor, sparse: bool = True):
+def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor, sparse: bool = True,
+                  increasing: bool | None = None):
     """Per-channel static NUQ of pre-RoPE keys.
 
     Args:
@@ -105,6 +108,7 @@ def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut
         upper, lower: ``[C]`` per-channel thresholds (fp16 in the state).
         lut: ``[2^b]`` float32 codebook.
         sparse: keep outliers (strictly outside ``[lower, upper]``) in full precision.
+        increasing: passed to :func:`nearest_code`.
 
     Returns:
         ``(codes, outliers)``: uint8 ``[N, C]`` and bool ``[N, C]``.
@@ -116,7 +120,7 @@ def quantize_keys(x: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut
         outliers = (xf < lo) | (xf > up)
     else:
         outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
-    return nearest_code(_normalized(xf, offset, half_range), lut), outliers
+    return nearest_code(_normalized(xf, offset, half_range), lut, increasing), outliers
 
 
 def dequantize_keys(codes: torch.Tensor, upper: torch.Tensor, lower: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
@@ -134,14 +138,22 @@ def tail_quantiles(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tenso
     faster at head_dim 128 x 32 heads).
     """
     n = x.shape[-1]
-    ranks = torch.tensor([t, 1 - t], dtype=torch.float32) * (n - 1)
-    below, above = ranks.long(), ranks.ceil().long()
-    weights = (ranks - below).to(x.device)
-    largest = x.topk(n - int(below[0]), dim=-1, largest=True, sorted=True).values  # [:, j] = sorted[n - 1 - j]
-    smallest = x.topk(int(above[1]) + 1, dim=-1, largest=False, sorted=True).values  # [:, j] = sorted[j]
-    upper = largest[:, n - 1 - int(below[0])].lerp(largest[:, n - 1 - int(above[0])], weights[0])
-    lower = smallest[:, int(below[1])].lerp(smallest[:, int(above[1])], weights[1])
+    key = (t, n, x.device)
+    if key not in _RANKS:  # made once per (t, C, device): no host read of them at every call
+        ranks = torch.tensor([t, 1 - t], dtype=torch.float32) * (n - 1)
+        below, above = ranks.long(), ranks.ceil().long()
+        _RANKS[key] = (*below.tolist(), *above.tolist(), (ranks - below).to(x.device))
+    below0, below1, above0, above1, weights = _RANKS[key]
+    largest = x.topk(n - below0, dim=-1, largest=True, sorted=True).values  # [:, j] = sorted[n - 1 - j]
+    smallest = x.topk(above1 + 1, dim=-1, largest=False, sorted=True).values  # [:, j] = sorted[j]
+    upper = largest[:, n - 1 - below0].lerp(largest[:, n - 1 - above0], weights[0])
+    lower = smallest[:, below1].lerp(smallest[:, above1], weights[1])
     return upper[:, None], lower[:, None]
+
+
+#: Per (t, C, device) of :func:`tail_quantiles`: the ranks' order statistics (host ints, below and above, for t
+#: and 1 - t) and the float32 interpolation weights on the device.
+_RANKS: dict[tuple[float, int, torch.device], tuple] = {}
 
 
 def value_outliers(x: torch.Tensor, sparsity_threshold: float) -> torch.Tensor:
@@ -166,7 +178,10 @@ def midpoint_and_half_range(mx: torch.Tensor, mn: torch.Tensor) -> tuple[torch.T
     return offset, half_range
 
 
-def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99):
+def quantize_values(
+    x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, sparsity_threshold: float = 0.99,
+    increasing: bool | None = None,
+):
     """Per-token dynamic NUQ of values.
 
     Args:
@@ -174,19 +189,38 @@ def quantize_values(x: torch.Tensor, lut: torch.Tensor, sparse: bool = True, spa
         lut: ``[2^b]`` float32 codebook.
         sparse: keep per-token quantile outliers in full precision.
         sparsity_threshold: share of each token kept dense (0.99: 0.5% in each tail).
+        increasing: passed to :func:`nearest_code`.
 
     Returns:
         ``(codes, offset, half_range, outliers)``: uint8 ``[N, C]``, float32 ``[N]`` twice, bool ``[N, C]``.
+
+    :func:`value_candidates` and :func:`quantize_values_of` are its two halves, for a caller that finds the rows
+    needing a median (`dense_range`) with one read of its own.
     """
+    xf, outliers, mx, mn, need = value_candidates(x, sparse, sparsity_threshold)
+    rows = None if need is None else need.nonzero().squeeze(1)
+    return quantize_values_of(xf, outliers, mx, mn, rows, lut, increasing)
+
+
+def value_candidates(x: torch.Tensor, sparse: bool, sparsity_threshold: float):
+    """The first half of :func:`quantize_values`, reading nothing from the device: ``(xf, outliers, mx, mn,
+    need)``, float32 ``x``, its bool outliers, the extremes of each token's non-outliers and bool ``[N]`` the
+    tokens whose median is needed (`dense_range_candidates`; None without sparse outliers)."""
     xf = x.float()
     if sparse:
         outliers = value_outliers(xf, sparsity_threshold)
-        mx, mn = dense_range(xf, outliers)
-    else:
-        outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
-        mx, mn = xf.amax(-1), xf.amin(-1)
+        return xf, outliers, *dense_range_candidates(xf, outliers)
+    outliers = torch.zeros(xf.shape, dtype=torch.bool, device=x.device)
+    return xf, outliers, xf.amax(-1), xf.amin(-1), None
+
+
+def quantize_values_of(xf, outliers, mx, mn, rows, lut, increasing=None):
+    """The second half of :func:`quantize_values`: ``rows`` (int64, the needed tokens of
+    :func:`value_candidates`, None without sparse outliers) get the median's extremes, then the codes."""
+    if rows is not None:
+        mx, mn = dense_range_fix(xf, outliers, mx, mn, rows)
     offset, half_range = midpoint_and_half_range(mx, mn)
-    codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut)
+    codes = nearest_code(_normalized(xf, offset[:, None], half_range[:, None]), lut, increasing)
     return codes, offset, half_range, outliers
 
 
@@ -200,8 +234,16 @@ def dense_range(x: torch.Tensor, outliers: torch.Tensor) -> tuple[torch.Tensor, 
     replaced are those of its non-outliers (the same values, and the same entry wins every comparison of the
     reduction, so even the sign of a zero agrees). Only the other rows (no non-outlier, or ties at the middle)
     compute the median, as the reference does; on real K/V rows that is none of them, and ``torch.median`` was
-    the dearest step of a block-initial KVQuant write.
+    the dearest step of a block-initial KVQuant write. (:func:`dense_range_candidates` and
+    :func:`dense_range_fix` are its two halves, for a caller that finds the rows with one read of its own.)
     """
+    mx, mn, need = dense_range_candidates(x, outliers)
+    return dense_range_fix(x, outliers, mx, mn, need.nonzero().squeeze(1))
+
+
+def dense_range_candidates(x: torch.Tensor, outliers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first half of :func:`dense_range`: the extremes of each row's non-outliers (``[N]`` each) and bool
+    ``[N]``, the rows whose median is needed (nothing is read from the device)."""
     n = x.shape[-1]
     k = (n - 1) // 2
     mx = x.masked_fill(outliers, float("-inf")).amax(-1)
@@ -209,7 +251,14 @@ def dense_range(x: torch.Tensor, outliers: torch.Tensor) -> tuple[torch.Tensor, 
     hit = torch.empty_like(x)  # float comparisons: several times faster than bool ones on a CPU
     below = torch.lt(x, mx[:, None], out=hit).sum(-1)
     above = torch.gt(x, mn[:, None], out=hit).sum(-1)
-    rows = ((below <= k) | (above < n - k)).nonzero().squeeze(1)
+    return mx, mn, (below <= k) | (above < n - k)
+
+
+def dense_range_fix(
+    x: torch.Tensor, outliers: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second half of :func:`dense_range`: ``mx``, ``mn`` with the rows ``rows`` (int64, the needed ones of
+    :func:`dense_range_candidates`) computed with the median, as the reference does."""
     if rows.numel():
         part = x.index_select(0, rows)
         median = torch.median(part, dim=-1, keepdim=True).values

@@ -36,9 +36,13 @@ from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
+from service.quant.kvquant import KVQuantQuantizer
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
 from service.quant.rows import batch_key, dequantize_rows, forget
+from service.quant.rows_nuq import batch_key as nuq_batch_key
+from service.quant.rows_nuq import dequantize_rows as nuq_dequantize_rows
+from service.quant.rows_nuq import forget as nuq_forget
 
 
 class QuantizedKVStore(KVStore):
@@ -180,18 +184,23 @@ class QuantizedKVStore(KVStore):
         )
 
     def batch_key(self, layer, device):
-        """Later steps of stores of one uniform format dequantize together (`service.quant.rows`): not with
-        kept dequantized copies, pre-RoPE keys (KVQuantizer formats of their own), a side held as it is, or the
-        fused kernel (which reads the packed layer itself)."""
+        """Later steps of stores of one uniform format dequantize together (`service.quant.rows`), and so do
+        KVQuant stores of one state (`service.quant.rows_nuq`): not with kept dequantized copies, a side held as
+        it is, the fused kernel (which reads the packed layer itself), or another quantizer of its own format."""
         quantizer = self.quantizer
-        if (self.keep_dequantized or self.pre_rope_keys or layer not in self._packed or self._fused(device)
-                or not (quantizer.quantizes_k and quantizer.quantizes_v)
-                or any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
-                       for name in ("dequantize", "dequantize_k", "dequantize_v"))):
+        if (self.keep_dequantized or layer not in self._packed or self._fused(device)
+                or not (quantizer.quantizes_k and quantizer.quantizes_v)):
+            return None
+        if self.pre_rope_keys:
+            return nuq_batch_key(self, self._packed[layer]) if type(quantizer) is KVQuantQuantizer else None
+        if any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
+               for name in ("dequantize", "dequantize_k", "dequantize_v")):
             return None
         return batch_key(quantizer, self._packed[layer], self._layout.num_slots)
 
-    def window_kv_batch(self, stores, layer, key_len):
+    def window_kv_batch(self, stores, layer, key_len, positions=None, rope=None):
+        if self.pre_rope_keys:
+            return nuq_dequantize_rows(stores, layer, key_len, positions, rope)
         return dequantize_rows(stores, layer, key_len)
 
     def _fused(self, device: torch.device) -> bool:
@@ -202,10 +211,11 @@ class QuantizedKVStore(KVStore):
         return self.attention == "triton"
 
     def clear(self) -> None:
-        """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`);
-        the accounting stays for :meth:`report`."""
+        """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,
+        `service.quant.rows_nuq`); the accounting stays for :meth:`report`."""
         if self._layout is not None:
             forget(self._layout)
+            nuq_forget(self._layout)
         self._segments = None
         self._layout = None
         self._packed.clear()

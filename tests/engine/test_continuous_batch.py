@@ -12,7 +12,7 @@ from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from tests.engine.test_decode_quantized import policy_for
+from tests.engine.test_decode_quantized import policy_for, states  # noqa: F401 (states: a fixture)
 from tests.support.fastdllm import four_prompts
 
 
@@ -145,7 +145,7 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
     calls = []
     together = QuantizedKVStore.window_kv_batch
     monkeypatch.setattr(QuantizedKVStore, "window_kv_batch",
-                        lambda self, stores, *a: calls.append(len(stores)) or together(self, stores, *a))
+                        lambda self, stores, *a, **kw: calls.append(len(stores)) or together(self, stores, *a, **kw))
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
     batch = engine.batch()
     cohorts = [engine.cohort([prompts[i][:length]], params, None, _store(engine, kind))
@@ -159,3 +159,38 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
     for i, kind in enumerate(kinds):
         alone = engine.generate([prompts[i][:length]], params, kv_store=_store(engine, kind)).rows[0]
         assert engine.report(cohorts[i]).rows[0].generated_ids == alone.generated_ids, i
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_kvquant_stores_of_different_lengths_dequantize_together_and_decode_as_alone(engines, arch, request,
+                                                                                      monkeypatch):
+    """KVQuant stores of one state dequantize together (`service.quant.rows_nuq`: codebooks, ranges, sparse
+    outliers, then RoPE at each row's own positions) even when their prompts, and so their reused lengths,
+    differ; each request still decodes token for token as alone, beside a full-precision one."""
+    from service.quant.store import QuantizedKVStore
+
+    engine = engines[arch]
+    prompts = four_prompts(arch)
+    state = request.getfixturevalue("states")[arch, 4]  # fitted on the model's own K/V: real outliers
+
+    def kvquant():
+        return make_kv_store(KVQuantConfig(method="kvquant", bits=4, kvquant_state_id=state.id), engine.spec,
+                             artifact=state, attention="torch")
+
+    calls = []
+    together = QuantizedKVStore.window_kv_batch
+    monkeypatch.setattr(QuantizedKVStore, "window_kv_batch",
+                        lambda self, stores, *a, **kw: calls.append(len(stores)) or together(self, stores, *a, **kw))
+    params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
+    picked = [(2, True), (1, True), (0, False), (3, True)]  # prompt lengths 40, 17, 5 (unquantized), 9
+    batch = engine.batch()
+    cohorts = [engine.cohort([prompts[i]], params, None, kvquant() if quantized else None) for i, quantized in picked]
+    with torch.inference_mode():
+        for cohort in cohorts:
+            batch.join(cohort)
+        while batch.cohorts:
+            batch.step()
+    assert calls and set(calls) == {3}
+    for (i, quantized), cohort in zip(picked, cohorts):
+        alone = engine.generate([prompts[i]], params, kv_store=kvquant() if quantized else None).rows[0]
+        assert engine.report(cohort).rows[0].generated_ids == alone.generated_ids, i

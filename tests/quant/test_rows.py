@@ -81,8 +81,9 @@ def test_only_equal_formats_and_lengths_share_a_key():
                     "kvquant4": store("kvquant", 4), "kept": store("kivi", 4, keep_dequantized=True)}.items():
         s.write(0, k, v, seg, torch.rand(2, seg.seq_len))
         made[name] = s.batch_key(0, cpu)
-    assert made["kvquant4"] is None and made["kept"] is None  # pre-RoPE keys; kept copies answer alone
-    assert len({made["kivi4"], made["kivi2"], made["dllm4"]}) == 3
+    assert made["kept"] is None  # kept copies answer alone
+    assert None not in {made["kivi4"], made["kivi2"], made["dllm4"], made["kvquant4"]}
+    assert len({made["kivi4"], made["kivi2"], made["dllm4"], made["kvquant4"]}) == 4  # KVQuant: `rows_nuq`
     assert made["kivi4"] is not None and store("kivi", 4).batch_key(0, cpu) is None  # nothing written yet
     longer = store("kivi", 4)
     other = Segments((0, 3), block_start=30, block_end=38, seq_len=48, cache_mode="dual")

@@ -1,0 +1,208 @@
+"""One dequantization for the rows of many KVQuant stores: a later step's reused K/V of several stores of one KVQuant
+configuration in one set of tensor operations per layer (`KVStore.window_kv_batch`, issue 21).
+
+`service.quant.rows` pools the uniform formats; KVQuant (`service.quant.kvquant`) differs in three ways, each
+handled here with the per-store path's arithmetic, so the values are the same bit for bit:
+
+* **codebooks**: every store of one state (the batch key names it) decodes through the same per-layer K and V
+  per-byte tables (`packing.byte_table` of the codebooks); the K and V streams of all stores with the same number
+  of reused tokens are stacked and decoded in one gather through the two tables side by side (V's bytes read the
+  second half). Stores of different lengths pool too: the work buffer holds them in order of their slot counts,
+  one decoding gather per distinct count;
+* **ranges and outliers**: K's static per-channel ``lut[code] * half_range + offset`` applies to every slot at
+  once, V's per-token ranges are concatenated; the sparse outliers of all stores (each store's flat indices moved
+  by its first element in the buffer, one ``repeat_interleave`` with a known size) are written over their entries
+  as float32, after the ranges, as each store does (`KVQuantQuantizer._finish`);
+* **pre-RoPE keys**: the values are cast to the model dtype, as each store's scratch holds them, and the keys
+  rotated there with the cos/sin of each slot's own position: each store's tables made exactly as its own
+  `window_kv` makes them (``rope.cos_sin`` of its reused prefix positions and of its reused suffix positions,
+  `QuantizedKVStore._rope_for`), gathered per slot, and `RotaryEmbedding.rotate_in_place` (float32 for LLaDA's
+  ``full_precision``, the model dtype for Dream).
+
+One gather then puts every slot at its row and sequence column of a ``[R, H, key_len, D]`` pair (zeros elsewhere),
+as `service.quant.rows` does. The slot map, the per-slot cos/sin (``N_all x D`` each, the size of the stores' own
+tables) and the per-layer outlier counts depend only on the stores' block layouts and positions, so they are made
+at the first later step of a block and kept (:data:`_INDEXES`, a few entries, dropped by :func:`forget` when a
+store is cleared); nothing dequantized is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from service.quant.base import PackedLayer
+
+#: Per (state, layer, device): the K and V per-byte codebook tables side by side, ``[8 / b, 512]`` float32.
+_CODEBOOKS: dict[tuple[Hashable, int, torch.device], torch.Tensor] = {}
+
+
+def batch_key(store, packed: PackedLayer) -> Hashable:
+    """What must agree for two KVQuant stores' layers to be dequantized together: the state (its id, as the store
+    recorded it), bits, dtype, heads and device. Reused lengths may differ (module doc)."""
+    quantizer = store.quantizer
+    state = store.artifact_id if store.artifact_id is not None else id(quantizer.state)
+    return ("kvquant", state, quantizer.bits, packed.dtype, packed.num_heads, packed.head_dim,
+            packed.k.tensors["codes"].device)
+
+
+@dataclass(eq=False)
+class _Index:
+    """What a set of stores' block layouts and reused positions fix for every layer and step of the block."""
+
+    layouts: tuple  # the layouts it was made from (identity)
+    positions: tuple  # the reused positions the cos/sin were made from (identity)
+    groups: list[tuple[int, list[int], int]]  # (slots per store, stores, first slot) per distinct slot count
+    total: int  # N_all, the slots of all stores; the work buffer's row N_all is zero
+    slot_map: torch.Tensor  # int64 [R x key_len]: per (row, column) its slot in the work buffer, N_all for none
+    cos: torch.Tensor  # [N_all, 1, D]: each slot's RoPE cos (float32; the model dtype when RoPE runs in it)
+    sin: torch.Tensor
+    bases: torch.Tensor  # int64 [2S]: each store's first K element, then first V element, in the flat buffer
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: int64 [2S] K, V outliers per store
+
+
+#: Recently used indexes, by the identities of the stores' layouts and the key length.
+_INDEXES: dict[tuple, _Index] = {}
+_KEPT_INDEXES = 8
+
+
+def forget(layout) -> None:
+    """Drop the kept indexes made from ``layout`` (its store is cleared: the block or the request ended)."""
+    for key in [key for key, index in _INDEXES.items() if any(held is layout for held in index.layouts)]:
+        del _INDEXES[key]
+
+
+def _index(stores: list, positions: list[torch.Tensor], rope, key_len: int, dtype: torch.dtype, c: int) -> _Index:
+    """The kept index of ``stores`` (made now if none is kept); ``c`` = H x D, the entries per slot."""
+    layouts = [store._layout for store in stores]
+    key = (tuple(id(layout) for layout in layouts), key_len, dtype)
+    held = _INDEXES.get(key)
+    if (held is not None and all(a is b for a, b in zip(held.layouts, layouts))
+            and all(a is b for a, b in zip(held.positions, positions))):
+        return held
+    device = layouts[0].rows.device
+    # Work order: by slot count, so the streams of one length are stacked and decoded in one gather.
+    order = sorted(range(len(stores)), key=lambda i: layouts[i].num_slots)
+    base, groups, total = [0] * len(stores), [], 0
+    for i in order:
+        n = layouts[i].num_slots
+        base[i] = total
+        if n and groups and groups[-1][0] == n:
+            groups[-1][1].append(i)
+        elif n:
+            groups.append((n, [i], total))
+        total += n
+    # Built on the host from the layouts' runs (a handful of device operations per block, not per store): each
+    # slot's place on the forward's key axis, and its position's place in the stores' positions laid end to end.
+    slot_map = [total] * (sum(layout.batch_size for layout in layouts) * key_len)
+    row0, first = [0] * len(stores), [0] * len(stores)
+    for i in range(1, len(stores)):
+        row0[i] = row0[i - 1] + layouts[i - 1].batch_size
+        first[i] = first[i - 1] + positions[i - 1].numel()
+    at = []
+    for i in order:
+        layout, reused, seg = layouts[i], positions[i], stores[i]._segments
+        for (row, col, slot, length, _), (_, seq_col, _, _, _) in zip(layout.runs, layout.on_sequence(seg).runs):
+            where = (row0[i] + row) * key_len + seq_col
+            slot_map[where : where + length] = range(base[i] + slot, base[i] + slot + length)
+            at.extend(range(first[i] + row * reused.shape[1] + col, first[i] + row * reused.shape[1] + col + length))
+    # RoPE's cos/sin of every slot's position in one call: elementwise the same float32 values as the tables
+    # each store's window_kv makes of its prefix and suffix positions (`QuantizedKVStore._rope_for`), as the
+    # model's own position table is (`RotaryEmbedding.table`).
+    flat = torch.cat([reused.reshape(-1) for reused in positions])
+    slot_positions = flat.index_select(0, torch.tensor(at, dtype=torch.int64, device=device))
+    cos, sin = (t[0, 0][:, None] for t in rope.cos_sin(slot_positions[None]))  # [N_all, 1, D]
+    if not rope.full_precision:  # rotate_in_place casts them to the model dtype at every call otherwise
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    bases = [b * c for b in base] + [(total + 1 + b) * c for b in base]
+    index = _Index(tuple(layouts), tuple(positions), groups, total,
+                   torch.tensor(slot_map, dtype=torch.int64, device=device), cos, sin,
+                   torch.tensor(bases, dtype=torch.int64, device=device))
+    if len(_INDEXES) >= _KEPT_INDEXES:
+        del _INDEXES[next(iter(_INDEXES))]
+    _INDEXES[key] = index
+    return index
+
+
+def _codebooks(store, layer: int, device: torch.device) -> torch.Tensor:
+    """``[8 / b, 512]``: the layer's K per-byte table, then its V table (`KVQuantQuantizer._tables`)."""
+    quantizer = store.quantizer
+    key = (store.artifact_id if store.artifact_id is not None else id(quantizer.state), layer, device)
+    if key not in _CODEBOOKS:
+        _, _, k_table, v_table = quantizer._tables(layer, device)
+        _CODEBOOKS[key] = torch.cat([k_table, v_table], dim=1)
+    return _CODEBOOKS[key]
+
+
+def _decode_into(dst: torch.Tensor, words: list[torch.Tensor], table: torch.Tensor) -> None:
+    """Write the codebook values of the K streams then the V streams (all of one length; ``words`` K's first, as
+    many of each) into ``dst`` float32 ``[2, g, numel]``: one stack, one gather through ``table`` (V's bytes
+    moved to its second half), one copy (the planar layout of `packing.pack_stream`: plane ``p`` of stream ``i``
+    is its codes ``[p m, (p + 1) m)``)."""
+    per_byte, numel = table.shape[0], dst.shape[-1]
+    m = -(-numel // per_byte)
+    data = torch.stack(words).view(torch.uint8)[:, :m].to(torch.int32)
+    data[len(words) // 2 :] += 256
+    planes = table.index_select(1, data.view(-1)).view(per_byte, *dst.shape[:-1], m).movedim(0, -2)
+    if per_byte * m == numel:
+        dst.view(*dst.shape[:-1], per_byte, m).copy_(planes)
+    else:
+        dst.copy_(planes.reshape(*dst.shape[:-1], per_byte * m)[..., :numel])
+
+
+def dequantize_rows(
+    stores: list, layer: int, key_len: int, positions: list[torch.Tensor], rope
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``QuantizedKVStore.window_kv_batch`` for KVQuant stores (module doc).
+
+    Args:
+        stores: KVQuant stores with one `batch_key` at ``layer``, every row of each taking part.
+        layer: the layer, written in each store's block-initial pass.
+        key_len: the key axis of the forward (at least every store's sequence length).
+        positions: per store, int64 ``[B, T_reused]`` RoPE positions of its reused columns (the tensor its
+            ``window_kv`` would get; identity is what the kept index checks).
+        rope: the model's `RotaryEmbedding`.
+
+    Returns:
+        K (post-RoPE) and V ``[R, H, key_len, D]``, model dtype, R the stores' rows in order, zeros outside each
+        row's reused columns: bit for bit what each store's ``window_kv`` holds at those columns.
+    """
+    quantizer = stores[0].quantizer
+    packed: list[PackedLayer] = [store._packed[layer] for store in stores]
+    first = packed[0]
+    h, d, dtype = first.num_heads, first.head_dim, first.dtype
+    c = h * d
+    device = first.k.tensors["codes"].device
+    index = _index(stores, positions, rope, key_len, dtype, c)
+    n_all = index.total
+    work = torch.empty(2, n_all + 1, c, dtype=torch.float32, device=device)
+    table = _codebooks(stores[0], layer, device)
+    for n, members, slot0 in index.groups:
+        words = [packed[i].k.tensors["codes"] for i in members] + [packed[i].v.tensors["codes"] for i in members]
+        _decode_into(work[:, slot0 : slot0 + len(members) * n].view(2, len(members), n * c), words, table)
+    work[:, -1].zero_()
+    order = [i for _, members, _ in index.groups for i in members]
+    offset, half_range = quantizer._tables(layer, device)[:2]
+    work[0, :-1].mul_(half_range).add_(offset)
+    if n_all:
+        v_half_range = torch.cat([packed[i].v.tensors["half_range"] for i in order])
+        v_offset = torch.cat([packed[i].v.tensors["offset"] for i in order])
+        work[1, :-1].mul_(v_half_range[:, None]).add_(v_offset[:, None])
+    # Outliers after the ranges, as each store writes them (`KVQuantQuantizer._finish`).
+    sides = [x.k.tensors for x in packed] + [x.v.tensors for x in packed]
+    outliers = sum(t["outlier_index"].numel() for t in sides)
+    if outliers:
+        if layer not in index.counts:
+            index.counts[layer] = torch.tensor([t["outlier_index"].numel() for t in sides], device=device)
+        at = torch.cat([t["outlier_index"] for t in sides]) + index.bases.repeat_interleave(
+            index.counts[layer], output_size=outliers)
+        work.view(-1).index_put_((at,), torch.cat([t["outlier_values"] for t in sides]).to(torch.float32))
+    # The store's scratch holds the values in the model dtype; its keys are rotated there.
+    kv = work.to(dtype).view(2, n_all + 1, h, d)
+    rope.rotate_in_place(kv[0, :n_all], index.cos, index.sin)
+    total_rows = index.slot_map.numel() // key_len
+    out = torch.empty(2, total_rows, h, key_len, d, dtype=dtype, device=device)
+    out.copy_(kv.index_select(1, index.slot_map).view(2, total_rows, key_len, h, d).permute(0, 1, 3, 2, 4))
+    return out[0], out[1]
