@@ -48,6 +48,8 @@ class SlotLayout:
             than gathering per-slot statistics.
         zero_padding: :meth:`empty_output` zeroes the padding of a given buffer; False for a scratch buffer
             whose padding is known to be zero already (filled before with this layout).
+        seq_starts: per run, its first column in the full sequence (host ints, so :meth:`gather` reads no
+            device value; empty when not known).
     """
 
     batch_size: int
@@ -60,6 +62,7 @@ class SlotLayout:
     group_size: int
     runs: tuple[tuple[int, int, int, int, int], ...]
     zero_padding: bool = True
+    seq_starts: tuple[int, ...] = ()
 
     @property
     def num_slots(self) -> int:
@@ -174,6 +177,8 @@ class SlotLayout:
             group_slots=group_slots.to(device),
             group_size=group_size,
             runs=tuple(runs),
+            seq_starts=tuple(col if col < segments.block_start else col + segments.block_end - segments.block_start
+                             for _, col, _, _, _ in runs),
         )
 
     def parts(self):
@@ -209,8 +214,10 @@ class SlotLayout:
         if self.batched(x.shape[1] * x.shape[3]):
             return x.permute(0, 2, 1, 3)[self.rows, self.seq_cols]
         pieces = []
-        for row, _, slot, length, _ in self.runs:
-            start = int(self.seq_cols[slot])  # a run is contiguous in the sequence too
+        known = len(self.seq_starts) == len(self.runs)
+        for i, (row, _, slot, length, _) in enumerate(self.runs):
+            # a run is contiguous in the sequence too
+            start = self.seq_starts[i] if known else int(self.seq_cols[slot])
             pieces.append(x[row, :, start : start + length].transpose(0, 1))
         if not pieces:
             return x.new_empty(0, x.shape[1], x.shape[3])
@@ -258,8 +265,10 @@ class SlotLayout:
         position = {row: i for i, row in enumerate(rows)}
         table = torch.full((self.batch_size,), len(rows), dtype=torch.int64, device=self.rows.device)
         table[list(rows)] = torch.arange(len(rows), device=self.rows.device)
-        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in self.runs if r in position)
-        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs)
+        kept = [i for i, run in enumerate(self.runs) if run[0] in position]
+        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in (self.runs[i] for i in kept))
+        starts = tuple(self.seq_starts[i] for i in kept) if len(self.seq_starts) == len(self.runs) else ()
+        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs, seq_starts=starts)
 
     def scatter(
         self, values: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
