@@ -1,8 +1,10 @@
 """Later steps of several quantized stores dequantized together (`service.quant.rows`): the same keys and values,
-bit for bit, as each store's own `window_kv`, and the stores that may not share one batch key."""
+bit for bit, as each store's own `window_kv`, whatever their lengths, and the stores that may not share one batch
+key; and the block-initial write's one host read."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from service.engine.kv_store import Segments
 from service.engine.models.layers import RotaryEmbedding
@@ -92,3 +94,32 @@ def test_only_equal_formats_share_a_key():
     other = Segments((0, 3, 5), block_start=30, block_end=38, seq_len=48, cache_mode="dual")
     longer.write(0, *kv(3, 48), other)
     assert longer.batch_key(0, cpu) == made["kivi4"]  # other rows and lengths: the same format
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the aten operations whose result the host reads (a sync on a GPU), as benchmarks/iteration_cost.py
+    does."""
+
+    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func.__name__.split(".")[0] in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq"])
+def test_a_write_reads_the_device_once(method):
+    """The block-initial write of a layer puts its checks together in one host read (the finiteness of scores, K
+    and V, the ranges), and dLLM-KVQ's protected tokens are found without reading how many or where."""
+    s = store(method, 4)
+    seg = LAYOUTS[2]
+    k, v = kv(seg.batch_size, seg.seq_len)
+    for layer in range(2):
+        with torch.inference_mode(), _HostReads() as counter:
+            s.write(layer, k, v, seg, torch.rand(seg.batch_size, seg.seq_len))
+        assert counter.reads == 1, (layer, counter.reads)
+    assert "protected_slots" in s._packed[0].k.tensors or method == "kivi"
