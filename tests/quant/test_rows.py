@@ -100,7 +100,7 @@ class _HostReads(TorchDispatchMode):
     """Counts the aten operations whose result the host reads (a sync on a GPU), as benchmarks/iteration_cost.py
     does."""
 
-    READS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique"}
+    READS = frozenset({"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique"})
 
     def __init__(self) -> None:
         super().__init__()
