@@ -41,6 +41,19 @@ LAYOUTS = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [2, 4])
 def test_rows_of_many_stores_equal_each_store_alone(method, dtype, bits):
+    _check_rows(method, dtype, bits)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq"])
+def test_a_large_set_is_read_in_parts(method, monkeypatch):
+    """A set whose result exceeds `MAX_ELEMENTS` is read in parts of consecutive stores (here, 2 rows each)."""
+    from service.quant import rows
+
+    monkeypatch.setattr(rows, "MAX_ELEMENTS", 2 * SPEC.num_kv_heads * 46 * SPEC.head_dim)
+    _check_rows(method, torch.bfloat16, 4)
+
+
+def _check_rows(method, dtype, bits):
     rope = RotaryEmbedding(SPEC.head_dim, 10000.0, False)
     stores, windows = [], []
     for i, seg in enumerate(LAYOUTS):
