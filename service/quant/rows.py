@@ -42,7 +42,7 @@ from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.packing import byte_table
 
 #: Elements of one part's result ``R x H x key_len x D`` (each of K and V); its cached int64 indexes hold six
-#: times that many entries (48 bytes per element).
+#: times that many entries (48 bytes per element; 64 with dLLM-KVQ's per-layer copy of the code index).
 MAX_ELEMENTS = 2**22
 
 #: Per (bits, device): ``[256, 8 / b]``, the per-byte table of the codes as float32, byte-major.
@@ -68,14 +68,14 @@ class _Index:
     layouts: tuple  # the layouts they were made from (identity)
     rows: int  # R
     num_slots: list[int]  # per store
-    codes: torch.Tensor  # int64 [2, R, H, key_len, D]: each element's code in `planes` (K's: KIVI only)
+    codes: torch.Tensor  # int64 [2, R, H, key_len, D]: each element's code in `planes` (K's: no protected tokens)
     stats: torch.Tensor  # int64 [2, 2, R, H, key_len, D]: (scale, mn) x (K, V), each element's in the table
     slot_map: torch.Tensor  # int64 [R x key_len]: each (row, column)'s slot among all stores', N_all for none
     slot_row: torch.Tensor  # int64 [N_all]: the row of each slot in the result
     slot_col: torch.Tensor  # int64 [N_all]: its column
     v_bytes: int  # bytes of the zero word and V's streams (K's streams follow)
-    # Per tuple of K code counts (dLLM-KVQ: slots less protected tokens): code rows [N_codes + 1, H x D] of the
-    # K streams' positions in `planes` (the last: the zero word), and each store's first global code row.
+    # Per tuple of K code counts (dLLM-KVQ: slots less protected tokens): per code row [N_codes + 1, H x D], the
+    # positions of its codes in `planes` (the last row: the zero word's).
     k_rows: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     # Per tuple of protected counts: each protected entry's store's first slot among all (int64 [P]).
     offsets: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
