@@ -139,13 +139,17 @@ class KVQuantizer:
         # the end (one sync per write on a GPU, not one per check); when one fails, the write is made again with
         # each check read at once, in order, which raises what it always raised (or, for large finite values
         # whose float32 sum overflows, finds nothing and gives the same packed layer).
+        # Anything raised while the checks are put off (a method's own code meeting a value the checks would have
+        # refused first) also redoes the write that way, so the first failing check is what is raised.
         checks: list[torch.Tensor] = []
         token = DEFERRED_CHECKS.set(checks)
         try:
             packed = self._quantize(layer, k, v, layout, scores, checks)
+        except (KVQuantError, RuntimeError, ValueError, IndexError):  # torch's errors are RuntimeError subclasses
+            packed = None
         finally:
             DEFERRED_CHECKS.reset(token)
-        if checks and not bool(torch.stack(checks).all()):
+        if packed is None or (checks and not bool(torch.stack(checks).all())):
             packed = self._quantize(layer, k, v, layout, scores, None)
         return packed
 
