@@ -22,12 +22,13 @@ benchmark counts, for one **later-step iteration** and one **block-initial itera
 
 The model has LLaDA-8B's layer count and head layout (32 layers, 32 heads, MHA) with the width shrunk to 128 (head
 dim 4, MLP 384, vocabulary 4096) so that the arithmetic is small; counts do not depend on the width. Each request:
-a 200-token prompt, 256 generated, block 32, 8 fixed steps per block (``steps=64``, so every row takes part in
+a 200-token prompt (``--mixed-lengths``: prompts of 100 to 200 tokens, different per row, as in real serving),
+256 generated, block 32, 8 fixed steps per block (``steps=64``, so every row takes part in
 every step), ``ignore_eos``. The KV stores: the engine's full precision (``none``) and `service.quant` at 4 bits
 (KIVI, dLLM-KVQ with p = 1 on every layer, KVQuant), made as in `benchmarks/decode_speed.py`.
 
 Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
-[--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--gen-length 256] [--block-length 32]
+[--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
 [--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32]``. On CUDA
 (``--device cuda``, e.g. ``--width 4096 --vocab 126464 --dtype bfloat16``: LLaDA-8B itself) a column adds the
 measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the running batch's ``padding_slack`` where it has one (``inf`` merges whenever
@@ -147,16 +148,25 @@ def _batch(engine: Engine):
 ARGS = {"slack": float("inf")}
 
 
-def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt_length: int
+def prompt_lengths(rows: int, prompt_length: int, mixed: bool) -> list[int]:
+    """Each request's prompt length: all ``prompt_length``, or with ``mixed`` spread over
+    ``[prompt_length / 2, prompt_length]`` (row ``i``: ``prompt_length - (13 i mod (prompt_length / 2 + 1))``),
+    as requests of a real running batch differ."""
+    if not mixed:
+        return [prompt_length] * rows
+    return [prompt_length - (13 * i) % (prompt_length // 2 + 1) for i in range(rows)]
+
+
+def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt_length: int, mixed: bool = False
             ) -> tuple[IterationCost, IterationCost, float]:
     """(block-initial iteration, later-step iteration, measured seconds of a later step) of ``rows`` requests
-    that joined together; the seconds only on CUDA (a third iteration, uncounted, timed with a sync before and
-    after), else 0."""
+    that joined together (prompts of :func:`prompt_lengths`); the seconds only on CUDA (a third iteration,
+    uncounted, timed with a sync before and after), else 0."""
     gen = torch.Generator().manual_seed(rows)
     vocab = engine.spec.vocab_size
     batch = _batch(engine)
-    for _ in range(rows):
-        prompt = torch.randint(3, vocab - 1, (prompt_length,), generator=gen).tolist()
+    for length in prompt_lengths(rows, prompt_length, mixed):
+        prompt = torch.randint(3, vocab - 1, (length,), generator=gen).tolist()
         store = None if method == "none" else quantized_store(method, keep=False)(engine)
         batch.join(engine.cohort([prompt], params, None, store))
     costs = []
@@ -193,6 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--methods", default="none,kivi,dllm_kvq,kvquant")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prompt-length", type=int, default=200)
+    parser.add_argument("--mixed-lengths", action="store_true", help="prompts of different lengths per row, "
+                        "spread over [prompt length / 2, prompt length] (see prompt_lengths)")
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--steps-per-block", type=int, default=8)
@@ -213,7 +225,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     reused = args.prompt_length + args.gen_length - args.block_length
     print(f"iteration cost: LLaDA-8B layout ({args.layers} layers, 32 heads x head dim {args.width // 32}, width "
           f"{args.width}, MLP {3 * args.width}, vocabulary {args.vocab}; {args.dtype} on {args.device}), prompt "
-          f"{args.prompt_length}, {args.gen_length} generated, block "
+          f"{args.prompt_length}{' (mixed: half to whole, per row)' if args.mixed_lengths else ''}, "
+          f"{args.gen_length} generated, block "
           f"{args.block_length}, {args.steps_per_block} steps per block; projected at LLaDA-8B bf16 on an H200: "
           f"{LAUNCH_S * 1e6:.0f} us per op, {SYNC_S * 1e6:.0f} us per sync, {PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
     header = (f"{'cache':<7}{'KV':<9}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
@@ -229,7 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                               threshold=None, steps=args.steps_per_block * blocks, ignore_eos=True)
         for method in args.methods.split(","):
             for rows in (int(r) for r in args.rows.split(",")):
-                initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length)
+                initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length,
+                                                     args.mixed_lengths)
                 line = (f"{cache:<7}{method:<9}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
                         f"{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}{initial.syncs:>6}"
                         f"{initial.forwards:>4}")

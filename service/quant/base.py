@@ -27,6 +27,7 @@ from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
 from service.quant.packing import byte_table, decode_stream, pack_stream, unpack_stream
 from service.quant.uniform import (
+    DEFERRED_CHECKS,
     GroupStats,
     dequantize_k_batched,
     dequantize_k_into,
@@ -134,16 +135,38 @@ class KVQuantizer:
             NonFiniteKVError: NaN or +/-inf in a reused K or V entry (the message names layer, row and column).
             KVQuantError: scores missing or not finite when the method needs them.
         """
+        # The checks (scores, K and V finite, ranges that fit the dtype) are put off and read in one host read at
+        # the end (one sync per write on a GPU, not one per check); when one fails, the write is made again with
+        # each check read at once, in order, which raises what it always raised (or, for large finite values
+        # whose float32 sum overflows, finds nothing and gives the same packed layer).
+        # Anything raised while the checks are put off (a method's own code meeting a value the checks would have
+        # refused first) also redoes the write that way, so the first failing check is what is raised.
+        checks: list[torch.Tensor] = []
+        token = DEFERRED_CHECKS.set(checks)
+        try:
+            packed = self._quantize(layer, k, v, layout, scores, checks)
+        except (KVQuantError, RuntimeError, ValueError, IndexError):  # torch's errors are RuntimeError subclasses
+            packed = None
+        finally:
+            DEFERRED_CHECKS.reset(token)
+        if packed is None or (checks and not bool(torch.stack(checks).all())):
+            packed = self._quantize(layer, k, v, layout, scores, None)
+        return packed
+
+    def _quantize(self, layer, k, v, layout, scores, checks: list[torch.Tensor] | None) -> PackedLayer:
+        """:meth:`quantize`, its checks appended to ``checks`` (None: each read at once, raising)."""
         slot_scores = None
         if scores is not None:
             slot_scores = scores[layout.rows, layout.seq_cols].float()
-            if not torch.isfinite(slot_scores).all():
+            if checks is not None:
+                checks.append(torch.isfinite(slot_scores).all())
+            elif not torch.isfinite(slot_scores).all():
                 raise KVQuantError(f"layer {layer}: attention scores hold NaN or inf")
         # One of K and V at a time, so the write's transient memory is one tensor's slots and temporaries.
         # A side the config leaves out (``sides``) is held as it is.
-        k_slots = _finite_slots(layer, "K", k, layout)
+        k_slots = _finite_slots(layer, "K", k, layout, checks)
         packed_k = self.quantize_k(layer, k_slots, layout, slot_scores) if self.quantizes_k else _held(k_slots)
-        v_slots = _finite_slots(layer, "V", v, layout)
+        v_slots = _finite_slots(layer, "V", v, layout, checks)
         packed_v = self.quantize_v(layer, v_slots) if self.quantizes_v else _held(v_slots)
         return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
 
@@ -179,6 +202,11 @@ class KVQuantizer:
         """bool ``[N]``: K tokens kept in the model dtype; None keeps none (KIVI)."""
         return None
 
+    def protected_count(self, layer: int, layout: SlotLayout) -> int | None:
+        """How many tokens :meth:`protect` keeps at ``layer``, when that is known on the host without reading
+        its result (dLLM-KVQ: ``min(p, group size)`` per K group); None reads it (a host read: a sync on a GPU)."""
+        return None
+
     def quantize_k(self, layer: int, x: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None) -> PackedTensor:
         """Uniform K: statistics per group and channel over the unprotected tokens; codes of those tokens only."""
         protected = self.protect(layer, x, layout, scores)
@@ -186,11 +214,18 @@ class KVQuantizer:
         tensors = {"scale": stats.scale, "mn": stats.mn}
         codes = quantize_k_slots(x, layout, stats, self.bits)
         kept = 0
-        if protected is not None and bool(protected.any()):
-            slots = protected.nonzero().squeeze(1)
+        if protected is not None:
+            kept = self.protected_count(layer, layout)
+            if kept is None:
+                kept = int(protected.sum())
+        if kept:
+            # A stable sort of the flags puts the unprotected slots first and the protected ones last, each in
+            # slot order (what ``nonzero`` gives), with no host read of where they are.
+            order = torch.sort(protected.to(torch.uint8), stable=True).indices
+            slots = order[x.shape[0] - kept :]
             tensors["protected_slots"] = slots.to(torch.int32)
-            tensors["protected_values"] = x[slots]
-            codes, kept = codes[~protected], slots.numel()  # protected tokens hold no code
+            tensors["protected_values"] = x.index_select(0, slots)
+            codes = codes.index_select(0, order[: x.shape[0] - kept])  # protected tokens hold no code
         tensors["codes"] = pack_stream(codes, self.bits)
         per_token = x.shape[1] * x.shape[2]
         return PackedTensor(
@@ -304,8 +339,11 @@ def _held(x: torch.Tensor) -> PackedTensor:
     return PackedTensor(tensors={"held": x}, elements=x.numel(), nominal_bitsum=16.0 * x.numel())
 
 
-def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
-    """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf.
+def _finite_slots(
+    layer: int, name: str, x: torch.Tensor, layout: SlotLayout, checks: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The layout's slots of ``x`` (``[N, H, D]``), checked for NaN and inf (with ``checks``: the first test, the
+    sum's, appended to it instead of read; the caller reads it and, if it fails, calls again without).
 
     One float32 sum (NaN and inf propagate; no overflow from fp16/bf16 inputs) instead of an elementwise scan.
     A sum that is not finite is only a hint: large finite values (a constant 1e36, two entries of 3e38) overflow
@@ -315,7 +353,11 @@ def _finite_slots(layer: int, name: str, x: torch.Tensor, layout: SlotLayout) ->
         NonFiniteKVError: some slot holds NaN or +/-inf.
     """
     slots = layout.gather(x)
-    if bool(torch.isfinite(slots.sum(dtype=torch.float32))):
+    finite = torch.isfinite(slots.sum(dtype=torch.float32))
+    if checks is not None:
+        checks.append(finite)
+        return slots
+    if bool(finite):
         return slots
     bad = (~torch.isfinite(slots)).flatten(1).any(1).nonzero()
     if bad.numel() == 0:

@@ -65,6 +65,13 @@ class DLLMKVQQuantizer(KVQuantizer):
             score = normalize_per_group(scores.double(), layout) * normalize_per_group(self.qerror(x, layout), layout)
         return top_p_per_group(score, layout, entry.p)
 
+    def protected_count(self, layer, layout):
+        """``min(p, size)`` per K group (:func:`top_p_per_group`), summed, from the layout's host-side runs."""
+        entry = self.policy.layers[layer]
+        if entry.p == 0 or layout.num_slots == 0:
+            return 0
+        return sum(n_groups * min(entry.p, size) for _, _, _, n_groups, size, _ in layout.parts())
+
     def qerror(self, x: torch.Tensor, layout: SlotLayout) -> torch.Tensor:
         """float64 ``[N]``: squared error of each token under plain (p = 0) K QDQ, summed over heads and channels."""
         stats = k_group_stats(x, layout, self.bits)
@@ -90,7 +97,8 @@ def top_p_per_group(score: torch.Tensor, layout: SlotLayout, p: int) -> torch.Te
     padded = torch.cat([score, score.new_full((1,), float("-inf"))])[layout.group_slots]  # [Ng, G]
     order = torch.sort(padded, dim=1, descending=True, stable=True).indices[:, :p]
     chosen = layout.group_slots.gather(1, order).flatten()
-    chosen = chosen[chosen < layout.num_slots]  # the short-group padding sorts last and is never chosen
-    protected = torch.zeros(layout.num_slots, dtype=torch.bool, device=score.device)
+    # A short group's padding (slot N) sorts last and is chosen only where the group has at most p tokens: it
+    # marks a spare last entry, dropped (no host read of how many were chosen).
+    protected = torch.zeros(layout.num_slots + 1, dtype=torch.bool, device=score.device)
     protected[chosen] = True
-    return protected
+    return protected[: layout.num_slots]

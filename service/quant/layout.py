@@ -48,6 +48,8 @@ class SlotLayout:
             than gathering per-slot statistics.
         zero_padding: :meth:`empty_output` zeroes the padding of a given buffer; False for a scratch buffer
             whose padding is known to be zero already (filled before with this layout).
+        seq_starts: per run, its first column in the full sequence (host ints, so :meth:`gather` reads no
+            device value; empty when not known).
     """
 
     batch_size: int
@@ -60,9 +62,7 @@ class SlotLayout:
     group_size: int
     runs: tuple[tuple[int, int, int, int, int], ...]
     zero_padding: bool = True
-    #: Per run, its first column in the full sequence (host ints, so that :meth:`gather` reads nothing from the
-    #: device); None where the runs were changed (`select_rows`).
-    run_seq_starts: tuple[int, ...] | None = None
+    seq_starts: tuple[int, ...] = ()
 
     @property
     def num_slots(self) -> int:
@@ -167,10 +167,6 @@ class SlotLayout:
         ).view(len(groups), group_size)
         group_of_slot = torch.tensor([g for g, members in enumerate(groups) for _ in members], dtype=torch.int64)
         cols_t = torch.tensor(cols, dtype=torch.int64)
-        # The reused axis's sequence columns on the host (`Segments.reused_columns`, without reading a tensor).
-        reused = [*range(segments.block_start)]
-        if segments.cache_mode == "dual":
-            reused += range(segments.block_end, segments.seq_len)
         return cls(
             batch_size=segments.batch_size,
             num_reused=segments.num_reused,
@@ -181,7 +177,8 @@ class SlotLayout:
             group_slots=group_slots.to(device),
             group_size=group_size,
             runs=tuple(runs),
-            run_seq_starts=tuple(reused[col] for _, col, _, _, _ in runs),
+            seq_starts=tuple(col if col < segments.block_start else col + segments.block_end - segments.block_start
+                             for _, col, _, _, _ in runs),
         )
 
     def parts(self):
@@ -217,8 +214,10 @@ class SlotLayout:
         if self.batched(x.shape[1] * x.shape[3]):
             return x.permute(0, 2, 1, 3)[self.rows, self.seq_cols]
         pieces = []
-        starts = self.run_seq_starts or [int(self.seq_cols[slot]) for _, _, slot, _, _ in self.runs]
-        for (row, _, slot, length, _), start in zip(self.runs, starts):  # a run is contiguous in the sequence too
+        known = len(self.seq_starts) == len(self.runs)
+        for i, (row, _, slot, length, _) in enumerate(self.runs):
+            # a run is contiguous in the sequence too
+            start = self.seq_starts[i] if known else int(self.seq_cols[slot])
             pieces.append(x[row, :, start : start + length].transpose(0, 1))
         if not pieces:
             return x.new_empty(0, x.shape[1], x.shape[3])
@@ -266,8 +265,10 @@ class SlotLayout:
         position = {row: i for i, row in enumerate(rows)}
         table = torch.full((self.batch_size,), len(rows), dtype=torch.int64, device=self.rows.device)
         table[list(rows)] = torch.arange(len(rows), device=self.rows.device)
-        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in self.runs if r in position)
-        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs, run_seq_starts=None)
+        kept = [i for i, run in enumerate(self.runs) if run[0] in position]
+        runs = tuple((position[r], c, s, n, g) for r, c, s, n, g in (self.runs[i] for i in kept))
+        starts = tuple(self.seq_starts[i] for i in kept) if len(self.seq_starts) == len(self.runs) else ()
+        return replace(self, batch_size=len(rows) + 1, rows=table[self.rows], runs=runs, seq_starts=starts)
 
     def scatter(
         self, values: torch.Tensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None

@@ -196,7 +196,7 @@ class QuantizedKVStore(KVStore):
         if any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
                for name in ("dequantize", "dequantize_k", "dequantize_v")):
             return None
-        return batch_key(quantizer, self._packed[layer], self._layout.num_slots)
+        return batch_key(quantizer, self._packed[layer])
 
     def window_kv_batch(self, stores, layer, key_len, positions=None, rope=None):
         if self.pre_rope_keys:

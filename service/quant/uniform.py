@@ -23,6 +23,7 @@ Departures from the reference, on purpose:
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -37,14 +38,23 @@ def max_code(bits: int) -> int:
     return 2**bits - 1
 
 
+#: While a quantizer's write runs (`KVQuantizer.quantize`): the finiteness flags its checks put off, read together
+#: in one host read at the end of the write (a host read is a sync on a GPU); None: checks read at once.
+DEFERRED_CHECKS: ContextVar[list[torch.Tensor] | None] = ContextVar("deferred_checks", default=None)
+
+
 def minmax_scale(mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
     """``(mx - mn) / (2^b - 1)`` in the input dtype (the reference's order of operations).
 
     Raises:
-        KVQuantError: the range overflows the dtype (inf scale would dequantize to NaN).
+        KVQuantError: the range overflows the dtype (inf scale would dequantize to NaN); inside a write that puts
+            its checks off (:data:`DEFERRED_CHECKS`), the write raises it instead.
     """
     scale = (mx - mn) / max_code(bits)
-    if not torch.isfinite(scale).all():
+    deferred = DEFERRED_CHECKS.get()
+    if deferred is not None:
+        deferred.append(torch.isfinite(scale).all())
+    elif not torch.isfinite(scale).all():
         raise KVQuantError(f"a group's range overflows {mn.dtype}; values this large cannot be quantized")
     return scale
 

@@ -134,22 +134,21 @@ def test_forwards_hold_at_most_the_token_budget(engines):
 @pytest.mark.parametrize("kinds", [("kivi4", "kivi4", None, "kivi2"), ("dllm_kvq", "dllm_kvq")],
                          ids=["kivi-with-others", "dllm_kvq-whole-forward"])
 def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(engines, kinds, monkeypatch):
-    """Requests whose quantized stores share a batch key (one format, equal reused lengths) are dequantized in
-    one set of ops per layer (`service.quant.rows`); each still decodes token for token as alone, beside stores
+    """Requests whose quantized stores share a batch key (one format, whatever the prompt lengths) are dequantized
+    in one set of ops per layer (`service.quant.rows`); each still decodes token for token as alone, beside stores
     that answer alone (full precision, another bit width)."""
     from service.quant.store import QuantizedKVStore
 
     engine = engines["llada"]
     prompts = four_prompts("llada")
-    length = min(len(p) for p in prompts)
+    assert len({len(p) for p in prompts[: len(kinds)]}) > 1  # prompts of different lengths
     calls = []
     together = QuantizedKVStore.window_kv_batch
     monkeypatch.setattr(QuantizedKVStore, "window_kv_batch",
                         lambda self, stores, *a, **kw: calls.append(len(stores)) or together(self, stores, *a, **kw))
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
     batch = engine.batch()
-    cohorts = [engine.cohort([prompts[i][:length]], params, None, _store(engine, kind))
-               for i, kind in enumerate(kinds)]
+    cohorts = [engine.cohort([prompts[i]], params, None, _store(engine, kind)) for i, kind in enumerate(kinds)]
     with torch.inference_mode():
         for cohort in cohorts:
             batch.join(cohort)
@@ -157,7 +156,7 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
             batch.step()
     assert calls and set(calls) == {2}
     for i, kind in enumerate(kinds):
-        alone = engine.generate([prompts[i][:length]], params, kv_store=_store(engine, kind)).rows[0]
+        alone = engine.generate([prompts[i]], params, kv_store=_store(engine, kind)).rows[0]
         assert engine.report(cohorts[i]).rows[0].generated_ids == alone.generated_ids, i
 
 
