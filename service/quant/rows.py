@@ -82,9 +82,11 @@ class _Index:
     layer_codes: torch.Tensor | None = None  # dLLM-KVQ: `codes` with K's part of the layer being read
 
 
-#: Recently used indexes, by the identities of the stores' layouts and the key length.
+#: Recently used indexes, by the identities of the stores' layouts and the key length. Few: one part's indexes
+#: may take up to 64 x MAX_ELEMENTS bytes (256 MiB) that admission does not count, and a running batch whose
+#: rows start blocks at different iterations changes its set of layouts at most iterations anyway.
 _INDEXES: dict[tuple, _Index] = {}
-_KEPT_INDEXES = 8
+_KEPT_INDEXES = 2
 
 
 def forget(layout) -> None:
