@@ -86,7 +86,7 @@ class _Index:
 #: may take up to 64 x MAX_ELEMENTS bytes (256 MiB) that admission does not count, and a running batch whose
 #: rows start blocks at different iterations changes its set of layouts at most iterations anyway.
 _INDEXES: dict[tuple, _Index] = {}
-_KEPT_INDEXES = 2
+_KEPT_INDEXES = 4
 
 
 def forget(layout) -> None:
