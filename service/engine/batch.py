@@ -10,7 +10,8 @@ An iteration (:meth:`RunningBatch.step`) is a plain loop:
    ``max_num_batched_tokens``); a pass larger than the budget runs alone;
 2. **run**: per forward, inputs and positions are right-padded to the widest pass, keys carry a key mask (each
    row attends over exactly its own keys: its padding and anything past its sequence get no weight), RoPE's
-   cos/sin are looked up in the model's table once, and the LM head runs only at each row's reveal columns;
+   cos/sin are looked up in the model's table once, and the LM head runs only at the columns each row's reveal
+   reads (a greedy row's masked columns, `Cohort.reveal_columns`; the vocabulary softmax then runs only there);
 3. **reveal**: one batched reveal over all rows of the forward (`service.engine.reveal.reveal_batch`), each row
    by its own family rule, settings and generator; the revealed windows go back into each cohort's tokens;
 4. **read**: one host read for the whole iteration (per row: tokens revealed, masks left, EOS reached and the
@@ -18,8 +19,9 @@ An iteration (:meth:`RunningBatch.step`) is a plain loop:
    cancellation, committed blocks; finished cohorts leave.
 
 **Attention across requests.** In a window forward, the rows of every store kept in sequence order (the engine's
-full-precision store, `FullPrecisionKVStore.sequence_kv`) are put side by side with one concatenation per layer,
-the fresh window's K/V written over their window columns with one scatter, and attended in the forward's one call.
+full-precision store, `FullPrecisionKVStore.sequence_kv`) are copied side by side into one buffer per layer (each
+row's keys once; a lone row attends from its store's own buffer), the fresh window's K/V copied over their window
+columns with one row copy (``index_copy_``), and attended in the forward's one call.
 Other stores (quantized) answer through the protocol (``window_kv``: their dequantized layer with the window in
 place) and join the same concatenation; a store that attends itself (the fused kernel on CUDA, ``attend``) gets
 its rows' queries and the hook attends the others, so the layer still makes one attention call for the rest.
@@ -124,10 +126,12 @@ class BatchedReuse:
     def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor, rope=None) -> None:
         self.parts = list(zip(group, _rows(group)))
         self.key_len, self.dest, self.key_mask, self.rope = key_len, dest, key_mask, rope
+        # Flat row index of each fresh K/V row in a [R, H_kv, key_len, D] buffer, made at the first layer.
+        self._flat: torch.Tensor | None = None
 
     def _kv(self, p: Pass, rows: slice, layer, q, k_pre, k, v):
-        """The pass's keys and values ``[n, H_kv, key_len, D]``, or the attention output when its store
-        attended itself."""
+        """The pass's keys and values ``[n, H_kv, T_n, D]`` (``T_n <= key_len``: its own sequence, maybe with
+        its spare column), or the attention output when its store attended itself."""
         if p.hook is None:  # a store kept in sequence order
             kk, vv = p.cohort.store.sequence_kv(layer)
             if p.selection is not None:
@@ -138,8 +142,6 @@ class BatchedReuse:
             if isinstance(out, torch.Tensor):
                 return out
             kk, vv = out
-        if kk.shape[2] < self.key_len:
-            kk, vv = (F.pad(x, (0, 0, 0, self.key_len - x.shape[2])) for x in (kk, vv))
         return kk, vv
 
     def _together(self, layer: int, device: torch.device) -> list:
@@ -168,21 +170,48 @@ class BatchedReuse:
     def __call__(self, layer, q, k_pre, k, v):
         together = self._together(layer, q.device)
         if len(together) == 1 and len(self.parts) > 1:
-            return self._gathered(together, slice(None), k, v)
+            return self._placed(*together[0], k, v)
         got = [g if g is not None else self._kv(p, rows, layer, q, k_pre, k, v)
                for g, (p, rows) in zip(together, self.parts)]
         fused = [isinstance(g, torch.Tensor) for g in got]
         if not any(fused):
-            return self._gathered(got, slice(None), k, v)
+            return self._placed(*self._side_by_side(got), k, v)
         # Some stores attended themselves: attend the other rows here, then put the outputs in row order.
         outputs = []
         for (p, rows), g, own in zip(self.parts, got, fused):
             if own:
                 outputs.append(F.pad(g, (0, 0, 0, q.shape[2] - g.shape[2])))
             else:
-                kk, vv = self._gathered([g], rows, k, v)
+                kk, vv = (F.pad(x, (0, 0, 0, self.key_len - x.shape[2])) for x in g)
+                kk, vv = self._gathered([(kk, vv)], rows, k, v)
                 outputs.append(attend(q[rows], kk, vv, self.key_mask[rows]))
         return torch.cat(outputs)
+
+    def _side_by_side(self, got: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every part's keys and values ``[n, H_kv, T_n, D]`` side by side, ``[R, H_kv, key_len, D]`` (zeros past
+        a row's length: no key there gets weight, and a zero value keeps the weighted sum finite). A lone part
+        that already spans ``key_len`` is used as it is (its store's own buffer: only its window and spare
+        columns are written, which nothing reuses)."""
+        padded = [tuple(F.pad(x, (0, 0, 0, self.key_len - x.shape[2])) if x.shape[2] < self.key_len else x
+                        for x in g) for g in got]
+        if len(padded) == 1:
+            return padded[0]
+        return torch.cat([g[0] for g in padded]), torch.cat([g[1] for g in padded])
+
+    def _placed(self, kk: torch.Tensor, vv: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``kk, vv`` ``[R, H_kv, key_len, D]`` (every row of the forward) with the fresh window's K/V copied over
+        their key columns (:attr:`dest`), in place: one row copy per layer and tensor (``index_copy_`` of
+        D-wide rows on the flattened buffers; the same values a scatter would write)."""
+        if not (kk.is_contiguous() and vv.is_contiguous()):
+            return self._gathered([(kk, vv)], slice(None), k, v)
+        r, h, w, d = k.shape
+        if self._flat is None or self._flat.shape[0] != r * h * w:
+            heads = torch.arange(h, device=k.device)[None, :, None]
+            rows = torch.arange(r, device=k.device)[:, None, None]
+            self._flat = ((rows * h + heads) * self.key_len + self.dest[:, :, :, 0]).reshape(-1)
+        kk.view(-1, d).index_copy_(0, self._flat, k.reshape(-1, d))
+        vv.view(-1, d).index_copy_(0, self._flat, v.reshape(-1, d))
+        return kk, vv
 
     def _gathered(self, got, rows, k, v):
         ks, vs = [g[0] for g in got], [g[1] for g in got]
@@ -195,9 +224,13 @@ class BatchedReuse:
         return kk, vv
 
 
-def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward over ``group`` (passes of one kind): the logits at each row's reveal columns ``[R, W_r, V]``
-    and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal."""
+    and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal, and
+    None. With ``columns`` (per row, window columns as `Cohort.reveal_columns` gives them) the LM head runs only
+    there: the logits are ``[R, M, V]`` (M the longest list; shorter rows repeat their last column) and the third
+    value is their window columns, int64 ``[R, M]`` with padded entries W_r (`RevealBatch.columns`)."""
     device = group[0].input_ids.device
     width = max(p.width for p in group)
     ids = torch.cat([_padded(p.input_ids, width, pad_id) for p in group]) if len(group) > 1 else group[0].input_ids
@@ -210,9 +243,9 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[tor
     key_len = longest + 1 if window else width
     key_mask = None
     if window or any(pads) or any(t < key_len for t in lengths):
-        columns = torch.arange(key_len, device=device)[None, :]
-        key_mask = ((columns >= torch.tensor(pads, device=device)[:, None])
-                    & (columns < torch.tensor(lengths, device=device)[:, None]))
+        keys = torch.arange(key_len, device=device)[None, :]
+        key_mask = ((keys >= torch.tensor(pads, device=device)[:, None])
+                    & (keys < torch.tensor(lengths, device=device)[:, None]))
     reveal = max(p.reveal_width for p in group)
     offsets = [p.logits_offset for p in group for _ in p.rows]
     last = [p.reveal_width - 1 for p in group for _ in p.rows]
@@ -221,6 +254,15 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[tor
         at = cols + torch.tensor(offsets, device=device)[:, None]
     else:
         at = torch.minimum(cols, torch.tensor(last, device=device)[:, None]) + torch.tensor(offsets, device=device)[:, None]
+    listed, logits_at = None, at
+    if columns is not None:
+        most = max(len(c) for c in columns)
+        # One host-to-device copy: the listed window columns (padded with W) and the input columns the LM head
+        # reads (padded with the row's last listed column).
+        both = torch.tensor([[c + [reveal] * (most - len(c)) for c in columns],
+                             [[j + o for j in c + [c[-1]] * (most - len(c))] for c, o in zip(columns, offsets)]],
+                            device=device)
+        listed, logits_at = both[0], both[1]
     hook = None
     if window:
         starts = [p.input_start for p in group for _ in p.rows]
@@ -231,8 +273,9 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int) -> tuple[tor
         hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask, model.rope)
     elif any(p.hook is not None for p in group):
         hook = BlockWrites(group)
-    logits = model(ids, positions=positions, key_mask=key_mask, kv_hook=hook, logits_at=at, max_position=longest)
-    return logits, ids.gather(1, at)
+    logits = model(ids, positions=positions, key_mask=key_mask, kv_hook=hook, logits_at=logits_at,
+                   max_position=longest)
+    return logits, ids.gather(1, at), listed
 
 
 class RunningBatch:
@@ -352,8 +395,27 @@ class RunningBatch:
                         for j, hit in enumerate(row) if hit])
         return out
 
-    def _reveal(self, group: list[Pass], logits: torch.Tensor, tokens: torch.Tensor) -> RevealResult:
-        """The group's one batched reveal; its rows' new windows written back into their cohorts."""
+    @staticmethod
+    def _columns(group: list[Pass]) -> list[list[int]] | None:
+        """Per row of the forward, the window columns its reveal reads (`Cohort.reveal_columns`), or None (every
+        column) when a cohort of the forward constrains its tokens or asks for log-probabilities (they read
+        the whole window) or when no row would skip a column."""
+        if any(call.cohort.allowed is not None or call.cohort.logprobs is not None for call in group):
+            return None
+        columns = [c for call in group for c in call.cohort.reveal_columns(call)]
+        widths = [call.reveal_width for call in group for _ in call.rows]
+        if all(len(c) == w for c, w in zip(columns, widths)):
+            return None
+        return columns
+
+    def _forward(self, group: list[Pass]) -> RevealResult:
+        """The group's forward (the LM head only at the columns its reveal reads) and reveal."""
+        return self._reveal(group, *run_forward(self.model, group, self.pad_id, self._columns(group)))
+
+    def _reveal(self, group: list[Pass], logits: torch.Tensor, tokens: torch.Tensor,
+                columns: torch.Tensor | None = None) -> RevealResult:
+        """The group's one batched reveal; its rows' new windows written back into their cohorts. ``logits`` at
+        ``columns`` only when given (`RevealBatch.columns`)."""
         first = group[0].cohort
         lists: dict[str, list] = {}
         for call in group:
@@ -374,7 +436,8 @@ class RunningBatch:
         fixed = self._constrain(group, logits, lists)
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
-            allowed=allowed, logprobs=max(wanted) if wanted else None, logprob_logits=model_logits, **lists,
+            allowed=allowed, logprobs=max(wanted) if wanted else None, logprob_logits=model_logits,
+            columns=columns, **lists,
         ))
         if fixed:
             rows, masks_left = zip(*fixed)
@@ -422,7 +485,7 @@ class RunningBatch:
         :attr:`failed`. Re-raises when every call of the iteration (``calls``) failed alone."""
         self.forwards += 1
         try:
-            result = self._reveal(group, *run_forward(self.model, group, self.pad_id))
+            result = self._forward(group)
             self.rows += sum(len(p.rows) for p in group)
             return [(group, result)]
         except Exception as exc:
@@ -435,7 +498,7 @@ class RunningBatch:
         for call in group:
             self.forwards += 1
             try:
-                done.append(([call], self._reveal([call], *run_forward(self.model, [call], self.pad_id))))
+                done.append(([call], self._forward([call])))
                 self.rows += len(call.rows)
             except Exception as exc:  # noqa: BLE001 -- isolate the culprit
                 self.failed.append((call.cohort, exc))

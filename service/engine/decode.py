@@ -341,6 +341,25 @@ class Cohort:
             "ignore_eos": [params.ignore_eos] * len(call.rows),
         }
 
+    def reveal_columns(self, call: Pass) -> list[list[int]]:
+        """Per row of the call, the window columns (0-based, ascending) whose logits its reveal reads, from the
+        host's copy of the window (no device read): a greedy row's masked columns (a reveal only ever takes a
+        masked column, and a greedy choice at one column reads only that column's logits); every column for a row
+        that samples or remasks at random (its draws are as wide as its window), and for a grammar-constrained
+        row (its chain reads from its leftmost mask on)."""
+        offset = call.reveal_start - self.response_start
+        every = list(range(call.reveal_width))
+        out = []
+        for r in call.rows:
+            state = self.rows[r]
+            if state.temperature > 0 or self.params.remasking == "random" or state.grammar is not None:
+                out.append(every)
+                continue
+            window = self.response[r][offset: offset + call.reveal_width]
+            masked = [j for j, token in enumerate(window) if token == self.spec.mask_id]
+            out.append(masked or every)
+        return out
+
     def write(self, call: Pass, window: torch.Tensor) -> None:
         """Put the call's revealed window ``[n, W >= reveal_width]`` (int64) into the cohort's tokens."""
         end = call.reveal_start + call.reveal_width

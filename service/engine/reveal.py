@@ -276,6 +276,13 @@ class RevealBatch:
         confidence; ignore_eos.
 
     Options:
+        columns: None (``logits`` cover every window column), or int64 ``[R, M]``: ``logits`` are ``[R, M, V]``,
+            column j of row r being window column ``columns[r, j]``; each row's listed columns come first,
+            ascending, and must include every masked column of its window; padded entries are W. A row listed
+            with every column of its window decides exactly as with all logits (its sampling draws are as wide
+            as its window); a greedy row may list only its masked columns, the only ones a reveal reads (the
+            LM head and the vocabulary softmax then run nowhere else). Not with ``allowed`` or ``logprobs``
+            (ValueError).
         logprobs: None, or k >= 0: also return each column's chosen token's log-probability and its k most
             likely alternatives (:class:`RevealResult`), from this call's logits (no other forward).
         logprob_logits: None, or ``[R, W, V]``: the logits the log-probabilities are read from when ``logits``
@@ -303,6 +310,7 @@ class RevealBatch:
     allowed: torch.Tensor | None = None
     logprobs: int | None = None
     logprob_logits: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
 
 
 @dataclass
@@ -334,6 +342,21 @@ def _rows_tensor(values: list, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+def _choose_at(rule: RevealRule, logits: torch.Tensor, batch: RevealBatch, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`RevealRule.choose_batch` on the listed columns only (``batch.columns``), placed back at their window
+    columns: int64 tokens and confidences ``[R, w]`` (columns not listed: token 0, confidence ``-inf``; no
+    reveal reads them). Each column's token and confidence depend on its own logits only, so the listed ones are
+    those of the whole window."""
+    if batch.allowed is not None or batch.logprobs is not None:
+        raise ValueError("RevealBatch.columns cannot be combined with allowed or logprobs")
+    # A sampling row lists its whole window, so its draws (``width`` wide) are those of the full logits.
+    chosen_c, confidence_c = rule.choose_batch(logits, batch)
+    r = logits.shape[0]
+    chosen = chosen_c.new_zeros(r, w + 1).scatter_(1, batch.columns, chosen_c)
+    confidence = confidence_c.new_full((r, w + 1), float("-inf")).scatter_(1, batch.columns, confidence_c)
+    return chosen[:, :w], confidence[:, :w]
+
+
 def reveal_batch(rule: RevealRule, batch: RevealBatch) -> RevealResult:
     """One call's reveals for every row of a forward, as tensor operations over all rows (no host read).
 
@@ -353,7 +376,10 @@ def reveal_batch(rule: RevealRule, batch: RevealBatch) -> RevealResult:
     valid = cols[None, :] < _rows_tensor(batch.width, torch.long, device)[:, None]
     masked = tokens == batch.mask_id
     candidates = masked & valid
-    chosen, confidence = rule.choose_batch(logits, batch)
+    if batch.columns is None:
+        chosen, confidence = rule.choose_batch(logits, batch)
+    else:
+        chosen, confidence = _choose_at(rule, logits, batch, w)
     n = candidates.sum(-1)
     count = _rows_tensor([-1 if c is None else c for c in batch.count], torch.long, device)
     k = torch.where(count >= 0, torch.minimum(count, n), n)

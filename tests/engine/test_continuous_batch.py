@@ -193,3 +193,27 @@ def test_kvquant_stores_of_different_lengths_dequantize_together_and_decode_as_a
     for (i, quantized), cohort in zip(picked, cohorts):
         alone = engine.generate([prompts[i]], params, kv_store=kvquant() if quantized else None).rows[0]
         assert engine.report(cohort).rows[0].generated_ids == alone.generated_ids, i
+
+
+def test_the_lm_head_runs_only_at_the_columns_a_reveal_reads(engines):
+    """A greedy row's logits are computed at its masked columns only (the only ones a reveal takes); a sampling
+    row's at its whole window (its draws are as wide as the window). Counted at the LM head's input."""
+    engine = engines["llada"]
+    prompt = four_prompts("llada")[0]
+    seen: list[int] = []
+    handle = engine.model.lm_head.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[1]))
+    try:
+        greedy = engine.generate([prompt], _p()).rows[0]
+        sampled = engine.generate([prompt], _p(), [RowOptions(temperature=0.8, seed=1)]).rows[0]
+    finally:
+        handle.remove()
+    masked, i = [], 0
+    for steps in greedy.steps_per_block:
+        left = 32
+        for revealed in greedy.reveals_per_step[i:i + steps]:
+            masked.append(left)
+            left -= revealed
+        i += steps
+    assert any(m < 32 for m in masked)  # some calls had columns revealed already
+    assert seen[:greedy.nfe] == masked
+    assert seen[greedy.nfe:] == [32] * sampled.nfe

@@ -53,6 +53,49 @@ def test_each_row_reveals_what_the_per_row_rule_reveals(arch):
         assert int(result.masks_left[r]) == int((expected == MASK).sum())
 
 
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_logits_at_the_listed_columns_only_decide_as_the_whole_window(arch):
+    """`RevealBatch.columns`: greedy rows given logits at their masked columns only, and a sampling row given its
+    whole window, reveal exactly what the whole window's logits reveal (tokens, counts, masks left, draws)."""
+    rule = reveal_rule(arch)
+    gen = torch.Generator().manual_seed(1)
+    params_list = [DecodeParams(gen_length=16, block_length=W, threshold=0.3),
+                   DecodeParams(gen_length=16, block_length=W, threshold=None, steps=8),
+                   DecodeParams(gen_length=16, block_length=W, threshold=0.05)]
+    steps = [1, 2, 1]
+    logits = torch.randn(3, W, V, generator=gen) * 3
+    tokens = torch.full((3, W), MASK)
+    tokens[0, [0, 2, 3, 6]] = 5
+    tokens[1, 1] = 7
+    tokens[2, :2] = 4
+
+    def decided(columns):
+        batch = _batch(logits, tokens, rule, params_list, steps)
+        batch.temperature[2], batch.generator[2] = 0.7, torch.Generator().manual_seed(3)
+        if columns is not None:
+            most = max(len(c) for c in columns)
+            batch.columns = torch.tensor([c + [W] * (most - len(c)) for c in columns])
+            picked = torch.tensor([c + [c[-1]] * (most - len(c)) for c in columns])
+            batch.logits = logits.gather(1, picked[..., None].expand(-1, -1, V))
+        return reveal_batch(rule, batch)
+
+    listed = [[j for j in range(W) if tokens[r, j] == MASK] for r in range(2)] + [list(range(W))]
+    assert [len(c) for c in listed] == [4, 7, W]
+    whole, compact = decided(None), decided(listed)
+    for name in ("tokens", "revealed", "counts", "masks_left", "stop"):
+        assert torch.equal(getattr(whole, name), getattr(compact, name)), name
+    assert int(whole.counts.sum()) > 0
+
+
+def test_listed_columns_refuse_options_that_read_the_whole_window():
+    rule = reveal_rule("llada")
+    params = DecodeParams(gen_length=16, block_length=W, threshold=0.3)
+    batch = _batch(torch.zeros(1, 1, V), torch.full((1, W), MASK), rule, [params], [0], logprobs=0)
+    batch.columns = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="columns"):
+        reveal_batch(rule, batch)
+
+
 def test_allowed_masks_and_log_probabilities_of_revealed_tokens(engines):
     """A cohort whose rows may only choose a few ids gets only those; with ``logprobs`` each revealed token comes
     with its log-probability and alternatives, from the call that revealed it."""
