@@ -43,10 +43,10 @@ from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
+from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import ArtifactNotFound, StoreUnavailable
 from service.telemetry import Telemetry
-from service.worker import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 
 Kind = Literal["completion", "chat", "generate"]
 

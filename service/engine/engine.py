@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, RunningBatch
+from service.engine.batch import Plan, RunningBatch, alone
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
@@ -120,10 +120,11 @@ class Engine:
         """
         return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
-    def batch(self, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> RunningBatch:
-        """An empty continuous batch on this model (see `service.engine.batch`; ``max_batched_tokens``: the
-        most input tokens of one forward)."""
-        return RunningBatch(self.model, self.spec.pad_id, max_batched_tokens)
+    def batch(self, plan: Plan = alone) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`); ``plan`` groups each
+        :meth:`RunningBatch.step`'s passes into forwards (default: each alone; the server's is
+        `service.runtime.scheduler.forward_plan`)."""
+        return RunningBatch(self.model, self.spec.pad_id, plan)
 
     def cohort(
         self,

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from service.engine import EngineInputError
-from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, forward_tokens, plan_forwards
 from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, forward_plan, forward_tokens, plan_forwards
 from tests.engine.test_decode_quantized import policy_for
 from tests.support.fastdllm import four_prompts
 
@@ -49,7 +49,7 @@ MIXED = [
 def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget):
     engine = engines[arch]
     prompts = four_prompts(arch)
-    batch = engine.batch(budget)
+    batch = engine.batch(forward_plan(budget))
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
     cohorts, iteration, merged = {}, 0, []
     with torch.inference_mode():
@@ -78,7 +78,7 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_kv(engines):
     engine = engines["llada"]
     prompts = four_prompts("llada")
     flag = [False]
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     stay = engine.cohort([prompts[2]], _p(gen_length=96))
     leave = engine.cohort([prompts[1]], _p(gen_length=96), cancelled=lambda: flag)
     batch.join(stay)
@@ -109,7 +109,7 @@ def test_forwards_hold_at_most_the_token_budget(engines):
     the budget; window and full passes never share a forward; a pass larger than the budget runs alone."""
     engine = engines["llada"]
     prompts = four_prompts("llada")
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([prompts[i % 4]], _p(gen_length=32 * (1 + i % 3))) for i in range(6)]
     with torch.inference_mode():
         for i, cohort in enumerate(cohorts):
@@ -147,7 +147,7 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
     monkeypatch.setattr(QuantizedKVStore, "window_kv_batch",
                         lambda self, stores, *a: calls.append(len(stores)) or together(self, stores, *a))
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([prompts[i][:length]], params, None, _store(engine, kind))
                for i, kind in enumerate(kinds)]
     with torch.inference_mode():

@@ -1,24 +1,30 @@
-"""The worker: one thread owns the engine and runs the continuous scheduler; requests join a running batch at
-the next iteration and leave the moment they finish, admitted by KV memory (issue #14; DESIGN.md flow 1).
+"""The runtime's loop and life cycle: one worker thread owns the engine and runs admit -> plan -> run -> finish;
+requests join the running batch at the next iteration and leave the moment they finish, admitted by KV memory
+(issues #14 and #21; DESIGN.md flow 1). The decisions are the scheduler's pure functions
+(`service.runtime.scheduler`); the engine's running batch (`service.engine.batch.RunningBatch`) runs each planned
+iteration.
 
 The HTTP side calls :meth:`Worker.submit` (from the event loop; never blocks, never runs torch work) and awaits
 the job's future; the worker thread does everything that touches the model, as one loop: admit (move waiting
-jobs into the running batch), run one iteration, finish (set the results of the jobs that left). Rules:
+jobs into the running batch, :func:`~service.runtime.scheduler.plan_admission`), plan (the running requests' next
+calls grouped into forwards, :func:`~service.runtime.scheduler.plan_forwards`), run (the running batch runs the
+planned forwards), finish (set the results of the jobs that left). Rules:
 
 * **Bounded queue.** At most ``max_queue`` jobs wait; one more raises :class:`QueueFull` (HTTP 429 + Retry-After).
 * **Iterations.** The engine's `RunningBatch` runs every running request's next forward call, packed into as few
-  forwards as the token budget allows (`service.engine.batch`). Requests with different prompt and response
-  lengths, block lengths, thresholds or steps, temperatures, cache modes and KV configurations share them, each
-  with its own KV store; each decodes exactly as it would alone.
+  forwards as the token budget allows (`service.runtime.scheduler.plan_forwards`). Requests with different
+  prompt and response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV
+  configurations share them, each with its own KV store; each decodes exactly as it would alone.
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
-  (`service.admission`), and fewer than ``max_rows`` rows run. A request that could never fit, even alone, is
-  refused at :meth:`Worker.submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the prompt).
-* **Forwards apart from KV.** The running batch packs each iteration's passes into forwards of at most
-  ``max_batched_tokens`` input tokens (`service.engine.batch`); the activation memory of such a forward
-  (``forward_bytes``, measured once at start-up, `service.admission.MemoryModel.measure_forward`) is reserved
-  off the budget, so admission counts KV bytes against what is left (a request whose own block-initial pass is
-  larger than the token budget runs that pass alone and reserves its own transient).
+  (`service.runtime.scheduler`), and fewer than ``max_rows`` rows run. A request that could never fit, even
+  alone, is refused at :meth:`Worker.submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the
+  prompt).
+* **Forwards apart from KV.** The plan packs each iteration's passes into forwards of at most
+  ``max_batched_tokens`` input tokens (`service.runtime.scheduler.plan_forwards`); the activation memory of such
+  a forward (``forward_bytes``, measured once at start-up, `service.runtime.memory.MemoryModel.measure_forward`)
+  is reserved off the budget, so admission counts KV bytes against what is left (a request whose own
+  block-initial pass is larger than the token budget runs that pass alone and reserves its own transient).
 * **Fairness without head-of-line blocking** (issue 22 item 5). First come, first served, except: while the
   head of the queue waits for memory, requests behind it that are smaller and fit now run beside the running
   ones (backfill), for at most ``backfill_s`` seconds of the head's wait; from then on the memory that frees up
@@ -52,12 +58,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.admission import Cost, MemoryModel, plan_admission, work_tokens
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
+from service.runtime.memory import MemoryModel
+from service.runtime.scheduler import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    Cost,
+    forward_plan,
+    plan_admission,
+    work_tokens,
+)
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
@@ -71,9 +84,9 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
-    # The running batch's interface (`service.engine.batch`): an empty batch (forwards of at most
-    # ``max_batched_tokens`` input tokens; default: the engine's), a request's cohort, its report.
-    def batch(self, max_batched_tokens: int = ...) -> Any: ...
+    # The running batch's interface (`service.engine.batch.RunningBatch`: ``passes()`` starts an iteration,
+    # ``run(forwards)`` runs it as planned), a request's cohort, its report.
+    def batch(self) -> Any: ...
 
     def cohort(
         self,
@@ -229,18 +242,18 @@ class Worker:
         engine: the loaded engine.
         kv_store_factory: builds a job's KV store from its snapshot (None: the engine's full precision).
         telemetry: where metrics go.
-        memory: the model's :class:`~service.admission.MemoryModel`.
+        memory: the model's :class:`~service.runtime.memory.MemoryModel`.
         budget_bytes: KV bytes of running rows + the largest forward may not exceed this (>= 1).
         max_rows: most jobs running at once (``max_batch_size`` of the settings, >= 1).
         max_queue: most jobs waiting (>= 1).
-        max_batched_tokens: most input tokens of one forward (None: the engine's default).
+        max_batched_tokens: most input tokens of one forward (None: `DEFAULT_MAX_BATCHED_TOKENS`).
         forward_bytes: activation bytes of a forward at ``max_batched_tokens`` (reserved off the budget, >= 0).
         backfill_s: how long a job blocked at the head lets smaller ones that fit pass it (None: never; >= 0).
         retry_after_s: sent with :class:`QueueFull`.
         shadow_rate: probability in [0, 1] of a shadow re-decode of a finished quantized job.
         shadow_queue: most shadow jobs waiting; more are dropped (counted).
         seed: seeds the shadow sampling (tests).
-        max_work: most token-forwards one row may cost (`service.admission.work_tokens`); None: no ceiling.
+        max_work: most token-forwards one row may cost (`service.runtime.scheduler.work_tokens`); None: no ceiling.
 
     Raises:
         ValueError: a limit out of its range.
@@ -277,6 +290,7 @@ class Worker:
         self.memory, self.budget_bytes = memory, budget_bytes
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
+        self._plan = forward_plan(DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -447,7 +461,7 @@ class Worker:
             )
 
     def _admit(self) -> None:
-        """Move jobs from the queues into the batch by :func:`~service.admission.plan_admission` (module doc,
+        """Move jobs from the queues into the batch by :func:`~service.runtime.scheduler.plan_admission` (module doc,
         fairness); a job whose configuration was not measured yet is sized first, here on the worker thread.
         Caller holds the lock."""
         self._purge_cancelled()
@@ -503,9 +517,9 @@ class Worker:
         if job.served is None and not job.internal:
             self.telemetry.queue_time.observe(now - job.admitted_at)
 
-    # ---- the thread: admit -> run one iteration -> finish ------------------------------------------------------------
+    # ---- the thread: admit -> plan -> run -> finish --------------------------------------------------------------------
     def _loop(self) -> None:
-        self._batch = self.engine.batch(self.max_batched_tokens) if self.max_batched_tokens else self.engine.batch()
+        self._batch = self.engine.batch()
         while True:
             with self._cond:
                 while True:
@@ -517,7 +531,8 @@ class Worker:
                     self._cond.wait()
                 self._publish()
             try:
-                self._batch.step(on_done=self._finished)
+                passes = self._batch.passes(on_done=self._finished)
+                self._batch.run(self._plan(passes), on_done=self._finished)
                 self._step_tasks()
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
