@@ -275,7 +275,7 @@ class Serving:
             if exc.field == "prompt":
                 exc.field = prompt_param  # the chat route's prompt is its messages
             raise
-        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:])) for ids in prompts]
+        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:]), validated=True) for ids in prompts]
 
     def _check_count(self, count: int) -> None:
         """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that

@@ -134,14 +134,20 @@ class Engine:
         kv_store: KVStore | None = None,
         on_block: OnBlock | None = None,
         cancelled: Cancelled | None = None,
+        validated: bool = False,
     ) -> Cohort:
         """Validate a request and make its :class:`Cohort` (arguments as :meth:`generate`), ready to join a batch.
 
+        Args:
+            validated: the caller already ran :func:`validate_request` on these prompts and params against this
+                model (the server checks each request once, where it is made: `service.api.serving`); not again.
+
         Raises:
-            EngineInputError: see :func:`validate_request`.
+            EngineInputError: see :func:`validate_request` (not raised when ``validated``).
         """
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
-        validate_request(self.spec, prompts, params, rows)
+        if not validated:
+            validate_request(self.spec, prompts, params, rows)
         store = kv_store if kv_store is not None else FullPrecisionKVStore()
         return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
 

@@ -96,6 +96,7 @@ class EngineLike(Protocol):
         kv_store: KVStore | None = None,
         on_block: Callable[[int, list[list[int]]], None] | None = None,
         cancelled: Callable[[], list[bool]] | None = None,
+        validated: bool = False,
     ) -> Any: ...
 
     def report(self, cohort: Any) -> DecodeReport: ...
@@ -176,8 +177,10 @@ class JobResult:
 
 @dataclass(eq=False)
 class Job:
-    """One admitted request: one prompt decoded as ``len(rows)`` rows (``n`` choices: ``row`` and ``more_rows``,
-    rows of one cohort).
+    """One request from the API to the runner: one prompt decoded as ``len(rows)`` rows (``n`` choices: ``row``
+    and ``more_rows``, rows of one cohort). The same object waits in the queue, is admitted by the scheduler and
+    runs in the batch (``cohort``, ``cost``, ``joined_at``, ``peak_rows`` once it joined); its future carries the
+    result.
 
     ``on_block(block_index, ids)`` is called from the worker thread with the response ids committed so far, one
     list per row of the job; it must not block (the HTTP side hands it to its event loop).
@@ -205,6 +208,15 @@ class Job:
     task: Any = None
     # The other choices of the same prompt (n > 1, issue 25): decoded with ``row`` as rows of one cohort.
     more_rows: tuple[RowOptions, ...] = ()
+    # Whether its prompt, params and rows passed `service.engine.engine.validate_request` against the served model
+    # (the API checks every job it makes, once): the worker then makes its cohort without checking again.
+    validated: bool = False
+    # Set by the worker when it joins the running batch: the engine's decoding state of its rows (a `Cohort`, or the
+    # task's own), the memory reserved for it, when it joined, the most jobs that ran with it (itself included).
+    cohort: Any = None
+    cost: Cost | None = None
+    joined_at: float | None = None
+    peak_rows: int = 0
 
     @property
     def rows(self) -> list[RowOptions]:
@@ -222,17 +234,6 @@ class Job:
 
 
 KVStoreFactory = Callable[[ConfigSnapshot], KVStore | None]
-
-
-@dataclass(eq=False)
-class _Running:
-    """A job in the batch: its cohort, its reserved cost, when it joined, and the most jobs that ran with it."""
-
-    job: Job
-    cohort: Any
-    cost: Cost
-    joined_at: float
-    peak_rows: int
 
 
 class Worker:
@@ -300,7 +301,7 @@ class Worker:
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
         # The running jobs, in the order they joined: the only record of what runs (drain, counts, failures).
-        self._members: list[_Running] = []
+        self._running: list[Job] = []
         self._batch: Any = None  # the engine's running batch, made on the worker thread
         self._accepting = True
         self._stopping = False
@@ -341,9 +342,9 @@ class Worker:
         with self._cond:
             self._accepting = False
             self._shadow.clear()
-            while (self._queue or self._members) and time.monotonic() < deadline:
+            while (self._queue or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-            left = [*self._queue, *(m.job for m in self._members)]
+            left = [*self._queue, *self._running]
             self.cut_by_drain += sum(job.served is None and not job.internal for job in left)
             for job in left:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
@@ -415,7 +416,7 @@ class Worker:
     @property
     def num_running(self) -> int:
         """Jobs in the running batch."""
-        return len(self._members)
+        return len(self._running)
 
     def _purge_cancelled(self) -> None:
         """Drop cancelled waiting jobs (caller holds the lock)."""
@@ -479,7 +480,7 @@ class Worker:
             jobs = list(queue)
             costs = [self._cost(job) for job in jobs]
             chosen, head = plan_admission(
-                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [m.cost for m in self._members],
+                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [job.cost for job in self._running],
                 self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None:  # blocked by the running requests (or by those joining before it)
                 blocked = True
@@ -506,25 +507,26 @@ class Worker:
             else:
                 rows = job.rows
                 cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
-                                            lambda: [job.cancelled] * len(rows))
+                                            lambda: [job.cancelled] * len(rows), validated=job.validated)
         except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return
         now = time.monotonic()
-        self._members.append(_Running(job, cohort, cost, now, len(self._members) + 1))
+        job.cohort, job.cost, job.joined_at, job.peak_rows = cohort, cost, now, len(self._running) + 1
+        self._running.append(job)
         if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
             self._batch.join(cohort)
         if job.served is None and not job.internal:
             self.telemetry.queue_time.observe(now - job.admitted_at)
 
-    # ---- the thread: admit -> plan -> run -> finish --------------------------------------------------------------------
+    # ---- the thread: admit -> plan -> run -> finish ----------------------------------------------------------------
     def _loop(self) -> None:
         self._batch = self.engine.batch()
         while True:
             with self._cond:
                 while True:
                     self._admit()
-                    if self._members:
+                    if self._running:
                         break
                     if self._stopping:
                         return
@@ -547,51 +549,50 @@ class Worker:
                     return
             with self._cond:
                 for cohort, exc in self._batch.failed:
-                    self._fail_member(self._member(cohort), exc)
+                    self._fail_running(self._job(cohort), exc)
                 self._publish()
                 self._cond.notify_all()
 
-    def _member(self, cohort: Any) -> _Running:
-        return next(m for m in self._members if m.cohort is cohort)
+    def _job(self, cohort: Any) -> Job:
+        return next(job for job in self._running if job.cohort is cohort)
 
     def _step_tasks(self) -> None:
         """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
         alone."""
-        for member in [m for m in self._members if m.job.task is not None]:
+        for job in [j for j in self._running if j.task is not None]:
             try:
-                more = member.cohort.step()
+                more = job.cohort.step()
             except Exception as exc:
                 if is_device_fault(exc):
                     raise
                 with self._cond:
-                    self._fail_member(member, exc)
+                    self._fail_running(job, exc)
                     self._cond.notify_all()
                 continue
             if not more:
-                self._finished(member.cohort)
+                self._finished(job.cohort)
 
     def _finished(self, cohort: Any) -> None:
         """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
         with self._cond:
-            self._finish(self._member(cohort))
+            self._finish(self._job(cohort))
             self._cond.notify_all()
 
     def _publish(self) -> None:
-        for member in self._members:
-            member.peak_rows = max(member.peak_rows, len(self._members))
-        self.telemetry.running.set(len(self._members))
-        self.telemetry.kv_reserved.set(sum(m.cost.kv for m in self._members))
+        for job in self._running:
+            job.peak_rows = max(job.peak_rows, len(self._running))
+        self.telemetry.running.set(len(self._running))
+        self.telemetry.kv_reserved.set(sum(job.cost.kv for job in self._running))
 
-    def _finish(self, member: _Running) -> None:
-        self._members.remove(member)
-        job = member.job
+    def _finish(self, job: Job) -> None:
+        self._running.remove(job)
         if job.task is not None:
-            if job.cancelled or member.cohort.cancelled:
+            if job.cancelled or job.cohort.cancelled:
                 _set_exception(job, JobCancelled("cancelled while running"))
             else:
-                _set_result(job, member.cohort.scores())
+                _set_result(job, job.cohort.scores())
             return
-        report: DecodeReport = self.engine.report(member.cohort)
+        report: DecodeReport = self.engine.report(job.cohort)
         if job.cancelled or report.rows[0].finish_reason == "cancelled":
             _set_exception(job, JobCancelled("cancelled while running"))
             return
@@ -599,32 +600,32 @@ class Worker:
             self._record_shadow(job, report)
             return
         if not job.internal:
-            self.telemetry.batch_size.observe(member.peak_rows)
+            self.telemetry.batch_size.observe(job.peak_rows)
             self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
-        _set_result(job, JobResult(report, job.snapshot, member.joined_at - job.admitted_at, member.peak_rows))
+        _set_result(job, JobResult(report, job.snapshot, job.joined_at - job.admitted_at, job.peak_rows))
         if not job.internal:
             self._maybe_shadow(job, report.rows[0])
 
-    def _fail_member(self, member: _Running, exc: BaseException) -> None:
+    def _fail_running(self, job: Job, exc: BaseException) -> None:
         """One request raised (its options, its KV store): it fails alone with a 500 naming the cause; the others
         go on (issue 13). Caller holds the lock; the batch already let it go."""
         self.telemetry.worker_faults.labels("false").inc()
-        log.error("a request failed alone (%d others go on)", len(self._members) - 1, exc_info=exc)
-        self._members.remove(member)
-        _set_exception(member.job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+        log.error("a request failed alone (%d others go on)", len(self._running) - 1, exc_info=exc)
+        self._running.remove(job)
+        _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
 
     def _fail_batch(self, exc: BaseException) -> None:
         """An iteration raised: every running request fails; a device fault also fails the waiting ones and stops
         the worker."""
         fatal = is_device_fault(exc)
         self.telemetry.worker_faults.labels(str(fatal).lower()).inc()
-        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._members), fatal)
+        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._running), fatal)
         error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
         with self._cond:
-            for member in self._members:
-                self._batch.leave(member.cohort)
-                _set_exception(member.job, error)
-            self._members = []
+            for job in self._running:
+                self._batch.leave(job.cohort)
+                _set_exception(job, error)
+            self._running = []
             self._publish()
             if fatal:
                 self.fault = exc
@@ -642,8 +643,8 @@ class Worker:
             return
         if self._rng.random() >= self.shadow_rate:
             return
-        shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(), served=(row.generated_ids,
-                                                                                              row.text))
+        shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(),
+                     served=(row.generated_ids, row.text), validated=job.validated)
         # The telemetry labels are those of the served configuration, which the shadow snapshot keeps as origin.
         with self._cond:
             if len(self._shadow) >= self.shadow_queue or not self._accepting:

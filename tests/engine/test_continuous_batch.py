@@ -159,3 +159,13 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
     for i, kind in enumerate(kinds):
         alone = engine.generate([prompts[i][:length]], params, kv_store=_store(engine, kind)).rows[0]
         assert engine.report(cohorts[i]).rows[0].generated_ids == alone.generated_ids, i
+
+
+def test_a_request_validated_where_it_was_made_is_not_checked_again(engines):
+    """The server checks a request once, where it is made (`Serving._jobs`, `Job.validated`); the engine then makes
+    its cohort without `validate_request`, which refuses the same arguments when asked."""
+    engine = engines["llada"]
+    prompt = [*four_prompts("llada")[0], engine.spec.mask_id]  # what validate_request refuses, cheaply
+    with pytest.raises(EngineInputError, match="contains the mask id"):
+        engine.cohort([prompt], _p())
+    assert engine.cohort([prompt], _p(), validated=True).x[0, : len(prompt)].tolist() == prompt

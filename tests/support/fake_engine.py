@@ -65,7 +65,8 @@ class FakeEngine:
     def batch(self) -> FakeBatch:
         return FakeBatch(self)
 
-    def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None):
+    def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None,
+               validated=False):
         return FakeCohort(prompts, params, on_block, cancelled)
 
     def report(self, cohort: FakeCohort) -> DecodeReport:
