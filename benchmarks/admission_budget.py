@@ -2,9 +2,9 @@
 
 Builds the ``small`` random preset of `benchmarks/decode_speed.py` (LLaDA-shaped, d_model 512, 8 layers), sets the
 budget to exactly what two unquantized ``--dtype`` (bf16) rows of a ``--context``-token sequence need (their KV at
-the longest plus one row's largest forward, `service.admission`), and sends the same ``--rows`` requests (prompt
+the longest plus one row's largest forward, `service.runtime.memory`), and sends the same ``--rows`` requests (prompt
 ``context - gen`` tokens, ``--gen`` response tokens, dual cache, fixed schedule of 2 steps per block) through the
-server's continuous scheduler (`service.worker.Worker`), once per configuration. Prints the rows the
+server's continuous scheduler (`service.runtime.loop.Worker`), once per configuration. Prints the rows the
 budget fits by its arithmetic, the rows in flight at once (most, from the scheduler), generated tokens/s and the
 ratio of the 2-bit row to the unquantized one. Targets (issue #14): 2-bit KIVI admits >= 5 rows at once and its
 throughput is >= 1.8x the unquantized rows'.
@@ -30,13 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
 
 from benchmarks.decode_speed import random_engine
-from service.admission import MemoryModel
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+from service.runtime.loop import Job, Worker
+from service.runtime.memory import MemoryModel
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import Job, Worker
 
 CONFIGS = {"unquantized": KVQuantConfig(), "kivi 2-bit": KVQuantConfig(method="kivi", bits=2)}
 

@@ -31,14 +31,14 @@ Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,p
 [--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
 [--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32]``. On CUDA
 (``--device cuda``, e.g. ``--width 4096 --vocab 126464 --dtype bfloat16``: LLaDA-8B itself) a column adds the
-measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the running batch's ``padding_slack`` where it has one (``inf`` merges whenever
-memory allows, as a launch-bound GPU would).
+measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the
+plan's ``padding_slack`` (`service.runtime.scheduler.plan_forwards`; ``inf`` merges whenever the token budget
+allows, as a launch-bound GPU would).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.decode_speed import PRESETS, quantized_store, random_engine
 from service.engine import Engine
 from service.engine.params import DecodeParams
+from service.runtime.scheduler import forward_plan
 
 #: Host cost of one eager kernel launch on a GPU (seconds), and the extra stall of one host read (a drained queue).
 LAUNCH_S = 5e-6
@@ -140,9 +141,9 @@ class IterationCost:
 
 
 def _batch(engine: Engine):
-    """The engine's running batch, with ``padding_slack`` when the batch takes one (the legacy grouping)."""
-    return engine.batch(**({"padding_slack": ARGS["slack"]} if "padding_slack" in
-                          inspect.signature(engine.batch).parameters else {}))
+    """The engine's running batch, planned as the server plans (`service.runtime.scheduler.plan_forwards`) with
+    ``--slack`` as its ``padding_slack``."""
+    return engine.batch(forward_plan(padding_slack=ARGS["slack"]))
 
 
 ARGS = {"slack": float("inf")}

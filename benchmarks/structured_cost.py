@@ -28,6 +28,7 @@ from service.engine import Engine
 from service.engine.grammar import GrammarCompiler, GrammarSpec
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_chat
+from service.runtime.scheduler import forward_plan
 
 LEDGER_REGEX = r"( [0-9]){48}"
 
@@ -51,7 +52,7 @@ def mixed_batch(engine: Engine, prompts, params: DecodeParams, grammar) -> float
     """CPU seconds of this process (all its threads: torch's and the grammar engine's) until the unconstrained
     cohorts of 16 (the first one constrained when ``grammar``) are done: on a shared machine wall time mostly
     measures the other jobs."""
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([p], params, [RowOptions(grammar=grammar if i == 0 else None)])
                for i, p in enumerate(prompts)]
     for c in cohorts:

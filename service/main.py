@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.admission import CPU_BUDGET_BYTES, MemoryModel, default_budget
 from service.api import body, errors, openapi
 from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
@@ -28,11 +27,12 @@ from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
+from service.runtime.loop import EngineLike, Job, Worker
+from service.runtime.memory import CPU_BUDGET_BYTES, MemoryModel, default_budget
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
 from service.telemetry import Telemetry
-from service.worker import EngineLike, Job, Worker
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def test_the_tree_keeps_the_dependency_direction(graph):
     ("service.quant.base", "service.store.base", "neither FastAPI nor the API or stores"),
     ("service.artifacts.policy", "fastapi", "neither FastAPI"),
     ("service.quant.uniform", "service.engine.models.llada", "quant does not import the models"),
-    ("service.worker", "evaluation.matrix", "neither calibration nor evaluation"),
+    ("service.runtime.loop", "evaluation.matrix", "neither calibration nor evaluation"),
     ("calibration.job", "service.api.serving", "never import the HTTP layer"),
     ("service.engine.decode", "service.quant.store", "package cycle"),
 ])

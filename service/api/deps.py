@@ -12,10 +12,10 @@ from service.api.admin import Admin
 from service.api.errors import AdminClosed, Unauthorized
 from service.api.serving import Serving
 from service.config import Settings, key_id
+from service.runtime.loop import Worker
 from service.store.active import ActiveConfigs
 from service.store.base import Store
 from service.telemetry import Telemetry
-from service.worker import Worker
 
 
 def get_settings(request: Request) -> Settings:

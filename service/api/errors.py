@@ -4,7 +4,7 @@ Every error answer is ``{"error": {"message", "type", "param", "code"}}`` (OpenA
 machine-readable reason). ``param`` is the ``field`` the error carries (engine, quantizer, artifact and store
 errors name the offending input when they raise it; nothing here parses messages). :data:`MAPPING` decides the status of each exception type raised inside the server;
 anything not listed is a 500 whose message does not leak internals. Whether a worker error is fatal is decided
-by the worker (`service.worker.is_device_fault`), which then fails readiness.
+by the worker (`service.runtime.loop.is_device_fault`), which then fails readiness.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
 from service.engine.errors import EngineInputError
+from service.runtime.loop import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 from service.store.active import ConfigUnavailable
 from service.store.base import (
     ArtifactConflict,
@@ -32,7 +33,6 @@ from service.store.base import (
     StoreAccessDenied,
     StoreUnavailable,
 )
-from service.worker import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ MAX_TOKENS_HELP = ("most response tokens returned (decoding runs whole blocks, t
                    "prompt's tokens + max_tokens rounded up to whole blocks must fit the model's context")
 #: What a generation request must also satisfy: the rules JSON Schema cannot state (arithmetic across fields, token
 #: counts, the server's limits), for the operations' descriptions (a request that breaks one is a 400 naming the
-#: field; `service.engine.engine.validate_request`, `service.worker`).
+#: field; `service.engine.engine.validate_request`, `service.runtime.loop`).
 GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 naming the field):
 
 * the prompt's tokens (a text counts in the tokenizer's tokens, not characters, and must encode to at least one)

@@ -43,10 +43,10 @@ from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
+from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import ArtifactNotFound, StoreUnavailable
 from service.telemetry import Telemetry
-from service.worker import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 
 Kind = Literal["completion", "chat", "generate"]
 
@@ -275,7 +275,7 @@ class Serving:
             if exc.field == "prompt":
                 exc.field = prompt_param  # the chat route's prompt is its messages
             raise
-        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:])) for ids in prompts]
+        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:]), validated=True) for ids in prompts]
 
     def _check_count(self, count: int) -> None:
         """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that

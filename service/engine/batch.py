@@ -1,13 +1,12 @@
-"""Continuous batching: one iteration runs every running request's next call in as few forwards as a token budget
-allows, reveals for all their rows in one batched call, and reads the device once (issue 21).
+"""Continuous batching: one iteration runs every running request's next call in the forwards its plan groups (a
+plan the caller gives), reveals for all their rows in one batched call, and reads the device once (issue 21).
 
 An iteration (:meth:`RunningBatch.step`) is a plain loop:
 
-1. **plan**: each cohort says what its next call needs (`service.engine.decode.Pass`, built on the host);
-   :func:`plan_forwards` groups them: window passes (later steps of cached modes) together, full passes
-   (block-initial passes, no-cache steps, whole-response calls) together, each forward holding at most
-   ``max_batched_tokens`` input tokens counted at the padded shape (rows x widest input; vLLM's
-   ``max_num_batched_tokens``); a pass larger than the budget runs alone;
+1. **plan**: each cohort says what its next call needs (`service.engine.decode.Pass`, built on the host,
+   :meth:`RunningBatch.passes`); the caller's plan groups the calls into forwards (:data:`Plan`; the server's is
+   `service.runtime.scheduler.plan_forwards`: window passes apart from full passes, each forward within a token
+   budget; `Engine.generate`'s one cohort makes one pass per iteration, run alone, :func:`alone`);
 2. **run**: per forward, inputs and positions are right-padded to the widest pass, keys carry a key mask (each
    row attends over exactly its own keys: its padding and anything past its sequence get no weight), RoPE's
    cos/sin are looked up in the model's table once, and the LM head runs only at the columns each row's reveal
@@ -47,39 +46,14 @@ from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
 from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 
-#: Input tokens one forward may hold at its padded shape when no budget is set (DLLM_MAX_BATCHED_TOKENS):
-#: 32 requests of a 456-token sequence in one block-initial forward, 512 rows of a 32-token window.
-DEFAULT_MAX_BATCHED_TOKENS = 16384
-#: A forward's padded tokens may exceed its real tokens by at most this fraction (:func:`plan_forwards`).
-PADDING_SLACK = 0.25
+#: An iteration's plan: its passes grouped into forwards (`service.runtime.scheduler.plan_forwards` in the server).
+Plan = Callable[[list[Pass]], list[list[Pass]]]
 
 
-def forward_tokens(group: list[Pass]) -> int:
-    """Input tokens of the forward that holds ``group``, at its padded shape (rows x widest input)."""
-    return sum(len(p.rows) for p in group) * max(p.width for p in group)
-
-
-def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK) -> list[list[Pass]]:
-    """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
-    packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` and
-    within ``1 + padding_slack`` times its real tokens (padded columns are arithmetic thrown away: block-initial
-    passes of very different lengths go into different forwards); a pass alone always runs. Window and full
-    passes never share a forward (their keys come from different places), so an iteration with both kinds makes
-    at least two forwards."""
-    groups: list[list[Pass]] = []
-    for kind in ("window", "full"):
-        current: list[Pass] = []
-        for p in sorted((p for p in passes if p.kind == kind), key=lambda p: (p.width, p.seq_len)):
-            merged = [*current, p]
-            padded = forward_tokens(merged)
-            if current and (padded > max_tokens
-                            or padded > (1 + padding_slack) * sum(len(q.rows) * q.width for q in merged)):
-                groups.append(current)
-                current = []
-            current.append(p)
-        if current:
-            groups.append(current)
-    return groups
+def alone(passes: list[Pass]) -> list[list[Pass]]:
+    """The plan that runs each pass in a forward of its own (one cohort, as `Engine.generate` runs, makes one pass
+    per iteration, so this is its plan)."""
+    return [[p] for p in passes]
 
 
 def spans(counts: Iterable[int]) -> list[slice]:
@@ -283,7 +257,8 @@ class RunningBatch:
 
     Args:
         model: the network; pad_id: the token id of padded input columns.
-        max_batched_tokens: most input tokens of one forward at its padded shape (:func:`plan_forwards`).
+        plan: how :meth:`step` groups an iteration's passes into forwards (default :func:`alone`; the server's
+            loop plans each iteration itself, :meth:`passes` then :meth:`run`).
 
     Attributes:
         cohorts: the cohorts in the batch, oldest first.
@@ -292,14 +267,13 @@ class RunningBatch:
         failed: (cohort, exception) of the cohorts that raised in the last :meth:`step` (they have left).
     """
 
-    def __init__(self, model: DiffusionLM, pad_id: int, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> None:
-        if max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens must be >= 1, got {max_batched_tokens}")
-        self.model, self.pad_id, self.max_batched_tokens = model, pad_id, max_batched_tokens
+    def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone) -> None:
+        self.model, self.pad_id, self.plan = model, pad_id, plan
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
         self.forwards = self.merged = self.rows = 0
         self.failed: list[tuple[Cohort, BaseException]] = []
+        self._finished: list[Cohort] = []
 
     def join(self, cohort: Cohort) -> None:
         """Add a cohort; its first call is made at the next :meth:`step`."""
@@ -328,24 +302,37 @@ class RunningBatch:
             on_done(cohort)
 
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
-        """One iteration (module doc). Returns the cohorts that finished (they have left the batch, their stores
-        cleared); ``on_done`` is called for each as soon as it is known. Cohorts that raised leave too and are
-        listed in :attr:`failed`.
+        """One iteration (module doc): :meth:`passes`, the batch's plan groups them into forwards, :meth:`run`.
+        Returns the cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called
+        for each as soon as it is known. Cohorts that raised leave too and are listed in :attr:`failed`.
 
         Raises whatever the forward raises when every cohort of the iteration failed with it (nothing to isolate:
         the caller decides, e.g. a device fault); the cohorts stay in the batch then.
         """
-        finished: list[Cohort] = []
+        return self.run(self.plan(self.passes(on_done)), on_done)
+
+    def passes(self, on_done: Callable[[Cohort], None] | None = None) -> list[Pass]:
+        """Start an iteration: the next call of every cohort, oldest first, for a plan to group into forwards
+        (cohorts that joined since the last iteration are asked now; one with no call finishes, ``on_done``; one
+        that raises goes into :attr:`failed`)."""
+        self._finished = []
         self.failed = []
+        self.forwards = self.merged = self.rows = 0
         for cohort in list(self.cohorts):
             if cohort not in self._next:  # joined since the last iteration
-                self._ask(cohort, finished, on_done)
-        calls = [self._next[c] for c in self.cohorts if c in self._next]
-        self.forwards = self.merged = self.rows = 0
+                self._ask(cohort, self._finished, on_done)
+        return [self._next[c] for c in self.cohorts if c in self._next]
+
+    def run(self, forwards: list[list[Pass]], on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
+        """Run the iteration :meth:`passes` started, as planned: each group one forward (passes of one kind) and
+        one reveal, then the iteration's one host read; a pass the plan left out waits for the next iteration.
+        Returns and raises as :meth:`step`."""
+        finished = self._finished
+        calls = sum(len(group) for group in forwards)
         done: list[tuple[list[Pass], RevealResult]] = []
-        for group in plan_forwards(calls, self.max_batched_tokens):
+        for group in forwards:
             self.merged = max(self.merged, len(group))
-            done += self._run_group(group, len(calls))
+            done += self._run_group(group, calls)
         self._absorb(done)
         for group, _ in done:
             for call in group:
@@ -355,6 +342,7 @@ class RunningBatch:
                 self._ask(call.cohort, finished, on_done)
         for cohort, _ in self.failed:
             self.leave(cohort)
+        self._finished = []
         return finished
 
     def _absorb(self, done: list[tuple[list[Pass], RevealResult]]) -> None:

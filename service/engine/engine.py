@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, RunningBatch
+from service.engine.batch import Plan, RunningBatch, alone
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
@@ -120,10 +120,11 @@ class Engine:
         """
         return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
-    def batch(self, max_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS) -> RunningBatch:
-        """An empty continuous batch on this model (see `service.engine.batch`; ``max_batched_tokens``: the
-        most input tokens of one forward)."""
-        return RunningBatch(self.model, self.spec.pad_id, max_batched_tokens)
+    def batch(self, plan: Plan = alone) -> RunningBatch:
+        """An empty continuous batch on this model (see `service.engine.batch`); ``plan`` groups each
+        :meth:`RunningBatch.step`'s passes into forwards (default: each alone; the server's is
+        `service.runtime.scheduler.forward_plan`)."""
+        return RunningBatch(self.model, self.spec.pad_id, plan)
 
     def cohort(
         self,
@@ -133,14 +134,20 @@ class Engine:
         kv_store: KVStore | None = None,
         on_block: OnBlock | None = None,
         cancelled: Cancelled | None = None,
+        validated: bool = False,
     ) -> Cohort:
         """Validate a request and make its :class:`Cohort` (arguments as :meth:`generate`), ready to join a batch.
 
+        Args:
+            validated: the caller already ran :func:`validate_request` on these prompts and params against this
+                model (the server checks each request once, where it is made: `service.api.serving`); not again.
+
         Raises:
-            EngineInputError: see :func:`validate_request`.
+            EngineInputError: see :func:`validate_request` (not raised when ``validated``).
         """
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
-        validate_request(self.spec, prompts, params, rows)
+        if not validated:
+            validate_request(self.spec, prompts, params, rows)
         store = kv_store if kv_store is not None else FullPrecisionKVStore()
         return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
 

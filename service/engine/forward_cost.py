@@ -1,5 +1,5 @@
 """Transient memory and arithmetic of one forward call: the single definition used by admission
-(`service.admission`) and by the batch that merges forwards (`service.engine.batch`), so that what admission
+(`service.runtime.memory`) and by the plan that merges forwards (`service.runtime.scheduler`), so that what admission
 reserves bounds what runs.
 
 A forward over ``rows`` rows of ``tokens`` input columns attending over ``keys`` keys, with logits at

@@ -238,7 +238,7 @@ class PromptLikelihood:
 @dataclass(frozen=True)
 class LikelihoodTask:
     """A job's request for the per-token values of one prompt (module docstring), run by the server's worker
-    (`service.worker.Job.task`): what it costs, and its :class:`PromptLikelihood` once it joins a batch."""
+    (`service.runtime.loop.Job.task`): what it costs, and its :class:`PromptLikelihood` once it joins a batch."""
 
     ids: tuple[int, ...]
     mc_num: int

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from service.engine import EngineInputError
-from service.engine.batch import DEFAULT_MAX_BATCHED_TOKENS, forward_tokens, plan_forwards
 from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, forward_plan, forward_tokens, plan_forwards
 from tests.engine.test_decode_quantized import policy_for, states  # noqa: F401 (states: a fixture)
 from tests.support.fastdllm import four_prompts
 
@@ -49,7 +49,7 @@ MIXED = [
 def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget):
     engine = engines[arch]
     prompts = four_prompts(arch)
-    batch = engine.batch(budget)
+    batch = engine.batch(forward_plan(budget))
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
     cohorts, iteration, merged = {}, 0, []
     with torch.inference_mode():
@@ -78,7 +78,7 @@ def test_a_cancelled_request_leaves_at_once_and_frees_its_kv(engines):
     engine = engines["llada"]
     prompts = four_prompts("llada")
     flag = [False]
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     stay = engine.cohort([prompts[2]], _p(gen_length=96))
     leave = engine.cohort([prompts[1]], _p(gen_length=96), cancelled=lambda: flag)
     batch.join(stay)
@@ -109,7 +109,7 @@ def test_forwards_hold_at_most_the_token_budget(engines):
     the budget; window and full passes never share a forward; a pass larger than the budget runs alone."""
     engine = engines["llada"]
     prompts = four_prompts("llada")
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([prompts[i % 4]], _p(gen_length=32 * (1 + i % 3))) for i in range(6)]
     with torch.inference_mode():
         for i, cohort in enumerate(cohorts):
@@ -147,7 +147,7 @@ def test_quantized_stores_of_one_format_dequantize_together_and_decode_as_alone(
     monkeypatch.setattr(QuantizedKVStore, "window_kv_batch",
                         lambda self, stores, *a, **kw: calls.append(len(stores)) or together(self, stores, *a, **kw))
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([prompts[i]], params, None, _store(engine, kind)) for i, kind in enumerate(kinds)]
     with torch.inference_mode():
         for cohort in cohorts:
@@ -182,7 +182,7 @@ def test_kvquant_stores_of_different_lengths_dequantize_together_and_decode_as_a
                         lambda self, stores, *a, **kw: calls.append(len(stores)) or together(self, stores, *a, **kw))
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
     picked = [(2, True), (1, True), (0, False), (3, True)]  # prompt lengths 40, 17, 5 (unquantized), 9
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohorts = [engine.cohort([prompts[i]], params, None, kvquant() if quantized else None) for i, quantized in picked]
     with torch.inference_mode():
         for cohort in cohorts:
@@ -217,3 +217,13 @@ def test_the_lm_head_runs_only_at_the_columns_a_reveal_reads(engines):
     assert any(m < 32 for m in masked)  # some calls had columns revealed already
     assert seen[:greedy.nfe] == masked
     assert seen[greedy.nfe:] == [32] * sampled.nfe
+
+
+def test_a_request_validated_where_it_was_made_is_not_checked_again(engines):
+    """The server checks a request once, where it is made (`Serving._jobs`, `Job.validated`); the engine then makes
+    its cohort without `validate_request`, which refuses the same arguments when asked."""
+    engine = engines["llada"]
+    prompt = [*four_prompts("llada")[0], engine.spec.mask_id]  # what validate_request refuses, cheaply
+    with pytest.raises(EngineInputError, match="contains the mask id"):
+        engine.cohort([prompt], _p())
+    assert engine.cohort([prompt], _p(), validated=True).x[0, : len(prompt)].tolist() == prompt

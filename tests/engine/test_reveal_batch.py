@@ -10,6 +10,7 @@ from service.engine.models import reveal_rule
 from service.engine.params import DecodeParams
 from service.engine.reveal import RevealBatch, reveal_batch
 from service.engine.sampling import llada_fixed_schedule
+from service.runtime.scheduler import forward_plan
 from tests.support.fastdllm import four_prompts
 
 MASK, V, W = 99, 100, 8
@@ -109,7 +110,7 @@ def test_allowed_masks_and_log_probabilities_of_revealed_tokens(engines):
         mask[0, allowed_ids] = True
         return mask
 
-    batch = engine.batch()
+    batch = engine.batch(forward_plan())
     cohort = engine.cohort([prompt], params)
     cohort.allowed, cohort.logprobs = allowed, 3
     free = engine.cohort([prompt], params)  # shares the forwards, unconstrained

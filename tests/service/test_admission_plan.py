@@ -1,10 +1,10 @@
-"""`service.admission.plan_admission`, the scheduler's admission as a pure function of costs and times: first come
+"""`service.runtime.scheduler.plan_admission`, the scheduler's admission as a pure function of costs and times: first come
 first served, backfill behind a blocked head for a bounded time, then memory reserved for the head (issue 22
 item 5). Times are the function's arguments, not a clock."""
 
 from __future__ import annotations
 
-from service.admission import Cost, fits, plan_admission
+from service.runtime.scheduler import Cost, fits, plan_admission
 
 BUDGET = 100
 SMALL, MEDIUM, LARGE = Cost(10, 5), Cost(40, 5), Cost(90, 10)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.admission import MemoryModel
 from service.engine import Engine
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
+from service.runtime.loop import BatchFailed, Job, Worker
+from service.runtime.memory import MemoryModel
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import BatchFailed, Job, Worker
 from tests.support.fastdllm import CKPT, four_prompts
 
 # The configuration whose store breaks (its k_group_size only tells it apart; method none is unquantized).
@@ -42,7 +42,7 @@ class LosingStore(FullPrecisionKVStore):
 
     @property
     def bytes_held(self) -> int:
-        """What the admission probe measures (`service.admission.MemoryModel`)."""
+        """What the admission probe measures (`service.runtime.memory.MemoryModel`)."""
         return sum(t.numel() * t.element_size() for kv in self._layers.values() for t in kv)
 
 

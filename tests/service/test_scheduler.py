@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.admission import MemoryModel
 from service.engine import Engine
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
+from service.runtime.loop import Job, RequestTooLarge, Worker
+from service.runtime.memory import MemoryModel
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-from service.worker import Job, RequestTooLarge, Worker
 from tests.support.fastdllm import CKPT, four_prompts
 
 KIVI2 = KVQuantConfig(method="kivi", bits=2, k_group_size=8)

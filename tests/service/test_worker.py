@@ -8,12 +8,9 @@ import threading
 
 import pytest
 
-from service.admission import MemoryModel
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
-from service.store.active import ConfigSnapshot
-from service.telemetry import Telemetry
-from service.worker import (
+from service.runtime.loop import (
     DeviceFault,
     Job,
     JobCancelled,
@@ -22,6 +19,9 @@ from service.worker import (
     WorkerUnavailable,
     is_device_fault,
 )
+from service.runtime.memory import MemoryModel
+from service.store.active import ConfigSnapshot
+from service.telemetry import Telemetry
 from tests.support.fake_engine import ALPHABET, OFFSET, FakeEngine
 
 NONE = ConfigSnapshot(KVQuantConfig(), "dual", "default")

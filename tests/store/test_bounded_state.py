@@ -11,9 +11,9 @@ import uuid
 import httpx
 import pytest
 
-from service.admission import PER_TOKEN_KEEP, MemoryModel
 from service.engine.kv_store import FullPrecisionKVStore
 from service.quant.config import KVQuantConfig
+from service.runtime.memory import PER_TOKEN_KEEP, MemoryModel
 from service.store.redis_store import RedisStore
 from service.telemetry import ARTIFACT_SERIES_KEEP, Telemetry
 from tests.support.apps import ADMIN_KEY

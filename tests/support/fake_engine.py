@@ -9,11 +9,12 @@ must answer 500 and live on), ``#`` raises a `DeviceFault` (readiness must fail)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from service.engine.params import DecodeParams
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.spec import ModelSpec
-from service.worker import DeviceFault
+from service.runtime.loop import DeviceFault
 
 ALPHABET = " abcdefghijklmnopqrstuvwxyz.,!?#ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 PAD, BOS, EOS, MASK = 0, 1, 2, 127
@@ -61,10 +62,11 @@ class FakeEngine:
                                 cancelled)
 
     # ---- the running batch's interface: one block per iteration for every cohort ----------------------------------
-    def batch(self, max_batched_tokens: int | None = None) -> FakeBatch:
+    def batch(self) -> FakeBatch:
         return FakeBatch(self)
 
-    def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None):
+    def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None,
+               validated=False):
         return FakeCohort(prompts, params, on_block, cancelled)
 
     def report(self, cohort: FakeCohort) -> DecodeReport:
@@ -96,6 +98,7 @@ class FakeBatch:
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine, self.cohorts, self.forwards = engine, [], 0
+        self._finished: list[FakeCohort] = []
         self.failed: list[tuple[FakeCohort, BaseException]] = []
 
     def join(self, cohort: FakeCohort) -> None:
@@ -105,24 +108,49 @@ class FakeBatch:
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
 
-    def step(self, on_done=None) -> list[FakeCohort]:
-        finished = [c for c in self.cohorts if c.done]
-        for cohort in finished:
+    def passes(self, on_done=None) -> list[FakePass]:
+        """Start an iteration: finished cohorts leave (``on_done``); one full pass per other cohort, shaped as
+        `service.engine.decode.Pass` for the scheduler's plan (`service.runtime.scheduler.plan_forwards`)."""
+        self._finished = [c for c in self.cohorts if c.done]
+        for cohort in self._finished:
             self.leave(cohort)
             if on_done is not None:
                 on_done(cohort)
-        self.forwards = 1 if self.cohorts else 0
-        if not self.cohorts:
-            return finished
-        self.engine.calls.append(len(self.cohorts))
-        _check_faults([p for c in self.cohorts for p in c.prompts])
+        return [FakePass(c, "full", len(c.prompts[0]) + c.params.gen_length, range(len(c.prompts)))
+                for c in self.cohorts]
+
+    def run(self, forwards, on_done=None) -> list[FakeCohort]:
+        """Commit one block of every cohort of the planned forwards (one recorded call, one sleep)."""
+        cohorts = [p.cohort for group in forwards for p in group]
+        self.forwards = 1 if cohorts else 0
+        if not cohorts:
+            return self._finished
+        self.engine.calls.append(len(cohorts))
+        _check_faults([p for c in cohorts for p in c.prompts])
         time.sleep(self.engine.block_delay_s)
-        for cohort in self.cohorts:
+        for cohort in cohorts:
             size = cohort.params.block_length
             cohort.block += 1
             if cohort.on_block is not None:
                 cohort.on_block(cohort.block - 1, [a[: cohort.block * size] for a in cohort.answers])
-        return finished
+        return self._finished
+
+    def step(self, on_done=None) -> list[FakeCohort]:
+        return self.run([self.passes(on_done)], on_done)
+
+
+@dataclass
+class FakePass:
+    """A fake cohort's next call: what the scheduler's plan reads of a pass."""
+
+    cohort: FakeCohort
+    kind: str
+    width: int
+    rows: range
+
+    @property
+    def seq_len(self) -> int:
+        return self.width
 
 
 def _check_faults(prompts) -> None:

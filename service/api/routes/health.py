@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from service.api.deps import ActiveDep, TelemetryDep, WorkerDep
-from service.worker import WorkerUnavailable
+from service.runtime.loop import WorkerUnavailable
 
 router = APIRouter()
 

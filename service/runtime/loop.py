@@ -1,24 +1,30 @@
-"""The worker: one thread owns the engine and runs the continuous scheduler; requests join a running batch at
-the next iteration and leave the moment they finish, admitted by KV memory (issue #14; DESIGN.md flow 1).
+"""The runtime's loop and life cycle: one worker thread owns the engine and runs admit -> plan -> run -> finish;
+requests join the running batch at the next iteration and leave the moment they finish, admitted by KV memory
+(issues #14 and #21; DESIGN.md flow 1). The decisions are the scheduler's pure functions
+(`service.runtime.scheduler`); the engine's running batch (`service.engine.batch.RunningBatch`) runs each planned
+iteration.
 
 The HTTP side calls :meth:`Worker.submit` (from the event loop; never blocks, never runs torch work) and awaits
 the job's future; the worker thread does everything that touches the model, as one loop: admit (move waiting
-jobs into the running batch), run one iteration, finish (set the results of the jobs that left). Rules:
+jobs into the running batch, :func:`~service.runtime.scheduler.plan_admission`), plan (the running requests' next
+calls grouped into forwards, :func:`~service.runtime.scheduler.plan_forwards`), run (the running batch runs the
+planned forwards), finish (set the results of the jobs that left). Rules:
 
 * **Bounded queue.** At most ``max_queue`` jobs wait; one more raises :class:`QueueFull` (HTTP 429 + Retry-After).
 * **Iterations.** The engine's `RunningBatch` runs every running request's next forward call, packed into as few
-  forwards as the token budget allows (`service.engine.batch`). Requests with different prompt and response
-  lengths, block lengths, thresholds or steps, temperatures, cache modes and KV configurations share them, each
-  with its own KV store; each decodes exactly as it would alone.
+  forwards as the token budget allows (`service.runtime.scheduler.plan_forwards`). Requests with different
+  prompt and response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV
+  configurations share them, each with its own KV store; each decodes exactly as it would alone.
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
-  (`service.admission`), and fewer than ``max_rows`` rows run. A request that could never fit, even alone, is
-  refused at :meth:`Worker.submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the prompt).
-* **Forwards apart from KV.** The running batch packs each iteration's passes into forwards of at most
-  ``max_batched_tokens`` input tokens (`service.engine.batch`); the activation memory of such a forward
-  (``forward_bytes``, measured once at start-up, `service.admission.MemoryModel.measure_forward`) is reserved
-  off the budget, so admission counts KV bytes against what is left (a request whose own block-initial pass is
-  larger than the token budget runs that pass alone and reserves its own transient).
+  (`service.runtime.scheduler`), and fewer than ``max_rows`` rows run. A request that could never fit, even
+  alone, is refused at :meth:`Worker.submit` (:class:`RequestTooLarge`, HTTP 400 naming ``max_tokens`` or the
+  prompt).
+* **Forwards apart from KV.** The plan packs each iteration's passes into forwards of at most
+  ``max_batched_tokens`` input tokens (`service.runtime.scheduler.plan_forwards`); the activation memory of such
+  a forward (``forward_bytes``, measured once at start-up, `service.runtime.memory.MemoryModel.measure_forward`)
+  is reserved off the budget, so admission counts KV bytes against what is left (a request whose own
+  block-initial pass is larger than the token budget runs that pass alone and reserves its own transient).
 * **Fairness without head-of-line blocking** (issue 22 item 5). First come, first served, except: while the
   head of the queue waits for memory, requests behind it that are smaller and fit now run beside the running
   ones (backfill), for at most ``backfill_s`` seconds of the head's wait; from then on the memory that frees up
@@ -52,12 +58,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.admission import Cost, MemoryModel, plan_admission, work_tokens
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
+from service.runtime.memory import MemoryModel
+from service.runtime.scheduler import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    Cost,
+    forward_plan,
+    plan_admission,
+    work_tokens,
+)
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
@@ -71,9 +84,9 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
-    # The running batch's interface (`service.engine.batch`): an empty batch (forwards of at most
-    # ``max_batched_tokens`` input tokens; default: the engine's), a request's cohort, its report.
-    def batch(self, max_batched_tokens: int = ...) -> Any: ...
+    # The running batch's interface (`service.engine.batch.RunningBatch`: ``passes()`` starts an iteration,
+    # ``run(forwards)`` runs it as planned), a request's cohort, its report.
+    def batch(self) -> Any: ...
 
     def cohort(
         self,
@@ -83,6 +96,7 @@ class EngineLike(Protocol):
         kv_store: KVStore | None = None,
         on_block: Callable[[int, list[list[int]]], None] | None = None,
         cancelled: Callable[[], list[bool]] | None = None,
+        validated: bool = False,
     ) -> Any: ...
 
     def report(self, cohort: Any) -> DecodeReport: ...
@@ -163,8 +177,10 @@ class JobResult:
 
 @dataclass(eq=False)
 class Job:
-    """One admitted request: one prompt decoded as ``len(rows)`` rows (``n`` choices: ``row`` and ``more_rows``,
-    rows of one cohort).
+    """One request from the API to the runner: one prompt decoded as ``len(rows)`` rows (``n`` choices: ``row``
+    and ``more_rows``, rows of one cohort). The same object waits in the queue, is admitted by the scheduler and
+    runs in the batch (``cohort``, ``cost``, ``joined_at``, ``peak_rows`` once it joined); its future carries the
+    result.
 
     ``on_block(block_index, ids)`` is called from the worker thread with the response ids committed so far, one
     list per row of the job; it must not block (the HTTP side hands it to its event loop).
@@ -192,6 +208,15 @@ class Job:
     task: Any = None
     # The other choices of the same prompt (n > 1, issue 25): decoded with ``row`` as rows of one cohort.
     more_rows: tuple[RowOptions, ...] = ()
+    # Whether its prompt, params and rows passed `service.engine.engine.validate_request` against the served model
+    # (the API checks every job it makes, once): the worker then makes its cohort without checking again.
+    validated: bool = False
+    # Set by the worker when it joins the running batch: the engine's decoding state of its rows (a `Cohort`, or the
+    # task's own), the memory reserved for it, when it joined, the most jobs that ran with it (itself included).
+    cohort: Any = None
+    cost: Cost | None = None
+    joined_at: float | None = None
+    peak_rows: int = 0
 
     @property
     def rows(self) -> list[RowOptions]:
@@ -211,17 +236,6 @@ class Job:
 KVStoreFactory = Callable[[ConfigSnapshot], KVStore | None]
 
 
-@dataclass(eq=False)
-class _Running:
-    """A job in the batch: its cohort, its reserved cost, when it joined, and the most jobs that ran with it."""
-
-    job: Job
-    cohort: Any
-    cost: Cost
-    joined_at: float
-    peak_rows: int
-
-
 class Worker:
     """Owns the engine and runs the continuous scheduler; see the module docstring for the rules.
 
@@ -229,18 +243,18 @@ class Worker:
         engine: the loaded engine.
         kv_store_factory: builds a job's KV store from its snapshot (None: the engine's full precision).
         telemetry: where metrics go.
-        memory: the model's :class:`~service.admission.MemoryModel`.
+        memory: the model's :class:`~service.runtime.memory.MemoryModel`.
         budget_bytes: KV bytes of running rows + the largest forward may not exceed this (>= 1).
         max_rows: most jobs running at once (``max_batch_size`` of the settings, >= 1).
         max_queue: most jobs waiting (>= 1).
-        max_batched_tokens: most input tokens of one forward (None: the engine's default).
+        max_batched_tokens: most input tokens of one forward (None: `DEFAULT_MAX_BATCHED_TOKENS`).
         forward_bytes: activation bytes of a forward at ``max_batched_tokens`` (reserved off the budget, >= 0).
         backfill_s: how long a job blocked at the head lets smaller ones that fit pass it (None: never; >= 0).
         retry_after_s: sent with :class:`QueueFull`.
         shadow_rate: probability in [0, 1] of a shadow re-decode of a finished quantized job.
         shadow_queue: most shadow jobs waiting; more are dropped (counted).
         seed: seeds the shadow sampling (tests).
-        max_work: most token-forwards one row may cost (`service.admission.work_tokens`); None: no ceiling.
+        max_work: most token-forwards one row may cost (`service.runtime.scheduler.work_tokens`); None: no ceiling.
 
     Raises:
         ValueError: a limit out of its range.
@@ -277,6 +291,7 @@ class Worker:
         self.memory, self.budget_bytes = memory, budget_bytes
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
+        self._plan = forward_plan(DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -286,7 +301,7 @@ class Worker:
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
         # The running jobs, in the order they joined: the only record of what runs (drain, counts, failures).
-        self._members: list[_Running] = []
+        self._running: list[Job] = []
         self._batch: Any = None  # the engine's running batch, made on the worker thread
         self._accepting = True
         self._stopping = False
@@ -327,9 +342,9 @@ class Worker:
         with self._cond:
             self._accepting = False
             self._shadow.clear()
-            while (self._queue or self._members) and time.monotonic() < deadline:
+            while (self._queue or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-            left = [*self._queue, *(m.job for m in self._members)]
+            left = [*self._queue, *self._running]
             self.cut_by_drain += sum(job.served is None and not job.internal for job in left)
             for job in left:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
@@ -401,7 +416,7 @@ class Worker:
     @property
     def num_running(self) -> int:
         """Jobs in the running batch."""
-        return len(self._members)
+        return len(self._running)
 
     def _purge_cancelled(self) -> None:
         """Drop cancelled waiting jobs (caller holds the lock)."""
@@ -447,7 +462,7 @@ class Worker:
             )
 
     def _admit(self) -> None:
-        """Move jobs from the queues into the batch by :func:`~service.admission.plan_admission` (module doc,
+        """Move jobs from the queues into the batch by :func:`~service.runtime.scheduler.plan_admission` (module doc,
         fairness); a job whose configuration was not measured yet is sized first, here on the worker thread.
         Caller holds the lock."""
         self._purge_cancelled()
@@ -465,7 +480,7 @@ class Worker:
             jobs = list(queue)
             costs = [self._cost(job) for job in jobs]
             chosen, head = plan_admission(
-                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [m.cost for m in self._members],
+                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [job.cost for job in self._running],
                 self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None:  # blocked by the running requests (or by those joining before it)
                 blocked = True
@@ -492,32 +507,34 @@ class Worker:
             else:
                 rows = job.rows
                 cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
-                                            lambda: [job.cancelled] * len(rows))
+                                            lambda: [job.cancelled] * len(rows), validated=job.validated)
         except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
             _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             return
         now = time.monotonic()
-        self._members.append(_Running(job, cohort, cost, now, len(self._members) + 1))
+        job.cohort, job.cost, job.joined_at, job.peak_rows = cohort, cost, now, len(self._running) + 1
+        self._running.append(job)
         if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
             self._batch.join(cohort)
         if job.served is None and not job.internal:
             self.telemetry.queue_time.observe(now - job.admitted_at)
 
-    # ---- the thread: admit -> run one iteration -> finish ------------------------------------------------------------
+    # ---- the thread: admit -> plan -> run -> finish ----------------------------------------------------------------
     def _loop(self) -> None:
-        self._batch = self.engine.batch(self.max_batched_tokens) if self.max_batched_tokens else self.engine.batch()
+        self._batch = self.engine.batch()
         while True:
             with self._cond:
                 while True:
                     self._admit()
-                    if self._members:
+                    if self._running:
                         break
                     if self._stopping:
                         return
                     self._cond.wait()
                 self._publish()
             try:
-                self._batch.step(on_done=self._finished)
+                passes = self._batch.passes(on_done=self._finished)
+                self._batch.run(self._plan(passes), on_done=self._finished)
                 self._step_tasks()
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
@@ -532,51 +549,50 @@ class Worker:
                     return
             with self._cond:
                 for cohort, exc in self._batch.failed:
-                    self._fail_member(self._member(cohort), exc)
+                    self._fail_running(self._job(cohort), exc)
                 self._publish()
                 self._cond.notify_all()
 
-    def _member(self, cohort: Any) -> _Running:
-        return next(m for m in self._members if m.cohort is cohort)
+    def _job(self, cohort: Any) -> Job:
+        return next(job for job in self._running if job.cohort is cohort)
 
     def _step_tasks(self) -> None:
         """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
         alone."""
-        for member in [m for m in self._members if m.job.task is not None]:
+        for job in [j for j in self._running if j.task is not None]:
             try:
-                more = member.cohort.step()
+                more = job.cohort.step()
             except Exception as exc:
                 if is_device_fault(exc):
                     raise
                 with self._cond:
-                    self._fail_member(member, exc)
+                    self._fail_running(job, exc)
                     self._cond.notify_all()
                 continue
             if not more:
-                self._finished(member.cohort)
+                self._finished(job.cohort)
 
     def _finished(self, cohort: Any) -> None:
         """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
         with self._cond:
-            self._finish(self._member(cohort))
+            self._finish(self._job(cohort))
             self._cond.notify_all()
 
     def _publish(self) -> None:
-        for member in self._members:
-            member.peak_rows = max(member.peak_rows, len(self._members))
-        self.telemetry.running.set(len(self._members))
-        self.telemetry.kv_reserved.set(sum(m.cost.kv for m in self._members))
+        for job in self._running:
+            job.peak_rows = max(job.peak_rows, len(self._running))
+        self.telemetry.running.set(len(self._running))
+        self.telemetry.kv_reserved.set(sum(job.cost.kv for job in self._running))
 
-    def _finish(self, member: _Running) -> None:
-        self._members.remove(member)
-        job = member.job
+    def _finish(self, job: Job) -> None:
+        self._running.remove(job)
         if job.task is not None:
-            if job.cancelled or member.cohort.cancelled:
+            if job.cancelled or job.cohort.cancelled:
                 _set_exception(job, JobCancelled("cancelled while running"))
             else:
-                _set_result(job, member.cohort.scores())
+                _set_result(job, job.cohort.scores())
             return
-        report: DecodeReport = self.engine.report(member.cohort)
+        report: DecodeReport = self.engine.report(job.cohort)
         if job.cancelled or report.rows[0].finish_reason == "cancelled":
             _set_exception(job, JobCancelled("cancelled while running"))
             return
@@ -584,32 +600,32 @@ class Worker:
             self._record_shadow(job, report)
             return
         if not job.internal:
-            self.telemetry.batch_size.observe(member.peak_rows)
+            self.telemetry.batch_size.observe(job.peak_rows)
             self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
-        _set_result(job, JobResult(report, job.snapshot, member.joined_at - job.admitted_at, member.peak_rows))
+        _set_result(job, JobResult(report, job.snapshot, job.joined_at - job.admitted_at, job.peak_rows))
         if not job.internal:
             self._maybe_shadow(job, report.rows[0])
 
-    def _fail_member(self, member: _Running, exc: BaseException) -> None:
+    def _fail_running(self, job: Job, exc: BaseException) -> None:
         """One request raised (its options, its KV store): it fails alone with a 500 naming the cause; the others
         go on (issue 13). Caller holds the lock; the batch already let it go."""
         self.telemetry.worker_faults.labels("false").inc()
-        log.error("a request failed alone (%d others go on)", len(self._members) - 1, exc_info=exc)
-        self._members.remove(member)
-        _set_exception(member.job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+        log.error("a request failed alone (%d others go on)", len(self._running) - 1, exc_info=exc)
+        self._running.remove(job)
+        _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
 
     def _fail_batch(self, exc: BaseException) -> None:
         """An iteration raised: every running request fails; a device fault also fails the waiting ones and stops
         the worker."""
         fatal = is_device_fault(exc)
         self.telemetry.worker_faults.labels(str(fatal).lower()).inc()
-        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._members), fatal)
+        log.exception("an iteration of %d requests failed (device fault: %s)", len(self._running), fatal)
         error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
         with self._cond:
-            for member in self._members:
-                self._batch.leave(member.cohort)
-                _set_exception(member.job, error)
-            self._members = []
+            for job in self._running:
+                self._batch.leave(job.cohort)
+                _set_exception(job, error)
+            self._running = []
             self._publish()
             if fatal:
                 self.fault = exc
@@ -627,8 +643,8 @@ class Worker:
             return
         if self._rng.random() >= self.shadow_rate:
             return
-        shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(), served=(row.generated_ids,
-                                                                                              row.text))
+        shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(),
+                     served=(row.generated_ids, row.text), validated=job.validated)
         # The telemetry labels are those of the served configuration, which the shadow snapshot keeps as origin.
         with self._cond:
             if len(self._shadow) >= self.shadow_queue or not self._accepting:

@@ -1,4 +1,4 @@
-"""What a request costs in memory, for admission by a budget instead of by a count (issue #14).
+"""What a request costs in memory (issue #14), measured for the scheduler (`service.runtime.scheduler`).
 
 A running request holds two kinds of memory:
 
@@ -7,23 +7,16 @@ A running request holds two kinds of memory:
   full-precision store keeps the whole sequence in order and a spare column; the reused region alone is largest
   at the last block, ``seq_len - block_length``); cache mode ``none`` holds nothing. Bytes per reused
   token are measured once per configuration by writing every layer of the configuration's own store with a probe
-  of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``).
+  of :data:`PROBE_TOKENS` tokens (a full-precision store: ``2 x layers x kv_heads x head_dim x element size``),
+  on the worker thread, never on the event loop (`service.runtime.loop`).
 * **Transient bytes** of the largest forward a row runs: its block-initial pass over its whole sequence
   (`service.engine.forward_cost`: activations of one layer, the K/V of one layer with GQA repeats and a second
   copy, the LM head's logits).
-
-The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest forward's
-transient`` fits the budget. Forwards are bounded by a token budget (``max_batched_tokens``,
-`service.engine.batch.plan_forwards`): the activation memory of a forward at that budget is measured once at
-start-up (:meth:`MemoryModel.measure_forward`) and reserved off the budget; a request whose own block-initial
-pass is larger runs it alone and reserves its own transient. Its work (:func:`work_tokens`) is held against a
-ceiling at submission by the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +24,7 @@ from service.engine.forward_cost import ForwardCost
 from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
 from service.engine.params import DecodeParams
 from service.engine.spec import ModelSpec
+from service.runtime.scheduler import Cost
 
 # The budget on CPU when none is set (DLLM_KV_BUDGET_BYTES).
 CPU_BUDGET_BYTES = 1 << 30
@@ -38,15 +32,6 @@ CPU_BUDGET_BYTES = 1 << 30
 PROBE_TOKENS = 256
 #: Configurations whose per-token KV bytes are remembered (one probe each; the oldest dropped first).
 PER_TOKEN_KEEP = 256
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Memory of one request: ``kv`` bytes held at its longest, ``transient`` bytes of its largest forward."""
-
-    kv: int
-    transient: int
-
 
 class MemoryModel:
     """Bytes per request and per forward for one loaded model.
@@ -150,64 +135,6 @@ class MemoryModel:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
         (`service.engine.forward_cost.ForwardCost.bytes`)."""
         return self.forward.bytes(1, seq_len, seq_len, logits_cols)
-
-def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
-    """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
-    forward ``reserve`` and the requests' own transients within ``budget`` (bytes)."""
-    transient = max([reserve, cost.transient, *(c.transient for c in running)])
-    return sum(c.kv for c in running) + cost.kv + transient <= budget
-
-
-def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost], budget: int, now: float,
-                   reserve: int = 0, max_rows: int | None = None, backfill_s: float | None = None,
-                   ) -> tuple[list[int], int | None]:
-    """Which waiting requests join the running batch now (a pure function of costs and times; the scheduler
-    applies it, `service.worker`).
-
-    Args:
-        waiting: per waiting request in queue order, its cost and when it was first blocked at the head of the
-            queue (seconds on the clock of ``now``; None if never).
-        running: the costs of the running requests; budget, reserve: bytes (see :func:`fits`).
-        max_rows: most requests running at once (None: no cap).
-        backfill_s: how long a blocked head lets smaller requests that fit pass it (None: never).
-
-    Returns:
-        (indices into ``waiting`` of the requests that join, in order; the index of the request blocked at the
-        head for memory, or None). First come, first served: each joins while it fits (a request alone always
-        does); the first that does not is the head; while it has waited less than ``backfill_s``, later requests
-        smaller than it (KV + transient) that fit join too, else nobody passes it.
-    """
-    chosen: list[int] = []
-    held = list(running)
-    head, head_size = None, None
-    for i, (cost, blocked_at) in enumerate(waiting):
-        if max_rows is not None and len(held) >= max_rows:
-            break
-        size = cost.kv + cost.transient
-        if (not held or fits(held, cost, budget, reserve)) and (head_size is None or size < head_size):
-            chosen.append(i)
-            held.append(cost)
-            continue
-        if head is not None:
-            continue  # backfill: this one does not fit now, or is no smaller than the head
-        head = i
-        waited = 0.0 if blocked_at is None else now - blocked_at
-        if backfill_s is None or waited >= backfill_s:
-            break  # memory is reserved for the head: nobody passes it
-        head_size = size
-    return chosen, head
-
-
-def work_tokens(prompt_len: int, params: DecodeParams) -> int:
-    """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
-
-    Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
-    one token, `service.engine.sampling.select_reveals`). Tokens per call: at most the whole sequence
-    (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
-    ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
-    """
-    calls = params.steps if params.steps is not None else params.gen_length
-    return calls * (prompt_len + params.gen_length)
 
 
 def default_budget(device: torch.device | str, fraction: float, cpu_bytes: int) -> int:

@@ -1,0 +1,134 @@
+"""The scheduler, as data and pure functions (issue 21): which waiting requests join the running batch, by their
+memory (admission by a budget instead of by a count, issue #14), and how an iteration's passes are grouped into
+forwards. The loop that applies them is `service.runtime.loop`; what a request costs is measured by
+`service.runtime.memory`.
+
+The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest forward's
+transient`` fits the budget (:func:`plan_admission`). Forwards are bounded by a token budget
+(``max_batched_tokens``, :func:`plan_forwards`): the activation memory of a forward at that budget is measured
+once at start-up (`service.runtime.memory.MemoryModel.measure_forward`) and reserved off the budget; a request
+whose own block-initial pass is larger runs it alone and reserves its own transient. Its work
+(:func:`work_tokens`) is held against a ceiling at submission by the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from service.engine.batch import Plan
+from service.engine.decode import Pass
+from service.engine.params import DecodeParams
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Memory of one request: ``kv`` bytes held at its longest, ``transient`` bytes of its largest forward."""
+
+    kv: int
+    transient: int
+
+def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
+    """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
+    forward ``reserve`` and the requests' own transients within ``budget`` (bytes)."""
+    transient = max([reserve, cost.transient, *(c.transient for c in running)])
+    return sum(c.kv for c in running) + cost.kv + transient <= budget
+
+
+def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost], budget: int, now: float,
+                   reserve: int = 0, max_rows: int | None = None, backfill_s: float | None = None,
+                   ) -> tuple[list[int], int | None]:
+    """Which waiting requests join the running batch now (a pure function of costs and times; the scheduler
+    applies it, `service.runtime.loop`).
+
+    Args:
+        waiting: per waiting request in queue order, its cost and when it was first blocked at the head of the
+            queue (seconds on the clock of ``now``; None if never).
+        running: the costs of the running requests; budget, reserve: bytes (see :func:`fits`).
+        max_rows: most requests running at once (None: no cap).
+        backfill_s: how long a blocked head lets smaller requests that fit pass it (None: never).
+
+    Returns:
+        (indices into ``waiting`` of the requests that join, in order; the index of the request blocked at the
+        head for memory, or None). First come, first served: each joins while it fits (a request alone always
+        does); the first that does not is the head; while it has waited less than ``backfill_s``, later requests
+        smaller than it (KV + transient) that fit join too, else nobody passes it.
+    """
+    chosen: list[int] = []
+    held = list(running)
+    head, head_size = None, None
+    for i, (cost, blocked_at) in enumerate(waiting):
+        if max_rows is not None and len(held) >= max_rows:
+            break
+        size = cost.kv + cost.transient
+        if (not held or fits(held, cost, budget, reserve)) and (head_size is None or size < head_size):
+            chosen.append(i)
+            held.append(cost)
+            continue
+        if head is not None:
+            continue  # backfill: this one does not fit now, or is no smaller than the head
+        head = i
+        waited = 0.0 if blocked_at is None else now - blocked_at
+        if backfill_s is None or waited >= backfill_s:
+            break  # memory is reserved for the head: nobody passes it
+        head_size = size
+    return chosen, head
+
+
+def work_tokens(prompt_len: int, params: DecodeParams) -> int:
+    """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
+
+    Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
+    one token, `service.engine.sampling.select_reveals`). Tokens per call: at most the whole sequence
+    (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
+    ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
+    """
+    calls = params.steps if params.steps is not None else params.gen_length
+    return calls * (prompt_len + params.gen_length)
+
+
+# ---- the plan of an iteration's forwards ----------------------------------------------------------------------
+#: Input tokens one forward may hold at its padded shape when no budget is set (DLLM_MAX_BATCHED_TOKENS):
+#: 32 requests of a 456-token sequence in one block-initial forward, 512 rows of a 32-token window.
+DEFAULT_MAX_BATCHED_TOKENS = 16384
+#: A forward's padded tokens may exceed its real tokens by at most this fraction (:func:`plan_forwards`).
+PADDING_SLACK = 0.25
+
+
+def forward_tokens(group: list[Pass]) -> int:
+    """Input tokens of the forward that holds ``group``, at its padded shape (rows x widest input)."""
+    return sum(len(p.rows) for p in group) * max(p.width for p in group)
+
+
+def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK) -> list[list[Pass]]:
+    """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
+    packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` and
+    within ``1 + padding_slack`` times its real tokens (padded columns are arithmetic thrown away: block-initial
+    passes of very different lengths go into different forwards); a pass alone always runs. Window and full
+    passes never share a forward (their keys come from different places), so an iteration with both kinds makes
+    at least two forwards."""
+    groups: list[list[Pass]] = []
+    for kind in ("window", "full"):
+        current: list[Pass] = []
+        for p in sorted((p for p in passes if p.kind == kind), key=lambda p: (p.width, p.seq_len)):
+            merged = [*current, p]
+            padded = forward_tokens(merged)
+            if current and (padded > max_tokens
+                            or padded > (1 + padding_slack) * sum(len(q.rows) * q.width for q in merged)):
+                groups.append(current)
+                current = []
+            current.append(p)
+        if current:
+            groups.append(current)
+    return groups
+
+
+def forward_plan(max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, padding_slack: float = PADDING_SLACK) -> Plan:
+    """:func:`plan_forwards` at a token budget, as the plan of a running batch (`service.engine.Engine.batch`).
+
+    Raises:
+        ValueError: ``max_tokens`` < 1.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be >= 1, got {max_tokens}")
+    return partial(plan_forwards, max_tokens=max_tokens, padding_slack=padding_slack)
