@@ -14,8 +14,9 @@ An iteration (:meth:`RunningBatch.step`) is a plain loop:
 3. **reveal**: one batched reveal over all rows of the forward (`service.engine.reveal.reveal_batch`), each row
    by its own family rule, settings and generator; the revealed windows go back into each cohort's tokens;
 4. **read**: one host read for the whole iteration (per row: tokens revealed, masks left, EOS reached and the
-   window's tokens), from which each cohort updates its host state (:meth:`Cohort.absorb`): counts, EOS,
-   cancellation, committed blocks; finished cohorts leave.
+   window's tokens; per store that put off its block-initial write's checks, their verdict), from which each
+   cohort updates its host state (:meth:`Cohort.absorb`): counts, EOS, cancellation, committed blocks; finished
+   cohorts leave.
 
 **Attention across requests.** In a window forward, the rows of every store kept in sequence order (the engine's
 full-precision store, `FullPrecisionKVStore.sequence_kv`) are copied side by side into one buffer per layer (each
@@ -30,18 +31,26 @@ Padded query columns write their K/V into a spare key column that no row attends
 inside a merged forward, its constraint) takes only that cohort out of the batch (:attr:`RunningBatch.failed`);
 when a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's
 state: the block-initial pass rewrites each layer's reused K/V whole, a window pass writes only window columns),
-so the others go on and the culprit is found.
+so the others go on and the culprit is found. A quantized store's block-initial write does not read its checks
+(finite K/V and scores, ranges that fit the dtype) inside the layers: the forward runs with them put off
+(`service.engine.kv_store.DEFER_WRITE_CHECKS`) and their verdict joins the iteration's read. A cohort whose verdict
+is False is not absorbed: its pass runs again alone with each check read at once (the failure path only; its
+window columns put back to masks, as they were before the reveal), which raises exactly what the write raised
+before the checks were put off, and the cohort fails with that (a false alarm, which raises nothing, is absorbed
+as usual). A row's non-finite K/V never reaches another row: each row attends over its own keys only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from service.engine.decode import Cohort, Pass
 from service.engine.grammar import constrained_reveal
+from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
 from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
@@ -333,7 +342,7 @@ class RunningBatch:
         for group in forwards:
             self.merged = max(self.merged, len(group))
             done += self._run_group(group, calls)
-        self._absorb(done)
+        self._absorb(done, calls)
         for group, _ in done:
             for call in group:
                 del self._next[call.cohort]
@@ -345,18 +354,34 @@ class RunningBatch:
         self._finished = []
         return finished
 
-    def _absorb(self, done: list[tuple[list[Pass], RevealResult]]) -> None:
-        """The iteration's one host read, then each cohort's host bookkeeping."""
+    def _absorb(self, done: list[tuple[list[Pass], RevealResult]], calls: int) -> None:
+        """The iteration's one host read (with the verdicts of the write checks put off, module doc), then each
+        cohort's host bookkeeping. Raises the write error when every call of the iteration failed its checks (as
+        :meth:`_run_group` raises when every call failed in the forward)."""
         if not done:
             return
         flat = [torch.cat([res.counts[:, None], res.masks_left[:, None], res.stop[:, None].long(), res.tokens],
                           dim=1).flatten() for _, res in done]
+        checked = [(call, verdict) for group, _ in done for call in group
+                   if (verdict := call.cohort.store.take_checks()) is not None]
+        if checked:
+            flat.append(torch.stack([verdict for _, verdict in checked]).long())
         values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
+        refused = []
+        for (call, _), passed in zip(checked, values[len(values) - len(checked):]):
+            if not passed and (exc := self._checked_again(call)) is not None:
+                refused.append((call, exc))
+        if refused and len(refused) == calls:
+            raise refused[-1][1]  # nothing to isolate, as when the forward itself raises (:meth:`_run_group`)
+        self.failed += [(call.cohort, exc) for call, exc in refused]
+        refused_ids = {id(call) for call, _ in refused}
         offset = 0
         for group, res in done:
             width = 3 + res.tokens.shape[1]
             logprobs = self._logprobs(group, res)
             for call, rows in zip(group, _rows(group)):
+                if id(call) in refused_ids:
+                    continue
                 table = [values[offset + r * width: offset + (r + 1) * width] for r in range(rows.start, rows.stop)]
                 try:
                     call.cohort.absorb(call, [t[0] for t in table], [t[1] for t in table], [bool(t[2]) for t in table],
@@ -468,10 +493,26 @@ class RunningBatch:
             fixed.append((b, call.reveal_width - end))
         return fixed
 
-    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[list[Pass], RevealResult]]:
-        """The group's forward and reveal; when it raises, each pass again alone, the failing ones into
-        :attr:`failed`. Re-raises when every call of the iteration (``calls``) failed alone."""
+    def _checked_again(self, call: Pass) -> BaseException | None:
+        """The failure path of a write whose checks were put off (module doc): the block-initial pass run again
+        alone, its window columns back to masks (a block is all masks before its first call, and the reveal has
+        written them since), each check read at once; what it raises, or None (a false alarm: the same K/V were
+        written again)."""
+        ids = call.input_ids.clone()
+        ids[:, call.logits_offset: call.logits_offset + call.reveal_width] = call.cohort.spec.mask_id
         self.forwards += 1
+        try:
+            run_forward(self.model, [replace(call, input_ids=ids)], self.pad_id)
+        except Exception as exc:  # noqa: BLE001 -- the cohort's own fault, handed to the caller
+            return exc
+        return None
+
+    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[list[Pass], RevealResult]]:
+        """The group's forward and reveal, its stores' write checks put off to the iteration's read; when it
+        raises, each pass again alone with every check read at once, the failing ones into :attr:`failed`.
+        Re-raises when every call of the iteration (``calls``) failed alone."""
+        self.forwards += 1
+        deferred = DEFER_WRITE_CHECKS.set(True)
         try:
             result = self._forward(group)
             self.rows += sum(len(p.rows) for p in group)
@@ -482,6 +523,8 @@ class RunningBatch:
             if len(group) == 1:
                 self.failed.append((group[0].cohort, exc))
                 return []
+        finally:
+            DEFER_WRITE_CHECKS.reset(deferred)
         done = []
         for call in group:
             self.forwards += 1

@@ -22,6 +22,7 @@ Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
     from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
 
+#: Set by a running batch around the forwards of an iteration (`service.engine.batch`): a store's ``write`` may
+#: then leave the verdict of its checks on the device (:meth:`KVStore.take_checks`) for the iteration's one host
+#: read, instead of reading it at every write (a sync per request and layer on a GPU). Unset (the default), a
+#: write reads its checks itself and raises at once.
+DEFER_WRITE_CHECKS: ContextVar[bool] = ContextVar("defer_write_checks", default=False)
 
 
 @dataclass(frozen=True)
@@ -216,6 +222,13 @@ class KVStore:
             NotImplementedError: a store whose :meth:`batch_key` is always None.
         """
         raise NotImplementedError
+
+    def take_checks(self) -> torch.Tensor | None:
+        """The verdict of the checks that ``write`` put off (:data:`DEFER_WRITE_CHECKS`) since the block-initial
+        pass began, and forget it: bool 0-dim on the device, True when every check passed; None when none were put
+        off (this default). When False, the caller runs the pass again with the checks read at once, which raises
+        the error they stand for (or, for a false alarm, writes the same K/V)."""
+        return None
 
     def clear(self) -> None:
         """Drop everything held (end of a request)."""

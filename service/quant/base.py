@@ -121,7 +121,8 @@ class KVQuantizer:
 
     # ---- the whole layer -------------------------------------------------------------------------------------
     def quantize(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None = None
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, layout: SlotLayout, scores: torch.Tensor | None = None,
+        verdicts: list[torch.Tensor] | None = None,
     ) -> PackedLayer:
         """Pack one layer's reused K/V.
 
@@ -130,13 +131,19 @@ class KVQuantizer:
             k, v: ``[B, H, T, D]`` of the whole sequence (model dtype); only the layout's slots are read.
             layout: slots and K groups of the block.
             scores: float32 ``[B, T]`` block-initial attention scores (only when ``needs_scores``).
+            verdicts: when given, the write reads nothing: the verdict of its checks (bool 0-dim on the device,
+                True when all passed) is appended to it, for the caller to read later; a False verdict means the
+                packed layer must not be used and writing again without ``verdicts`` raises what the checks found
+                (or, for a false alarm, packs the same). A method that must read to know its sizes (KVQuant)
+                reads and raises as without it, appending nothing.
 
         Raises:
             NonFiniteKVError: NaN or +/-inf in a reused K or V entry (the message names layer, row and column).
             KVQuantError: scores missing or not finite when the method needs them.
         """
         # The checks (scores, K and V finite, ranges that fit the dtype) are put off and read in one host read at
-        # the end (one sync per write on a GPU, not one per check); when one fails, the write is made again with
+        # the end (one sync per write on a GPU, not one per check), or with ``verdicts`` later still, by the
+        # caller (a running batch: with its iteration's one read); when one fails, the write is made again with
         # each check read at once, in order, which raises what it always raised (or, for large finite values
         # whose float32 sum overflows, finds nothing and gives the same packed layer).
         # Anything raised while the checks are put off (a method's own code meeting a value the checks would have
@@ -149,6 +156,9 @@ class KVQuantizer:
             packed = None
         finally:
             DEFERRED_CHECKS.reset(token)
+        if packed is not None and checks and verdicts is not None:
+            verdicts.append(torch.stack(checks).all())
+            return packed
         if packed is None or (checks and not bool(torch.stack(checks).all())):
             packed = self._quantize(layer, k, v, layout, scores, None)
         return packed

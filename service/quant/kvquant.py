@@ -51,15 +51,20 @@ class KVQuantQuantizer(KVQuantizer):
         self._increasing = [(bool((k[1:] > k[:-1]).all()), bool((v[1:] > v[:-1]).all()))
                             for k, v in zip(state.k_lut, state.v_lut)]
 
-    def quantize(self, layer, k, v, layout, scores=None):
+    def quantize(self, layer, k, v, layout, scores=None, verdicts=None):
         """`KVQuantizer.quantize` with one host read for the layer (a sync on a GPU), where reading each
         data-dependent size as it comes took nine: everything that decides a size (both sides' outliers, the value
         tokens whose median is needed, `nuq.dense_range`) and both finiteness checks (`base._finite_slots`) are
         computed first and read together (:func:`_read_once`); then the outlier indices are taken with those
         sizes. The same codes, ranges, outliers and errors as quantizing K then V (``quantize_k``, ``quantize_v``).
-        K's slots, codes and outliers are held while V is read (``N x C`` bytes more than one side at a time)."""
+        K's slots, codes and outliers are held while V is read (``N x C`` bytes more than one side at a time).
+
+        That read stays even with ``verdicts`` (nothing is appended): the outlier counts are the sizes of the
+        held outlier tensors and the needed tokens choose the value ranges, so the write cannot finish without
+        them (holding the masks until a later read would cost a large share of the full-precision K/V per
+        layer); the finiteness flags ride along in the same read."""
         if not (self.quantizes_k and self.quantizes_v):
-            return super().quantize(layer, k, v, layout, scores)
+            return super().quantize(layer, k, v, layout, scores, verdicts)
         s = self.state
         k_slots, v_slots = layout.gather(k), layout.gather(v)
         kx, vx = k_slots.reshape(k_slots.shape[0], -1), v_slots.reshape(v_slots.shape[0], -1)

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from service.engine.kv_store import FullPrecisionKVStore, KVStore, Segments
+from service.engine.kv_store import DEFER_WRITE_CHECKS, FullPrecisionKVStore, KVStore, Segments
 from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
@@ -94,13 +94,25 @@ class QuantizedKVStore(KVStore):
         # Pre-RoPE keys: cos/sin of the reused positions (prefix, suffix), per set of rows of a step, kept for
         # the block (they are the same at every layer and step), with the positions they were made from.
         self._rope_tables: dict[tuple[int, ...] | None, tuple[torch.Tensor, RopeTables]] = {}
+        # The verdict of the checks the block-initial pass's writes put off (`take_checks`), or None.
+        self._verdict: torch.Tensor | None = None
 
     def write(self, layer, k, v, segments, scores=None) -> None:
+        """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
+        (`DEFER_WRITE_CHECKS`) the checks' verdict stays on the device, ANDed over the block-initial pass's layers
+        for :meth:`take_checks`; a layer whose checks failed is held until the batch runs the pass again."""
         if segments != self._segments or layer in self._packed:
             self._start_block(segments, k.device)
-        packed = self.quantizer.quantize(layer, k, v, self._layout, scores if self.needs_scores else None)
+        verdicts: list[torch.Tensor] | None = [] if DEFER_WRITE_CHECKS.get() else None
+        packed = self.quantizer.quantize(layer, k, v, self._layout, scores if self.needs_scores else None, verdicts)
+        if verdicts:
+            self._verdict = verdicts[0] if self._verdict is None else self._verdict & verdicts[0]
         self._packed[layer] = packed
         self.accounting.add(layer, packed)
+
+    def take_checks(self) -> torch.Tensor | None:
+        verdict, self._verdict = self._verdict, None
+        return verdict
 
     def read(self, layer):
         if layer in self._dequantized:
@@ -218,6 +230,7 @@ class QuantizedKVStore(KVStore):
             nuq_forget(self._layout)
         self._segments = None
         self._layout = None
+        self._verdict = None
         self._packed.clear()
         self._dequantized.clear()
         self._maps = None
