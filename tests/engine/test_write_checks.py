@@ -71,11 +71,12 @@ def test_a_block_initial_iteration_of_quantized_rows_reads_the_host_once(engines
     assert syncs["kivi"] == syncs["dllm_kvq"] == syncs[None] == [1] * 8, syncs
 
 
-def test_a_row_whose_write_fails_its_checks_fails_alone_with_the_same_error(engines):
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_a_row_whose_write_fails_its_checks_fails_alone_with_the_same_error(engines, arch):
     """Three requests in one merged forward; one store's second block-initial write meets a NaN K: that request
     fails with the error its write raises alone (layer, row and column named), the others decode as alone."""
-    engine = engines["llada"]
-    prompts = four_prompts("llada")[:3]
+    engine = engines[arch]
+    prompts = four_prompts(arch)[:3]
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
     poisoned = PoisonedStore(engine, len(prompts[1]) + 32)  # one row, no padding: the response starts there
     stores = [_store(engine, "kivi"), poisoned, _store(engine, "dllm_kvq")]
