@@ -192,7 +192,8 @@ def main() -> None:
     parser.add_argument("--big-vocab", type=int, default=128_000, help="size of the synthetic vocabulary")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = measure("embedded (1,024)", AutoTokenizer.from_pretrained(EMBEDDED), 1024, args.repeat)
+    embedded = AutoTokenizer.from_pretrained(EMBEDDED, trust_remote_code=False)
+    rows = measure("embedded (1,024)", embedded, 1024, args.repeat)
     big = synthetic_tokenizer(args.big_vocab)
     rows += measure(f"synthetic ({args.big_vocab:,})", big, args.big_vocab, args.repeat)
     base = {(r["vocab"], r["grammar"]): r for r in rows if r["engine"] == "llguidance" and "compile_s" in r}

@@ -264,6 +264,28 @@ def mixed(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps({"rate": rate, **r}, indent=2))
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """The ratios against the targets, one line per target whose level was run (rows as :func:`run_level` and
+    :func:`measured` give them, the first level the baseline): issue 5's at 8 clients (requests/s) with the
+    slowest level, issue 21's at 16 (tokens per server CPU second, rows per forward). No verdict: on a shared
+    machine the load moves them by more than the margin (docs/benchmarks.md quotes runs with their date and
+    load)."""
+    first = "sequential" if rows[0]["clients"] == 0 else f"the first level ({rows[0]['clients']} client(s))"
+    base, base_cpu = rows[0]["req_per_s"], rows[0]["tok_per_cpu_s"]
+    lines = []
+    at8 = next((r for r in rows if r["clients"] == 8), None)
+    if at8 is not None:
+        slowest = min(r["req_per_s"] for r in rows) / base
+        lines.append(f"at 8 clients: {at8['req_per_s'] / base:.2f}x {first} (target >= 1.2x on CPU, >= 3x on a "
+                     f"GPU); slowest level: {slowest:.2f}x {first} (target >= 1.0x)")
+    at16 = next((r for r in rows if r["clients"] == 16), None)
+    if at16 is not None:
+        lines.append(f"at 16 clients: {at16['tok_per_cpu_s'] / base_cpu:.2f}x the first level's tokens per server "
+                     f"CPU second (issue 21's target >= 2.5x against one client), {at16['rows_per_forward']:.2f} "
+                     f"rows per forward (target >= 6)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48, help="requests per level")
@@ -309,13 +331,8 @@ def main() -> None:
         print(f"{name:>10} {r['req_per_s']:7.2f} {r['tok_per_s']:7.1f} {r['tok_per_cpu_s']:9.1f} {r['p50_s']:7.3f} "
               f"{r['p90_s']:7.3f} {r['p99_s']:7.3f} {r['mean_batch']:6.2f} {r['rows_per_forward']:8.2f} "
               f"{r['req_per_s'] / base:7.2f} {r['tok_per_cpu_s'] / base_cpu:6.2f} {r['load']:5.1f}")
-    # The ratios and the targets, without a verdict: on a shared machine the load moves them by more than the
-    # margin (docs/benchmarks.md quotes runs with their date and load).
-    at16 = next((r for r in rows if r["clients"] == 16), None)
-    if at16 is not None:
-        print(f"at 16 clients: {at16['tok_per_cpu_s'] / base_cpu:.2f}x the first level's tokens per server CPU "
-              f"second (issue 21's target >= 2.5x against one client), {at16['rows_per_forward']:.2f} rows per "
-              f"forward (target >= 6)")
+    for line in summary(rows):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     if args.plot:

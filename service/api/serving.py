@@ -146,6 +146,15 @@ class Serving:
         return s.ModelList(data=[s.ModelCard(id=self.model_name, max_model_len=self.spec.max_length,
                                              root=self.model_name)])
 
+    def model(self, name: str) -> s.ModelCard:
+        """``/v1/models/{name}``: the served model's card under its public name.
+
+        Raises:
+            NotFound: ``name`` is neither the served name nor the checkpoint's id.
+        """
+        self._check_model(name)
+        return self.models().data[0]
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, self.spec.model_id):
             raise NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",

@@ -92,7 +92,9 @@ class GrammarSpec:
     Attributes:
         kind: ``json_schema``, ``json_object`` (any JSON object), ``regex`` (the whole response matches it, Rust
             regex syntax) or ``choice`` (exactly one of the strings).
-        source: the canonical text (a schema or the choices as sorted-key JSON, the regex as given).
+        source: the canonical text (a schema or the choices as compact JSON, the regex as given). A schema keeps
+            its properties' order: the grammar writes an object's keys in that order, as OpenAI's structured
+            outputs and vLLM do, so two schemas that differ only in that order are different grammars.
         field: the request field it came from, named by a refusal (e.g. ``response_format.json_schema.schema``).
     """
 
@@ -107,7 +109,7 @@ class GrammarSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool, field: str) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), field)
 
     @classmethod
     def json_object(cls, field: str) -> GrammarSpec:

@@ -55,3 +55,20 @@ def test_default_is_a_directory_name_or_the_hub_id_whole(tmp_path, monkeypatch):
     # Not a directory here: a hub repo id, served under the id the user gave (as vLLM does).
     assert served_model_name(settings, "GSAI-ML/LLaDA-8B-Instruct") == "GSAI-ML/LLaDA-8B-Instruct"
     assert served_model_name(settings, "embedded") == "embedded"
+
+
+@pytest.mark.parametrize("named", ["llada-tiny", "fake-llada"])
+def test_retrieving_the_model_by_name_answers_its_card(client, named):
+    """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): the card ``/v1/models`` lists, under
+    the served name; was a bare 404 "Not Found" for every name."""
+    r = client.get(f"/v1/models/{named}")
+    assert r.status_code == 200, r.text
+    card = r.json()
+    assert card["id"] == "llada-tiny" and card["object"] == "model"
+    assert card["max_model_len"] == client.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def test_retrieving_another_model_is_a_404_that_names_the_served_one(client):
+    r = client.get("/v1/models/org/other-model")  # a hub id holds a slash
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "model" and "'llada-tiny'" in r.json()["error"]["message"]

@@ -147,3 +147,19 @@ def test_a_recursive_schema_with_a_way_out_compiles(compilers):
                     "required": ["kids"]},
                    {"anyOf": [ENDLESS, {"type": "null"}]}):
         assert compilers["llada"].compile(GrammarSpec.json_schema(schema, "structured_outputs.json"))
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_an_object_is_written_in_the_schema_s_key_order(engines, compilers, arch):
+    """Keys come out in the order of the schema's ``properties``, as OpenAI's structured outputs and vLLM write
+    them (a client reading the stream, or comparing text, sees the order it declared). The schema was compiled from
+    its sorted-key text, so ``{"z": ..., "a": ...}`` came out as ``{"a": 2, "z": 1}``. Every token is forced here,
+    so the text is the grammar's alone."""
+    schema = {"type": "object", "properties": {"z": {"enum": [1]}, "a": {"enum": [2]}}, "required": ["z", "a"],
+              "additionalProperties": False}
+    grammar = compilers[arch].compile(GrammarSpec.json_schema(schema, "response_format.json_schema.schema"))
+    params = DecodeParams(cache_mode="none", block_length=8, gen_length=24, threshold=0.9)
+    report = engines[arch].generate([PROMPTS[0]], params, [RowOptions(grammar=grammar)])
+    engine_row = report.rows[0]
+    assert engine_row.finish_reason == "stop"
+    assert CharIds().decode(engine_row.generated_ids) == '{"z": 1, "a": 2}'

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (and one by name)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def list_models(serving: ServingDep) -> s.ModelList:
     """The served model (one)."""
     return serving.models()
+
+
+@router.get("/models/{model:path}")
+def retrieve_model(model: str, serving: ServingDep) -> s.ModelCard:
+    """One model by name (OpenAI's retrieve; a hub id's slash included): the served model's card, else 404."""
+    return serving.model(model)
 
 
 @router.post("/completions", response_model=None,
