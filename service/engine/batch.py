@@ -36,10 +36,12 @@ decode token for token as they would alone. Where a fault is caught decides how:
   token allowed): the row's chain records a `GrammarViolation` and stops, the other rows' chains and the batched
   reveal go on with the same logits (each row's reveal reads only its own row), and the failing cohort's window is
   not written back;
-* anything raised inside a merged forward (its KV store's hook: a quantizer refusing its input): each of the
-  forward's passes is run again alone (a pass is a pure function of the cohort's state, and nothing is revealed
-  before the forward returns: the block-initial pass rewrites each layer's reused K/V whole, a window pass writes
-  only window columns), so the others go on and the culprit is found.
+* anything raised inside a merged forward (its KV store's hook: a quantizer refusing its input) or its reveal (out
+  of memory for the merged rows): each of the forward's passes is run again alone, so the others go on and the
+  culprit is found. A pass is a pure function of the cohort's state (the block-initial pass rewrites each layer's
+  reused K/V whole, a window pass writes only window columns), and a reveal that raised is undone first (each
+  row's generator state and grammar position as before it; the windows are written back last), so a pass run
+  again decides exactly as it would have.
 
 :meth:`RunningBatch.run` therefore never raises for one cohort's fault, not even when it is the iteration's only
 call (the server fails that request alone and keeps any other running work); what the caller does about a fault
@@ -265,6 +267,27 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: lis
     return logits, ids.gather(1, at), listed
 
 
+def _advanced_by_reveal(group: list[Pass]) -> list[tuple]:
+    """What a reveal advances in each row of ``group``, as it is now: (generator, its state, grammar state, its
+    mark), None where the row has none (a greedy row has no generator, an unconstrained one no grammar)."""
+    saved = []
+    for call in group:
+        for r in call.rows:
+            row = call.cohort.rows[r]
+            saved.append((row.generator, row.generator.get_state() if row.generator is not None else None,
+                          row.grammar, row.grammar.mark() if row.grammar is not None else None))
+    return saved
+
+
+def _restore(saved: list[tuple]) -> None:
+    """Put back what :func:`_advanced_by_reveal` saved."""
+    for generator, state, grammar, mark in saved:
+        if generator is not None:
+            generator.set_state(state)
+        if grammar is not None:
+            grammar.restore(mark)
+
+
 class RunningBatch:
     """The cohorts being decoded together; :meth:`step` runs one iteration (module doc).
 
@@ -424,8 +447,15 @@ class RunningBatch:
         return columns
 
     def _forward(self, group: list[Pass]) -> tuple[RevealResult, list[tuple[Cohort, BaseException]]]:
-        """The group's forward (the LM head only at the columns its reveal reads) and reveal (:meth:`_reveal`)."""
-        return self._reveal(group, *run_forward(self.model, group, self.pad_id, self._columns(group)))
+        """The group's forward (the LM head only at the columns its reveal reads) and reveal (:meth:`_reveal`);
+        a reveal that raises is undone (module doc) before the exception goes on."""
+        logits, tokens, columns = run_forward(self.model, group, self.pad_id, self._columns(group))
+        saved = _advanced_by_reveal(group)
+        try:
+            return self._reveal(group, logits, tokens, columns)
+        except Exception:
+            _restore(saved)
+            raise
 
     def _reveal(self, group: list[Pass], logits: torch.Tensor, tokens: torch.Tensor,
                 columns: torch.Tensor | None = None) -> tuple[RevealResult, list[tuple[Cohort, BaseException]]]:

@@ -167,6 +167,7 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, field: str | None = None) -> None:
         self.matcher, self.compiler, self.field = matcher, compiler, field
         self.ended = False  # an EOS was consumed: only EOS follows
+        self.consumed = 0  # tokens the matcher took (what :meth:`restore` rolls back)
 
     def consume(self, token: int) -> None:
         """Advance by one revealed token (any of the model's EOS ids counts as the grammar's EOS).
@@ -179,9 +180,23 @@ class GrammarState:
             if self.ended:
                 return  # padding after the end
             token, self.ended = self.compiler.grammar_eos, True
-        if not self.matcher.consume_token(token):
+        if self.matcher.consume_token(token):
+            self.consumed += 1
+        else:
             raise self.violation(f"the grammar engine failed at token {token}: "
                                  f"{_first_line(self.matcher.get_error() or 'token refused')}")
+
+    def mark(self) -> tuple[int, bool]:
+        """The position now, for :meth:`restore`."""
+        return self.consumed, self.ended
+
+    def restore(self, mark: tuple[int, bool]) -> None:
+        """Go back to ``mark`` (a reveal that raised is undone before its passes run again alone: llguidance's
+        rollback of the tokens consumed since)."""
+        consumed, ended = mark
+        if self.consumed > consumed:
+            self.matcher.rollback(self.consumed - consumed)
+        self.consumed, self.ended = consumed, ended
 
     def violation(self, detail: str) -> GrammarViolation:
         """The :class:`GrammarViolation` of this row failing mid-decode, ``detail`` saying how."""

@@ -161,3 +161,36 @@ def test_a_callback_raising_for_one_request_fails_that_request_alone(engines):
     for i in (0, 2):
         alone = engine.generate([PROMPTS[i]], params).rows[0]
         assert engine.report(cohorts[i]).rows[0].generated_ids == alone.generated_ids
+
+
+def test_a_merged_reveal_that_raises_is_undone_and_each_pass_runs_alone_as_alone(engines, compilers,  # noqa: F811
+                                                                                 monkeypatch):
+    """A reveal can fail for the merged rows only (out of memory for ``[R, W, V]`` where one row fits): the passes
+    then run again alone. The failed reveal had already advanced the sampling rows' generators and the grammar
+    rows' positions (the chains are decided before the batched reveal); they are put back first, so every request
+    still decodes token for token as alone and none fails. The fault is injected (a real one needs a device
+    short of memory)."""
+    import service.engine.batch as batch_module
+
+    engine = engines["llada"]
+    digits = compilers["llada"].compile(GrammarSpec.regex(r"[0-9]{12}", "structured_outputs.regex"))
+    params = DecodeParams(gen_length=16, block_length=8, steps=16, threshold=None, cache_mode="dual",
+                          ignore_eos=True)
+    rows = [RowOptions(grammar=digits, temperature=1.0, seed=1), RowOptions(temperature=1.0, seed=2),
+            RowOptions(grammar=digits, temperature=1.0, seed=3)]
+    real, raised = batch_module.reveal_batch, []
+
+    def short_of_memory(rule, batch):
+        if batch.logits.shape[0] > 1 and len(raised) < 3:
+            raised.append(batch.logits.shape[0])
+            raise RuntimeError("out of memory for the merged rows (injected)")
+        return real(rule, batch)
+
+    monkeypatch.setattr(batch_module, "reveal_batch", short_of_memory)
+    cohorts = [engine.cohort([PROMPTS[i]], params, [rows[i]]) for i in range(3)]
+    log = _run(engine, cohorts)
+    assert raised == [3, 3, 3] and not any(failed for _, _, failed in log)
+    monkeypatch.setattr(batch_module, "reveal_batch", real)
+    for i in range(3):
+        alone = engine.generate([PROMPTS[i]], params, [rows[i]]).rows[0]
+        assert engine.report(cohorts[i]).rows[0].generated_ids == alone.generated_ids, i
