@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
 from service.engine.errors import EngineInputError
+from service.engine.grammar import GrammarViolation
 from service.runtime.loop import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 from service.store.active import ConfigUnavailable
 from service.store.base import (
@@ -121,6 +122,9 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (ConfigInvalid, 400, "invalid_request_error", "invalid_config"),
     (InvalidName, 400, "invalid_request_error", "invalid_name"),
     (EngineInputError, 400, "invalid_request_error", "invalid_input"),
+    # A grammar that compiled but failed mid-decode (the grammar engine's work limit): the schema's fault, as
+    # vLLM answers a schema its backend cannot use (400); ``param`` names the field.
+    (GrammarViolation, 400, "invalid_request_error", "structured_output_failed"),
 ]
 
 

@@ -27,17 +27,33 @@ place) and join the same concatenation; a store that attends itself (the fused k
 its rows' queries and the hook attends the others, so the layer still makes one attention call for the rest.
 Padded query columns write their K/V into a spare key column that no row attends.
 
-**A failing row fails alone** (issue 13): an exception raised by one cohort (its next call, its KV store's hook
-inside a merged forward, its constraint) takes only that cohort out of the batch (:attr:`RunningBatch.failed`);
-when a merged forward raises, each of its passes is run again alone (a pass is a pure function of the cohort's
-state: the block-initial pass rewrites each layer's reused K/V whole, a window pass writes only window columns),
-so the others go on and the culprit is found. A quantized store's block-initial write does not read its checks
-(finite K/V and scores, ranges that fit the dtype) inside the layers: the forward runs with them put off
-(`service.engine.kv_store.DEFER_WRITE_CHECKS`) and their verdict joins the iteration's read. A cohort whose verdict
-is False is not absorbed: its pass runs again alone with each check read at once (the failure path only; its
-window columns put back to masks, as they were before the reveal), which raises exactly what the write raised
-before the checks were put off, and the cohort fails with that (a false alarm, which raises nothing, is absorbed
-as usual). A row's non-finite K/V never reaches another row: each row attends over its own keys only.
+**A failing row fails alone** (issues 13 and 21): a fault of one cohort takes only that cohort out of the batch
+(:attr:`RunningBatch.failed`, with its exception); the other cohorts of the same forward and iteration go on and
+decode token for token as they would alone. Where a fault is caught decides how:
+
+* its next call (:meth:`Cohort.next_pass`), its host bookkeeping after the iteration's read (:meth:`Cohort.absorb`,
+  its log-probabilities, its ``on_block`` and ``on_done`` callbacks): caught around that cohort's own call;
+* its grammar at the reveal (`service.engine.grammar.constrained_reveal`: the grammar engine's work limit, or no
+  token allowed): the row's chain records a `GrammarViolation` and stops, the other rows' chains and the batched
+  reveal go on with the same logits (each row's reveal reads only its own row), and the failing cohort's window is
+  not written back;
+* anything raised inside a merged forward (its KV store's hook: a quantizer refusing its input) or its reveal (out
+  of memory for the merged rows): each of the forward's passes is run again alone, so the others go on and the
+  culprit is found. A pass is a pure function of the cohort's state (the block-initial pass rewrites each layer's
+  reused K/V whole, a window pass writes only window columns), and a reveal that raised is undone first (each
+  row's generator state and grammar position as before it; the windows are written back last), so a pass run
+  again decides exactly as it would have;
+* a quantized store's block-initial write checks (finite K/V and scores, ranges that fit the dtype): not read
+  inside the layers; the forward runs with them put off (`service.engine.kv_store.DEFER_WRITE_CHECKS`) and their
+  verdict joins the iteration's read. A cohort whose verdict is False is not absorbed: its pass runs again alone
+  with each check read at once (the failure path only; its window columns put back to masks, as they were before
+  the reveal), which raises exactly what the write raised before the checks were put off, and the cohort fails
+  with that (a false alarm, which raises nothing, is absorbed as usual). A row's non-finite K/V never reaches
+  another row: each row attends over its own keys only.
+
+:meth:`RunningBatch.run` therefore never raises for one cohort's fault, not even when it is the iteration's only
+call (the server fails that request alone and keeps any other running work); what the caller does about a fault
+that cannot be one cohort's (a device fault, `service.runtime.loop.is_device_fault`) is its decision.
 """
 
 from __future__ import annotations
@@ -261,6 +277,27 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: lis
     return logits, ids.gather(1, at), listed
 
 
+def _advanced_by_reveal(group: list[Pass]) -> list[tuple]:
+    """What a reveal advances in each row of ``group``, as it is now: (generator, its state, grammar state, its
+    mark), None where the row has none (a greedy row has no generator, an unconstrained one no grammar)."""
+    saved = []
+    for call in group:
+        for r in call.rows:
+            row = call.cohort.rows[r]
+            saved.append((row.generator, row.generator.get_state() if row.generator is not None else None,
+                          row.grammar, row.grammar.mark() if row.grammar is not None else None))
+    return saved
+
+
+def _restore(saved: list[tuple]) -> None:
+    """Put back what :func:`_advanced_by_reveal` saved."""
+    for generator, state, grammar, mark in saved:
+        if generator is not None:
+            generator.set_state(state)
+        if grammar is not None:
+            grammar.restore(mark)
+
+
 class RunningBatch:
     """The cohorts being decoded together; :meth:`step` runs one iteration (module doc).
 
@@ -273,7 +310,8 @@ class RunningBatch:
         cohorts: the cohorts in the batch, oldest first.
         forwards: forward calls made by the last :meth:`step` (more when a merged forward failed); merged: the most
             cohorts that shared one of them; rows: row-forwards of the last step (rows summed over forwards).
-        failed: (cohort, exception) of the cohorts that raised in the last :meth:`step` (they have left).
+        failed: (cohort, exception) of the cohorts that failed in the last :meth:`step` (they have left; module
+            doc, "A failing row fails alone").
     """
 
     def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone) -> None:
@@ -308,15 +346,18 @@ class RunningBatch:
         self.leave(cohort)
         finished.append(cohort)
         if on_done is not None:
-            on_done(cohort)
+            try:
+                on_done(cohort)
+            except Exception as exc:  # noqa: BLE001 -- the caller's callback for this cohort: its fault alone
+                finished.remove(cohort)
+                self.failed.append((cohort, exc))
 
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
         """One iteration (module doc): :meth:`passes`, the batch's plan groups them into forwards, :meth:`run`.
         Returns the cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called
-        for each as soon as it is known. Cohorts that raised leave too and are listed in :attr:`failed`.
-
-        Raises whatever the forward raises when every cohort of the iteration failed with it (nothing to isolate:
-        the caller decides, e.g. a device fault); the cohorts stay in the batch then.
+        for each as soon as it is known. Cohorts that failed leave too and are listed in :attr:`failed` (never
+        raised, even for the only cohort: module doc); only a fault outside every cohort (the iteration's one host
+        read) raises, and the cohorts stay in the batch then.
         """
         return self.run(self.plan(self.passes(on_done)), on_done)
 
@@ -335,18 +376,17 @@ class RunningBatch:
     def run(self, forwards: list[list[Pass]], on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
         """Run the iteration :meth:`passes` started, as planned: each group one forward (passes of one kind) and
         one reveal, then the iteration's one host read; a pass the plan left out waits for the next iteration.
-        Returns and raises as :meth:`step`."""
+        Returns, fails cohorts and raises as :meth:`step`."""
         finished = self._finished
-        calls = sum(len(group) for group in forwards)
         done: list[tuple[list[Pass], RevealResult]] = []
         for group in forwards:
             self.merged = max(self.merged, len(group))
-            done += self._run_group(group, calls)
-        self._absorb(done, calls)
+            done += self._run_group(group)
+        self._absorb(done)
         for group, _ in done:
             for call in group:
                 del self._next[call.cohort]
-                if any(c is call.cohort for c, _ in self.failed):
+                if self._has_failed(call.cohort):
                     continue
                 self._ask(call.cohort, finished, on_done)
         for cohort, _ in self.failed:
@@ -354,10 +394,9 @@ class RunningBatch:
         self._finished = []
         return finished
 
-    def _absorb(self, done: list[tuple[list[Pass], RevealResult]], calls: int) -> None:
+    def _absorb(self, done: list[tuple[list[Pass], RevealResult]]) -> None:
         """The iteration's one host read (with the verdicts of the write checks put off, module doc), then each
-        cohort's host bookkeeping. Raises the write error when every call of the iteration failed its checks (as
-        :meth:`_run_group` raises when every call failed in the forward)."""
+        cohort's host bookkeeping; a cohort whose checks failed goes into :attr:`failed` with the write's error."""
         if not done:
             return
         flat = [torch.cat([res.counts[:, None], res.masks_left[:, None], res.stop[:, None].long(), res.tokens],
@@ -367,46 +406,50 @@ class RunningBatch:
         if checked:
             flat.append(torch.stack([verdict for _, verdict in checked]).long())
         values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()
-        refused = []
         for (call, _), passed in zip(checked, values[len(values) - len(checked):]):
-            if not passed and (exc := self._checked_again(call)) is not None:
-                refused.append((call, exc))
-        if refused and len(refused) == calls:
-            raise refused[-1][1]  # nothing to isolate, as when the forward itself raises (:meth:`_run_group`)
-        self.failed += [(call.cohort, exc) for call, exc in refused]
-        refused_ids = {id(call) for call, _ in refused}
+            if not passed and not self._has_failed(call.cohort) and (exc := self._checked_again(call)) is not None:
+                self.failed.append((call.cohort, exc))
         offset = 0
         for group, res in done:
             width = 3 + res.tokens.shape[1]
-            logprobs = self._logprobs(group, res)
+            read = self._read_logprobs(res)
             for call, rows in zip(group, _rows(group)):
-                if id(call) in refused_ids:
+                if self._has_failed(call.cohort):  # its window was never written back (module doc)
                     continue
                 table = [values[offset + r * width: offset + (r + 1) * width] for r in range(rows.start, rows.stop)]
                 try:
                     call.cohort.absorb(call, [t[0] for t in table], [t[1] for t in table], [bool(t[2]) for t in table],
-                                       [t[3:] for t in table], logprobs[rows] if logprobs is not None else None)
+                                       [t[3:] for t in table], self._logprobs(call, rows, read))
                 except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (a callback of its caller)
                     self.failed.append((call.cohort, exc))
             offset += width * res.tokens.shape[0]
 
+    def _has_failed(self, cohort: Cohort) -> bool:
+        return any(c is cohort for c, _ in self.failed)
+
     @staticmethod
-    def _logprobs(group: list[Pass], res: RevealResult) -> list | None:
-        """Per row, ``(column, token, logprob, [(id, logprob), ...])`` of each revealed column, when a cohort of
-        the forward asked for them (a second host read, only then)."""
+    def _read_logprobs(res: RevealResult) -> tuple | None:
+        """The forward's revealed columns, tokens, log-probabilities and alternatives on the host, when a cohort
+        of the forward asked for them (a second host read, only then), else None."""
         if res.token_logprobs is None:
             return None
         revealed, tokens, logp = res.revealed.tolist(), res.tokens.tolist(), res.token_logprobs.tolist()
         top = (list(zip(res.top_ids.tolist(), res.top_logprobs.tolist())) if res.top_ids is not None
                else [None] * len(revealed))
-        out = []
-        for r, row in enumerate(revealed):
-            call = next(p for p, rows in zip(group, _rows(group)) if rows.start <= r < rows.stop)
-            k = call.cohort.logprobs or 0
-            out.append([(call.reveal_start + j, tokens[r][j], logp[r][j],
-                         list(zip(top[r][0][j][:k], top[r][1][j][:k])) if top[r] is not None else [])
-                        for j, hit in enumerate(row) if hit])
-        return out
+        return revealed, tokens, logp, top
+
+    @staticmethod
+    def _logprobs(call: Pass, rows: slice, read: tuple | None) -> list | None:
+        """Per row of ``call`` (its ``rows`` of the forward), ``(column, token, logprob, [(id, logprob), ...])``
+        of each revealed column, from :meth:`_read_logprobs`'s ``read`` (None: nobody asked)."""
+        if read is None:
+            return None
+        revealed, tokens, logp, top = read
+        k = call.cohort.logprobs or 0
+        return [[(call.reveal_start + j, tokens[r][j], logp[r][j],
+                  list(zip(top[r][0][j][:k], top[r][1][j][:k])) if top[r] is not None else [])
+                 for j, hit in enumerate(revealed[r]) if hit]
+                for r in range(rows.start, rows.stop)]
 
     @staticmethod
     def _columns(group: list[Pass]) -> list[list[int]] | None:
@@ -421,14 +464,23 @@ class RunningBatch:
             return None
         return columns
 
-    def _forward(self, group: list[Pass]) -> RevealResult:
-        """The group's forward (the LM head only at the columns its reveal reads) and reveal."""
-        return self._reveal(group, *run_forward(self.model, group, self.pad_id, self._columns(group)))
+    def _forward(self, group: list[Pass]) -> tuple[RevealResult, list[tuple[Cohort, BaseException]]]:
+        """The group's forward (the LM head only at the columns its reveal reads) and reveal (:meth:`_reveal`);
+        a reveal that raises is undone (module doc) before the exception goes on."""
+        logits, tokens, columns = run_forward(self.model, group, self.pad_id, self._columns(group))
+        saved = _advanced_by_reveal(group)
+        try:
+            return self._reveal(group, logits, tokens, columns)
+        except Exception:
+            _restore(saved)
+            raise
 
     def _reveal(self, group: list[Pass], logits: torch.Tensor, tokens: torch.Tensor,
-                columns: torch.Tensor | None = None) -> RevealResult:
+                columns: torch.Tensor | None = None) -> tuple[RevealResult, list[tuple[Cohort, BaseException]]]:
         """The group's one batched reveal; its rows' new windows written back into their cohorts. ``logits`` at
-        ``columns`` only when given (`RevealBatch.columns`)."""
+        ``columns`` only when given (`RevealBatch.columns`). Returns the reveal and the (cohort, exception) of
+        each cohort whose grammar failed (module doc): its rows' results are not written back, the others'
+        are exactly what they would be without it."""
         first = group[0].cohort
         lists: dict[str, list] = {}
         for call in group:
@@ -446,7 +498,7 @@ class RunningBatch:
         wanted = [call.cohort.logprobs for call in group if call.cohort.logprobs is not None]
         # The chains below rewrite the logits in place; the log-probabilities are the model's, read before.
         model_logits = logits.clone() if wanted and self._constrained_rows(group) else None
-        fixed = self._constrain(group, logits, lists)
+        fixed, faults = self._constrain(group, logits, lists)
         result = reveal_batch(first.rule, RevealBatch(
             logits=logits, tokens=tokens, mask_id=first.spec.mask_id, eos=first.eos, banned=first.banned,
             allowed=allowed, logprobs=max(wanted) if wanted else None, logprob_logits=model_logits,
@@ -455,9 +507,11 @@ class RunningBatch:
         if fixed:
             rows, masks_left = zip(*fixed)
             result.masks_left[list(rows)] = torch.tensor(masks_left, device=result.masks_left.device)
+        failing = {id(cohort) for cohort, _ in faults}
         for call, rows in zip(group, _rows(group)):
-            call.cohort.write(call, result.tokens[rows])
-        return result
+            if id(call.cohort) not in failing:
+                call.cohort.write(call, result.tokens[rows])
+        return result, faults
 
     @staticmethod
     def _constrained_rows(group: list[Pass]) -> list[tuple[int, Pass, int]]:
@@ -466,20 +520,29 @@ class RunningBatch:
                 for j, r in enumerate(call.rows) if call.cohort.rows[r].grammar is not None]
 
     @staticmethod
-    def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list]) -> list[tuple[int, int]]:
+    def _constrain(group: list[Pass], logits: torch.Tensor, lists: dict[str, list],
+                   ) -> tuple[list[tuple[int, int]], list[tuple[Cohort, BaseException]]]:
         """The grammar-constrained rows of the forward (`service.engine.grammar`): their chains are decided
         together (one mask fill for all of them per position, across requests), then handed to the batched
         reveal as exactly those columns: the row's window ends after its chain, each chain column's logits keep
         only its token (written in place: ``logits`` serve this reveal only), and the row reveals every candidate
         (no count, no threshold, no sampling: the chain already chose). Returns, per constrained row, (batch row,
-        masks left after the call): the reveal counts masks only within the shortened window."""
+        masks left after the call): the reveal counts masks only within the shortened window; and the (cohort,
+        `GrammarViolation`) of each cohort a row of which failed its grammar (its rows are left as they are:
+        their reveal is not used)."""
         found = RunningBatch._constrained_rows(group)
         if not found:
-            return []
+            return [], []
         chains = [call.cohort.constrained_row(call, j, logits[b]) for b, call, j in found]
         constrained_reveal(chains, group[0].cohort.banned)
+        faults: dict[int, tuple[Cohort, BaseException]] = {}
+        for (_, call, _), chain in zip(found, chains):
+            if chain.error is not None and id(call.cohort) not in faults:
+                faults[id(call.cohort)] = (call.cohort, chain.error)
         fixed = []
         for (b, call, j), chain in zip(found, chains):
+            if id(call.cohort) in faults:
+                continue
             end = chain.start + len(chain.chosen)
             columns = torch.arange(chain.start, end, device=logits.device)
             tokens = torch.tensor(chain.tokens, device=logits.device)
@@ -491,7 +554,7 @@ class RunningBatch:
                                ("random_remasking", False), ("neg_entropy", False)):
                 lists[key][b] = value
             fixed.append((b, call.reveal_width - end))
-        return fixed
+        return fixed, list(faults.values())
 
     def _checked_again(self, call: Pass) -> BaseException | None:
         """The failure path of a write whose checks were put off (module doc): the block-initial pass run again
@@ -507,32 +570,33 @@ class RunningBatch:
             return exc
         return None
 
-    def _run_group(self, group: list[Pass], calls: int) -> list[tuple[list[Pass], RevealResult]]:
-        """The group's forward and reveal, its stores' write checks put off to the iteration's read; when it
-        raises, each pass again alone with every check read at once, the failing ones into :attr:`failed`.
-        Re-raises when every call of the iteration (``calls``) failed alone."""
+    def _run_group(self, group: list[Pass]) -> list[tuple[list[Pass], RevealResult]]:
+        """The group's forward and reveal, its stores' write checks put off to the iteration's read, the cohorts
+        whose grammar failed into :attr:`failed`; when the forward raises, each pass again alone with every check
+        read at once, the failing ones into :attr:`failed` (module doc)."""
         self.forwards += 1
         deferred = DEFER_WRITE_CHECKS.set(True)
         try:
-            result = self._forward(group)
-            self.rows += sum(len(p.rows) for p in group)
-            return [(group, result)]
-        except Exception as exc:
-            if len(group) == 1 and calls == 1:
-                raise
+            result, faults = self._forward(group)
+        except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (module doc)
             if len(group) == 1:
                 self.failed.append((group[0].cohort, exc))
                 return []
+        else:
+            self.rows += sum(len(p.rows) for p in group)
+            self.failed += faults
+            return [(group, result)]
         finally:
             DEFER_WRITE_CHECKS.reset(deferred)
         done = []
         for call in group:
             self.forwards += 1
             try:
-                done.append(([call], self._forward([call])))
-                self.rows += len(call.rows)
+                result, faults = self._forward([call])
             except Exception as exc:  # noqa: BLE001 -- isolate the culprit
                 self.failed.append((call.cohort, exc))
-        if not done and len(group) == calls:
-            raise self.failed[-1][1]
+                continue
+            done.append(([call], result))
+            self.rows += len(call.rows)
+            self.failed += faults
         return done

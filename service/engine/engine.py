@@ -99,6 +99,8 @@ class Engine:
 
         Raises:
             EngineInputError: any input outside what is legal (see :func:`validate_request`); nothing has run.
+            GrammarViolation: a row's grammar failed mid-decode (`service.engine.grammar`).
+            Exception: whatever the decoding raised (a KV store's error, e.g. `service.quant.errors.KVQuantError`).
         """
         batch = self.batch()
         cohort = self.cohort(prompts, params, rows, kv_store, on_block, cancelled)
@@ -107,6 +109,8 @@ class Engine:
             with torch.inference_mode():
                 while batch.cohorts:
                     batch.step()
+                    if batch.failed:  # the one cohort failed (the batch does not raise for a cohort's fault)
+                        raise batch.failed[0][1]
         finally:
             cohort.store.clear()
         return self.report(cohort)

@@ -41,8 +41,15 @@ as many positions per call as unconstrained decoding; where it is not (``sum``),
 Departures from the family's own reveal, for constrained rows only: one rule for LLaDA and Dream (the chain
 above, confidences in float64), and the positions revealed are contiguous from the left, never scattered; a
 fixed schedule's count is the family's (LLaDA's even split, Dream's timestep share, 1 at Dream's block-initial
-pass), at least one. A grammar whose text the vocabulary cannot spell on (no token fits, which a byte-level
-tokenizer never meets) fails that request alone (:class:`GrammarViolation`) rather than end it invalid.
+pass), at least one.
+
+**A grammar that fails mid-decode fails its row alone.** The checks before decoding (`service.engine.schema_values`,
+the first-token check) cannot prove every grammar completable: llguidance may still reach its work limit deep in a
+response (a branch that is only entered after some tokens and can never end, e.g. ``[12345, {"a": {"a": ...``
+forced forever, "Too many items"), or allow no token at a position. :func:`constrained_reveal` then gives that
+row a :class:`GrammarViolation` naming the request field (its ``error``) and stops its chain there, while every
+other row's chain goes on as it would alone; the running batch fails that request only (HTTP 400,
+``structured_output_failed``) rather than end it invalid.
 """
 
 from __future__ import annotations
@@ -141,32 +148,64 @@ class CompiledGrammar:
         self.spec, self._matcher, self.compiler = spec, matcher, compiler
 
     def start(self) -> GrammarState:
-        """A fresh state at the start of the response."""
-        return GrammarState(self._matcher.deep_copy(), self.compiler)
+        """A fresh state at the start of the response (its failures name :attr:`spec`'s field)."""
+        return GrammarState(self._matcher.deep_copy(), self.compiler, self.spec.field)
+
+    def for_field(self, field: str) -> CompiledGrammar:
+        """The same grammar (shared parser tables) as asked by another request field (the cache ignores the
+        field; a failure mid-decode names the field of the request that decodes it)."""
+        if field == self.spec.field:
+            return self
+        return CompiledGrammar(GrammarSpec(self.spec.kind, self.spec.source, field), self._matcher, self.compiler)
 
     def __repr__(self) -> str:
         return f"CompiledGrammar({self.spec.kind}, {self.spec.key[:12]})"
 
 
 class GrammarState:
-    """One row's position in its grammar: the tokens consumed so far decide the next mask."""
+    """One row's position in its grammar: the tokens consumed so far decide the next mask. ``field`` is the request
+    field the grammar came from (named by a :class:`GrammarViolation`)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
-        self.matcher, self.compiler = matcher, compiler
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, field: str | None = None) -> None:
+        self.matcher, self.compiler, self.field = matcher, compiler, field
         self.ended = False  # an EOS was consumed: only EOS follows
+        self.consumed = 0  # tokens the matcher took (what :meth:`restore` rolls back)
 
     def consume(self, token: int) -> None:
         """Advance by one revealed token (any of the model's EOS ids counts as the grammar's EOS).
 
         Raises:
-            GrammarViolation: the grammar does not allow ``token`` here (a bug: tokens come from its mask).
+            GrammarViolation: the grammar does not take ``token`` here: llguidance failed while consuming it (its
+                work limit: computing the tokens it forces next can exceed its items limit) or refused it.
         """
         if token in self.compiler.eos_ids:
             if self.ended:
                 return  # padding after the end
             token, self.ended = self.compiler.grammar_eos, True
-        if not self.matcher.consume_token(token):
-            raise GrammarViolation(f"token {token} is outside the grammar: {self.matcher.get_error()}")
+        if self.matcher.consume_token(token):
+            self.consumed += 1
+        else:
+            raise self.violation(f"the grammar engine failed at token {token}: "
+                                 f"{_first_line(self.matcher.get_error() or 'token refused')}")
+
+    def mark(self) -> tuple[int, bool]:
+        """The position now, for :meth:`restore`."""
+        return self.consumed, self.ended
+
+    def restore(self, mark: tuple[int, bool]) -> None:
+        """Go back to ``mark`` (a reveal that raised is undone before its passes run again alone: llguidance's
+        rollback of the tokens consumed since)."""
+        consumed, ended = mark
+        if self.consumed > consumed:
+            self.matcher.rollback(self.consumed - consumed)
+        self.consumed, self.ended = consumed, ended
+
+    def violation(self, detail: str) -> GrammarViolation:
+        """The :class:`GrammarViolation` of this row failing mid-decode, ``detail`` saying how."""
+        where = self.field or "the grammar"
+        return GrammarViolation(f"the response could not satisfy {where}: it passed the checks made before decoding, "
+                                f"but failed mid-decode ({detail}); simplify it (e.g. drop a branch that can never "
+                                "end, or deep nesting)", self.field)
 
     @property
     def accepting(self) -> bool:
@@ -175,7 +214,13 @@ class GrammarState:
 
 
 class GrammarViolation(RuntimeError):
-    """A row's grammar allows no token, or refused one taken from its own mask: the request fails alone."""
+    """A row's grammar allows no token, or failed on one taken from its own mask (module doc): the request fails
+    alone. ``field`` names the request field of the grammar (None when unknown); the API answers HTTP 400
+    ``structured_output_failed`` with it as ``param``."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class GrammarCompiler:
@@ -244,7 +289,7 @@ class GrammarCompiler:
             found = self._cache.get(spec.key)
             if found is not None:
                 self._cache.move_to_end(spec.key)
-                return found
+                return found.for_field(spec.field)
         future = self._pool.submit(self._compile, spec)
         try:
             compiled = future.result(timeout=self.timeout_s)
@@ -328,7 +373,9 @@ class _DecodedVocabulary(llguidance.TokenizerWrapper):
 
 def _first_line(text: str, limit: int = 300) -> str:
     """The engine's error on one line, at most ``limit`` characters."""
-    flat = " ".join(part.strip() for part in text.strip().splitlines() if part.strip()) or "invalid grammar"
+    # llguidance ends its messages with a "<non-verbose/>" marker line when verbose errors are off.
+    flat = " ".join(part.strip() for part in text.strip().splitlines()
+                    if part.strip() and part.strip() != "<non-verbose/>") or "invalid grammar"
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
@@ -344,6 +391,7 @@ class ConstrainedRow:
         temperature, generator: the row's sampling.
         start: the window column of the first candidate (where the caller needs it).
         chosen, tokens: what the reveal chose (indices into the candidates, their tokens).
+        error: set when the row's grammar failed at this call (module doc); its chain stops there.
     """
 
     state: GrammarState
@@ -355,6 +403,7 @@ class ConstrainedRow:
     start: int = 0
     chosen: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    error: GrammarViolation | None = None
 
 
 def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | None = None) -> None:
@@ -362,14 +411,16 @@ def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | No
     ``tokens`` and advancing each row's grammar state.
 
     Round k looks at the k-th candidate of every row whose chain is still open: one mask fill for all of them
-    (:meth:`GrammarCompiler.allowed`), one batched choice and confidence, one host read.
+    (:meth:`GrammarCompiler.allowed`), one batched choice and confidence, one host read. Each row's choice reads
+    only its own logits, mask and generator, so a row decides as it would alone.
 
     Args:
         rows: the constrained rows (all of one model; each with at least one candidate).
         banned: int64 ids never chosen (the mask id, ids the tokenizer cannot decode), or None.
 
-    Raises:
-        GrammarViolation: a row's grammar allows no token at its position.
+    A row whose grammar allows no token at its position, or fails on the token chosen there, gets a
+    :class:`GrammarViolation` in its ``error`` and its chain ends; the other rows go on (nothing is raised for
+    one row's grammar).
     """
     open_rows = [r for r in rows if r.logits.shape[0] > 0]
     k = 0
@@ -394,7 +445,9 @@ def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | No
         still_open = []
         for j, r in enumerate(open_rows):
             if count_list[j] == 0:
-                raise GrammarViolation(f"the grammar allows no token here: {r.state.matcher.get_error() or 'dead end'}")
+                error = _first_line(r.state.matcher.get_error() or "no token can follow the response so far")
+                r.error = r.state.violation(f"the grammar allows no token here: {error}")
+                continue
             forced = count_list[j] == 1
             if r.count is not None:
                 accept = k == 0 or forced or k < r.count
@@ -402,7 +455,11 @@ def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | No
                 accept = k == 0 or forced or confidence_list[j] >= (r.threshold or 0.0)
             if not accept:
                 continue
-            r.state.consume(token_list[j])
+            try:
+                r.state.consume(token_list[j])
+            except GrammarViolation as exc:
+                r.error = exc
+                continue
             r.chosen.append(k)
             r.tokens.append(token_list[j])
             if k + 1 < r.logits.shape[0]:

@@ -35,9 +35,12 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   of the active configuration never changes a request already admitted.
 * **Cancellation.** A cancelled job still waiting is dropped (its slot is free at once); a running one (client
   gone, timeout) leaves the batch at the next iteration and its store is cleared at once.
-* **Faults.** A request whose decoding raises (its options, its KV store) fails alone with :class:`BatchFailed`
-  (HTTP 500 naming the cause); the rest of the batch goes on. An iteration that raises fails its requests and
-  the worker goes on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting
+* **Faults.** A request whose decoding fails (its options, its KV store, its result) fails alone with
+  :class:`BatchFailed` (HTTP 500 naming the cause), even when it is the iteration's only request; its grammar
+  failing mid-decode (`service.engine.grammar.GrammarViolation`, HTTP 400 naming the schema's field) fails it
+  alone too; the rest of the batch, likelihood tasks included, goes on and decodes as it would alone
+  (`service.engine.batch`, "A failing row fails alone"). An iteration that raises outside every request fails
+  its requests and the worker goes on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting
   job and makes the worker unhealthy (readiness 503; new jobs refused with :class:`WorkerUnavailable`).
 * **Drain.** :meth:`Worker.drain` refuses new jobs and lets admitted ones finish up to a timeout (SIGTERM).
 * **Shadow re-decode** (accuracy telemetry, issue #5 item 6): after a quantized job finishes, with probability
@@ -59,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from service.engine.agreement import exact_match, token_agreement
+from service.engine.grammar import GrammarViolation
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
@@ -549,12 +553,15 @@ class Worker:
                     return
             with self._cond:
                 for cohort, exc in self._batch.failed:
-                    self._fail_running(self._job(cohort), exc)
+                    job = self._job(cohort)
+                    if job is not None:  # else its own callback already failed it (:meth:`_finished`)
+                        self._fail_running(job, exc)
                 self._publish()
                 self._cond.notify_all()
 
-    def _job(self, cohort: Any) -> Job:
-        return next(job for job in self._running if job.cohort is cohort)
+    def _job(self, cohort: Any) -> Job | None:
+        """The running job of ``cohort`` (None once it left)."""
+        return next((job for job in self._running if job.cohort is cohort), None)
 
     def _step_tasks(self) -> None:
         """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
@@ -573,9 +580,20 @@ class Worker:
                 self._finished(job.cohort)
 
     def _finished(self, cohort: Any) -> None:
-        """A cohort left the batch: its request's result is set now, before the iteration's other forwards."""
+        """A cohort left the batch: its request's result is set now, before the iteration's other forwards. A
+        result that cannot be made (its report raised) fails that request alone."""
         with self._cond:
-            self._finish(self._job(cohort))
+            job = self._job(cohort)
+            if job is None:
+                return
+            try:
+                self._finish(job)
+            except Exception as exc:  # this request's fault alone
+                if job in self._running:
+                    self._fail_running(job, exc)
+                else:
+                    log.error("the result of a finished request could not be made", exc_info=exc)
+                    _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
             self._cond.notify_all()
 
     def _publish(self) -> None:
@@ -607,11 +625,16 @@ class Worker:
             self._maybe_shadow(job, report.rows[0])
 
     def _fail_running(self, job: Job, exc: BaseException) -> None:
-        """One request raised (its options, its KV store): it fails alone with a 500 naming the cause; the others
-        go on (issue 13). Caller holds the lock; the batch already let it go."""
-        self.telemetry.worker_faults.labels("false").inc()
-        log.error("a request failed alone (%d others go on)", len(self._running) - 1, exc_info=exc)
+        """One request failed (its options, its KV store, its result): it fails alone with a 500 naming the
+        cause; its grammar failing mid-decode is the request's own error (400 naming its field, not a worker
+        fault); the others go on (issues 13, 21). Caller holds the lock; the batch already let it go."""
         self._running.remove(job)
+        if isinstance(exc, GrammarViolation):
+            log.warning("a request's grammar failed mid-decode (%d others go on): %s", len(self._running), exc)
+            _set_exception(job, exc)
+            return
+        self.telemetry.worker_faults.labels("false").inc()
+        log.error("a request failed alone (%d others go on)", len(self._running), exc_info=exc)
         _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
 
     def _fail_batch(self, exc: BaseException) -> None:

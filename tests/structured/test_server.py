@@ -100,3 +100,40 @@ def test_max_tokens_too_short_ends_with_length(client):
     short = client.completions.create(model="embedded", prompt=f"copy: {DIGITS}", max_tokens=8,
                                       extra_body={"structured_outputs": {"regex": LEDGER}})
     assert short.choices[0].finish_reason == "length" and len(short.choices[0].text.split()) <= 8
+
+
+def test_a_schema_failing_mid_decode_fails_alone_beside_a_running_request(server, client):
+    """A schema the checks before decoding pass but llguidance cannot complete (its work limit, after the first
+    item: `tests.engine.test_failing_row`) fails mid-decode: that request gets a 400 naming the field, while a
+    streamed request running beside it (in the same iterations: its ``dllm_batch_size`` is 2) finishes with the
+    text it has alone, and the worker counts no fault (was: a 500 ``batch_failed`` for every request of the
+    iteration)."""
+    import httpx
+
+    from tests.engine.test_failing_row import FAILS_AFTER_ITEM
+    from tests.support.metrics import metric_sum, metrics
+
+    plain = {"model": "embedded", "prompt": f"copy: {DIGITS}", "max_tokens": 256, "ignore_eos": True}
+    alone = httpx.post(server.url + "/v1/completions", json=plain, timeout=120).json()["choices"][0]["text"]
+    before = metrics(server.url)
+    failing = {"model": "embedded", "messages": [{"role": "user", "content": "x"}], "max_tokens": 64,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": FAILS_AFTER_ITEM}}}
+    with (httpx.Client(base_url=server.url, timeout=120) as http,
+          http.stream("POST", "/v1/completions", json={**plain, "stream": True}) as stream):
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))  # the plain request is running
+        r = http.post("/v1/chat/completions", json=failing)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "structured_output_failed",
+                                                             "response_format.json_schema.schema")
+    assert "could not satisfy response_format.json_schema.schema" in error["message"]
+    assert "Too many items" in error["message"]
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+    assert all("error" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == alone
+    after = metrics(server.url)
+    assert metric_sum(after, "dllm_batch_size_count") - metric_sum(before, "dllm_batch_size_count") == 1
+    assert metric_sum(after, "dllm_batch_size_sum") - metric_sum(before, "dllm_batch_size_sum") == 2
+    assert metric_sum(after, "dllm_worker_faults_total") == metric_sum(before, "dllm_worker_faults_total")
