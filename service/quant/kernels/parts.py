@@ -96,10 +96,9 @@ def _set(maps: tuple[BlockMaps, ...]) -> _Set:
     slot_of = torch.cat([F.pad(m.slot_of, (0, longest - m.slot_of.shape[1]), value=-1) for m in maps])
     device = slot_of.device
     counts = [m.slot_of.shape[0] for m in maps]
-    part_of_row = torch.repeat_interleave(torch.arange(len(maps), dtype=torch.int32, device=device),
-                                          torch.tensor(counts, device=device))
+    part_of_row = torch.tensor([p for p, count in enumerate(counts) for _ in range(count)], dtype=torch.int32)
     held = _Set(maps, slot_of, torch.cat([m.group_of_slot for m in maps]),
-                torch.arange(slot_of.shape[0], dtype=torch.int32, device=device), part_of_row.to(torch.int32))
+                torch.arange(slot_of.shape[0], dtype=torch.int32, device=device), part_of_row.to(device))
     if len(_SETS) >= _KEPT_SETS:
         del _SETS[next(iter(_SETS))]
     _SETS[key] = held
