@@ -17,7 +17,8 @@ float32).
 
 On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
 (`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
-of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
+of the reused K/V is ever made; the stores of one uniform format in a running batch attend in one launch per
+layer for all their rows (``attend_batch``). ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
 interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
 """
 

@@ -13,6 +13,18 @@ the model dtype, KVQuant's pre-RoPE keys are rotated as `service.engine.models.l
 them (float32 for LLaDA; in the model dtype for Dream), and padding columns (no slot) get no weight. The only
 difference from ``dequantize`` + ``scaled_dot_product_attention`` is the summation order (fp32 round-off).
 
+**The rows of many requests in one launch** (issue 21): `fused_reuse_attention_rows` serves every row of several
+stores of one uniform format (KIVI, dLLM-KVQ; a running batch's rows of one batch key, `KVStore.attend_batch`) in
+one launch per layer. Their operands are concatenated as they are (`service.quant.kernels.parts`) and each
+program looks up its row's store in a small table: its window width and reused length (the loops run to the
+row's own lengths) and where its slots, K groups, protected rows and code streams begin, added to the pointers,
+so each row reads exactly its own store and the arithmetic is the per-store kernel's: the same values whenever
+the key tiles are the same (under the interpreter they follow the longest reused length of the launch; on a GPU
+they are fixed, ``BLOCK_T``; not yet checked there). What one launch covers: every query head and
+query tile of every row of the set, over its own reused tokens and its own fresh window; the concatenations of
+the layer's codes and statistics (a few tensor copies per layer, not per request) are the only other work.
+KVQuant's format (codebooks, outlier rows, pre-RoPE keys) still takes one launch per store.
+
 On CUDA tensors the kernel is compiled; on CPU tensors it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1`` when the kernel is first used), which is how the exactness tests run without a GPU.
 """
