@@ -4,13 +4,15 @@
 #   bash benchmarks/gpu_check.sh            # from the repository root, with the project installed (+ triton)
 #
 # 1. the kernel exactness tests on CUDA (tests/quant/test_fused_attention.py: compiled kernels, not the
-#    interpreter; tests/conftest.py sets TRITON_INTERPRET only where no GPU is present);
+#    interpreter; tests/conftest.py sets TRITON_INTERPRET only where no GPU is present), and the one launch for the
+#    rows of several stores against each store's own (tests/quant/test_fused_rows.py, issue 21);
 # 2. benchmarks/kv_memory.py on the device (bytes held per method and bits at the 8B layer shape);
 # 3. benchmarks/decode_speed.py --preset 8b --device cuda --dtype bfloat16 at about 1k and 4k reused tokens, batch
 #    1 and 8, 8 fixed steps per block: the dual cache unquantized and KIVI / dLLM-KVQ / KVQuant at 4 and 2 bits,
 #    whose later steps run the fused Triton kernel (--kv-attention auto on CUDA);
 # 4. benchmarks/iteration_cost.py on the device (issue 21): tensor ops, host syncs, forwards and the measured
-#    time of one later-step iteration of 1-64 requests, LLaDA-8B random weights in bf16 (unquantized and KIVI);
+#    time of one later-step iteration of 1-64 requests, LLaDA-8B random weights in bf16 (unquantized and KIVI;
+#    KIVI's rows attend in one fused-kernel launch per layer, service/quant/kernels/attention.py);
 # then prints ONE table: tokens/s per configuration, method and bits, time vs the unquantized dual cache, the KV
 # bytes a later step reads, the bytes a forward reads (weights + KV) and the bandwidth that implies against the
 # device's peak (PEAK_GBS, default 4800 GB/s for an H200; a lower bound: block-initial forwards are counted too).
@@ -27,7 +29,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 date -u +%Y-%m-%dT%H:%MZ >> "$OUT/device.txt"
 
 echo "== kernel tests on CUDA"
-timeout 150 "$PYTHON" -m pytest tests/quant/test_fused_attention.py -q -p no:cacheprovider 2>&1 | tail -3 \
+timeout 180 "$PYTHON" -m pytest tests/quant/test_fused_attention.py tests/quant/test_fused_rows.py -q \
+  -p no:cacheprovider 2>&1 | tail -3 \
   | tee "$OUT/kernel_tests.txt"
 
 echo "== kv_memory on the device"

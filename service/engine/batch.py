@@ -143,14 +143,16 @@ class BatchedReuse:
             kk, vv = out
         return kk, vv
 
-    def _together(self, layer: int, device: torch.device) -> list:
-        """Per part, the keys and values its store gave together with the other stores of its kind
-        (`KVStore.window_kv_batch`: one dequantization for all their rows), or None for a part that answers
-        alone (its store has no batch key, or no other store shares it, or only some of its rows take part)."""
+    def _together(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
+        """Per part, what its store gave together with the other stores of its kind: the attention output of its
+        rows when they attend in one call (`KVStore.attend_batch`: the fused kernel's one launch for all their
+        rows), else the keys and values (`KVStore.window_kv_batch`: one dequantization for all their rows); None
+        for a part that answers alone (its store has no batch key, or no other store shares it, or only some of
+        its rows take part). When one kind holds the whole forward, its one result."""
         kinds: dict = {}
         for i, (p, _) in enumerate(self.parts):
             if p.hook is not None and p.selection is None:
-                key = p.cohort.store.batch_key(layer, device)
+                key = p.cohort.store.batch_key(layer, q.device)
                 if key is not None:
                     kinds.setdefault(key, []).append(i)
         got: list = [None] * len(self.parts)
@@ -158,18 +160,27 @@ class BatchedReuse:
             if len(members) < 2:
                 continue
             stores = [self.parts[i][0].cohort.store for i in members]
-            positions = [self.parts[i][0].reused_positions for i in members]
-            kk, vv = stores[0].window_kv_batch(stores, layer, self.key_len, positions, self.rope)
-            if len(members) == len(self.parts):  # the whole forward: no split, no concatenation
-                return [(kk, vv)]
+            whole = len(members) == len(self.parts)
+            taken = (q, k, v)
+            if not whole:
+                rows = torch.tensor([r for i in members for r in range(self.parts[i][1].start, self.parts[i][1].stop)],
+                                    device=q.device)
+                taken = tuple(x.index_select(0, rows) for x in taken)
+            out = stores[0].attend_batch(stores, layer, *taken, [self.parts[i][0].width for i in members])
+            if out is None:
+                positions = [self.parts[i][0].reused_positions for i in members]
+                out = stores[0].window_kv_batch(stores, layer, self.key_len, positions, self.rope)
+            if whole:  # the whole forward: no split, no concatenation
+                return [out]
             for i, rows in zip(members, spans(len(self.parts[i][0].rows) for i in members)):
-                got[i] = (kk[rows], vv[rows])
+                got[i] = out[rows] if isinstance(out, torch.Tensor) else (out[0][rows], out[1][rows])
         return got
 
     def __call__(self, layer, q, k_pre, k, v):
-        together = self._together(layer, q.device)
+        together = self._together(layer, q, k, v)
         if len(together) == 1 and len(self.parts) > 1:
-            return self._placed(*together[0], k, v)
+            whole = together[0]
+            return whole if isinstance(whole, torch.Tensor) else self._placed(*whole, k, v)
         got = [g if g is not None else self._kv(p, rows, layer, q, k_pre, k, v)
                for g, (p, rows) in zip(together, self.parts)]
         fused = [isinstance(g, torch.Tensor) for g in got]

@@ -230,6 +230,24 @@ class KVStore:
         the error they stand for (or, for a false alarm, writes the same K/V)."""
         return None
 
+    def attend_batch(
+        self, stores: list[KVStore], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        widths: list[int],
+    ) -> torch.Tensor | None:
+        """A later step's attention for every row of ``stores`` (this one among them, all with this one's
+        :meth:`batch_key`, every row of each taking part, in order) in one call, or None (this default: the
+        caller reads them through :meth:`window_kv_batch`).
+
+        Args: as :meth:`attend` for the rows together, ``[R, H, T_w, D]`` queries and ``[R, H_kv, T_w, D]`` fresh
+        K/V with ``T_w`` the widest window; ``widths``: per store, its own window's columns (the others are
+        padding of a merged forward and get no weight).
+
+        Returns:
+            ``[R, H, T_w, D]`` in q's dtype, each row as :meth:`attend` of its store would give it at its own
+            window's columns (padded query columns hold values nobody reads).
+        """
+        return None
+
     def clear(self) -> None:
         """Drop everything held (end of a request)."""
 

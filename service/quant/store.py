@@ -17,7 +17,8 @@ float32).
 
 On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs the fused Triton kernel
 (`service.quant.kernels.attention`) straight over the packed layer and the fresh window, so no full-precision copy
-of the reused K/V is ever made. ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
+of the reused K/V is ever made; the stores of one uniform format in a running batch attend in one launch per
+layer for all their rows (``attend_batch``). ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
 interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
 """
 
@@ -36,6 +37,7 @@ from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
+from service.quant.kernels.parts import forget as forget_set
 from service.quant.kvquant import KVQuantQuantizer
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
@@ -179,29 +181,50 @@ class QuantizedKVStore(KVStore):
             return None
         from service.quant.kernels.attention import fused_reuse_attention  # imports Triton
 
+        ops, maps = self._kernel_inputs(layer)
+        if rows is None:
+            rows = torch.arange(q.shape[0], device=q.device)
+        pre_rope = self.pre_rope_keys
+        return fused_reuse_attention(
+            q, k, v, ops, maps, rows,
+            positions=positions if pre_rope else None,
+            inv_freq=rope.inv_freq(q.device) if pre_rope else None,
+            rope_full_precision=rope.full_precision,
+        )
+
+    def attend_batch(self, stores, layer, q, k, v, widths):
+        """Stores with a fused batch key (:meth:`batch_key`): every row of ``stores`` attends in one launch of
+        the kernel (`service.quant.kernels.attention.fused_reuse_attention_rows`); None for the others."""
+        if not self._fused(q.device):
+            return None
+        from service.quant.kernels.attention import fused_reuse_attention_rows  # imports Triton
+
+        return fused_reuse_attention_rows(q, k, v, [store._kernel_inputs(layer) for store in stores], widths)
+
+    def _kernel_inputs(self, layer: int) -> tuple[KernelOperands, BlockMaps]:
+        """The kernel's operands of ``layer`` and the block's maps, made at the layer's first later step."""
         if layer not in self._packed:
             raise KVQuantError(f"layer {layer} was not written in this block's initial pass")
         if self._maps is None:
             self._maps = BlockMaps.from_layout(self._layout)
         if layer not in self._operands:
             self._operands[layer] = self.quantizer.kernel_operands(layer, self._packed[layer], self._layout)
-        if rows is None:
-            rows = torch.arange(q.shape[0], device=q.device)
-        pre_rope = self.pre_rope_keys
-        return fused_reuse_attention(
-            q, k, v, self._operands[layer], self._maps, rows,
-            positions=positions if pre_rope else None,
-            inv_freq=rope.inv_freq(q.device) if pre_rope else None,
-            rope_full_precision=rope.full_precision,
-        )
+        return self._operands[layer], self._maps
 
     def batch_key(self, layer, device):
         """Later steps of stores of one uniform format dequantize together (`service.quant.rows`), and so do
         KVQuant stores of one state (`service.quant.rows_nuq`): not with kept dequantized copies, a side held as
-        it is, the fused kernel (which reads the packed layer itself), or another quantizer of its own format."""
+        it is, or another quantizer of its own format. Stores on the fused kernel's path of one uniform format
+        attend together in one launch (:meth:`attend_batch`; their key is apart from the PyTorch path's);
+        KVQuant's kernel path still attends per store."""
         quantizer = self.quantizer
-        if (self.keep_dequantized or layer not in self._packed or self._fused(device)
-                or not (quantizer.quantizes_k and quantizer.quantizes_v)):
+        if layer not in self._packed or not (quantizer.quantizes_k and quantizer.quantizes_v):
+            return None
+        if self._fused(device):
+            if self.pre_rope_keys or type(quantizer).kernel_operands is not KVQuantizer.kernel_operands:
+                return None
+            return ("fused", batch_key(quantizer, self._packed[layer]))
+        if self.keep_dequantized:
             return None
         if self.pre_rope_keys:
             return nuq_batch_key(self, self._packed[layer]) if type(quantizer) is KVQuantQuantizer else None
@@ -224,10 +247,13 @@ class QuantizedKVStore(KVStore):
 
     def clear(self) -> None:
         """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,
-        `service.quant.rows_nuq`); the accounting stays for :meth:`report`."""
+        `service.quant.rows_nuq`, and the kernel's sets made from its maps, `service.quant.kernels.parts`); the
+        accounting stays for :meth:`report`."""
         if self._layout is not None:
             forget(self._layout)
             nuq_forget(self._layout)
+        if self._maps is not None:
+            forget_set(self._maps)
         self._segments = None
         self._layout = None
         self._verdict = None

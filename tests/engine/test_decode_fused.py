@@ -4,6 +4,7 @@ PyTorch QDQ path, on both tiny checkpoints in fp32 (LLaDA: MHA; Dream: GQA, rota
 Two rows of different prompt lengths (left padding) in dual mode (prefix mode's window is in the kernel tests of
 tests/quant/test_fused_attention.py); later steps of each block go through
 `QuantizedKVStore.attend` (the kernel) instead of ``read`` + SDPA. Short decodes: the interpreter is slow.
+A running batch of such requests attends their rows in one launch per layer (`QuantizedKVStore.attend_batch`).
 """
 
 from __future__ import annotations
@@ -53,3 +54,49 @@ def test_fused_kernel_decodes_token_identical(engines, arch, method):
     assert len(calls) == engine.spec.num_layers * 2 * 2  # 2 blocks x 2 later steps, every layer through the kernel
     for row, ref in zip(got.rows, expected.rows):
         assert row.generated_ids == ref.generated_ids
+
+
+@pytest.mark.parametrize("method", ["dllm_kvq", "kivi"])
+def test_a_running_batch_attends_its_fused_stores_in_one_launch_per_layer(engines, method, monkeypatch):
+    """Requests of different prompt lengths whose stores are on the kernel's path (one uniform format) decode in
+    one running batch beside a full-precision request: every later step's layer launches the kernel once for all
+    their rows (`fused_reuse_attention_rows`), and each request decodes token for token as it does alone."""
+    from service.quant.kernels import attention
+    from service.runtime.scheduler import forward_plan
+
+    engine = engines["llada"]
+    prompts = four_prompts("llada")[:3]
+    assert len({len(p) for p in prompts}) == 3
+    params = DecodeParams(cache_mode="dual", **PARAMS)
+
+    def store():
+        if method == "kivi":
+            return make_kv_store(KVQuantConfig(method="kivi", bits=4, k_group_size=8), engine.spec, attention="triton")
+        return _store(engine, method, prompts, "triton")
+
+    kernel = attention._fused_reuse_attention
+    launches = []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(attention, "_fused_reuse_attention", Counted())
+    batch = engine.batch(forward_plan())
+    cohorts = [engine.cohort([p], params, None, store()) for p in prompts]
+    cohorts.append(engine.cohort([four_prompts("llada")[3]], params, None, None))  # full precision, answers alone
+    merged = []
+    with torch.inference_mode():
+        for cohort in cohorts:
+            batch.join(cohort)
+        while batch.cohorts:
+            batch.step()
+            merged.append(batch.merged)
+    assert len(cohorts) in merged  # later steps where the fused rows share the forward with the other one
+    # 2 blocks x 2 later steps, one launch per layer for the three requests' rows (each alone: three)
+    assert len(launches) == engine.spec.num_layers * 2 * 2
+    monkeypatch.setattr(attention, "_fused_reuse_attention", kernel)
+    for cohort, prompt, kv in zip(cohorts, [*prompts, four_prompts("llada")[3]], [store, store, store, None]):
+        alone = engine.generate([prompt], params, kv_store=kv() if kv else None).rows[0]
+        assert engine.report(cohort).rows[0].generated_ids == alone.generated_ids

@@ -13,6 +13,18 @@ the model dtype, KVQuant's pre-RoPE keys are rotated as `service.engine.models.l
 them (float32 for LLaDA; in the model dtype for Dream), and padding columns (no slot) get no weight. The only
 difference from ``dequantize`` + ``scaled_dot_product_attention`` is the summation order (fp32 round-off).
 
+**The rows of many requests in one launch** (issue 21): `fused_reuse_attention_rows` serves every row of several
+stores of one uniform format (KIVI, dLLM-KVQ; a running batch's rows of one batch key, `KVStore.attend_batch`) in
+one launch per layer. Their operands are concatenated as they are (`service.quant.kernels.parts`) and each
+program looks up its row's store in a small table: its window width and reused length (the loops run to the
+row's own lengths) and where its slots, K groups, protected rows and code streams begin, added to the pointers,
+so each row reads exactly its own store and the arithmetic is the per-store kernel's: the same values whenever
+the key tiles are the same (under the interpreter they follow the longest reused length of the launch; on a GPU
+they are fixed, ``BLOCK_T``; not yet checked there). What one launch covers: every query head and
+query tile of every row of the set, over its own reused tokens and its own fresh window; the concatenations of
+the layer's codes and statistics (a few tensor copies per layer, not per request) are the only other work.
+KVQuant's format (codebooks, outlier rows, pre-RoPE keys) still takes one launch per store.
+
 On CUDA tensors the kernel is compiled; on CPU tensors it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1`` when the kernel is first used), which is how the exactness tests run without a GPU.
 """
@@ -27,12 +39,15 @@ import triton.language as tl
 
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
+from service.quant.kernels.parts import k_code_count, side_by_side, stream_bytes
 
 #: Reused or fresh tokens per tile on a GPU (16 is tl.dot's minimum); queries per tile: the window, 16 to 64.
 BLOCK_T = 64
 #: Under the interpreter every tl operation costs a numpy call whatever its size, so tiles are as large as the
 #: shapes allow (up to this many tokens).
 INTERPRETER_BLOCK_T = 256
+#: int32 entries per store of `fused_reuse_attention_rows`'s table (`service.quant.kernels.parts.PART_INFO`).
+_INFO = tl.constexpr(9)
 
 
 @triton.jit
@@ -97,7 +112,7 @@ def _reused_k(k_codes, k_m, k_row_ptr, group_ptr, k_scale, k_mn, k_prot, k_lut, 
 
 @triton.jit
 def _fused_reuse_attention(
-    out_ptr, q_ptr, kf_ptr, vf_ptr, rows_ptr, slot_of_ptr, group_ptr,
+    out_ptr, q_ptr, kf_ptr, vf_ptr, rows_ptr, part_ptr, info_ptr, slot_of_ptr, group_ptr,
     k_codes, k_m, k_row_ptr, k_scale, k_mn, k_prot, k_lut, k_os, k_oi, k_ov, k_most,
     v_codes, v_m, v_scale, v_mn, v_lut, v_os, v_oi, v_ov, v_most,
     pos_ptr, inv_freq_ptr,
@@ -105,7 +120,7 @@ def _fused_reuse_attention(
     sob, soh, sot, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, spb,
     DTYPE: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, NUQ: tl.constexpr, PROTECTED: tl.constexpr, VG: tl.constexpr,
-    ROPE: tl.constexpr, ROPE_FP32: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_FP32: tl.constexpr, MULTI: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
@@ -114,6 +129,27 @@ def _fused_reuse_attention(
     h = pid_bh % H
     hkv = h // (H // HKV)
     srow = tl.load(rows_ptr + b)
+    tw = Tw
+    tr = Tr
+    if MULTI:
+        # Several stores side by side (`fused_reuse_attention_rows`): the row's store's window width, reused
+        # length, and where its slots, K groups, protected rows and code streams start in the concatenations.
+        info = info_ptr + tl.load(part_ptr + b) * _INFO
+        tw = tl.load(info)
+        tr = tl.load(info + 1)
+        slot0 = tl.load(info + 2)
+        group0 = tl.load(info + 3)
+        k_codes += tl.load(info + 5)
+        k_m = tl.load(info + 6)
+        v_codes += tl.load(info + 7)
+        v_m = tl.load(info + 8)
+        k_row_ptr += slot0
+        group_ptr += slot0
+        k_scale += group0 * (HKV * D)
+        k_mn += group0 * (HKV * D)
+        k_prot += tl.load(info + 4) * (HKV * D)
+        v_scale += slot0 * (HKV * (D // VG))
+        v_mn += slot0 * (HKV * (D // VG))
     qi = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
@@ -125,9 +161,9 @@ def _fused_reuse_attention(
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
 
     # Fresh window first: it is never padding, so the running maximum is finite before any padded tile.
-    for t0 in range(0, Tw, BLOCK_T):
+    for t0 in range(0, tw, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        tmask = t < Tw
+        tmask = t < tw
         kv_mask = tmask[:, None] & dmask[None, :]
         k = tl.load(kf_ptr + b * skb + hkv * skh + t[:, None] * skt + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(vf_ptr + b * svb + hkv * svh + t[:, None] * svt + d[None, :], mask=kv_mask, other=0.0)
@@ -142,9 +178,9 @@ def _fused_reuse_attention(
 
     # Reused columns: dequantized in registers.
     k_len = D // 2
-    for t0 in range(0, Tr, BLOCK_T):
+    for t0 in range(0, tr, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        tmask = t < Tr
+        tmask = t < tr
         slot = tl.load(slot_of_ptr + srow * Tr + t, mask=tmask, other=-1)
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
@@ -203,11 +239,6 @@ def _or(tensor: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if tensor is None else tensor
 
 
-def _stream_bytes(n_codes: int, bits: int) -> int:
-    per_byte = 8 // bits
-    return -(-n_codes // per_byte)
-
-
 def fused_reuse_attention(
     q: torch.Tensor,
     k_fresh: torch.Tensor,
@@ -238,27 +269,79 @@ def fused_reuse_attention(
         KVQuantError: a CPU tensor without Triton's interpreter, an unsupported dtype, or a layer with 2^31 or
             more codes (the kernel indexes in int32).
     """
+    _check(q)
+    hkv, d = k_fresh.shape[1], q.shape[3]
+    n_entries = ops.num_slots * hkv * d
+    if n_entries >= 2**31:
+        raise KVQuantError(f"a layer of {n_entries} reused entries is too large for the kernel's int32 indices")
+    rope = ops.fmt == "nuq"
+    if rope and (positions is None or inv_freq is None):
+        raise KVQuantError("pre-RoPE keys need the reused positions and the RoPE frequencies")
+    return _launch(
+        q, k_fresh, v_fresh, ops, maps.slot_of, maps.group_of_slot, rows.to(torch.int32), None, None,
+        k_fresh.shape[2], maps.slot_of.shape[1], stream_bytes(k_code_count(ops, hkv, d), ops.bits),
+        stream_bytes(n_entries, ops.bits), positions if rope else None, inv_freq if rope else None,
+        rope_full_precision,
+    )
+
+
+def fused_reuse_attention_rows(
+    q: torch.Tensor,
+    k_fresh: torch.Tensor,
+    v_fresh: torch.Tensor,
+    parts: list[tuple[KernelOperands, BlockMaps]],
+    widths: list[int] | None = None,
+) -> torch.Tensor:
+    """:func:`fused_reuse_attention` for the rows of several stores in one launch (issue 21): ``parts`` are the
+    stores, each with every row of its block, laid end to end along q's rows (`service.quant.kernels.parts`).
+
+    Args:
+        q: ``[R, H, Tq, D]`` post-RoPE queries, R the stores' rows together (model dtype).
+        k_fresh, v_fresh: ``[R, H_kv, Tw, D]`` the windows' K (post-RoPE) and V, unquantized.
+        parts: per store, its layer's operands and its block's maps, in row order; one uniform format (KIVI,
+            dLLM-KVQ: same bits and V group size, all with protected tokens or none).
+        widths: per store, the columns of its fresh window (the rest of the ``Tw`` columns, padding of a merged
+            forward, get no weight); None: all ``Tw``.
+
+    Returns:
+        ``[R, H, Tq, D]`` in q's dtype; each row the values :func:`fused_reuse_attention` gives it from its own
+        store alone with the same tiles (the kernel adds each store's offsets to its pointers; only the tile size
+        under the interpreter, which follows the longest reused length, may change the summation order).
+
+    Raises:
+        KVQuantError: as :func:`fused_reuse_attention`; a KVQuant (nuq) part or parts of different formats; rows
+            of q that are not the stores' rows together.
+    """
+    _check(q)
+    hkv, d = k_fresh.shape[1], q.shape[3]
+    widths = [k_fresh.shape[2]] * len(parts) if widths is None else widths
+    set_ = side_by_side(parts, widths, hkv, d)
+    if set_.rows.shape[0] != q.shape[0]:
+        raise KVQuantError(f"q has {q.shape[0]} rows, the stores {set_.rows.shape[0]}")
+    return _launch(q, k_fresh, v_fresh, set_.ops, set_.slot_of, set_.group_of_slot, set_.rows, set_.part_of_row,
+                   set_.info, max(widths), set_.longest, 0, 0, None, None, True)
+
+
+def _check(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise KVQuantError("the Triton attention kernel runs on CPU tensors only under TRITON_INTERPRET=1")
     if q.dtype not in _DTYPES:
         raise KVQuantError(f"the Triton attention kernel takes {sorted(map(str, _DTYPES))}, got {q.dtype}")
+
+
+def _launch(q, k_fresh, v_fresh, ops: KernelOperands, slot_of, group_of_slot, rows, part_of_row, info, tw: int,
+            tr: int, k_m: int, v_m: int, positions, inv_freq, rope_full_precision: bool) -> torch.Tensor:
+    """The kernel's one launch: one program per (tile of queries, query row, head). ``part_of_row`` and ``info``
+    (several stores, `service.quant.kernels.parts`) or None (one store, ``k_m``/``v_m`` its streams' bytes)."""
     b, h, tq, d = q.shape
-    hkv, tw = k_fresh.shape[1], k_fresh.shape[2]
-    tr = maps.slot_of.shape[1]
-    n_entries = ops.num_slots * hkv * d
-    if n_entries >= 2**31:
-        raise KVQuantError(f"a layer of {n_entries} reused entries is too large for the kernel's int32 indices")
+    hkv = k_fresh.shape[1]
     q, k_fresh, v_fresh = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_fresh, v_fresh))
     out = torch.empty_like(q)
-    n_k_codes = n_entries
-    if ops.k_row is not None:
-        n_k_codes = (ops.num_slots - ops.k_protected.shape[0]) * hkv * d
-    rope = ops.fmt == "nuq"
-    if rope and (positions is None or inv_freq is None):
-        raise KVQuantError("pre-RoPE keys need the reused positions and the RoPE frequencies")
+    rope = positions is not None
     pos = positions if rope else torch.zeros(1, 1, dtype=torch.int64, device=q.device)
     inv = inv_freq if rope else torch.zeros(1, dtype=torch.float32, device=q.device)
-    k_row = ops.k_row if ops.k_row is not None else maps.group_of_slot  # unused without protected tokens
+    k_row = ops.k_row if ops.k_row is not None else group_of_slot  # unused without protected tokens
+    multi = info is not None
     block_q = min(64, max(16, triton.next_power_of_2(tq)))
     block_t = BLOCK_T
     if q.device.type != "cuda":
@@ -266,10 +349,11 @@ def fused_reuse_attention(
         block_t = min(INTERPRETER_BLOCK_T, max(16, triton.next_power_of_2(max(tr, tw))))
     grid = (triton.cdiv(tq, block_q), b * h)
     _fused_reuse_attention[grid](
-        out, q, k_fresh, v_fresh, rows.to(torch.int32), maps.slot_of, maps.group_of_slot,
-        ops.k_codes, _stream_bytes(n_k_codes, ops.bits), k_row, ops.k_scale, ops.k_mn, ops.k_protected,
+        out, q, k_fresh, v_fresh, rows, part_of_row if multi else rows, info if multi else rows,
+        slot_of, group_of_slot,
+        ops.k_codes, k_m, k_row, ops.k_scale, ops.k_mn, ops.k_protected,
         ops.k_lut, _or(ops.k_outlier_start, k_row), ops.k_outlier_index, ops.k_outlier_values, ops.k_outlier_most,
-        ops.v_codes, _stream_bytes(n_entries, ops.bits), ops.v_scale, ops.v_mn, ops.v_lut,
+        ops.v_codes, v_m, ops.v_scale, ops.v_mn, ops.v_lut,
         _or(ops.v_outlier_start, k_row), ops.v_outlier_index, ops.v_outlier_values, ops.v_outlier_most,
         pos, inv,
         tq, tw, tr, 1.0 / math.sqrt(d),
@@ -278,7 +362,7 @@ def fused_reuse_attention(
         v_fresh.stride(2), pos.stride(0),
         DTYPE=_DTYPES[q.dtype], H=h, HKV=hkv, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BITS=ops.bits, NUQ=ops.fmt == "nuq", PROTECTED=ops.k_row is not None, VG=ops.v_group_size,
-        ROPE=rope, ROPE_FP32=rope_full_precision, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ROPE=rope, ROPE_FP32=rope_full_precision, MULTI=multi, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_Q=block_q, BLOCK_T=block_t,
     )
     return out
