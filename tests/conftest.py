@@ -7,12 +7,18 @@ CPU tensors. Triton reads the variable when it decorates a kernel, its own stand
 decorated the moment anything first imports ``triton`` (loading a model does, through transformers), so it is
 set here, before any test module is imported, and only where no GPU is present: a GPU host runs the same tests
 with the compiled kernels.
+
+The tiers (docs/testing.md) are markers, and the markers are kept honest here: a test not marked ``integration``
+that starts a child process (a server, a fresh interpreter, a shell script, lm-eval over HTTP) fails, saying to
+mark it, so the fast tier (``scripts/test.sh --fast``: ``-m "not integration and not slow"``) never waits on a
+process start-up. The exceptions are the short-lived native tools in :data:`FAST_TOOLS`.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,6 +28,40 @@ import torch
 from tests.support.processes import TEST_REDIS_ENV, RedisProcess
 
 _own: dict[str, object] = {}
+
+#: Executables a test outside the ``integration`` tier may start: native command-line checkers that start no
+#: server and no Python interpreter and end in well under a second.
+FAST_TOOLS = frozenset({"git", "hadolint", "promtool"})
+
+#: The test whose setup, call or teardown is running now (None between tests and in session hooks).
+_running: dict[str, pytest.Item | None] = {"item": None}
+_popen_init = subprocess.Popen.__init__
+
+
+def _popen_init_outside_integration(self, args, *rest, **kwargs):
+    item = _running["item"]
+    if item is not None and item.get_closest_marker("integration") is None:
+        argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+        program = os.path.basename(str(argv[0]).split()[0]) if argv else ""
+        if program not in FAST_TOOLS:
+            # Failed is a BaseException: an ``except Exception`` in the code under test does not swallow it.
+            pytest.fail(f"{item.nodeid} starts a process ({str(args)[:160]}) but is not marked integration; mark "
+                        "it @pytest.mark.integration (or run it in this process: tests/support/cli.py)",
+                        pytrace=False)
+    _popen_init(self, args, *rest, **kwargs)
+
+
+subprocess.Popen.__init__ = _popen_init_outside_integration
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Remember the running test for the process check above."""
+    _running["item"] = item
+    try:
+        yield
+    finally:
+        _running["item"] = None
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

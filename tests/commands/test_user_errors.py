@@ -13,11 +13,19 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import console_main
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def console(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """``python -m dllm_kvq.cli ...`` (the installed console command's code) in a subprocess."""
+    """``dllm-kvq ...`` (the installed console command's code) in this process (`tests.support.cli`); the real
+    console subprocess of every command is tested in test_console.py."""
+    return console_main(*args, env={"HF_HUB_OFFLINE": "1", **env})
+
+
+def console_process(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m dllm_kvq.cli ...`` in a subprocess, where a fresh interpreter is what is checked."""
     return subprocess.run([sys.executable, "-m", "dllm_kvq.cli", *args], capture_output=True, text=True,
                           timeout=600, check=False, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env})
@@ -109,9 +117,10 @@ def test_calibrate_fit_merge_of_a_missing_file(tmp_path):
     assert f"--merge {tmp_path / 'sums-0.json'}: no such file" in line
 
 
+@pytest.mark.integration  # the offline switch is read when `datasets` is imported: a fresh interpreter
 def test_calibrate_collect_without_network_or_datasets(tmp_path):
     """Offline (the hub blocked) or without the `datasets` package: one line saying what collect needs."""
-    result = console("calibrate", "collect", "--out", str(tmp_path / "buckets"), HF_DATASETS_OFFLINE="1")
+    result = console_process("calibrate", "collect", "--out", str(tmp_path / "buckets"), HF_DATASETS_OFFLINE="1")
     line = one_line(result)
     assert "collect" in line
 
@@ -155,6 +164,7 @@ HELPS = [["serve"], ["generate"], ["policies"], ["policies", "list"], ["policies
          ["calibrate", "all"], ["evaluate"], ["evaluate", "matrix"], ["evaluate", "tasks"], ["evaluate", "push-scores"]]
 
 
+@pytest.mark.integration  # a fresh interpreter: what --help imports
 def test_help_imports_neither_torch_nor_transformers():
     code = """
 import json, sys

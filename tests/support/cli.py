@@ -39,6 +39,18 @@ def service_main(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
     """
     from service.__main__ import main
 
+    return _in_process(main, ["python", "-m", "service"], args, env)
+
+
+def console_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``dllm-kvq *args`` (`dllm_kvq.cli.main`, every command) in this process, as :func:`service_main`."""
+    from dllm_kvq.cli import main
+
+    return _in_process(main, ["dllm-kvq"], args, env)
+
+
+def _in_process(main, command: list[str], args: tuple[str, ...], env: dict[str, str] | None
+                ) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with _environ(env or {}), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -47,4 +59,4 @@ def service_main(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
             code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
             if isinstance(done.code, str):
                 print(done.code, file=err)
-    return subprocess.CompletedProcess(["python", "-m", "service", *args], code, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([*command, *args], code, out.getvalue(), err.getvalue())
