@@ -1,8 +1,40 @@
 #!/usr/bin/env bash
-# Set up and run the whole suite. The suite starts its own redis-server on a free port in a temporary directory
-# (tests/conftest.py) and never touches a Redis you run; this script only makes sure redis-server is installed.
+# Set up and run the tests, by tier (docs/testing.md):
+#
+#   bash scripts/test.sh                 setup, ruff, the whole suite, then the container tier (what CI runs)
+#   bash scripts/test.sh --fast [ARGS]   setup, ruff, the fast tier: -m "not integration and not slow" (no server
+#                                        processes, no lm-eval, no containers; tests/conftest.py fails a test of it
+#                                        that starts a process), ARGS passed on to pytest
+#   bash scripts/test.sh ARGS...         setup, ruff, then pytest ARGS (one file, -m integration, ...)
+#
+# Each tier's wall time is printed at the end; when the container tier did not run, the last line says so.
+# The suite starts its own redis-server on a free port in a temporary directory (tests/conftest.py) and never
+# touches a Redis you run; this script only makes sure redis-server is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+TIMES=()
+LAST_LINE=""
+started=$SECONDS
+tier_done() {  # $1 = the tier's name: its wall time since the previous tier ended
+  TIMES+=("$1 $((SECONDS - started)) s")
+  started=$SECONDS
+}
+tier() {  # $1 = the tier's name, then its command: run it, note its time (also when it fails), keep its status
+  local name=$1 status=0
+  shift
+  "$@" || status=$?
+  tier_done "$name"
+  return "$status"
+}
+report() {
+  status=$?
+  [ "${#TIMES[@]}" -gt 0 ] && echo "test.sh: wall time by tier: $(IFS=,; echo "${TIMES[*]}" | sed 's/,/, /g')" >&2
+  [ -n "$LAST_LINE" ] && echo "$LAST_LINE" >&2
+  exit "$status"
+}
+trap report EXIT
+
 bash scripts/setup.sh
 if ! command -v redis-server >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -19,24 +51,49 @@ if ! bash scripts/install_tools.sh prometheus; then
   export DLLM_TEST_MISSING_PROMETHEUS="scripts/install_tools.sh could not install prometheus/promtool here"
   echo "test.sh: $DLLM_TEST_MISSING_PROMETHEUS; the tests that need them are skipped" >&2
 fi
+tier_done setup
 # Lint first (ruff's version is pinned in pyproject's test extra, its rules and line length configured there).
-.venv/bin/ruff check .
+tier ruff .venv/bin/ruff check .
 # pytest exits 5 when it collects nothing; that fails this script as any other non-zero exit does.
-if [ "$#" -gt 0 ]; then
-  exec .venv/bin/python -m pytest "$@"
+if [ "${1:-}" = --fast ]; then
+  shift
+  tier "fast tier" .venv/bin/python -m pytest -m "not integration and not slow" "$@"
+  exit 0
 fi
-.venv/bin/python -m pytest
+if [ "$#" -gt 0 ]; then
+  tier pytest .venv/bin/python -m pytest "$@"
+  exit 0
+fi
+tier suite .venv/bin/python -m pytest
 # The container tier, after the suite and only for the whole suite: scripts/container_smoke.sh builds the CPU
 # image and runs it and the compose stack (tests/deploy/test_container_smoke.py; minutes when the layer cache
 # holds the dependencies, tens of minutes cold). Unless a docker daemon answers, podman (with runc and
 # debootstrap) is installed when absent; where it cannot be, the tier is skipped with this reason.
 # DLLM_CONTAINER_SMOKE=0 leaves the tier out.
 if [ "${DLLM_CONTAINER_SMOKE:-1}" = 0 ]; then
-  echo "test.sh: DLLM_CONTAINER_SMOKE=0: the container tier is left out" >&2
+  LAST_LINE="test.sh: the container tier did NOT run: DLLM_CONTAINER_SMOKE=0 leaves it out"
   exit 0
 fi
-if ! docker info >/dev/null 2>&1 && ! bash scripts/install_tools.sh containers; then
-  export DLLM_TEST_MISSING_CONTAINER_ENGINE="scripts/install_tools.sh could not install podman here"
+if ! docker info >/dev/null 2>&1; then
+  # apt fails now and then for a moment (a mirror hiccup, another apt holding the dpkg lock): three tries.
+  for try in 1 2 3; do
+    bash scripts/install_tools.sh containers && break
+    if [ "$try" = 3 ]; then
+      export DLLM_TEST_MISSING_CONTAINER_ENGINE="scripts/install_tools.sh could not install podman here (3 tries)"
+    else
+      sleep $((30 * try))
+    fi
+  done
 fi
 export DLLM_CONTAINER_SMOKE=1
-exec .venv/bin/python -m pytest tests/deploy/test_container_smoke.py -s
+log=$(mktemp)
+set +e
+.venv/bin/python -m pytest tests/deploy/test_container_smoke.py -s -rs 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+tier_done "container tier"
+if grep -q " 1 skipped" "$log"; then
+  LAST_LINE="test.sh: the container tier did NOT run: $(grep -m1 '^SKIPPED' "$log" | sed 's/^SKIPPED \[[0-9]*\] [^ ]* //')"
+fi
+rm -f "$log"
+exit "$status"

@@ -31,7 +31,7 @@ _own: dict[str, object] = {}
 
 #: Executables a test outside the ``integration`` tier may start: native command-line checkers that start no
 #: server and no Python interpreter and end in well under a second.
-FAST_TOOLS = frozenset({"git", "hadolint", "promtool"})
+FAST_TOOLS = frozenset({"docker-compose", "git", "hadolint", "promtool"})
 
 #: The test whose setup, call or teardown is running now (None between tests and in session hooks).
 _running: dict[str, pytest.Item | None] = {"item": None}

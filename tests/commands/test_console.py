@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # every test runs the installed console command as a process
+
 CONSOLE = Path(sys.executable).with_name("dllm-kvq")
 
 

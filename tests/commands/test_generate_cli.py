@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.cli import service_main
 from tests.support.fastdllm import CKPT, REPO_ROOT, golden
 
@@ -30,6 +32,7 @@ def _run(run_id: str) -> dict:
     return next(r for r in golden(f"{family}_generate.json")["runs"] if r["id"] == run_id)
 
 
+@pytest.mark.integration  # the real subprocess of `generate`
 def test_json_report_matches_golden_fixed_steps_dream_prefix():
     run = _run("dream_p17_g64_fixed_prefix")
     out = _cli(

@@ -50,6 +50,7 @@ def _policy(spec, layers: int) -> PolicyTable:
     )
 
 
+@pytest.mark.integration  # the real subprocess of `generate --kv-quant`
 def test_dllm_kvq_from_a_policy_file_reports_kv(tmp_path, spec):
     """The --json report carries the kv field (plain output adds a [kv=...] line)."""
     table = _policy(spec, spec.num_layers)

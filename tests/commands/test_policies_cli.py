@@ -137,6 +137,7 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(store_dir, spec, args,
     assert open_store(path).audit() == []
 
 
+@pytest.mark.integration  # the real subprocess of `policies`
 def test_server_path_needs_the_admin_key_in_one_line(store_dir):
     result = subprocess_cli("list", "--server", "http://127.0.0.1:9", env={"DLLM_ADMIN_KEY": ""})
     assert result.returncode == 2

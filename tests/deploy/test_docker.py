@@ -180,6 +180,7 @@ def test_every_copied_path_exists_and_is_not_dockerignored():
         ("policies", "export", "--help"),
     ],
 )
+@pytest.mark.integration  # the console command as a process
 def test_the_console_command_runs_each_job_the_image_documents(args):
     # What `docker run IMAGE <job> ...` runs: the entrypoint's program with the job's arguments.
     result = subprocess.run(
@@ -206,6 +207,7 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.integration  # the healthcheck script as a process
 @pytest.mark.parametrize(("status", "expected"), [(200, 0), (503, 1)])
 def test_healthcheck_exit_status_follows_readiness(status, expected):
     handler = type("H", (_Health,), {"status": status})
@@ -228,6 +230,7 @@ def test_healthcheck_exit_status_follows_readiness(status, expected):
         assert "answered 503" in result.stderr
 
 
+@pytest.mark.integration  # the healthcheck script as a process
 def test_healthcheck_fails_when_nothing_listens():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
     port = server.server_address[1]

@@ -164,6 +164,7 @@ def test_calibration_flags_are_the_calibration_cli_s():
     ).shard == (3, int(settings["SHARDS"]))
 
 
+@pytest.mark.integration  # the job's command as a process
 def test_model_download_job_fills_the_cache_the_api_reads():
     docs = documents()
     job = docs[("Job", "dllm-kvq-model-download")]["spec"]["template"]["spec"]

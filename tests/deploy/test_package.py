@@ -7,7 +7,11 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 from tests.deploy.tools import REPO, run_tool
+
+pytestmark = pytest.mark.integration  # builds the wheel in a pip process
 
 PACKAGES = ("service", "calibration", "evaluation", "dllm_kvq")
 

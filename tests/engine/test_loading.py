@@ -95,6 +95,7 @@ def test_embedded_default_loads_with_its_tokenizer():
     assert engine.encode_prompt("2 + 3", chat=True)
 
 
+@pytest.mark.integration  # a fresh interpreter with an offline HF cache
 def test_repo_id_from_offline_hf_cache(tmp_path):
     snapshot = tmp_path / "hub" / "models--tiny-org--dream-tiny" / "snapshots" / ("a" * 40)
     shutil.copytree(CKPT["dream"], snapshot)

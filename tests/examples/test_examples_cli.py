@@ -16,6 +16,8 @@ import pytest
 from tests.support.paths import REPO
 from tests.support.processes import free_port
 
+pytestmark = pytest.mark.integration  # every test runs an example script as a process
+
 EXAMPLES = ("ask.py", "kv_metrics.py")
 
 
