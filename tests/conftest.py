@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.processes import TEST_REDIS_ENV, RedisProcess
+from tests.support.processes import TEST_REDIS_ENV, RedisProcess, ServerProcess
 
 _own: dict[str, object] = {}
 
@@ -90,3 +90,16 @@ def pytest_unconfigure(config) -> None:
         server.stop()
         os.environ.pop(TEST_REDIS_ENV, None)
         shutil.rmtree(_own.pop("workdir"), ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_embedded_server(tmp_path_factory):
+    """One ``python -m service serve`` of the embedded default model (one torch thread, a directory store, default
+    settings) for the black-box API tests that need no settings of their own, instead of one start-up per module
+    (per xdist worker: each worker has its own session). Tests reading its counters compare before and after;
+    tests that change its state (activation, keys, stop) start their own server."""
+    tmp = tmp_path_factory.mktemp("shared-embedded")
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp / "server.log").start(timeout_s=180)
+    yield srv
+    srv.stop()

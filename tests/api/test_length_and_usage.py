@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from tests.support.apps import sse_events
-from tests.support.processes import ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 DIGITS = "4 1 4 4 2 9 7 4 3 2 8 3 3 8 5 9 9 6 6 4 8 5 6 3 6 6 3 5 5 2 2 1 8 6 7 1 1 9 9 1 8 7 2 7 7 3 4 8"
@@ -24,12 +23,8 @@ COPY = [{"role": "user", "content": f"copy: {DIGITS}"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("length")
-    srv = ServerProcess({"DLLM_STORE_URL": str(tmp / "store"), "DLLM_THREADS": "1"},
-                        log_path=tmp / "server.log").start(timeout_s=180)
-    yield srv
-    srv.stop()
+def server(shared_embedded_server):
+    return shared_embedded_server  # tests/conftest.py: one embedded server for the session
 
 
 @pytest.fixture(scope="module")

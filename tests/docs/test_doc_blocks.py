@@ -42,8 +42,6 @@ import pytest
 
 from tests.support.processes import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
-
 REPO = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
 ADMIN_KEY = "doc-test-admin-key-0123456789"
@@ -331,6 +329,10 @@ def run_page(checkout, env, server):
     return run
 
 
+# Only this test starts processes (the blocks, a server); the checks above read the pages (the fast tier).
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.kind in ("run", "needs") for b in blocks_of(p))])
 def test_page_blocks_run(page, run_page):
     run_page(page)

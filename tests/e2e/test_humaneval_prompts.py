@@ -20,7 +20,6 @@ from transformers import AutoTokenizer
 from service.engine.prompts import token_ids  # a list in transformers 4, a mapping in 5
 from tests.support.metrics import metric_sum, metrics
 from tests.support.paths import EMBEDDED
-from tests.support.processes import ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BLOCK = 32
@@ -40,12 +39,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("humaneval-server")
-    srv = ServerProcess({"DLLM_THREADS": "1", "DLLM_STORE_URL": str(tmp / "store")},
-                        log_path=tmp / "server.log").start(timeout_s=180)
-    yield srv
-    srv.stop()
+def server(shared_embedded_server):
+    return shared_embedded_server  # tests/conftest.py: one embedded server for the session
 
 
 @pytest.fixture(scope="module")
