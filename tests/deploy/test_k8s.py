@@ -28,6 +28,7 @@ def documents() -> dict[tuple[str, str], dict]:
     return out
 
 
+@pytest.mark.integration  # kubernetes-validate is a Python program: a fresh interpreter per call
 @pytest.mark.parametrize("version", VERSIONS, ids=lambda v: v or "latest")
 def test_every_manifest_validates_strictly(version):
     assert len(MANIFESTS) >= 6
@@ -42,6 +43,7 @@ def test_every_manifest_validates_strictly(version):
     assert checked == len(documents()), result.stdout
 
 
+@pytest.mark.integration  # kubernetes-validate as a process, as above
 def test_strict_validation_rejects_a_misspelt_field(tmp_path):
     # The validator is strict: an unknown field deep in a pod template fails (the check above can fail).
     deployment = documents()[("Deployment", "dllm-kvq-api")]
