@@ -8,6 +8,8 @@
 #   bash scripts/test.sh ARGS...         setup, ruff, then pytest ARGS (one file, -m integration, ...)
 #
 # Each tier's wall time is printed at the end; when the container tier did not run, the last line says so.
+# DLLM_TEST_WORKERS=N runs pytest in N pytest-xdist workers, each taking whole files (--dist loadfile); the
+# default is one per core for the fast tier and a single process for the others (docs/testing.md says why).
 # The suite starts its own redis-server on a free port in a temporary directory (tests/conftest.py) and never
 # touches a Redis you run; this script only makes sure redis-server is installed.
 set -euo pipefail
@@ -55,16 +57,24 @@ tier_done setup
 # Lint first (ruff's version is pinned in pyproject's test extra, its rules and line length configured there).
 tier ruff .venv/bin/ruff check .
 # pytest exits 5 when it collects nothing; that fails this script as any other non-zero exit does.
+workers() {  # $1 = the default worker count: pytest-xdist's options for DLLM_TEST_WORKERS (none for 0 or 1)
+  local n=${DLLM_TEST_WORKERS:-$1}
+  [ "$n" = auto ] && n=$(nproc)
+  if [ "$n" -gt 1 ]; then echo "-n $n --dist loadfile"; fi
+}
 if [ "${1:-}" = --fast ]; then
   shift
-  tier "fast tier" .venv/bin/python -m pytest -m "not integration and not slow" "$@"
+  # shellcheck disable=SC2046  # the options are words
+  tier "fast tier" .venv/bin/python -m pytest -m "not integration and not slow" $(workers auto) "$@"
   exit 0
 fi
 if [ "$#" -gt 0 ]; then
-  tier pytest .venv/bin/python -m pytest "$@"
+  # shellcheck disable=SC2046
+  tier pytest .venv/bin/python -m pytest $(workers 1) "$@"
   exit 0
 fi
-tier suite .venv/bin/python -m pytest
+# shellcheck disable=SC2046
+tier suite .venv/bin/python -m pytest $(workers 1)
 # The container tier, after the suite and only for the whole suite: scripts/container_smoke.sh builds the CPU
 # image and runs it and the compose stack (tests/deploy/test_container_smoke.py; minutes when the layer cache
 # holds the dependencies, tens of minutes cold). Unless a docker daemon answers, podman (with runc and

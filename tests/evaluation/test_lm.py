@@ -36,6 +36,7 @@ def test_registered_under_its_name():
     assert get_model(MODEL_NAME) is DllmKvqLM
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_scores_through_lm_eval_equal_direct_decoding_and_batch_size_does_not_matter(engine, task_dir, answers):
     assert any(STOP in direct for direct in direct_answers_uncut(engine))  # the stop string really cuts something
     scores, records = {}, {}

@@ -50,6 +50,7 @@ def _direct(engine, config: KVQuantConfig, policy=None):
     return rows
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
     url, policy_id = store_url
     answers = direct_answers(engine)
@@ -97,6 +98,7 @@ def test_matrix_runs_resumes_and_compares_rows(tmp_path, engine, store_url):
     assert "| dLLM-KVQ (4-bit) |" in md and "- tiny dual-kvquant-4: no KVQuant state" in md
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_a_cell_is_recomputed_when_the_limit_changes_and_tables_use_one_slice(tmp_path, engine):
     task_dir = write_echo_task(tmp_path / "tasks", direct_answers(engine))
     cells = plan_cells(["tiny"], ["dual"], [4], ["kivi"])
@@ -118,6 +120,7 @@ def test_a_cell_is_recomputed_when_the_limit_changes_and_tables_use_one_slice(tm
         out, ["tiny_echo"], files=again["files"])["md"].read_text()
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_table3_controls_and_kv_ablation_rows(tmp_path, engine, store_url):
     url, policy_id = store_url
     task_dir = write_echo_task(tmp_path / "tasks", direct_answers(engine))

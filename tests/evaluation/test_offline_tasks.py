@@ -49,6 +49,7 @@ def test_gsm8k_local_reuses_lm_evals_definition(tmp_path):
     assert cfg["dataset_path"] == "json"
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_gsm8k_local_scores_with_lm_evals_filters(task_manager, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     test = _rows("test")

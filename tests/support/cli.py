@@ -44,9 +44,16 @@ def service_main(*args: str, env: dict[str, str] | None = None) -> subprocess.Co
 
 def console_main(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``dllm-kvq *args`` (`dllm_kvq.cli.main`, every command) in this process, as :func:`service_main`."""
+    import service.commands
     from dllm_kvq.cli import main
 
-    return _in_process(main, ["dllm-kvq"], args, env)
+    # The console sets the program name the commands print (`service.commands.console`, a module global); a
+    # later ``python -m`` form in this process must print its own again.
+    typed = service.commands.console
+    try:
+        return _in_process(main, ["dllm-kvq"], args, env)
+    finally:
+        service.commands.console = typed
 
 
 def _in_process(main, command: list[str], args: tuple[str, ...], env: dict[str, str] | None
