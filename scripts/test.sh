@@ -95,6 +95,15 @@ if ! docker info >/dev/null 2>&1; then
     fi
   done
 fi
+# The image's torch is the wheel the setup installed (scripts/container_smoke.sh takes a torch-*+cpu wheel from
+# a find-links directory): pip copies it out of its cache or find-links, so a cold machine fetches torch once.
+wheels=.dllm-kvq/wheels
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__)")
+if .venv/bin/python -m pip download -q --no-deps -d "$wheels" "torch==$torch_version" >/dev/null 2>&1; then
+  export PIP_FIND_LINKS="$PWD/$wheels${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}"
+else
+  echo "test.sh: no wheel of torch $torch_version to reuse; the image build fetches its own" >&2
+fi
 export DLLM_CONTAINER_SMOKE=1
 log=$(mktemp)
 set +e
