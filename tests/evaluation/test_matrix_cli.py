@@ -15,6 +15,7 @@ from service.store.base import KIND_EVAL_SCORES, open_store
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_matrix_command_writes_tables_table4_and_scores(tmp_path, capsys):
     store_dir = tmp_path / "store"
     row = {"centered_l2": 96.4, "attention_kl": 88.9, "top1": 72.9, "topk": 85.9, "cosine": 90.0,

@@ -25,6 +25,7 @@ def _args(out, store, *extra):
             "--bits", "2", "--batch-size", "4", "--threads", "1", "--out", str(out), "--store", str(store), *extra]
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_table3_and_kv_ablation_commands(tmp_path, capsys):
     spec = Engine.load(None, threads=1).spec
     fitted = PolicyTable(model_id="embedded", weights_fingerprint=spec.fingerprint, cache_mode="dual", bits=2,
@@ -69,6 +70,7 @@ def test_matrix_inputs_are_checked_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "m" / "cells").exists()
 
 
+@pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
 def test_a_card_is_written_only_with_every_row_and_the_same_results_write_the_same_card(tmp_path, capsys,
                                                                                        monkeypatch):
     """--card refuses a table with a row it cannot run (no fitted policy in the store): one line, exit 2, no cell
