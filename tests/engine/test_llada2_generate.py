@@ -1,0 +1,74 @@
+"""LLaDA2.0 and 2.1 block-causal decoding token for token against the reference's runs, in every cache mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.block_causal import (
+    BLOCK_CAUSAL_CACHE_MODES,
+    BlockCausalParams,
+    generate,
+    transfer_schedule,
+)
+from service.engine.loading import load_checkpoint
+from tests.support.llada2 import LLADA2_CKPT, llada2_golden
+
+RUNS = {family: llada2_golden(f"{family}_generate.json")["runs"] for family in ("llada2", "llada21")}
+
+
+@pytest.fixture(scope="module")
+def llada2():
+    return {family: load_checkpoint(path) for family, path in LLADA2_CKPT.items()}
+
+
+def params_of(run: dict, cache_mode: str, editing: bool) -> BlockCausalParams:
+    """The reference's ``generate`` arguments of a golden run as :class:`BlockCausalParams`."""
+    p = run["params"]
+    extra = {}
+    if editing:
+        extra = {"editing_threshold": p["editing_threshold"], "max_post_steps": p["max_post_steps"],
+                 "min_transfer": p.get("num_to_transfer", 1)}
+    return BlockCausalParams(gen_length=p["gen_length"], block_length=p["block_length"], steps=p["steps"],
+                             threshold=p["threshold"], cache_mode=cache_mode,
+                             eos_early_stop=p.get("eos_early_stop", False), editing=editing, **extra)
+
+
+def check_run(result, run: dict) -> None:
+    """Token-exact, same forward count and reveals per call; a fragile run (a near-tie) is a soft check.
+
+    The golden harness saw the last call's writes only inside the returned ids (tests/data/llada2/README.md):
+    that call counts the columns it wrote there.
+    """
+    start = len(run["prompt_ids"])
+    end = start + len(result.generated_ids)
+    reveals = list(result.reveals_per_call)
+    if reveals:
+        reveals[-1] = sum(start <= c < end for c in result.last_call_columns)
+    got = (result.generated_ids, result.nfe, reveals)
+    want = (run["generated_ids"], run["nfe"], run["reveals_per_call"])
+    if got != want and run["fragile"]:
+        pytest.xfail(f"{run['id']}: a near-tie (top-2 gap or threshold margin under 1e-4) decided otherwise")
+    assert got == want
+
+
+def test_schedule_puts_the_remainder_first():
+    assert transfer_schedule(16, 5) == [4, 3, 3, 3, 3]
+    assert transfer_schedule(4, 6) == [1, 1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("cache_mode", BLOCK_CAUSAL_CACHE_MODES)
+@pytest.mark.parametrize("run", RUNS["llada2"], ids=[r["id"] for r in RUNS["llada2"]])
+def test_llada20_generate_matches_reference(llada2, run, cache_mode):
+    loaded = llada2["llada2"]
+    result = generate(loaded.model, run["prompt_ids"], params_of(run, cache_mode, editing=False),
+                      loaded.spec.mask_id, loaded.spec.eos_ids)
+    check_run(result, run)
+
+
+@pytest.mark.parametrize("cache_mode", BLOCK_CAUSAL_CACHE_MODES)
+@pytest.mark.parametrize("run", RUNS["llada21"], ids=[r["id"] for r in RUNS["llada21"]])
+def test_llada21_editing_matches_reference(llada2, run, cache_mode):
+    loaded = llada2["llada21"]
+    result = generate(loaded.model, run["prompt_ids"], params_of(run, cache_mode, editing=True),
+                      loaded.spec.mask_id, loaded.spec.eos_ids)
+    check_run(result, run)
