@@ -56,19 +56,14 @@ def test_schedule_puts_the_remainder_first():
     assert transfer_schedule(4, 6) == [1, 1, 1, 1, 0, 0]
 
 
-@pytest.mark.parametrize("cache_mode", BLOCK_CAUSAL_CACHE_MODES)
-@pytest.mark.parametrize("run", RUNS["llada2"], ids=[r["id"] for r in RUNS["llada2"]])
-def test_llada20_generate_matches_reference(llada2, run, cache_mode):
-    loaded = llada2["llada2"]
-    result = generate(loaded.model, run["prompt_ids"], params_of(run, cache_mode, editing=False),
-                      loaded.spec.mask_id, loaded.spec.eos_ids)
-    check_run(result, run)
+#: (family, run) of both golden files: 2.0 runs decode with 2.0's rule, 2.1 runs with editing.
+CASES = [(family, run) for family, runs in RUNS.items() for run in runs]
 
 
 @pytest.mark.parametrize("cache_mode", BLOCK_CAUSAL_CACHE_MODES)
-@pytest.mark.parametrize("run", RUNS["llada21"], ids=[r["id"] for r in RUNS["llada21"]])
-def test_llada21_editing_matches_reference(llada2, run, cache_mode):
-    loaded = llada2["llada21"]
-    result = generate(loaded.model, run["prompt_ids"], params_of(run, cache_mode, editing=True),
+@pytest.mark.parametrize("family, run", CASES, ids=[run["id"] for _, run in CASES])
+def test_generate_matches_reference(llada2, family, run, cache_mode):
+    loaded = llada2[family]
+    result = generate(loaded.model, run["prompt_ids"], params_of(run, cache_mode, editing=family == "llada21"),
                       loaded.spec.mask_id, loaded.spec.eos_ids)
     check_run(result, run)
