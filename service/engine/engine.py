@@ -213,6 +213,9 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
                 f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)",
                 "prompt",
             )
+    if params.cache_mode == "block":
+        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); this "
+                               f"{spec.arch} model takes none, prefix or dual", "cache_mode")
     if params.cache_mode not in ("none", "prefix", "dual"):
         raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual", "cache_mode")
     if params.gen_length % params.block_length:

@@ -255,6 +255,15 @@ def _config_of(directory: Path) -> tuple[type[DiffusionLM], Any]:
         raise EngineInputError(f"{directory}/config.json: {err}") from err
 
 
+def model_class(model: str | Path | None) -> type[DiffusionLM]:
+    """The model class (family) of a checkpoint, from its ``config.json`` alone (no weights read).
+
+    Raises:
+        EngineInputError: no checkpoint there, or an unsupported or malformed config.
+    """
+    return _config_of(resolve_checkpoint_dir(model))[0]
+
+
 def _spec(model: str | Path | None, directory: Path, config: Any, fingerprint: str, tokenizer: Any) -> ModelSpec:
     if config.pad_id == config.mask_id:
         raise EngineInputError(f"{directory}: pad id equals the mask id ({config.mask_id}); padding would be decoded")

@@ -273,6 +273,9 @@ class LLaDA2Model(DiffusionLM):
 
     arch = "llada2"
     logits_shift = 0
+    #: Attention kind of the family: bidirectional inside a block, causal across blocks (its own decode loop,
+    #: `service.engine.block_causal`, and its cache modes there).
+    mask_kind: ClassVar[str] = "block_causal"
     reveal_rule = BlockCausalRule()
     #: Public names -> module names. The experts' per-expert tensors are stacked on load (``gate_up``, ``down``).
     CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {
