@@ -33,6 +33,7 @@ several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens)
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -144,41 +145,220 @@ def _mask_reveals(masked: torch.Tensor, confidence: torch.Tensor, threshold: flo
     return chosen
 
 
-class _Window:
-    """The sequence of one row and the forwards over its active block (full recompute or the committed cache)."""
+@dataclass(frozen=True)
+class _Call:
+    """What a row asks of the next forward: its window ``[start, end)`` and the first of its block's columns."""
 
-    def __init__(self, model: LLaDA2Model, prompt: list[int], params: BlockCausalParams, mask_id: int) -> None:
-        cfg = model.config
-        device = model.embed.weight.device
-        self.model, self.params, self.block = model, params, params.block_length
+    start: int
+    end: int
+    block_start: int
+
+
+class _Row:
+    """One request's sequence and its decode as a generator: it yields a :class:`_Call` for each forward and is
+    sent back the float32 logits ``[block_length, V]`` of its active block, the reference's loop unchanged."""
+
+    def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos: torch.Tensor,
+                 generator: torch.Generator | None) -> None:
+        if not prompt:
+            raise EngineInputError("the prompt is empty; a prompt needs at least one token", "prompt")
+        if mask_id in prompt:
+            raise EngineInputError(f"the prompt contains the mask id {mask_id}", "prompt")
+        self.params, self.block, self.mask_id, self.eos, self.generator = params, params.block_length, mask_id, eos, generator
         self.prompt_length = len(prompt)
         self.num_blocks = -(-(len(prompt) + params.gen_length) // self.block)
-        total = self.num_blocks * self.block
-        self.x = torch.full((1, total), mask_id, dtype=torch.long, device=device)
-        self.x[0, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
-        self.cache = None
-        if params.cache_mode == "block":
-            self.cache = CommittedKV(cfg.num_layers, 1, cfg.num_kv_heads, total, cfg.head_dim,
-                                     model.embed.weight.dtype, device)
+        self.x = torch.full((self.num_blocks * self.block,), mask_id, dtype=torch.long, device=eos.device)
+        self.x[: len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=eos.device)
+        self.committed = 0  # columns whose K/V the cache holds for good (block mode; 0: full recompute)
         self.nfe = 0
-        self.last_written = torch.zeros(0, dtype=torch.long, device=device)
+        self.reveals: list[int] = []
+        self.last_written = torch.zeros(0, dtype=torch.long, device=eos.device)
 
-    def wrote(self, index: int, written: torch.Tensor, reveals: list[int]) -> None:
+    @property
+    def length(self) -> int:
+        """Columns of the sequence (whole blocks)."""
+        return self.x.shape[0]
+
+    def call(self, index: int) -> _Call:
+        """The window of the next forward over block ``index``; counts it and commits the columns before it."""
+        start = self.committed
+        if self.params.cache_mode == "block":
+            self.committed = index * self.block  # the columns before the active block are final: written once
+        self.nfe += 1
+        return _Call(start, (index + 1) * self.block, index * self.block)
+
+    def wrote(self, index: int, written: torch.Tensor) -> None:
         """Record one call's writes: bool ``[block_length]`` over block ``index``."""
-        reveals.append(int(written.sum()))
+        self.reveals.append(int(written.sum()))
         self.last_written = written.nonzero()[:, 0] + index * self.block
 
-    def logits(self, index: int) -> torch.Tensor:
-        """One forward for block ``index``: float32 logits ``[block_length, V]`` of its columns."""
-        start, end = index * self.block, (index + 1) * self.block
-        self.nfe += 1
-        if self.cache is None:
-            return self.model(self.x[:, :end], block_length=self.block, logits_range=(start, end))[0]
-        first = self.cache.length
-        logits = self.model(self.x[:, first:end], block_length=self.block, cache=self.cache,
-                            logits_range=(start - first, end - first))[0]
-        self.cache.length = start  # the columns before the active block are final: committed, written once
-        return logits
+    def decode(self) -> Generator[_Call, torch.Tensor, BlockCausalResult]:
+        """The whole decode (module doc): yields each forward's call, returns the result."""
+        params = self.params
+        for index in range(self.prompt_length // self.block, self.num_blocks):
+            if params.editing:
+                yield from self._edit_block(index)
+            else:
+                early = yield from self._reveal_block(index)
+                if early is not None:
+                    return self._result(early, finish="stop")
+            response = self.x[self.prompt_length:(index + 1) * self.block]
+            if params.editing:
+                if params.eos_early_stop and not bool((response == self.mask_id).any()) and bool(
+                        torch.isin(response, self.eos).any()):
+                    break
+            elif bool(torch.isin(response, self.eos).any()):
+                break
+        return self._result(params.gen_length)
+
+    def _reveal_block(self, index: int) -> Generator[_Call, torch.Tensor, int | None]:
+        """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
+        params = self.params
+        steps = min(params.steps, params.gen_length // params.minimal_topk)
+        active = self.x[index * self.block:(index + 1) * self.block]  # a view: writes land in x
+        for count in transfer_schedule(self.block, steps) if steps > 0 else []:
+            masked = active == self.mask_id
+            if not bool(masked.any()):
+                break
+            logits = yield self.call(index)
+            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
+            chosen = _mask_reveals(masked, confidence, params.threshold, count)
+            active[chosen] = tokens[chosen]
+            self.wrote(index, chosen)
+            if params.eos_early_stop and bool(torch.isin(tokens[chosen], self.eos).any()):
+                response = self.x[self.prompt_length:]
+                first = int(torch.isin(response, self.eos).nonzero()[0, 0])
+                if not bool((response[:first] == self.mask_id).any()):
+                    return first + 1
+        return None
+
+    def _edit_block(self, index: int) -> Generator[_Call, torch.Tensor, None]:
+        """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
+        params = self.params
+        start = index * self.block
+        active = self.x[start:start + self.block]
+        prompt_columns = torch.arange(start, start + self.block, device=active.device) < self.prompt_length
+        post_steps = 0
+        while True:
+            old = active.clone()
+            masked = active == self.mask_id
+            any_masked = bool(masked.any())
+            if not any_masked:
+                post_steps += 1
+                if post_steps > params.max_post_steps:
+                    break
+            logits = yield self.call(index)
+            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
+            chosen = torch.zeros_like(masked)
+            if any_masked:
+                chosen = _mask_reveals(masked, confidence, params.threshold, params.min_transfer)
+            editable = ~masked & ~prompt_columns
+            edits = editable & (torch.where(editable, confidence, -torch.inf) > params.editing_threshold) & (
+                tokens != old)
+            written = chosen | edits
+            active[written] = tokens[written]
+            self.wrote(index, written)
+            if not any_masked and not bool(edits.any()):
+                break
+
+    def _result(self, length: int, finish: str = "length") -> BlockCausalResult:
+        """The response's first ``length`` positions cut after the first EOS (reference return value)."""
+        response = self.x[self.prompt_length:self.prompt_length + length]
+        hits = torch.isin(response, self.eos).nonzero()
+        if hits.numel():
+            response, finish = response[: int(hits[0, 0]) + 1], "stop"
+        return BlockCausalResult(generated_ids=response.tolist(), nfe=self.nfe, reveals_per_call=self.reveals,
+                                 last_call_columns=self.last_written.tolist(), finish_reason=finish,
+                                 kv_bytes=0)
+
+
+def _forward(model: LLaDA2Model, rows: list[_Row], calls: list[_Call], cache: CommittedKV) -> list[torch.Tensor]:
+    """One forward for the calls of ``rows`` (each in its own cache slot): their windows right-padded; returns each
+    row's active-block logits ``[block_length, V]``."""
+    device = cache.k[0].device
+    width = max(c.end - c.start for c in calls)
+    widest_block = max(r.block for r in rows)
+    ids = torch.stack([torch.nn.functional.pad(r.x[c.start:c.end], (0, width - (c.end - c.start)),
+                                               value=r.mask_id) for r, c in zip(rows, calls)])  # [B, W]
+    starts = torch.tensor([c.start for c in calls], device=device)
+    positions = starts[:, None] + torch.arange(width, device=device)  # padded columns lie in later blocks
+    blocks = torch.tensor([r.block for r in rows], device=device)
+    at = torch.tensor([c.block_start - c.start for c in calls], device=device)[:, None] + torch.arange(
+        widest_block, device=device)
+    cache.columns = max(c.start for c in calls) + width
+    logits = model(ids, positions=positions, block_length=blocks, cache=cache,
+                   logits_at=at.clamp(max=width - 1))  # [B, widest block, V]
+    return [logits[i, : r.block] for i, r in enumerate(rows)]
+
+
+def generate_batch(
+    model: LLaDA2Model,
+    prompts: list[list[int]],
+    params: list[BlockCausalParams],
+    mask_id: int,
+    eos_ids: tuple[int, ...],
+    generators: list[torch.Generator | None] | None = None,
+) -> list[BlockCausalResult]:
+    """Decode several prompts together, each with its own settings, one forward per iteration for every row
+    still decoding; each row decodes as it would alone (module doc: its rules, its cache mode).
+
+    Args:
+        model: a loaded LLaDA2 model (eval mode). prompts: token ids per row, each non-empty, without ``mask_id``.
+        params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
+            response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
+            default).
+
+    Returns:
+        One :class:`BlockCausalResult` per prompt, in order.
+
+    Raises:
+        EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
+    """
+    if len(params) != len(prompts):
+        raise EngineInputError(f"{len(params)} settings for {len(prompts)} prompts; give one per prompt")
+    device = model.embed.weight.device
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+    generators = generators or [None] * len(prompts)
+    rows = [_Row(p, s, mask_id, eos, g) for p, s, g in zip(prompts, params, generators)]
+    cfg = model.config
+    # A padded window reaches at most one sequence length past a row's start.
+    cache = CommittedKV(cfg.num_layers, len(rows), cfg.num_kv_heads, 2 * max(r.length for r in rows),
+                        cfg.head_dim, model.embed.weight.dtype, device)
+    results: list[BlockCausalResult | None] = [None] * len(rows)
+    programs = [row.decode() for row in rows]
+    calls: dict[int, _Call] = {}
+    with torch.inference_mode():
+        for i, program in enumerate(programs):
+            _advance(i, program, None, calls, results)
+        in_cache = list(range(len(rows)))  # the row of each cache slot
+        while calls:
+            live = sorted(calls)
+            if live != in_cache:  # rows left: drop their slots (once per departure, not per iteration)
+                _keep_slots(cache, torch.tensor([in_cache.index(i) for i in live], device=device))
+                in_cache = live
+            logits = _forward(model, [rows[i] for i in live], [calls[i] for i in live], cache)
+            for i, row_logits in zip(live, logits):
+                _advance(i, programs[i], row_logits, calls, results)
+    for i, row in enumerate(rows):
+        if row.params.cache_mode == "block":
+            results[i].kv_bytes = row.committed * cache.bytes_per_column
+    return results
+
+
+def _advance(i: int, program, logits: torch.Tensor | None, calls: dict[int, _Call],
+             results: list[BlockCausalResult | None]) -> None:
+    """Send row ``i`` its logits (None: start it); record its next call, or its result when it is done."""
+    try:
+        calls[i] = program.send(logits)
+    except StopIteration as done:
+        calls.pop(i, None)
+        results[i] = done.value
+
+
+def _keep_slots(cache: CommittedKV, slots: torch.Tensor) -> None:
+    """Keep only the given slots of every layer's K/V (int64 ``[B']``, in the new order): finished rows leave."""
+    cache.k = [k.index_select(0, slots) for k in cache.k]
+    cache.v = [v.index_select(0, slots) for v in cache.v]
 
 
 def generate(
@@ -189,102 +369,14 @@ def generate(
     eos_ids: tuple[int, ...],
     generator: torch.Generator | None = None,
 ) -> BlockCausalResult:
-    """Decode one prompt block-causally (see the module doc for the rules and the cache modes).
+    """Decode one prompt block-causally (:func:`generate_batch` of one row).
 
     Args:
         model: a loaded LLaDA2 model (eval mode). prompt: token ids, non-empty, without ``mask_id``.
         params: the decoding settings. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a response.
         generator: the sampling generator when ``params.temperature > 0`` (None: torch's default).
 
-    Returns:
-        A :class:`BlockCausalResult`.
-
     Raises:
         EngineInputError: an empty prompt, or one holding ``mask_id``.
     """
-    if not prompt:
-        raise EngineInputError("the prompt is empty; a prompt needs at least one token", "prompt")
-    if mask_id in prompt:
-        raise EngineInputError(f"the prompt contains the mask id {mask_id}", "prompt")
-    window = _Window(model, prompt, params, mask_id)
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=window.x.device)
-    reveals: list[int] = []
-    decode_block = _edit_block if params.editing else _reveal_block
-    with torch.inference_mode():
-        for index in range(window.prompt_length // window.block, window.num_blocks):
-            early = decode_block(window, index, mask_id, eos, reveals, generator)
-            if early is not None:
-                return _result(window, early, reveals, eos, finish="stop")
-            response = window.x[0, window.prompt_length:(index + 1) * window.block]
-            if params.editing:
-                if params.eos_early_stop and not bool((response == mask_id).any()) and bool(
-                        torch.isin(response, eos).any()):
-                    break
-            elif bool(torch.isin(response, eos).any()):
-                break
-    return _result(window, params.gen_length, reveals, eos)
-
-
-def _reveal_block(window: _Window, index: int, mask_id: int, eos: torch.Tensor, reveals: list[int],
-                  generator: torch.Generator | None) -> int | None:
-    """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
-    params = window.params
-    steps = min(params.steps, params.gen_length // params.minimal_topk)
-    active = window.x[0, index * window.block:(index + 1) * window.block]  # a view: writes land in x
-    for count in transfer_schedule(window.block, steps) if steps > 0 else []:
-        masked = active == mask_id
-        if not bool(masked.any()):
-            break
-        tokens, confidence = _tokens_and_confidence(window.logits(index), params.temperature, generator)
-        chosen = _mask_reveals(masked, confidence, params.threshold, count)
-        active[chosen] = tokens[chosen]
-        window.wrote(index, chosen, reveals)
-        if params.eos_early_stop and bool(torch.isin(tokens[chosen], eos).any()):
-            response = window.x[0, window.prompt_length:]
-            first = int(torch.isin(response, eos).nonzero()[0, 0])
-            if not bool((response[:first] == mask_id).any()):
-                return first + 1
-    return None
-
-
-def _edit_block(window: _Window, index: int, mask_id: int, eos: torch.Tensor, reveals: list[int],
-                generator: torch.Generator | None) -> None:
-    """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
-    params = window.params
-    start = index * window.block
-    active = window.x[0, start:start + window.block]
-    prompt_columns = torch.arange(start, start + window.block, device=active.device) < window.prompt_length
-    post_steps = 0
-    while True:
-        old = active.clone()
-        masked = active == mask_id
-        any_masked = bool(masked.any())
-        if not any_masked:
-            post_steps += 1
-            if post_steps > params.max_post_steps:
-                break
-        tokens, confidence = _tokens_and_confidence(window.logits(index), params.temperature, generator)
-        chosen = torch.zeros_like(masked)
-        if any_masked:
-            chosen = _mask_reveals(masked, confidence, params.threshold, params.min_transfer)
-        editable = ~masked & ~prompt_columns
-        edits = editable & (torch.where(editable, confidence, -torch.inf) > params.editing_threshold) & (tokens != old)
-        written = chosen | edits
-        active[written] = tokens[written]
-        window.wrote(index, written, reveals)
-        if not any_masked and not bool(edits.any()):
-            break
-
-
-def _result(window: _Window, length: int, reveals: list[int], eos: torch.Tensor, finish: str = "length"
-            ) -> BlockCausalResult:
-    """The response's first ``length`` positions cut after the first EOS (reference return value)."""
-    response = window.x[0, window.prompt_length:window.prompt_length + length]
-    hits = torch.isin(response, eos).nonzero()
-    if hits.numel():
-        response, finish = response[: int(hits[0, 0]) + 1], "stop"
-    return BlockCausalResult(
-        generated_ids=response.tolist(), nfe=window.nfe, reveals_per_call=reveals,
-        last_call_columns=window.last_written.tolist(), finish_reason=finish,
-        kv_bytes=window.cache.bytes_held if window.cache is not None else 0,
-    )
+    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator])[0]

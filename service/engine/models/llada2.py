@@ -72,18 +72,21 @@ class LLaDA2Config(ModelConfig):
     editing: bool = False
 
 
-def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, block_length: int,
-                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                      block_length: int | torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's block-diffusion mask as booleans: query at position p sees key at s iff
     ``s // block_length <= p // block_length`` (and the key is not padding).
 
     Args:
         query_positions: int64 ``[B, Tq]``; key_positions: int64 ``[B, Tk]`` (absolute, as RoPE's).
-        block_length: tokens per block, >= 1; key_mask: optional bool ``[B, Tk]`` (False = padding).
+        block_length: tokens per block, >= 1: one for every row, or int64 ``[B]`` (rows of different requests).
+        key_mask: optional bool ``[B, Tk]`` (False = padding).
 
     Returns:
         bool ``[B, 1, Tq, Tk]`` (True = attend), for SDPA.
     """
+    if isinstance(block_length, torch.Tensor):
+        block_length = block_length[:, None]
     allowed = (key_positions // block_length)[:, None, :] <= (query_positions // block_length)[:, :, None]
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, :]
@@ -91,15 +94,17 @@ def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor
 
 
 class CommittedKV:
-    """Per-layer K/V buffers of one forward's rows, indexed by sequence column (append-only below ``length``).
+    """Per-layer K/V of a batch's rows, one slot per row, indexed by sequence position.
 
-    A forward writes its window's K/V at columns ``[start, start + T)`` of every layer and attends over columns
-    ``[0, start + T)``; columns below ``length`` are committed (written once, when their block committed, and read
-    after that), the rest are the active block's scratch, overwritten at the next step.
+    A forward writes its window's K/V at the columns of their positions in each row's slot (one scatter per layer)
+    and attends over the first ``columns`` columns under the block-causal mask. A row's columns below its
+    committed length hold its committed blocks, written once (when their block committed) and read after that;
+    its active block's columns are rewritten by every forward; columns past its window hold nothing it can see
+    (they lie in later blocks, which the mask hides), so padded query columns may write there.
 
     Args:
-        num_layers: L; batch: B; kv_heads: H_kv; capacity: columns (tokens) to hold; head_dim: D; dtype, device:
-            of the K/V (the model's).
+        num_layers: L; batch: B (rows); kv_heads: H_kv; capacity: columns per row (at least the widest window's
+            last position + 1); head_dim: D; dtype, device: of the K/V (the model's).
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -107,24 +112,26 @@ class CommittedKV:
         shape = (batch, kv_heads, capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.length = 0
+        #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
+        self.columns = 0
 
     @property
-    def bytes_held(self) -> int:
-        """Bytes of the committed columns (K and V, every layer)."""
+    def bytes_per_column(self) -> int:
+        """Bytes of one row's K and V at one position, every layer."""
         one = self.k[0]
-        return 2 * len(self.k) * one.shape[0] * one.shape[1] * self.length * one.shape[3] * one.element_size()
+        return 2 * len(self.k) * one.shape[1] * one.shape[3] * one.element_size()
 
 
 @dataclass
 class _Step:
-    """What every layer of one forward shares: RoPE cos/sin of the window, the mask, the cache and its window."""
+    """What every layer of one forward shares: RoPE cos/sin of the window, the mask, the cache, and the scatter
+    index ``[B, H_kv, T, D]`` of the columns (positions) where the window's K/V go in it."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor | None
     cache: CommittedKV | None
-    start: int
+    index: torch.Tensor | None
 
 
 class LLaDA2Attention(nn.Module):
@@ -161,10 +168,10 @@ class LLaDA2Attention(nn.Module):
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         q, k = self._rotate(q, step), self._rotate(k, step)
         if step.cache is not None:
-            end = step.start + t
-            step.cache.k[layer][:, :, step.start:end] = k
-            step.cache.v[layer][:, :, step.start:end] = v
-            k, v = step.cache.k[layer][:, :, :end], step.cache.v[layer][:, :, :end]
+            step.cache.k[layer].scatter_(2, step.index, k)
+            step.cache.v[layer].scatter_(2, step.index, v)
+            k = step.cache.k[layer][:, :, : step.cache.columns]
+            v = step.cache.v[layer][:, :, : step.cache.columns]
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -367,46 +374,55 @@ class LLaDA2Model(DiffusionLM):
         attention_mask: torch.Tensor | None = None,
         *,
         positions: torch.Tensor | None = None,
-        block_length: int | None = None,
+        block_length: int | torch.Tensor | None = None,
         cache: CommittedKV | None = None,
         logits_range: tuple[int, int] | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of a window of columns, block-causal when ``block_length`` is given.
 
         Args:
-            input_ids: int64 ``[B, T]``: the whole sequence, or (with ``cache``) the columns ``[cache start, +T)``.
-            attention_mask: optional bool ``[B, T]`` (False = left padding; plain calls without a cache only).
-            positions: int64 ``[B, T]`` absolute positions (default ``start .. start + T - 1``, where ``start`` is
-                the cache's committed length, else 0).
-            block_length: block-causal mask of that block size (None: bidirectional over every key).
-            cache: :class:`CommittedKV`; the window starts at its committed length ``start`` (every row alike):
-                the window's K/V are written at columns ``[start, start + T)`` and attention reads ``[0, start + T)``.
-            logits_range: ``(a, b)`` columns of the window whose logits are wanted (default all).
+            input_ids: int64 ``[B, T]``: the whole sequence, or (with ``cache``) each row's window, right-padded.
+            attention_mask: optional bool ``[B, T]`` (False = padding; plain calls without a cache only).
+            positions: int64 ``[B, T]`` absolute positions (default ``0 .. T-1``); with a cache, each row's
+                window positions (padded columns continue past the row's window).
+            block_length: block-causal mask of that block size, one int or int64 ``[B]`` per row (None:
+                bidirectional over every key; not with a cache).
+            cache: :class:`CommittedKV`; the window's K/V are written at the columns of ``positions`` and
+                attention reads each row's first ``cache.columns`` columns.
+            logits_range: ``(a, b)`` columns of the window whose logits are wanted (default all);
+            logits_at: instead, int64 ``[B, N]`` window columns per row.
 
         Returns:
-            float32 ``[B, b - a, V]`` logits (the reference casts them to float32).
+            float32 ``[B, N, V]`` logits (the reference casts them to float32).
         """
         b, t = input_ids.shape
-        start = cache.length if cache is not None else 0
+        device = input_ids.device
         if positions is None:
-            positions = torch.arange(start, start + t, device=input_ids.device).expand(b, t)
-        key_positions = positions
+            positions = torch.arange(t, device=device).expand(b, t)
+        key_positions, key_mask, index = positions, None, None
         if cache is not None:
-            key_positions = torch.arange(start + t, device=input_ids.device).expand(b, start + t)
-        key_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+            if block_length is None:
+                raise ValueError("a cached forward needs block_length (the cache holds block-causal K/V)")
+            key_positions = torch.arange(cache.columns, device=device).expand(b, cache.columns)
+            index = positions[:, None, :, None].expand(b, self.config.num_kv_heads, t, self.config.head_dim)
+        elif attention_mask is not None and not bool(attention_mask.all()):
             key_mask = attention_mask.to(torch.bool)
         if block_length is not None:
             mask = block_causal_mask(positions, key_positions, block_length, key_mask)
         else:
             mask = None if key_mask is None else key_mask[:, None, None, :]
         cos, sin = self.rope.cos_sin(positions)
-        step = _Step(cos=cos, sin=sin, mask=mask, cache=cache, start=start)
+        step = _Step(cos=cos, sin=sin, mask=mask, cache=cache, index=index)
         x = self.embed(input_ids)  # [B, T, C]
-        for index, layer in enumerate(self.layers):
-            x = layer(x, step, index)
-        lo, hi = logits_range if logits_range is not None else (0, t)
-        return self.lm_head(self.norm(x[:, lo:hi])).float()
+        for layer_index, layer in enumerate(self.layers):
+            x = layer(x, step, layer_index)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, N, C]
+        else:
+            lo, hi = logits_range if logits_range is not None else (0, t)
+            x = x[:, lo:hi]
+        return self.lm_head(self.norm(x)).float()
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """As :meth:`DiffusionLM.load_checkpoint_tensors`, after stacking each MoE layer's per-expert tensors.
