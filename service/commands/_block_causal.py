@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
     """
     import torch
 
-    from service.engine.block_causal import generate
+    from service.engine.block_causal_batch import generate
     from service.engine.errors import EngineInputError
 
     if args.kv_quant != "none":

@@ -27,6 +27,10 @@ probability above ``editing_threshold``; once the block has no mask, up to ``max
 edit, and the block ends at the first forward that changes nothing; ``eos_early_stop`` stops after a block when
 the response so far has no mask and holds an EOS.
 
+Rows decode in `service.engine.block_causal_batch` (one forward per iteration for every live row);
+this module holds the rules of one row (:class:`Row`, the reference loop as a generator) and the forward
+(:func:`forward_rows`).
+
 Departures: an EOS inside the prompt never ends the response (the 2.0 reference looks for it from column 0);
 several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens), the reference takes one.
 """
@@ -146,7 +150,7 @@ def _mask_reveals(masked: torch.Tensor, confidence: torch.Tensor, threshold: flo
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """What a row asks of the next forward: its window ``[start, end)`` and the first of its block's columns."""
 
     start: int
@@ -154,8 +158,8 @@ class _Call:
     block_start: int
 
 
-class _Row:
-    """One request's sequence and its decode as a generator: it yields a :class:`_Call` for each forward and is
+class Row:
+    """One request's sequence and its decode as a generator: it yields a :class:`Call` for each forward and is
     sent back the float32 logits ``[block_length, V]`` of its active block, the reference's loop unchanged."""
 
     def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos: torch.Tensor,
@@ -170,6 +174,7 @@ class _Row:
         self.x = torch.full((self.num_blocks * self.block,), mask_id, dtype=torch.long, device=eos.device)
         self.x[: len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=eos.device)
         self.committed = 0  # columns whose K/V the cache holds for good (block mode; 0: full recompute)
+        self.decoded_end = self.prompt_length // self.block * self.block  # end column of the blocks decoded
         self.nfe = 0
         self.reveals: list[int] = []
         self.last_written = torch.zeros(0, dtype=torch.long, device=eos.device)
@@ -179,20 +184,20 @@ class _Row:
         """Columns of the sequence (whole blocks)."""
         return self.x.shape[0]
 
-    def call(self, index: int) -> _Call:
+    def call(self, index: int) -> Call:
         """The window of the next forward over block ``index``; counts it and commits the columns before it."""
         start = self.committed
         if self.params.cache_mode == "block":
             self.committed = index * self.block  # the columns before the active block are final: written once
         self.nfe += 1
-        return _Call(start, (index + 1) * self.block, index * self.block)
+        return Call(start, (index + 1) * self.block, index * self.block)
 
     def wrote(self, index: int, written: torch.Tensor) -> None:
         """Record one call's writes: bool ``[block_length]`` over block ``index``."""
         self.reveals.append(int(written.sum()))
         self.last_written = written.nonzero()[:, 0] + index * self.block
 
-    def decode(self) -> Generator[_Call, torch.Tensor, BlockCausalResult]:
+    def decode(self) -> Generator[Call, torch.Tensor, BlockCausalResult]:
         """The whole decode (module doc): yields each forward's call, returns the result."""
         params = self.params
         for index in range(self.prompt_length // self.block, self.num_blocks):
@@ -202,6 +207,7 @@ class _Row:
                 early = yield from self._reveal_block(index)
                 if early is not None:
                     return self._result(early, finish="stop")
+            self.decoded_end = (index + 1) * self.block
             response = self.x[self.prompt_length:(index + 1) * self.block]
             if params.editing:
                 if params.eos_early_stop and not bool((response == self.mask_id).any()) and bool(
@@ -211,7 +217,7 @@ class _Row:
                 break
         return self._result(params.gen_length)
 
-    def _reveal_block(self, index: int) -> Generator[_Call, torch.Tensor, int | None]:
+    def _reveal_block(self, index: int) -> Generator[Call, torch.Tensor, int | None]:
         """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
         params = self.params
         steps = min(params.steps, params.gen_length // params.minimal_topk)
@@ -232,7 +238,7 @@ class _Row:
                     return first + 1
         return None
 
-    def _edit_block(self, index: int) -> Generator[_Call, torch.Tensor, None]:
+    def _edit_block(self, index: int) -> Generator[Call, torch.Tensor, None]:
         """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
         params = self.params
         start = index * self.block
@@ -261,6 +267,12 @@ class _Row:
             if not any_masked and not bool(edits.any()):
                 break
 
+    def response(self, end: int | None = None) -> list[int]:
+        """The response ids before column ``end`` (default: its whole window), cut after the first EOS."""
+        stop = self.prompt_length + self.params.gen_length if end is None else min(
+            end, self.prompt_length + self.params.gen_length)
+        return self._result(max(0, stop - self.prompt_length)).generated_ids
+
     def _result(self, length: int, finish: str = "length") -> BlockCausalResult:
         """The response's first ``length`` positions cut after the first EOS (reference return value)."""
         response = self.x[self.prompt_length:self.prompt_length + length]
@@ -272,7 +284,7 @@ class _Row:
                                  kv_bytes=0)
 
 
-def _forward(model: LLaDA2Model, rows: list[_Row], calls: list[_Call], cache: CommittedKV) -> list[torch.Tensor]:
+def forward_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV) -> list[torch.Tensor]:
     """One forward for the calls of ``rows`` (each in its own cache slot): their windows right-padded; returns each
     row's active-block logits ``[block_length, V]``."""
     device = cache.k[0].device
@@ -289,94 +301,3 @@ def _forward(model: LLaDA2Model, rows: list[_Row], calls: list[_Call], cache: Co
     logits = model(ids, positions=positions, block_length=blocks, cache=cache,
                    logits_at=at.clamp(max=width - 1))  # [B, widest block, V]
     return [logits[i, : r.block] for i, r in enumerate(rows)]
-
-
-def generate_batch(
-    model: LLaDA2Model,
-    prompts: list[list[int]],
-    params: list[BlockCausalParams],
-    mask_id: int,
-    eos_ids: tuple[int, ...],
-    generators: list[torch.Generator | None] | None = None,
-) -> list[BlockCausalResult]:
-    """Decode several prompts together, each with its own settings, one forward per iteration for every row
-    still decoding; each row decodes as it would alone (module doc: its rules, its cache mode).
-
-    Args:
-        model: a loaded LLaDA2 model (eval mode). prompts: token ids per row, each non-empty, without ``mask_id``.
-        params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
-            response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
-            default).
-
-    Returns:
-        One :class:`BlockCausalResult` per prompt, in order.
-
-    Raises:
-        EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
-    """
-    if len(params) != len(prompts):
-        raise EngineInputError(f"{len(params)} settings for {len(prompts)} prompts; give one per prompt")
-    device = model.embed.weight.device
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    generators = generators or [None] * len(prompts)
-    rows = [_Row(p, s, mask_id, eos, g) for p, s, g in zip(prompts, params, generators)]
-    cfg = model.config
-    # A padded window reaches at most one sequence length past a row's start.
-    cache = CommittedKV(cfg.num_layers, len(rows), cfg.num_kv_heads, 2 * max(r.length for r in rows),
-                        cfg.head_dim, model.embed.weight.dtype, device)
-    results: list[BlockCausalResult | None] = [None] * len(rows)
-    programs = [row.decode() for row in rows]
-    calls: dict[int, _Call] = {}
-    with torch.inference_mode():
-        for i, program in enumerate(programs):
-            _advance(i, program, None, calls, results)
-        in_cache = list(range(len(rows)))  # the row of each cache slot
-        while calls:
-            live = sorted(calls)
-            if live != in_cache:  # rows left: drop their slots (once per departure, not per iteration)
-                _keep_slots(cache, torch.tensor([in_cache.index(i) for i in live], device=device))
-                in_cache = live
-            logits = _forward(model, [rows[i] for i in live], [calls[i] for i in live], cache)
-            for i, row_logits in zip(live, logits):
-                _advance(i, programs[i], row_logits, calls, results)
-    for i, row in enumerate(rows):
-        if row.params.cache_mode == "block":
-            results[i].kv_bytes = row.committed * cache.bytes_per_column
-    return results
-
-
-def _advance(i: int, program, logits: torch.Tensor | None, calls: dict[int, _Call],
-             results: list[BlockCausalResult | None]) -> None:
-    """Send row ``i`` its logits (None: start it); record its next call, or its result when it is done."""
-    try:
-        calls[i] = program.send(logits)
-    except StopIteration as done:
-        calls.pop(i, None)
-        results[i] = done.value
-
-
-def _keep_slots(cache: CommittedKV, slots: torch.Tensor) -> None:
-    """Keep only the given slots of every layer's K/V (int64 ``[B']``, in the new order): finished rows leave."""
-    cache.k = [k.index_select(0, slots) for k in cache.k]
-    cache.v = [v.index_select(0, slots) for v in cache.v]
-
-
-def generate(
-    model: LLaDA2Model,
-    prompt: list[int],
-    params: BlockCausalParams,
-    mask_id: int,
-    eos_ids: tuple[int, ...],
-    generator: torch.Generator | None = None,
-) -> BlockCausalResult:
-    """Decode one prompt block-causally (:func:`generate_batch` of one row).
-
-    Args:
-        model: a loaded LLaDA2 model (eval mode). prompt: token ids, non-empty, without ``mask_id``.
-        params: the decoding settings. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a response.
-        generator: the sampling generator when ``params.temperature > 0`` (None: torch's default).
-
-    Raises:
-        EngineInputError: an empty prompt, or one holding ``mask_id``.
-    """
-    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator])[0]

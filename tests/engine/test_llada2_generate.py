@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.engine.block_causal import (
-    BLOCK_CAUSAL_CACHE_MODES,
-    BlockCausalParams,
-    generate,
-    transfer_schedule,
-)
+from service.engine.block_causal import BLOCK_CAUSAL_CACHE_MODES, BlockCausalParams, transfer_schedule
+from service.engine.block_causal_batch import generate, generate_batch
 from service.engine.loading import load_checkpoint
 from tests.support.llada2 import LLADA2_CKPT, llada2_golden
 
@@ -74,8 +70,6 @@ def test_rows_decode_as_alone_in_one_batch(llada2, modes):
     # All 52 runs in one batch: prompts of 5-40 tokens, responses of 40-96, blocks of 16 and 32, 2.0 and 2.1
     # settings (the two checkpoints share their weights), rows leaving at different iterations; with "mixed"
     # every other row recomputes in full.
-    from service.engine.block_causal import generate_batch
-
     loaded = llada2["llada2"]
     settings = [params_of(run, modes[i % len(modes)], editing=family == "llada21")
                 for i, (family, run) in enumerate(CASES)]
