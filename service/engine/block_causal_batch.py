@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, forward_rows
-from service.engine.decode import CommittedIds
+from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
@@ -175,15 +175,9 @@ class BlockCausalCohort:
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
-    """The row's RNG when it samples (seeded from the request, else a fresh seed); None when greedy."""
-    if options.temperature == 0:
-        return None
-    generator = torch.Generator(device=device)
-    if options.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(options.seed)
-    return generator
+    """The row's RNG when it samples (seeded from its options), None when greedy: the other families' rule with
+    their default settings (no random remasking here)."""
+    return _row_generator(options, DecodeParams(), device)
 
 
 class BlockCausalBatch:

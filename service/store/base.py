@@ -75,7 +75,8 @@ KIND_CALIBRATION_SUMS = "calibration_sums"
 KIND_EVAL_SCORES = "eval_scores"
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS, KIND_EVAL_SCORES)
 
-CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
+#: Cache modes with an active configuration each; ``block`` is the block-causal families' (LLaDA2).
+CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual", "block")
 
 #: Audit entries kept by either backend (the newest; older ones are dropped in the write that adds one).
 AUDIT_KEEP = 10_000

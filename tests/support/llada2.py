@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,3 +28,16 @@ def reference_logits(case: dict) -> torch.Tensor:
     """float32 ``[T, V]`` logits of one forward case (base64 little-endian, row-major)."""
     raw = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
     return torch.from_numpy(raw.reshape(case["shape"]).copy())
+
+
+def llada2_with_tokenizer(parent: Path) -> Path:
+    """Copy llada2-tiny under ``parent`` and give it a word-level tokenizer with a chat template (EOS 497, mask
+    500 ``<|mask|>``, end-of-turn 496, header tokens 498/499): a LLaDA2 checkpoint a server can serve text with."""
+    from tests.support.fastdllm import add_word_tokenizer
+
+    directory = parent / "llada2-tiny"
+    shutil.copytree(LLADA2_CKPT["llada2"], directory)
+    special = {496: "<|eot_id|>", 497: "<|endoftext|>", 498: "<|start_header_id|>", 499: "<|end_header_id|>",
+               500: "<|mask|>"}
+    add_word_tokenizer(directory, special, 512)
+    return directory

@@ -14,6 +14,11 @@ from service.engine.reveal import RevealRule
 MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model)}
 
 
+def is_block_causal(arch: str) -> bool:
+    """The family named ``arch`` attends block-causally (its own decode loop, cache mode ``block``)."""
+    return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
+
+
 def reveal_rule(arch: str) -> RevealRule:
     """The reveal rule of the family named ``arch``.
 
@@ -27,5 +32,5 @@ def reveal_rule(arch: str) -> RevealRule:
 
 __all__ = [
     "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "reveal_rule",
+    "is_block_causal", "reveal_rule",
 ]

@@ -261,18 +261,18 @@ class LLaDA2Layer(nn.Module):
 
 
 class BlockCausalRule(RevealRule):
-    """LLaDA2's reveal rules live in `service.engine.block_causal`; the LLaDA/Dream block loop refuses it."""
+    """LLaDA2's reveal rules live in `service.engine.block_causal` (the reference loop); this says what of the
+    other families' settings it refuses."""
 
     remasking = ("low_confidence",)
 
     def check(self, params) -> None:
+        """Refuse random remasking (the reference reveals by confidence only)."""
         from service.engine.errors import EngineInputError
 
-        raise EngineInputError(
-            "LLaDA2 models decode block-causally (cache mode 'block' or 'none') through "
-            "service.engine.block_causal; the LLaDA/Dream decode loop and the running batch do not serve them yet",
-            "cache_mode",
-        )
+        if params.remasking != "low_confidence":
+            raise EngineInputError(f"remasking {params.remasking!r} is not a LLaDA2 rule; legal: low_confidence",
+                                   "remasking")
 
 
 class LLaDA2Model(DiffusionLM):
