@@ -122,7 +122,11 @@ class Engine:
 
         Raises:
             ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
+            EngineInputError: a block-causal model (its ELBO over the block-causal mask is not implemented).
         """
+        if is_block_causal(self.spec.arch):
+            raise EngineInputError("likelihood (the ELBO) is not implemented for block-causal models (LLaDA2): "
+                                   "the bidirectional ELBO would not be the model's", "logprobs")
         return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
     def batch(self, plan: Plan = alone) -> RunningBatch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from service.engine.block_causal import BLOCK_CAUSAL_CACHE_MODES, BlockCausalParams, transfer_schedule
 from service.engine.block_causal_batch import generate, generate_batch
@@ -82,3 +83,22 @@ def test_rows_decode_as_alone_in_one_batch(llada2, modes):
         except pytest.xfail.Exception:
             soft.append(run["id"])
     assert not soft or all(run["fragile"] for _, run in CASES if run["id"] in soft)
+
+
+def test_the_engine_serves_llada2_requests_and_refuses_what_it_lacks(llada2):
+    from service.engine import Engine, EngineInputError
+    from service.engine.params import DecodeParams, RowOptions
+
+    loaded = llada2["llada2"]
+    engine = Engine(loaded.model, loaded.spec, None, torch.float32, torch.device("cpu"))
+    run = next(r for _, r in CASES if r["id"] == "llada2_p5_g64_thr05_s32")
+    for mode in ("none", "block", "dual"):
+        report = engine.generate([run["prompt_ids"]], DecodeParams(gen_length=64, threshold=0.5, cache_mode=mode))
+        assert (report.rows[0].generated_ids, report.rows[0].nfe) == (run["generated_ids"], run["nfe"])
+    fixed = next(r for _, r in CASES if r["id"] == "llada2_p5_g64_fixed_s8")
+    report = engine.generate([fixed["prompt_ids"]], DecodeParams(gen_length=64, steps=16, cache_mode="block"))
+    assert (report.rows[0].generated_ids, report.rows[0].nfe) == (fixed["generated_ids"], fixed["nfe"])
+    with pytest.raises(EngineInputError, match="logprobs"):
+        engine.generate([[1, 2]], DecodeParams(gen_length=32), [RowOptions(logprobs=1)])
+    with pytest.raises(EngineInputError, match="ELBO"):
+        engine.likelihood([1, 2, 3], 4, 4, 0)
