@@ -75,8 +75,7 @@ KIND_CALIBRATION_SUMS = "calibration_sums"
 KIND_EVAL_SCORES = "eval_scores"
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS, KIND_EVAL_SCORES)
 
-#: Cache modes with an active configuration each; ``block`` is the block-causal families' (LLaDA2).
-CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual", "block")
+CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
 
 #: Audit entries kept by either backend (the newest; older ones are dropped in the write that adds one).
 AUDIT_KEEP = 10_000
