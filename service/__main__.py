@@ -1,6 +1,6 @@
 """``python -m service <command> ...``: one subcommand per module of `service.commands`.
 
-Each module there exposes ``add_parser(subparsers)``, which adds its subparser and sets ``func`` (called with the
+Each module there (but a private one, ``_name``: a part of a command) exposes ``add_parser(subparsers)``, which adds its subparser and sets ``func`` (called with the
 parsed namespace, returns the exit code). Modules import heavy dependencies inside ``func`` so that ``--help`` of any
 command stays fast.
 """
@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every command found in `service.commands`."""
     parser = argparse.ArgumentParser(prog=prog("service"), description="dllm-kvq: serve and run diffusion LMs")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for module in sorted(info.name for info in pkgutil.iter_modules(service.commands.__path__)):
+    for module in sorted(info.name for info in pkgutil.iter_modules(service.commands.__path__)
+                         if not info.name.startswith("_")):
         importlib.import_module(f"service.commands.{module}").add_parser(subparsers)
     return parser
 

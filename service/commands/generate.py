@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from service.commands import add_model_flags
+from service.commands import _block_causal, add_model_flags
 from service.engine.params import DecodeParams, DecodeSettings
 
 
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "are its spellings for dllm_kvq and kvquant; default: none)")
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block; default: off)")
+    _block_causal.add_arguments(parser)
 
 
 def add_parser(subparsers) -> None:
@@ -112,6 +113,13 @@ def one_line_report(row, timings) -> str:
     )
 
 
+def _decodes_block_causally(args: argparse.Namespace) -> bool:
+    """The checkpoint's family decodes block-causally (LLaDA2.x; its own flags and decode)."""
+    from service.engine.loading import model_class
+
+    return getattr(model_class(args.model), "mask_kind", "bidirectional") == "block_causal"
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, decode, print; returns the exit code (0, or 2 on bad input with the message on stderr)."""
     from pydantic import ValidationError
@@ -125,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
     from service.quant.store import make_kv_store
 
     try:
+        if _decodes_block_causally(args):
+            engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+            prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
+            return _block_causal.run(args, engine, prompt)
         params = decode_params(args)
         row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
         quant = kv_config(args)

@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 
 from service.engine.batch import Plan, RunningBatch, alone
+from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort, settings_from
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
-from service.engine.models import reveal_rule
+from service.engine.models import is_block_causal, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_prompt
 from service.engine.report import DecodeReport, RowReport, Timings
@@ -121,13 +122,19 @@ class Engine:
 
         Raises:
             ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
+            EngineInputError: a block-causal model (its ELBO over the block-causal mask is not implemented).
         """
+        if is_block_causal(self.spec.arch):
+            raise EngineInputError("likelihood (the ELBO) is not implemented for block-causal models (LLaDA2): "
+                                   "the bidirectional ELBO would not be the model's", "logprobs")
         return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
     def batch(self, plan: Plan = alone) -> RunningBatch:
         """An empty continuous batch on this model (see `service.engine.batch`); ``plan`` groups each
         :meth:`RunningBatch.step`'s passes into forwards (default: each alone; the server's is
         `service.runtime.scheduler.forward_plan`)."""
+        if is_block_causal(self.spec.arch):
+            return BlockCausalBatch(self.model)
         return RunningBatch(self.model, self.spec.pad_id, plan)
 
     def cohort(
@@ -152,11 +159,30 @@ class Engine:
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         if not validated:
             validate_request(self.spec, prompts, params, rows)
+        if is_block_causal(self.spec.arch):
+            return self._block_causal_cohort(prompts, params, rows, kv_store, on_block, cancelled)
         store = kv_store if kv_store is not None else FullPrecisionKVStore()
         return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
 
+    def _block_causal_cohort(self, prompts, params, rows, kv_store, on_block, cancelled) -> BlockCausalCohort:
+        """The cohort of a block-causal model (`service.engine.block_causal_batch`; settings mapped by
+        ``settings_from``).
+
+        Raises:
+            EngineInputError: a quantized store (not on this family's cache yet), structured output, logprobs.
+        """
+        if kv_store is not None and kv_store.report() is not None:
+            raise EngineInputError("quantized K/V are not applied to a block-causal model's cache (LLaDA2) yet; "
+                                   "use kv_quant none", "kv_quant")
+        editing = self.model.config.editing
+        settings = [settings_from(params, options, editing) for options in rows]
+        return BlockCausalCohort(self.model, prompts, settings, self.spec.mask_id, self.spec.eos_ids, rows, params,
+                                 on_block, cancelled)
+
     def report(self, cohort: Cohort) -> DecodeReport:
         """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""
+        if isinstance(cohort, BlockCausalCohort):
+            return cohort.report(self.decode_text)
         end = cohort.finished_s or time.perf_counter()
         total = end - cohort.started_s if cohort.started_s else 0.0
         reports = [self._row_report(cohort, r, opts, total) for r, opts in enumerate(cohort.row_options)]
@@ -192,7 +218,8 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
             multiple of the number of blocks; what the model family's reveal rule refuses
             (`service.engine.reveal`, e.g. Dream's fixed schedule with < 2 steps per block in block mode); unknown
-            cache mode or architecture; prompt + response longer than the model's context; the bounds of
+            cache mode or architecture (``block`` outside block-causal families); logprobs or structured output on
+            a block-causal model; prompt + response longer than the model's context; the bounds of
             :meth:`DecodeParams.check_bounds` (block length, steps).
     """
     if not prompts:
@@ -213,7 +240,10 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
                 f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)",
                 "prompt",
             )
-    if params.cache_mode not in ("none", "prefix", "dual"):
+    if params.cache_mode == "block" and not is_block_causal(spec.arch):
+        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); this "
+                               f"{spec.arch} model takes none, prefix or dual", "cache_mode")
+    if params.cache_mode not in ("none", "prefix", "dual", "block"):
         raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual", "cache_mode")
     if params.gen_length % params.block_length:
         raise EngineInputError(
@@ -234,6 +264,12 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         )
     params.check_bounds(spec.max_length)
     reveal_rule(spec.arch).check(params)
+    if is_block_causal(spec.arch):
+        if any(row.logprobs is not None for row in rows):
+            raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
+        if any(row.grammar is not None for row in rows):
+            raise EngineInputError("structured output is not available on block-causal models (LLaDA2) yet",
+                                   "response_format")
     longest = max(len(p) for p in prompts)
     if longest + params.gen_length > spec.max_length:
         raise EngineInputError(

@@ -171,17 +171,21 @@ def checkpoint_fingerprint(directory: Path) -> str:
 
 
 def detect_arch(hf_config: dict[str, Any]) -> str:
-    """``"llada"`` or ``"dream"`` from ``model_type`` / ``architectures``.
+    """``"llada"``, ``"dream"`` or ``"llada2"`` from ``model_type`` / ``architectures``.
+
+    The longest family name found wins, so ``llada2_moe`` / ``LLaDA2MoeModelLM`` (and the 2.1 copy's
+    ``llada21_moe``) are LLaDA2, never LLaDA.
 
     Raises:
         EngineInputError: any other model type.
     """
     names = [str(hf_config.get("model_type", ""))] + [str(a) for a in hf_config.get("architectures") or []]
     lowered = " ".join(names).lower()
-    for arch in MODEL_CLASSES:
+    for arch in sorted(MODEL_CLASSES, key=len, reverse=True):
         if arch in lowered:
             return arch
-    raise EngineInputError(f"unsupported model type {names}; legal: LLaDA (model_type 'llada'), Dream ('Dream')")
+    raise EngineInputError(f"unsupported model type {names}; legal: LLaDA (model_type 'llada'), Dream ('Dream'), "
+                           "LLaDA2 ('llada2_moe')")
 
 
 def load_tokenizer(directory: Path):
@@ -249,6 +253,15 @@ def _config_of(directory: Path) -> tuple[type[DiffusionLM], Any]:
         return cls, cls.config_from_hf(hf_config)
     except (KeyError, ValueError) as err:
         raise EngineInputError(f"{directory}/config.json: {err}") from err
+
+
+def model_class(model: str | Path | None) -> type[DiffusionLM]:
+    """The model class (family) of a checkpoint, from its ``config.json`` alone (no weights read).
+
+    Raises:
+        EngineInputError: no checkpoint there, or an unsupported or malformed config.
+    """
+    return _config_of(resolve_checkpoint_dir(model))[0]
 
 
 def _spec(model: str | Path | None, directory: Path, config: Any, fingerprint: str, tokenizer: Any) -> ModelSpec:

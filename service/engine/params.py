@@ -31,8 +31,9 @@ from pydantic_core import PydanticCustomError
 
 from service.engine.errors import EngineInputError
 
-#: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual.
-CacheMode = Literal["none", "prefix", "dual"]
+#: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual; block: the exact
+#: append-only cache of block-causal families (LLaDA2, `service.engine.block_causal`), refused by the others.
+CacheMode = Literal["none", "prefix", "dual", "block"]
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")
@@ -122,7 +123,7 @@ class DecodeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cache_mode: CacheMode = Field("dual", description="none (full recompute), prefix or dual")
+    cache_mode: CacheMode = Field("dual", description="none (full recompute), prefix or dual; block for block-causal models (LLaDA2)")
     block_length: int = Field(32, gt=0, le=TOKENS_CEILING,
                               description="tokens per block (at most the model's context)")
     threshold: float | None = Field(

@@ -246,7 +246,11 @@ class ActiveConfigs:
         return self.resolver.spec.fingerprint
 
     def snapshot(self, cache_mode: CacheMode) -> ConfigSnapshot:
-        """The snapshot a request admitted now runs with; ConfigUnavailable when the mode is not ready."""
+        """The snapshot a request admitted now runs with; ConfigUnavailable when the mode is not ready. Cache mode
+        ``block`` (block-causal families, LLaDA2) has no configuration of its own: its cache is held unquantized
+        (no quantized store applies to it yet), as cache mode ``none``'s."""
+        if cache_mode == "block":
+            cache_mode = "none"
         with self._lock:
             reason = self.not_ready.get(cache_mode)
             if reason is not None:

@@ -1,4 +1,4 @@
-"""LLaDA and Dream models built from the shared layers.
+"""LLaDA, Dream and LLaDA2 models built from the shared layers.
 
 `MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec and the decode
 loop's reveal rule (:func:`reveal_rule`) all come from it.
@@ -7,10 +7,16 @@ loop's reveal rule (:func:`reveal_rule`) all come from it.
 from service.engine.errors import EngineInputError
 from service.engine.models.dream import DreamModel
 from service.engine.models.llada import LLaDAModel
+from service.engine.models.llada2 import LLaDA2Model
 from service.engine.models.transformer import DiffusionLM, LayerQKV, ModelConfig, capture_qkv
 from service.engine.reveal import RevealRule
 
-MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel)}
+MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model)}
+
+
+def is_block_causal(arch: str) -> bool:
+    """The family named ``arch`` attends block-causally (its own decode loop, cache mode ``block``)."""
+    return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
 
 
 def reveal_rule(arch: str) -> RevealRule:
@@ -25,6 +31,6 @@ def reveal_rule(arch: str) -> RevealRule:
 
 
 __all__ = [
-    "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "reveal_rule",
+    "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
+    "is_block_causal", "reveal_rule",
 ]

@@ -1,0 +1,92 @@
+"""What one iteration of LLaDA2's running batch costs, in machine-independent counts (issue 31).
+
+The model has LLaDA2.0-mini's layout: 20 layers (layer 0 dense), 16 query / 4 KV heads, 256 experts, top 8 in 8
+groups (4 kept), one shared expert; the widths are shrunk so that the arithmetic is small (head dim 8, width 128,
+expert hidden 16, dense hidden 256, vocabulary 4096: counts do not depend on them). Each request: a 200-token
+prompt (different per row), 256 generated, block 32, 8 steps per block with no threshold (every row takes part in
+every step), cache mode ``block``; rows at 1, 8, 32. For a **block-initial iteration** (every row's first forward
+of its first response block: its prompt's whole blocks and the active block) and a **later-step iteration** (the
+active block alone over the committed K/V) it prints: tensor ops (aten operations dispatched, views included),
+host syncs (`benchmarks.iteration_cost.Counter`), forwards and the most rows in one, and for one MoE layer of the
+later-step forward its ops and the experts active in it (ops grow with the active experts, at most 256, never
+with the rows beyond them).
+
+Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
+from benchmarks.iteration_cost import Counter, ForwardCount
+from service.engine.block_causal import BlockCausalParams
+from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+from service.engine.models.llada2 import LLaDA2Config, LLaDA2Model
+
+
+def mini_layout(layers: int, vocab: int) -> LLaDA2Model:
+    """A random LLaDA2 model with LLaDA2.0-mini's layer and expert layout, widths shrunk (module doc)."""
+    config = LLaDA2Config(
+        arch="llada2", vocab_size=vocab, width=128, num_layers=layers, num_heads=16, num_kv_heads=4, head_dim=8,
+        mlp_hidden=256, eps=1e-6, rope_theta=600000.0, rope_full_precision=False, qkv_bias=False,
+        mask_id=vocab - 1, eos_id=vocab - 4, pad_id=vocab - 4, max_length=4096, rotary_dim=4, first_dense=1,
+        num_experts=256, experts_per_token=8, expert_groups=8, groups_per_token=4, moe_hidden=16,
+        shared_experts=1, routed_scale=2.5,
+    )
+    torch.manual_seed(0)
+    model = LLaDA2Model(config)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    return model.eval().requires_grad_(False)
+
+
+def measure(model: LLaDA2Model, rows: int) -> dict[str, float]:
+    """Counts of a block-initial and a later-step iteration of ``rows`` requests (module doc)."""
+    gen = torch.Generator().manual_seed(rows)
+    vocab = model.config.vocab_size
+    settings = BlockCausalParams(gen_length=256, block_length=32, steps=8, threshold=float("inf"))
+    batch = BlockCausalBatch(model)
+    for _ in range(rows):
+        prompt = torch.randint(0, vocab - 8, (200,), generator=gen).tolist()
+        batch.join(BlockCausalCohort(model, [prompt], [settings], model.config.mask_id, (model.config.eos_id,)))
+    out = {}
+    with torch.inference_mode():
+        for kind in ("block-initial", "later-step"):
+            with Counter() as counter, ForwardCount(model) as forwards:
+                batch.run()
+            out[kind] = (counter.ops, counter.syncs, forwards.calls, forwards.most_rows)
+        moe = model.layers[1].mlp
+        x = torch.randn(rows, 32, model.config.width, generator=gen)
+        with Counter() as counter:
+            moe(x)
+        active = int((torch.bincount(moe.route(x.reshape(-1, x.shape[-1]))[0].reshape(-1), minlength=256) > 0).sum())
+        out["moe"] = (counter.ops, counter.syncs, active)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,32", help="row counts, comma-separated (default 1,8,32)")
+    parser.add_argument("--layers", type=int, default=20, help="layers (default 20, LLaDA2.0-mini's)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = mini_layout(args.layers, 4096)
+    print("| rows | iteration | tensor ops | host syncs | forwards | rows/fwd | MoE layer ops | syncs | active experts |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        counts = measure(model, rows)
+        moe_ops, moe_syncs, active = counts["moe"]
+        for kind in ("block-initial", "later-step"):
+            ops, syncs, calls, most = counts[kind]
+            moe = f"{moe_ops} | {moe_syncs} | {active}" if kind == "later-step" else "| |"
+            print(f"| {rows} | {kind} | {ops} | {syncs} | {calls} | {most} | {moe} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""Block-causal decoding of LLaDA2.x: the reference ``generate`` of LLaDA2.0 and of LLaDA2.1 (token editing).
+
+Reference: ``generate`` at the end of ``modeling_llada2_moe.py`` (2.0) and ``modeling_llada21_moe.py`` (2.1), the
+HF remote code of inclusionAI/LLaDA2.0 and 2.1 (copied in ZHZisZZ/dllm ``dllm/pipelines/llada2*/models/``); the
+goldens under tests/data/llada2 are its outputs. The sequence is ``[prompt][masks]`` padded to whole blocks; the
+blocks are decoded in order from the one holding the prompt's tail, the active block being the window's last
+``block_length`` columns. Attention is bidirectional inside a block and causal across blocks
+(`service.engine.models.llada2.block_causal_mask`), so the K/V of a committed block never change.
+
+Cache modes (:data:`BLOCK_CAUSAL_CACHE_MODES`):
+
+* ``none``: the reference's full recompute, every forward runs the whole window ``[0, block end)``;
+* ``block``: an exact append-only cache (`service.engine.models.llada2.CommittedKV`). The first forward of a block
+  runs the columns not yet committed (the prompt's whole blocks, or the block that just committed) together with
+  the active block and writes their K/V once; the later forwards of the block run the active block alone over the
+  committed K/V. LLaDA2.1's edits change only active-block tokens, which every forward recomputes, so an edited
+  block's K/V are written after its last edit. The forward count is the reference's.
+
+Rules, per block (2.0): ``steps = min(steps, gen_length // minimal_topk)`` forwards at most, step ``i`` reveals
+``schedule[i]`` positions (``block_length // steps`` each, the remainder one more in the first steps): every
+masked position whose confidence (the top-1 probability) is above ``threshold`` if there are at least
+``schedule[i]`` of them, else the ``schedule[i]`` most confident; decoding stops after the block that holds an EOS,
+or with ``eos_early_stop`` as soon as a revealed EOS has no mask before it. 2.1 (``editing``): each forward
+reveals as 2.0 with the floor ``min_transfer`` (the reference's ``num_to_transfer``) instead of a schedule, and
+also replaces every revealed, non-prompt token of the active block that the model predicts as another token with
+probability above ``editing_threshold``; once the block has no mask, up to ``max_post_steps`` more forwards may
+edit, and the block ends at the first forward that changes nothing; ``eos_early_stop`` stops after a block when
+the response so far has no mask and holds an EOS.
+
+Rows decode in `service.engine.block_causal_batch` (one forward per iteration for every live row);
+this module holds the rules of one row (:class:`Row`, the reference loop as a generator) and the forward
+(:func:`forward_rows`).
+
+Departures: an EOS inside the prompt never ends the response (the 2.0 reference looks for it from column 0);
+several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens), the reference takes one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from service.engine.errors import EngineInputError
+from service.engine.models.llada2 import CommittedKV, LLaDA2Model
+
+#: The cache modes of a block-causal family.
+BLOCK_CAUSAL_CACHE_MODES = ("none", "block")
+BlockCausalCacheMode = Literal["none", "block"]
+
+
+@dataclass(frozen=True)
+class BlockCausalParams:
+    """Decoding settings of a block-causal family (the reference ``generate`` arguments, by their names).
+
+    Attributes:
+        gen_length: response positions (tokens), >= 1; need not be a multiple of ``block_length``.
+        block_length: tokens per block, >= 1. steps: forwards per block at most (2.0; its schedule), >= 1.
+        threshold: confidence above which a masked position is revealed (probability; above 1 never).
+        cache_mode: ``none`` or ``block`` (see the module doc).
+        eos_early_stop: stop at a revealed EOS (2.0) / after its block (2.1) instead of after the EOS's block (2.0)
+            or at the end (2.1).
+        minimal_topk: 2.0 caps ``steps`` at ``gen_length // minimal_topk``, >= 1.
+        editing: decode with LLaDA2.1's algorithm (token editing); False: LLaDA2.0's.
+        editing_threshold: probability above which a revealed token is replaced (above 1: never).
+        max_post_steps: forwards after a block's last mask that may still edit, >= 0.
+        min_transfer: reveals per forward at least (2.1, the reference's ``num_to_transfer``), >= 0.
+        temperature: 0 decodes greedily; above 0 samples from ``softmax(logits / temperature)``.
+    """
+
+    gen_length: int
+    block_length: int = 32
+    steps: int = 32
+    threshold: float = 0.95
+    cache_mode: BlockCausalCacheMode = "block"
+    eos_early_stop: bool = False
+    minimal_topk: int = 1
+    editing: bool = False
+    editing_threshold: float = 0.9
+    max_post_steps: int = 16
+    min_transfer: int = 1
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        """Raises EngineInputError naming the first field out of bounds."""
+        for name, low in (("gen_length", 1), ("block_length", 1), ("steps", 1), ("minimal_topk", 1),
+                          ("max_post_steps", 0), ("min_transfer", 0)):
+            if getattr(self, name) < low:
+                raise EngineInputError(f"{name} {getattr(self, name)} must be >= {low}", name)
+        if self.cache_mode not in BLOCK_CAUSAL_CACHE_MODES:
+            raise EngineInputError(f"cache mode {self.cache_mode!r} is not one of a block-causal model's: "
+                                   f"{', '.join(BLOCK_CAUSAL_CACHE_MODES)}", "cache_mode")
+        if self.temperature < 0:
+            raise EngineInputError(f"temperature {self.temperature} must be >= 0", "temperature")
+
+
+@dataclass
+class BlockCausalResult:
+    """One decoded response.
+
+    Attributes:
+        generated_ids: the response, cut after its first EOS (as the reference returns it).
+        nfe: forward calls; reveals_per_call: positions written by each call (edits included).
+        last_call_columns: the sequence columns the last call wrote (a check against the reference sees that
+            call's writes only inside the returned ids).
+        finish_reason: ``stop`` (an EOS ended it) or ``length``.
+        kv_bytes: bytes of committed K/V held at the end (``block`` mode; 0 for ``none``).
+    """
+
+    generated_ids: list[int]
+    nfe: int
+    reveals_per_call: list[int] = field(default_factory=list)
+    last_call_columns: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    kv_bytes: int = 0
+
+
+def transfer_schedule(block_length: int, steps: int) -> list[int]:
+    """Reveals per step of a 2.0 block: ``block_length // steps`` each, one more for the first
+    ``block_length % steps`` steps (reference ``_get_num_transfer_tokens``)."""
+    base, remainder = divmod(block_length, steps)
+    return [base + (1 if i < remainder else 0) for i in range(steps)]
+
+
+def _tokens_and_confidence(logits: torch.Tensor, temperature: float,
+                           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits float32 ``[N, V]`` -> (int64 tokens ``[N]``, float32 their probability ``[N]``) (reference
+    ``_sample_with_temperature_topk_topp`` without top-k/top-p)."""
+    if temperature == 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        tokens = torch.argmax(probs, dim=-1, keepdim=True)
+    else:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1, generator=generator)
+    return tokens[:, 0], probs.gather(-1, tokens)[:, 0]
+
+
+def _mask_reveals(masked: torch.Tensor, confidence: torch.Tensor, threshold: float, count: int) -> torch.Tensor:
+    """bool ``[N]``: every masked position above ``threshold`` if there are at least ``count``, else the ``count``
+    most confident masked positions (fewer when fewer are masked)."""
+    scores = torch.where(masked, confidence, -torch.inf)
+    high = (scores > threshold) & masked
+    if int(high.sum()) >= count:
+        return high
+    chosen = torch.zeros_like(masked)
+    chosen[torch.topk(scores, k=min(count, int(masked.sum()))).indices] = True
+    return chosen
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a row asks of the next forward: its window ``[start, end)`` and the first of its block's columns."""
+
+    start: int
+    end: int
+    block_start: int
+
+
+class Row:
+    """One request's sequence and its decode as a generator: it yields a :class:`Call` for each forward and is
+    sent back the float32 logits ``[block_length, V]`` of its active block, the reference's loop unchanged."""
+
+    def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos: torch.Tensor,
+                 generator: torch.Generator | None) -> None:
+        if not prompt:
+            raise EngineInputError("the prompt is empty; a prompt needs at least one token", "prompt")
+        if mask_id in prompt:
+            raise EngineInputError(f"the prompt contains the mask id {mask_id}", "prompt")
+        self.params, self.block, self.mask_id, self.eos, self.generator = params, params.block_length, mask_id, eos, generator
+        self.prompt_length = len(prompt)
+        self.num_blocks = -(-(len(prompt) + params.gen_length) // self.block)
+        self.x = torch.full((self.num_blocks * self.block,), mask_id, dtype=torch.long, device=eos.device)
+        self.x[: len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=eos.device)
+        self.committed = 0  # columns whose K/V the cache holds for good (block mode; 0: full recompute)
+        self.decoded_end = self.prompt_length // self.block * self.block  # end column of the blocks decoded
+        self.nfe = 0
+        self.reveals: list[int] = []
+        self.last_written = torch.zeros(0, dtype=torch.long, device=eos.device)
+
+    @property
+    def length(self) -> int:
+        """Columns of the sequence (whole blocks)."""
+        return self.x.shape[0]
+
+    def call(self, index: int) -> Call:
+        """The window of the next forward over block ``index``; counts it and commits the columns before it."""
+        start = self.committed
+        if self.params.cache_mode == "block":
+            self.committed = index * self.block  # the columns before the active block are final: written once
+        self.nfe += 1
+        return Call(start, (index + 1) * self.block, index * self.block)
+
+    def wrote(self, index: int, written: torch.Tensor) -> None:
+        """Record one call's writes: bool ``[block_length]`` over block ``index``."""
+        self.reveals.append(int(written.sum()))
+        self.last_written = written.nonzero()[:, 0] + index * self.block
+
+    def decode(self) -> Generator[Call, torch.Tensor, BlockCausalResult]:
+        """The whole decode (module doc): yields each forward's call, returns the result."""
+        params = self.params
+        for index in range(self.prompt_length // self.block, self.num_blocks):
+            if params.editing:
+                yield from self._edit_block(index)
+            else:
+                early = yield from self._reveal_block(index)
+                if early is not None:
+                    return self._result(early, finish="stop")
+            self.decoded_end = (index + 1) * self.block
+            response = self.x[self.prompt_length:(index + 1) * self.block]
+            if params.editing:
+                if params.eos_early_stop and not bool((response == self.mask_id).any()) and bool(
+                        torch.isin(response, self.eos).any()):
+                    break
+            elif bool(torch.isin(response, self.eos).any()):
+                break
+        return self._result(params.gen_length)
+
+    def _reveal_block(self, index: int) -> Generator[Call, torch.Tensor, int | None]:
+        """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
+        params = self.params
+        steps = min(params.steps, params.gen_length // params.minimal_topk)
+        active = self.x[index * self.block:(index + 1) * self.block]  # a view: writes land in x
+        for count in transfer_schedule(self.block, steps) if steps > 0 else []:
+            masked = active == self.mask_id
+            if not bool(masked.any()):
+                break
+            logits = yield self.call(index)
+            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
+            chosen = _mask_reveals(masked, confidence, params.threshold, count)
+            active[chosen] = tokens[chosen]
+            self.wrote(index, chosen)
+            if params.eos_early_stop and bool(torch.isin(tokens[chosen], self.eos).any()):
+                response = self.x[self.prompt_length:]
+                first = int(torch.isin(response, self.eos).nonzero()[0, 0])
+                if not bool((response[:first] == self.mask_id).any()):
+                    return first + 1
+        return None
+
+    def _edit_block(self, index: int) -> Generator[Call, torch.Tensor, None]:
+        """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
+        params = self.params
+        start = index * self.block
+        active = self.x[start:start + self.block]
+        prompt_columns = torch.arange(start, start + self.block, device=active.device) < self.prompt_length
+        post_steps = 0
+        while True:
+            old = active.clone()
+            masked = active == self.mask_id
+            any_masked = bool(masked.any())
+            if not any_masked:
+                post_steps += 1
+                if post_steps > params.max_post_steps:
+                    break
+            logits = yield self.call(index)
+            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
+            chosen = torch.zeros_like(masked)
+            if any_masked:
+                chosen = _mask_reveals(masked, confidence, params.threshold, params.min_transfer)
+            editable = ~masked & ~prompt_columns
+            edits = editable & (torch.where(editable, confidence, -torch.inf) > params.editing_threshold) & (
+                tokens != old)
+            written = chosen | edits
+            active[written] = tokens[written]
+            self.wrote(index, written)
+            if not any_masked and not bool(edits.any()):
+                break
+
+    def response(self, end: int | None = None) -> list[int]:
+        """The response ids before column ``end`` (default: its whole window), cut after the first EOS."""
+        stop = self.prompt_length + self.params.gen_length if end is None else min(
+            end, self.prompt_length + self.params.gen_length)
+        return self._result(max(0, stop - self.prompt_length)).generated_ids
+
+    def _result(self, length: int, finish: str = "length") -> BlockCausalResult:
+        """The response's first ``length`` positions cut after the first EOS (reference return value)."""
+        response = self.x[self.prompt_length:self.prompt_length + length]
+        hits = torch.isin(response, self.eos).nonzero()
+        if hits.numel():
+            response, finish = response[: int(hits[0, 0]) + 1], "stop"
+        return BlockCausalResult(generated_ids=response.tolist(), nfe=self.nfe, reveals_per_call=self.reveals,
+                                 last_call_columns=self.last_written.tolist(), finish_reason=finish,
+                                 kv_bytes=0)
+
+
+def forward_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV) -> list[torch.Tensor]:
+    """One forward for the calls of ``rows`` (each in its own cache slot): their windows right-padded; returns each
+    row's active-block logits ``[block_length, V]``."""
+    device = cache.k[0].device
+    width = max(c.end - c.start for c in calls)
+    widest_block = max(r.block for r in rows)
+    ids = torch.stack([torch.nn.functional.pad(r.x[c.start:c.end], (0, width - (c.end - c.start)),
+                                               value=r.mask_id) for r, c in zip(rows, calls)])  # [B, W]
+    starts = torch.tensor([c.start for c in calls], device=device)
+    positions = starts[:, None] + torch.arange(width, device=device)  # padded columns lie in later blocks
+    blocks = torch.tensor([r.block for r in rows], device=device)
+    at = torch.tensor([c.block_start - c.start for c in calls], device=device)[:, None] + torch.arange(
+        widest_block, device=device)
+    cache.columns = max(c.start for c in calls) + width
+    logits = model(ids, positions=positions, block_length=blocks, cache=cache,
+                   logits_at=at.clamp(max=width - 1))  # [B, widest block, V]
+    return [logits[i, : r.block] for i, r in enumerate(rows)]

@@ -1,0 +1,328 @@
+"""The running batch of a block-causal family (LLaDA2.x): requests join and leave between iterations, and every
+live row of every request takes part in the iteration's one forward.
+
+The runtime's loop (`service.runtime.loop`) drives it through the interface of `service.engine.batch.RunningBatch`
+(``join``, ``leave``, ``passes``, ``run``, ``failed``, ``forwards``, ``rows``, ``cohorts``); `service.engine.Engine`
+hands it out for a block-causal model. Each row is a `service.engine.block_causal.Row`: the reference loop as a
+generator that yields each forward's window and is sent its active block's logits, so a row decodes token for
+token as it would alone whatever else is in the batch. K/V live in one `CommittedKV` with a slot per live row
+(grown when requests join, compacted when they leave, never per iteration).
+
+Departures from `RunningBatch`: the iteration is one forward whatever the plan (``run`` ignores the caller's
+grouping: the rows' windows are right-padded together); the rows' host bookkeeping reads the device per row
+(each row's reveal is the reference's own loop); structured output and log-probabilities are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, forward_rows
+from service.engine.decode import CommittedIds, _row_generator
+from service.engine.errors import EngineInputError
+from service.engine.models.llada2 import CommittedKV, LLaDA2Model
+from service.engine.params import DecodeParams, RowOptions
+from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.response import cut_response
+
+
+def settings_from(params: DecodeParams, options: RowOptions, editing: bool) -> BlockCausalParams:
+    """The block-causal settings of a request made with the other families' settings.
+
+    ``threshold`` as given, every position revealable in one step (steps per block = block length, the reference
+    default for blocks of 32); a fixed schedule of ``steps`` over the response blocks: ``steps / blocks`` per block
+    and no threshold; ``prefix``/``dual`` decode in ``block``; editing with the reference's defaults when the
+    checkpoint is LLaDA2.1.
+    """
+    blocks = max(1, params.gen_length // params.block_length)
+    steps = params.block_length if params.steps is None else max(1, params.steps // blocks)
+    return BlockCausalParams(
+        gen_length=params.gen_length, block_length=params.block_length, steps=steps,
+        threshold=math.inf if params.threshold is None else params.threshold,
+        cache_mode="none" if params.cache_mode == "none" else "block", editing=editing,
+        temperature=options.temperature,
+    )
+
+
+class NoStore:
+    """The K/V store slot of a block-causal cohort: its K/V live in the batch's cache (nothing to report)."""
+
+    def clear(self) -> None:
+        """Nothing held outside the batch."""
+
+    def report(self) -> None:
+        """No quantized store: no KV report."""
+
+
+class BlockCausalCohort:
+    """One request's rows (its ``n`` choices, or the rows of `generate_batch`): settings, state, callbacks.
+
+    Args:
+        model: the loaded model. prompts: token ids per row. settings: one :class:`BlockCausalParams` per row.
+        mask_id, eos_ids: the model's. rows: per-row options (sampling seed; stop strings and ``max_tokens`` for
+        the report). params: the request's settings as made (for the report; None: the rows' own). on_block:
+        ``on_block(block, ids_per_row)`` each time every live row has decoded one more block. cancelled: per-row
+        flags, polled after each iteration.
+
+    Raises:
+        EngineInputError: structured output or log-probabilities asked for (not on this family yet), an empty
+            prompt or one holding the mask id.
+    """
+
+    def __init__(self, model: LLaDA2Model, prompts: list[list[int]], settings: list[BlockCausalParams],
+                 mask_id: int, eos_ids: tuple[int, ...], rows: list[RowOptions] | None = None,
+                 params: DecodeParams | None = None, on_block: Callable | None = None,
+                 cancelled: Callable[[], list[bool]] | None = None) -> None:
+        rows = rows if rows is not None else [RowOptions() for _ in prompts]
+        if len(settings) != len(prompts) or len(rows) != len(prompts):
+            raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
+                                   "prompts; give one per prompt")
+        if any(o.grammar is not None for o in rows):
+            raise EngineInputError("structured output is not available on block-causal models (LLaDA2) yet",
+                                   "response_format")
+        if any(o.logprobs is not None for o in rows):
+            raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
+        device = model.embed.weight.device
+        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+        self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
+        self.on_block, self.cancelled = on_block, cancelled
+        self.store = NoStore()
+        self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
+                     for prompt, s, o in zip(prompts, settings, rows)]
+        self.status = ["running"] * len(prompts)
+        self.results: list[BlockCausalResult | None] = [None] * len(prompts)
+        self.programs = [row.decode() for row in self.rows]
+        self.calls: dict[int, Call] = {}
+        self.started_s = time.perf_counter()
+        self.finished_s: float | None = None
+        self.first_block_s = 0.0
+        self._emitted = 0
+        for i in range(len(self.rows)):
+            self.advance(i, None)
+
+    @property
+    def done(self) -> bool:
+        """No row decodes any more."""
+        return not self.calls
+
+    def advance(self, i: int, logits: torch.Tensor | None) -> None:
+        """Send row ``i`` its logits (None: start it); record its next call, or its result when it is done."""
+        try:
+            self.calls[i] = self.programs[i].send(logits)
+        except StopIteration as finished:
+            self.calls.pop(i, None)
+            self.results[i] = finished.value
+            self.status[i] = finished.value.finish_reason
+            if self.done:
+                self.finished_s = time.perf_counter()
+
+    def poll_cancelled(self) -> None:
+        """Rows whose flag is set stop now (their status ``cancelled``)."""
+        flags = self.cancelled() if self.cancelled is not None else []
+        for i, flag in enumerate(flags):
+            if flag and i in self.calls:
+                self.calls.pop(i)
+                self.programs[i].close()
+                self.status[i] = "cancelled"
+        if self.done and self.finished_s is None:
+            self.finished_s = time.perf_counter()
+
+    def emit_blocks(self) -> None:
+        """Call ``on_block`` for each block that every live row has now decoded."""
+        live = [i for i, s in enumerate(self.status) if s != "cancelled"]
+        ends = [row.decoded_end if i in self.calls else math.inf for i, row in enumerate(self.rows) if i in live]
+        first = min(row.prompt_length for row in self.rows) // self.rows[0].block
+        blocks = min(ends, default=math.inf)
+        count = (len(range(first, self.rows[0].num_blocks)) if blocks == math.inf
+                 else int(blocks) // self.rows[0].block - first)
+        if count > self._emitted and self._emitted == 0:
+            self.first_block_s = time.perf_counter() - self.started_s
+        if self.on_block is not None:
+            for block in range(self._emitted, count):
+                end = None if blocks == math.inf else int(blocks)
+                self.on_block(block, [CommittedIds(self._ids(i, end)) for i in range(len(self.rows))])
+        self._emitted = max(self._emitted, count)
+
+    def _ids(self, i: int, end: int | None) -> list[int]:
+        """Row ``i``'s response ids before column ``end`` (its whole result once it is done)."""
+        if self.results[i] is not None:
+            return self.results[i].generated_ids
+        return self.rows[i].response(end)
+
+    def report(self, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
+        """The :class:`DecodeReport` of this cohort (ids cut by `service.engine.response.cut_response`)."""
+        end = self.finished_s or time.perf_counter()
+        total = end - self.started_s
+        reports = []
+        for i, options in enumerate(self.row_options):
+            row = self.rows[i]
+            ids = self.results[i].generated_ids if self.results[i] is not None else row.response()
+            ignore_eos = self.params.ignore_eos if self.params is not None else False
+            cut = cut_response(ids, self.eos_ids, ignore_eos, options.max_tokens, options.stop, decode_text)
+            reports.append(RowReport(
+                generated_ids=cut.ids, text=cut.text,
+                finish_reason="cancelled" if self.status[i] == "cancelled" else cut.finish_reason,
+                nfe=row.nfe, steps_per_block=[], reveals_per_step=row.reveals,
+                tokens_per_second=len(cut.ids) / total if total > 0 else 0.0,
+            ))
+        return DecodeReport(rows=reports, params=self.params,
+                            timings=Timings(total_s=total, first_block_s=self.first_block_s))
+
+
+def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
+    """The row's RNG when it samples (seeded from its options), None when greedy: the other families' rule with
+    their default settings (no random remasking here)."""
+    return _row_generator(options, DecodeParams(), device)
+
+
+class BlockCausalBatch:
+    """The running batch of a block-causal model (module doc). ``failed`` lists ``(cohort, exception)`` of the last
+    iteration's cohorts that failed alone; ``forwards`` and ``rows`` count its forwards and row-forwards."""
+
+    def __init__(self, model: LLaDA2Model) -> None:
+        self.model = model
+        self.cohorts: list[BlockCausalCohort] = []
+        self.failed: list[tuple[BlockCausalCohort, BaseException]] = []
+        self.forwards = 0
+        self.rows = 0
+        self._cache: CommittedKV | None = None
+        self._slots: list[Row] = []  # the row of each cache slot
+
+    def join(self, cohort: BlockCausalCohort) -> None:
+        """Add a request's rows; they take part from the next iteration."""
+        self.cohorts.append(cohort)
+
+    def leave(self, cohort: BlockCausalCohort) -> None:
+        """Drop a request (finished, failed or cancelled); its slots go at the next iteration."""
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
+
+    def passes(self, on_done: Callable | None = None) -> list:
+        """The iteration's calls are made in :meth:`run` (one forward); nothing for a plan to group."""
+        return []
+
+    def run(self, forwards: list | None = None, on_done: Callable[[BlockCausalCohort], None] | None = None) -> None:
+        """One iteration: one forward over every live row of every cohort, each row sent its logits; finished
+        cohorts leave (``on_done(cohort)``). A cohort whose host step raises fails alone (:attr:`failed`)."""
+        self.failed, self.forwards, self.rows = [], 0, 0
+        live = [(c, i) for c in self.cohorts for i in sorted(c.calls)]
+        if live:
+            rows = [c.rows[i] for c, i in live]
+            cache = self._cache_for(rows)
+            logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+            self.forwards, self.rows = 1, len(rows)
+            for (cohort, i), row_logits in zip(live, logits):
+                if cohort in [f for f, _ in self.failed]:
+                    continue
+                try:
+                    cohort.advance(i, row_logits)
+                except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
+                    self.failed.append((cohort, exc))
+        for cohort in list(self.cohorts):
+            if cohort in [f for f, _ in self.failed]:
+                self.leave(cohort)
+                continue
+            try:
+                cohort.poll_cancelled()
+                cohort.emit_blocks()
+            except Exception as exc:  # noqa: BLE001 -- a callback of this request failed: it fails alone
+                self.failed.append((cohort, exc))
+                self.leave(cohort)
+                continue
+            if cohort.done:
+                self.leave(cohort)
+                if on_done is not None:
+                    on_done(cohort)
+
+    def step(self) -> None:
+        """:meth:`run` with no plan (`Engine.generate`)."""
+        self.run()
+
+    def _cache_for(self, rows: list[Row]) -> CommittedKV:
+        """The cache with one slot per row of ``rows``, in that order: slots of rows that left are dropped and
+        new rows get zeroed slots (both only when the set of rows changes); the columns cover every window."""
+        cfg, weight = self.model.config, self.model.embed.weight
+        capacity = 2 * max(r.length for r in rows)
+        if self._cache is None:
+            self._cache = CommittedKV(cfg.num_layers, 0, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype,
+                                      weight.device)
+        if rows == self._slots and self._cache.k[0].shape[2] >= capacity:
+            return self._cache
+        cache = self._cache
+        held = {id(r): s for s, r in enumerate(self._slots)}
+        capacity = max(capacity, cache.k[0].shape[2])
+        for layer in range(len(cache.k)):
+            for buffers in (cache.k, cache.v):
+                old = F.pad(buffers[layer], (0, 0, 0, capacity - buffers[layer].shape[2]))
+                fresh = old.new_zeros((len(rows), *old.shape[1:]))
+                kept = [(n, held[id(r)]) for n, r in enumerate(rows) if id(r) in held]
+                if kept:
+                    to, src = (torch.tensor(list(x), device=old.device) for x in zip(*kept))
+                    fresh.index_copy_(0, to, old.index_select(0, src))
+                buffers[layer] = fresh
+        self._slots = list(rows)
+        return cache
+
+
+def generate_batch(
+    model: LLaDA2Model,
+    prompts: list[list[int]],
+    params: list[BlockCausalParams],
+    mask_id: int,
+    eos_ids: tuple[int, ...],
+    generators: list[torch.Generator | None] | None = None,
+) -> list[BlockCausalResult]:
+    """Decode several prompts together, each with its own settings (`service.engine.block_causal`), one forward
+    per iteration for every row still decoding; each row decodes as it would alone.
+
+    Args:
+        model: a loaded LLaDA2 model (eval mode). prompts: token ids per row, each non-empty, without ``mask_id``.
+        params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
+            response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
+            default).
+
+    Returns:
+        One :class:`BlockCausalResult` per prompt, in order (``kv_bytes``: the committed K/V the row held).
+
+    Raises:
+        EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
+    """
+    batch = BlockCausalBatch(model)
+    seeded = [RowOptions(temperature=p.temperature) for p in params]
+    cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded)
+    if generators:  # the caller's generators replace the rows' own
+        for row, generator in zip(cohort.rows, generators):
+            row.generator = generator if generator is not None else row.generator
+    batch.join(cohort)
+    with torch.inference_mode():
+        while batch.cohorts:
+            batch.run()
+            if batch.failed:
+                raise batch.failed[0][1]
+    cfg = model.config
+    per_column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed.weight.element_size()
+    for row, result in zip(cohort.rows, cohort.results):
+        if row.params.cache_mode == "block":
+            result.kv_bytes = row.committed * per_column
+    return cohort.results
+
+
+def generate(
+    model: LLaDA2Model,
+    prompt: list[int],
+    params: BlockCausalParams,
+    mask_id: int,
+    eos_ids: tuple[int, ...],
+    generator: torch.Generator | None = None,
+) -> BlockCausalResult:
+    """Decode one prompt block-causally (:func:`generate_batch` of one row).
+
+    Raises:
+        EngineInputError: an empty prompt, or one holding ``mask_id``.
+    """
+    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator])[0]

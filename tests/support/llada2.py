@@ -1,0 +1,43 @@
+"""The LLaDA2 golden data shipped under tests/data/llada2 (see its README): checkpoints and reference outputs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tests.support.paths import DATA
+
+LLADA2_DATA = DATA / "llada2"
+#: family -> tiny checkpoint directory (2.0 and the 2.1 copy; the same weights).
+LLADA2_CKPT = {"llada2": LLADA2_DATA / "llada2-tiny", "llada21": LLADA2_DATA / "llada21-tiny"}
+
+
+@cache
+def llada2_golden(name: str) -> dict:
+    """One golden file of tests/data/llada2, parsed once."""
+    return json.loads((LLADA2_DATA / name).read_text())
+
+
+def reference_logits(case: dict) -> torch.Tensor:
+    """float32 ``[T, V]`` logits of one forward case (base64 little-endian, row-major)."""
+    raw = np.frombuffer(base64.b64decode(case["logits"]), dtype="<f4")
+    return torch.from_numpy(raw.reshape(case["shape"]).copy())
+
+
+def llada2_with_tokenizer(parent: Path) -> Path:
+    """Copy llada2-tiny under ``parent`` and give it a word-level tokenizer with a chat template (EOS 497, mask
+    500 ``<|mask|>``, end-of-turn 496, header tokens 498/499): a LLaDA2 checkpoint a server can serve text with."""
+    from tests.support.fastdllm import add_word_tokenizer
+
+    directory = parent / "llada2-tiny"
+    shutil.copytree(LLADA2_CKPT["llada2"], directory)
+    special = {496: "<|eot_id|>", 497: "<|endoftext|>", 498: "<|start_header_id|>", 499: "<|end_header_id|>",
+               500: "<|mask|>"}
+    add_word_tokenizer(directory, special, 512)
+    return directory
