@@ -18,6 +18,7 @@ Shapes use STYLE.md letters: B batch, T tokens, C width, H heads, D head dim, E 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -114,6 +115,9 @@ class CommittedKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
         self.columns = 0
+        #: Called with the layer index after the window's K/V are written and before attention reads them (set
+        #: by the caller for one forward; `service.quant.committed` quantizes the committing blocks with it).
+        self.on_write: Callable[[int], None] | None = None
 
     @property
     def bytes_per_column(self) -> int:
@@ -170,6 +174,8 @@ class LLaDA2Attention(nn.Module):
         if step.cache is not None:
             step.cache.k[layer].scatter_(2, step.index, k)
             step.cache.v[layer].scatter_(2, step.index, v)
+            if step.cache.on_write is not None:
+                step.cache.on_write(layer)
             k = step.cache.k[layer][:, :, : step.cache.columns]
             v = step.cache.v[layer][:, :, : step.cache.columns]
         groups = self.num_heads // self.num_kv_heads
