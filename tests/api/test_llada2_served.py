@@ -12,8 +12,7 @@ import pytest
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import generate
 from service.engine.loading import load_checkpoint
-from tests.support.llada2 import llada2_with_tokenizer
-from tests.support.processes import ServerProcess
+from tests.support.llada2 import llada2_with_tokenizer, start_llada2_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,9 +24,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    work = tmp_path_factory.mktemp("llada2-server")
-    srv = ServerProcess({"DLLM_MODEL": str(checkpoint), "DLLM_STORE_URL": str(work / "store"), "DLLM_THREADS": "1"},
-                        log_path=work / "server.log").start(timeout_s=180)
+    srv = start_llada2_server(checkpoint, tmp_path_factory.mktemp("llada2-server"))
     yield srv
     srv.stop()
 

@@ -41,3 +41,12 @@ def llada2_with_tokenizer(parent: Path) -> Path:
                500: "<|mask|>"}
     add_word_tokenizer(directory, special, 512)
     return directory
+
+
+def start_llada2_server(checkpoint: Path, work: Path, **env: str):
+    """A started `tests.support.processes.ServerProcess` serving ``checkpoint`` (one torch thread, its store and
+    log under ``work``; ``env``: more ``DLLM_*`` settings). The caller stops it."""
+    from tests.support.processes import ServerProcess
+
+    settings = {"DLLM_MODEL": str(checkpoint), "DLLM_STORE_URL": str(work / "store"), "DLLM_THREADS": "1", **env}
+    return ServerProcess(settings, log_path=work / "server.log").start(timeout_s=180)
