@@ -184,7 +184,7 @@ class BlockCausalCohort:
         call, row = self.calls[i], self.rows[i]
         if not isinstance(self.store, QuantizedKVStore) or row.params.cache_mode != "block":
             return None
-        return Commit(slot, call.start, call.block_start, self.store.quantizer, self.store.accounting)
+        return Commit(slot, call.start, call.block_start, row.block, self.store.quantizer, self.store.accounting)
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:

@@ -12,9 +12,11 @@ The quantization runs inside the forward, per layer, between the scatter of the 
 (the ``on_write`` hook of `CommittedKV`): the first forward of a block, which computes the just-committed block's
 final K/V, already attends over their dequantized values, as every later forward does.
 
-Methods: those whose quantizer needs neither attention scores nor pre-RoPE keys (KIVI's uniform formats, the
-``kivi`` method). dLLM-KVQ (scores of the active block's queries) and KVQuant (pre-RoPE keys under partial RoPE)
-are refused by :func:`check_quantizer` with a message naming ``kv_quant``.
+Methods: KIVI (``kivi``) and dLLM-KVQ (``dllm_kvq``). dLLM-KVQ's attention score of a committing column is the
+probability the active block's queries put on it in the forward that commits it (`attention_scores`: mean over
+query heads and the block's queries, keys up to the active block's end, which is what those queries see under the
+block-causal mask), the other families' block-initial score in this family's terms. KVQuant (pre-RoPE keys under
+partial RoPE) is refused by :func:`check_quantizer` with a message naming ``kv_quant``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.kv_store import Segments
+from service.engine.models.layers import attention_scores
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
@@ -35,12 +38,9 @@ from service.quant.registry import make_quantizer, method
 def check_quantizer(quantizer: KVQuantizer) -> str | None:
     """Why ``quantizer`` cannot quantize a block-causal model's committed blocks (a message naming the method and
     ``kv_quant``), or None when it can."""
-    if quantizer.needs_scores:
-        return (f"kv_quant method {quantizer.config.method!r} needs the active block's attention scores, which a "
-                "block-causal model's (LLaDA2) cache does not compute yet; use kivi or none")
     if quantizer.pre_rope_keys:
         return (f"kv_quant method {quantizer.config.method!r} stores pre-RoPE keys, which a block-causal model's "
-                "(LLaDA2) cache does not rotate after reading yet; use kivi or none")
+                "(LLaDA2) cache does not rotate after reading yet; use kivi, dllm_kvq or none")
     return None
 
 
@@ -55,19 +55,21 @@ def check_config(config: KVQuantConfig, spec, artifact=None) -> str | None:
 
 @dataclass(frozen=True)
 class Commit:
-    """Columns ``[start, end)`` of cache slot ``slot`` that commit in this forward, and whose quantizer and
-    accounting take them (the request's `service.quant.store.QuantizedKVStore` parts)."""
+    """Columns ``[start, end)`` of cache slot ``slot`` that commit in this forward (whose window starts at
+    ``start``; its active block is ``[end, end + block)``), and whose quantizer and accounting take them (the
+    request's `service.quant.store.QuantizedKVStore` parts)."""
 
     slot: int
     start: int
     end: int
+    block: int
     quantizer: KVQuantizer
     accounting: KVAccounting
 
 
 def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                commits: list[Commit]) -> Callable[[int], None] | None:
-    """The ``on_write(layer)`` hook that quantizes-dequantizes the committing columns of one layer in place.
+                commits: list[Commit]) -> Callable[[int, torch.Tensor], None] | None:
+    """The ``on_write(layer, q)`` hook (q: the window's post-RoPE queries ``[B, H, T_w, D]``) that quantizes-dequantizes the committing columns of one layer in place.
 
     Args:
         k_cache, v_cache: per layer ``[B, H_kv, capacity, D]`` (the cache's ``k`` and ``v`` lists, model dtype);
@@ -87,11 +89,17 @@ def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
     layouts = [SlotLayout.from_segments(Segments((c.start,), c.end, c.end + 1, c.end + 1, "prefix"),
                                         c.quantizer.k_group_size, device) for c in commits]
 
-    def on_write(layer: int) -> None:
+    def on_write(layer: int, q: torch.Tensor) -> None:
         for commit, layout in zip(commits, layouts):
             k = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
             v = v_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
-            packed = commit.quantizer.quantize(layer, k, v, layout)
+            scores = None
+            if commit.quantizer.needs_scores:
+                active = commit.end - commit.start  # the active block's first column in the window
+                queries = q[commit.slot:commit.slot + 1, :, active:active + commit.block]
+                keys = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + commit.block]
+                scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
+            packed = commit.quantizer.quantize(layer, k, v, layout, scores)
             commit.accounting.add(layer, packed)
             k_dq, v_dq = commit.quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
             k_cache[layer][commit.slot, :, commit.start:commit.end] = k_dq[0, :, commit.start:commit.end]

@@ -115,9 +115,10 @@ class CommittedKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
         self.columns = 0
-        #: Called with the layer index after the window's K/V are written and before attention reads them (set
-        #: by the caller for one forward; `service.quant.committed` quantizes the committing blocks with it).
-        self.on_write: Callable[[int], None] | None = None
+        #: Called with the layer index and the window's post-RoPE queries ``[B, H, T, D]`` after the window's K/V
+        #: are written and before attention reads them (set by the caller for one forward;
+        #: `service.quant.committed` quantizes the committing blocks with it).
+        self.on_write: Callable[[int, torch.Tensor], None] | None = None
 
     @property
     def bytes_per_column(self) -> int:
@@ -175,7 +176,7 @@ class LLaDA2Attention(nn.Module):
             step.cache.k[layer].scatter_(2, step.index, k)
             step.cache.v[layer].scatter_(2, step.index, v)
             if step.cache.on_write is not None:
-                step.cache.on_write(layer)
+                step.cache.on_write(layer, q)
             k = step.cache.k[layer][:, :, : step.cache.columns]
             v = step.cache.v[layer][:, :, : step.cache.columns]
         groups = self.num_heads // self.num_kv_heads
