@@ -13,7 +13,7 @@ from service.engine.block_causal_batch import generate
 from service.engine.loading import load_checkpoint
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from tests.support.llada2 import llada2_with_tokenizer, start_llada2_server
+from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -21,8 +21,8 @@ PROMPT = " ".join(f"w{i}" for i in range(5, 45))  # 40 tokens: a whole prompt bl
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return llada2_with_tokenizer(tmp_path_factory.mktemp("llada2-quant-served"))
+def checkpoint():
+    return LLADA2_CHAT
 
 
 @pytest.fixture(scope="module")
