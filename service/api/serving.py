@@ -38,13 +38,11 @@ from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
-from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
-from service.quant.committed import check_config
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import ArtifactNotFound, StoreUnavailable
@@ -286,12 +284,6 @@ class Serving:
             if exc.field == "prompt":
                 exc.field = prompt_param  # the chat route's prompt is its messages
             raise
-        if params.cache_mode != "none" and is_block_causal(self.spec.arch):
-            # A block-causal model quantizes its committed blocks with the snapshot's method (service.quant.committed)
-            # when the cache can run it; otherwise a 400 now, not a failed batch (a 500) when the job starts.
-            why = check_config(snapshot.config, self.spec, snapshot.artifact)
-            if why is not None:
-                raise EngineInputError(why, "kv_quant")
         return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:]), validated=True) for ids in prompts]
 
     def _check_count(self, count: int) -> None:

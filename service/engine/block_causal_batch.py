@@ -29,7 +29,7 @@ from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
-from service.quant.committed import Commit, check_quantizer, commit_hook
+from service.quant.committed import Commit, commit_hook
 from service.quant.store import QuantizedKVStore
 
 
@@ -75,7 +75,7 @@ class BlockCausalCohort:
 
     Raises:
         EngineInputError: structured output or log-probabilities asked for (not on this family yet), an empty
-            prompt or one holding the mask id, a quantizer that cannot run on this cache (``kv_quant``).
+            prompt or one holding the mask id.
     """
 
     def __init__(self, model: LLaDA2Model, prompts: list[list[int]], settings: list[BlockCausalParams],
@@ -96,8 +96,6 @@ class BlockCausalCohort:
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
         self.store = kv_store if isinstance(kv_store, QuantizedKVStore) else NoStore()
-        if isinstance(self.store, QuantizedKVStore) and (why := check_quantizer(self.store.quantizer)):
-            raise EngineInputError(why, "kv_quant")
         self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
@@ -228,7 +226,8 @@ class BlockCausalBatch:
             rows = [c.rows[i] for c, i in live]
             cache = self._cache_for(rows)
             commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
-            cache.on_write = commit_hook(cache.k, cache.v, [x for x in commits if x is not None])
+            cache.on_write = commit_hook(cache.k, cache.v, [x for x in commits if x is not None],
+                                         self.model.rotate_keys)
             try:
                 logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
             finally:

@@ -169,8 +169,7 @@ class Engine:
         ``settings_from``).
 
         Raises:
-            EngineInputError: a quantized store whose method cannot run on this cache (``kv_quant``), structured
-                output, logprobs.
+            EngineInputError: structured output, logprobs.
         """
         editing = self.model.config.editing
         settings = [settings_from(params, options, editing) for options in rows]

@@ -12,11 +12,14 @@ The quantization runs inside the forward, per layer, between the scatter of the 
 (the ``on_write`` hook of `CommittedKV`): the first forward of a block, which computes the just-committed block's
 final K/V, already attends over their dequantized values, as every later forward does.
 
-Methods: KIVI (``kivi``) and dLLM-KVQ (``dllm_kvq``). dLLM-KVQ's attention score of a committing column is the
-probability the active block's queries put on it in the forward that commits it (`attention_scores`: mean over
-query heads and the block's queries, keys up to the active block's end, which is what those queries see under the
-block-causal mask), the other families' block-initial score in this family's terms. KVQuant (pre-RoPE keys under
-partial RoPE) is refused by :func:`check_quantizer` with a message naming ``kv_quant``.
+Methods: KIVI (``kivi``), dLLM-KVQ (``dllm_kvq``) and KVQuant (``kvquant``). dLLM-KVQ's attention score of a
+committing column is the probability the active block's queries put on it in the forward that commits it
+(`attention_scores`: mean over query heads and the block's queries, keys up to the active block's end, which is
+what those queries see under the block-causal mask), the other families' block-initial score in this family's
+terms. KVQuant quantizes the
+committing columns' pre-RoPE keys (the forward's own, taken before its rotation) and the dequantized keys take
+partial RoPE at their positions (only the rotated channels: the model's ``rotate_keys``) before they go back in
+the cache.
 """
 
 from __future__ import annotations
@@ -30,27 +33,7 @@ from service.engine.kv_store import Segments
 from service.engine.models.layers import attention_scores
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer
-from service.quant.config import KVQuantConfig
 from service.quant.layout import SlotLayout
-from service.quant.registry import make_quantizer, method
-
-
-def check_quantizer(quantizer: KVQuantizer) -> str | None:
-    """Why ``quantizer`` cannot quantize a block-causal model's committed blocks (a message naming the method and
-    ``kv_quant``), or None when it can."""
-    if quantizer.pre_rope_keys:
-        return (f"kv_quant method {quantizer.config.method!r} stores pre-RoPE keys, which a block-causal model's "
-                "(LLaDA2) cache does not rotate after reading yet; use kivi, dllm_kvq or none")
-    return None
-
-
-def check_config(config: KVQuantConfig, spec, artifact=None) -> str | None:
-    """:func:`check_quantizer` of the quantizer ``config`` makes on model ``spec`` (`service.engine.spec.ModelSpec`)
-    with its loaded ``artifact`` (a dLLM-KVQ policy decides whether scores are needed); None for method ``none``.
-    The server asks this when it admits a request, so a method this cache lacks is a 400, not a failed batch."""
-    if method(config.method).quantizer is None:
-        return None
-    return check_quantizer(make_quantizer(config, spec, artifact))
 
 
 @dataclass(frozen=True)
@@ -67,14 +50,19 @@ class Commit:
     accounting: KVAccounting
 
 
-def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                commits: list[Commit]) -> Callable[[int, torch.Tensor], None] | None:
-    """The ``on_write(layer, q)`` hook (q: the window's post-RoPE queries ``[B, H, T_w, D]``) that quantizes-dequantizes the committing columns of one layer in place.
+def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], commits: list[Commit],
+                rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                ) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+    """The ``on_write(layer, q, k_pre)`` hook that quantizes-dequantizes the committing columns of one layer in
+    place (q: the window's post-RoPE queries ``[B, H, T_w, D]``; k_pre: its pre-RoPE keys ``[B, H_kv, T_w, D]``;
+    each commit's window starts at its ``start``).
 
     Args:
         k_cache, v_cache: per layer ``[B, H_kv, capacity, D]`` (the cache's ``k`` and ``v`` lists, model dtype);
             ``end < capacity`` for every commit (the cache holds twice the longest row).
         commits: this forward's commits (at most one per slot).
+        rotate_keys: ``rotate_keys(k, positions)``, the model's RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64
+            positions ``[B, T]`` (for a quantizer with ``pre_rope_keys``).
 
     Returns:
         None when nothing commits; else the hook. It raises what `KVQuantizer.quantize` raises
@@ -89,20 +77,27 @@ def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
     layouts = [SlotLayout.from_segments(Segments((c.start,), c.end, c.end + 1, c.end + 1, "prefix"),
                                         c.quantizer.k_group_size, device) for c in commits]
 
-    def on_write(layer: int, q: torch.Tensor) -> None:
+    def on_write(layer: int, q: torch.Tensor, k_pre: torch.Tensor) -> None:
         for commit, layout in zip(commits, layouts):
+            quantizer, width = commit.quantizer, commit.end - commit.start
             k = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
+            if quantizer.pre_rope_keys:  # the committing columns' pre-RoPE keys at their columns (others unread)
+                k = torch.zeros_like(k)
+                k[:, :, commit.start:commit.end] = k_pre[commit.slot:commit.slot + 1, :, :width]
             v = v_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
             scores = None
-            if commit.quantizer.needs_scores:
-                active = commit.end - commit.start  # the active block's first column in the window
-                queries = q[commit.slot:commit.slot + 1, :, active:active + commit.block]
+            if quantizer.needs_scores:
+                queries = q[commit.slot:commit.slot + 1, :, width:width + commit.block]  # the active block's
                 keys = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
-            packed = commit.quantizer.quantize(layer, k, v, layout, scores)
+            packed = quantizer.quantize(layer, k, v, layout, scores)
             commit.accounting.add(layer, packed)
-            k_dq, v_dq = commit.quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
-            k_cache[layer][commit.slot, :, commit.start:commit.end] = k_dq[0, :, commit.start:commit.end]
+            k_dq, v_dq = quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
+            k_dq = k_dq[:, :, commit.start:commit.end]
+            if quantizer.pre_rope_keys:
+                positions = torch.arange(commit.start, commit.end, device=device)[None]
+                k_dq = rotate_keys(k_dq, positions)
+            k_cache[layer][commit.slot, :, commit.start:commit.end] = k_dq[0]
             v_cache[layer][commit.slot, :, commit.start:commit.end] = v_dq[0, :, commit.start:commit.end]
 
     return on_write
