@@ -9,9 +9,11 @@ of its first response block: its prompt's whole blocks and the active block) and
 active block alone over the committed K/V) it prints: tensor ops (aten operations dispatched, views included),
 host syncs (`benchmarks.iteration_cost.Counter`), forwards and the most rows in one, and for one MoE layer of the
 later-step forward its ops and the experts active in it (ops grow with the active experts, at most 256, never
-with the rows beyond them).
+with the rows beyond them). ``--kv-quant kivi`` gives every request a 4-bit KIVI store: its committed blocks are
+quantized in the block-initial iteration (`service.quant.committed`, one quantize/dequantize per committing row
+and layer), later steps read them as they are.
 
-Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20]``.
+Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20] [--kv-quant none|kivi]``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from benchmarks.iteration_cost import Counter, ForwardCount
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
 from service.engine.models.llada2 import LLaDA2Config, LLaDA2Model
+from service.engine.spec import ModelSpec
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
 
 
 def mini_layout(layers: int, vocab: int) -> LLaDA2Model:
@@ -45,7 +50,17 @@ def mini_layout(layers: int, vocab: int) -> LLaDA2Model:
     return model.eval().requires_grad_(False)
 
 
-def measure(model: LLaDA2Model, rows: int) -> dict[str, float]:
+def kivi_store(model: LLaDA2Model, bits: int = 4):
+    """A KIVI store for ``model`` (its spec made from the config: no checkpoint, no fingerprint)."""
+    c = model.config
+    spec = ModelSpec(arch=c.arch, model_id="mini-layout", fingerprint="none", num_layers=c.num_layers,
+                     num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                     vocab_size=c.vocab_size, mask_id=c.mask_id, eos_ids=(c.eos_id,), pad_id=c.pad_id,
+                     max_length=c.max_length)
+    return make_kv_store(KVQuantConfig(method="kivi", bits=bits, v_group_size=c.head_dim), spec, attention="torch")
+
+
+def measure(model: LLaDA2Model, rows: int, kv_quant: str = "none") -> dict[str, float]:
     """Counts of a block-initial and a later-step iteration of ``rows`` requests (module doc)."""
     gen = torch.Generator().manual_seed(rows)
     vocab = model.config.vocab_size
@@ -53,7 +68,9 @@ def measure(model: LLaDA2Model, rows: int) -> dict[str, float]:
     batch = BlockCausalBatch(model)
     for _ in range(rows):
         prompt = torch.randint(0, vocab - 8, (200,), generator=gen).tolist()
-        batch.join(BlockCausalCohort(model, [prompt], [settings], model.config.mask_id, (model.config.eos_id,)))
+        store = kivi_store(model) if kv_quant == "kivi" else None
+        batch.join(BlockCausalCohort(model, [prompt], [settings], model.config.mask_id, (model.config.eos_id,),
+                                     kv_store=store))
     out = {}
     with torch.inference_mode():
         for kind in ("block-initial", "later-step"):
@@ -73,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32", help="row counts, comma-separated (default 1,8,32)")
     parser.add_argument("--layers", type=int, default=20, help="layers (default 20, LLaDA2.0-mini's)")
+    parser.add_argument("--kv-quant", default="none", choices=("none", "kivi"), help="KIVI 4-bit committed blocks")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = mini_layout(args.layers, 4096)
     print("| rows | iteration | tensor ops | host syncs | forwards | rows/fwd | MoE layer ops | syncs | active experts |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
-        counts = measure(model, rows)
+        counts = measure(model, rows, args.kv_quant)
         moe_ops, moe_syncs, active = counts["moe"]
         for kind in ("block-initial", "later-step"):
             ops, syncs, calls, most = counts[kind]

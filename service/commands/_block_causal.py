@@ -67,32 +67,37 @@ def params_from(args: argparse.Namespace, editing_default: bool):
     )
 
 
-def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
+def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> int:
     """Decode ``prompt`` block-causally and print (plain: the text or ids and a report line; ``--json``: see the
     module doc). Returns 0.
 
     Raises:
         EngineInputError: see :func:`params_from` and `service.engine.block_causal.generate`; a KV quantization
-            method (not applied to this family's cache yet).
+            method this family's cache cannot run (`service.quant.committed`), or any with ``--cache-mode none``.
+
+    ``kv_store``: the ``--kv-quant`` store (`service.quant.store.make_kv_store`) that quantizes the committed blocks;
+    its report (effective bits, bytes) is the JSON's ``kv``.
     """
     import torch
 
     from service.engine.block_causal_batch import generate
     from service.engine.errors import EngineInputError
 
-    if args.kv_quant != "none":
-        raise EngineInputError(f"--kv-quant {args.kv_quant}: quantized K/V are not applied to a block-causal "
-                               "model's cache yet; use --kv-quant none", "kv_quant")
     params = params_from(args, editing_default=engine.model.config.editing)
+    if args.kv_quant != "none" and params.cache_mode == "none":
+        raise EngineInputError(f"--kv-quant {args.kv_quant} quantizes committed blocks' K/V: it needs "
+                               "--cache-mode block (none recomputes every block and holds no cache)", "kv_quant")
     generator = torch.Generator(device=engine.device).manual_seed(args.seed) if args.seed is not None else None
     began = time.perf_counter()
-    result = generate(engine.model, prompt, params, engine.spec.mask_id, engine.spec.eos_ids, generator)
+    result = generate(engine.model, prompt, params, engine.spec.mask_id, engine.spec.eos_ids, generator, kv_store)
     total = time.perf_counter() - began
     text = engine.decode_text(result.generated_ids)
+    kv = kv_store.report() if kv_store is not None else None
     if not args.json:
         print(text if text is not None else ",".join(map(str, result.generated_ids)))
+        bits = f" kv_bits=K{kv.k_nominal_bits:.2f}/V{kv.v_nominal_bits:.2f}" if kv is not None else ""
         print(f"[finish={result.finish_reason} tokens={len(result.generated_ids)} nfe={result.nfe} "
-              f"cache={params.cache_mode} editing={params.editing} time={total:.2f}s]")
+              f"cache={params.cache_mode} editing={params.editing}{bits} time={total:.2f}s]")
         return 0
     row = {"generated_ids": result.generated_ids, "text": text, "finish_reason": result.finish_reason,
            "nfe": result.nfe, "reveals_per_step": result.reveals_per_call,
@@ -100,6 +105,6 @@ def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
     print(json.dumps({
         "generated_ids": result.generated_ids, "nfe": result.nfe, "reveals_per_call": result.reveals_per_call,
         "finish_reason": result.finish_reason, "text": text, "kv_bytes": result.kv_bytes, "params": asdict(params),
-        "timings": {"total_s": total}, "rows": [row],
+        "timings": {"total_s": total}, "rows": [row], "kv": kv.model_dump(mode="json") if kv is not None else None,
     }))
     return 0

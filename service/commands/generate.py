@@ -136,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         if _decodes_block_causally(args):
             engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
             prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
-            return _block_causal.run(args, engine, prompt)
+            quant = kv_config(args)
+            store = make_kv_store(quant, engine.spec, resolve_artifact(quant, engine.spec))
+            return _block_causal.run(args, engine, prompt, store)
         params = decode_params(args)
         row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
         quant = kv_config(args)

@@ -29,6 +29,8 @@ from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
+from service.quant.committed import Commit, commit_hook
+from service.quant.store import QuantizedKVStore
 
 
 def settings_from(params: DecodeParams, options: RowOptions, editing: bool) -> BlockCausalParams:
@@ -67,7 +69,9 @@ class BlockCausalCohort:
         mask_id, eos_ids: the model's. rows: per-row options (sampling seed; stop strings and ``max_tokens`` for
         the report). params: the request's settings as made (for the report; None: the rows' own). on_block:
         ``on_block(block, ids_per_row)`` each time every live row has decoded one more block. cancelled: per-row
-        flags, polled after each iteration.
+        flags, polled after each iteration. kv_store: a `QuantizedKVStore` quantizes the rows' committed blocks
+        in ``block`` mode with its quantizer and counts them in its report (`service.quant.committed`); None or
+        another store: full precision.
 
     Raises:
         EngineInputError: structured output or log-probabilities asked for (not on this family yet), an empty
@@ -77,7 +81,7 @@ class BlockCausalCohort:
     def __init__(self, model: LLaDA2Model, prompts: list[list[int]], settings: list[BlockCausalParams],
                  mask_id: int, eos_ids: tuple[int, ...], rows: list[RowOptions] | None = None,
                  params: DecodeParams | None = None, on_block: Callable | None = None,
-                 cancelled: Callable[[], list[bool]] | None = None) -> None:
+                 cancelled: Callable[[], list[bool]] | None = None, kv_store: object | None = None) -> None:
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         if len(settings) != len(prompts) or len(rows) != len(prompts):
             raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
@@ -91,7 +95,7 @@ class BlockCausalCohort:
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
-        self.store = NoStore()
+        self.store = kv_store if isinstance(kv_store, QuantizedKVStore) else NoStore()
         self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
@@ -171,7 +175,14 @@ class BlockCausalCohort:
                 tokens_per_second=len(cut.ids) / total if total > 0 else 0.0,
             ))
         return DecodeReport(rows=reports, params=self.params,
-                            timings=Timings(total_s=total, first_block_s=self.first_block_s))
+                            timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
+
+    def commit(self, i: int, slot: int) -> Commit | None:
+        """The columns row ``i`` commits in its next call (cache slot ``slot``) when they are to be quantized."""
+        call, row = self.calls[i], self.rows[i]
+        if not isinstance(self.store, QuantizedKVStore) or row.params.cache_mode != "block":
+            return None
+        return Commit(slot, call.start, call.block_start, row.block, self.store.quantizer, self.store.accounting)
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
@@ -214,7 +225,13 @@ class BlockCausalBatch:
         if live:
             rows = [c.rows[i] for c, i in live]
             cache = self._cache_for(rows)
-            logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+            commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
+            cache.on_write = commit_hook(cache.k, cache.v, [x for x in commits if x is not None],
+                                         self.model.rotate_keys)
+            try:
+                logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+            finally:
+                cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
             for (cohort, i), row_logits in zip(live, logits):
                 if cohort in [f for f, _ in self.failed]:
@@ -276,6 +293,7 @@ def generate_batch(
     mask_id: int,
     eos_ids: tuple[int, ...],
     generators: list[torch.Generator | None] | None = None,
+    kv_store: object | None = None,
 ) -> list[BlockCausalResult]:
     """Decode several prompts together, each with its own settings (`service.engine.block_causal`), one forward
     per iteration for every row still decoding; each row decodes as it would alone.
@@ -284,7 +302,8 @@ def generate_batch(
         model: a loaded LLaDA2 model (eval mode). prompts: token ids per row, each non-empty, without ``mask_id``.
         params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
             response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
-            default).
+            default). kv_store: a `QuantizedKVStore` quantizes every ``block`` row's committed blocks (its report
+            counts them); None: full precision.
 
     Returns:
         One :class:`BlockCausalResult` per prompt, in order (``kv_bytes``: the committed K/V the row held).
@@ -294,7 +313,7 @@ def generate_batch(
     """
     batch = BlockCausalBatch(model)
     seeded = [RowOptions(temperature=p.temperature) for p in params]
-    cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded)
+    cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded, kv_store=kv_store)
     if generators:  # the caller's generators replace the rows' own
         for row, generator in zip(cohort.rows, generators):
             row.generator = generator if generator is not None else row.generator
@@ -319,10 +338,11 @@ def generate(
     mask_id: int,
     eos_ids: tuple[int, ...],
     generator: torch.Generator | None = None,
+    kv_store: object | None = None,
 ) -> BlockCausalResult:
-    """Decode one prompt block-causally (:func:`generate_batch` of one row).
+    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store`` as there).
 
     Raises:
         EngineInputError: an empty prompt, or one holding ``mask_id``.
     """
-    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator])[0]
+    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store)[0]

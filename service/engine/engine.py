@@ -169,15 +169,12 @@ class Engine:
         ``settings_from``).
 
         Raises:
-            EngineInputError: a quantized store (not on this family's cache yet), structured output, logprobs.
+            EngineInputError: structured output, logprobs.
         """
-        if kv_store is not None and kv_store.report() is not None:
-            raise EngineInputError("quantized K/V are not applied to a block-causal model's cache (LLaDA2) yet; "
-                                   "use kv_quant none", "kv_quant")
         editing = self.model.config.editing
         settings = [settings_from(params, options, editing) for options in rows]
         return BlockCausalCohort(self.model, prompts, settings, self.spec.mask_id, self.spec.eos_ids, rows, params,
-                                 on_block, cancelled)
+                                 on_block, cancelled, kv_store)
 
     def report(self, cohort: Cohort) -> DecodeReport:
         """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""

@@ -12,22 +12,19 @@ import pytest
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import generate
 from service.engine.loading import load_checkpoint
-from tests.support.llada2 import llada2_with_tokenizer
-from tests.support.processes import ServerProcess
+from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return llada2_with_tokenizer(tmp_path_factory.mktemp("llada2-served"))
+def checkpoint():
+    return LLADA2_CHAT
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
-    work = tmp_path_factory.mktemp("llada2-server")
-    srv = ServerProcess({"DLLM_MODEL": str(checkpoint), "DLLM_STORE_URL": str(work / "store"), "DLLM_THREADS": "1"},
-                        log_path=work / "server.log").start(timeout_s=180)
+    srv = start_llada2_server(checkpoint, tmp_path_factory.mktemp("llada2-server"))
     yield srv
     srv.stop()
 
@@ -71,7 +68,7 @@ def test_concurrent_clients_decode_as_alone(client):
 
 
 def test_refusals_are_400_naming_the_field(server):
-    body = {"model": "llada2-tiny", "prompt": "w5 w6", "max_tokens": 32}
+    body = {"model": "llada2-tiny-chat", "prompt": "w5 w6", "max_tokens": 32}
     for extra, field in (({"logprobs": 2}, "logprobs"), ({"remasking": "random"}, "remasking")):
         response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60)
         assert response.status_code == 400, response.text

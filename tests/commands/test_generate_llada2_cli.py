@@ -78,6 +78,16 @@ def test_a_21_checkpoint_edits_by_default_and_20_flags_are_refused():
     assert json.loads(out.stdout)["params"]["editing"]
     refused = service_main("generate", "--model", str(LLADA2_CKPT["llada2"]), "--prompt-ids", "1,2", "--steps", "4")
     assert refused.returncode == 2 and "--steps-per-block" in refused.stderr
-    quantized = service_main("generate", "--model", str(LLADA2_CKPT["llada2"]), "--prompt-ids", "1,2",
-                             "--gen-length", "32", "--kv-quant", "kivi")
-    assert quantized.returncode == 2 and "--kv-quant" in quantized.stderr
+    unused = service_main("generate", "--model", str(LLADA2_CKPT["llada2"]), "--prompt-ids", "1,2",
+                          "--gen-length", "32", "--kv-quant", "kivi", "--cache-mode", "none")
+    assert unused.returncode == 2 and "--kv-quant" in unused.stderr and "--cache-mode block" in unused.stderr
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kv_quant_reports_effective_bits(bits):
+    family, run = CASES[1]
+    out = service_main("generate", "--threads", "1", *flags(family, run, "block"), "--kv-quant", "kivi",
+                       "--kv-bits", str(bits))
+    assert out.returncode == 0, out.stderr
+    kv = json.loads(out.stdout)["kv"]
+    assert (kv["k_nominal_bits"], kv["v_nominal_bits"]) == (bits, bits) and kv["config"]["method"] == "kivi"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 from functools import cache
 from pathlib import Path
 
@@ -16,6 +15,9 @@ from tests.support.paths import DATA
 LLADA2_DATA = DATA / "llada2"
 #: family -> tiny checkpoint directory (2.0 and the 2.1 copy; the same weights).
 LLADA2_CKPT = {"llada2": LLADA2_DATA / "llada2-tiny", "llada21": LLADA2_DATA / "llada21-tiny"}
+#: llada2-tiny with a word-level tokenizer and a chat template (scripts/make_llada2_tiny_chat.py wrote it): what
+#: the served tests and docs/llada2.md serve as text.
+LLADA2_CHAT = LLADA2_DATA / "llada2-tiny-chat"
 
 
 @cache
@@ -30,14 +32,10 @@ def reference_logits(case: dict) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(case["shape"]).copy())
 
 
-def llada2_with_tokenizer(parent: Path) -> Path:
-    """Copy llada2-tiny under ``parent`` and give it a word-level tokenizer with a chat template (EOS 497, mask
-    500 ``<|mask|>``, end-of-turn 496, header tokens 498/499): a LLaDA2 checkpoint a server can serve text with."""
-    from tests.support.fastdllm import add_word_tokenizer
+def start_llada2_server(checkpoint: Path, work: Path, **env: str):
+    """A started `tests.support.processes.ServerProcess` serving ``checkpoint`` (one torch thread, its store and
+    log under ``work``; ``env``: more ``DLLM_*`` settings). The caller stops it."""
+    from tests.support.processes import ServerProcess
 
-    directory = parent / "llada2-tiny"
-    shutil.copytree(LLADA2_CKPT["llada2"], directory)
-    special = {496: "<|eot_id|>", 497: "<|endoftext|>", 498: "<|start_header_id|>", 499: "<|end_header_id|>",
-               500: "<|mask|>"}
-    add_word_tokenizer(directory, special, 512)
-    return directory
+    settings = {"DLLM_MODEL": str(checkpoint), "DLLM_STORE_URL": str(work / "store"), "DLLM_THREADS": "1", **env}
+    return ServerProcess(settings, log_path=work / "server.log").start(timeout_s=180)

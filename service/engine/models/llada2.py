@@ -18,6 +18,7 @@ Shapes use STYLE.md letters: B batch, T tokens, C width, H heads, D head dim, E 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -114,6 +115,10 @@ class CommittedKV:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
         self.columns = 0
+        #: Called with the layer index, the window's post-RoPE queries ``[B, H, T, D]`` and pre-RoPE keys
+        #: ``[B, H_kv, T, D]`` after the window's K/V are written and before attention reads them (set by the
+        #: caller for one forward; `service.quant.committed` quantizes the committing blocks with it).
+        self.on_write: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def bytes_per_column(self) -> int:
@@ -166,10 +171,13 @@ class LLaDA2Attention(nn.Module):
                                                                 self.num_kv_heads], dim=2))  # [B, H(_kv), T, D]
         if self.qk_norm:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
+        k_pre = k
         q, k = self._rotate(q, step), self._rotate(k, step)
         if step.cache is not None:
             step.cache.k[layer].scatter_(2, step.index, k)
             step.cache.v[layer].scatter_(2, step.index, v)
+            if step.cache.on_write is not None:
+                step.cache.on_write(layer, q, k_pre)
             k = step.cache.k[layer][:, :, : step.cache.columns]
             v = step.cache.v[layer][:, :, : step.cache.columns]
         groups = self.num_heads // self.num_kv_heads
@@ -423,6 +431,13 @@ class LLaDA2Model(DiffusionLM):
             lo, hi = logits_range if logits_range is not None else (0, t)
             x = x[:, lo:hi]
         return self.lm_head(self.norm(x)).float()
+
+    def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Partial RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64 ``positions`` ``[B, T]``, as a forward
+        rotates them: the first ``rotary_dim`` channels rotate, the rest pass; same dtype."""
+        r = self.config.rotary_dim
+        rotated = self.rope.rotate(k[..., :r], positions)
+        return rotated if r == k.shape[-1] else torch.cat([rotated, k[..., r:]], dim=-1)
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """As :meth:`DiffusionLM.load_checkpoint_tensors`, after stacking each MoE layer's per-expert tensors.
