@@ -1,4 +1,4 @@
-"""``examples/ask.py`` and ``examples/kv_metrics.py`` take the same thing, the server's root URL (README step 8),
+"""``examples/ask.py`` and ``examples/kv_metrics.py`` take the same thing, the server's root URL (docs/quickstart.md step 8),
 and a server that is not running or answers with an error is one line on stderr with exit status 2, not a
 traceback."""
 
