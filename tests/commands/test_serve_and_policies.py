@@ -79,6 +79,23 @@ def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
             assert secret[cut:cut + 5] not in err
 
 
+@pytest.mark.parametrize("variable, line", [
+    ("DLLM_ADMIN_KEY", ("error: bad setting: --admin-key / DLLM_ADMIN_KEY: is the example's placeholder: make your "
+                       "own (openssl rand -hex 32), or leave it empty to close admin")),
+    ("DLLM_API_KEYS", ("error: bad setting: --api-keys / DLLM_API_KEYS: holds the example's placeholder: make your "
+                      "own keys (openssl rand -hex 32)")),
+])
+def test_a_placeholder_key_of_the_examples_is_one_line_at_start_up(monkeypatch, capsys, variable, line):
+    """A copied .env.example (or the Kubernetes secret as shipped) would be an open admin or API endpoint: each of
+    its placeholder keys stops the server with one line, before the port is bound."""
+    from service.commands.serve import run
+    from tests.deploy.test_compose import _env_example
+
+    monkeypatch.setenv(variable, _env_example()[variable])
+    assert run(build_parser().parse_args(["serve", "--port", "18434"])) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
 def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
     from service.commands.serve import run
 
