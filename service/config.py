@@ -141,6 +141,10 @@ class Settings(BaseSettings, DecodeSettings):
         f"{DEFAULT_STORE_URL}, the store every command uses",
     )
     store_prefix: str = Field(DEFAULT_STORE_PREFIX, min_length=1, description="Redis key prefix")
+    create_store: bool = Field(
+        False, description="start a new, empty directory store where store_url names a directory that does not "
+        f"exist; default: refuse to start, naming it (the default {DEFAULT_STORE_URL} is always created)"
+    )
     store_check_interval_s: float = Field(
         2.0, gt=0.0, le=5.0, description="seconds between store pings (dllm_store_up follows the connection)"
     )

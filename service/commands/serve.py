@@ -20,12 +20,13 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from service.commands import add_model_flags, prog
-from service.config import Settings, effective_allowed_hosts
+from service.config import DEFAULT_STORE_URL, Settings, effective_allowed_hosts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -117,6 +118,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def missing_store_directory(settings: Settings) -> str | None:
+    """None, or the one line saying that the directory store the settings name does not exist: a typo in
+    ``--store-url`` would otherwise start a new, empty store and serve without the artifacts the operator meant.
+    A new store is asked for with ``--create-store``; the default store (``DEFAULT_STORE_URL``) is always created."""
+    from service.store.base import check_store_url
+
+    path = check_store_url(settings.store_url)
+    if not path or settings.create_store or settings.store_url == DEFAULT_STORE_URL or Path(path).expanduser().is_dir():
+        return None
+    return (f"--store-url / DLLM_STORE_URL: no store directory {Path(path).expanduser().resolve()}; name an existing "
+            "store, or add --create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")
+
+
 def check_store(settings: Settings) -> str | None:
     """None, or the one line saying why the server cannot start with its store: the store answers but refuses the
     credentials (an unreachable store is no reason: the server starts and reports it)."""
@@ -193,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         sock.close()
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    missing = missing_store_directory(settings)
+    if missing is not None:
+        sock.close()
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     refused = check_store(settings)
     if refused is not None:

@@ -129,3 +129,26 @@ def test_policies_with_a_store_that_does_not_answer_is_one_line_on_stderr(tmp_pa
     assert args.func(args) == 1
     out = capsys.readouterr()
     assert out.out == "" and f": error: --store {url}" in out.err and len(out.err.splitlines()) == 1
+
+
+def test_a_store_directory_that_does_not_exist_is_one_line_unless_asked_to_create(tmp_path, monkeypatch, capsys):
+    """A typo in --store-url used to start a new, empty store and serve without the operator's artifacts: it is
+    refused before the model loads, naming the directory; --create-store starts a new store there; the default
+    store is created as before (the README's first command runs on a fresh clone)."""
+    from service.commands.serve import missing_store_directory, run
+
+    monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("DLLM_STORE_URL", raising=False)
+    monkeypatch.delenv("DLLM_CREATE_STORE", raising=False)
+    missing = tmp_path / "no-such-store"
+    assert run(build_parser().parse_args(["serve", "--port", "0", "--store-url", str(missing)])) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"error: --store-url / DLLM_STORE_URL: no store directory {missing}; name an existing store, or add "
+        "--create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")]
+    assert not missing.exists()
+    args = build_parser().parse_args(["serve", "--store-url", str(missing), "--create-store"])
+    assert missing_store_directory(settings_from_args(args)) is None
+    assert missing_store_directory(settings_from_args(build_parser().parse_args(["serve"]))) is None
+    missing.mkdir()
+    args = build_parser().parse_args(["serve", "--store-url", f"file://{missing}"])
+    assert missing_store_directory(settings_from_args(args)) is None
