@@ -131,6 +131,34 @@ def missing_store_directory(settings: Settings) -> str | None:
             "store, or add --create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")
 
 
+def missing_kv_quant_artifact(settings: Settings) -> str | None:
+    """None, or the one line saying that the ``kv_quant`` setting names a fitted artifact (a policy or KVQuant state
+    id, or a file) that is not there: the server would load the model and then never turn ready. A store that does
+    not answer is no reason here (the server starts and reports it)."""
+    from service.quant.registry import method
+    from service.store.base import StoreError, open_store
+
+    config = settings.kv_quant
+    entry = method(config.method)
+    if config.artifact_file is not None and not Path(config.artifact_file).expanduser().is_file():
+        return f"--kv-quant / DLLM_KV_QUANT: {entry.spelling('artifact_file')} {config.artifact_file!r} is not a file"
+    if config.artifact_id is None or entry.store_kind is None:
+        return None
+    try:
+        store = open_store(settings.store_url, prefix=settings.store_prefix)
+        try:
+            found = store.exists(entry.store_kind, config.artifact_id)
+        finally:
+            store.close()
+    except StoreError:
+        return None
+    if found:
+        return None
+    return (f"--kv-quant / DLLM_KV_QUANT: no {entry.store_kind} with {entry.spelling('artifact_id')} "
+            f"{config.artifact_id!r} in the store {store.location}; `{prog('service', 'policies')} list` shows what "
+            "it holds")
+
+
 def check_store(settings: Settings) -> str | None:
     """None, or the one line saying why the server cannot start with its store: the store answers but refuses the
     credentials (an unreachable store is no reason: the server starts and reports it)."""
@@ -218,6 +246,11 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"error: {refused}", file=sys.stderr)
         return STARTUP_FAILED
+    absent = missing_kv_quant_artifact(settings)
+    if absent is not None:
+        sock.close()
+        print(f"error: {absent}", file=sys.stderr)
+        return 2
     note = admin_note(settings)
     if note:
         print(note, file=sys.stderr)

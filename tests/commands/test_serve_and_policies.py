@@ -152,3 +152,25 @@ def test_a_store_directory_that_does_not_exist_is_one_line_unless_asked_to_creat
     missing.mkdir()
     args = build_parser().parse_args(["serve", "--store-url", f"file://{missing}"])
     assert missing_store_directory(settings_from_args(args)) is None
+
+
+def test_a_kv_quant_artifact_the_store_lacks_is_one_line_at_start_up(tmp_path, monkeypatch, capsys):
+    """--kv-quant naming a policy id the store does not hold used to load the model and leave a server that never
+    turned ready: it is one line naming the id and the store, before the model loads."""
+    from service.commands.serve import missing_kv_quant_artifact, run
+
+    monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
+    store = open_store(str(tmp_path))
+    table = policy_for(SPEC, cache_mode="dual", bits=2)
+    absent = "0" * 40
+    argv = ["serve", "--port", "0", "--store-url", str(tmp_path), "--kv-quant"]
+    assert run(build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{absent}"}}'])) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --kv-quant / DLLM_KV_QUANT: no policy with policy_id '{absent}' in the store "
+                           f"{tmp_path}; ") and line.endswith(" policies list` shows what it holds")
+    stored = store.put("policy", table.to_bytes(), table.id)
+    args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{stored}"}}'])
+    assert missing_kv_quant_artifact(settings_from_args(args)) is None
+    args = build_parser().parse_args([*argv, '{"method": "kvquant", "bits": 2, "kvquant_state_file": "nope.st"}'])
+    assert missing_kv_quant_artifact(settings_from_args(args)) == (
+        "--kv-quant / DLLM_KV_QUANT: kvquant_state_file 'nope.st' is not a file")
