@@ -91,12 +91,17 @@ def check_model_settings(settings: Settings) -> str | None:
 
 
 def admin_note(settings: Settings) -> str | None:
-    """The start-up note of a server without an admin key (it cannot be managed while it runs), else None."""
+    """The start-up note of a server without an admin key, else None: its /admin routes answer 403, but it still
+    applies what is written into its store (the server follows the store's events whatever its key)."""
     if settings.admin_key is not None:
         return None
-    return (f"note: admin is closed (DLLM_ADMIN_KEY is not set), so the active configuration cannot be changed while "
-            f"this server runs; to manage it (`{prog('service', 'policies')} activate --server ...`), stop it and "
-            "start it again after `export DLLM_ADMIN_KEY=<16+ characters>`")
+    from service.store.base import redact_url
+
+    policies = prog("service", "policies")
+    return (f"note: admin is closed (DLLM_ADMIN_KEY is not set): /admin answers 403 and `{policies} activate --server "
+            f"...` is refused; the active configuration still follows the store {redact_url(settings.store_url)} (`{policies} "
+            "activate` on that store changes what this server serves); to open admin, start it again after "
+            "`export DLLM_ADMIN_KEY=<16+ characters>`")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -181,6 +186,12 @@ def check_store(settings: Settings) -> str | None:
     return None
 
 
+def served_url(sock: socket.socket) -> str:
+    """``http://host:port`` of a listening socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def uvicorn_server(app: Any, settings: Settings) -> Any:
     """The uvicorn server of ``app`` under ``settings``: SIGTERM drains the worker first; connections bounded
     (`service.connections`)."""
@@ -199,6 +210,13 @@ def uvicorn_server(app: Any, settings: Settings) -> Any:
                 # graceful timeout (later, below) would cut those requests with a plain-text 500.
                 threading.Thread(target=worker.drain, args=(settings.drain_timeout_s,), daemon=True).start()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn logs no address for sockets it was handed: say once where the server answers, after the
+            # lifespan (model loaded) and the listeners started.
+            await super().startup(sockets=sockets)
+            if self.started and sockets:
+                logging.getLogger(__name__).info("listening on %s (OpenAI base URL %s/v1)", *[served_url(sockets[0])] * 2)
 
         async def on_tick(self, counter: int) -> bool:
             if counter % 10 == 0:

@@ -188,6 +188,7 @@ def test_over_a_running_server_and_the_server_logs_every_change(store_dir, spec,
         assert entries[0]["key_id"].startswith("cli:") and entries[1]["key_id"] == key_id(ADMIN_KEY)
 
         log = log_path.read_text()
+        assert f"listening on {url} (OpenAI base URL {url}/v1)" in log, log[-3000:]  # serve says where it answers
         changes = [line for line in log.splitlines() if "active configuration changed" in line]
         assert len(changes) == 2, log[-3000:]
         assert f"by {key_id(ADMIN_KEY)}:" in changes[0] and ids["p1"] in changes[0]
@@ -199,13 +200,16 @@ def test_over_a_running_server_and_the_server_logs_every_change(store_dir, spec,
 
 
 def test_an_unmanaged_server_says_how_to_set_the_admin_key(monkeypatch):
-    """``serve`` without DLLM_ADMIN_KEY says at start that admin is closed and how to open it."""
+    """``serve`` without DLLM_ADMIN_KEY says at start that admin is closed, how to open it, and that the store still
+    changes what it serves (``test_over_a_running_server_and_the_server_logs_every_change`` shows a store write
+    reaching a running server)."""
     from service.commands.serve import admin_note
     from service.config import Settings
 
     monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
     note = admin_note(Settings())
     assert "DLLM_ADMIN_KEY is not set" in note and "export DLLM_ADMIN_KEY=" in note
+    assert "cannot be changed" not in note and "still follows the store .dllm-kvq/store" in note
     assert admin_note(Settings(admin_key=ADMIN_KEY)) is None
 
 
