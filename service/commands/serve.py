@@ -136,32 +136,35 @@ def missing_store_directory(settings: Settings) -> str | None:
             "store, or add --create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")
 
 
-def missing_kv_quant_artifact(settings: Settings) -> str | None:
-    """None, or the one line saying that the ``kv_quant`` setting names a fitted artifact (a policy or KVQuant state
-    id, or a file) that is not there: the server would load the model and then never turn ready. A store that does
-    not answer is no reason here (the server starts and reports it)."""
+def resolve_kv_quant_artifact(settings: Settings) -> tuple[Settings, str | None]:
+    """The settings with the ``kv_quant`` setting's artifact id in full (an unambiguous prefix names it too), and
+    None; or the settings as given and the one line saying that the id names no stored artifact, or several, or
+    that its file is not there: the server would load the model and then never turn ready. A store that does not
+    answer is no reason here (the server starts and reports it)."""
     from service.quant.registry import method
-    from service.store.base import StoreError, open_store
+    from service.store.base import AmbiguousId, ArtifactNotFound, StoreError, open_store
 
     config = settings.kv_quant
     entry = method(config.method)
+    flag = "--kv-quant / DLLM_KV_QUANT"
     if config.artifact_file is not None and not Path(config.artifact_file).expanduser().is_file():
-        return f"--kv-quant / DLLM_KV_QUANT: {entry.spelling('artifact_file')} {config.artifact_file!r} is not a file"
+        return settings, f"{flag}: {entry.spelling('artifact_file')} {config.artifact_file!r} is not a file"
     if config.artifact_id is None or entry.store_kind is None:
-        return None
+        return settings, None
     try:
         store = open_store(settings.store_url, prefix=settings.store_prefix)
         try:
-            found = store.exists(entry.store_kind, config.artifact_id)
+            full_id = store.resolve_id(entry.store_kind, config.artifact_id)
         finally:
             store.close()
+    except ArtifactNotFound:
+        return settings, (f"{flag}: no {entry.store_kind} with {entry.spelling('artifact_id')} {config.artifact_id!r} "
+                          f"in the store {store.location}; `{prog('service', 'policies')} list` shows what it holds")
+    except AmbiguousId as exc:
+        return settings, f"{flag}: {exc}"
     except StoreError:
-        return None
-    if found:
-        return None
-    return (f"--kv-quant / DLLM_KV_QUANT: no {entry.store_kind} with {entry.spelling('artifact_id')} "
-            f"{config.artifact_id!r} in the store {store.location}; `{prog('service', 'policies')} list` shows what "
-            "it holds")
+        return settings, None
+    return settings.model_copy(update={"kv_quant": config.model_copy(update={"artifact_id": full_id})}), None
 
 
 def check_store(settings: Settings) -> str | None:
@@ -264,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"error: {refused}", file=sys.stderr)
         return STARTUP_FAILED
-    absent = missing_kv_quant_artifact(settings)
+    settings, absent = resolve_kv_quant_artifact(settings)
     if absent is not None:
         sock.close()
         print(f"error: {absent}", file=sys.stderr)

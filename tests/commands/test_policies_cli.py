@@ -268,3 +268,26 @@ def test_an_audit_limit_out_of_range_is_a_usage_error(store_dir, limit, says):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(f"error: argument --limit: {says}"), result.stderr
     assert cli("audit", "--store", path, "--limit", "10000").returncode == 0
+
+
+def test_ids_are_taken_by_unique_prefix_and_an_ambiguous_one_lists_the_candidates(store_dir, spec):
+    """As ``git`` and ``docker`` do, an id may be typed by a prefix that starts no other stored id: ``show``,
+    ``diff`` and ``activate`` name the artifact by its full id; a prefix that starts several is refused with one
+    line listing them."""
+    path, ids = store_dir
+    short = ids["p1"][:8]
+    shown = cli("show", short, "--store", path, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["id"] == ids["p1"]
+    diff = cli("diff", ids["p0"][:8], short, "--store", path)
+    assert diff.returncode == 0 and diff.stdout.startswith(f"--- {ids['p0']}\n+++ {ids['p1']}\n"), diff.stderr
+    done = cli("activate", "dual", short, "--store", path, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new"]["policy_id"] == ids["p1"]  # stored in full
+
+    twin = ids["p1"][:8] + "twin"  # a second id that the same prefix starts
+    open_store(path).put("policy", open_store(path).get("policy", ids["p0"]), twin)
+    refused = cli("show", short, "--store", path)
+    assert refused.returncode != 0
+    (line,) = refused.stderr.splitlines()
+    assert f"policy or KVQuant state id '{short}' is ambiguous: it starts 2 ids ({ids['p1']}, {twin})" in line

@@ -157,7 +157,7 @@ def test_a_store_directory_that_does_not_exist_is_one_line_unless_asked_to_creat
 def test_a_kv_quant_artifact_the_store_lacks_is_one_line_at_start_up(tmp_path, monkeypatch, capsys):
     """--kv-quant naming a policy id the store does not hold used to load the model and leave a server that never
     turned ready: it is one line naming the id and the store, before the model loads."""
-    from service.commands.serve import missing_kv_quant_artifact, run
+    from service.commands.serve import resolve_kv_quant_artifact, run
 
     monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
     store = open_store(str(tmp_path))
@@ -169,8 +169,15 @@ def test_a_kv_quant_artifact_the_store_lacks_is_one_line_at_start_up(tmp_path, m
     assert line.startswith(f"error: --kv-quant / DLLM_KV_QUANT: no policy with policy_id '{absent}' in the store "
                            f"{tmp_path}; ") and line.endswith(" policies list` shows what it holds")
     stored = store.put("policy", table.to_bytes(), table.id)
-    args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{stored}"}}'])
-    assert missing_kv_quant_artifact(settings_from_args(args)) is None
+    for typed in (stored, stored[:8]):  # the id in full, or an unambiguous prefix of it, stored in full
+        args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{typed}"}}'])
+        settings, problem = resolve_kv_quant_artifact(settings_from_args(args))
+        assert problem is None and settings.kv_quant.artifact_id == stored
+    other = policy_for(SPEC, cache_mode="dual", bits=2, p=1)
+    store.put("policy", other.to_bytes(), stored[:1] + "f" * 39 if stored[1] != "f" else stored[:1] + "e" * 39)
+    args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{stored[:1]}"}}'])
+    problem = resolve_kv_quant_artifact(settings_from_args(args))[1]
+    assert problem.startswith(f"--kv-quant / DLLM_KV_QUANT: policy id '{stored[:1]}' is ambiguous: it starts 2 ids (")
     args = build_parser().parse_args([*argv, '{"method": "kvquant", "bits": 2, "kvquant_state_file": "nope.st"}'])
-    assert missing_kv_quant_artifact(settings_from_args(args)) == (
+    assert resolve_kv_quant_artifact(settings_from_args(args))[1] == (
         "--kv-quant / DLLM_KV_QUANT: kvquant_state_file 'nope.st' is not a file")
