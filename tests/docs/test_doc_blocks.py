@@ -336,20 +336,28 @@ def test_page_blocks_run(page, run_page):
     run_page(page)
 
 
-def test_readme_first_request_answers_as_shown(checkout, env, server):
-    """The README's first request (its first ``needs=server`` block, a curl) sent to the embedded model gives the
-    answer the README's next ```json block shows: the same message content and finish reason (``id`` and
-    ``created`` differ from run to run)."""
+def test_readme_first_request_answers_as_shown(checkout, env, tmp_path):
+    """The README's first request (its first ``needs=server`` block, a curl) sent to a fresh server on the embedded
+    model gives the answer the README's next ```json block shows: the same message, finish reason, usage and KV
+    configuration (``id`` and ``created`` differ from run to run). Its own server on a new store: the shared one
+    may serve what other pages activated."""
     import json
+
+    from tests.support.processes import ServerProcess
 
     text = (REPO / "README.md").read_text()
     first = next(b for b in blocks_of("README.md") if b.kind == "needs")
     assert first.lang == "bash" and first.text.lstrip().startswith("curl "), first.name
     after = text.split(first.text, 1)[1]
     shown = json.loads(re.search(r"```json\n(?P<body>.*?)\n```", after, re.DOTALL)["body"])
-    url = server()
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", LOCAL.sub(url.removeprefix("http://"), first.text)],
-                          cwd=checkout, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False)
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp_path / "server.log").start(timeout_s=180)
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", LOCAL.sub(srv.url.removeprefix("http://"), first.text)],
+                              cwd=checkout, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
+                              check=False)
+    finally:
+        srv.stop()
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout)
     assert [c["message"] for c in got["choices"]] == [c["message"] for c in shown["choices"]]
