@@ -64,7 +64,7 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int, store: str, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store,
+    cmd = [sys.executable, "-m", "service", "serve", "--port", str(port), "--store-url", store, "--create-store",
            "--max-batch-size", "16", "--max-queue", "256", "--threads", str(args.threads), "--device", args.device,
            "--log-level", "warning", "--kv-budget-bytes", str(args.kv_budget_bytes)]
     if args.model:

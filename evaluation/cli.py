@@ -151,6 +151,25 @@ def check_server(args: list[str]) -> None:
                            f"start it (`{prog('service', 'serve')}`) or fix base_url") from None
 
 
+def check_chat_template(args: list[str]) -> None:
+    """The embedded model's tasks (`evaluation.embedded_task.EMBEDDED_TASKS`) run with lm-eval's
+    ``--apply_chat_template``: the model answers chat turns only, and without the template every answer is wrong
+    (the task scores 0 with no other sign). The matrix always applies it; here its absence is refused.
+
+    Raises:
+        CommandError: a run of an embedded task without ``--apply_chat_template``.
+    """
+    from evaluation.embedded_task import EMBEDDED_TASKS
+
+    if args[:1] != ["run"] or "--apply_chat_template" in args:
+        return
+    chat = [t for t in _csv_list(_value(args, "--tasks") or "") if t in EMBEDDED_TASKS]
+    if chat:
+        raise CommandError(f"--tasks {','.join(chat)}: the embedded model answers only chat turns, so without "
+                           "--apply_chat_template every answer is wrong and the task scores 0; add "
+                           "--apply_chat_template")
+
+
 def check_in_process_model_args(args: list[str]) -> None:
     """For the in-process model ``dllm-kvq``: its ``--model_args`` (`evaluation.model_args.EvalModelArgs`) and the
     checkpoint they name, checked before lm-eval starts.
@@ -227,6 +246,7 @@ def run_lm_eval(argv: list[str]) -> int:
     for args in runs:  # every run's input checked before lm-eval starts (it indexes its tasks first: a minute)
         check_in_process_model_args(args)
         check_server(args)
+        check_chat_template(args)
     for args in runs:
         sys.argv = ["lm-eval", *with_server_model_args(args)]
         try:

@@ -212,6 +212,9 @@ def write_shipped(directory: Path) -> None:
 
 #: Task names this module defines (and its multiple-choice variant, `evaluation.embedded_choice`).
 EMBEDDED_TASKS: tuple[str, ...] = ("digit_ledger", "digit_ledger_choice")
+#: The lm-eval task class of those tasks (`evaluation.chat_task`: refuses to run without the chat template); a
+#: dotted path, so that this module does not import lm-eval.
+CHAT_TASK_CLASS = "evaluation.chat_task.ChatTemplateTask"
 
 
 def _split_file(name: str) -> Path:
@@ -247,6 +250,7 @@ def embedded_task_configs() -> dict[str, dict]:
     return {
         "digit_ledger": {
             "task": "digit_ledger",
+            "class": CHAT_TASK_CLASS,
             **task_data(),
             "output_type": "generate_until",
             "doc_to_text": "{{prompt}}",
@@ -257,7 +261,7 @@ def embedded_task_configs() -> dict[str, dict]:
                              "ignore_case": False, "ignore_punctuation": False, "regexes_to_ignore": ["\\s+"]}],
             "metadata": {"version": 1.0},
         },
-        "digit_ledger_choice": choice_task_config(),
+        "digit_ledger_choice": {**choice_task_config(), "class": CHAT_TASK_CLASS},
     }
 
 if __name__ == "__main__":

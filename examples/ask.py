@@ -24,9 +24,9 @@ from pathlib import Path
 
 import openai
 from openai import OpenAI
-from transformers import AutoTokenizer
 
 from evaluation.embedded_task import GEN_LENGTH, load_split, score
+from service.engine.loading import load_tokenizer
 
 EMBEDDED_DIR = Path(__file__).resolve().parents[1] / "service" / "assets" / "embedded"
 #: The server's root URL when no flag gives one (shared with ``examples/kv_metrics.py``).
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"[stream     ] {len(deltas)} chunks: {deltas}")
     out["answers"].append(_record("chat-stream", q, "".join(deltas), finish, usage, None))
 
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_DIR, trust_remote_code=False)
+    # The engine's own loader: AutoTokenizer would read config.json, whose model type (llada) transformers does not
+    # know, and warn about it.
+    tokenizer = load_tokenizer(EMBEDDED_DIR)
     q = questions[-1]  # plain completions: the prompt is the rendered chat template, as the model was trained
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": q.prompt}], tokenize=False,
                                            add_generation_prompt=True)

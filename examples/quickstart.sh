@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The README's Quickstart as one script: the embedded default model served with Redis as the store, calibrated,
+# The Quickstart (docs/quickstart.md) as one script: the embedded default model served with Redis as the store, calibrated,
 # a 2-bit dLLM-KVQ dual-cache policy activated from the command line (`policies activate --server`: the admin
 # endpoint), questions through the official openai client, the Prometheus metrics, a swap to KIVI and back, lm-eval
-# over HTTP on the model's task, and the paper-style table. Each step is the README's command; what they print and
+# over HTTP on the model's task, and the paper-style table. Each step is the page's command; what they print and
 # write lands in $RUNS.
 #
 # Run from the repository root after `bash scripts/setup.sh`, with redis-server answering at $STORE:
@@ -10,7 +10,7 @@
 # Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (redis://127.0.0.1:6379/0), RUNS
 # (runs/quickstart), DLLM_ADMIN_KEY, CALIBRATION_ARGS (extra `calibration all` flags, e.g. "--samples 2 --rounds 1
 # --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS (extra `evaluation matrix`
-# flags after the README's, which they override, e.g. "--cache-modes prefix,dual --bits 4,2"). tests/e2e runs this
+# flags after the page's, which they override, e.g. "--cache-modes prefix,dual --bits 4,2"). tests/e2e runs this
 # script with small settings and checks what it wrote.
 set -euo pipefail
 cd "$(dirname "$0")/.."

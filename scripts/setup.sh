@@ -12,3 +12,9 @@ command -v "$PY" >/dev/null || PY=python3
 # The project's lm-eval tasks (digit_ledger, gsm8k_local, humaneval_local) where plain lm-eval finds them:
 # `lm_eval --include_path .dllm-kvq/lm-eval-tasks --tasks digit_ledger ...` (docs/evaluation.md).
 .venv/bin/dllm-kvq evaluate tasks --out .dllm-kvq/lm-eval-tasks >/dev/null
+cat <<'NEXT'
+
+Set up. Next, start the server on the embedded default model (CPU, no download):
+  .venv/bin/dllm-kvq serve
+and, from a second shell, send it the request of README.md ("Ask it"). The tests: bash scripts/test.sh
+NEXT

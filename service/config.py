@@ -35,6 +35,11 @@ def effective_allowed_hosts(settings: Settings) -> list[str]:
 DEFAULT_STORE_URL = ".dllm-kvq/store"
 DEFAULT_STORE_PREFIX = "dllm-kvq"
 #: The ``--store`` help of every offline command, so each names the same default.
+#: The key values the shipped examples (``.env.example``, ``deploy/k8s/11-secret.yaml``) carry until the operator
+#: replaces them: a copied example must not become an open admin or API endpoint, so these are refused at start-up.
+PLACEHOLDER_KEYS = frozenset({"replace-with-a-long-random-admin-key", "replace-with-an-api-key"})
+#: The shortest admin key accepted.
+MIN_ADMIN_KEY_CHARS = 16
 STORE_HELP = f"store URL, redis://host:port/db or a directory (default: DLLM_STORE_URL, else {DEFAULT_STORE_URL})"
 
 
@@ -136,6 +141,10 @@ class Settings(BaseSettings, DecodeSettings):
         f"{DEFAULT_STORE_URL}, the store every command uses",
     )
     store_prefix: str = Field(DEFAULT_STORE_PREFIX, min_length=1, description="Redis key prefix")
+    create_store: bool = Field(
+        False, description="start a new, empty directory store where store_url names a directory that does not "
+        f"exist; default: refuse to start, naming it (the default {DEFAULT_STORE_URL} is always created)"
+    )
     store_check_interval_s: float = Field(
         2.0, gt=0.0, le=5.0, description="seconds between store pings (dllm_store_up follows the connection)"
     )
@@ -205,8 +214,18 @@ class Settings(BaseSettings, DecodeSettings):
     @classmethod
     def _long_admin_key(cls, value: SecretStr | None) -> SecretStr | None:
         # A field validator, so the error's location names the setting (the serve command turns it into its flag).
-        if value is not None and len(value.get_secret_value()) < 16:
-            raise ValueError("must have at least 16 characters (or be empty to close admin)")
+        if value is not None and value.get_secret_value() in PLACEHOLDER_KEYS:
+            raise ValueError("is the example's placeholder: make your own (openssl rand -hex 32), or leave it "
+                             "empty to close admin")
+        if value is not None and len(value.get_secret_value()) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(f"must have at least {MIN_ADMIN_KEY_CHARS} characters (or be empty to close admin)")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_placeholder_api_key(cls, value: list[SecretStr]) -> list[SecretStr]:
+        if any(key.get_secret_value() in PLACEHOLDER_KEYS for key in value):
+            raise ValueError("holds the example's placeholder: make your own keys (openssl rand -hex 32)")
         return value
 
     @model_validator(mode="after")

@@ -118,6 +118,8 @@ def write_task_dir(out_dir: str | Path, gsm8k_dir: str | Path | None = None,
     out.mkdir(parents=True, exist_ok=True)
     configs = {"gsm8k_local": gsm8k_config(gsm8k_dir), "humaneval_local": humaneval_config(), **(extra or {})}
     for name, cfg in configs.items():
+        if "class" in cfg:  # a task class by dotted path (lm-eval's Python-task route)
+            cfg = {**cfg, "class": _Function(cfg["class"])}
         text = yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1000)
         (out / f"{name}.yaml").write_text("# written by evaluation.tasks.write_task_dir; do not edit\n" + text)
     (out / "tasks.json").write_text(json.dumps(sorted(configs), indent=1) + "\n")

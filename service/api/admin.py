@@ -19,9 +19,9 @@ from service.api.errors import ArtifactRejected, InvalidRequest
 from service.artifacts.base import ArtifactMismatch
 from service.engine.params import CacheMode
 from service.quant.config import KVQuantConfig
-from service.quant.registry import artifact_types
+from service.quant.registry import artifact_types, method
 from service.store.active import ActiveConfigs
-from service.store.base import KIND_EVAL_SCORES, Store, StoreUnavailable
+from service.store.base import KIND_EVAL_SCORES, ArtifactNotFound, Store, StoreUnavailable
 from service.telemetry import Telemetry, check_label_value
 
 #: Metrics one evaluation report may carry (each becomes a ``dllm_eval_score`` series).
@@ -91,13 +91,16 @@ class Admin:
         return s.ArtifactList(kind=kind, data=[self._tracked(self.store.info, kind, i).model_dump() for i in ids])
 
     def read(self, segment: str, artifact_id: str) -> dict[str, Any]:
-        """An artifact's ``summary()`` (a policy table as JSON, a KVQuant state's metadata) with its id."""
+        """An artifact's ``summary()`` (a policy table as JSON, a KVQuant state's metadata) with its full id; an
+        unambiguous prefix of the id names it too."""
         cls = self.artifact_type(segment)
+        artifact_id = self._tracked(self.store.resolve_id, cls.KIND, artifact_id)
         return cls.from_bytes(self._tracked(self.store.get, cls.KIND, artifact_id)).summary() | {"id": artifact_id}
 
     def read_bytes(self, segment: str, artifact_id: str) -> bytes:
-        """An artifact's stored bytes."""
-        return self._tracked(self.store.get, self.artifact_type(segment).KIND, artifact_id)
+        """An artifact's stored bytes (its id or an unambiguous prefix of it)."""
+        kind = self.artifact_type(segment).KIND
+        return self._tracked(self.store.get, kind, self._tracked(self.store.resolve_id, kind, artifact_id))
 
     def upload(self, segment: str, body: bytes) -> dict[str, Any]:
         """Parse, validate against the loaded model, then store (nothing is stored when anything fails: 422)."""
@@ -122,6 +125,7 @@ class Admin:
         """Delete an artifact (ArtifactInUse if an active configuration names it); this replica stops serving it at
         once (its cache and metric series), the others when they see the store's new version."""
         kind = self.artifact_type(segment).KIND
+        artifact_id = self._tracked(self.store.resolve_id, kind, artifact_id)
         self._tracked(self.store.delete, kind, artifact_id)
         self.active.resolver.forget(kind, artifact_id)
         self.telemetry.forget_artifact(artifact_id)
@@ -148,6 +152,13 @@ class Admin:
         ``served_before`` is what this replica served for the mode until now (None while it was not ready).
         """
         served = self.active.all().get(cache_mode)
+        kind = method(config.method).store_kind
+        if kind is not None and config.artifact_id is not None:  # an abbreviated id is stored in full
+            try:
+                full_id = self._tracked(self.store.resolve_id, kind, config.artifact_id)
+            except ArtifactNotFound:
+                full_id = config.artifact_id  # refused below as any id the store lacks, naming its field
+            config = config.model_copy(update={"artifact_id": full_id})
         audit = self._tracked(self.active.activate, cache_mode, config, key_id)
         now = self.active.all().get(cache_mode)
         return s.ActivateResponse(fingerprint=audit.fingerprint, cache_mode=audit.cache_mode, at=audit.at,

@@ -24,6 +24,7 @@ from service.engine.grammar import GrammarViolation
 from service.runtime.loop import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 from service.store.active import ConfigUnavailable
 from service.store.base import (
+    AmbiguousId,
     ArtifactConflict,
     ArtifactInUse,
     ArtifactNotFound,
@@ -120,6 +121,7 @@ MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (ArtifactMismatch, 422, "invalid_request_error", "artifact_rejected"),
     (ArtifactUnfit, 422, "invalid_request_error", "artifact_rejected"),
     (ConfigInvalid, 400, "invalid_request_error", "invalid_config"),
+    (AmbiguousId, 400, "invalid_request_error", "ambiguous_id"),
     (InvalidName, 400, "invalid_request_error", "invalid_name"),
     (EngineInputError, 400, "invalid_request_error", "invalid_input"),
     # A grammar that compiled but failed mid-decode (the grammar engine's work limit): the schema's fault, as

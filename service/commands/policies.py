@@ -269,14 +269,22 @@ def describe_config(config: dict[str, Any] | None) -> str:
     return " ".join(words)
 
 
-def find_artifact(side, artifact_id: str) -> tuple[str, dict[str, Any]]:
-    """The kind and summary of a stored policy or KVQuant state (PoliciesError naming where it was looked for)."""
-    for kind in KINDS:
-        summary = side.summary(kind, artifact_id)
-        if summary is not None:
-            return kind, summary
-    raise PoliciesError(f"no policy or KVQuant state with id {artifact_id!r} in {side.where}; "
-                        f"`{prog('service', 'policies list')}` lists them")
+def find_artifact(side, artifact_id: str) -> tuple[str, str, dict[str, Any]]:
+    """The kind, full id and summary of a stored policy or KVQuant state that ``artifact_id`` names, in full or by
+    an unambiguous prefix (as ``git`` takes an abbreviated id). PoliciesError naming where it was looked for when
+    none matches, listing the candidates when several do."""
+    from service.store.base import ambiguous_id, ids_matching
+
+    found = [(kind, i) for kind in KINDS for i in ids_matching([i for i, _ in side.ids(kind)], artifact_id)]
+    found = [(kind, i) for kind, i in found if i == artifact_id] or found
+    if len(found) > 1:
+        raise PoliciesError(f"{ambiguous_id('policy or KVQuant state', artifact_id, [i for _, i in found])} "
+                            f"in {side.where}")
+    summary = side.summary(*found[0]) if found else None
+    if summary is None:
+        raise PoliciesError(f"no policy or KVQuant state with id {artifact_id!r} in {side.where}; "
+                            f"`{prog('service', 'policies list')}` lists them")
+    return found[0][0], found[0][1], summary
 
 
 def config_from(side, target: str):
@@ -296,9 +304,9 @@ def config_from(side, target: str):
         raise PoliciesError(f"{target}: no such file; give a policy or state id, an activation body file "
                             "(calibrate report writes them under runs/calibration/activate/) or a JSON object")
     else:
-        kind, summary = find_artifact(side, target)
+        kind, full_id, summary = find_artifact(side, target)
         fixed = {name: summary[name] for name in ARTIFACT_FIELDS if name in summary}
-        return KVQuantConfig(method=method_of(kind), artifact_id=target, **fixed)
+        return KVQuantConfig(method=method_of(kind), artifact_id=full_id, **fixed)
     try:
         return KVQuantConfig.model_validate_json(text)
     except ValidationError as exc:
@@ -345,11 +353,11 @@ def run_list(side, args: argparse.Namespace) -> int:
 
 
 def run_show(side, args: argparse.Namespace) -> int:
-    kind, summary = find_artifact(side, args.id)
+    kind, full_id, summary = find_artifact(side, args.id)
     if args.json:
-        print(json.dumps({"id": args.id, "kind": kind, **summary}, indent=2))
+        print(json.dumps({"id": full_id, "kind": kind, **summary}, indent=2))
         return 0
-    print(f"{args.id}  ({method_of(kind)} {kind})")
+    print(f"{full_id}  ({method_of(kind)} {kind})")
     for name, value in summary.items():
         if name not in ("layers", "provenance"):
             print(f"  {name}: {value}")
@@ -379,10 +387,10 @@ def run_activate(side, args: argparse.Namespace) -> int:
 
 
 def run_diff(side, args: argparse.Namespace) -> int:
-    kinds, summaries = zip(*(find_artifact(side, i) for i in (args.a, args.b)), strict=True)
+    kinds, ids, summaries = zip(*(find_artifact(side, i) for i in (args.a, args.b)), strict=True)
     a, b = summaries
     if kinds[0] != kinds[1]:
-        raise PoliciesError(f"{args.a} is a {kinds[0]}, {args.b} a {kinds[1]}; diff compares two of one kind")
+        raise PoliciesError(f"{ids[0]} is a {kinds[0]}, {ids[1]} a {kinds[1]}; diff compares two of one kind")
     lines = []
     for name in sorted((set(a) | set(b)) - {"layers"}):
         if a.get(name) != b.get(name):
@@ -397,7 +405,7 @@ def run_diff(side, args: argparse.Namespace) -> int:
         if la != lb:
             show = [f"{x['score_type']} p={x['p']}" if x else "(absent)" for x in (la, lb)]
             lines.append(f"layer {i}: {show[0]} -> {show[1]}")
-    print(f"--- {args.a}\n+++ {args.b}")
+    print(f"--- {ids[0]}\n+++ {ids[1]}")
     print("\n".join(lines) if lines else "(same content)")
     return 0
 

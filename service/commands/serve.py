@@ -20,12 +20,13 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from service.commands import add_model_flags, prog
-from service.config import Settings, effective_allowed_hosts
+from service.config import DEFAULT_STORE_URL, Settings, effective_allowed_hosts
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -90,12 +91,17 @@ def check_model_settings(settings: Settings) -> str | None:
 
 
 def admin_note(settings: Settings) -> str | None:
-    """The start-up note of a server without an admin key (it cannot be managed while it runs), else None."""
+    """The start-up note of a server without an admin key, else None: its /admin routes answer 403, but it still
+    applies what is written into its store (the server follows the store's events whatever its key)."""
     if settings.admin_key is not None:
         return None
-    return (f"note: admin is closed (DLLM_ADMIN_KEY is not set), so the active configuration cannot be changed while "
-            f"this server runs; to manage it (`{prog('service', 'policies')} activate --server ...`), stop it and "
-            "start it again after `export DLLM_ADMIN_KEY=<16+ characters>`")
+    from service.store.base import redact_url
+
+    policies = prog("service", "policies")
+    return (f"note: admin is closed (DLLM_ADMIN_KEY is not set): /admin answers 403 and `{policies} activate --server "
+            f"...` is refused; the active configuration still follows the store {redact_url(settings.store_url)} (`{policies} "
+            "activate` on that store changes what this server serves); to open admin, start it again after "
+            "`export DLLM_ADMIN_KEY=<16+ characters>`")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -115,6 +121,50 @@ def bind(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def missing_store_directory(settings: Settings) -> str | None:
+    """None, or the one line saying that the directory store the settings name does not exist: a typo in
+    ``--store-url`` would otherwise start a new, empty store and serve without the artifacts the operator meant.
+    A new store is asked for with ``--create-store``; the default store (``DEFAULT_STORE_URL``) is always created."""
+    from service.store.base import check_store_url
+
+    path = check_store_url(settings.store_url)
+    if not path or settings.create_store or settings.store_url == DEFAULT_STORE_URL or Path(path).expanduser().is_dir():
+        return None
+    return (f"--store-url / DLLM_STORE_URL: no store directory {Path(path).expanduser().resolve()}; name an existing "
+            "store, or add --create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")
+
+
+def resolve_kv_quant_artifact(settings: Settings) -> tuple[Settings, str | None]:
+    """The settings with the ``kv_quant`` setting's artifact id in full (an unambiguous prefix names it too), and
+    None; or the settings as given and the one line saying that the id names no stored artifact, or several, or
+    that its file is not there: the server would load the model and then never turn ready. A store that does not
+    answer is no reason here (the server starts and reports it)."""
+    from service.quant.registry import method
+    from service.store.base import AmbiguousId, ArtifactNotFound, StoreError, open_store
+
+    config = settings.kv_quant
+    entry = method(config.method)
+    flag = "--kv-quant / DLLM_KV_QUANT"
+    if config.artifact_file is not None and not Path(config.artifact_file).expanduser().is_file():
+        return settings, f"{flag}: {entry.spelling('artifact_file')} {config.artifact_file!r} is not a file"
+    if config.artifact_id is None or entry.store_kind is None:
+        return settings, None
+    try:
+        store = open_store(settings.store_url, prefix=settings.store_prefix)
+        try:
+            full_id = store.resolve_id(entry.store_kind, config.artifact_id)
+        finally:
+            store.close()
+    except ArtifactNotFound:
+        return settings, (f"{flag}: no {entry.store_kind} with {entry.spelling('artifact_id')} {config.artifact_id!r} "
+                          f"in the store {store.location}; `{prog('service', 'policies')} list` shows what it holds")
+    except AmbiguousId as exc:
+        return settings, f"{flag}: {exc}"
+    except StoreError:
+        return settings, None
+    return settings.model_copy(update={"kv_quant": config.model_copy(update={"artifact_id": full_id})}), None
 
 
 def check_store(settings: Settings) -> str | None:
@@ -139,6 +189,12 @@ def check_store(settings: Settings) -> str | None:
     return None
 
 
+def served_url(sock: socket.socket) -> str:
+    """``http://host:port`` of a listening socket (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def uvicorn_server(app: Any, settings: Settings) -> Any:
     """The uvicorn server of ``app`` under ``settings``: SIGTERM drains the worker first; connections bounded
     (`service.connections`)."""
@@ -157,6 +213,13 @@ def uvicorn_server(app: Any, settings: Settings) -> Any:
                 # graceful timeout (later, below) would cut those requests with a plain-text 500.
                 threading.Thread(target=worker.drain, args=(settings.drain_timeout_s,), daemon=True).start()
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn logs no address for sockets it was handed: say once where the server answers, after the
+            # lifespan (model loaded) and the listeners started.
+            await super().startup(sockets=sockets)
+            if self.started and sockets:
+                logging.getLogger(__name__).info("listening on %s (OpenAI base URL %s/v1)", *[served_url(sockets[0])] * 2)
 
         async def on_tick(self, counter: int) -> bool:
             if counter % 10 == 0:
@@ -194,11 +257,21 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    missing = missing_store_directory(settings)
+    if missing is not None:
+        sock.close()
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     refused = check_store(settings)
     if refused is not None:
         sock.close()
         print(f"error: {refused}", file=sys.stderr)
         return STARTUP_FAILED
+    settings, absent = resolve_kv_quant_artifact(settings)
+    if absent is not None:
+        sock.close()
+        print(f"error: {absent}", file=sys.stderr)
+        return 2
     note = admin_note(settings)
     if note:
         print(note, file=sys.stderr)

@@ -102,6 +102,30 @@ class InvalidName(StoreError, ValueError):
     """A kind, id, fingerprint or cache mode that cannot be used (the message says what is legal)."""
 
 
+class AmbiguousId(InvalidName):
+    """An abbreviated id that starts more than one stored id; the message lists them."""
+
+
+#: Candidates an ambiguous id's message lists at most.
+AMBIGUOUS_SHOWN = 10
+
+
+def ids_matching(stored: list[str], typed: str) -> list[str]:
+    """The stored ids a typed id names, as ``git`` and ``docker`` read an abbreviated id: itself when stored, else
+    every stored id it starts (sorted); none for an empty string."""
+    if typed in stored:
+        return [typed]
+    return sorted(i for i in stored if typed and i.startswith(typed))
+
+
+def ambiguous_id(what: str, typed: str, candidates: list[str]) -> AmbiguousId:
+    """The error for an id prefix that starts several ids, listing them (at most ``AMBIGUOUS_SHOWN``)."""
+    shown = ", ".join(candidates[:AMBIGUOUS_SHOWN])
+    more = f" and {len(candidates) - AMBIGUOUS_SHOWN} more" if len(candidates) > AMBIGUOUS_SHOWN else ""
+    return AmbiguousId(f"{what} id {typed!r} is ambiguous: it starts {len(candidates)} ids ({shown}{more}); type "
+                       "more of it")
+
+
 class ArtifactNotFound(StoreError, KeyError):
     """No artifact of that kind and id; ``field`` names the request field that named it, when one did.
 
@@ -300,6 +324,23 @@ class Store(ABC):
         artifact_id = check_id(artifact_id if artifact_id is not None else content_id(bytes(data)))
         self._put(kind, artifact_id, bytes(data))
         return artifact_id
+
+    def resolve_id(self, kind: str, artifact_id: str) -> str:
+        """The full id that ``artifact_id`` names: itself when stored, else the one stored id it starts (an
+        abbreviated id, as ``git`` takes one).
+
+        Raises: :class:`ArtifactNotFound` (no id matches), :class:`AmbiguousId` listing the candidates,
+        :class:`InvalidName` (an illegal kind or id)."""
+        check_kind(kind)
+        check_id(artifact_id)
+        if self.exists(kind, artifact_id):
+            return artifact_id
+        found = ids_matching(self.list(kind), artifact_id)
+        if not found:
+            raise self.not_found(kind, artifact_id)
+        if len(found) > 1:
+            raise ambiguous_id(kind, artifact_id, found)
+        return found[0]
 
     def exists(self, kind: str, artifact_id: str) -> bool:
         """Whether the artifact is stored."""
@@ -537,6 +578,7 @@ __all__ = [
     "ActiveChange",
     "ActiveEntry",
     "ActiveState",
+    "AmbiguousId",
     "ArtifactConflict",
     "ArtifactInUse",
     "ArtifactInfo",
@@ -551,8 +593,10 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "Subscription",
+    "ambiguous_id",
     "check_store_url",
     "content_id",
+    "ids_matching",
     "open_store",
     "redact_url",
     "referenced_ids",

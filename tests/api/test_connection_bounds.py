@@ -43,7 +43,7 @@ class Server:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port),
-                                       "DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_LOG_LEVEL": "warning",
+                                       "DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_CREATE_STORE": "true", "DLLM_LOG_LEVEL": "warning",
                                        "DLLM_BLOCK_LENGTH": "4", **env})
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -189,6 +189,7 @@ def test_over_a_running_server_and_the_server_logs_every_change(store_dir, spec,
         assert entries[0]["key_id"].startswith("cli:") and entries[1]["key_id"] == key_id(ADMIN_KEY)
 
         log = log_path.read_text()
+        assert f"listening on {url} (OpenAI base URL {url}/v1)" in log, log[-3000:]  # serve says where it answers
         changes = [line for line in log.splitlines() if "active configuration changed" in line]
         assert len(changes) == 2, log[-3000:]
         assert f"by {key_id(ADMIN_KEY)}:" in changes[0] and ids["p1"] in changes[0]
@@ -200,13 +201,16 @@ def test_over_a_running_server_and_the_server_logs_every_change(store_dir, spec,
 
 
 def test_an_unmanaged_server_says_how_to_set_the_admin_key(monkeypatch):
-    """``serve`` without DLLM_ADMIN_KEY says at start that admin is closed and how to open it."""
+    """``serve`` without DLLM_ADMIN_KEY says at start that admin is closed, how to open it, and that the store still
+    changes what it serves (``test_over_a_running_server_and_the_server_logs_every_change`` shows a store write
+    reaching a running server)."""
     from service.commands.serve import admin_note
     from service.config import Settings
 
     monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
     note = admin_note(Settings())
     assert "DLLM_ADMIN_KEY is not set" in note and "export DLLM_ADMIN_KEY=" in note
+    assert "cannot be changed" not in note and "still follows the store .dllm-kvq/store" in note
     assert admin_note(Settings(admin_key=ADMIN_KEY)) is None
 
 
@@ -265,3 +269,26 @@ def test_an_audit_limit_out_of_range_is_a_usage_error(store_dir, limit, says):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].endswith(f"error: argument --limit: {says}"), result.stderr
     assert cli("audit", "--store", path, "--limit", "10000").returncode == 0
+
+
+def test_ids_are_taken_by_unique_prefix_and_an_ambiguous_one_lists_the_candidates(store_dir, spec):
+    """As ``git`` and ``docker`` do, an id may be typed by a prefix that starts no other stored id: ``show``,
+    ``diff`` and ``activate`` name the artifact by its full id; a prefix that starts several is refused with one
+    line listing them."""
+    path, ids = store_dir
+    short = ids["p1"][:8]
+    shown = cli("show", short, "--store", path, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["id"] == ids["p1"]
+    diff = cli("diff", ids["p0"][:8], short, "--store", path)
+    assert diff.returncode == 0 and diff.stdout.startswith(f"--- {ids['p0']}\n+++ {ids['p1']}\n"), diff.stderr
+    done = cli("activate", "dual", short, "--store", path, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["new"]["policy_id"] == ids["p1"]  # stored in full
+
+    twin = ids["p1"][:8] + "twin"  # a second id that the same prefix starts
+    open_store(path).put("policy", open_store(path).get("policy", ids["p0"]), twin)
+    refused = cli("show", short, "--store", path)
+    assert refused.returncode != 0
+    (line,) = refused.stderr.splitlines()
+    assert f"policy or KVQuant state id '{short}' is ambiguous: it starts 2 ids ({ids['p1']}, {twin})" in line

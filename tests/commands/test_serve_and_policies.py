@@ -79,6 +79,23 @@ def test_a_bad_setting_is_named_without_echoing_any_secret(monkeypatch, capsys):
             assert secret[cut:cut + 5] not in err
 
 
+@pytest.mark.parametrize("variable, line", [
+    ("DLLM_ADMIN_KEY", ("error: bad setting: --admin-key / DLLM_ADMIN_KEY: is the example's placeholder: make your "
+                       "own (openssl rand -hex 32), or leave it empty to close admin")),
+    ("DLLM_API_KEYS", ("error: bad setting: --api-keys / DLLM_API_KEYS: holds the example's placeholder: make your "
+                      "own keys (openssl rand -hex 32)")),
+])
+def test_a_placeholder_key_of_the_examples_is_one_line_at_start_up(monkeypatch, capsys, variable, line):
+    """A copied .env.example (or the Kubernetes secret as shipped) would be an open admin or API endpoint: each of
+    its placeholder keys stops the server with one line, before the port is bound."""
+    from service.commands.serve import run
+    from tests.deploy.test_compose import _env_example
+
+    monkeypatch.setenv(variable, _env_example()[variable])
+    assert run(build_parser().parse_args(["serve", "--port", "18434"])) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
 def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
     from service.commands.serve import run
 
@@ -112,3 +129,55 @@ def test_policies_with_a_store_that_does_not_answer_is_one_line_on_stderr(tmp_pa
     assert args.func(args) == 1
     out = capsys.readouterr()
     assert out.out == "" and f": error: --store {url}" in out.err and len(out.err.splitlines()) == 1
+
+
+def test_a_store_directory_that_does_not_exist_is_one_line_unless_asked_to_create(tmp_path, monkeypatch, capsys):
+    """A typo in --store-url used to start a new, empty store and serve without the operator's artifacts: it is
+    refused before the model loads, naming the directory; --create-store starts a new store there; the default
+    store is created as before (the README's first command runs on a fresh clone)."""
+    from service.commands.serve import missing_store_directory, run
+
+    monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
+    monkeypatch.delenv("DLLM_STORE_URL", raising=False)
+    monkeypatch.delenv("DLLM_CREATE_STORE", raising=False)
+    missing = tmp_path / "no-such-store"
+    assert run(build_parser().parse_args(["serve", "--port", "0", "--store-url", str(missing)])) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        (f"error: --store-url / DLLM_STORE_URL: no store directory {missing}; name an existing store, or add "
+        "--create-store (DLLM_CREATE_STORE=true) to start a new, empty one there")]
+    assert not missing.exists()
+    args = build_parser().parse_args(["serve", "--store-url", str(missing), "--create-store"])
+    assert missing_store_directory(settings_from_args(args)) is None
+    assert missing_store_directory(settings_from_args(build_parser().parse_args(["serve"]))) is None
+    missing.mkdir()
+    args = build_parser().parse_args(["serve", "--store-url", f"file://{missing}"])
+    assert missing_store_directory(settings_from_args(args)) is None
+
+
+def test_a_kv_quant_artifact_the_store_lacks_is_one_line_at_start_up(tmp_path, monkeypatch, capsys):
+    """--kv-quant naming a policy id the store does not hold used to load the model and leave a server that never
+    turned ready: it is one line naming the id and the store, before the model loads."""
+    from service.commands.serve import resolve_kv_quant_artifact, run
+
+    monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
+    store = open_store(str(tmp_path))
+    table = policy_for(SPEC, cache_mode="dual", bits=2)
+    absent = "0" * 40
+    argv = ["serve", "--port", "0", "--store-url", str(tmp_path), "--kv-quant"]
+    assert run(build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{absent}"}}'])) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: --kv-quant / DLLM_KV_QUANT: no policy with policy_id '{absent}' in the store "
+                           f"{tmp_path}; ") and line.endswith(" policies list` shows what it holds")
+    stored = store.put("policy", table.to_bytes(), table.id)
+    for typed in (stored, stored[:8]):  # the id in full, or an unambiguous prefix of it, stored in full
+        args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{typed}"}}'])
+        settings, problem = resolve_kv_quant_artifact(settings_from_args(args))
+        assert problem is None and settings.kv_quant.artifact_id == stored
+    other = policy_for(SPEC, cache_mode="dual", bits=2, p=1)
+    store.put("policy", other.to_bytes(), stored[:1] + "f" * 39 if stored[1] != "f" else stored[:1] + "e" * 39)
+    args = build_parser().parse_args([*argv, f'{{"method": "dllm_kvq", "bits": 2, "policy_id": "{stored[:1]}"}}'])
+    problem = resolve_kv_quant_artifact(settings_from_args(args))[1]
+    assert problem.startswith(f"--kv-quant / DLLM_KV_QUANT: policy id '{stored[:1]}' is ambiguous: it starts 2 ids (")
+    args = build_parser().parse_args([*argv, '{"method": "kvquant", "bits": 2, "kvquant_state_file": "nope.st"}'])
+    assert resolve_kv_quant_artifact(settings_from_args(args))[1] == (
+        "--kv-quant / DLLM_KV_QUANT: kvquant_state_file 'nope.st' is not a file")

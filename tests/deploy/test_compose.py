@@ -85,9 +85,38 @@ def test_env_example_lists_every_setting_and_loads():
     listed = re.findall(r"^#?\s*(DLLM_[A-Z0-9_]+)=", text, flags=re.MULTILINE)
     assert len(listed) == len(set(listed)), "a setting is listed twice"
     assert set(listed) == {f"DLLM_{name.upper()}" for name in Settings.model_fields}
-    # The uncommented values are legal settings (pydantic-settings reads the file as the server would).
-    settings = Settings(_env_file=REPO / ".env.example")
+    # The uncommented values are legal settings (pydantic-settings reads the file as the server would), once the
+    # operator replaced the placeholder keys; as shipped, the file is refused on its keys and on nothing else.
+    from pydantic import ValidationError
+
+    mine = {"admin_key": "my-own-admin-key-0123456789", "api_keys": ["my-own-api-key-0123456789"]}
+    settings = Settings(_env_file=REPO / ".env.example", **mine)
     assert settings.device == "cuda" and settings.kv_quant.method == "none"
+    with pytest.raises(ValidationError) as refused:
+        Settings(_env_file=REPO / ".env.example")
+    assert sorted(e["loc"][0] for e in refused.value.errors()) == ["admin_key", "api_keys"]
+
+
+def test_every_shipped_placeholder_key_is_refused():
+    """The key values that .env.example and the Kubernetes secret ship are the ones the server refuses."""
+    from service.config import PLACEHOLDER_KEYS
+
+    shipped = set(re.findall(r"replace-with-[\w-]+", (REPO / ".env.example").read_text()))
+    shipped |= set(re.findall(r"replace-with-[\w-]+", (REPO / "deploy/k8s/11-secret.yaml").read_text()))
+    assert shipped == set(PLACEHOLDER_KEYS)
+
+
+def test_published_ports_listen_on_loopback_unless_an_address_is_set(tmp_path):
+    for name in (BASE, CPU):
+        shutil.copy(REPO / name, tmp_path / name)
+    (tmp_path / "deploy").symlink_to(REPO / "deploy")
+    for env_file, address in (("", "127.0.0.1"), ("DLLM_PUBLISH_ADDRESS=0.0.0.0\n", "0.0.0.0")):
+        (tmp_path / ".env").write_text(env_file)
+        stack = compose_config(BASE, cwd=tmp_path)
+        published = {name: [p["host_ip"] for p in service.get("ports", [])]
+                     for name, service in stack["services"].items() if service.get("ports")}
+        assert sorted(published) == ["api", "grafana", "prometheus"]
+        assert all(ips == [address] for ips in published.values()), published
 
 
 def test_redis_keeps_an_append_only_file_on_a_volume(gpu_stack):

@@ -87,9 +87,17 @@ def test_configmap_and_secret_are_legal_server_settings(monkeypatch):
     assert "DLLM_ADMIN_KEY" in secret
     fields = {f"DLLM_{name.upper()}" for name in Settings.model_fields}
     assert set(config) <= fields and set(secret) <= fields
-    # The pod's environment (envFrom: ConfigMap, then Secret), read by the server's own settings object.
+    # The pod's environment (envFrom: ConfigMap, then Secret), read by the server's own settings object: refused
+    # on the secret's placeholder keys alone as shipped, legal once the operator put real keys there.
+    from pydantic import ValidationError
+
     for key, value in {**config, **secret}.items():
         monkeypatch.setenv(key, value)
+    with pytest.raises(ValidationError) as refused:
+        Settings()
+    assert sorted(e["loc"][0] for e in refused.value.errors()) == ["admin_key", "api_keys"]
+    monkeypatch.setenv("DLLM_ADMIN_KEY", "my-own-admin-key-0123456789")
+    monkeypatch.setenv("DLLM_API_KEYS", "my-own-api-key-0123456789")
     settings = Settings()
     assert settings.store_url == "redis://dllm-kvq-redis:6379/0"
     assert settings.device == "cuda"

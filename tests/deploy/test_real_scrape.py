@@ -84,6 +84,7 @@ def server(tmp_path):
         "DLLM_DEVICE": "cpu",
         "DLLM_THREADS": "1",
         "DLLM_STORE_URL": str(tmp_path / "store"),
+        "DLLM_CREATE_STORE": "true",  # a fresh store of its own
         # Every quantized request is decoded again unquantized, so the agreement series exist too.
         "DLLM_SHADOW_RATE": "1.0",
     }

@@ -15,7 +15,7 @@ An HTML comment on the line just before a block's opening fence says how it is t
   become that server's address;
 - ``<!-- doc-test: skip=<what> <reason> -->``: listed and skipped with the reason (``gpu``, ``hub``, ``docker``,
   ``kubernetes``, ``network``, ``long`` ...);
-- ``<!-- doc-test: quickstart -->``: a README quickstart step, run end to end by ``examples/quickstart.sh`` in
+- ``<!-- doc-test: quickstart -->``: a quickstart step (docs/quickstart.md), run end to end by ``examples/quickstart.sh`` in
   tests/e2e; here each command of the block must be one the script runs: the same program and
   subcommand (``.venv/bin/dllm-kvq calibrate`` is ``$PY -m calibration``) with at least the same flags (the
   script takes the port, store and folders from its environment, so values may differ);
@@ -336,3 +336,32 @@ def run_page(checkout, env, server):
 @pytest.mark.parametrize("page", [p for p in PAGES if any(b.kind in ("run", "needs") for b in blocks_of(p))])
 def test_page_blocks_run(page, run_page):
     run_page(page)
+
+
+def test_readme_first_request_answers_as_shown(checkout, env, tmp_path):
+    """The README's first request (its first ``needs=server`` block, a curl) sent to a fresh server on the embedded
+    model gives the answer the README's next ```json block shows: the same message, finish reason, usage and KV
+    configuration (``id`` and ``created`` differ from run to run). Its own server on a new store: the shared one
+    may serve what other pages activated."""
+    import json
+
+    from tests.support.processes import ServerProcess
+
+    text = (REPO / "README.md").read_text()
+    first = next(b for b in blocks_of("README.md") if b.kind == "needs")
+    assert first.lang == "bash" and first.text.lstrip().startswith("curl "), first.name
+    after = text.split(first.text, 1)[1]
+    shown = json.loads(re.search(r"```json\n(?P<body>.*?)\n```", after, re.DOTALL)["body"])
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp_path / "server.log").start(timeout_s=180)
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", LOCAL.sub(srv.url.removeprefix("http://"), first.text)],
+                              cwd=checkout, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S,
+                              check=False)
+    finally:
+        srv.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert [c["message"] for c in got["choices"]] == [c["message"] for c in shown["choices"]]
+    assert [c["finish_reason"] for c in got["choices"]] == [c["finish_reason"] for c in shown["choices"]]
+    assert got["usage"] == shown["usage"] and got["kv_config"] == shown["kv_config"]

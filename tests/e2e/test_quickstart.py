@@ -1,4 +1,4 @@
-"""The README's Quickstart end to end: ``examples/quickstart.sh`` (the README's commands, one per step) against the
+"""The Quickstart (docs/quickstart.md) end to end: ``examples/quickstart.sh`` (the page's commands, one per step) against the
 suite's own ``redis-server`` (an empty database, flushed after) and a real
 ``python -m service serve`` process, with small calibration settings, fp32, one thread. The checks are on
 outcomes: the configuration each answer ran with is the one activated, the metrics move, the table has every

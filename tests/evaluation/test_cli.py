@@ -107,3 +107,18 @@ def test_http_model_args_lm_eval_cannot_find_out_itself():
     assert with_server_model_args(given) == given
     assert with_server_model_args(["--model", "dllm-kvq", "--model_args", "tokenizer=t"]) == [
         "--model", "dllm-kvq", "--model_args", "tokenizer=t"]
+
+
+def test_an_embedded_task_without_the_chat_template_is_refused_in_one_line(capsys):
+    """Plain lm-eval on the chat-trained embedded model without --apply_chat_template used to score 0 with no word;
+    the launcher refuses such a run before lm-eval starts, saying why."""
+    from evaluation.cli import check_chat_template
+
+    err = _one_line(capsys, ["lm-eval", "--model", "dllm-kvq", "--tasks", "gsm8k_local,digit_ledger_choice",
+                             "--limit", "1"])
+    assert err == (f"{LM_EVAL}: error: --tasks digit_ledger_choice: the embedded model answers only chat turns, so "
+                   "without --apply_chat_template every answer is wrong and the task scores 0; add "
+                   "--apply_chat_template")
+    for argv in (["--tasks", "digit_ledger", "--apply_chat_template"], ["--tasks", "gsm8k_local"], ["ls", "tasks"]):
+        for run in lm_eval_runs(["--model", "dllm-kvq", *argv], _dir):
+            check_chat_template(run)  # a run with the template, of another task, or no run: passes

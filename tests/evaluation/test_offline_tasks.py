@@ -78,3 +78,23 @@ def test_humaneval_local_has_all_164_problems_and_lm_evals_prompt(task_manager):
     assert len(docs) == 164
     assert obj.doc_to_text(docs[0]) == docs[0]["prompt"]
     assert obj.config.generation_kwargs["until"] == ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+
+
+def test_the_embedded_tasks_refuse_to_run_without_the_chat_template(tmp_path):
+    """Plain lm_eval on the embedded model's tasks without --apply_chat_template used to score 0 with no word: the
+    tasks (their class, `evaluation.chat_task`) refuse to build requests without it, naming the flag, and build them
+    with it."""
+    from lm_eval.tasks import TaskManager
+
+    from evaluation.embedded_task import EMBEDDED_TASKS, embedded_task_configs
+
+    manager = TaskManager(include_path=str(write_task_dir(tmp_path, extra=embedded_task_configs())),
+                          include_defaults=False)
+    tasks = manager.load(list(EMBEDDED_TASKS))["tasks"]
+    for name in EMBEDDED_TASKS:
+        task = tasks[name]
+        with pytest.raises(ValueError, match=f"task {name}: .* without --apply_chat_template every answer is wrong"):
+            task.build_all_requests(limit=1)
+        task.build_all_requests(limit=1, apply_chat_template=True,
+                                chat_template=lambda turns, add_generation_prompt=True: turns[-1]["content"])
+        assert task.instances

@@ -1,4 +1,4 @@
-"""``examples/ask.py`` and ``examples/kv_metrics.py`` take the same thing, the server's root URL (README step 8),
+"""``examples/ask.py`` and ``examples/kv_metrics.py`` take the same thing, the server's root URL (docs/quickstart.md step 8),
 and a server that is not running or answers with an error is one line on stderr with exit status 2, not a
 traceback."""
 
@@ -70,3 +70,22 @@ def test_both_take_the_root_url_and_an_error_answer_is_one_line(how):
             assert done.stderr.startswith(f"error: {root}{path} answered 404")
     finally:
         server.shutdown()
+
+
+@pytest.mark.integration
+def test_the_documented_examples_run_without_a_warning(tmp_path):
+    """The quickstart's ask.py and kv_metrics.py against a real server print no warning (ask.py used to print a
+    transformers model-type warning, from loading the tokenizer with AutoTokenizer): Python warnings are errors here,
+    and neither stream may carry a warning from a library's logger."""
+    from tests.support.processes import ServerProcess
+
+    srv = ServerProcess({"DLLM_STORE_URL": str(tmp_path / "store"), "DLLM_THREADS": "1"},
+                        log_path=tmp_path / "server.log").start(timeout_s=180)
+    try:
+        for script, args in (("ask.py", ("--questions", "1")), ("kv_metrics.py", ())):
+            done = _run(script, "--url", srv.url, *args, env={"PYTHONWARNINGS": "error"})
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.stderr == "", done.stderr[-3000:]
+            assert "warn" not in done.stdout.lower() and "[transformers]" not in done.stdout, done.stdout[-3000:]
+    finally:
+        srv.stop()

@@ -38,6 +38,8 @@ def test_arguments_override_environment(monkeypatch):
     "kwargs,field",
     [
         ({"admin_key": "short"}, "admin_key"),
+        ({"admin_key": "replace-with-a-long-random-admin-key"}, "admin_key"),
+        ({"api_keys": ["a-key-of-my-own-0123", "replace-with-an-api-key"]}, "api_keys"),
         ({"host": "0.0.0.0"}, "api_keys"),
         ({"cache_mode": "triple"}, "cache_mode"),
         ({"shadow_rate": 1.5}, "shadow_rate"),

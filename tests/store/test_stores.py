@@ -244,3 +244,18 @@ def test_open_store_picks_backend(tmp_path):
     assert isinstance(open_store(f"file://{tmp_path}/s"), DirectoryStore)
     with pytest.raises(InvalidName):
         open_store("")
+
+
+def test_an_abbreviated_id_resolves_when_it_starts_one_stored_id(store):
+    from service.store.base import AmbiguousId, ArtifactNotFound
+
+    first = store.put("policy", b'{"a": 1}')
+    assert store.resolve_id("policy", first) == first and store.resolve_id("policy", first[:6]) == first
+    twin = store.put("policy", b'{"a": 2}', first[:6] + "twin")
+    with pytest.raises(AmbiguousId, match=rf"it starts 2 ids \({first}, {twin}\)"):
+        store.resolve_id("policy", first[:6])
+    assert store.resolve_id("policy", first) == first  # a full id is never ambiguous
+    with pytest.raises(ArtifactNotFound):
+        store.resolve_id("policy", "zzzz")
+    with pytest.raises(ArtifactNotFound):
+        store.resolve_id("kvquant_state", first[:6])  # another kind's ids do not count

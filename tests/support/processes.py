@@ -94,8 +94,9 @@ class ServerProcess:
         import os
 
         self.port = free_port()
+        # DLLM_CREATE_STORE: each test server starts on a fresh directory store of its own, which it creates.
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "DLLM_PORT": str(self.port), "DLLM_HOST": "127.0.0.1",
-                    **env}
+                    "DLLM_CREATE_STORE": "true", **env}
         self.factory = factory
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
