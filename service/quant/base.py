@@ -277,6 +277,15 @@ class KVQuantizer:
             layout.scatter_slots(t["protected_values"], protected, out)
         return out
 
+    def key_steps(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """float32 ``[N, H, D]``: each slot's K rounding step per channel, for the key-bias correction
+        (`service.quant.key_bias`): its group's scale, 0 for a protected token (held exact)."""
+        t = packed.k.tensors
+        steps = t["scale"].to(torch.float32).index_select(0, layout.group_of_slot)
+        if "protected_slots" in t:
+            steps.index_fill_(0, packed.derived_index("protected_slots", lambda: t["protected_slots"].long()), 0.0)
+        return steps
+
     # ---- V: per token over channel groups --------------------------------------------------------------------
     def quantize_v(self, layer: int, x: torch.Tensor) -> PackedTensor:
         """Uniform V (KIVI's per-token format, dLLM-KVQ's "standard contiguous value-side QDQ path")."""
