@@ -32,9 +32,11 @@ import torch
 
 
 def key_score_bias(
-    q: torch.Tensor, steps: torch.Tensor, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None
+    q: torch.Tensor, steps: torch.Tensor, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
+    form: str = "second_order",
 ) -> torch.Tensor:
-    """The additive bias on the scaled scores ``q k^T / sqrt(d)``: ``-sum_i q_i^2 D_i^2 / (24 d)`` per pair.
+    """The additive bias on the scaled scores ``q k^T / sqrt(d)``: ``-sum_i q_i^2 D_i^2 / (24 d)`` per pair
+    (``form="log_sinh"``: ``-sum_i log(sinh(x_i) / x_i)``, the exact form, elementwise: :func:`log_sinh_bias`).
 
     Args:
         q: ``[B, H, T_q, D]`` post-RoPE queries (any float dtype; computed in float32).
@@ -47,6 +49,10 @@ def key_score_bias(
     Returns:
         float32 ``[B, H, T_q, T_k]``, at most 0 (0 where the key is exact).
     """
+    if form == "log_sinh":
+        return log_sinh_bias(q, steps, rope_cos, rope_sin)
+    if form != "second_order":
+        raise ValueError(f"unknown form {form!r}; legal: second_order, log_sinh")
     d = q.shape[-1]
     qf = q.to(torch.float32)
     squared = steps.square()
@@ -67,14 +73,45 @@ def key_score_bias(
     return (query @ key.transpose(-1, -2)).mul_(-1.0 / (24 * d))
 
 
+#: Elements of one chunk of :func:`log_sinh_bias`'s ``[B, H, T_q, keys, D]`` work tensor (float32: 16 MiB).
+_SINH_CHUNK = 2**22
+
+
+def log_sinh_bias(
+    q: torch.Tensor, steps: torch.Tensor, rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`key_score_bias` in the exact form ``-sum_i log(sinh(x_i) / x_i)``, ``x_i = a_i D_i / (2 sqrt(d))``
+    with ``a`` the query (rotated back by the key's angle for pre-RoPE steps): one elementwise
+    ``[B, H, T_q, keys, D]`` tensor per chunk of keys (``_SINH_CHUNK`` elements). Same arguments and result."""
+    b, h, tq, d = q.shape
+    qf = q.to(torch.float32)[:, :, :, None, :]  # [B, H, Tq, 1, D]
+    groups = h // steps.shape[1]
+    out = torch.empty(b, h, tq, steps.shape[2], dtype=torch.float32, device=q.device)
+    chunk = max(1, _SINH_CHUNK // max(1, b * h * tq * d))
+    half = d // 2
+    for k0 in range(0, steps.shape[2], chunk):
+        k1 = min(k0 + chunk, steps.shape[2])
+        st = steps[:, :, k0:k1].repeat_interleave(groups, dim=1)[:, :, None]  # [B, H, 1, c, D]
+        a = qf
+        if rope_cos is not None:
+            c = rope_cos[:, :, None, k0:k1, :half]  # [B, 1, 1, c, D/2]
+            s = rope_sin[:, :, None, k0:k1, :half]
+            q1, q2 = qf[..., :half], qf[..., half:]
+            a = torch.cat([q1 * c + q2 * s, q2 * c - q1 * s], dim=-1)
+        out[..., k0:k1] = log_sinhc(a * st * (0.5 / d**0.5)).sum(-1).neg_()
+    return out
+
+
 def log_sinhc(x: torch.Tensor) -> torch.Tensor:
-    """``log(sinh(x) / x)`` elementwise (0 at x = 0): the exact per-channel log inflation (module doc)."""
-    ax = x.abs().to(torch.float64)
-    small = ax < 1e-4
+    """``log(sinh(x) / x)`` elementwise (0 at x = 0): the exact per-channel log inflation (module doc), in x's
+    float dtype: ``a + log1p(-exp(-2a)) - log(2a)`` for ``a = |x|`` (stable for large a), its series
+    ``a^2 / 6 - a^4 / 180`` below 1e-2 (where the closed form cancels)."""
+    ax = x.abs()
+    small = ax < 1e-2
     safe = torch.where(small, torch.ones_like(ax), ax)
-    # log(sinh a / a) = a + log1p(-exp(-2a)) - log(2a), stable for large a.
     exact = safe + torch.log1p(-torch.exp(-2 * safe)) - torch.log(2 * safe)
-    return torch.where(small, ax.square() / 6, exact).to(x.dtype)
+    square = ax.square()
+    return torch.where(small, square / 6 - square.square() / 180, exact)
 
 
 def bin_widths(lut: torch.Tensor, lo: float = -1.0, hi: float = 1.0) -> torch.Tensor:

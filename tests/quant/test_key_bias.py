@@ -3,6 +3,8 @@ inflation, bin widths, the config option, and the store's corrected attention ag
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -67,6 +69,42 @@ def test_the_correction_of_pre_rope_keys_uses_the_query_rotated_back():
         torch.testing.assert_close(bias, by_hand, rtol=1e-5, atol=1e-7)
         mc = _monte_carlo_log_inflation(q, steps, rotation, seed=position)
         torch.testing.assert_close(-bias.double(), mc, rtol=0.05, atol=2e-3)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_the_exact_form_matches_monte_carlo_where_the_second_order_term_does_not(rotated):
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(5, D, generator=gen) * 4
+    steps = torch.rand(D, generator=gen) * 3  # x_i up to about 3: the second-order term overshoots
+    cos = sin = rotation = None
+    if rotated:
+        rope = RotaryEmbedding(D, 10000.0, True)
+        cos, sin = rope.cos_sin(torch.tensor([[37]]))
+        half, c, s = D // 2, cos[0, 0, 0, : D // 2], sin[0, 0, 0, : D // 2]
+        rotation, idx = torch.zeros(D, D), torch.arange(half)
+        rotation[idx, idx], rotation[idx, idx + half] = c, -s
+        rotation[idx + half, idx + half], rotation[idx + half, idx] = c, s
+    mc = _monte_carlo_log_inflation(q, steps, rotation, seed=5)
+    exact = key_score_bias(q[None, None], steps[None, None, None], cos, sin, form="log_sinh")[0, 0, :, 0]
+    second = key_score_bias(q[None, None], steps[None, None, None], cos, sin)[0, 0, :, 0]
+    torch.testing.assert_close(-exact.double(), mc, rtol=0.03, atol=5e-3)
+    excess = (-second.double() - mc) / mc  # the second-order term is above the inflation here, 4-26%
+    assert (excess > 0.02).all() and excess.mean() > 0.1
+    with pytest.raises(ValueError, match="second_order, log_sinh"):
+        key_score_bias(q[None, None], steps[None, None, None], form="cubic")
+
+
+def test_log_sinhc_is_stable_at_both_ends():
+    x = torch.tensor([0.0, 1e-6, -1e-3, 0.5, -2.0, 30.0, 1e4])
+    want = [0.0, 1e-12 / 6, 1e-6 / 6, 0.5 * 0.5 / 6 - 0.5**4 / 180 + 0.5**6 / 2835, None, None, None]
+    got = log_sinhc(x)
+    assert torch.isfinite(got).all() and (got >= 0).all()
+    for g, w in zip(got.tolist(), want):
+        if w is not None:
+            assert g == pytest.approx(w, rel=1e-4, abs=1e-12)
+    moderate = torch.tensor([2.0, 30.0], dtype=torch.float64)
+    want_big = torch.cat([torch.log(torch.sinh(moderate) / moderate), torch.tensor([1e4 - math.log(2e4)]).double()])
+    torch.testing.assert_close(got[4:].double(), want_big, rtol=1e-5, atol=1e-4)
 
 
 def test_exact_keys_and_gqa():
