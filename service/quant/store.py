@@ -61,7 +61,8 @@ class QuantizedKVStore(KVStore):
 
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
-    :class:`KVQuantError`.
+    :class:`KVQuantError`; so does a config with ``key_bias_correction`` for a quantizer whose K format declares
+    no key steps (`KVQuantizer.declares_key_steps`).
     """
 
     def __init__(
@@ -78,6 +79,10 @@ class QuantizedKVStore(KVStore):
         self.attention = attention
         self.needs_scores = quantizer.needs_scores
         self.key_bias_correction = quantizer.config.key_bias_correction
+        if self.key_bias_correction and not quantizer.declares_key_steps():
+            raise KVQuantError(f"method {quantizer.config.method!r} has its own K format and declares no key steps "
+                               "(KVQuantizer.key_steps), so key_bias_correction cannot be applied to it",
+                               "key_bias_correction")
         self.pre_rope_keys = quantizer.pre_rope_keys
         self.keep_dequantized = keep_dequantized
         self.artifact_id = artifact_id

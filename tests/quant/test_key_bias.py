@@ -224,3 +224,27 @@ def test_dllm_kvq_protected_tokens_have_no_step():
     kept = torch.ones(steps.shape[0], dtype=torch.bool)
     kept[protected] = False
     assert (steps[kept].amax((1, 2)) > 0).all()
+
+
+def test_a_method_with_its_own_k_format_and_no_key_steps_is_refused():
+    from service.quant.base import KVQuantizer
+    from service.quant.errors import KVQuantError
+    from service.quant.kvquant import KVQuantQuantizer
+    from service.quant.store import QuantizedKVStore
+
+    class OwnKeys(KVQuantizer):
+        def dequantize_k(self, layer, packed, layout, out=None):
+            return super().dequantize_k(layer, packed, layout, out)
+
+    class OwnKeysWithSteps(OwnKeys):
+        def key_steps(self, layer, packed, layout):
+            return torch.zeros(layout.num_slots, packed.num_heads, packed.head_dim)
+
+    assert KVQuantizer.declares_key_steps() and KVQuantQuantizer.declares_key_steps()
+    assert OwnKeysWithSteps.declares_key_steps() and not OwnKeys.declares_key_steps()
+    config = KVQuantConfig(method="kivi", bits=2, key_bias_correction=True)
+    with pytest.raises(KVQuantError, match="declares no key steps") as err:
+        QuantizedKVStore(OwnKeys(config, SPEC))
+    assert err.value.field == "key_bias_correction"
+    QuantizedKVStore(OwnKeysWithSteps(config, SPEC))
+    QuantizedKVStore(OwnKeys(KVQuantConfig(method="kivi", bits=2), SPEC))  # without the correction: as before
