@@ -63,10 +63,12 @@ _STATES: dict[str, object] = {}
 KV_ATTENTION = {"path": "auto"}
 
 
-def quantized_store(method: str, keep: bool, bits: int = KV_BITS) -> Callable[[Engine], KVStore]:
+def quantized_store(method: str, keep: bool, bits: int = KV_BITS, key_bias: bool = False
+                    ) -> Callable[[Engine], KVStore]:
     """A factory of `service.quant` stores at ``bits`` bits: KIVI (G = 32), dLLM-KVQ (attention score, p = 1 on
     every layer), KVQuant (a state fitted once per model on random tensors of its K/V shape); ``keep`` keeps the
-    dequantized copies for the block instead of dequantizing each layer at every step."""
+    dequantized copies for the block instead of dequantizing each layer at every step; ``key_bias`` turns on the
+    key-bias correction (`service.quant.key_bias`)."""
     from service.artifacts.base import Provenance, default_v_group_size
     from service.artifacts.policy import LayerPolicy, PolicyTable
     from service.quant.config import KVQuantConfig
@@ -77,7 +79,7 @@ def quantized_store(method: str, keep: bool, bits: int = KV_BITS) -> Callable[[E
 
     def make(engine: Engine) -> KVStore:
         spec = engine.spec
-        config = {"method": method, "bits": bits, "keep_dequantized": keep}
+        config = {"method": method, "bits": bits, "keep_dequantized": keep, "key_bias_correction": key_bias}
         path = KV_ATTENTION["path"]
         if method == "dllm_kvq":
             table = PolicyTable(

@@ -25,7 +25,8 @@ dim 4, MLP 384, vocabulary 4096) so that the arithmetic is small; counts do not 
 a 200-token prompt (``--mixed-lengths``: prompts of 100 to 200 tokens, different per row, as in real serving),
 256 generated, block 32, 8 fixed steps per block (``steps=64``, so every row takes part in
 every step), ``ignore_eos``. The KV stores: the engine's full precision (``none``) and `service.quant` at 4 bits
-(KIVI, dLLM-KVQ with p = 1 on every layer, KVQuant), made as in `benchmarks/decode_speed.py`.
+(KIVI, dLLM-KVQ with p = 1 on every layer, KVQuant), made as in `benchmarks/decode_speed.py`; a method written
+``kivi+kbc`` (any quantizing method) has the key-bias correction on (`service.quant.key_bias`).
 
 Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
 [--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
@@ -168,7 +169,8 @@ def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt
     batch = _batch(engine)
     for length in prompt_lengths(rows, prompt_length, mixed):
         prompt = torch.randint(3, vocab - 1, (length,), generator=gen).tolist()
-        store = None if method == "none" else quantized_store(method, keep=False)(engine)
+        base, _, corrected = method.partition("+")
+        store = None if method == "none" else quantized_store(base, keep=False, key_bias=corrected == "kbc")(engine)
         batch.join(engine.cohort([prompt], params, None, store))
     costs = []
     with torch.inference_mode():
@@ -191,7 +193,7 @@ def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt
 def projected(cost: IterationCost, rows: int, method: str, reused: int) -> tuple[float, float, float]:
     """(bytes read, projected seconds, roofline seconds) of an iteration at LLaDA-8B's size (module doc)."""
     weights, kv_per_token = llada_8b_bytes()
-    kv = rows * reused * kv_per_token * ASSUMED_BITS[method] / 16.0
+    kv = rows * reused * kv_per_token * ASSUMED_BITS[method.partition("+")[0]] / 16.0
     read = weights * cost.forwards + kv
     seconds = max(cost.ops * LAUNCH_S, read / PEAK_BYTES_PER_S) + cost.syncs * SYNC_S
     return read, seconds, (weights + kv) / PEAK_BYTES_PER_S
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.gen_length} generated, block "
           f"{args.block_length}, {args.steps_per_block} steps per block; projected at LLaDA-8B bf16 on an H200: "
           f"{LAUNCH_S * 1e6:.0f} us per op, {SYNC_S * 1e6:.0f} us per sync, {PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
-    header = (f"{'cache':<7}{'KV':<9}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
+    header = (f"{'cache':<7}{'KV':<13}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
               f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
     if not args.no_time:
         header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>7}"
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for rows in (int(r) for r in args.rows.split(",")):
                 initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length,
                                                      args.mixed_lengths)
-                line = (f"{cache:<7}{method:<9}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
+                line = (f"{cache:<7}{method:<13}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
                         f"{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}{initial.syncs:>6}"
                         f"{initial.forwards:>4}")
                 row = {"cache": cache, "method": method, "rows": rows, "later": later, "initial": initial}

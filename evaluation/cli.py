@@ -299,6 +299,9 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bits", default="4,2", help="comma list of bit widths, 2, 4, 8 (default %(default)s)")
     parser.add_argument("--methods", default="none,kivi,kvquant,dllm_kvq",
                         help="comma list of quantization methods; none is the cache-only row (default %(default)s)")
+    parser.add_argument("--key-bias-correction", choices=("off", "on", "both"), default="off",
+                        help="quantized rows with the key-bias correction (service.quant.key_bias): off, on (only "
+                             "corrected rows) or both (each row and its corrected twin; default %(default)s)")
     parser.add_argument("--out", required=True, help="matrix folder (cell files, matrix.md/.csv/.json; required)")
     parser.add_argument("--limit", type=int, help="documents per task (default: all)")
     parser.add_argument("--preset", choices=sorted(PRESETS),
@@ -450,6 +453,7 @@ def run_matrix_command(argv: list[str]) -> int:
         cells = matrix.plan_sides(models, modes, bits, methods)
     else:
         cells = matrix.plan_cells(models, modes, bits, methods)
+    cells = matrix.with_key_bias(cells, args.key_bias_correction)
 
     def load_engine(name: str):
         from service.engine import Engine

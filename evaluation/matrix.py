@@ -44,7 +44,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,8 @@ class Cell:
     """One row of the matrix for one model: cache mode, method and bits (None for method ``none``).
 
     ``sides`` (``kv``, ``k``, ``v``: `KVQuantConfig.sides`) makes the K-only and V-only rows; ``rule``
-    (``<score type>:<p>``, method ``dllm_kvq``) a fixed-K-rule control of Table 3 (`evaluation.controls`).
+    (``<score type>:<p>``, method ``dllm_kvq``) a fixed-K-rule control of Table 3 (`evaluation.controls`);
+    ``key_bias_correction`` (`KVQuantConfig.key_bias_correction`) the rows with the key-bias correction.
     """
 
     model: str
@@ -83,6 +84,7 @@ class Cell:
     bits: int | None = None
     sides: str = "kv"
     rule: str | None = None
+    key_bias_correction: bool = False
 
     @property
     def key(self) -> str:
@@ -96,13 +98,44 @@ class Cell:
         if self.rule is not None:
             score_type, p = parse_rule(self.rule)
             key += f"-fixed-{score_type}-p{p}"
+        if self.key_bias_correction:
+            key += "-kbc"
         return key
 
     @property
     def label(self) -> str:
         if self.cache_mode == "none":
             return REFERENCE_LABEL
-        return "Fixed K rule" if self.rule is not None else METHOD_LABELS[self.method]
+        label = "Fixed K rule" if self.rule is not None else METHOD_LABELS[self.method]
+        return label + KEY_BIAS_LABEL if self.key_bias_correction else label
+
+
+#: What a corrected row's label adds (`Cell.key_bias_correction`).
+KEY_BIAS_LABEL = " + key-bias corr."
+#: Legal values of the matrix's ``--key-bias-correction``: no corrected rows, only corrected rows, or each quantized
+#: row followed by its corrected twin.
+KEY_BIAS_CHOICES = ("off", "on", "both")
+
+
+def with_key_bias(cells: list[Cell], choice: str) -> list[Cell]:
+    """``cells`` with the key-bias correction as ``choice`` says (`KEY_BIAS_CHOICES`); only quantized rows with
+    quantized keys (sides ``kv`` or ``k``) take it.
+
+    Raises:
+        ValueError: an unknown ``choice`` (the message lists the legal ones).
+    """
+    if choice not in KEY_BIAS_CHOICES:
+        raise ValueError(f"unknown key-bias choice {choice!r}; legal: {', '.join(KEY_BIAS_CHOICES)}")
+    out = []
+    for cell in cells:
+        takes = cell.method in QUANT_METHODS and cell.sides != "v"
+        if not takes or choice == "off":
+            out.append(cell)
+            continue
+        if choice == "both":
+            out.append(cell)
+        out.append(replace(cell, key_bias_correction=True))
+    return out
 
 
 def plan_cells(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable[int],
@@ -310,6 +343,8 @@ def cell_model_args(cell: Cell, settings: MatrixSettings, artifact_id: str | Non
         model_args["bits"] = cell.bits
     if cell.sides != "kv":
         model_args["sides"] = cell.sides
+    if cell.key_bias_correction:
+        model_args["key_bias_correction"] = True
     if artifact_id is not None:
         model_args["artifact_id"] = artifact_id
     return model_args
@@ -339,6 +374,8 @@ def cell_inputs(cell: Cell, task: str, settings: MatrixSettings, artifact_id: st
     # The configuration's fields by name (not its serialized form, whose spelling may change between versions).
     kv = {"method": cell.method, "bits": cell.bits, "sides": cell.sides, "artifact_id": artifact_id,
           "k_group_size": args.k_group_size, "v_group_size": args.v_group_size}
+    if cell.key_bias_correction:  # only when on: the inputs (and so the files) of every other cell stay as they were
+        kv["key_bias_correction"] = True
     return {"fingerprint": fingerprint, "task": task, "cache_mode": cell.cache_mode, **settings.decoding(task),
             "kv": kv}
 
@@ -540,7 +577,7 @@ def table_row(by_cell: dict[tuple[str, str], list[dict]], tasks: list[str], mode
             agreement = {"reference": reference.label, "exact_match": got[0], "token_agreement": got[1],
                          "documents": got[2]}
     return {"label": cell.label, "cache_mode": cell.cache_mode, "method": cell.method, "bits": cell.bits,
-            "sides": cell.sides, "rule": cell.rule, "scores": scores,
+            "sides": cell.sides, "rule": cell.rule, "key_bias_correction": cell.key_bias_correction, "scores": scores,
             "average": statistics.fmean(have) if have and len(have) == len(tasks) else None,
             "kv": kv, "configured_bits": next((r.get("configured_bits") for r in rows), None),
             "agreement": agreement, "artifact_id": next((r["artifact_id"] for r in rows), None),
@@ -583,9 +620,10 @@ def build_tables(results: list[dict[str, Any]], tasks: list[str] | None = None) 
                 cache_only = Cell(model, mode, "none")
                 rows.append(table_row(by_cell, tasks, model, cache_only, reference))
                 for method in QUANT_METHODS:
-                    quant = Cell(model, mode, method, bits)
-                    if (model, quant.key) in by_cell:
-                        rows.append(table_row(by_cell, tasks, model, quant, cache_only))
+                    for corrected in (False, True):
+                        quant = Cell(model, mode, method, bits, key_bias_correction=corrected)
+                        if (model, quant.key) in by_cell:
+                            rows.append(table_row(by_cell, tasks, model, quant, cache_only))
             blocks.append({"model": model, "bits": bits, "rows": rows})
     return {"tasks": tasks, "blocks": blocks, "documents": documents_per_task(results)}
 

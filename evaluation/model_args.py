@@ -42,7 +42,8 @@ class EvalModelArgs(DecodeSettings):
         store: store URL (``redis://...`` or a directory) for an artifact id; None: the default store
             (``DLLM_STORE_URL``, else ``.dllm-kvq/store``, as every command).
         method, bits, k_group_size, v_group_size, artifact_id, artifact_file (or a method's spelling of them:
-            policy_id, policy_file, kvquant_state_id, kvquant_state_file), sides, keep_dequantized: the
+            policy_id, policy_file, kvquant_state_id, kvquant_state_file), sides, keep_dequantized,
+            key_bias_correction: the
             `KVQuantConfig` (paper Appendix "KIVI and KVQuant Adaptations").
         mc_num, mc_batch_size: Monte-Carlo samples per likelihood and samples per forward pass
             (`evaluation.likelihood`; the LLaDA authors use 128 and 32).
@@ -71,6 +72,7 @@ class EvalModelArgs(DecodeSettings):
     kvquant_state_file: str | None = None
     sides: str = "kv"
     keep_dequantized: bool = False
+    key_bias_correction: bool = False
     mc_num: int = Field(128, gt=0)
     mc_batch_size: int = Field(32, gt=0)
     check_greedy: bool = False

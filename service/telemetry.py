@@ -27,7 +27,7 @@ dllm_kv_effective_bits                                 gauge      method, bits, 
 dllm_kv_bytes_held                                     gauge      method, bits, cache_mode, policy
 dllm_kv_bf16_bytes                                     gauge      method, bits, cache_mode, policy
 dllm_active_config_info                                gauge (1)  model, cache_mode, method, bits, k_group_size,
-                                                                  v_group_size, policy, source
+                                                                  v_group_size, policy, source, key_bias_correction
 dllm_config_changes_total                              counter    cache_mode
 dllm_policy_k_bits_cap                                 gauge      cache_mode, policy
 dllm_kv_configured_bits                                gauge      cache_mode, method, bits, policy, tensor
@@ -150,7 +150,7 @@ class Telemetry:
                                    registry=r)
         self.active_config = Gauge("dllm_active_config_info", "the active configuration per cache mode (value 1)",
                                    ["model", "cache_mode", "method", "bits", "k_group_size", "v_group_size",
-                                    "policy", "source"], registry=r)
+                                    "policy", "source", "key_bias_correction"], registry=r)
         self.configured_bits = Gauge("dllm_kv_configured_bits", "nominal bits per element the active configuration "
                                      "sets on full groups (none: unquantized, or KVQuant: data-dependent)",
                                      ["cache_mode", "method", "bits", "policy", "tensor"], registry=r)
@@ -268,6 +268,8 @@ class Telemetry:
             "v_group_size": "" if config.method == "none" or config.v_group_size is None else str(config.v_group_size),
             "policy": config_labels(config, cache_mode)["policy"],
             "source": source,
+            # "on" or "off" for a quantizing method (`KVQuantConfig.key_bias_correction`), empty for none.
+            "key_bias_correction": "" if config.method == "none" else ("on" if config.key_bias_correction else "off"),
         }
         self.active_config.labels(**labels).set(1)
         self._active_labels[cache_mode] = labels

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-artifact", default=None,
                     help="the fitted artifact file of any method that applies one (--policy and --kvquant-state "
                          "are its spellings for dllm_kvq and kvquant; default: none)")
+    kv.add_argument("--kv-key-bias-correction", action="store_true",
+                    help="lower each quantized key's attention score by its expected rounding inflation "
+                         "(service.quant.key_bias; kivi, dllm_kvq, kvquant; default: off)")
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block; default: off)")
     _block_causal.add_arguments(parser)
@@ -80,14 +83,14 @@ def kv_config(args: argparse.Namespace):
     return KVQuantConfig(
         method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
         artifact_file=args.kv_artifact, policy_file=args.policy, kvquant_state_file=args.kvquant_state,
-        keep_dequantized=args.kv_keep_dequantized,
+        keep_dequantized=args.kv_keep_dequantized, key_bias_correction=args.kv_key_bias_correction,
     )
 
 
 #: `KVQuantConfig` fields and the flags that set them, for error messages (the CLI user typed flags, not fields).
 FLAGS = {"cache_mode": "--cache-mode", "bits": "--kv-bits", "k_group_size": "--kv-group-size",
          "v_group_size": "--kv-v-group-size", "policy_file": "--policy", "kvquant_state_file": "--kvquant-state",
-         "artifact_file": "--kv-artifact"}
+         "artifact_file": "--kv-artifact", "key_bias_correction": "--kv-key-bias-correction"}
 
 
 def flag_message(message: str) -> str:

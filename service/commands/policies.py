@@ -266,6 +266,8 @@ def describe_config(config: dict[str, Any] | None) -> str:
         return "none (unquantized)"
     words = [config["method"], f"{config.get('bits', 4)}-bit"]
     words += [f"{k}={v}" for k, v in config.items() if k.endswith("_id") and v]
+    if config.get("key_bias_correction"):
+        words.append("key_bias_correction")
     return " ".join(words)
 
 

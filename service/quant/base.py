@@ -277,6 +277,24 @@ class KVQuantizer:
             layout.scatter_slots(t["protected_values"], protected, out)
         return out
 
+    @classmethod
+    def declares_key_steps(cls) -> bool:
+        """Whether :meth:`key_steps` describes this method's K format: the base's uniform one (a method that keeps
+        :meth:`quantize_k` and :meth:`dequantize_k`), or the method's own override. The key-bias correction needs
+        it (`service.quant.store.QuantizedKVStore` refuses the correction otherwise)."""
+        base = KVQuantizer
+        own_format = cls.quantize_k is not base.quantize_k or cls.dequantize_k is not base.dequantize_k
+        return cls.key_steps is not base.key_steps or not own_format
+
+    def key_steps(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> torch.Tensor:
+        """float32 ``[N, H, D]``: each slot's K rounding step per channel, for the key-bias correction
+        (`service.quant.key_bias`): its group's scale, 0 for a protected token (held exact)."""
+        t = packed.k.tensors
+        steps = t["scale"].to(torch.float32).index_select(0, layout.group_of_slot)
+        if "protected_slots" in t:
+            steps.index_fill_(0, packed.derived_index("protected_slots", lambda: t["protected_slots"].long()), 0.0)
+        return steps
+
     # ---- V: per token over channel groups --------------------------------------------------------------------
     def quantize_v(self, layer: int, x: torch.Tensor) -> PackedTensor:
         """Uniform V (KIVI's per-token format, dLLM-KVQ's "standard contiguous value-side QDQ path")."""

@@ -42,6 +42,9 @@ class KVQuantConfig(BaseModel):
     as it is, in the model dtype (counted at 16 nominal bits, the paper's high-precision accounting), so a K-only
     or V-only row shows where a method's loss comes from (issue 16; the paper's method is K-side).
 
+    ``key_bias_correction`` (off by default, written only when on) subtracts from each quantized key's attention
+    score its expected rounding inflation (`service.quant.key_bias`); only for a method that quantizes keys.
+
     Raises (at construction): ``pydantic.ValidationError`` (a ``ValueError``) whose message lists the legal values:
     an unknown method (the registered ones), bits (2, 4, 8), a missing or superfluous artifact reference.
     """
@@ -60,6 +63,9 @@ class KVQuantConfig(BaseModel):
     sides: Sides = "kv"
     # Keep each layer's dequantized reused K/V for the whole block (faster, saves no memory within a block).
     keep_dequantized: StrictBool = False
+    # Subtract each quantized key's expected rounding inflation from its attention score (issue 33;
+    # `service.quant.key_bias`). Off: the attention is exactly what it was without the field.
+    key_bias_correction: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -98,6 +104,9 @@ class KVQuantConfig(BaseModel):
         if entry.artifact is None and given:
             raise ValueError(f"{given[0]} is only used by methods with a fitted artifact "
                              f"({', '.join(_registry().methods(with_artifact=True))}), not {self.method!r}")
+        if self.key_bias_correction and (entry.quantizer is None or "k" not in self.sides):
+            raise ValueError(f"key_bias_correction corrects quantized keys; method {self.method!r} with sides "
+                             f"{self.sides!r} quantizes none (use a quantizing method with sides 'kv' or 'k')")
         return self
 
     @model_serializer(mode="wrap")
@@ -110,6 +119,9 @@ class KVQuantConfig(BaseModel):
         out = handler(self)
         if self.method == "none":
             return {"method": "none"}
+        if not self.key_bias_correction:
+            # Written only when on, so every config stored or reported before the option reads as it did.
+            out.pop("key_bias_correction", None)
         entry = _registry().method(self.method)
         for generic in ("artifact_id", "artifact_file"):
             if generic not in out:

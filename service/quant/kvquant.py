@@ -23,6 +23,7 @@ from service.quant import nuq
 from service.quant.base import KVQuantizer, PackedLayer, PackedTensor, _finite_slots
 from service.quant.config import KVQuantConfig
 from service.quant.kernels.operands import KernelOperands, nuq_operands
+from service.quant.key_bias import bin_widths
 from service.quant.layout import SlotLayout
 from service.quant.packing import byte_table, decode_stream, pack_stream
 
@@ -46,6 +47,8 @@ class KVQuantQuantizer(KVQuantizer):
         # Per (layer, device), made at the first read: the keys' static offset and half range, and each
         # codebook as a per-byte table (`service.quant.packing.byte_table`). Fixed per model, like the state.
         self._read_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
+        # Per (layer, device): the key codebook's bin widths as a per-byte table (the key-bias correction).
+        self._width_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
         # Per layer, whether the K and V codebooks are strictly increasing (`nuq.nearest_code`'s fast path): read
         # once here from the state (host tensors), not from the device at every write.
         self._increasing = [(bool((k[1:] > k[:-1]).all()), bool((v[1:] > v[:-1]).all()))
@@ -119,6 +122,21 @@ class KVQuantQuantizer(KVQuantizer):
         values = self._values(t, v_table, layout, packed)
         values[:-1].mul_(t["half_range"][:, None]).add_(t["offset"][:, None])
         return self._finish(values, t, layout, packed, out)
+
+    def key_steps(self, layer, packed, layout):
+        """float32 ``[N, H, D]`` in the pre-RoPE basis: each key entry's code bin width times its channel's half
+        range (`service.quant.key_bias.bin_widths` over ``[-1, 1]``, where the non-outlier keys lie), 0 for an
+        outlier (held exact)."""
+        t = packed.k.tensors
+        device = t["codes"].device
+        key = (layer, device)
+        if key not in self._width_tables:
+            self._width_tables[key] = byte_table(bin_widths(self.state.k_lut[layer].to(device)), self.bits)
+        half_range = self._tables(layer, device)[1]
+        n, c = layout.num_slots, packed.num_heads * packed.head_dim
+        steps = decode_stream(t["codes"], self._width_tables[key], n * c).view(n, c).mul_(half_range)
+        steps.view(-1).index_fill_(0, t["outlier_index"].long(), 0.0)
+        return steps.view(n, packed.num_heads, packed.head_dim)
 
     def _tables(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(k_offset [C], k_half_range [C], k_table, v_table)`` of a layer on ``device`` (made once)."""

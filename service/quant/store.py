@@ -38,6 +38,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.kernels.parts import forget as forget_set
+from service.quant.key_bias import attend_with_bias, key_score_bias
 from service.quant.kvquant import KVQuantQuantizer
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, resolve_artifact
@@ -60,7 +61,8 @@ class QuantizedKVStore(KVStore):
 
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
-    :class:`KVQuantError`.
+    :class:`KVQuantError`; so does a config with ``key_bias_correction`` for a quantizer whose K format declares
+    no key steps (`KVQuantizer.declares_key_steps`).
     """
 
     def __init__(
@@ -76,6 +78,11 @@ class QuantizedKVStore(KVStore):
         self.quantizer = quantizer
         self.attention = attention
         self.needs_scores = quantizer.needs_scores
+        self.key_bias_correction = quantizer.config.key_bias_correction
+        if self.key_bias_correction and not quantizer.declares_key_steps():
+            raise KVQuantError(f"method {quantizer.config.method!r} has its own K format and declares no key steps "
+                               "(KVQuantizer.key_steps), so key_bias_correction cannot be applied to it",
+                               "key_bias_correction")
         self.pre_rope_keys = quantizer.pre_rope_keys
         self.keep_dequantized = keep_dequantized
         self.artifact_id = artifact_id
@@ -175,8 +182,12 @@ class QuantizedKVStore(KVStore):
         return k_all, v_all
 
     def attend(self, layer, q, k, v, rows, positions, rope):
-        """The fused kernel's attention over the packed layer and the window (see the module doc), or None on
-        the PyTorch path. The kernel's index maps are built at the layer's first step of a block."""
+        """The fused kernel's attention over the packed layer and the window (see the module doc), the PyTorch
+        path's own attention when the configuration corrects key bias (:meth:`_attend_corrected`), else None
+        (the PyTorch path: the engine attends over :meth:`window_kv`). The kernel's index maps are built at the
+        layer's first step of a block."""
+        if self.key_bias_correction:
+            return self._attend_corrected(layer, q, k, v, rows, positions, rope)
         if not self._fused(q.device):
             return None
         from service.quant.kernels.attention import fused_reuse_attention  # imports Triton
@@ -191,6 +202,36 @@ class QuantizedKVStore(KVStore):
             inv_freq=rope.inv_freq(q.device) if pre_rope else None,
             rope_full_precision=rope.full_precision,
         )
+
+    def _attend_corrected(self, layer, q, k, v, rows, positions, rope) -> torch.Tensor:
+        """Attention over :meth:`window_kv` with each reused key's score lowered by its expected rounding
+        inflation (`service.quant.key_bias.key_score_bias`; the fresh window and exact tokens have step 0), and
+        the row's padding masked. The steps are read from the packed layer at every step (no per-block copy: it
+        would cost as much memory as a kept dequantized layer)."""
+        segments = self._segments
+        k_all, v_all = self.window_kv(layer, k, v, segments, rows, positions, rope)  # [B_step, H_kv, T, D]
+        n = q.shape[0]
+        layout = self._on_sequence
+        key = tuple(rows.tolist()) if rows is not None else None
+        if key is not None:
+            if key not in self._row_layouts:
+                self._row_layouts[key] = layout.select_rows(list(key))
+            layout = self._row_layouts[key]
+        steps = layout.scatter(self.quantizer.key_steps(layer, self._packed[layer], self._layout))[:n]
+        cos = sin = None
+        if self.pre_rope_keys:  # the steps are in the pre-RoPE basis: each key's angle (its reused position)
+            start, end = segments.block_start, segments.block_end
+            placed = positions.new_zeros(n, segments.seq_len)
+            placed[:, :start] = positions[:, :start]
+            if segments.cache_mode == "dual":
+                placed[:, end:] = positions[:, start:]
+            cos, sin = rope.cos_sin(placed)
+        bias = key_score_bias(q, steps, cos, sin)
+        pads = torch.tensor(segments.pad_lengths, device=q.device)
+        if rows is not None:
+            pads = pads.index_select(0, rows)
+        key_mask = torch.arange(segments.seq_len, device=q.device)[None, :] >= pads[:, None]
+        return attend_with_bias(q, k_all, v_all, bias, key_mask)
 
     def attend_batch(self, stores, layer, q, k, v, widths):
         """Stores with a fused batch key (:meth:`batch_key`): every row of ``stores`` attends in one launch of
@@ -220,6 +261,8 @@ class QuantizedKVStore(KVStore):
         quantizer = self.quantizer
         if layer not in self._packed or not (quantizer.quantizes_k and quantizer.quantizes_v):
             return None
+        if self.key_bias_correction:
+            return None  # the correction attends per store (:meth:`_attend_corrected`)
         if self._fused(device):
             if self.pre_rope_keys or type(quantizer).kernel_operands is not KVQuantizer.kernel_operands:
                 return None

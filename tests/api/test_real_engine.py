@@ -80,6 +80,19 @@ def test_lm_eval_remote_tokenizer(server, engine):
                                                            add_generation_prompt=True, tokenize=False)
 
 
+def test_a_key_bias_corrected_request_is_served_and_reported_and_a_pointless_one_refused(server):
+    body = {"prompt": f"copy: {DIGITS}", "chat": True, "max_tokens": 64,
+            "kv_quant": {"method": "kivi", "bits": 2, "key_bias_correction": True}}
+    r = httpx.post(server.url + "/generate", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["kv"]["config"]["key_bias_correction"] is True
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "prompt": "copy: 1 2", "max_tokens": 8, "kv_quant": {"method": "none", "key_bias_correction": True}})
+    assert r.status_code == 400, r.text  # the OpenAI shape, as every invalid field
+    error = r.json()["error"]
+    assert "key_bias_correction corrects quantized keys" in error["message"] and error["param"] == "kv_quant"
+
+
 def test_quantized_request_reports_bits_and_metrics_and_shadow(server):
     r = httpx.post(server.url + "/generate", timeout=60, json={
         "prompt": f"copy: {DIGITS}", "chat": True, "max_tokens": 64, "kv_quant": {"method": "kivi", "bits": 2}})

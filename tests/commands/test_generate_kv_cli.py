@@ -97,3 +97,19 @@ def test_a_missing_policy_file_is_named_by_its_flag(tmp_path):
     assert out.returncode == 2
     assert out.stderr.startswith(f"error: --policy '{missing}' cannot be used: ")
     assert "policy_file" not in out.stderr.replace(str(missing), "")
+
+
+def test_the_key_bias_flag_is_reported_and_refused_without_quantized_keys():
+    out = _main("--kv-quant", "kivi", "--kv-bits", "2", "--kv-key-bias-correction", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kv"]["config"]["key_bias_correction"] is True
+    out = _main("--kv-key-bias-correction")
+    assert out.returncode == 2 and "key_bias_correction corrects quantized keys" in out.stderr
+
+
+def test_an_activation_body_names_the_correction():
+    from service.commands.policies import describe_config
+
+    body = {"method": "kivi", "bits": 2, "key_bias_correction": True}
+    assert describe_config(body) == "kivi 2-bit key_bias_correction"
+    assert describe_config({"method": "kivi", "bits": 2}) == "kivi 2-bit"

@@ -180,3 +180,32 @@ def test_kept_dequantized_layers_decode_as_the_per_layer_scratch(engines, states
     a = engine.generate(prompts, params("dual"), kv_store=per_step).rows
     b = engine.generate(prompts, params("dual"), kv_store=kept).rows
     assert [r.generated_ids for r in a] == [r.generated_ids for r in b]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("method", ["kivi", "kvquant", "dllm_kvq"])
+def test_key_bias_correction_rows_decode_as_alone_and_change_nothing_else(engines, states, arch, method, monkeypatch):
+    """With the key-bias correction (`service.quant.key_bias`) a batched row gives the same tokens as the row
+    alone; with every step zero it gives exactly the uncorrected tokens (the correction is the only change)."""
+    from service.quant.base import KVQuantizer
+    from service.quant.kvquant import KVQuantQuantizer
+
+    engine = engines[arch]
+    prompts = _four_prompts(arch)
+
+    def corrected():
+        store = store_for(engine, method, 2, states)
+        store.key_bias_correction = True
+        return store
+
+    batch = engine.generate(prompts, params("dual"), kv_store=corrected()).rows
+    for prompt, got in zip(prompts[:2], batch):
+        alone = engine.generate([prompt], params("dual"), kv_store=corrected()).rows[0]
+        assert got.generated_ids == alone.generated_ids
+    plain = engine.generate(prompts, params("dual"), kv_store=store_for(engine, method, 2, states)).rows
+    for cls in (KVQuantizer, KVQuantQuantizer):
+        monkeypatch.setattr(cls, "key_steps", lambda self, layer, packed, layout: torch.zeros(
+            layout.num_slots, packed.num_heads, packed.head_dim))
+    zero = engine.generate(prompts, params("dual"), kv_store=corrected()).rows
+    assert [r.generated_ids for r in zero] == [r.generated_ids for r in plain]
+    assert [r.generated_ids for r in batch] != [r.generated_ids for r in plain]

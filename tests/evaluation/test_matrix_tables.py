@@ -112,3 +112,26 @@ def test_write_outputs_reads_cell_files(tmp_path, results):
     # Cells of other weights (a retrained model of the same name) are left out when fingerprints are given.
     assert write_outputs(tmp_path, ["a", "b"], fingerprints=["other"]) and \
         json.loads(paths["json"].read_text())["blocks"] == []
+
+
+def test_key_bias_rows_are_planned_keyed_labelled_and_tabled_after_their_twin(results):
+    from dataclasses import asdict
+
+    from evaluation.matrix import with_key_bias
+
+    cells = plan_cells(["m"], ["dual"], [2], ["none", "kivi"])
+    assert [c.key for c in with_key_bias(cells, "off")] == ["none", "dual-none", "dual-kivi-2"]
+    assert [c.key for c in with_key_bias(cells, "both")] == ["none", "dual-none", "dual-kivi-2", "dual-kivi-2-kbc"]
+    assert [c.key for c in with_key_bias(cells, "on")] == ["none", "dual-none", "dual-kivi-2-kbc"]
+    v_only = Cell("m", "dual", "kivi", 2, sides="v")
+    assert with_key_bias([v_only], "on") == [v_only]  # nothing to correct: its keys are held as they are
+    with pytest.raises(ValueError, match="legal: off, on, both"):
+        with_key_bias(cells, "yes")
+    corrected = Cell("m", "prefix", "kivi", 4, key_bias_correction=True)
+    assert corrected.label == "KIVI + key-bias corr."
+    twin = _result(corrected, "a", 50.0, [([1, 2, 3], "x"), ([4, 6], "w")])
+    twin["cell"] = asdict(corrected)
+    block = build_tables([*results, twin], ["a"])["blocks"][0]
+    assert [r["label"] for r in block["rows"]] == ["No cache (full recompute)", "Cache only", "KIVI",
+                                                   "KIVI + key-bias corr."]
+    assert block["rows"][-1]["key_bias_correction"] is True and block["rows"][-1]["agreement"]["exact_match"] == 100.0

@@ -50,3 +50,13 @@ def test_shadow_and_eval_metrics():
     assert s[("dllm_shadow_exact_match_total", labels)] == 1
     assert s[("dllm_shadow_token_agreement_sum", labels)] == 1.5
     assert s[("dllm_eval_score", tuple(sorted(labels + (("metric", "exact_match"), ("task", "gsm8k")))))] == 0.25
+
+
+def test_the_active_configuration_names_the_key_bias_correction():
+    tel = Telemetry()
+    tel.set_active("m", "dual", KVQuantConfig(method="kivi", bits=2, key_bias_correction=True), "admin")
+    tel.set_active("m", "prefix", KVQuantConfig(method="kivi", bits=2), "store")
+    tel.set_active("m", "prefix", KVQuantConfig(), "store")
+    active = {dict(k[1])["cache_mode"]: dict(k[1]) for k in _samples(tel) if k[0] == "dllm_active_config_info"}
+    assert active["dual"]["key_bias_correction"] == "on"
+    assert active["prefix"]["key_bias_correction"] == ""  # method none (the kivi series was replaced)
