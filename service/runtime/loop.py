@@ -635,6 +635,7 @@ class Worker:
             return
         with self._cond:
             del self._running[cohort]
+            self._publish()  # the gauges drop before the result is out
             self._cond.notify_all()
         if isinstance(outcome, BaseException):
             _set_exception(job, outcome)
@@ -647,7 +648,9 @@ class Worker:
         for job in self._running.values():
             job.peak_rows = max(job.peak_rows, len(self._running))
         self.telemetry.running.set(len(self._running))
-        self.telemetry.kv_reserved.set(sum(job.cost.kv for job in self._running.values()))
+        reserved = sum(job.cost.kv for job in self._running.values())
+        self.telemetry.kv_reserved.set(reserved)
+        self.telemetry.kv_usage.set(min(1.0, reserved / self.budget_bytes))
 
     def _outcome(self, job: Job) -> Any:
         """What a finished job's future gets: its task's scores, its :class:`JobResult`, or :class:`JobCancelled`;

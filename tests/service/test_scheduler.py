@@ -204,3 +204,33 @@ def test_submit_and_cancel_never_wait_for_a_probe_or_a_report(engine):
         probe_go.set()
         report_go.set()
         worker.stop()
+
+
+def test_the_kv_cache_usage_gauge_is_reserved_bytes_over_the_budget(engine):
+    """llm-d's endpoint picker scores replicas by KV-cache use (issue 34): ``dllm_kv_cache_usage_perc`` is the
+    running rows' reserved KV bytes over the budget, from 0 to 1, beside the running and waiting gauges (read as
+    Prometheus scrapes them, with prometheus-client's parser), and 0 again once the request left."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def gauges() -> dict[str, float]:
+        text = generate_latest(worker.telemetry.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("dllm_kv_cache_usage_perc", "dllm_requests_running", "dllm_requests_waiting")}
+
+    prompt = four_prompts("llada")[2]
+    budget = 1 << 30
+    worker = _worker(engine, budget)
+    seen: list[dict[str, float]] = []
+    job = Job(prompt, _params(gen_length=64), RowOptions(), _snapshot(),
+              on_block=lambda block, ids: seen.append(gauges()) if block == 0 else None)
+    worker.submit(job)
+    worker.start()
+    try:
+        job.future.result(timeout=300)
+        assert seen and 0 < job.cost.kv < budget
+        assert seen[0] == {"dllm_kv_cache_usage_perc": job.cost.kv / budget, "dllm_requests_running": 1.0,
+                           "dllm_requests_waiting": 0.0}
+        assert gauges()["dllm_kv_cache_usage_perc"] == 0.0
+    finally:
+        worker.stop()
