@@ -70,7 +70,11 @@ def start_server(args: argparse.Namespace, port: int, store: str, log) -> subpro
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return wait_ready(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), port)
+
+
+def wait_ready(proc: subprocess.Popen, port: int) -> subprocess.Popen:
+    """``proc`` once its server on ``port`` answers ``/health/ready`` (raises if it exits or 300 s pass)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -72,6 +72,7 @@ from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
     Cost,
     forward_plan,
+    forward_tokens,
     plan_admission,
     work_tokens,
 )
@@ -295,7 +296,8 @@ class Worker:
         self.memory, self.budget_bytes = memory, budget_bytes
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
-        self._plan = forward_plan(DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens)
+        self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
+        self._plan = forward_plan(self._token_budget)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -582,8 +584,9 @@ class Worker:
                 self._publish()
             try:
                 passes = self._batch.passes(on_done=self._finished)
-                self._batch.run(self._plan(passes), on_done=self._finished)
-                self._step_tasks()
+                forwards = self._plan(passes)
+                self._batch.run(forwards, on_done=self._finished)
+                self._step_tasks(self._token_budget - sum(forward_tokens(group) for group in forwards))
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
@@ -603,12 +606,19 @@ class Worker:
                 self._publish()
                 self._cond.notify_all()
 
-    def _step_tasks(self) -> None:
-        """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
-        alone."""
+    def _step_tasks(self, tokens_left: int) -> None:
+        """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
+        iteration's token budget left after the decoding forwards (``tokens_left``, counted against
+        ``max_batched_tokens``; each task runs at least one batch, so it always advances) and within the memory
+        reserved for one forward (the larger of the task's own transient and the forward reserve); a finished one
+        leaves at once, a failing one fails alone."""
         for job in [j for j in self._running.values() if j.task is not None]:
+            t = job.cohort.seq_len
+            per_row = self.memory.forward.bytes(1, t, t, t)
+            rows = max(1, min(tokens_left // t, max(job.cost.transient, self.forward_bytes) // per_row))
             try:
-                more = job.cohort.step()
+                more = job.cohort.step(rows)
+                tokens_left -= job.cohort.last_rows * t
             except Exception as exc:
                 if is_device_fault(exc):
                     raise
@@ -692,7 +702,8 @@ class Worker:
         error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
         with self._cond:
             for job in self._running.values():
-                self._batch.leave(job.cohort)
+                if job.task is None:  # a task is not in the batch and holds no store
+                    self._batch.leave(job.cohort)
                 _set_exception(job, error)
             self._running = {}
             self._publish()
