@@ -42,6 +42,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   (`service.engine.batch`, "A failing row fails alone"). An iteration that raises outside every request fails
   its requests and the worker goes on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting
   job and makes the worker unhealthy (readiness 503; new jobs refused with :class:`WorkerUnavailable`).
+* **Locking** (issue 34). The lock :meth:`Worker.submit` and :meth:`Worker.cancel` take on the event loop is held
+  by the worker thread only for list work and the pure admission plan: probes of new configurations, cohort
+  builds and finished jobs' reports and text run outside it (`benchmarks/loop_stall.py`).
 * **Drain.** :meth:`Worker.drain` refuses new jobs and lets admitted ones finish up to a timeout (SIGTERM).
 * **Shadow re-decode** (accuracy telemetry, issue #5 item 6): after a quantized job finishes, with probability
   ``shadow_rate`` the same request is queued again with the unquantized cache in a separate low-priority queue;
