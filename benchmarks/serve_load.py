@@ -70,7 +70,11 @@ def start_server(args: argparse.Namespace, port: int, store: str, log) -> subpro
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return wait_ready(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), port)
+
+
+def wait_ready(proc: subprocess.Popen, port: int) -> subprocess.Popen:
+    """``proc`` once its server on ``port`` answers ``/health/ready`` (raises if it exits or 300 s pass)."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -240,6 +244,11 @@ def mixed(args: argparse.Namespace) -> None:
                 ids = ids + ids
             workload = mixed_workload(args.requests, ids, seed=0)
             run_mixed(url, workload[:4], None)  # warm-up
+            if args.hol_only:
+                r = run_hol(url, ids)
+                print(f"head-of-line: 32 tokens alone {r['alone_s']:.3f} s, 50 ms after a 256-token request "
+                      f"{r['beside_s']:.3f} s: {r['beside_s'] / r['alone_s']:.2f}x (target <= 2x)")
+                return
             r = {"rss_idle_mb": rss_mb(proc.pid, "VmRSS"),
                  "capacity": measured(proc.pid, run_mixed, url, workload, None)}
             rate = args.load * r["capacity"]["req_per_s"]  # below the capacity measured just now
@@ -297,6 +306,8 @@ def main() -> None:
                         help="also plot throughput and latency against concurrent clients into this PNG")
     parser.add_argument("--mixed", action="store_true",
                         help="mixed workload: capacity, open loop, head-of-line, memory (module docstring)")
+    parser.add_argument("--hol-only", action="store_true",
+                        help="--mixed: only the head-of-line part (short alone, then beside a long one)")
     parser.add_argument("--load", type=float, default=0.7,
                         help="--mixed: open-loop arrival rate as a fraction of the capacity measured first")
     parser.add_argument("--kv-budget-bytes", type=int, default=1 << 30, help="the server's KV budget")

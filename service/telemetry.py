@@ -19,6 +19,7 @@ dllm_batch_size                                        histogram  -
 dllm_forwards_per_iteration                            histogram  -
 dllm_kv_budget_bytes                                   gauge      -
 dllm_kv_bytes_reserved                                 gauge      -
+dllm_kv_cache_usage_perc                               gauge      -
 dllm_requests_waiting_memory                           gauge      -
 dllm_nfe_per_request                                   histogram  cache_mode
 dllm_prompt_tokens_total                               counter    -
@@ -134,6 +135,10 @@ class Telemetry:
                                registry=r)
         self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",
                                  registry=r)
+        # vLLM's name for the same fraction (``vllm:kv_cache_usage_perc``, 0-1 despite the suffix): what an llm-d
+        # endpoint picker reads to score replicas by KV-cache use (docs/deployment.md, deploy/llm-d/).
+        self.kv_usage = Gauge("dllm_kv_cache_usage_perc", "KV bytes reserved by running rows over the memory "
+                              "budget, from 0 to 1", registry=r)
         self.memory_waiting = Gauge("dllm_requests_waiting_memory",
                                     "requests waiting because the head of the queue does not fit the budget yet",
                                     registry=r)

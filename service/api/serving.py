@@ -4,9 +4,14 @@ Built once in the lifespan and kept on ``app.state.serving`` (vLLM's ``OpenAISer
 HTTP. Rules it implements (issue #5, item 3):
 
 * Decoding runs ``max_tokens`` rounded **up** to whole blocks (`service.engine.params.response_length`); the
-  response is cut by `service.engine.response.cut_response` (at ``max_tokens``, EOS and the first stop string,
-  which never appears in the text, also not in streamed deltas: a tail that could start a stop string is held
-  back), and ``usage.completion_tokens`` counts the tokens returned.
+  response is cut once, by the engine's report (`service.engine.response.cut_response`: at ``max_tokens``, EOS
+  and the first stop string, with its one ``finish_reason`` rule), and every answer (completions, chat,
+  ``/generate``, a stream's last chunk) takes the report's ids, text and finish reason as they are (issue 34: a
+  second cut of ids already cut lost the EOS that ``max_tokens`` removed, and said ``length`` where the report
+  said ``stop``). While a stream runs, its committed blocks' ids are cut by the same rule (:meth:`Serving.cut`),
+  so what is streamed never goes past the final answer; a stop string never appears in the text, also not in
+  streamed deltas (a tail that could start one is held back); ``usage.completion_tokens`` counts the tokens
+  returned.
 * A request is admitted with one configuration snapshot: the one its ``kv_quant`` names, else the active
   configuration of its cache mode at admission.
 * A client that disconnects, or a request older than ``request_timeout_s``, cancels its jobs.
@@ -470,7 +475,8 @@ class Serving:
                 self.telemetry.first_block.labels(plan.endpoint).observe(job.first_block_at - job.admitted_at)
 
     def cut(self, job: Job, ids: list[int]) -> Cut:
-        """The job's response from its decoded ids (`service.engine.response.cut_response`)."""
+        """The response so far of a job still decoding, from its committed ids (`service.engine.response.cut_response`,
+        the rule the engine's report applies to the finished row; a finished row is never cut again)."""
         return cut_response(ids, self.spec.eos_ids, job.params.ignore_eos, job.row.max_tokens, job.row.stop,
                             self.engine.decode_text)
 
@@ -489,19 +495,18 @@ class Serving:
                     logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
                 choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
                                                   finish_reason="length"))
-        for k, (job, row) in enumerate(_choice_rows(plan, results)):
-            cut = self.cut(job, row.generated_ids)
+        for k, (_job, row) in enumerate(_choice_rows(plan, results)):
             i = k // plan.n
             echo = plan.echo[i] if plan.echo is not None else ""
             logprobs = None
             if plan.logprobs is not None:
                 scored = plan.scored[i] if plan.scored else None
-                logprobs = completion_logprobs(tok, (row.logprobs or [])[:len(cut.ids)],
+                logprobs = completion_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)],
                                                plan.prompts[i] if scored is not None else None, scored,
                                                offset=0 if scored is not None else len(echo))
-            choices.append(s.CompletionChoice(index=k, text=echo + (cut.text or ""), logprobs=logprobs,
-                                              finish_reason=cut.finish_reason))
-            completion_tokens += len(cut.ids)
+            choices.append(s.CompletionChoice(index=k, text=echo + (row.text or ""), logprobs=logprobs,
+                                              finish_reason=row.finish_reason))
+            completion_tokens += len(row.generated_ids)
         snapshot = results[0].snapshot if results else self.active.snapshot(self.settings.cache_mode)
         return s.CompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
@@ -514,14 +519,13 @@ class Serving:
         """The ``/v1/chat/completions`` answer (one choice per ``n``, summed usage)."""
         choices, completion_tokens = [], 0
         tok = getattr(self.engine, "tokenizer", None)
-        for k, (job, row) in enumerate(_choice_rows(plan, results)):
-            cut = self.cut(job, row.generated_ids)
+        for k, (_job, row) in enumerate(_choice_rows(plan, results)):
             logprobs = None
             if plan.logprobs is not None:
-                logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(cut.ids)])
-            choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=cut.text), logprobs=logprobs,
-                                        finish_reason=cut.finish_reason))
-            completion_tokens += len(cut.ids)
+                logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)])
+            choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=row.text), logprobs=logprobs,
+                                        finish_reason=row.finish_reason))
+            completion_tokens += len(row.generated_ids)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
             id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
@@ -531,12 +535,9 @@ class Serving:
         )
 
     def generate_response(self, plan: Plan, result: JobResult) -> s.GenerateResponse:
-        """The ``/generate`` answer: the one-row report with its ids, text and finish reason cut as the OpenAI
-        routes cut them (the ids returned never exceed ``max_tokens``)."""
-        cut = self.cut(plan.jobs[0], result.row.generated_ids)
-        reason = "cancelled" if result.row.finish_reason == "cancelled" else cut.finish_reason
-        row = result.row.model_copy(update={"generated_ids": cut.ids, "text": cut.text, "finish_reason": reason})
-        report = result.report.model_copy(update={"rows": [row]})
+        """The ``/generate`` answer: the one-row report as the engine cut it, as the OpenAI routes answer it (the
+        ids returned never exceed ``max_tokens``)."""
+        report = result.report.model_copy(update={"rows": [result.row]})
         return s.GenerateResponse(
             **report.model_dump(), id=plan.request_id, model=self.model_name,
             prompt_tokens=len(plan.jobs[0].prompt_ids), kv_config=result.snapshot.describe(),
@@ -598,13 +599,13 @@ class Serving:
                 open_jobs.discard(i)
                 for j, row in enumerate(result.report.rows):
                     k = i * plan.n + j
-                    cut = self.cut(job, row.generated_ids)
-                    completion_tokens += len(cut.ids)
-                    delta = cut.text[len(emitted[k]):] if cut.text.startswith(emitted[k]) else ""
-                    entries = (row.logprobs or [])[sent[k]:len(cut.ids)] if plan.logprobs is not None else None
+                    text = row.text or ""
+                    completion_tokens += len(row.generated_ids)
+                    delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
+                    entries = (row.logprobs or [])[sent[k]:len(row.generated_ids)] if plan.logprobs is not None else None
                     if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
                         yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
-                    yield self._chunk(plan, k, text="", finish_reason=cut.finish_reason)
+                    yield self._chunk(plan, k, text="", finish_reason=row.finish_reason)
                 if not open_jobs:
                     ended = True
                     self._observe(plan, [j.future.result() for j in plan.jobs])

@@ -140,19 +140,17 @@ def greedy_check(logits_fn: LogitsFn, context: list[int], continuation: list[int
     return seq[0, len(context):].tolist() == list(continuation)
 
 
-class _NoStore:
-    """A likelihood reuses no K/V: nothing to clear (what a worker does with a finished cohort's store)."""
-
-    def clear(self) -> None:
-        pass
-
-
 class PromptLikelihood:
-    """The per-token values of one prompt (module docstring), computed one forward per :meth:`step`, so that a
-    server's worker interleaves them with its decoding iterations (under its memory admission) and can stop them.
+    """The per-token values of one prompt (module docstring), computed a few batches per :meth:`step`, so that a
+    server's worker interleaves them with its decoding iterations (under its memory admission and its token
+    budget per iteration) and can stop them.
 
-    Each forward is the in-process model's own call (``model(ids)``, every column's logits), so the values are
-    those of :func:`mc_loglikelihood` bit for bit on the same machine.
+    Its work is a list of batches, each ``b`` rows of the whole prompt (a split's Monte-Carlo draws, or ``b``
+    splits' alternatives); a :meth:`step` packs as many consecutive batches as its ``max_rows`` allows into one
+    forward (the splits of the prompt as rows of one forward, issue 34): the draws are made in the same order
+    and each row's logits are its own, so the values are those of :func:`mc_loglikelihood` (the in-process
+    model's own call, ``model(ids)``) up to float rounding of a larger matrix product (within 1e-6,
+    `tests/engine/test_likelihood_rows.py`). It reuses no K/V, so it holds no store.
 
     Args:
         model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
@@ -172,14 +170,15 @@ class PromptLikelihood:
         self.model, self.mask_id, self.ids = model, mask_id, list(ids)
         self.mc_num, self.mc_batch_size, self.seed, self.top_k = mc_num, mc_batch_size, seed, top_k
         self.seq_len = len(ids)
-        self.store = _NoStore()
         self._cancelled = cancelled
         self.device = model.embed.weight.device
         self._losses: dict[int, list[float]] = {c: [] for c in range(1, self.seq_len)}
         self._top: dict[int, tuple[tuple[int, float], ...]] = {}
         self._work = self._forwards()
+        self._next: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None  # a batch taken, not run
         self.done = self.cancelled = False
         self.forwards = 0
+        self.last_rows = 0  # rows of the last step's forward
 
     @staticmethod
     def work_tokens(prompt_len: int, mc_num: int) -> int:
@@ -210,20 +209,39 @@ class PromptLikelihood:
                     self._top[c] = tuple((int(t), float(v)) for t, v in zip(tokens.tolist(), values.tolist()))
             yield rows, top
 
+    def _take(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
+        item, self._next = (self._next, None) if self._next is not None else (next(self._work, None), None)
+        return item
+
     @torch.inference_mode()
-    def step(self) -> bool:
-        """Run the next forward; False once there is none left (or the work was cancelled): then ``done``."""
+    def step(self, max_rows: int | None = None) -> bool:
+        """Run the next forward: the next batches, packed as rows of one forward while their rows stay within
+        ``max_rows`` (None: one batch; the first batch always runs). False once there is none left (or the work
+        was cancelled): then ``done``."""
         if self.done:
             return False
         if self._cancelled is not None and self._cancelled():
             self.cancelled = True
-        item = None if self.cancelled else next(self._work, None)
-        if item is None:
+        first = None if self.cancelled else self._take()
+        if first is None:
             self.done = True
             return False
-        rows, use = item
-        use(self.model(rows.to(self.device)))
+        items = [first]
+        rows = first[0].shape[0]
+        while max_rows is not None and (item := self._take()) is not None:
+            if rows + item[0].shape[0] > max_rows:
+                self._next = item
+                break
+            items.append(item)
+            rows += item[0].shape[0]
+        ids = items[0][0] if len(items) == 1 else torch.cat([batch for batch, _ in items])
+        logits = self.model(ids.to(self.device))                                  # [rows, T, V]
+        offset = 0
+        for batch, use in items:
+            use(logits[offset: offset + batch.shape[0]])
+            offset += batch.shape[0]
         self.forwards += 1
+        self.last_rows = rows
         return True
 
     def scores(self) -> list[TokenLogprob]:

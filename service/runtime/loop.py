@@ -42,6 +42,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   (`service.engine.batch`, "A failing row fails alone"). An iteration that raises outside every request fails
   its requests and the worker goes on. A device fault it cannot recover from (:func:`is_device_fault`) also fails every waiting
   job and makes the worker unhealthy (readiness 503; new jobs refused with :class:`WorkerUnavailable`).
+* **Locking** (issue 34). The lock :meth:`Worker.submit` and :meth:`Worker.cancel` take on the event loop is held
+  by the worker thread only for list work and the pure admission plan: probes of new configurations, cohort
+  builds and finished jobs' reports and text run outside it (`benchmarks/loop_stall.py`).
 * **Drain.** :meth:`Worker.drain` refuses new jobs and lets admitted ones finish up to a timeout (SIGTERM).
 * **Shadow re-decode** (accuracy telemetry, issue #5 item 6): after a quantized job finishes, with probability
   ``shadow_rate`` the same request is queued again with the unquantized cache in a separate low-priority queue;
@@ -72,6 +75,7 @@ from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
     Cost,
     forward_plan,
+    forward_tokens,
     plan_admission,
     work_tokens,
 )
@@ -295,7 +299,8 @@ class Worker:
         self.memory, self.budget_bytes = memory, budget_bytes
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
-        self._plan = forward_plan(DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens)
+        self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
+        self._plan = forward_plan(self._token_budget)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -304,8 +309,12 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
-        # The running jobs, in the order they joined: the only record of what runs (drain, counts, failures).
-        self._running: list[Job] = []
+        # The running jobs by their cohort, in the order they joined: the only record of what runs (drain, counts,
+        # failures); a finished or failed cohort finds its job by one look-up. Mutated by the worker thread only,
+        # under the lock (other threads read it under the lock: drain, counts).
+        self._running: dict[Any, Job] = {}
+        # Jobs admitted whose cohorts are being built, outside the lock (drain counts them as running).
+        self._joining: list[Job] = []
         self._batch: Any = None  # the engine's running batch, made on the worker thread
         self._accepting = True
         self._stopping = False
@@ -346,9 +355,9 @@ class Worker:
         with self._cond:
             self._accepting = False
             self._shadow.clear()
-            while (self._queue or self._running) and time.monotonic() < deadline:
+            while (self._queue or self._joining or self._running) and time.monotonic() < deadline:
                 self._cond.wait(timeout=max(0.0, deadline - time.monotonic()))
-            left = [*self._queue, *self._running]
+            left = [*self._queue, *self._joining, *self._running.values()]
             self.cut_by_drain += sum(job.served is None and not job.internal for job in left)
             for job in left:
                 # The client gets a 503 that says why, not a connection cut by the server's own shutdown.
@@ -444,9 +453,10 @@ class Worker:
         return store if store is not None else FullPrecisionKVStore()
 
     def _check_size(self, job: Job) -> None:
-        """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`)."""
+        """Raise :class:`RequestTooLarge` if ``job`` could never fit the budget (see :meth:`submit`); else keep its
+        cost on the job (``job.cost``: admission then reads it under the lock without measuring anything)."""
         job.sized = True
-        cost = self._cost(job)
+        cost = job.cost = self._cost(job)
         if job.task is not None:
             if cost.transient > self.budget_bytes:
                 raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over "
@@ -465,39 +475,91 @@ class Worker:
                 field,
             )
 
-    def _admit(self) -> None:
-        """Move jobs from the queues into the batch by :func:`~service.runtime.scheduler.plan_admission` (module doc,
-        fairness); a job whose configuration was not measured yet is sized first, here on the worker thread.
-        Caller holds the lock."""
-        self._purge_cancelled()
+    def _admit(self) -> list[Job] | None:
+        """Choose the jobs that join the batch now by :func:`~service.runtime.scheduler.plan_admission` (module doc,
+        fairness), waiting while nothing runs or waits; a job whose configuration was not measured yet is sized
+        first (:meth:`_size_waiting`). Returns the chosen jobs (taken from their queues, held in ``_joining``
+        until :meth:`_join` makes their cohorts), or None when the worker stops.
+
+        Nothing slow runs under the lock the event loop takes (:meth:`submit`, :meth:`cancel`): the probes of new
+        configurations run before it is taken, and under it only list work and the pure plan (costs were kept on
+        each job when it was sized)."""
+        while True:
+            self._size_waiting()
+            with self._cond:
+                self._purge_cancelled()
+                if any(not job.sized for queue in (self._queue, self._shadow) for job in queue):
+                    continue  # arrived since: sized first, outside the lock
+                chosen = self._choose()
+                if chosen or self._running:
+                    self._joining = chosen
+                    return chosen
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+    def _size_waiting(self) -> None:
+        """Size every waiting job not sized yet (the probe of its configuration, `MemoryModel.kv_bytes_per_token`),
+        outside the lock; one that could never fit fails through its future."""
+        with self._cond:
+            unsized = [job for queue in (self._queue, self._shadow) for job in queue if not job.sized]
+        for job in unsized:
+            try:
+                self._check_size(job)
+            except RequestTooLarge as exc:
+                with self._cond:
+                    for queue in (self._queue, self._shadow):
+                        if job in queue:
+                            queue.remove(job)
+                    self.telemetry.waiting.set(len(self._queue))
+                _set_exception(job, exc)
+
+    def _choose(self) -> list[Job]:
+        """Take from the queues the jobs that join now (every waiting job is sized). Caller holds the lock."""
         blocked = False
         now = time.monotonic()
+        taken: list[Job] = []
+        running = [job.cost for job in self._running.values()]
         for queue in (self._queue, self._shadow):
             if queue is self._shadow and (self._queue or blocked):
                 break  # shadow re-decodes only when no user request waits
-            for job in [j for j in queue if not j.sized]:
-                try:
-                    self._check_size(job)
-                except RequestTooLarge as exc:
-                    queue.remove(job)
-                    _set_exception(job, exc)
             jobs = list(queue)
-            costs = [self._cost(job) for job in jobs]
             chosen, head = plan_admission(
-                [(cost, job.blocked_at) for cost, job in zip(costs, jobs)], [job.cost for job in self._running],
+                [(job.cost, job.blocked_at) for job in jobs], running + [job.cost for job in taken],
                 self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None:  # blocked by the running requests (or by those joining before it)
                 blocked = True
                 jobs[head].blocked_at = jobs[head].blocked_at or now
             for i in chosen:
                 queue.remove(jobs[i])
-                self._join(jobs[i], costs[i])
+                taken.append(jobs[i])
         self.telemetry.memory_waiting.set(len(self._queue) if blocked else 0)
         self.telemetry.waiting.set(len(self._queue))
+        return taken
 
-    def _join(self, job: Job, cost: Cost) -> None:
-        """Make the job's cohort and add it to the batch (a job the engine refuses fails alone). Caller holds the
-        lock."""
+    def _join(self, jobs: list[Job]) -> None:
+        """Make the chosen jobs' cohorts (outside the lock) and add them to the batch; a job the engine refuses
+        fails alone."""
+        made: list[tuple[Job, Any]] = []
+        for job in jobs:
+            try:
+                made.append((job, self._cohort(job)))
+            except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
+                _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+        now = time.monotonic()
+        with self._cond:
+            self._joining = []
+            for job, cohort in made:
+                job.cohort, job.joined_at, job.peak_rows = cohort, now, len(self._running) + 1
+                self._running[cohort] = job
+        for job, cohort in made:
+            if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
+                self._batch.join(cohort)
+            if job.served is None and not job.internal:
+                self.telemetry.queue_time.observe(now - job.admitted_at)
+
+    def _cohort(self, job: Job) -> Any:
+        """The engine's decoding state of ``job``'s rows (or its task's own)."""
 
         def on_block(block: int, ids: list[list[int]]) -> None:
             if job.first_block_at is None:
@@ -505,41 +567,29 @@ class Worker:
             if job.on_block is not None and not job.cancelled:
                 job.on_block(block, ids)
 
-        try:
-            if job.task is not None:
-                cohort = job.task.cohort(self.engine, lambda: job.cancelled)
-            else:
-                rows = job.rows
-                cohort = self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
-                                            lambda: [job.cancelled] * len(rows), validated=job.validated)
-        except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
-            _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
-            return
-        now = time.monotonic()
-        job.cohort, job.cost, job.joined_at, job.peak_rows = cohort, cost, now, len(self._running) + 1
-        self._running.append(job)
-        if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
-            self._batch.join(cohort)
-        if job.served is None and not job.internal:
-            self.telemetry.queue_time.observe(now - job.admitted_at)
+        if job.task is not None:
+            return job.task.cohort(self.engine, lambda: job.cancelled)
+        rows = job.rows
+        return self.engine.cohort([job.prompt_ids] * len(rows), job.params, rows, self._store(job), on_block,
+                                  lambda: [job.cancelled] * len(rows), validated=job.validated)
 
     # ---- the thread: admit -> plan -> run -> finish ----------------------------------------------------------------
     def _loop(self) -> None:
         self._batch = self.engine.batch()
         while True:
+            chosen = self._admit()
+            if chosen is None:
+                return
+            self._join(chosen)
             with self._cond:
-                while True:
-                    self._admit()
-                    if self._running:
-                        break
-                    if self._stopping:
-                        return
-                    self._cond.wait()
+                if not self._running:
+                    continue
                 self._publish()
             try:
                 passes = self._batch.passes(on_done=self._finished)
-                self._batch.run(self._plan(passes), on_done=self._finished)
-                self._step_tasks()
+                forwards = self._plan(passes)
+                self._batch.run(forwards, on_done=self._finished)
+                self._step_tasks(self._token_budget - sum(forward_tokens(group) for group in forwards))
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
@@ -553,22 +603,25 @@ class Worker:
                     return
             with self._cond:
                 for cohort, exc in self._batch.failed:
-                    job = self._job(cohort)
+                    job = self._running.get(cohort)
                     if job is not None:  # else its own callback already failed it (:meth:`_finished`)
                         self._fail_running(job, exc)
                 self._publish()
                 self._cond.notify_all()
 
-    def _job(self, cohort: Any) -> Job | None:
-        """The running job of ``cohort`` (None once it left)."""
-        return next((job for job in self._running if job.cohort is cohort), None)
-
-    def _step_tasks(self) -> None:
-        """One forward of every running task (`Job.task`); a finished one leaves at once, a failing one fails
-        alone."""
-        for job in [j for j in self._running if j.task is not None]:
+    def _step_tasks(self, tokens_left: int) -> None:
+        """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
+        iteration's token budget left after the decoding forwards (``tokens_left``, counted against
+        ``max_batched_tokens``; each task runs at least one batch, so it always advances) and within the memory
+        reserved for one forward (the larger of the task's own transient and the forward reserve); a finished one
+        leaves at once, a failing one fails alone."""
+        for job in [j for j in self._running.values() if j.task is not None]:
+            t = job.cohort.seq_len
+            per_row = self.memory.forward.bytes(1, t, t, t)
+            rows = max(1, min(tokens_left // t, max(job.cost.transient, self.forward_bytes) // per_row))
             try:
-                more = job.cohort.step()
+                more = job.cohort.step(rows)
+                tokens_left -= job.cohort.last_rows * t
             except Exception as exc:
                 if is_device_fault(exc):
                     raise
@@ -580,55 +633,61 @@ class Worker:
                 self._finished(job.cohort)
 
     def _finished(self, cohort: Any) -> None:
-        """A cohort left the batch: its request's result is set now, before the iteration's other forwards. A
-        result that cannot be made (its report raised) fails that request alone."""
+        """A cohort left the batch: its request's result is set now, before the iteration's other forwards. The
+        result (its report, its text) is made outside the lock; the lock is taken only to let the job go. A result
+        that cannot be made (its report raised) fails that request alone."""
+        job = self._running.get(cohort)  # the worker thread is the only writer
+        if job is None:
+            return
+        try:
+            outcome = self._outcome(job)
+        except Exception as exc:  # noqa: BLE001 -- this request's fault alone
+            with self._cond:
+                self._fail_running(job, exc)
+                self._cond.notify_all()
+            return
         with self._cond:
-            job = self._job(cohort)
-            if job is None:
-                return
-            try:
-                self._finish(job)
-            except Exception as exc:  # this request's fault alone
-                if job in self._running:
-                    self._fail_running(job, exc)
-                else:
-                    log.error("the result of a finished request could not be made", exc_info=exc)
-                    _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
+            del self._running[cohort]
+            self._publish()  # the gauges drop before the result is out
             self._cond.notify_all()
+        if isinstance(outcome, BaseException):
+            _set_exception(job, outcome)
+        elif outcome is not None:
+            _set_result(job, outcome)
+        if isinstance(outcome, JobResult) and not job.internal:
+            self._maybe_shadow(job, outcome.row)
 
     def _publish(self) -> None:
-        for job in self._running:
+        for job in self._running.values():
             job.peak_rows = max(job.peak_rows, len(self._running))
         self.telemetry.running.set(len(self._running))
-        self.telemetry.kv_reserved.set(sum(job.cost.kv for job in self._running))
+        reserved = sum(job.cost.kv for job in self._running.values())
+        self.telemetry.kv_reserved.set(reserved)
+        self.telemetry.kv_usage.set(min(1.0, reserved / self.budget_bytes))
 
-    def _finish(self, job: Job) -> None:
-        self._running.remove(job)
+    def _outcome(self, job: Job) -> Any:
+        """What a finished job's future gets: its task's scores, its :class:`JobResult`, or :class:`JobCancelled`;
+        None for a shadow job (its agreement is recorded here). Runs outside the lock (reports decode text)."""
         if job.task is not None:
             if job.cancelled or job.cohort.cancelled:
-                _set_exception(job, JobCancelled("cancelled while running"))
-            else:
-                _set_result(job, job.cohort.scores())
-            return
+                return JobCancelled("cancelled while running")
+            return job.cohort.scores()
         report: DecodeReport = self.engine.report(job.cohort)
         if job.cancelled or report.rows[0].finish_reason == "cancelled":
-            _set_exception(job, JobCancelled("cancelled while running"))
-            return
+            return JobCancelled("cancelled while running")
         if job.served is not None:
             self._record_shadow(job, report)
-            return
+            return None
         if not job.internal:
             self.telemetry.batch_size.observe(job.peak_rows)
             self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
-        _set_result(job, JobResult(report, job.snapshot, job.joined_at - job.admitted_at, job.peak_rows))
-        if not job.internal:
-            self._maybe_shadow(job, report.rows[0])
+        return JobResult(report, job.snapshot, job.joined_at - job.admitted_at, job.peak_rows)
 
     def _fail_running(self, job: Job, exc: BaseException) -> None:
         """One request failed (its options, its KV store, its result): it fails alone with a 500 naming the
         cause; its grammar failing mid-decode is the request's own error (400 naming its field, not a worker
         fault); the others go on (issues 13, 21). Caller holds the lock; the batch already let it go."""
-        self._running.remove(job)
+        self._running.pop(job.cohort, None)
         if isinstance(exc, GrammarViolation):
             log.warning("a request's grammar failed mid-decode (%d others go on): %s", len(self._running), exc)
             _set_exception(job, exc)
@@ -645,10 +704,11 @@ class Worker:
         log.exception("an iteration of %d requests failed (device fault: %s)", len(self._running), fatal)
         error = BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}")
         with self._cond:
-            for job in self._running:
-                self._batch.leave(job.cohort)
+            for job in self._running.values():
+                if job.task is None:  # a task is not in the batch and holds no store
+                    self._batch.leave(job.cohort)
                 _set_exception(job, error)
-            self._running = []
+            self._running = {}
             self._publish()
             if fatal:
                 self.fault = exc

@@ -233,3 +233,42 @@ def test_an_integer_is_json_schemas_integer(client):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_max_tokens_cut_of_only_the_closing_eos_finishes_with_stop_on_every_route(client, stream):
+    """One cut, one finish_reason rule (issue 34): "hello" decodes to "olleh" + EOS; ``max_tokens`` 5 removes only
+    the closing EOS, so the answer is the engine report's own ("stop", 5 tokens) on completions, chat and
+    ``/generate``, streamed or not; ``max_tokens`` 4 removes a real token ("length")."""
+
+    def completion(max_tokens: int) -> tuple[str, str, int]:
+        body = {"prompt": "hello", "max_tokens": max_tokens, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            return choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]
+        events = sse_events(r.iter_lines())[:-1]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        reason = next(e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0][
+            "finish_reason"])
+        return text, reason, events[-1]["usage"]["completion_tokens"]
+
+    assert completion(5) == ("olleh", "stop", 5)
+    assert completion(4) == ("olle", "length", 4)
+    # A chat answer whose closing EOS is decoded (inside the last block of 4: its length is not a multiple of 4).
+    for content in ("hello", "hell", "hel"):
+        messages = [{"role": "user", "content": content}]
+        whole = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 128}).json()
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        answer = whole["usage"]["completion_tokens"] - 1  # its tokens before the closing EOS
+        if answer % 4:
+            break
+    edge = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": answer}).json()
+    assert edge["choices"][0]["finish_reason"] == "stop" and edge["usage"]["completion_tokens"] == answer
+    assert edge["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
+    if not stream:
+        native = client.post("/generate", json={"prompt": ids("hello"), "max_tokens": 5}).json()
+        assert native["rows"][0]["finish_reason"] == "stop" and len(native["rows"][0]["generated_ids"]) == 5

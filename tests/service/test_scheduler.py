@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import threading
+import types
+
 import pytest
 import torch
 
@@ -153,3 +156,81 @@ def test_a_new_kv_configuration_is_measured_on_the_worker_thread_not_in_submit(e
     ok = worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(KIVI2)))
     assert ok.future.result(timeout=300).row.finish_reason == "length"
     worker.stop()
+
+
+def test_submit_and_cancel_never_wait_for_a_probe_or_a_report(engine):
+    """Nothing slow runs under the lock the event loop takes (issue 34): while the worker thread is held inside a
+    new configuration's probe, and later inside a finished request's report (each waits for the test's own
+    event), `submit` and `cancel` return; a lock held through either would keep them waiting."""
+    prompt = four_prompts("llada")[2]
+    worker = _worker(engine, 1 << 30)
+    in_probe, probe_go, in_report, report_go = (threading.Event() for _ in range(4))
+    probe, report = worker.memory._probe, engine.report
+
+    def held_probe(store):
+        in_probe.set()
+        assert probe_go.wait(300)
+        return probe(store)
+
+    def held_report(cohort):
+        in_report.set()
+        assert report_go.wait(300)
+        return report(cohort)
+
+    def submit_and_cancel() -> bool:
+        done = threading.Event()
+
+        def call():
+            worker.cancel(worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot())))
+            done.set()
+
+        threading.Thread(target=call, daemon=True).start()
+        return done.wait(60)  # a bound on a hang, not a timing: the worker is held until the test lets it go
+
+    worker.memory._probe = held_probe
+    worker.engine = types.SimpleNamespace(report=held_report, **{
+        name: getattr(engine, name) for name in ("spec", "batch", "cohort", "decode_text")})
+    first = worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(KIVI2)))
+    worker.start()
+    try:
+        assert in_probe.wait(300)
+        assert submit_and_cancel(), "submit waited for a probe"
+        probe_go.set()
+        assert in_report.wait(300)
+        assert submit_and_cancel(), "submit waited for a report"
+        report_go.set()
+        assert first.future.result(timeout=300).row.finish_reason == "length"
+    finally:
+        probe_go.set()
+        report_go.set()
+        worker.stop()
+
+
+def test_the_kv_cache_usage_gauge_is_reserved_bytes_over_the_budget(engine):
+    """llm-d's endpoint picker scores replicas by KV-cache use (issue 34): ``dllm_kv_cache_usage_perc`` is the
+    running rows' reserved KV bytes over the budget, from 0 to 1, beside the running and waiting gauges (read as
+    Prometheus scrapes them, with prometheus-client's parser), and 0 again once the request left."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def gauges() -> dict[str, float]:
+        text = generate_latest(worker.telemetry.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("dllm_kv_cache_usage_perc", "dllm_requests_running", "dllm_requests_waiting")}
+
+    prompt = four_prompts("llada")[2]
+    budget = 1 << 30
+    worker = _worker(engine, budget)
+    seen: list[dict[str, float]] = []
+    job = Job(prompt, _params(gen_length=64), RowOptions(), _snapshot(),
+              on_block=lambda block, ids: seen.append(gauges()) if block == 0 else None)
+    worker.submit(job)
+    worker.start()
+    try:
+        job.future.result(timeout=300)
+        assert seen and 0 < job.cost.kv < budget
+        assert seen[0] == {"dllm_kv_cache_usage_perc": job.cost.kv / budget, "dllm_requests_running": 1.0,
+                           "dllm_requests_waiting": 0.0}
+        assert gauges()["dllm_kv_cache_usage_perc"] == 0.0
+    finally:
+        worker.stop()

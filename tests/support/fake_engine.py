@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from service.engine.params import DecodeParams
+from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
 from service.runtime.loop import DeviceFault
 
@@ -67,10 +68,13 @@ class FakeEngine:
 
     def cohort(self, prompts, params: DecodeParams, rows=None, kv_store=None, on_block=None, cancelled=None,
                validated=False):
-        return FakeCohort(prompts, params, on_block, cancelled)
+        return FakeCohort(prompts, params, on_block, cancelled, rows)
 
     def report(self, cohort: FakeCohort) -> DecodeReport:
-        report = _report(cohort.answers, cohort.params, time.monotonic() - cohort.t0, self.decode_text)
+        """Each row cut as the engine's report cuts it (`service.engine.response.cut_response` with the row's
+        options): the server takes the report's ids, text and finish reason as they are."""
+        report = _report(cohort.answers, cohort.params, time.monotonic() - cohort.t0, self.decode_text,
+                         cohort.rows or [RowOptions()] * len(cohort.answers), self.spec.eos_ids)
         if cohort.was_cancelled:
             report.rows[0].finish_reason = "cancelled"
         return report
@@ -79,8 +83,8 @@ class FakeEngine:
 class FakeCohort:
     """One request in a :class:`FakeBatch`: its answer, the next block to commit, and its callbacks."""
 
-    def __init__(self, prompts, params: DecodeParams, on_block, cancelled) -> None:
-        self.prompts, self.params, self.on_block, self.cancelled = prompts, params, on_block, cancelled
+    def __init__(self, prompts, params: DecodeParams, on_block, cancelled, rows=None) -> None:
+        self.prompts, self.params, self.on_block, self.cancelled, self.rows = prompts, params, on_block, cancelled, rows
         self.answers = [_answer(p, params) for p in prompts]
         self.block, self.t0, self.was_cancelled = 0, time.monotonic(), False
         self.store = None
@@ -166,13 +170,12 @@ def _answer(prompt, params: DecodeParams) -> list[int]:
     return (body + [EOS] + [EOS] * params.gen_length)[: params.gen_length]
 
 
-def _report(answers, params: DecodeParams, total_s: float, decode_text) -> DecodeReport:
+def _report(answers, params: DecodeParams, total_s: float, decode_text, rows, eos_ids) -> DecodeReport:
     num_blocks = params.gen_length // params.block_length
     reports = []
-    for a in answers:
-        cut = a[: a.index(EOS) + 1] if EOS in a and not params.ignore_eos else a
-        reports.append(RowReport(generated_ids=cut, text=decode_text(cut),
-                                 finish_reason="stop" if cut[-1:] == [EOS] else "length", nfe=num_blocks,
+    for a, options in zip(answers, rows, strict=True):
+        cut = cut_response(a, eos_ids, params.ignore_eos, options.max_tokens, options.stop, decode_text)
+        reports.append(RowReport(generated_ids=cut.ids, text=cut.text, finish_reason=cut.finish_reason, nfe=num_blocks,
                                  steps_per_block=[1] * num_blocks, reveals_per_step=[params.block_length] *
                                  num_blocks, tokens_per_second=0.0))
     return DecodeReport(rows=reports, params=params, timings=Timings(total_s=total_s))
