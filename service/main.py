@@ -244,9 +244,14 @@ def create_app(
             with contextlib.suppress(StoreUnavailable, StoreAccessDenied):
                 active.reload()
 
+        try:  # before the store's threads start: a refusal leaves nothing running
+            worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
+        except StartupRefused as exc:
+            app.state.startup_refused = str(exc)  # `service.commands.serve` prints it as the last line
+            store.close()
+            raise
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
         monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s, check=active.poll)
-        worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker
