@@ -91,3 +91,40 @@ def test_a_likelihood_over_the_default_ceiling_is_a_400_naming_mc_num_before_any
     assert "mc_num" in error["message"] and f"{default_max_work(CONTEXT):,}" in error["message"], error
     small = _completion(client, prompt=prompt[:100], echo=True, logprobs=1, max_tokens=0, mc_num=8)
     assert small.status_code == 200, small.text
+
+
+def test_a_cancelled_likelihood_stops_within_one_forward_and_the_gauges_drop():
+    """A likelihood is one forward per iteration with a cancel check before each (`PromptLikelihood.step`): a
+    timed-out or disconnected request (`service.api.serving.Serving.run` cancels its jobs) stops within one forward
+    of the cancel, leaves the batch and the running gauges return to zero. Counted in forwards, not seconds."""
+    import time
+
+    from service.engine.likelihood import LikelihoodTask
+    from service.engine.params import DecodeParams, RowOptions
+    from service.quant.config import KVQuantConfig
+    from service.runtime.loop import Job, JobCancelled, Worker
+    from service.store.active import ConfigSnapshot
+    from service.telemetry import Telemetry
+
+    engine, telemetry = FakeEngine(max_length=CONTEXT), Telemetry()
+    worker = Worker(engine, lambda snap: None, telemetry, MemoryModel.for_engine(engine), 1 << 30)
+    ids = [5 + i % 100 for i in range(200)]
+    params = DecodeParams(gen_length=4, block_length=4, cache_mode="none", threshold=None, steps=1)
+    job = Job(ids, params, RowOptions(), ConfigSnapshot(KVQuantConfig(), "none", "default"),
+              task=LikelihoodTask(tuple(ids), 8, 8, 0, 0))  # 199 forwards in all
+    worker.submit(job)
+    worker.start()
+    try:
+        for _ in range(3000):  # until it has run a forward (a hang bound, not a time bar)
+            if job.cohort is not None and job.cohort.forwards >= 1:
+                break
+            time.sleep(0.01)
+        assert telemetry.running._value.get() == 1
+        job.cancel()
+        at_cancel = job.cohort.forwards
+        with pytest.raises(JobCancelled):
+            job.future.result(timeout=60)
+        assert job.cohort.forwards <= at_cancel + 1 < 199
+        assert telemetry.running._value.get() == 0 and telemetry.kv_reserved._value.get() == 0
+    finally:
+        worker.stop()
