@@ -108,8 +108,9 @@ class Settings(BaseSettings, DecodeSettings):
         0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
     )
     max_request_work: int | None = Field(
-        None, gt=0, description="most token-forwards (forward calls x tokens) one request row may cost; beyond: "
-        "400 naming steps or max_tokens; empty: no ceiling beyond the bounds of each field"
+        None, gt=0, description="most token-forwards (forward calls x tokens) one request may cost, all its n "
+        "choices together; beyond: 400 naming steps, max_tokens or the prompt, before any work; empty: 2 x the "
+        "model's context squared (service.runtime.scheduler.default_max_work)"
     )
     request_timeout_s: float = Field(300.0, gt=0.0, description="a request waiting + running longer: 504")
     retry_after_s: int = Field(1, gt=0, description="Retry-After seconds sent with 429")

@@ -29,6 +29,7 @@ from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.runtime.loop import EngineLike, Job, Worker
 from service.runtime.memory import CPU_BUDGET_BYTES, MemoryModel, default_budget
+from service.runtime.scheduler import default_max_work
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
@@ -171,11 +172,46 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     memory = MemoryModel.for_engine(engine)
     budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
     forward = memory.measure_forward(engine, settings.max_batched_tokens)
+    max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
+    refuse_contradictions(settings, memory, budget, forward, max_work)
     return Worker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
                   max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
                   backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
                   shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
-                  max_work=settings.max_request_work)
+                  max_work=max_work)
+
+
+def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, forward: int, max_work: int) -> None:
+    """Refuse settings that cannot work together, in one line naming both (issue 36), rather than start a server
+    that refuses every request and blames the prompt:
+
+    * the memory budget below the forward reserve of ``max_batched_tokens`` plus the KV of the smallest request (a
+      one-token prompt, one block of ``block_length`` at full precision): nothing could ever be admitted;
+    * ``max_request_work`` below the work of a one-token request of ``default_max_tokens``: every request that
+      leaves max_tokens out would be refused.
+
+    Args: budget, forward: the budget and the forward reserve in bytes; max_work: the work ceiling in token-forwards.
+
+    Raises: StartupRefused.
+    """
+    spec, block = memory.spec, settings.block_length
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
+    smallest = per_token * (1 + block + 1)  # `MemoryModel.cost`: the sequence plus a spare column
+    if forward + smallest > budget:
+        named = ("--kv-budget-bytes / DLLM_KV_BUDGET_BYTES" if settings.kv_budget_bytes else
+                 "the default memory budget (--kv-budget-fraction of free GPU memory, 1 GiB on CPU)")
+        raise StartupRefused(
+            f"{named} of {budget:,} bytes is below what --max-batched-tokens / DLLM_MAX_BATCHED_TOKENS "
+            f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes) plus the smallest request's "
+            f"KV ({smallest:,} bytes): no request could ever run; raise the budget to at least {forward + smallest:,} "
+            "bytes or lower --max-batched-tokens")
+    gen = -(-settings.default_max_tokens // block) * block
+    default_work = gen * (1 + gen)  # `service.runtime.scheduler.work_tokens` of a one-token prompt, threshold decoding
+    if default_work > max_work:
+        raise StartupRefused(
+            f"--max-request-work / DLLM_MAX_REQUEST_WORK {max_work:,} is below the {default_work:,} token-forwards of "
+            f"a request of --default-max-tokens / DLLM_DEFAULT_MAX_TOKENS {settings.default_max_tokens:,}: every "
+            "request without max_tokens would be refused; raise the first or lower the second")
 
 
 def create_app(
@@ -208,9 +244,14 @@ def create_app(
             with contextlib.suppress(StoreUnavailable, StoreAccessDenied):
                 active.reload()
 
+        try:  # before the store's threads start: a refusal leaves nothing running
+            worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
+        except StartupRefused as exc:
+            app.state.startup_refused = str(exc)  # `service.commands.serve` prints it as the last line
+            store.close()
+            raise
         subscription = store.subscribe(active.on_change, on_reconnect=reload_after_outage)
         monitor = StoreMonitor(store, telemetry, settings.store_check_interval_s, check=active.poll)
-        worker = make_worker(settings, eng, kv_store_factory or default_kv_store_factory(eng.spec), telemetry)
         worker.start()
         app.state.settings, app.state.engine, app.state.telemetry = settings, eng, telemetry
         app.state.store, app.state.active, app.state.worker = store, active, worker

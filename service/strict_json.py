@@ -151,3 +151,31 @@ def loads(data: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
         raise JSONRefused(f"nested more than {max_depth} levels deep") from None
     except ValueError as exc:  # json raises plain ValueError for an integer of more than 4,300 digits
         raise NotJSON(str(exc)) from None
+
+
+def loads_field(text: str, field: str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
+    """Parse JSON text that a request carries inside one of its fields (a schema sent as text, a tool call's
+    arguments), bounded before it is parsed: at most ``max_bytes`` UTF-8 bytes and ``max_depth`` levels.
+
+    The request body itself was parsed with the same depth limit, but a string member can hold any JSON text, and
+    ``json.loads`` recurses once per level of it (``RecursionError`` past about 1,000 levels, not ``ValueError``).
+
+    Args:
+        text: the JSON text; field: the request field it came from (``structured_outputs.json``), named by errors;
+        max_bytes: most UTF-8 bytes of ``text``; max_depth: most nested arrays/objects.
+
+    Returns: the parsed value.
+
+    Raises:
+        NotJSON: not JSON syntax (``field`` set); JSONRefused: longer than ``max_bytes``, nested deeper than
+            ``max_depth`` or holding a non-finite number (``field`` set; the message names the field and limit).
+    """
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise JSONRefused(f"{field} is {size:,} bytes of JSON text, over the {max_bytes:,} bytes it may have", field)
+    try:
+        return loads(text, max_depth)
+    except JSONRefused as exc:
+        raise JSONRefused(f"{field}: {exc}", field) from None
+    except NotJSON as exc:
+        raise NotJSON(f"{field} is text but not JSON: {exc}", field) from None

@@ -422,6 +422,16 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
       response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     m("chat: guided_regex that cannot compile", [{"role": "user", "content": "x"}], "guided_regex",
       guided_regex="([")
+    # Issue 36: JSON text nested deep inside a field, a regex that multiplies out to a million characters, and n x
+    # max_tokens over the default work ceiling: each a 400 naming the field, before any work.
+    m("chat: structured_outputs.json as text 100k deep", [{"role": "user", "content": "x"}],
+      "structured_outputs.json", structured_outputs={"json": "[" * 100_000 + "]" * 100_000})
+    m("chat: guided_json as text 2000 deep", [{"role": "user", "content": "x"}], "guided_json",
+      guided_json='{"a":' * 2000 + "{}" + "}" * 2000)
+    m("chat: guided_regex (b{1000}){1000} (compile bounded)", [{"role": "user", "content": "x"}], "guided_regex",
+      guided_regex="(b{1000}){1000}")
+    m("chat: n 8, top_logprobs 20, max_tokens 4032 (work ceiling)", [{"role": "user", "content": "x"}], "max_tokens",
+      n=8, logprobs=True, top_logprobs=20, max_tokens=4032)
     m("chat: json_schema of 2000 alternatives (compile bounded)", [{"role": "user", "content": "x"}], None,
       expect={200, 400}, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
           "anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}

@@ -151,6 +151,11 @@ def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | 
             headers = {"Retry-After": str(retry)} if retry is not None else None
             message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
             return status, error_body(message, type_, code, param), headers
+    if isinstance(exc, RecursionError):
+        # A safety net (issue 36): every JSON text a request carries is depth-bounded before it is parsed
+        # (`service.strict_json.loads_field`), so this names no field; it is still the request's shape, not a fault.
+        return 400, error_body(f"the request is nested too deeply to process ({exc})", "invalid_request_error",
+                               "too_deep", None), None
     if isinstance(exc, RequestValidationError | ValidationError):
         return _validation(exc)
     if isinstance(exc, StarletteHTTPException):

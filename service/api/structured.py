@@ -19,14 +19,14 @@ takes too long, is a 400 naming the field (e.g. ``response_format.json_schema.sc
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
+from service import strict_json
 from service.engine.errors import EngineInputError
-from service.engine.grammar import GrammarSpec
+from service.engine.grammar import MAX_SOURCE_BYTES, GrammarSpec
 
 #: A JSON Schema given as an object (or ``true``), or as its JSON text (vLLM accepts both).
 SchemaValue = dict[str, Any] | StrictBool | StrictStr
@@ -156,13 +156,15 @@ class StructuredOutputFields(BaseModel):
 
 
 def _schema(value: dict[str, Any] | bool | str, field: str) -> dict[str, Any] | bool:
-    """A schema given as an object, or as its JSON text (vLLM's ``json`` takes both)."""
+    """A schema given as an object, or as its JSON text (vLLM's ``json`` takes both). The text is bounded before it
+    is parsed (`service.strict_json.loads_field`: the grammar's size limit, the body's depth limit), so a schema
+    nested 100,000 deep as text is a 400 naming ``field`` as it is when sent as an object."""
     if not isinstance(value, str):
         return value
     try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise EngineInputError(f"{field} is text but not JSON: {exc}", field) from None
+        parsed = strict_json.loads_field(value, field, MAX_SOURCE_BYTES)
+    except strict_json.JSONError as exc:
+        raise EngineInputError(str(exc), field) from None
     if not isinstance(parsed, dict | bool):
         raise EngineInputError(f"{field} must be a JSON Schema (an object or a boolean)", field)
     return parsed

@@ -291,9 +291,15 @@ def serve_app(app: Any, settings: Settings, sock: socket.socket) -> int:
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
     try:
         server.run(sockets=[sock])
+    except SystemExit:
+        if server.started:
+            raise  # a failed start-up is uvicorn's sys.exit(3): answered below, with the reason when there is one
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
     if not server.started:
+        refused = getattr(app.state, "startup_refused", None)
+        if refused:  # settings that cannot work together (`service.main.refuse_contradictions`): one line, last
+            print(f"error: {refused}", file=sys.stderr)
         return STARTUP_FAILED  # the lifespan failed (uvicorn logged why)
     return 0 if getattr(app.state, "drained", True) else DRAIN_CUT

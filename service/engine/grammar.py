@@ -5,10 +5,13 @@ of strings. The token-level constraint comes from llguidance (chosen on measured
 resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/benchmarks.md):
 
 * :class:`GrammarSpec` says what a request asks (kind, canonical source, the request field it came from);
-* :class:`GrammarCompiler` turns it into a :class:`CompiledGrammar`, bounded in time (a wall-clock limit on a
-  compile thread, off the event loop) and in work and memory (llguidance's parser limits: lexer fuel, lexer
-  states, grammar size), cached by the spec's hash in a bounded LRU; a source it cannot compile is an
-  :class:`~service.engine.errors.EngineInputError` naming the request field (HTTP 400);
+* :class:`GrammarCompiler` turns it into a :class:`CompiledGrammar`, bounded before it compiles (the source's bytes
+  and its positions: the characters it spells out with repetitions multiplied out, `service.engine.grammar_size`,
+  so a grammar that would take seconds and hundreds of MB never reaches the compile thread and never delays
+  another request's compile), in time (a wall-clock limit on a compile thread, off the event loop) and in work and
+  memory (llguidance's parser limits: lexer fuel, lexer states, grammar size), cached by the spec's hash in an LRU
+  bounded in entries and in bytes (each entry's resident memory growth while it compiled); a source it cannot
+  compile is an :class:`~service.engine.errors.EngineInputError` naming the request field and the limit (HTTP 400);
 * :class:`GrammarState` is one row's matcher (a copy of the compiled grammar), advanced token by token;
 * :func:`constrained_reveal` decides the chains (below) of all constrained rows of one forward together, across
   requests; the running batch (`service.engine.batch.RunningBatch`) then hands each chain to the batched reveal
@@ -73,6 +76,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from service.engine.errors import EngineInputError
+from service.engine.grammar_size import grammar_positions
 from service.engine.schema_values import has_finite_value
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
@@ -82,8 +86,13 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 #: Largest grammar source accepted, in bytes of its canonical text (a schema's JSON, a regex, the choices' JSON).
 MAX_SOURCE_BYTES = 256 * 1024
-#: Compiled grammars kept per compiler (an LRU; each holds llguidance's parser tables, ~kilobytes to a few MB).
+#: Most positions a grammar may spell out (`service.engine.grammar_size`: ~350 bytes and ~4 us of compile each, so
+#: at most ~6 MB and well under 0.1 s per compile; ``\d{1,5000}`` is 5,000, ``a{1000}{1000}`` a million).
+MAX_GRAMMAR_POSITIONS = 16_384
+#: Compiled grammars kept per compiler (an LRU; each holds llguidance's parser tables, ~kilobytes to a few MB)...
 CACHE_SIZE = 256
+#: ...and the most bytes they may hold together (each entry counted as the resident memory its compile added).
+CACHE_BYTES = 256 << 20
 #: Seconds a compile may take before the request is refused (a 200-property schema takes ~20 ms on one core).
 COMPILE_TIMEOUT_S = 5.0
 #: llguidance's bounds on one grammar's work and memory (its defaults are 1M initial lexer fuel ~20 ms, 250k lexer
@@ -144,8 +153,10 @@ class CompiledGrammar:
     """A compiled grammar, shared by every request that asks for the same spec; :meth:`start` gives a row its own
     state. Hashable by identity (rows carry it in `service.engine.params.RowOptions`)."""
 
-    def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+    def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher, compiler: GrammarCompiler,
+                 nbytes: int = 0) -> None:
         self.spec, self._matcher, self.compiler = spec, matcher, compiler
+        self.nbytes = nbytes  # resident bytes its compile added (an estimate of what it holds; 0 when unknown)
 
     def start(self) -> GrammarState:
         """A fresh state at the start of the response (its failures name :attr:`spec`'s field)."""
@@ -156,7 +167,8 @@ class CompiledGrammar:
         field; a failure mid-decode names the field of the request that decodes it)."""
         if field == self.spec.field:
             return self
-        return CompiledGrammar(GrammarSpec(self.spec.kind, self.spec.source, field), self._matcher, self.compiler)
+        return CompiledGrammar(GrammarSpec(self.spec.kind, self.spec.source, field), self._matcher, self.compiler,
+                               self.nbytes)
 
     def __repr__(self) -> str:
         return f"CompiledGrammar({self.spec.kind}, {self.spec.key[:12]})"
@@ -231,7 +243,8 @@ class GrammarCompiler:
         vocab_size: the logit width (ids at or beyond the tokenizer's size are never allowed).
         eos_ids: the model's EOS ids (`service.engine.spec.ModelSpec.eos_ids`); the first one the tokenizer knows
             is the grammar's EOS.
-        cache_size: compiled grammars kept (LRU); timeout_s: seconds one compile may take.
+        cache_size: compiled grammars kept (LRU); cache_bytes: the most bytes they may hold together;
+        timeout_s: seconds one compile may take; max_positions: the most positions a grammar may spell out.
         threads: threads of llguidance's executor that fills the masks of many rows at once.
 
     Building the tokenizer's token trie takes ~1 s for a 128k vocabulary: it is done on first use, in the compile
@@ -239,9 +252,12 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], cache_size: int = CACHE_SIZE,
-                 timeout_s: float = COMPILE_TIMEOUT_S, threads: int | None = None) -> None:
+                 timeout_s: float = COMPILE_TIMEOUT_S, threads: int | None = None, cache_bytes: int = CACHE_BYTES,
+                 max_positions: int = MAX_GRAMMAR_POSITIONS) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(eos_ids)
-        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self.cache_size, self.cache_bytes, self.timeout_s = cache_size, cache_bytes, timeout_s
+        self.max_positions = max_positions
+        self.compiles_started = 0  # compiles handed to the compile thread (refusals before it are not counted)
         self.grammar_eos = self.eos_ids[0] if self.eos_ids else tokenizer.eos_token_id
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -278,9 +294,10 @@ class GrammarCompiler:
         ``timeout_s`` (blocks the caller; call it off the event loop).
 
         Raises:
-            EngineInputError: naming ``spec.field``: the source is too large, invalid (the engine's message), over
-                the parser's limits, took longer than ``timeout_s``, allows no first token, or is a JSON schema
-                that no finite value satisfies.
+            EngineInputError: naming ``spec.field`` and the limit: the source is too large, spells out more than
+                ``max_positions`` (both before compiling), is invalid (the engine's message), over the parser's
+                limits, took longer than ``timeout_s``, allows no first token, or is a JSON schema that no finite
+                value satisfies.
         """
         if len(spec.source.encode()) > MAX_SOURCE_BYTES:
             raise EngineInputError(f"{spec.field} is {len(spec.source.encode()):,} bytes, over the "
@@ -290,18 +307,36 @@ class GrammarCompiler:
             if found is not None:
                 self._cache.move_to_end(spec.key)
                 return found.for_field(spec.field)
-        future = self._pool.submit(self._compile, spec)
+        positions = grammar_positions(spec.kind, spec.source, self.max_positions)
+        if positions > self.max_positions:
+            raise EngineInputError(f"{spec.field} spells out more than {self.max_positions:,} positions (characters "
+                                   "with repetitions multiplied out: the grammar size limit, checked before "
+                                   "compiling); use smaller repetition counts or shorter literals", spec.field)
+        with self._lock:
+            self.compiles_started += 1
+        future = self._pool.submit(self._measured_compile, spec)
         try:
             compiled = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            # The compile thread finishes on its own (llguidance's fuel bounds it); this request is refused now.
-            raise EngineInputError(f"{spec.field} took longer than {self.timeout_s:g} s to compile; simplify it",
-                                   spec.field) from None
-        with self._lock:
-            self._cache[spec.key] = compiled
-            self._cache.move_to_end(spec.key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            # The compile thread finishes on its own (the size limit and llguidance's fuel bound it); this request is
+            # refused now, and the late result is not cached.
+            raise EngineInputError(f"{spec.field} took longer than the {self.timeout_s:g} s compile time limit; "
+                                   "simplify it", spec.field) from None
+        if compiled.nbytes <= self.cache_bytes:
+            with self._lock:
+                self._cache[spec.key] = compiled
+                self._cache.move_to_end(spec.key)
+                while len(self._cache) > self.cache_size or self.cached_bytes() > self.cache_bytes:
+                    self._cache.popitem(last=False)
+        return compiled
+
+    def _measured_compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """:meth:`_compile`, with the resident memory it added as the result's ``nbytes`` (the compile thread is
+        the only one compiling; other threads' allocations in the meantime blur it, which the cache's byte bound
+        tolerates: it is a ceiling on the order of hundreds of MB)."""
+        before = _resident_bytes()
+        compiled = self._compile(spec)
+        compiled.nbytes = max(0, _resident_bytes() - before)
         return compiled
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -329,6 +364,10 @@ class GrammarCompiler:
     def cached(self) -> int:
         """Compiled grammars in the cache."""
         return len(self._cache)
+
+    def cached_bytes(self) -> int:
+        """Bytes the cached grammars hold (their compiles' resident growth; an estimate)."""
+        return sum(c.nbytes for c in self._cache.values())
 
     def allowed(self, states: Sequence[GrammarState]) -> torch.Tensor:
         """bool ``[len(states), vocab_size]`` (CPU): the tokens each state allows next, its EOS widened to every
@@ -369,6 +408,15 @@ class _DecodedVocabulary(llguidance.TokenizerWrapper):
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _first_line(text: str, limit: int = 300) -> str:

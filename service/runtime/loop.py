@@ -468,10 +468,14 @@ class Worker:
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
             fits_short = short.kv + max(short.transient, self.forward_bytes) <= self.budget_bytes
             field = "max_tokens" if fits_short else "prompt"
+            # The forward reserve is a server setting: named as such, never blamed on the prompt (issue 36).
+            reserve = max(cost.transient, self.forward_bytes)
+            forward = ("its largest forward" if cost.transient >= self.forward_bytes else
+                       "the forward reserve of --max-batched-tokens")
             raise RequestTooLarge(
-                f"this request needs about {cost.kv + cost.transient:,} bytes (KV {cost.kv:,} + its largest "
-                f"forward {cost.transient:,}), over the server's memory budget of {self.budget_bytes:,} bytes even "
-                f"alone: shorten {'max_tokens' if fits_short else 'the prompt'}",
+                f"this request needs about {cost.kv + reserve:,} bytes (KV {cost.kv:,} + {forward} {reserve:,}), "
+                f"over the server's memory budget of {self.budget_bytes:,} bytes even alone: shorten "
+                f"{'max_tokens' if fits_short else 'the prompt'}",
                 field,
             )
 

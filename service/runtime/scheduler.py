@@ -87,6 +87,20 @@ def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     return calls * (prompt_len + params.gen_length)
 
 
+#: The default work ceiling of one request (``max_request_work`` empty), in full-context responses: the work of a
+#: response that fills the model's context, twice (issue 36).
+DEFAULT_WORK_CONTEXTS = 2
+
+
+def default_max_work(context_tokens: int) -> int:
+    """The work ceiling of one request (all its choices) when ``max_request_work`` is empty, in token-forwards:
+    ``DEFAULT_WORK_CONTEXTS x context_tokens**2`` (a threshold-decoded response filling the context costs at most
+    ``context_tokens`` calls of ``context_tokens`` tokens). At a 4,096-token context: 33,554,432, which admits one
+    or two whole-context responses but not n 8 of max_tokens 4,032, and a likelihood of a ~500-token prompt at
+    mc_num 128 (or ~1,900 tokens at mc_num 8) but not one of 2,200 tokens at 128."""
+    return DEFAULT_WORK_CONTEXTS * context_tokens * context_tokens
+
+
 # ---- the plan of an iteration's forwards ----------------------------------------------------------------------
 #: Input tokens one forward may hold at its padded shape when no budget is set (DLLM_MAX_BATCHED_TOKENS):
 #: 32 requests of a 456-token sequence in one block-initial forward, 512 rows of a 32-token window.

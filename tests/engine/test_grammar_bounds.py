@@ -1,0 +1,89 @@
+"""Issue 36, item 2: a grammar's compile is bounded before it starts. Sixteen hostile regexes (repetitions that
+multiply out to a million characters: seconds and hundreds of MB each in llguidance) are refused from their text
+with the limit named, never reach the compile thread (a count: a trivial grammar after them is the first compile
+handed to it, so nothing queues in front of it), and leave resident memory within 10% of its level before; the
+compiled-grammar cache is bounded in bytes. The embedded model's tokenizer; no wall-clock bar."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.engine.errors import EngineInputError
+from service.engine.grammar import MAX_GRAMMAR_POSITIONS, GrammarCompiler, GrammarSpec, _resident_bytes
+from service.engine.grammar_size import grammar_positions, regex_positions
+from service.engine.loading import load_tokenizer
+from tests.support.paths import REPO
+from tests.support.structured import CASES, spec_of
+
+EMBEDDED = REPO / "service" / "assets" / "embedded"
+HOSTILE = [f"({c}{{1000}}){{1000}}" for c in "bcdefgh"] + [f"{c}{{1000}}{{1000}}" for c in "ijklmnop"] + \
+    ["[0-9]{100}{100}{100}"]
+TRIVIAL = "( [0-9]){3}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED)
+
+
+def _compiler(tokenizer, **kw) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], **kw)
+
+
+def test_hostile_regexes_never_reach_the_compile_thread(tokenizer):
+    compiler = _compiler(tokenizer)
+    compiler.compile(GrammarSpec.regex("[a-z]", "warm"))  # builds the tokenizer's trie (kept; not a grammar's cost)
+    started, before = compiler.compiles_started, _resident_bytes()
+    assert len(set(HOSTILE)) == 16
+    for i, pattern in enumerate(HOSTILE):
+        field = "guided_regex" if i % 2 else "structured_outputs.regex"
+        with pytest.raises(EngineInputError) as info:
+            compiler.compile(GrammarSpec.regex(pattern, field))
+        assert info.value.field == field and f"more than {MAX_GRAMMAR_POSITIONS:,} positions" in str(info.value)
+        assert "grammar size limit" in str(info.value)
+    assert compiler.compiles_started == started  # refused from the text: nothing queued, nothing allocated
+    compiler.compile(GrammarSpec.regex(TRIVIAL, "guided_regex"))
+    assert compiler.compiles_started == started + 1  # the trivial grammar was the next compile, queued behind none
+    assert _resident_bytes() <= 1.1 * before
+
+
+def test_a_regex_nested_ten_thousand_deep_is_a_400(tokenizer):
+    compiler = _compiler(tokenizer)
+    for pattern in ["(" * 10_000 + "a" + ")" * 10_000, "(?:" * 10_000 + "a" + ")" * 10_000, "[" * 10_000]:
+        with pytest.raises(EngineInputError) as info:
+            compiler.compile(GrammarSpec.regex(pattern, "guided_regex"))
+        assert info.value.field == "guided_regex"
+
+
+def test_literals_and_choices_count_too(tokenizer):
+    compiler = _compiler(tokenizer)
+    for spec in [GrammarSpec.choice(["a" * 20_000], "guided_choice"), GrammarSpec.regex("z" * 20_000, "guided_regex"),
+                 GrammarSpec.json_schema({"const": "q" * 20_000}, "guided_json"),
+                 GrammarSpec.json_schema({"type": "string", "pattern": "a{300}{300}"}, "guided_json"),
+                 GrammarSpec.json_schema({"properties": {"k" * 20_000: {}}}, "guided_json")]:
+        with pytest.raises(EngineInputError, match="grammar size limit"):
+            compiler.compile(spec)
+    assert compiler.compiles_started == 0
+
+
+@pytest.mark.parametrize(("pattern", "positions"), [
+    ("[0-9]{3}", 3), ("( [0-9]){3}", 6), ("(ab|cd){10}", 40), (r"\d{1,5000}", 5000), ("(?P<n>ab)+", 2),
+    ("[]a]{5}", 5), (r"\p{Greek}{10}", 10), (r"\x{10FFFF}{4}", 4), ("a{2,}", 2), ("a{99999999999999999999}", 101),
+])
+def test_positions_multiply_repetitions_out(pattern, positions):
+    assert regex_positions(pattern, 100) == min(positions, 101)
+
+
+def test_every_validity_case_is_within_the_limit():
+    """The 50 schemas, regexes and choices of the structured-output suite spell out far fewer positions."""
+    assert max(grammar_positions(spec_of(c).kind, spec_of(c).source, MAX_GRAMMAR_POSITIONS) for c in CASES) < 1000
+
+
+def test_the_cache_is_bounded_in_bytes(tokenizer):
+    budget = 8 << 20
+    compiler = _compiler(tokenizer, cache_bytes=budget)
+    compiler.compile(GrammarSpec.regex("[a-z]", "warm"))
+    for c in "bcdef":  # ~5 MB each while compiled (16,000 literal positions)
+        compiler.compile(GrammarSpec.regex(c * 16_000, "guided_regex"))
+        assert compiler.cached_bytes() <= budget
+    assert compiler.cached() < 6  # some were evicted by bytes, though far fewer than CACHE_SIZE entries
