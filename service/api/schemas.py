@@ -42,6 +42,7 @@ from service.api.rules import (
     IsText,
     Not,
     NullOrHas,
+    NullOrIs,
     RuledModel,
     only,
 )
@@ -342,7 +343,9 @@ class ChatCompletionRequest(OpenAISampling, ToolFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),)
+    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),
+             Implies(Not(Given("tools")), NullOrIs("tool_choice", "none"), "tool_choice other than none needs tools",
+                     "tool_choice"))
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):

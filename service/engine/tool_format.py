@@ -49,9 +49,10 @@ RESULT_OPEN, RESULT_CLOSE = "<tool_response>\n", "\n</tool_response>"
 #: Between two calls of one response.
 CALL_SEPARATOR = "\n"
 
-#: The system text that lists the tools (Qwen2.5's chat template words it so); ``{tools}``: one JSON line per tool.
+#: The system text that lists the tools (worded as Qwen2.5's chat template words it, without its "# Tools"
+#: heading); ``{tools}``: one JSON line per tool.
 TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "You may call one or more functions to assist with the user query.\n\nYou are provided with "
     "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function "
     "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
     '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
