@@ -196,7 +196,7 @@ def parse_calls(text: str, max_depth: int = strict_json.MAX_DEPTH) -> tuple[list
         if not text.startswith(CALL_SEPARATOR, at):
             return calls, False
         at += len(CALL_SEPARATOR)
-    return calls, bool(calls) and at == len(text)
+    return calls, False  # no marker at the start, or a separator with no call after it
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "TOOLS_PREAMBLE", "Call", "Function", "call_grammar", "call_text",
