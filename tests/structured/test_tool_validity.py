@@ -27,6 +27,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
 from tests.support.structured import CASES
 
+pytestmark = pytest.mark.slow  # four configurations of 81 rows: minutes on one core
 MAX_TOKENS = 96
 PROMPTS = ["copy: 4 1 4 4 2 9 7 4", "Call a tool."]
 OBJECTS = [c for c in CASES if c["kind"] == "json_schema" and isinstance(c["schema"], dict)
