@@ -15,11 +15,9 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from service.api.tools import read_answer
-from service.engine import Engine
-from service.engine.grammar import GrammarCompiler, GrammarSpec
+from service.engine.grammar import GrammarSpec
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_chat
 from service.engine.tool_format import CALL_OPEN, Function, call_grammar, generic_turns, parse_calls
@@ -47,17 +45,6 @@ def tool_sets() -> list[tuple[list[Function], str, bool]]:
 
 
 SETS = tool_sets()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    torch.set_num_threads(1)
-    return Engine.load(None)
-
-
-@pytest.fixture(scope="module")
-def compiler(engine):
-    return GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_ids)
 
 
 def _decode(engine, compiler, cache_mode, kv_quant=None):
