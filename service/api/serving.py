@@ -429,7 +429,14 @@ class Serving:
         if self._grammars is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
-        return self._grammars.compile(spec)
+        try:
+            return self._grammars.compile(spec)
+        except EngineInputError:
+            if tools is None or spec.kind != "lark":
+                raise
+            for one in tools.parameter_specs():  # name the function whose schema is at fault, where one is
+                self._grammars.compile(one)
+            raise
 
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt",

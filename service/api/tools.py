@@ -147,7 +147,8 @@ class ToolFields(BaseModel):
         if mode != "none" and constrained is not None:
             raise EngineInputError(f"{constrained} cannot be combined with tools unless tool_choice is none: the "
                                    "response is then calls (or text or calls), under one grammar", constrained)
-        return ToolRequest(tuple(functions), tuple(called), mode, self.parallel_tool_calls is not False)
+        return ToolRequest(tuple(functions), tuple(called), mode, self.parallel_tool_calls is not False,
+                           tuple(f"tools.{seen[f.name]}.function.parameters" for f in called))
 
 
 def _parameters(schema: dict[str, Any] | None, field: str) -> dict[str, Any]:
@@ -172,13 +173,15 @@ class ToolRequest:
 
     Attributes:
         functions: every tool offered (what the prompt lists); called: the ones a call may name (one, for a named
-            ``tool_choice``); mode: ``none``, ``auto``, ``required`` or ``named``; parallel: several calls allowed.
+            ``tool_choice``); mode: ``none``, ``auto``, ``required`` or ``named``; parallel: several calls allowed;
+        fields: the request field of each called function's ``parameters``.
     """
 
     functions: tuple[Function, ...]
     called: tuple[Function, ...]
     mode: str
     parallel: bool
+    fields: tuple[str, ...] = ()
 
     @property
     def calls(self) -> bool:
@@ -190,6 +193,12 @@ class ToolRequest:
         if not self.calls:
             return None
         return GrammarSpec.lark(call_grammar(self.called, self.parallel, self.mode == "auto"), "tools")
+
+    def parameter_specs(self) -> list[GrammarSpec]:
+        """Each called function's ``parameters`` as a structured-output schema naming its field: compiled one by
+        one when the whole grammar is refused, to say which schema is at fault."""
+        return [GrammarSpec.json_schema({"type": "object", **f.parameters}, field)
+                for f, field in zip(self.called, self.fields, strict=True)]
 
 
 def conversation_calls(calls: list[ToolCallIn] | None, field: str) -> list[dict[str, str]]:

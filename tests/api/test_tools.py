@@ -78,6 +78,8 @@ def _valid_calls(message: dict) -> list[tuple[str, dict]]:
      "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]}, "tools.0.function.parameters"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools.1.function.parameters"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"tool_choice": "required", "tools": None}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
