@@ -126,22 +126,6 @@ class NullOrHas(Cond):
         return {"required": [self.field], "properties": {self.field: {"type": "object", "not": self._has()}}}
 
 
-class NullOrIs(Cond):
-    """The field is absent or null, or equals ``value``."""
-
-    def __init__(self, field: str, value: Any) -> None:
-        self.field, self.value = field, value
-
-    def holds(self, model: BaseModel) -> bool:
-        return getattr(model, self.field) in (None, self.value)
-
-    def schema(self, defaults=None) -> dict[str, Any]:
-        return {"properties": {self.field: {"enum": [self.value, None]}}}
-
-    def negated(self, defaults=None) -> dict[str, Any]:
-        return {"required": [self.field], "properties": {self.field: {"not": {"enum": [self.value, None]}}}}
-
-
 class Not(Cond):
     """The condition ``cond`` does not hold."""
 
@@ -298,5 +282,5 @@ def only(annotation: Any, legal: str) -> Any:
     return Annotated[annotation, WrapValidator(refuse)]
 
 
-__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas", "NullOrIs",
+__all__ = ["RULED", "AtMostOne", "ExactlyOne", "Given", "Implies", "Is", "IsText", "Not", "NullOrHas",
            "RuledModel", "describe_value", "only"]

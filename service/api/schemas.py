@@ -42,7 +42,6 @@ from service.api.rules import (
     IsText,
     Not,
     NullOrHas,
-    NullOrIs,
     RuledModel,
     only,
 )
@@ -85,9 +84,13 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
   tokenized as text and may);
 * a structured-output schema or regex (`response_format`, `structured_outputs`, `guided_*`) compiles within the
   grammar engine's limits (llguidance: its JSON Schema coverage, Rust regex syntax, bounded work, 5 s);
-* chat: top_logprobs needs logprobs = true."""
-#: The chat rule GENERATION_RULES states in words (`ChatCompletionRequest`).
+* chat: top_logprobs needs logprobs = true;
+* chat: tool_choice other than none needs tools; tool names are unique, a named tool_choice is one of them, each
+  function's parameters an object schema that compiles, and tool_choice other than none is not combined with a
+  structured-output field (docs/api.md, "Tool calls")."""
+#: The chat rules GENERATION_RULES states in words (`ChatCompletionRequest`).
 TOP_LOGPROBS_RULE = "top_logprobs needs logprobs = true"
+TOOL_CHOICE_RULE = "tool_choice other than none needs tools"
 
 #: The JSON Schema extension key that :func:`from_server` writes and `service.api.openapi` replaces.
 FROM_SERVER = "x-from-server"
@@ -343,9 +346,7 @@ class ChatCompletionRequest(OpenAISampling, ToolFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),
-             Implies(Not(Given("tools")), NullOrIs("tool_choice", "none"), "tool_choice other than none needs tools",
-                     "tool_choice"))
+    rules = (AtMostOne("max_tokens", "max_completion_tokens", param="max_completion_tokens"),)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -353,6 +354,13 @@ class ChatCompletionRequest(OpenAISampling, ToolFields):
         # whole operation ("Schema Error"), so GENERATION_RULES states it in words instead.
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("request_rule", TOP_LOGPROBS_RULE, {"param": "top_logprobs"})
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        # Stated in words for the same reason as top_logprobs' rule (as an allOf, schemathesis gives up).
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise PydanticCustomError("request_rule", TOOL_CHOICE_RULE, {"param": "tool_choice"})
         return self
 
 
