@@ -402,7 +402,9 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
 
     m("chat: no messages", [], "messages")
     m("chat: messages null", None, "messages")
-    m("chat: role tool", [{"role": "tool", "content": "x", "tool_call_id": "1"}], "messages.0.role")
+    m("chat: role tool (a call's result, issue 35)", [{"role": "tool", "content": "x", "tool_call_id": "1"}], None,
+      expect=200)
+    m("chat: role tool without tool_call_id", [{"role": "tool", "content": "x"}], "messages.0.tool_call_id")
     m("chat: role 'User' (case)", [{"role": "User", "content": "x"}], "messages.0.role")
     m("chat: image_url part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
       "messages.0.content")
@@ -414,7 +416,10 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
       None, expect=200)
     m("chat: max_tokens 8 and max_completion_tokens 64 (conflict)", [{"role": "user", "content": DIGITS}],
       "max_completion_tokens", expect={200, 400}, max_completion_tokens=64)
-    m("chat: tools", [{"role": "user", "content": "x"}], "tools", tools=[{"type": "function", "function": {"name": "f"}}])
+    m("chat: tools (served, issue 35)", [{"role": "user", "content": "x"}], None, expect=200,
+      tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
+    m("chat: tools with a name OpenAI refuses", [{"role": "user", "content": "x"}], "tools.0.function.name",
+      tools=[{"type": "function", "function": {"name": "f()"}}])
     m("chat: response_format json_object (served)", [{"role": "user", "content": "x"}], None, expect=200,
       response_format={"type": "json_object"})
     m("chat: response_format json_schema that cannot compile", [{"role": "user", "content": "x"}],

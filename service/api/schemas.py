@@ -28,6 +28,7 @@ from pydantic import (
     WithJsonSchema,
     WrapValidator,
     create_model,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -45,6 +46,7 @@ from service.api.rules import (
     only,
 )
 from service.api.structured import StructuredOutputFields
+from service.api.tools import ToolCallIn, ToolFields
 from service.engine.params import (
     MAX_TOP_LOGPROBS,
     N_CEILING,
@@ -82,9 +84,13 @@ GENERATION_RULES = """Rules the schema cannot state (each refused with a 400 nam
   tokenized as text and may);
 * a structured-output schema or regex (`response_format`, `structured_outputs`, `guided_*`) compiles within the
   grammar engine's limits (llguidance: its JSON Schema coverage, Rust regex syntax, bounded work, 5 s);
-* chat: top_logprobs needs logprobs = true."""
-#: The chat rule GENERATION_RULES states in words (`ChatCompletionRequest`).
+* chat: top_logprobs needs logprobs = true;
+* chat: tool_choice other than none needs tools; tool names are unique, a named tool_choice is one of them, each
+  function's parameters an object schema that compiles, and tool_choice other than none is not combined with a
+  structured-output field (docs/api.md, "Tool calls")."""
+#: The chat rules GENERATION_RULES states in words (`ChatCompletionRequest`).
 TOP_LOGPROBS_RULE = "top_logprobs needs logprobs = true"
+TOOL_CHOICE_RULE = "tool_choice other than none needs tools"
 
 #: The JSON Schema extension key that :func:`from_server` writes and `service.api.openapi` replaces.
 FROM_SERVER = "x-from-server"
@@ -289,15 +295,22 @@ class TextPart(StrictModel):
 
 class ChatMessage(RuledModel):
     """One chat message; ``developer`` is treated as ``system``. Only an assistant message may leave ``content``
-    out or null (OpenAI's: its content is optional, every other role's is required)."""
+    out or null (OpenAI's: its content is optional, every other role's is required). An assistant message may carry
+    the ``tool_calls`` it made, a ``tool`` message the result of one (``tool_call_id``; `service.api.tools`)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
 
     rules = (Implies(Not(Is("role", "assistant")), Given("content"),
-                     "content is required (a string or a list of text parts) in a system, developer or user "
-                     "message; only an assistant message may leave it out or null", "content"),)
+                     "content is required (a string or a list of text parts) in a system, developer, user or tool "
+                     "message; only an assistant message may leave it out or null", "content"),
+             Implies(Is("role", "tool"), Given("tool_call_id"), "a tool message needs the tool_call_id of the call "
+                     "it answers", "tool_call_id"),
+             Implies(Given("tool_calls"), Is("role", "assistant"), "only an assistant message carries tool_calls",
+                     "tool_calls"))
 
     @property
     def text(self) -> str:
@@ -309,8 +322,8 @@ class ChatMessage(RuledModel):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(OpenAISampling):
-    """``POST /v1/chat/completions``: OpenAI's chat completions."""
+class ChatCompletionRequest(OpenAISampling, ToolFields):
+    """``POST /v1/chat/completions``: OpenAI's chat completions (tool calling: `service.api.tools`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: ResponseTokens | None = Field(None, description="the same as max_tokens (OpenAI's newer "
@@ -318,9 +331,6 @@ class ChatCompletionRequest(OpenAISampling):
     logprobs: StrictBool | None = Field(None, description="each returned token's log-probability as the model gave "
                                         "it at the step that revealed it (docs/api.md, \"Log-probabilities\")")
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (0-20); needs logprobs = true")
-    tools: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "tools are not supported") = None
-    tool_choice: only(exactly("none") | None, "tools are not supported") = None
-    parallel_tool_calls: StrictBool | None = None
     functions: only(Annotated[list[dict[str, Any]], Field(max_length=0)] | None, "functions are not supported") = None
     function_call: only(exactly("none") | None, "functions are not supported") = None
     store: only(exactly(False) | None, "store = true is not supported (nothing is stored)") = None
@@ -344,6 +354,13 @@ class ChatCompletionRequest(OpenAISampling):
         # whole operation ("Schema Error"), so GENERATION_RULES states it in words instead.
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("request_rule", TOP_LOGPROBS_RULE, {"param": "top_logprobs"})
+        return self
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        # Stated in words for the same reason as top_logprobs' rule (as an allOf, schemathesis gives up).
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise PydanticCustomError("request_rule", TOOL_CHOICE_RULE, {"param": "tool_choice"})
         return self
 
 
@@ -396,11 +413,37 @@ class CompletionResponse(BaseModel):
     kv_config: dict[str, Any] | None = Field(None, description="the configuration snapshot the request ran with")
 
 
+class FunctionCallOut(BaseModel):
+    """A call's function: its name and arguments (the JSON text of an object)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    """One call of a response (OpenAI's ``message.tool_calls[]``)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+def _without_absent_calls(self: BaseModel, handler: Any) -> dict[str, Any]:
+    """The model's fields, ``tool_calls`` left out when there are none (OpenAI's messages carry it only then)."""
+    data = handler(self)
+    if data.get("tool_calls") is None:
+        data.pop("tool_calls", None)
+    return data
+
+
 class ChatMessageOut(BaseModel):
-    """The assistant's message."""
+    """The assistant's message: its text (null when it is calls) and its ``tool_calls`` (only when it made some)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+    _serialize = model_serializer(mode="wrap")(_without_absent_calls)
 
 
 class TopLogprob(BaseModel):
@@ -430,7 +473,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):
@@ -446,10 +489,14 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    """The text delta of a streamed chat chunk."""
+    """The delta of a streamed chat chunk: text, or pieces of calls (OpenAI's: ``index``, ``id``, ``type`` and
+    ``function.name`` in a call's first piece, ``function.arguments`` in later ones; only the keys a piece has)."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    _serialize = model_serializer(mode="wrap")(_without_absent_calls)
 
 
 class ChatChunkChoice(BaseModel):
@@ -458,7 +505,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -38,16 +38,19 @@ from fastapi import Request
 from service.api import schemas as s
 from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
 from service.api.logprobs import chat_logprobs, completion_logprobs, tokens_within
+from service.api.structured import CONSTRAINT_FIELDS
+from service.api.tools import ToolAnswer, ToolRequest, call_id, conversation_calls, read_answer
 from service.config import Settings
 from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
 from service.engine.params import DecodeParams, RowOptions, response_length
-from service.engine.prompts import encode_chat, encode_prompt, encode_text
+from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
+from service.engine.tool_format import Call, generic_turns, parse_calls, starts_as_call
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import ArtifactNotFound, StoreUnavailable
@@ -71,7 +74,8 @@ class Plan:
 
     Attributes (issue 25): ``prompts`` the prompts' ids; ``logprobs`` the alternatives per returned token (None: no
     log-probabilities); ``echo`` the prompts' texts to put before each choice's text (None: no echo); ``scores``
-    the jobs scoring each prompt's tokens (echo with logprobs), and ``scored`` their results once run.
+    the jobs scoring each prompt's tokens (echo with logprobs), and ``scored`` their results once run; ``tools``
+    whether the choices are read for tool calls (`service.api.tools`).
     """
 
     kind: Kind
@@ -87,6 +91,7 @@ class Plan:
     echo: list[str] | None = None
     scores: list[Job] = field(default_factory=list)
     scored: list[list[TokenLogprob]] = field(default_factory=list)
+    tools: bool = False
 
     @property
     def all_jobs(self) -> list[Job]:
@@ -174,11 +179,34 @@ class Serving:
                                  param="prompt")
         return tok
 
-    def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True,
+                  tools: ToolRequest | None = None) -> list[int]:
         turns = [{"role": m.role, "content": m.text} for m in messages]
-        return self._tokenize(sum(len(t["content"]) for t in turns), encode_chat, self.engine.tokenizer, turns,
-                              self.spec.model_id, add_generation_prompt, "messages",
-                              self.settings.allow_special_tokens_in_content)
+        declared = None
+        if tools is not None or any(m.tool_calls or m.role == "tool" for m in messages):
+            turns, declared = self._tool_turns(messages, turns, tools)
+        return self._tokenize(sum(len(t["content"] or "") for t in turns), encode_chat, self.engine.tokenizer,
+                              turns, self.spec.model_id, add_generation_prompt, "messages",
+                              self.settings.allow_special_tokens_in_content, declared)
+
+    def _tool_turns(self, messages: list[s.ChatMessage], turns: list[dict[str, Any]], tools: ToolRequest | None
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """A conversation with tools, calls or results as turns for the chat template, and the tools to hand it:
+        OpenAI's shapes for a template that knows tools, else the generic format with no tools to hand
+        (`service.engine.tool_format`)."""
+        functions = tools.functions if tools is not None else ()
+        for i, (m, turn) in enumerate(zip(messages, turns, strict=True)):
+            if m.tool_calls:
+                turn["tool_calls"] = conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
+            if m.role == "tool":
+                turn["tool_call_id"] = m.tool_call_id
+        if not knows_tools(getattr(self.engine, "tokenizer", None)):
+            return generic_turns(turns, functions), None
+        for turn in turns:  # OpenAI's call shape, arguments as an object (what the templates iterate over)
+            if "tool_calls" in turn:
+                turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                    "name": c["name"], "arguments": json.loads(c["arguments"])}} for c in turn["tool_calls"]]
+        return turns, [f.declared() for f in functions] or None
 
     def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.spec.model_id,
@@ -371,10 +399,15 @@ class Serving:
         return jobs
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
-        """Validate and apply the chat template for ``/v1/chat/completions``."""
+        """Validate and apply the chat template for ``/v1/chat/completions`` (with tools: `service.api.tools`)."""
         self._check_model(req.model)
-        return self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages)],
-                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages")
+        constrained = next((f for f in CONSTRAINT_FIELDS if req._constrains(f)), None)
+        tools = req.tool_request(constrained)
+        plan = self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages, tools=tools)],
+                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages",
+                          tools=tools)
+        plan.tools = tools is not None and tools.calls
+        return plan
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
         """Validate ``/generate``: text (optionally through the chat template) or token ids."""
@@ -388,20 +421,31 @@ class Serving:
             ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
 
-    def _grammar(self, req: s.OpenAISampling | s.GenerateRequest) -> CompiledGrammar | None:
-        """The compiled grammar of the request's structured-output fields (`service.api.structured`), or None.
-        Compiling blocks (bounded, cached: `service.engine.grammar.GrammarCompiler`): planning runs off the event
-        loop."""
-        spec = req.grammar_spec() if isinstance(req, s.OpenAISampling) else None
+    def _grammar(self, req: s.OpenAISampling | s.GenerateRequest, tools: ToolRequest | None = None
+                 ) -> CompiledGrammar | None:
+        """The compiled grammar of the request's structured-output fields (`service.api.structured`) or of its
+        tool calls (`service.api.tools`), or None. Compiling blocks (bounded, cached:
+        `service.engine.grammar.GrammarCompiler`): planning runs off the event loop."""
+        spec = tools.grammar_spec() if tools is not None else None
+        if spec is None:
+            spec = req.grammar_spec() if isinstance(req, s.OpenAISampling) else None
         if spec is None:
             return None
         if self._grammars is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
-        return self._grammars.compile(spec)
+        try:
+            return self._grammars.compile(spec)
+        except EngineInputError:
+            if tools is None or spec.kind != "lark":
+                raise
+            for one in tools.parameter_specs():  # name the function whose schema is at fault, where one is
+                self._grammars.compile(one)
+            raise
 
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
-              max_tokens: int | None, temperature: float, prompt_param: str = "prompt") -> Plan:
+              max_tokens: int | None, temperature: float, prompt_param: str = "prompt",
+              tools: ToolRequest | None = None) -> Plan:
         params, max_tokens = self._params(req, max_tokens)
         self._refuse_mask(req, prompts, prompt_param)
         logprobs = _logprobs_asked(req)
@@ -410,7 +454,7 @@ class Serving:
             raise InvalidRequest(f"n {n} is over this server's {self.settings.max_n} choices per request "
                                  "(DLLM_MAX_N)", param="n")
         row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
-                         logprobs=logprobs, grammar=self._grammar(req))
+                         logprobs=logprobs, grammar=self._grammar(req, tools))
         rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
         jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
@@ -523,8 +567,12 @@ class Serving:
             logprobs = None
             if plan.logprobs is not None:
                 logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)])
-            choices.append(s.ChatChoice(index=k, message=s.ChatMessageOut(content=row.text), logprobs=logprobs,
-                                        finish_reason=row.finish_reason))
+            if plan.tools:
+                answer = read_answer(row.text or "", row.finish_reason)
+                message, reason = _tool_message(answer), answer.finish_reason
+            else:
+                message, reason = s.ChatMessageOut(content=row.text), row.finish_reason
+            choices.append(s.ChatChoice(index=k, message=message, logprobs=logprobs, finish_reason=reason))
             completion_tokens += len(row.generated_ids)
         prompt_tokens = len(plan.jobs[0].prompt_ids)
         return s.ChatCompletionResponse(
@@ -561,6 +609,7 @@ class Serving:
         open_jobs = set(range(len(plan.jobs)))
         prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
         completion_tokens = 0
+        call_ids: list[list[str]] = [[] for _ in range(choices)]  # ids of the calls streamed, per choice
         deadline = loop.time() + self.settings.request_timeout_s
         ended = False
         try:
@@ -584,6 +633,10 @@ class Serving:
                         cut = self.cut(job, ids)
                         text = cut.text or ""
                         text = text[: len(text) - held_back(text, job.row.stop)]
+                        if plan.tools and starts_as_call(text):  # calls go out whole, never a partial one
+                            for chunk in self._call_chunks(plan, k, parse_calls(text)[0], call_ids[k]):
+                                yield chunk
+                            continue
                         delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
                         entries = None
                         if plan.logprobs is not None and captured is not None:
@@ -601,11 +654,22 @@ class Serving:
                     k = i * plan.n + j
                     text = row.text or ""
                     completion_tokens += len(row.generated_ids)
-                    delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
                     entries = (row.logprobs or [])[sent[k]:len(row.generated_ids)] if plan.logprobs is not None else None
+                    finish = row.finish_reason
+                    if plan.tools:
+                        answer = read_answer(text, row.finish_reason, call_ids[k])
+                        finish = answer.finish_reason
+                        if answer.content is None:
+                            for chunk in self._call_chunks(plan, k, [c for _, c in answer.calls], call_ids[k]):
+                                yield chunk
+                            if entries:
+                                yield self._chunk(plan, k, logprobs=entries)
+                            yield self._chunk(plan, k, text="", finish_reason=finish)
+                            continue
+                    delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
                     if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
                         yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
-                    yield self._chunk(plan, k, text="", finish_reason=row.finish_reason)
+                    yield self._chunk(plan, k, text="", finish_reason=finish)
                 if not open_jobs:
                     ended = True
                     self._observe(plan, [j.future.result() for j in plan.jobs])
@@ -628,16 +692,31 @@ class Serving:
                 mark_cancelled(request)
         yield "data: [DONE]\n\n"
 
+    def _call_chunks(self, plan: Plan, k: int, calls: list[Call], ids: list[str]) -> list[str]:
+        """The chunks of the calls of choice ``k`` not yet streamed (``ids``: those streamed, extended here), each
+        as OpenAI streams one: its index, id, type and name first, then its arguments."""
+        chunks = []
+        for index in range(len(ids), len(calls)):
+            ids.append(call_id())
+            call = calls[index]
+            chunks.append(self._chunk(plan, k, tool_calls=[{"index": index, "id": ids[index], "type": "function",
+                                                            "function": {"name": call.name, "arguments": ""}}]))
+            chunks.append(self._chunk(plan, k, tool_calls=[{"index": index,
+                                                            "function": {"arguments": call.arguments}}]))
+        return chunks
+
     def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
                finish_reason: str | None = None, usage: s.Usage | None = None,
-               logprobs: list[TokenLogprob] | None = None, offset: int = 0) -> str:
+               logprobs: list[TokenLogprob] | None = None, offset: int = 0,
+               tool_calls: list[dict[str, Any]] | None = None) -> str:
         """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``;
         ``logprobs``: the entries of the tokens whose text this chunk completes (``offset``: the characters sent
-        before it)."""
+        before it); ``tool_calls``: call pieces (chat)."""
         exclude = {"kv_config"} | (set() if plan.include_usage else {"usage"})
         tok = getattr(self.engine, "tokenizer", None)
         if plan.kind == "chat":
-            delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text)
+            delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text,
+                                                                                             tool_calls=tool_calls)
             chat = chat_logprobs(tok, logprobs) if logprobs is not None else None
             choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta, logprobs=chat,
                                                                   finish_reason=finish_reason)]
@@ -676,6 +755,13 @@ def _choice_seed(seed: int | None, index: int) -> int | None:
     if seed is None:
         return None
     return seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
+
+
+def _tool_message(answer: ToolAnswer) -> s.ChatMessageOut:
+    """The assistant message of a response read for calls."""
+    calls = [s.ToolCallOut(id=i, function=s.FunctionCallOut(name=c.name, arguments=c.arguments))
+             for i, c in answer.calls]
+    return s.ChatMessageOut(content=answer.content, tool_calls=calls or None)
 
 
 def _choice_rows(plan: Plan, results: list[JobResult]) -> list[tuple[Job, Any]]:

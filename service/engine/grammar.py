@@ -79,7 +79,7 @@ from service.engine.errors import EngineInputError
 from service.engine.grammar_size import grammar_positions
 from service.engine.schema_values import has_finite_value
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
 
 #: JSON output as OpenAI and vLLM write it (``{"a": 1, "b": [2, 3]}``): fixed separators and no free whitespace,
 #: so the separators are forced tokens (revealed without a forward of their own) and a model cannot pad forever.
@@ -107,7 +107,8 @@ class GrammarSpec:
 
     Attributes:
         kind: ``json_schema``, ``json_object`` (any JSON object), ``regex`` (the whole response matches it, Rust
-            regex syntax) or ``choice`` (exactly one of the strings).
+            regex syntax), ``choice`` (exactly one of the strings) or ``lark`` (llguidance's Lark grammar, as
+            `service.engine.tool_format.call_grammar` writes it for tool calls).
         source: the canonical text (a schema or the choices as compact JSON, the regex as given). A schema keeps
             its properties' order: the grammar writes an object's keys in that order, as OpenAI's structured
             outputs and vLLM do, so two schemas that differ only in that order are different grammars.
@@ -139,12 +140,18 @@ class GrammarSpec:
     def choice(cls, choices: Sequence[str], field: str) -> GrammarSpec:
         return cls("choice", json.dumps(list(choices)), field)
 
+    @classmethod
+    def lark(cls, grammar: str, field: str) -> GrammarSpec:
+        return cls("lark", grammar, field)
+
     def grammar(self) -> str:
         """llguidance's grammar text for this spec (not yet checked: :class:`GrammarCompiler` does)."""
         if self.kind in ("json_schema", "json_object"):
             return llguidance.LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.source)
         choices = json.loads(self.source)
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 

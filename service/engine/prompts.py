@@ -111,13 +111,14 @@ def _content_specials(tokenizer: Any, turns: Sequence[Message]) -> list[str]:
 
 
 def _encode_chat_content_as_text(tokenizer: Any, turns: list[Message], add_generation_prompt: bool,
-                                 found: list[str]) -> list[int]:
+                                 found: list[str], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """The template's ids with the special texts ``found`` in the contents tokenized as text (module docstring)."""
     tag = uuid.uuid4().hex  # markers no content can already hold
     spelled = re.compile("|".join(map(re.escape, found)))
     marked = [{**m, "content": spelled.sub(lambda mt: f"\ue000{tag}{found.index(mt.group())}\ue001", m["content"])}
               if isinstance(m.get("content"), str) else m for m in turns]
-    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **_tools_kwarg(tools))
     controls = special_texts(tokenizer)
     unmark = re.compile(f"\ue000{tag}(\\d+)\ue001")
     ids: list[int] = []
@@ -130,9 +131,12 @@ def _encode_chat_content_as_text(tokenizer: Any, turns: list[Message], add_gener
 
 
 def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_generation_prompt: bool = True,
-                field: str = "messages", special_in_content: bool = False) -> list[int]:
+                field: str = "messages", special_in_content: bool = False,
+                tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of ``messages`` (``[{"role", "content"}]``) through the chat template; special-token text in a
-    content is tokenized as text unless ``special_in_content`` (module docstring).
+    content is tokenized as text unless ``special_in_content`` (module docstring). ``tools`` (OpenAI's ``tools``
+    items) are handed to a template that takes them (:func:`knows_tools`); otherwise the caller writes them into
+    the turns (`service.engine.tool_format.generic_turns`).
 
     Raises:
         EngineInputError: no tokenizer, no chat template, no messages, or text with a lone surrogate.
@@ -141,9 +145,21 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
     turns = _turns(messages)
     found = [] if special_in_content else _content_specials(tokenizer, turns)
     if found:
-        return _encode_chat_content_as_text(tokenizer, turns, add_generation_prompt, found)
+        return _encode_chat_content_as_text(tokenizer, turns, add_generation_prompt, found, tools)
     return token_ids(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=True, tokenizer_kwargs={"verbose": False}))
+                                                   tokenize=True, tokenizer_kwargs={"verbose": False},
+                                                   **_tools_kwarg(tools)))
+
+
+def knows_tools(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template renders ``tools`` (it reads a variable of that name, as the
+    templates of Qwen2.5, Llama 3.1 and Hermes do); LLaDA's, Dream's and the embedded model's do not."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def _tools_kwarg(tools: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
+    # Only when there are tools: a tokenizer without tool support need not take the argument.
+    return {"tools": list(tools)} if tools else {}
 
 
 def token_ids(encoded: Any) -> list[int]:

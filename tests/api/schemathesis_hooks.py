@@ -14,6 +14,10 @@ cases are never filtered. The rules, named again at each check:
 * ``grammar``: a structured-output field (``response_format`` json_schema, ``structured_outputs``, ``guided_*``)
   holds a schema or regex the grammar engine compiles (restated by compiling it with llguidance, the engine's
   library, without the server's tokenizer: `service.engine.grammar`);
+* ``tools``: chat's tool fields as `service.api.tools` states them beyond the schema (unique names, a named
+  ``tool_choice`` among the tools, object schemas with a finite value that compile, no structured-output field
+  beside a ``tool_choice`` other than none, a conversation's call arguments the JSON text of an object, on
+  ``/tokenize`` too), restated with that module's own checks and llguidance (as ``grammar``);
 * ``choices``: each of the ``n`` choices costs the work above (the ceiling holds for their sum);
 * ``likelihood``: a completion with ``echo`` and ``logprobs`` scores every prompt token: ``(T - 1) x (mc_num + 1)
   x T`` token-forwards within ``max_request_work``, and ``mc_num`` a multiple of the server's Monte-Carlo batch
@@ -100,6 +104,47 @@ def _grammar_compiles(body: dict[str, Any]) -> bool:
         return False
 
 
+def _tools_fit(body: dict[str, Any]) -> bool:
+    """Rule "tools" (module docstring)."""
+    import llguidance
+
+    from service.api.schemas import ChatCompletionRequest
+    from service.api.structured import CONSTRAINT_FIELDS
+    from service.api.tools import conversation_calls
+    from service.engine.errors import EngineInputError
+
+    fields = ("tools", "tool_choice", "parallel_tool_calls", *CONSTRAINT_FIELDS)
+    try:
+        req = ChatCompletionRequest.model_validate({"messages": body["messages"],
+                                                    **{k: body[k] for k in fields if k in body}})
+        for i, m in enumerate(req.messages):
+            conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        tools = req.tool_request(next((f for f in CONSTRAINT_FIELDS if req._constrains(f)), None))
+        spec = tools.grammar_spec() if tools is not None else None
+        return spec is None or not llguidance.LLMatcher.validate_grammar(spec.grammar())
+    except (EngineInputError, ValueError):
+        return False
+
+
+def _conversation_fits(body: dict[str, Any]) -> bool:
+    """Rule "tools" on ``/tokenize``: the calls of a conversation (``messages``, or a ``prompt`` of messages)."""
+    from service.api.schemas import TokenizeRequest
+    from service.api.tools import conversation_calls
+    from service.engine.errors import EngineInputError
+
+    try:
+        req = TokenizeRequest.model_validate(body)
+    except ValueError:
+        return True  # refused by the schema's own rules: not a positive case this rule decides
+    messages = req.prompt if isinstance(req.prompt, list) else req.messages or []
+    try:
+        for i, m in enumerate(messages):
+            conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
+    except EngineInputError:
+        return False
+    return True
+
+
 def _likelihood_fits(body: dict[str, Any]) -> bool:
     """Rule "likelihood" (module docstring)."""
     server = _server()
@@ -115,6 +160,8 @@ def _likelihood_fits(body: dict[str, Any]) -> bool:
 def _generation_fits(path: str, body: dict[str, Any]) -> bool:
     server = _server()
     if not _grammar_compiles(body):
+        return False
+    if path == "/v1/chat/completions" and not _tools_fit(body):
         return False
     if path != "/v1/chat/completions" and not (path == "/generate" and body.get("chat")):
         prompt = body.get("prompt")
@@ -159,6 +206,8 @@ def filter_case(context, case) -> bool:
     body = case.body if isinstance(case.body, dict) else None
     if path in GENERATION and body is not None:
         return _generation_fits(path, body)
+    if path == "/tokenize" and body is not None:
+        return _conversation_fits(body)
     if path == "/admin/active/{cache_mode}" and body is not None:
         # Rule "activation": cache mode none reuses nothing to quantize.
         return not (case.path_parameters.get("cache_mode") == "none" and body.get("method", "none") != "none")

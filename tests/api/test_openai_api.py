@@ -198,7 +198,7 @@ def test_chat_bad_input(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                   "tools": [{"type": "function"}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function"
 
 
 def test_admin_closed_without_key(client):

@@ -130,14 +130,17 @@ CASES = [
 ]
 
 
-def _stated_in_words(route: str, body: dict) -> str | None:
-    """The rule of the operation's description (not of its schema) that ``body`` breaks, if any: chat's
-    ``top_logprobs`` needs ``logprobs`` = true (as a schema ``allOf`` it made schemathesis' generator give up on the
-    operation, `service.api.schemas.ChatCompletionRequest`)."""
-    from service.api.schemas import TOP_LOGPROBS_RULE
+def _stated_in_words(route: str, body: dict) -> tuple[str, str] | None:
+    """The rule of the operation's description (not of its schema) that ``body`` breaks, if any, and the field it
+    names: chat's ``top_logprobs`` needs ``logprobs`` = true, and its ``tool_choice`` other than none needs
+    ``tools`` (as schema ``allOf`` s they made schemathesis' generator give up on the operation,
+    `service.api.schemas.ChatCompletionRequest`)."""
+    from service.api.schemas import TOOL_CHOICE_RULE, TOP_LOGPROBS_RULE
 
     if route == "/v1/chat/completions" and body.get("top_logprobs") is not None and body.get("logprobs") is not True:
-        return TOP_LOGPROBS_RULE
+        return TOP_LOGPROBS_RULE, "top_logprobs"
+    if route == "/v1/chat/completions" and body.get("tool_choice") not in (None, "none") and not body.get("tools"):
+        return TOOL_CHOICE_RULE, "tool_choice"
     return None
 
 
@@ -145,9 +148,10 @@ def _stated_in_words(route: str, body: dict) -> str | None:
 def test_the_document_and_the_server_agree(client, doc, route, component, body):
     r = client.post(route, json=body)
     assert r.status_code in (200, 400, 404), r.text  # 404: an unknown model
-    rule = _stated_in_words(route, body)
-    if rule is not None:  # the document states it in the operation's description; the server refuses, naming it
+    stated = _stated_in_words(route, body)
+    if stated is not None:  # the document states it in the operation's description; the server refuses, naming it
+        rule, param = stated
         assert rule in doc["paths"][route]["post"]["description"] and admits(doc, component, body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs" and rule in r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and rule in r.text
         return
     assert (r.status_code == 200) == admits(doc, component, body), r.text

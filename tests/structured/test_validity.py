@@ -11,10 +11,7 @@ constrained rows with different grammars share forwards; unconstrained rows ride
 from __future__ import annotations
 
 import pytest
-import torch
 
-from service.engine import Engine
-from service.engine.grammar import GrammarCompiler
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_chat
 from service.quant.config import KVQuantConfig
@@ -22,17 +19,6 @@ from service.quant.store import make_kv_store
 from tests.support.structured import CASES, PROMPTS, spec_of, violation
 
 MAX_TOKENS = 96
-
-
-@pytest.fixture(scope="module")
-def engine():
-    torch.set_num_threads(1)
-    return Engine.load(None)
-
-
-@pytest.fixture(scope="module")
-def compiler(engine):
-    return GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_ids)
 
 
 def _decode(engine, compiler, cache_mode, kv_quant=None, extra_unconstrained=0, threshold=0.9, steps=None,
