@@ -34,6 +34,7 @@ def flags(family: str, run: dict, cache_mode: str) -> list[str]:
     return [*args, "--dtype", "float32", "--device", "cpu", "--json"]
 
 
+@pytest.mark.integration
 def test_subprocess_json_report_matches_golden():
     family, run = CASES[-1]  # LLaDA2.1 with eos_early_stop
     out = subprocess.run([sys.executable, "-m", "service", "generate", "--threads", "1", *flags(family, run, "block")],

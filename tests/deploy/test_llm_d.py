@@ -29,6 +29,7 @@ def documents() -> dict[tuple[str, str], dict]:
     return out
 
 
+@pytest.mark.integration
 def test_the_endpoint_picker_validates_strictly(tmp_path):
     standard = [doc for (kind, _), doc in documents().items() if kind not in CUSTOM]
     assert {doc["kind"] for doc in standard} >= {"Deployment", "Service", "ConfigMap", "Role", "RoleBinding"}

@@ -338,6 +338,7 @@ def test_page_blocks_run(page, run_page):
     run_page(page)
 
 
+@pytest.mark.integration
 def test_readme_first_request_answers_as_shown(checkout, env, tmp_path):
     """The README's first request (its first ``needs=server`` block, a curl) sent to a fresh server on the embedded
     model gives the answer the README's next ```json block shows: the same message, finish reason, usage and KV

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from tests.support.paths import REPO
 
 
+@pytest.mark.integration
 def test_setup_ends_with_the_command_to_run():
     text = (REPO / "scripts" / "setup.sh").read_text()
     closing = text[text.rindex("\ncat <<'NEXT'"):]
