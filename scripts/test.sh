@@ -9,7 +9,7 @@
 #
 # Each tier's wall time is printed at the end; when the container tier did not run, the last line says so.
 # DLLM_TEST_WORKERS=N runs pytest in N pytest-xdist workers, each taking whole files (--dist loadfile); the
-# default is one per core for the fast tier and a single process for the others (docs/testing.md says why).
+# default is one per core for the fast tier and the whole suite, one process for ARGS (docs/testing.md says why).
 # The suite starts its own redis-server on a free port in a temporary directory (tests/conftest.py) and never
 # touches a Redis you run; this script only makes sure redis-server is installed.
 set -euo pipefail
@@ -74,7 +74,7 @@ if [ "$#" -gt 0 ]; then
   exit 0
 fi
 # shellcheck disable=SC2046
-tier suite .venv/bin/python -m pytest $(workers 1)
+tier suite .venv/bin/python -m pytest $(workers auto)
 # The container tier, after the suite and only for the whole suite: scripts/container_smoke.sh builds the CPU
 # image and runs it and the compose stack (tests/deploy/test_container_smoke.py; minutes when the layer cache
 # holds the dependencies, tens of minutes cold). Unless a docker daemon answers, podman (with runc and

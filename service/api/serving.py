@@ -41,7 +41,7 @@ from service.api.logprobs import chat_logprobs, completion_logprobs, tokens_with
 from service.api.structured import CONSTRAINT_FIELDS
 from service.api.tools import ToolAnswer, ToolRequest, call_id, conversation_calls, read_answer
 from service.config import Settings
-from service.engine.engine import validate_request
+from service.engine.engine import check_cache_mode, validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
@@ -267,6 +267,7 @@ class Serving:
         return params, max_tokens
 
     def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
+        check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
         if req.kv_quant is None:
             return self.active.snapshot(cache_mode)
         # These answers go to any client: they must not say where the store is (a path, a Redis URL).

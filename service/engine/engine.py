@@ -206,6 +206,17 @@ class Engine:
         )
 
 
+def check_cache_mode(spec, cache_mode: str) -> None:
+    """Raise `EngineInputError` (field ``cache_mode``) unless ``cache_mode`` is one the loaded model decodes with:
+    ``none``, ``prefix``, ``dual`` for the bidirectional families, and ``block`` only for block-causal ones (LLaDA2,
+    docs/llada2.md). The API checks it before it resolves a request's KV configuration for that mode."""
+    if cache_mode == "block" and not is_block_causal(spec.arch):
+        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); this "
+                               f"{spec.arch} model takes none, prefix or dual", "cache_mode")
+    if cache_mode not in ("none", "prefix", "dual", "block"):
+        raise EngineInputError(f"unknown cache mode {cache_mode!r}; legal: none, prefix, dual", "cache_mode")
+
+
 def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions]) -> None:
     """Check a decode request against the model and the schedule rules; raise before any work.
 
@@ -237,11 +248,7 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
                 f"prompt {i} contains the mask id {spec.mask_id}; prompts must not contain it (only the response is masked)",
                 "prompt",
             )
-    if params.cache_mode == "block" and not is_block_causal(spec.arch):
-        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); this "
-                               f"{spec.arch} model takes none, prefix or dual", "cache_mode")
-    if params.cache_mode not in ("none", "prefix", "dual", "block"):
-        raise EngineInputError(f"unknown cache mode {params.cache_mode!r}; legal: none, prefix, dual", "cache_mode")
+    check_cache_mode(spec, params.cache_mode)
     if params.gen_length % params.block_length:
         raise EngineInputError(
             f"gen_length {params.gen_length} is not a multiple of block_length {params.block_length}", "gen_length"

@@ -34,6 +34,9 @@ from service.engine.errors import EngineInputError
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual; block: the exact
 #: append-only cache of block-causal families (LLaDA2, `service.engine.block_causal`), refused by the others.
 CacheMode = Literal["none", "prefix", "dual", "block"]
+#: The cache modes that hold an active KV configuration in the store (``block``, LLaDA2's, runs with ``none``'s:
+#: `service.store.active.ActiveConfigs.snapshot`): what ``PUT /admin/active/{cache_mode}`` takes.
+ConfiguredCacheMode = Literal["none", "prefix", "dual"]
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")

@@ -26,6 +26,10 @@ cases are never filtered. The rules, named again at each check:
 * ``mask``: a text prompt (taken as written, special tokens included) does not hold the mask token's text (the mask
   is never input; chat content is tokenized as text and may);
 * ``activation``: ``PUT /admin/active/none`` takes no quantizing method (a path parameter against the body);
+* ``key_bias``: a ``kv_quant`` (a request's, a score report's, or an activation body) with ``key_bias_correction`` on quantizes keys:
+  a method other than ``none``, sides ``kv`` or ``k`` (`service.quant.config.KVQuantConfig`);
+* ``cache_mode``: ``block`` is the block-causal families' cache mode (LLaDA2); the suite's server runs the embedded
+  model (LLaDA's layout), which refuses it naming ``cache_mode``;
 * ``upload``: an uploaded artifact is a policy table or KVQuant state fitted to the loaded model (content JSON
   Schema cannot describe: safetensors bytes, layer and head counts); uploads are tested with real artifacts in
   ``tests/api/test_keys_and_admin_api.py``.
@@ -157,8 +161,17 @@ def _likelihood_fits(body: dict[str, Any]) -> bool:
                for tokens in _prompt_lengths("/v1/completions", body))
 
 
+def _key_bias_fits(kv: Any) -> bool:
+    """Rule "key_bias": the correction needs quantized keys."""
+    if not isinstance(kv, dict) or kv.get("key_bias_correction") is not True:
+        return True
+    return kv.get("method", "none") != "none" and kv.get("sides", "kv") in ("kv", "k")
+
+
 def _generation_fits(path: str, body: dict[str, Any]) -> bool:
     server = _server()
+    if body.get("cache_mode") == "block" or not _key_bias_fits(body.get("kv_quant")):
+        return False  # rules "cache_mode" and "key_bias"
     if not _grammar_compiles(body):
         return False
     if path == "/v1/chat/completions" and not _tools_fit(body):
@@ -204,11 +217,15 @@ def filter_case(context, case) -> bool:
         return True
     path, method = case.operation.path, case.operation.method.lower()
     body = case.body if isinstance(case.body, dict) else None
+    if body is not None and not _key_bias_fits(body.get("kv_quant")):
+        return False  # rule "key_bias" (a generation request's, an evaluation score report's)
     if path in GENERATION and body is not None:
         return _generation_fits(path, body)
     if path == "/tokenize" and body is not None:
         return _conversation_fits(body)
     if path == "/admin/active/{cache_mode}" and body is not None:
         # Rule "activation": cache mode none reuses nothing to quantize.
+        if not _key_bias_fits(body):
+            return False  # rule "key_bias"
         return not (case.path_parameters.get("cache_mode") == "none" and body.get("method", "none") != "none")
     return not (path == "/admin/{kind}" and method == "post")  # rule "upload"

@@ -81,8 +81,9 @@ def test_lm_eval_remote_tokenizer(server, engine):
 
 
 def test_a_key_bias_corrected_request_is_served_and_reported_and_a_pointless_one_refused(server):
+    # 4 bits: the series of the 2-bit KIVI test below (its shadow count) stay that test's own.
     body = {"prompt": f"copy: {DIGITS}", "chat": True, "max_tokens": 64,
-            "kv_quant": {"method": "kivi", "bits": 2, "key_bias_correction": True}}
+            "kv_quant": {"method": "kivi", "bits": 4, "key_bias_correction": True}}
     r = httpx.post(server.url + "/generate", timeout=60, json=body)
     assert r.status_code == 200, r.text
     assert r.json()["kv"]["config"]["key_bias_correction"] is True
@@ -152,3 +153,14 @@ def test_policy_upload_activate_serve_and_bad_policies(server, engine):
     r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert json.loads(httpx.get(url + "/admin/audit", headers=ADMIN).text)[0]["new"]["method"] == "none"
+
+
+def test_cache_mode_block_on_a_bidirectional_model_is_a_400_naming_it_with_or_without_kv_quant(server):
+    """``block`` is LLaDA2's cache mode; on the embedded (LLaDA-layout) model it is refused naming ``cache_mode``,
+    also when the request names a KV configuration (checked before the store is asked for that mode)."""
+    for extra in ({}, {"kv_quant": {"method": "kivi", "bits": 4}}):
+        r = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"prompt": "copy: 1 2", "max_tokens": 8, "cache_mode": "block", **extra})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "cache_mode" and "block-causal" in error["message"], error

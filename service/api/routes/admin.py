@@ -17,7 +17,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from service.api import schemas as s
 from service.api.deps import AdminDep, AdminKeyDep, require_admin
 from service.api.readable import ReadableJSONRoute
-from service.engine.params import CacheMode
+from service.engine.params import ConfiguredCacheMode
 from service.quant.config import KVQuantConfig
 from service.store.base import ID_PATTERN
 
@@ -59,7 +59,7 @@ def view_active(admin: AdminDep) -> s.ActiveView:
             "mode (answers old and new). Beyond the schema: cache mode `none` takes only method `none` (it reuses "
             "nothing to quantize), and a fitted artifact must exist (404) and fit the model, cache mode and bits "
             "(422).")
-def activate(cache_mode: CacheMode, config: KVQuantConfig, admin: AdminDep, key_id: AdminKeyDep
+def activate(cache_mode: ConfiguredCacheMode, config: KVQuantConfig, admin: AdminDep, key_id: AdminKeyDep
              ) -> s.ActivateResponse:
     """Validate a `KVQuantConfig` and make it the active configuration of the cache mode (old and new)."""
     return admin.activate(cache_mode, config, key_id)
