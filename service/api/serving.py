@@ -45,6 +45,7 @@ from service.engine.engine import validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
+from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.report import TokenLogprob
@@ -434,6 +435,10 @@ class Serving:
         if self._grammars is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
+        if is_block_causal(self.spec.arch):  # refused before compiling: the engine would refuse it anyway
+            what = ("constrained tool calls (tool_choice auto, required or a named function; tool_choice none "
+                    "lists the tools and constrains nothing)" if tools is not None else "structured output")
+            raise InvalidRequest(f"{what}: not available on block-causal models (LLaDA2) yet", param=spec.field)
         try:
             return self._grammars.compile(spec)
         except EngineInputError:
