@@ -52,9 +52,11 @@ from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.engine.tool_format import Call, generic_turns, parse_calls, starts_as_call
+from service.quant.config import KVQuantConfig
+from service.quant.registry import method
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
-from service.store.base import ArtifactNotFound, StoreUnavailable
+from service.store.base import AmbiguousId, ArtifactNotFound, InvalidName, StoreUnavailable, ids_matching
 from service.telemetry import Telemetry
 
 Kind = Literal["completion", "chat", "generate"]
@@ -272,11 +274,37 @@ class Serving:
             return self.active.snapshot(cache_mode)
         # These answers go to any client: they must not say where the store is (a path, a Redis URL).
         try:
-            return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
+            try:
+                return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
+            except ArtifactNotFound:
+                full = self._full_artifact_id(req.kv_quant)  # only after a miss: a full id costs no listing
+                if full is None:
+                    raise
+                return self.active.resolver.resolve(full, cache_mode, "request")
         except ArtifactNotFound as exc:
             raise ArtifactNotFound(exc.public, exc.field) from None
         except StoreUnavailable:
             raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
+
+    def _full_artifact_id(self, config: KVQuantConfig) -> KVQuantConfig | None:
+        """``config`` naming its policy or state in full where it names a prefix that starts one stored id (as the
+        admin routes and ``serve --kv-quant`` take one), else None; a prefix that starts several is a 400 naming
+        the field and how many it starts (a serving route lists no stored ids)."""
+        entry = method(config.method)
+        if entry.store_kind is None or config.artifact_id is None:
+            return None
+        try:
+            full_id = self.active.resolver.store.resolve_id(entry.store_kind, config.artifact_id)
+        except AmbiguousId:
+            field = f"kv_quant.{entry.spelling('artifact_id')}"
+            found = len(ids_matching(self.active.resolver.store.list(entry.store_kind), config.artifact_id))
+            ambiguous = AmbiguousId(f"{field} {config.artifact_id!r} is ambiguous: it starts {found} stored "
+                                    f"{entry.store_kind} ids; give more of it, or the whole id")
+            ambiguous.field = field  # the param of the 400
+            raise ambiguous from None
+        except (ArtifactNotFound, InvalidName):
+            return None
+        return config.model_copy(update={"artifact_id": full_id})
 
     def _mask_param(self, req: Any, prompt_param: str, index: int, count: int) -> tuple[str, str, str]:
         """Where the mask token of prompt ``index`` of ``count`` is (the field named in the error's ``param``, and
