@@ -95,6 +95,7 @@ class Plan:
     scores: list[Job] = field(default_factory=list)
     scored: list[list[TokenLogprob]] = field(default_factory=list)
     tools: bool = False
+    tools_forced: bool = False  # tool_choice required or a named function: the response is calls only
 
     @property
     def all_jobs(self) -> list[Job]:
@@ -436,6 +437,7 @@ class Serving:
                           req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages",
                           tools=tools)
         plan.tools = tools is not None and tools.calls
+        plan.tools_forced = plan.tools and tools.mode in ("required", "named")
         return plan
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
@@ -601,7 +603,7 @@ class Serving:
             if plan.logprobs is not None:
                 logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)])
             if plan.tools:
-                answer = read_answer(row.text or "", row.finish_reason)
+                answer = read_answer(row.text or "", row.finish_reason, forced=plan.tools_forced)
                 message, reason = _tool_message(answer), answer.finish_reason
             else:
                 message, reason = s.ChatMessageOut(content=row.text), row.finish_reason
@@ -690,7 +692,7 @@ class Serving:
                     entries = (row.logprobs or [])[sent[k]:len(row.generated_ids)] if plan.logprobs is not None else None
                     finish = row.finish_reason
                     if plan.tools:
-                        answer = read_answer(text, row.finish_reason, call_ids[k])
+                        answer = read_answer(text, row.finish_reason, call_ids[k], forced=plan.tools_forced)
                         finish = answer.finish_reason
                         if answer.content is None:
                             for chunk in self._call_chunks(plan, k, [c for _, c in answer.calls], call_ids[k]):
