@@ -45,15 +45,18 @@ from service.engine.engine import check_cache_mode, validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
+from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.engine.tool_format import Call, generic_turns, parse_calls, starts_as_call
+from service.quant.config import KVQuantConfig
+from service.quant.registry import method
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
-from service.store.base import ArtifactNotFound, StoreUnavailable
+from service.store.base import AmbiguousId, ArtifactNotFound, InvalidName, StoreUnavailable, ids_matching
 from service.telemetry import Telemetry
 
 Kind = Literal["completion", "chat", "generate"]
@@ -92,6 +95,7 @@ class Plan:
     scores: list[Job] = field(default_factory=list)
     scored: list[list[TokenLogprob]] = field(default_factory=list)
     tools: bool = False
+    tools_forced: bool = False  # tool_choice required or a named function: the response is calls only
 
     @property
     def all_jobs(self) -> list[Job]:
@@ -272,11 +276,37 @@ class Serving:
             return self.active.snapshot(cache_mode)
         # These answers go to any client: they must not say where the store is (a path, a Redis URL).
         try:
-            return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
+            try:
+                return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
+            except ArtifactNotFound:
+                full = self._full_artifact_id(req.kv_quant)  # only after a miss: a full id costs no listing
+                if full is None:
+                    raise
+                return self.active.resolver.resolve(full, cache_mode, "request")
         except ArtifactNotFound as exc:
             raise ArtifactNotFound(exc.public, exc.field) from None
         except StoreUnavailable:
             raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
+
+    def _full_artifact_id(self, config: KVQuantConfig) -> KVQuantConfig | None:
+        """``config`` naming its policy or state in full where it names a prefix that starts one stored id (as the
+        admin routes and ``serve --kv-quant`` take one), else None; a prefix that starts several is a 400 naming
+        the field and how many it starts (a serving route lists no stored ids)."""
+        entry = method(config.method)
+        if entry.store_kind is None or config.artifact_id is None:
+            return None
+        try:
+            full_id = self.active.resolver.store.resolve_id(entry.store_kind, config.artifact_id)
+        except AmbiguousId:
+            field = f"kv_quant.{entry.spelling('artifact_id')}"
+            found = len(ids_matching(self.active.resolver.store.list(entry.store_kind), config.artifact_id))
+            ambiguous = AmbiguousId(f"{field} {config.artifact_id!r} is ambiguous: it starts {found} stored "
+                                    f"{entry.store_kind} ids; give more of it, or the whole id")
+            ambiguous.field = field  # the param of the 400
+            raise ambiguous from None
+        except (ArtifactNotFound, InvalidName):
+            return None
+        return config.model_copy(update={"artifact_id": full_id})
 
     def _mask_param(self, req: Any, prompt_param: str, index: int, count: int) -> tuple[str, str, str]:
         """Where the mask token of prompt ``index`` of ``count`` is (the field named in the error's ``param``, and
@@ -408,6 +438,7 @@ class Serving:
                           req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages",
                           tools=tools)
         plan.tools = tools is not None and tools.calls
+        plan.tools_forced = plan.tools and tools.mode in ("required", "named")
         return plan
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
@@ -435,6 +466,10 @@ class Serving:
         if self._grammars is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
+        if is_block_causal(self.spec.arch):  # refused before compiling: the engine would refuse it anyway
+            what = ("constrained tool calls (tool_choice auto, required or a named function; tool_choice none "
+                    "lists the tools and constrains nothing)" if tools is not None else "structured output")
+            raise InvalidRequest(f"{what}: not available on block-causal models (LLaDA2) yet", param=spec.field)
         try:
             return self._grammars.compile(spec)
         except EngineInputError:
@@ -569,7 +604,7 @@ class Serving:
             if plan.logprobs is not None:
                 logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)])
             if plan.tools:
-                answer = read_answer(row.text or "", row.finish_reason)
+                answer = read_answer(row.text or "", row.finish_reason, forced=plan.tools_forced)
                 message, reason = _tool_message(answer), answer.finish_reason
             else:
                 message, reason = s.ChatMessageOut(content=row.text), row.finish_reason
@@ -658,7 +693,7 @@ class Serving:
                     entries = (row.logprobs or [])[sent[k]:len(row.generated_ids)] if plan.logprobs is not None else None
                     finish = row.finish_reason
                     if plan.tools:
-                        answer = read_answer(text, row.finish_reason, call_ids[k])
+                        answer = read_answer(text, row.finish_reason, call_ids[k], forced=plan.tools_forced)
                         finish = answer.finish_reason
                         if answer.content is None:
                             for chunk in self._call_chunks(plan, k, [c for _, c in answer.calls], call_ids[k]):

@@ -240,12 +240,14 @@ class ToolAnswer:
     finish_reason: str
 
 
-def read_answer(text: str, finish_reason: str, ids: list[str] | None = None) -> ToolAnswer:
+def read_answer(text: str, finish_reason: str, ids: list[str] | None = None, forced: bool = False) -> ToolAnswer:
     """The response ``text`` (cut, with the cut's ``finish_reason``) read for calls: text that does not start as a
     call is content; calls are returned whole, a partial one never (a ``length`` cut stays ``length``).
-    ``ids``: the ids given to calls already streamed, reused in order."""
-    if not text.startswith(CALL_OPEN):  # text (a cut marker included: the call never started)
-        return ToolAnswer(text, [], finish_reason)
+    ``ids``: the ids given to calls already streamed, reused in order. ``forced`` (``required`` or a named
+    function): the grammar admits calls only, so text cut inside the call marker (``<tool_``) is a partial call,
+    never content."""
+    if not text.startswith(CALL_OPEN):  # text (under auto, a cut marker included: the call never started)
+        return ToolAnswer(None if forced else text, [], finish_reason)
     calls, complete = parse_calls(text)
     ids = list(ids or ())
     ids += [call_id() for _ in range(len(calls) - len(ids))]

@@ -310,9 +310,29 @@ def config_from(side, target: str):
         fixed = {name: summary[name] for name in ARTIFACT_FIELDS if name in summary}
         return KVQuantConfig(method=method_of(kind), artifact_id=full_id, **fixed)
     try:
-        return KVQuantConfig.model_validate_json(text)
+        config = KVQuantConfig.model_validate_json(text)
     except ValidationError as exc:
         raise PoliciesError(f"{what}: not a KV quantization configuration: {describe_validation_error(exc)}") from None
+    return _full_id(side, config)
+
+
+def _full_id(side, config):
+    """``config`` naming its policy or state in full where its id is a prefix that starts one stored id (as an id
+    TARGET may be); PoliciesError listing them where it starts several; anything else as it is (an id the store
+    lacks is refused by the activation, naming its field)."""
+    from service.quant.registry import method
+    from service.store.base import ambiguous_id, ids_matching
+
+    kind = method(config.method).store_kind
+    if kind is None or config.artifact_id is None:
+        return config
+    stored = [i for i, _ in side.ids(kind)]
+    if config.artifact_id in stored:
+        return config
+    found = ids_matching(stored, config.artifact_id)
+    if len(found) > 1:
+        raise PoliciesError(f"{ambiguous_id(kind, config.artifact_id, found)} in {side.where}")
+    return config.model_copy(update={"artifact_id": found[0]}) if found else config
 
 
 # ---- verbs -------------------------------------------------------------------------------------------------------

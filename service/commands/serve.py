@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_settings import SettingsError
 
 from service.commands import add_model_flags, prog
 from service.config import DEFAULT_STORE_URL, Settings, effective_allowed_hosts
@@ -55,10 +57,28 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"--{name.replace('_', '-')} / DLLM_{name.upper()}: not valid JSON ({exc.msg} at "
-                                 f"char {exc.pos})") from None
+                raise ValueError(_not_json(name, exc)) from None
         overrides[name] = value
-    return Settings(**overrides)
+    try:
+        return Settings(**overrides)
+    except SettingsError as exc:  # pydantic-settings could not parse an environment variable (its JSON)
+        found = re.search(r'field "(\w+)"', str(exc))
+        if found is None or found.group(1) not in Settings.model_fields:
+            raise
+        name, cause = found.group(1), exc.__cause__
+        line = (_not_json(name, cause) if isinstance(cause, json.JSONDecodeError) else
+                f"--{name.replace('_', '-')} / DLLM_{name.upper()}: cannot be read ({cause or exc})")
+        raise ValueError(line) from None
+
+
+# What a structured setting looks like, for the line that refuses one that is not JSON.
+JSON_EXAMPLES = {"kv_quant": '{"method": "kivi", "bits": 4}'}
+
+
+def _not_json(name: str, exc: json.JSONDecodeError) -> str:
+    example = JSON_EXAMPLES.get(name)
+    return (f"--{name.replace('_', '-')} / DLLM_{name.upper()}: not valid JSON ({exc.msg} at char {exc.pos})"
+            + (f"; it is a JSON object, e.g. '{example}'" if example else ""))
 
 
 def describe_settings_error(exc: ValidationError) -> str:

@@ -357,7 +357,12 @@ class GrammarCompiler:
             grammar = spec.grammar()
         except (ValueError, TypeError) as exc:
             raise EngineInputError(f"{spec.field} cannot be compiled: {exc}", spec.field) from None
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self.limits)
+        try:
+            ll_tokenizer = self.ll_tokenizer
+        except ValueError as exc:  # llguidance cannot read this tokenizer (e.g. a WordPiece decoder)
+            raise EngineInputError(f"{spec.field} cannot be honoured: this model's tokenizer cannot drive the "
+                                   f"grammar engine, so its output cannot be constrained ({exc})", spec.field) from None
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise EngineInputError(f"{spec.field} cannot be compiled: {_first_line(matcher.get_error())}",
                                    spec.field)

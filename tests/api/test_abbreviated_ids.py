@@ -54,3 +54,28 @@ def test_an_ambiguous_prefix_is_a_400_listing_the_candidates(stored):
         assert client.get(f"/admin/policies/{policy_id}", headers=ADMIN).json()["id"] == policy_id
         missing = client.get("/admin/policies/zzzz", headers=ADMIN)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "artifact_not_found"
+
+
+def test_a_requests_kv_quant_takes_a_unique_prefix_and_refuses_an_ambiguous_one(stored):
+    """A request's ``kv_quant.policy_id`` takes an abbreviated id as the admin routes and ``serve --kv-quant`` do
+    (it was a 404 "no policy with id" even where the prefix starts one stored id), answers the full id in
+    ``kv_config``, and refuses a prefix that starts several with a 400 naming the field (without listing the
+    store's ids to a client)."""
+    store_dir, policy_id = stored
+    body = {"model": FakeEngine().spec.model_id, "prompt": "a", "max_tokens": 4}
+    with fake_admin_client(store_dir) as client:
+        kv_quant = {"method": "dllm_kvq", "bits": 4, "policy_id": policy_id[:9]}
+        r = client.post("/v1/completions", json={**body, "kv_quant": kv_quant})
+        assert r.status_code == 200, r.text
+        assert r.json()["kv_config"]["kv_quant"]["policy_id"] == policy_id
+        open_store(str(store_dir)).put("policy", open_store(str(store_dir)).get("policy", policy_id),
+                                       policy_id[:9] + "twin")
+        r = client.post("/v1/completions", json={**body, "kv_quant": kv_quant})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["code"], error["param"]) == ("ambiguous_id", "kv_quant.policy_id")
+        assert "starts 2 stored policy ids" in error["message"] and policy_id not in error["message"]
+        missing = client.post("/v1/completions", json={**body, "kv_quant": {**kv_quant, "policy_id": "zzzz"}})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "kv_quant.policy_id"
+        assert client.post("/v1/completions", json={**body, "kv_quant": {**kv_quant, "policy_id": policy_id}}
+                           ).status_code == 200

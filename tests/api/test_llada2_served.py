@@ -73,3 +73,21 @@ def test_refusals_are_400_naming_the_field(server):
         response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field
+
+
+def test_structured_output_and_tool_calls_are_400_naming_the_field_and_the_server_goes_on(server):
+    """Structured output and constrained tool calls are refused on LLaDA2 before any grammar is compiled (its
+    word-level tokenizer is one the grammar engine cannot read: that was a 500), and the server keeps serving."""
+    body = {"model": "llada2-tiny-chat", "messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 32}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = (({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"structured_outputs": {"regex": "w[0-9]+"}}, "structured_outputs.regex"),
+             ({"tools": [tool], "tool_choice": "required"}, "tools"),
+             ({"tools": [tool]}, "tools"))
+    for extra, field in cases:
+        response = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field, response.text
+    listed = httpx.post(server.url + "/v1/chat/completions", json={**body, "tools": [tool], "tool_choice": "none"},
+                        timeout=60)
+    assert listed.status_code == 200, listed.text

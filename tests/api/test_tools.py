@@ -145,6 +145,25 @@ def test_a_length_cut_is_length_never_a_broken_call(client):
             assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_a_cut_inside_the_call_marker_is_no_content(client, tool_choice):
+    """Four tokens cut a forced call inside its marker (``<tool_``): the docs' "content is null", streamed and
+    not (it came back as content ``"<tool_"``, a partial call shown as text)."""
+    for stream in (False, True):
+        r = client.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": tool_choice,
+                                                      "max_tokens": 4, "stream": stream})
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]" and e["choices"]]
+            assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == ""
+            assert not any("tool_calls" in e["choices"][0]["delta"] for e in events)
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+            assert "tool_calls" not in choice["message"], choice
+
+
 def test_a_conversation_with_calls_and_results(client, engine):
     """call -> result -> answer: the conversation is rendered in the generic format (the embedded template knows
     no tools) and answered; the prompt is the generic turns through the chat template."""

@@ -87,6 +87,22 @@ def test_list_show_diff_over_a_store(store_dir):
     assert mixed.returncode == 2 and len(mixed.stderr.splitlines()) == 1
 
 
+def test_activate_json_naming_an_id_by_prefix_over_a_store(store_dir, spec):
+    """An inline JSON (or file) configuration takes an abbreviated id as an id TARGET does (it was refused as "no
+    policy with id", even where the prefix starts one id), stores the full id, and lists the candidates of an
+    ambiguous one."""
+    path, ids = store_dir
+    body = {"method": "dllm_kvq", "bits": 2, "policy_id": ids["p1"][:12]}
+    done = cli("activate", "dual", json.dumps(body), "--store", path)
+    assert done.returncode == 0, done.stderr
+    assert open_store(path).get_active(spec.fingerprint, "dual").config.artifact_id == ids["p1"]
+    store = open_store(path)
+    store.put("policy", store.get("policy", ids["p1"]), ids["p1"][:12] + "twin")
+    done = cli("activate", "dual", json.dumps(body), "--store", path)
+    assert done.returncode != 0
+    assert f"policy id '{ids['p1'][:12]}' is ambiguous: it starts 2 ids" in done.stderr
+
+
 def test_activate_by_id_file_and_json_then_deactivate_over_a_store(store_dir, spec, tmp_path):
     path, ids = store_dir
     done = cli("activate", "dual", ids["p1"], "--store", path)

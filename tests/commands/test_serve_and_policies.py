@@ -103,6 +103,24 @@ def test_a_structured_flag_that_is_not_json_names_the_setting(capsys):
     assert "--kv-quant / DLLM_KV_QUANT: not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source", ["flag", "environment"])
+def test_a_method_name_where_kv_quant_wants_json_is_one_line_with_an_example(monkeypatch, capsys, source):
+    """``generate --kv-quant kivi`` takes a method name; ``serve`` takes a KVQuantConfig as JSON. The name given to
+    serve, by the flag or by DLLM_KV_QUANT (which pydantic-settings parses: its message named neither the
+    variable nor the reason), is one line naming both and showing the JSON form."""
+    from service.commands.serve import run
+
+    args = ["serve", "--port", "18435"]
+    if source == "flag":
+        args += ["--kv-quant", "kivi"]
+    else:
+        monkeypatch.setenv("DLLM_KV_QUANT", "kivi")
+    assert run(build_parser().parse_args(args)) == 2
+    assert capsys.readouterr().err.splitlines() == [(
+        "error: bad setting: --kv-quant / DLLM_KV_QUANT: not valid JSON (Expecting value at char 0); it is a JSON "
+        "object, e.g. '{\"method\": \"kivi\", \"bits\": 4}'")]
+
+
 def test_a_busy_port_is_one_line_before_the_model_loads(monkeypatch, capsys):
     """The port is bound before the model loads: a busy one is exit 3 with one line naming the flag and the address
     (it used to log that the server was ready, then fail to bind)."""

@@ -87,3 +87,15 @@ def test_the_cache_is_bounded_in_bytes(tokenizer):
         compiler.compile(GrammarSpec.regex(c * 16_000, "guided_regex"))
         assert compiler.cached_bytes() <= budget
     assert compiler.cached() < 6  # some were evicted by bytes, though far fewer than CACHE_SIZE entries
+
+
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_refusal_naming_the_field():
+    """The tiny LLaDA2's word-level tokenizer (a WordPiece decoder) is one llguidance cannot read: compiling for
+    it is an input error naming the field (a 400 on the server), never a bare ValueError (a 500)."""
+    from tests.support.llada2 import LLADA2_CHAT
+
+    word_level = load_tokenizer(LLADA2_CHAT)
+    compiler = GrammarCompiler(word_level, len(word_level), [word_level.eos_token_id])
+    with pytest.raises(EngineInputError, match="tokenizer cannot drive the grammar engine") as caught:
+        compiler.compile(GrammarSpec.regex(TRIVIAL, "structured_outputs.regex"))
+    assert caught.value.field == "structured_outputs.regex"
