@@ -35,7 +35,7 @@ from calibration.trace import Trajectory, rollout
 from service.artifacts.policy import SCORE_TYPES
 from service.engine.kv_store import Segments
 from service.engine.models import DiffusionLM
-from service.engine.models.layers import attention_scores as block_attention
+from service.engine.scores import attention_scores as block_attention
 from service.engine.spec import ModelSpec
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,6 @@ from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
-from service.quant.committed import Commit, commit_hook
-from service.quant.store import QuantizedKVStore
 
 
 def settings_from(params: DecodeParams, options: RowOptions, editing: bool) -> BlockCausalParams:
@@ -59,6 +58,9 @@ class NoStore:
 
     def report(self) -> None:
         """No quantized store: no KV report."""
+
+    def commit(self, slot: int, start: int, end: int, block: int) -> None:
+        """Nothing to quantize: committed blocks stay as written."""
 
 
 class BlockCausalCohort:
@@ -95,7 +97,9 @@ class BlockCausalCohort:
         eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
-        self.store = kv_store if isinstance(kv_store, QuantizedKVStore) else NoStore()
+        # A quantized store (`service.quant.store.QuantizedKVStore`) quantizes the committed blocks (its `commit`);
+        # any other store slot holds nothing outside the batch's cache.
+        self.store = kv_store if callable(getattr(kv_store, "commit", None)) else NoStore()
         self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
@@ -177,12 +181,12 @@ class BlockCausalCohort:
         return DecodeReport(rows=reports, params=self.params,
                             timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
 
-    def commit(self, i: int, slot: int) -> Commit | None:
+    def commit(self, i: int, slot: int) -> Any:
         """The columns row ``i`` commits in its next call (cache slot ``slot``) when they are to be quantized."""
         call, row = self.calls[i], self.rows[i]
-        if not isinstance(self.store, QuantizedKVStore) or row.params.cache_mode != "block":
+        if row.params.cache_mode != "block":
             return None
-        return Commit(slot, call.start, call.block_start, row.block, self.store.quantizer, self.store.accounting)
+        return self.store.commit(slot, call.start, call.block_start, row.block)  # a `Commit`, or None
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
@@ -226,8 +230,8 @@ class BlockCausalBatch:
             rows = [c.rows[i] for c, i in live]
             cache = self._cache_for(rows)
             commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
-            cache.on_write = commit_hook(cache.k, cache.v, [x for x in commits if x is not None],
-                                         self.model.rotate_keys)
+            commits = [x for x in commits if x is not None]
+            cache.on_write = commits[0].hook(cache.k, cache.v, commits, self.model.rotate_keys) if commits else None
             try:
                 logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
             finally:

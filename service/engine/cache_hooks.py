@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from service.engine.kv_store import KVStore, Segments
-from service.engine.models.layers import RotaryEmbedding, attention_scores
+from service.engine.models.layers import RotaryEmbedding
+from service.engine.scores import attention_scores
 
 
 class BlockInitialWrite:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.kv_store import Segments
-from service.engine.models.layers import attention_scores
+from service.engine.scores import attention_scores
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer
 from service.quant.layout import SlotLayout
@@ -48,6 +48,14 @@ class Commit:
     block: int
     quantizer: KVQuantizer
     accounting: KVAccounting
+
+    @staticmethod
+    def hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], commits: list[Commit],
+             rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             ) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+        """`commit_hook`, reached through a commit so that the engine, which gets its commits from the requests'
+        stores, needs no import of this package."""
+        return commit_hook(k_cache, v_cache, commits, rotate_keys)
 
 
 def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], commits: list[Commit],

@@ -34,6 +34,7 @@ from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
+from service.quant.committed import Commit
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
@@ -287,6 +288,12 @@ class QuantizedKVStore(KVStore):
         if self.attention == "auto":
             return device.type == "cuda" and _triton_available()
         return self.attention == "triton"
+
+    def commit(self, slot: int, start: int, end: int, block: int) -> Commit:
+        """The committing columns ``[start, end)`` of a block-causal family's cache slot ``slot`` (active block
+        ``[end, end + block)``), to be quantized in place by this store's quantizer and counted in its accounting
+        (`service.quant.committed`; LLaDA2's ``block`` cache mode)."""
+        return Commit(slot, start, end, block, self.quantizer, self.accounting)
 
     def clear(self) -> None:
         """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,

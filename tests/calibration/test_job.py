@@ -180,7 +180,7 @@ def test_diagnostic_records_assembled_by_hand(engine):
     from calibration.forward import cached_step, capture_qkv
     from calibration.metrics import METRICS, attention_scores, behaviour_metrics, improvements
     from calibration.trace import Trajectory, rollout
-    from service.engine.models.layers import attention_scores as block_attention
+    from service.engine.scores import attention_scores as block_attention
 
     prompt = list(range(10, 30))
     trajectory = Trajectory(prompt_ids=tuple(prompt), answer_ids=tuple(range(40, 56)),
