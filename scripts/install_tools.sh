@@ -52,7 +52,12 @@ for try in 1 2 3; do
   [ "$try" = 3 ] && { echo "install_tools.sh: apt-get install ${packages[*]} failed 3 times" >&2; exit 1; }
   sleep 5
 done
-for command in "${packages[@]}"; do
-  [ "$command" = prometheus ] && command="promtool"
-  command -v "$command" >/dev/null || { echo "install_tools.sh: $command still missing after apt-get" >&2; exit 1; }
+# Each package checked by what it provides (a package name is not always a command: the dnsname plugin is a file).
+for package in "${packages[@]}"; do
+  case "$package" in
+    prometheus) present() { command -v promtool >/dev/null; } ;;
+    *dnsname) present() { [ -x /usr/lib/cni/dnsname ]; } ;;
+    *) present() { command -v "$package" >/dev/null; } ;;
+  esac
+  present || { echo "install_tools.sh: $package still missing after apt-get" >&2; exit 1; }
 done
