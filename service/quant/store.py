@@ -20,6 +20,11 @@ On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs t
 of the reused K/V is ever made; the stores of one uniform format in a running batch attend in one launch per
 layer for all their rows (``attend_batch``). ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
 interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
+
+With the key-bias correction (`service.quant.key_bias`) a store attends itself on every path: on the PyTorch path
+over its window K/V with the bias added to the scaled scores, a running batch's corrected stores of one format
+together over one pooled read that also gives each key's steps (``attend_batch``); on the kernel's path the kernel
+subtracts the term itself. Corrected and uncorrected stores never share a batch key.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class QuantizedKVStore(KVStore):
         self._rope_tables: dict[tuple[int, ...] | None, tuple[torch.Tensor, RopeTables]] = {}
         # The verdict of the checks the block-initial pass's writes put off (`take_checks`), or None.
         self._verdict: torch.Tensor | None = None
+        # The pooled corrected read's window places (:meth:`_attend_corrected_rows`): the set's layouts, shapes,
+        # and `_window_columns` of them.
+        self._window_places: tuple | None = None
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -259,7 +267,15 @@ class QuantizedKVStore(KVStore):
             k_all, v_all, steps, cos, sin = nuq_dequantize_rows(stores, layer, key_len, positions, rope, steps=True)
         else:
             (k_all, v_all, steps), cos, sin = dequantize_rows(stores, layer, key_len, steps=True), None, None
-        flat, key_mask = _window_columns(stores, widths, key_len, k.shape[2], k.shape[1], q.device)
+        # Where the windows go: the same for every layer of a step, and for the block while the set is the same.
+        held = self._window_places
+        shape = (tuple(widths), key_len, k.shape[2], k.shape[1])
+        if held is None or held[1] != shape or len(held[0]) != len(stores) or any(
+                a is not b._layout for a, b in zip(held[0], stores)):
+            held = (tuple(store._layout for store in stores), shape,
+                    *_window_columns(stores, widths, key_len, k.shape[2], k.shape[1], q.device))
+            self._window_places = held
+        flat, key_mask = held[2], held[3]
         d = k.shape[3]
         k_all.view(-1, d).index_copy_(0, flat, k.reshape(-1, d))
         v_all.view(-1, d).index_copy_(0, flat, v.reshape(-1, d))
@@ -343,6 +359,7 @@ class QuantizedKVStore(KVStore):
         self._scratch_layout = None
         self._refills.clear()
         self._rope_tables.clear()
+        self._window_places = None
 
     def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
         """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and

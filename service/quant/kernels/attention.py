@@ -25,6 +25,13 @@ query tile of every row of the set, over its own reused tokens and its own fresh
 the layer's codes and statistics (a few tensor copies per layer, not per request) are the only other work.
 KVQuant's format (codebooks, outlier rows, pre-RoPE keys) still takes one launch per store.
 
+**The key-bias correction** (``BIAS``, `service.quant.key_bias`): each reused key's scaled score is lowered by the
+second-order term ``sum_i q_i^2 D_i^2 / (24 d)``, with the steps ``D`` made in registers beside the dequantized
+key (uniform: the group's scale; nuq: the code's bin width times the channel's half range; 0 for protected tokens
+and outliers) and met by the query's features in one more ``tl.dot`` per tile (two for pre-RoPE keys, whose term
+takes the query rotated back by each key's angle: the rotate-half expansion of ``key_score_bias``). The fresh window
+gets none.
+
 On CUDA tensors the kernel is compiled; on CPU tensors it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1`` when the kernel is first used), which is how the exactness tests run without a GPU.
 """
