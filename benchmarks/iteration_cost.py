@@ -16,6 +16,9 @@ benchmark counts, for one **later-step iteration** and one **block-initial itera
 * **bytes read** at LLaDA-8B's real size (bf16 weights ``W``, 16.0 GB): ``W x forwards`` plus the reused K/V of
   every row at every layer (full precision: ``2 x 32 x 32 x 128 x 2`` bytes per token; 4-bit stores at an assumed
   4.6 effective bits: KIVI's K statistics per 32 tokens and V per 128 channels);
+* **CPU ms/row** (CPU runs): this process's CPU time of one more later-step iteration, uncounted, per request;
+  with ``X`` and ``X+kbc`` both in ``--methods`` a last line gives the corrected over uncorrected ratios of ops and
+  of this time, from the one run;
 * **projected H200 time** = ``max(ops x LAUNCH_US, bytes / PEAK) + syncs x SYNC_US`` (launch-bound host or
   bandwidth-bound device, whichever is slower, plus a drained queue per sync), against the **roofline**
   ``(W + K/V) / PEAK``: one weight read and each row's K/V read once.
@@ -162,8 +165,8 @@ def prompt_lengths(rows: int, prompt_length: int, mixed: bool) -> list[int]:
 def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt_length: int, mixed: bool = False
             ) -> tuple[IterationCost, IterationCost, float]:
     """(block-initial iteration, later-step iteration, measured seconds of a later step) of ``rows`` requests
-    that joined together (prompts of :func:`prompt_lengths`); the seconds only on CUDA (a third iteration,
-    uncounted, timed with a sync before and after), else 0."""
+    that joined together (prompts of :func:`prompt_lengths`); the seconds of a third iteration, uncounted: on
+    CUDA wall time between two syncs, on CPU this process's CPU time."""
     gen = torch.Generator().manual_seed(rows)
     vocab = engine.spec.vocab_size
     batch = _batch(engine)
@@ -178,13 +181,16 @@ def measure(engine: Engine, rows: int, params: DecodeParams, method: str, prompt
             with ForwardCount(engine.model) as forwards, Counter() as counter:
                 batch.step()
             costs.append(IterationCost(counter.ops, counter.syncs, forwards.calls, forwards.most_rows))
-        seconds = 0.0
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
             start = time.perf_counter()
             batch.step()
             torch.cuda.synchronize(engine.device)
             seconds = time.perf_counter() - start
+        else:  # this process's CPU time (one thread: what an idle machine would show, whatever the load)
+            start = time.process_time()
+            batch.step()
+            seconds = time.process_time() - start
         for cohort in list(batch.cohorts):
             batch.leave(cohort)
     return costs[0], costs[1], seconds
@@ -236,8 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
     if not args.no_time:
         header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>7}"
-    if engine.device.type == "cuda":
-        header += f" | {'measured ms':>11}"
+    header += f" | {'measured ms':>11}" if engine.device.type == "cuda" else f" | {'CPU ms/row':>10}"
     print(header)
     results = []
     for cache in args.caches.split(","):
@@ -258,9 +263,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if engine.device.type == "cuda":
                     line += f" | {measured_s * 1e3:>11.1f}"
                     row["measured"] = measured_s
+                else:
+                    line += f" | {measured_s * 1e3 / rows:>10.2f}"
+                    row["cpu"] = measured_s
                 print(line, flush=True)
                 results.append(row)
+    _corrected_ratios(results)
     return results
+
+
+def _corrected_ratios(results: list[dict]) -> None:
+    """For each ``X+kbc`` row measured beside its ``X`` row (same cache and rows): the later step's ops and its
+    CPU time (or CUDA time) per request, corrected over uncorrected, from this one run."""
+    plain = {(r["cache"], r["method"], r["rows"]): r for r in results}
+    for r in results:
+        base = plain.get((r["cache"], r["method"].removesuffix("+kbc"), r["rows"]))
+        if not r["method"].endswith("+kbc") or base is None:
+            continue
+        seconds = "measured" if "measured" in r else "cpu"
+        print(f"key-bias correction, {r['cache']} {r['method']} at {r['rows']} rows: later-step ops "
+              f"{base['later'].ops:,} -> {r['later'].ops:,} ({r['later'].ops / base['later'].ops:.3f}x), "
+              f"{'CUDA' if seconds == 'measured' else 'CPU'} time per request {r[seconds] / base[seconds]:.2f}x")
 
 
 if __name__ == "__main__":

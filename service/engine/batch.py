@@ -166,9 +166,10 @@ class BatchedReuse:
                 rows = torch.tensor([r for i in members for r in range(self.parts[i][1].start, self.parts[i][1].stop)],
                                     device=q.device)
                 taken = tuple(x.index_select(0, rows) for x in taken)
-            out = stores[0].attend_batch(stores, layer, *taken, [self.parts[i][0].width for i in members])
+            positions = [self.parts[i][0].reused_positions for i in members]
+            out = stores[0].attend_batch(stores, layer, *taken, [self.parts[i][0].width for i in members],
+                                         positions, self.rope)
             if out is None:
-                positions = [self.parts[i][0].reused_positions for i in members]
                 out = stores[0].window_kv_batch(stores, layer, self.key_len, positions, self.rope)
             if whole:  # the whole forward: no split, no concatenation
                 return [out]

@@ -232,7 +232,7 @@ class KVStore:
 
     def attend_batch(
         self, stores: list[KVStore], layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        widths: list[int],
+        widths: list[int], positions: list[torch.Tensor | None] | None = None, rope: RotaryEmbedding | None = None,
     ) -> torch.Tensor | None:
         """A later step's attention for every row of ``stores`` (this one among them, all with this one's
         :meth:`batch_key`, every row of each taking part, in order) in one call, or None (this default: the
@@ -240,7 +240,8 @@ class KVStore:
 
         Args: as :meth:`attend` for the rows together, ``[R, H, T_w, D]`` queries and ``[R, H_kv, T_w, D]`` fresh
         K/V with ``T_w`` the widest window; ``widths``: per store, its own window's columns (the others are
-        padding of a merged forward and get no weight).
+        padding of a merged forward and get no weight); ``positions`` and ``rope`` as :meth:`window_kv_batch`
+        takes them.
 
         Returns:
             ``[R, H, T_w, D]`` in q's dtype, each row as :meth:`attend` of its store would give it at its own

@@ -129,14 +129,19 @@ class KVQuantQuantizer(KVQuantizer):
         outlier (held exact)."""
         t = packed.k.tensors
         device = t["codes"].device
+        half_range = self._tables(layer, device)[1]
+        n, c = layout.num_slots, packed.num_heads * packed.head_dim
+        steps = decode_stream(t["codes"], self.width_table(layer, device), n * c).view(n, c).mul_(half_range)
+        steps.view(-1).index_fill_(0, t["outlier_index"].long(), 0.0)
+        return steps.view(n, packed.num_heads, packed.head_dim)
+
+    def width_table(self, layer: int, device: torch.device) -> torch.Tensor:
+        """The per-byte table (`service.quant.packing.byte_table`) of the layer's K code bin widths (normalized
+        units, `service.quant.key_bias.bin_widths`), made once per layer and device."""
         key = (layer, device)
         if key not in self._width_tables:
             self._width_tables[key] = byte_table(bin_widths(self.state.k_lut[layer].to(device)), self.bits)
-        half_range = self._tables(layer, device)[1]
-        n, c = layout.num_slots, packed.num_heads * packed.head_dim
-        steps = decode_stream(t["codes"], self._width_tables[key], n * c).view(n, c).mul_(half_range)
-        steps.view(-1).index_fill_(0, t["outlier_index"].long(), 0.0)
-        return steps.view(n, packed.num_heads, packed.head_dim)
+        return self._width_tables[key]
 
     def _tables(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(k_offset [C], k_half_range [C], k_table, v_table)`` of a layer on ``device`` (made once)."""

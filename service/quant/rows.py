@@ -240,10 +240,15 @@ def _code_rows(index: _Index, packed: list[PackedLayer], counts: tuple[int, ...]
     return index.slot_map - torch.searchsorted(slots, index.slot_map), slots
 
 
-def dequantize_rows(stores: list, layer: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_rows(stores: list, layer: int, key_len: int, steps: bool = False) -> tuple[torch.Tensor, ...]:
     """``QuantizedKVStore.window_kv_batch`` (module doc): ``[R, H, key_len, D]`` K and V of every row of
     ``stores`` (all with one `batch_key`), model dtype, zeros outside the reused columns. A set whose result
-    would exceed :data:`MAX_ELEMENTS` is read in parts (consecutive stores) whose rows are concatenated."""
+    would exceed :data:`MAX_ELEMENTS` is read in parts (consecutive stores) whose rows are concatenated.
+
+    With ``steps`` a third tensor, float32 ``[R, H, key_len, D]``: each reused key's rounding step per channel
+    for the key-bias correction (`service.quant.key_bias`), what each store's ``KVQuantizer.key_steps`` gives at
+    its place: K's group scale as float32, taken from the statistics this read gathers anyway; 0 for protected
+    tokens and outside the reused columns."""
     first = stores[0]._packed[layer]
     per_row = first.num_heads * key_len * first.head_dim
     parts, current, rows = [], [], 0
@@ -255,12 +260,12 @@ def dequantize_rows(stores: list, layer: int, key_len: int) -> tuple[torch.Tenso
         rows += store._layout.batch_size
     parts.append(current)
     if len(parts) == 1:
-        return _dequantize_part(stores, layer, key_len)
-    got = [_dequantize_part(part, layer, key_len) for part in parts]
-    return torch.cat([k for k, _ in got]), torch.cat([v for _, v in got])
+        return _dequantize_part(stores, layer, key_len, steps)
+    got = [_dequantize_part(part, layer, key_len, steps) for part in parts]
+    return tuple(torch.cat(side) for side in zip(*got))
 
 
-def _dequantize_part(stores: list, layer: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequantize_part(stores: list, layer: int, key_len: int, steps: bool) -> tuple[torch.Tensor, ...]:
     quantizer = stores[0].quantizer
     packed: list[PackedLayer] = [store._packed[layer] for store in stores]
     first = packed[0]
@@ -297,6 +302,9 @@ def _dequantize_part(stores: list, layer: int, key_len: int) -> tuple[torch.Tens
     out = work if dtype == torch.float32 else work.to(dtype)
     if protected:
         values = torch.cat([x.k.tensors["protected_values"] for x in packed])
-        out[0][index.slot_row.index_select(0, slots), :, index.slot_col.index_select(0, slots)] = values
+        rows, cols = index.slot_row.index_select(0, slots), index.slot_col.index_select(0, slots)
+        out[0][rows, :, cols] = values
+        if steps:  # a protected token is held exact: no step
+            stats[0, 0][rows, :, cols] = 0.0
     k, v = out.unbind(0)
-    return k, v
+    return (k, v, stats[0, 0]) if steps else (k, v)

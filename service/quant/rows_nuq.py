@@ -60,7 +60,9 @@ class _Index:
     cos: torch.Tensor  # [N_all, 1, D]: each slot's RoPE cos (float32; the model dtype when RoPE runs in it)
     sin: torch.Tensor
     bases: torch.Tensor  # int64 [2S]: each store's first K element, then first V element, in the flat buffer
+    slot_positions: torch.Tensor  # int64 [N_all]: each slot's RoPE position
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: int64 [2S] K, V outliers per store
+    angles: tuple[torch.Tensor, torch.Tensor] | None = None  # the key-bias correction's cos/sin per column
 
 
 #: Recently used indexes, by the identities of the stores' layouts and the key length.
@@ -119,32 +121,37 @@ def _index(stores: list, positions: list[torch.Tensor], rope, key_len: int, dtyp
     bases = [b * c for b in base] + [(total + 1 + b) * c for b in base]
     index = _Index(tuple(layouts), tuple(positions), groups, total,
                    torch.tensor(slot_map, dtype=torch.int64, device=device), cos, sin,
-                   torch.tensor(bases, dtype=torch.int64, device=device))
+                   torch.tensor(bases, dtype=torch.int64, device=device), slot_positions)
     if len(_INDEXES) >= _KEPT_INDEXES:
         del _INDEXES[next(iter(_INDEXES))]
     _INDEXES[key] = index
     return index
 
 
-def _codebooks(store, layer: int, device: torch.device) -> torch.Tensor:
-    """``[8 / b, 512]``: the layer's K per-byte table, then its V table (`KVQuantQuantizer._tables`)."""
+def _codebooks(store, layer: int, device: torch.device, steps: bool = False) -> torch.Tensor:
+    """``[8 / b, 512]``: the layer's K per-byte table, then its V table (`KVQuantQuantizer._tables`); with
+    ``steps`` ``[8 / b, 768]``, the K codes' bin widths third (`KVQuantQuantizer.width_table`)."""
     quantizer = store.quantizer
-    key = (store.artifact_id if store.artifact_id is not None else id(quantizer.state), layer, device)
+    key = (store.artifact_id if store.artifact_id is not None else id(quantizer.state), layer, device, steps)
     if key not in _CODEBOOKS:
         _, _, k_table, v_table = quantizer._tables(layer, device)
-        _CODEBOOKS[key] = torch.cat([k_table, v_table], dim=1)
+        tables = [k_table, v_table, quantizer.width_table(layer, device)] if steps else [k_table, v_table]
+        _CODEBOOKS[key] = torch.cat(tables, dim=1)
     return _CODEBOOKS[key]
 
 
 def _decode_into(dst: torch.Tensor, words: list[torch.Tensor], table: torch.Tensor) -> None:
     """Write the codebook values of the K streams then the V streams (all of one length; ``words`` K's first, as
-    many of each) into ``dst`` float32 ``[2, g, numel]``: one stack, one gather through ``table`` (V's bytes
-    moved to its second half), one copy (the planar layout of `packing.pack_stream`: plane ``p`` of stream ``i``
-    is its codes ``[p m, (p + 1) m)``)."""
+    many of each; with the key steps, the K streams once more, decoded through the widths) into ``dst`` float32
+    ``[s, g, numel]``: one stack, one gather through ``table`` (the bytes of set ``i`` moved to its ``i``-th
+    256 entries), one copy (the planar layout of `packing.pack_stream`: plane ``p`` of stream ``i`` is its codes
+    ``[p m, (p + 1) m)``)."""
     per_byte, numel = table.shape[0], dst.shape[-1]
     m = -(-numel // per_byte)
     data = torch.stack(words).view(torch.uint8)[:, :m].to(torch.int32)
-    data[len(words) // 2 :] += 256
+    g = dst.shape[1]
+    for i in range(1, dst.shape[0]):
+        data[i * g : (i + 1) * g] += 256 * i
     planes = table.index_select(1, data.view(-1)).view(per_byte, *dst.shape[:-1], m).movedim(0, -2)
     if per_byte * m == numel:
         dst.view(*dst.shape[:-1], per_byte, m).copy_(planes)
@@ -153,8 +160,8 @@ def _decode_into(dst: torch.Tensor, words: list[torch.Tensor], table: torch.Tens
 
 
 def dequantize_rows(
-    stores: list, layer: int, key_len: int, positions: list[torch.Tensor], rope
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stores: list, layer: int, key_len: int, positions: list[torch.Tensor], rope, steps: bool = False
+) -> tuple[torch.Tensor, ...]:
     """``QuantizedKVStore.window_kv_batch`` for KVQuant stores (module doc).
 
     Args:
@@ -165,9 +172,15 @@ def dequantize_rows(
             ``window_kv`` would get; identity is what the kept index checks).
         rope: the model's `RotaryEmbedding`.
 
+        steps: also give each key's rounding steps for the key-bias correction (`service.quant.key_bias`).
+
     Returns:
         K (post-RoPE) and V ``[R, H, key_len, D]``, model dtype, R the stores' rows in order, zeros outside each
-        row's reused columns: bit for bit what each store's ``window_kv`` holds at those columns.
+        row's reused columns: bit for bit what each store's ``window_kv`` holds at those columns. With
+        ``steps`` three more: float32 ``[R, H, key_len, D]`` the steps in the pre-RoPE basis (each store's
+        ``KVQuantQuantizer.key_steps`` at its places: bin width x half range, 0 for an outlier and outside the
+        reused columns), and float32 ``[R, 1, key_len, D]`` cos and sin of each column's RoPE angle (what
+        `service.quant.key_bias.key_score_bias` rotates the query back by; any value where the step is 0).
     """
     quantizer = stores[0].quantizer
     packed: list[PackedLayer] = [store._packed[layer] for store in stores]
@@ -177,15 +190,19 @@ def dequantize_rows(
     device = first.k.tensors["codes"].device
     index = _index(stores, positions, rope, key_len, dtype, c)
     n_all = index.total
-    work = torch.empty(2, n_all + 1, c, dtype=torch.float32, device=device)
-    table = _codebooks(stores[0], layer, device)
+    planes = 3 if steps else 2  # K, V, and K's steps (bin widths)
+    work = torch.empty(planes, n_all + 1, c, dtype=torch.float32, device=device)
+    table = _codebooks(stores[0], layer, device, steps)
     for n, members, slot0 in index.groups:
         words = [packed[i].k.tensors["codes"] for i in members] + [packed[i].v.tensors["codes"] for i in members]
-        _decode_into(work[:, slot0 : slot0 + len(members) * n].view(2, len(members), n * c), words, table)
+        words += words[: len(members)] if steps else []
+        _decode_into(work[:, slot0 : slot0 + len(members) * n].view(planes, len(members), n * c), words, table)
     work[:, -1].zero_()
     order = [i for _, members, _ in index.groups for i in members]
     offset, half_range = quantizer._tables(layer, device)[:2]
     work[0, :-1].mul_(half_range).add_(offset)
+    if steps:
+        work[2, :-1].mul_(half_range)
     if n_all:
         v_half_range = torch.cat([packed[i].v.tensors["half_range"] for i in order])
         v_offset = torch.cat([packed[i].v.tensors["offset"] for i in order])
@@ -199,10 +216,28 @@ def dequantize_rows(
         at = torch.cat([t["outlier_index"] for t in sides]) + index.bases.repeat_interleave(
             index.counts[layer], output_size=outliers)
         work.view(-1).index_put_((at,), torch.cat([t["outlier_values"] for t in sides]).to(torch.float32))
+        k_outliers = sum(x.k.tensors["outlier_index"].numel() for x in packed)
+        if steps and k_outliers:  # an outlier is held exact: no step (plane 2 lies two planes past K's)
+            work.view(-1).index_fill_(0, at[:k_outliers] + 2 * (n_all + 1) * c, 0.0)
     # The store's scratch holds the values in the model dtype; its keys are rotated there.
-    kv = work.to(dtype).view(2, n_all + 1, h, d)
+    kv = work[:2].to(dtype).view(2, n_all + 1, h, d)
     rope.rotate_in_place(kv[0, :n_all], index.cos, index.sin)
     total_rows = index.slot_map.numel() // key_len
     out = torch.empty(2, total_rows, h, key_len, d, dtype=dtype, device=device)
     out.copy_(kv.index_select(1, index.slot_map).view(2, total_rows, key_len, h, d).permute(0, 1, 3, 2, 4))
-    return out[0], out[1]
+    if not steps:
+        return out[0], out[1]
+    placed = work[2].view(n_all + 1, h, d).index_select(0, index.slot_map).view(total_rows, key_len, h, d)
+    cos, sin = _column_angles(index, rope, total_rows, key_len)
+    return out[0], out[1], placed.permute(0, 2, 1, 3), cos, sin
+
+
+def _column_angles(index: _Index, rope, rows: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``[R, 1, key_len, D]`` cos and sin of each column's reused position (1 and 0 where no slot),
+    made once per index: the values `QuantizedKVStore._attend_corrected` takes from ``rope.cos_sin``."""
+    if index.angles is None:
+        cos, sin = (t[0, 0] for t in rope.cos_sin(index.slot_positions[None]))  # [N_all, D] float32
+        cos = torch.cat([cos, torch.ones_like(cos[:1])]).index_select(0, index.slot_map)
+        sin = torch.cat([sin, torch.zeros_like(sin[:1])]).index_select(0, index.slot_map)
+        index.angles = (cos.view(rows, 1, key_len, -1), sin.view(rows, 1, key_len, -1))
+    return index.angles

@@ -20,6 +20,11 @@ On CUDA (``attention="auto"``) later steps do not read at all: ``attend`` runs t
 of the reused K/V is ever made; the stores of one uniform format in a running batch attend in one launch per
 layer for all their rows (``attend_batch``). ``attention="triton"`` forces that path anywhere (CPU tensors need Triton's
 interpreter, ``TRITON_INTERPRET=1``; the exactness tests use it), ``"torch"`` never takes it.
+
+With the key-bias correction (`service.quant.key_bias`) a store attends itself on every path: on the PyTorch path
+over its window K/V with the bias added to the scaled scores, a running batch's corrected stores of one format
+together over one pooled read that also gives each key's steps (``attend_batch``); on the kernel's path the kernel
+subtracts the term itself. Corrected and uncorrected stores never share a batch key.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class QuantizedKVStore(KVStore):
         self._rope_tables: dict[tuple[int, ...] | None, tuple[torch.Tensor, RopeTables]] = {}
         # The verdict of the checks the block-initial pass's writes put off (`take_checks`), or None.
         self._verdict: torch.Tensor | None = None
+        # The pooled corrected read's window places (:meth:`_attend_corrected_rows`): the set's layouts, shapes,
+        # and `_window_columns` of them.
+        self._window_places: tuple | None = None
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -187,9 +195,9 @@ class QuantizedKVStore(KVStore):
         path's own attention when the configuration corrects key bias (:meth:`_attend_corrected`), else None
         (the PyTorch path: the engine attends over :meth:`window_kv`). The kernel's index maps are built at the
         layer's first step of a block."""
-        if self.key_bias_correction:
-            return self._attend_corrected(layer, q, k, v, rows, positions, rope)
         if not self._fused(q.device):
+            if self.key_bias_correction:
+                return self._attend_corrected(layer, q, k, v, rows, positions, rope)
             return None
         from service.quant.kernels.attention import fused_reuse_attention  # imports Triton
 
@@ -202,6 +210,7 @@ class QuantizedKVStore(KVStore):
             positions=positions if pre_rope else None,
             inv_freq=rope.inv_freq(q.device) if pre_rope else None,
             rope_full_precision=rope.full_precision,
+            key_bias=self.key_bias_correction,
         )
 
     def _attend_corrected(self, layer, q, k, v, rows, positions, rope) -> torch.Tensor:
@@ -234,14 +243,43 @@ class QuantizedKVStore(KVStore):
         key_mask = torch.arange(segments.seq_len, device=q.device)[None, :] >= pads[:, None]
         return attend_with_bias(q, k_all, v_all, bias, key_mask)
 
-    def attend_batch(self, stores, layer, q, k, v, widths):
+    def attend_batch(self, stores, layer, q, k, v, widths, positions=None, rope=None):
         """Stores with a fused batch key (:meth:`batch_key`): every row of ``stores`` attends in one launch of
-        the kernel (`service.quant.kernels.attention.fused_reuse_attention_rows`); None for the others."""
-        if not self._fused(q.device):
-            return None
-        from service.quant.kernels.attention import fused_reuse_attention_rows  # imports Triton
+        the kernel (`service.quant.kernels.attention.fused_reuse_attention_rows`, with the key-bias correction
+        when the stores correct); corrected stores on the PyTorch path attend together over one pooled read
+        (:meth:`_attend_corrected_rows`); None for the others."""
+        if self._fused(q.device):
+            from service.quant.kernels.attention import fused_reuse_attention_rows  # imports Triton
 
-        return fused_reuse_attention_rows(q, k, v, [store._kernel_inputs(layer) for store in stores], widths)
+            return fused_reuse_attention_rows(q, k, v, [store._kernel_inputs(layer) for store in stores], widths,
+                                              key_bias=self.key_bias_correction)
+        if self.key_bias_correction:
+            return self._attend_corrected_rows(stores, layer, q, k, v, widths, positions, rope)
+        return None
+
+    def _attend_corrected_rows(self, stores, layer, q, k, v, widths, positions, rope) -> torch.Tensor:
+        """:meth:`_attend_corrected` for every row of ``stores`` at once: their reused K/V and key steps in one
+        pooled read (`service.quant.rows`, `service.quant.rows_nuq`: the values and steps each store gives
+        alone), each row's fresh window written over its window columns (padded window columns into a spare
+        last column that gets no weight), one bias and one attention for all rows."""
+        key_len = max(store._segments.seq_len for store in stores) + 1
+        if self.pre_rope_keys:
+            k_all, v_all, steps, cos, sin = nuq_dequantize_rows(stores, layer, key_len, positions, rope, steps=True)
+        else:
+            (k_all, v_all, steps), cos, sin = dequantize_rows(stores, layer, key_len, steps=True), None, None
+        # Where the windows go: the same for every layer of a step, and for the block while the set is the same.
+        held = self._window_places
+        shape = (tuple(widths), key_len, k.shape[2], k.shape[1])
+        if held is None or held[1] != shape or len(held[0]) != len(stores) or any(
+                a is not b._layout for a, b in zip(held[0], stores)):
+            held = (tuple(store._layout for store in stores), shape,
+                    *_window_columns(stores, widths, key_len, k.shape[2], k.shape[1], q.device))
+            self._window_places = held
+        flat, key_mask = held[2], held[3]
+        d = k.shape[3]
+        k_all.view(-1, d).index_copy_(0, flat, k.reshape(-1, d))
+        v_all.view(-1, d).index_copy_(0, flat, v.reshape(-1, d))
+        return attend_with_bias(q, k_all, v_all, key_score_bias(q, steps, cos, sin), key_mask)
 
     def _kernel_inputs(self, layer: int) -> tuple[KernelOperands, BlockMaps]:
         """The kernel's operands of ``layer`` and the block's maps, made at the layer's first later step."""
@@ -258,12 +296,15 @@ class QuantizedKVStore(KVStore):
         KVQuant stores of one state (`service.quant.rows_nuq`): not with kept dequantized copies, a side held as
         it is, or another quantizer of its own format. Stores on the fused kernel's path of one uniform format
         attend together in one launch (:meth:`attend_batch`; their key is apart from the PyTorch path's);
-        KVQuant's kernel path still attends per store."""
+        KVQuant's kernel path still attends per store. Stores with the key-bias correction attend together
+        (:meth:`attend_batch`), apart from uncorrected ones."""
+        key = self._format_key(layer, device)
+        return ("key_bias", key) if key is not None and self.key_bias_correction else key
+
+    def _format_key(self, layer, device):
         quantizer = self.quantizer
         if layer not in self._packed or not (quantizer.quantizes_k and quantizer.quantizes_v):
             return None
-        if self.key_bias_correction:
-            return None  # the correction attends per store (:meth:`_attend_corrected`)
         if self._fused(device):
             if self.pre_rope_keys or type(quantizer).kernel_operands is not KVQuantizer.kernel_operands:
                 return None
@@ -318,6 +359,7 @@ class QuantizedKVStore(KVStore):
         self._scratch_layout = None
         self._refills.clear()
         self._rope_tables.clear()
+        self._window_places = None
 
     def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
         """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and
@@ -367,6 +409,33 @@ def _rotate_reused(k_all: torch.Tensor, tables: RopeTables, rope, start: int, en
     rope.rotate_in_place(k_all[:, :, :start], *tables[0])
     if end < k_all.shape[2]:
         rope.rotate_in_place(k_all[:, :, end:], *tables[1])
+
+
+def _window_columns(stores, widths: list[int], key_len: int, window: int, heads: int, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a pooled read's fresh window goes, and which keys each row attends.
+
+    Returns:
+        int64 ``[R x heads x window]``: per (row, kv head, window column) its row of a ``[R, heads, key_len, D]``
+        buffer viewed as ``[-1, D]`` (the row's block start plus the column; a column past the row's own window
+        width goes to the spare last column, ``key_len - 1``); bool ``[R, key_len]``: True on the row's real
+        keys (past its padding, before its sequence's end).
+    """
+    starts, ends, pads, kept = [], [], [], []
+    for store, width in zip(stores, widths):
+        seg = store._segments
+        for pad in seg.pad_lengths:
+            starts.append(seg.block_start)
+            ends.append(seg.seq_len)
+            pads.append(pad)
+            kept.append(width)
+    host = torch.tensor([starts, ends, pads, kept], dtype=torch.int64).to(device)
+    col = torch.arange(window, device=device)
+    dest = torch.where(col[None, :] < host[3][:, None], host[0][:, None] + col[None, :], key_len - 1)  # [R, W]
+    rows = torch.arange(len(starts), device=device)[:, None, None] * heads + torch.arange(heads, device=device)[None, :, None]
+    flat = (rows * key_len + dest[:, None, :]).reshape(-1)
+    keys = torch.arange(key_len, device=device)[None, :]
+    return flat, (keys >= host[2][:, None]) & (keys < host[1][:, None])
 
 
 AttentionPath = Literal["auto", "triton", "torch"]

@@ -25,42 +25,46 @@ from tests.support.fastdllm import four_prompts
 PARAMS = {"gen_length": 32, "block_length": 16, "steps": 6, "threshold": None, "ignore_eos": True}
 
 
-def _store(engine, method: str, prompts, attention: str) -> QuantizedKVStore:
+def _store(engine, method: str, prompts, attention: str, key_bias: bool = False) -> QuantizedKVStore:
     spec = engine.spec
     if method == "dllm_kvq":
         table = policy_for(spec, 4, p=2)
-        config = KVQuantConfig(method=method, bits=4, k_group_size=8, policy_id=table.id)
+        config = KVQuantConfig(method=method, bits=4, k_group_size=8, policy_id=table.id, key_bias_correction=key_bias)
         return make_kv_store(config, spec, artifact=table, attention=attention)
     keys, values = _capture_pre_rope(engine, prompts)
     layers = range(spec.num_layers)
     k = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in keys[i]]) for i in layers]
     v = [torch.cat([t.transpose(1, 2).flatten(0, 1).flatten(1) for t in values[i]]) for i in layers]
     state = fit_state(k, v, 2, spec, PROV)
-    config = KVQuantConfig(method=method, bits=2, kvquant_state_id=state.id)
+    config = KVQuantConfig(method=method, bits=2, kvquant_state_id=state.id, key_bias_correction=key_bias)
     return make_kv_store(config, spec, artifact=state, attention=attention)
 
 
-@pytest.mark.parametrize(("arch", "method"), [("llada", "dllm_kvq"), ("dream", "kvquant")])
-def test_fused_kernel_decodes_token_identical(engines, arch, method):
+@pytest.mark.parametrize(("arch", "method", "key_bias"),
+                         [("llada", "dllm_kvq", False), ("dream", "kvquant", False), ("dream", "kvquant", True)])
+def test_fused_kernel_decodes_token_identical(engines, arch, method, key_bias):
+    """With the key-bias correction too: the kernel's term against the PyTorch path's (`service.quant.key_bias`;
+    KVQuant's pre-RoPE steps, Dream's rotation in the model dtype)."""
     engine = engines[arch]
     prompts = four_prompts(arch)[1:3]  # 17 and 40 tokens: the shorter row is left-padded
     params = DecodeParams(cache_mode="dual", **PARAMS)
     calls = []
-    fused = _store(engine, method, prompts, "triton")
+    fused = _store(engine, method, prompts, "triton", key_bias)
     attend = fused.attend
     fused.attend = lambda *args: calls.append(args[0]) or attend(*args)
     got = engine.generate(prompts, params, kv_store=fused)
-    expected = engine.generate(prompts, params, kv_store=_store(engine, method, prompts, "torch"))
+    expected = engine.generate(prompts, params, kv_store=_store(engine, method, prompts, "torch", key_bias))
     assert len(calls) == engine.spec.num_layers * 2 * 2  # 2 blocks x 2 later steps, every layer through the kernel
     for row, ref in zip(got.rows, expected.rows):
         assert row.generated_ids == ref.generated_ids
 
 
-@pytest.mark.parametrize("method", ["dllm_kvq", "kivi"])
+@pytest.mark.parametrize("method", ["dllm_kvq", "kivi", "kivi_corrected"])
 def test_a_running_batch_attends_its_fused_stores_in_one_launch_per_layer(engines, method, monkeypatch):
     """Requests of different prompt lengths whose stores are on the kernel's path (one uniform format) decode in
     one running batch beside a full-precision request: every later step's layer launches the kernel once for all
-    their rows (`fused_reuse_attention_rows`), and each request decodes token for token as it does alone."""
+    their rows (`fused_reuse_attention_rows`; ``kivi_corrected``: with the key-bias correction), and each request
+    decodes token for token as it does alone."""
     from service.quant.kernels import attention
     from service.runtime.scheduler import forward_plan
 
@@ -70,8 +74,9 @@ def test_a_running_batch_attends_its_fused_stores_in_one_launch_per_layer(engine
     params = DecodeParams(cache_mode="dual", **PARAMS)
 
     def store():
-        if method == "kivi":
-            return make_kv_store(KVQuantConfig(method="kivi", bits=4, k_group_size=8), engine.spec, attention="triton")
+        if method.startswith("kivi"):
+            config = KVQuantConfig(method="kivi", bits=4, k_group_size=8, key_bias_correction=method != "kivi")
+            return make_kv_store(config, engine.spec, attention="triton")
         return _store(engine, method, prompts, "triton")
 
     kernel = attention._fused_reuse_attention

@@ -209,3 +209,43 @@ def test_key_bias_correction_rows_decode_as_alone_and_change_nothing_else(engine
     zero = engine.generate(prompts, params("dual"), kv_store=corrected()).rows
     assert [r.generated_ids for r in zero] == [r.generated_ids for r in plain]
     assert [r.generated_ids for r in batch] != [r.generated_ids for r in plain]
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+@pytest.mark.parametrize("method", ["kivi", "kvquant", "dllm_kvq"])
+def test_a_running_batch_reads_its_corrected_requests_pooled_and_each_decodes_as_alone(engines, states, arch, method,
+                                                                                       monkeypatch):
+    """Requests of different prompt lengths with the key-bias correction, beside a full-precision one, in one
+    running batch: every later step's layer attends all their rows in one pooled call
+    (`QuantizedKVStore._attend_corrected_rows`), none alone, and each decodes token for token as it does alone."""
+    from service.quant.store import QuantizedKVStore
+    from service.runtime.scheduler import forward_plan
+
+    engine = engines[arch]
+    prompts = _four_prompts(arch)[:3]
+    assert len({len(p) for p in prompts}) == 3
+    fixed = DecodeParams(cache_mode="dual", gen_length=32, block_length=16, steps=6, threshold=None, ignore_eos=True)
+
+    def corrected():
+        store = store_for(engine, method, 2, states)
+        store.key_bias_correction = True
+        return store
+
+    pooled, alone_calls = [], []
+    rows_fn, one_fn = QuantizedKVStore._attend_corrected_rows, QuantizedKVStore._attend_corrected
+    monkeypatch.setattr(QuantizedKVStore, "_attend_corrected_rows",
+                        lambda self, stores, *a: pooled.append(len(stores)) or rows_fn(self, stores, *a))
+    monkeypatch.setattr(QuantizedKVStore, "_attend_corrected", lambda self, *a: alone_calls.append(1) or one_fn(self, *a))
+    batch = engine.batch(forward_plan())
+    cohorts = [engine.cohort([p], fixed, None, corrected()) for p in prompts]
+    cohorts.append(engine.cohort([_four_prompts(arch)[3]], fixed, None, None))  # full precision, answers alone
+    with torch.inference_mode():
+        for cohort in cohorts:
+            batch.join(cohort)
+        while batch.cohorts:
+            batch.step()
+    # 2 blocks x 2 later steps, one pooled call per layer for the three requests' rows
+    assert pooled == [3] * (engine.spec.num_layers * 2 * 2) and not alone_calls
+    for cohort, prompt, kv in zip(cohorts, [*prompts, _four_prompts(arch)[3]], [corrected] * 3 + [None]):
+        alone = engine.generate([prompt], fixed, kv_store=kv() if kv else None).rows[0]
+        assert engine.report(cohort).rows[0].generated_ids == alone.generated_ids

@@ -58,10 +58,11 @@ def _store(method: str, bits: int):
     return make_kv_store(KVQuantConfig(method="kivi", bits=bits, k_group_size=8), SPEC, attention="triton")
 
 
-def _written(method: str, bits: int, dtype: torch.dtype):
+def _written(method: str, bits: int, dtype: torch.dtype, make=None):
+    """A store per layout (``make(method, bits)``, default :func:`_store`), every layer written."""
     stores = []
     for i, seg in enumerate(LAYOUTS):
-        s = _store(method, bits)
+        s = (make or _store)(method, bits)
         k, v = kv(seg.batch_size, seg.seq_len, dtype, seed=10 + i)
         scores = torch.rand(seg.batch_size, seg.seq_len, generator=torch.Generator().manual_seed(i))
         for layer in range(SPEC.num_layers):

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from service.quant.key_bias import bin_widths
 from service.quant.layout import SlotLayout
 
 Format = Literal["uniform", "nuq"]
@@ -60,6 +61,8 @@ class KernelOperands:
         k_scale, k_mn: uniform: ``[Ng, H, D]`` (model dtype); nuq: float32 ``[C]`` half range and offset.
         k_protected: uniform: ``[n_protected, H, D]`` protected K values (model dtype).
         k_lut, v_lut: nuq: float32 ``[2^b]`` codebooks.
+        k_width: nuq: float32 ``[2^b]``, each K code's bin width (`service.quant.key_bias.bin_widths`), what the
+            key-bias correction's steps are made of; None for uniform (its steps are the group scales).
         k_outlier_index, k_outlier_values, v_outlier_index, v_outlier_values: nuq: sorted int32 flat indices
             into ``[N, C]`` and their values.
         k_outlier_start, v_outlier_start: nuq: int32 ``[N * H + 1]``, where the outliers of each (slot, kv head)
@@ -91,6 +94,7 @@ class KernelOperands:
     v_outlier_start: torch.Tensor | None = None
     k_outlier_most: int = 0
     v_outlier_most: int = 0
+    k_width: torch.Tensor | None = None
 
 
 def outlier_rows(index: torch.Tensor, rows: int, row_width: int) -> tuple[torch.Tensor, int]:
@@ -149,5 +153,5 @@ def nuq_operands(
         v_scale=tensors_v["half_range"], v_mn=tensors_v["offset"], v_lut=v_lut,
         v_outlier_index=tensors_v["outlier_index"], v_outlier_values=tensors_v["outlier_values"],
         v_group_size=1, k_outlier_start=k_start, v_outlier_start=v_start, k_outlier_most=k_most,
-        v_outlier_most=v_most,
+        v_outlier_most=v_most, k_width=bin_widths(k_lut),
     )
