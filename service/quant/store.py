@@ -34,7 +34,7 @@ from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
-from service.quant.committed import Commit
+from service.quant.committed import Commit, CommittedBlocks
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
@@ -106,6 +106,8 @@ class QuantizedKVStore(KVStore):
         self._rope_tables: dict[tuple[int, ...] | None, tuple[torch.Tensor, RopeTables]] = {}
         # The verdict of the checks the block-initial pass's writes put off (`take_checks`), or None.
         self._verdict: torch.Tensor | None = None
+        # A block-causal family's committed blocks, packed, per row of the request (`commit`).
+        self._committed: dict[int, CommittedBlocks] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -289,11 +291,20 @@ class QuantizedKVStore(KVStore):
             return device.type == "cuda" and _triton_available()
         return self.attention == "triton"
 
-    def commit(self, slot: int, start: int, end: int, block: int) -> Commit:
-        """The committing columns ``[start, end)`` of a block-causal family's cache slot ``slot`` (active block
-        ``[end, end + block)``), to be quantized in place by this store's quantizer and counted in its accounting
-        (`service.quant.committed`; LLaDA2's ``block`` cache mode)."""
-        return Commit(slot, start, end, block, self.quantizer, self.accounting)
+    def commit(self, slot: int, start: int, end: int, block: int, row: int = 0) -> Commit:
+        """Row ``row`` of the request (a block-causal family's, in cache slot ``slot`` of this forward): its
+        committed blocks, held packed here, are read before ``start``, and the columns ``[start, end)`` that
+        commit now (active block ``[end, end + block)``; none when ``start == end``) are quantized by this
+        store's quantizer, kept packed and counted in its accounting (`service.quant.committed`; LLaDA2's
+        ``block`` cache mode)."""
+        if row not in self._committed:
+            self._committed[row] = CommittedBlocks(self.quantizer)
+        return Commit(slot, start, end, block, self.quantizer, self.accounting, self._committed[row])
+
+    def committed_bytes(self, row: int) -> int:
+        """Bytes of row ``row``'s committed blocks held packed (0 before its first commit)."""
+        held = self._committed.get(row)
+        return held.nbytes if held is not None else 0
 
     def clear(self) -> None:
         """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,
@@ -318,6 +329,7 @@ class QuantizedKVStore(KVStore):
         self._scratch_layout = None
         self._refills.clear()
         self._rope_tables.clear()
+        self._committed.clear()
 
     def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
         """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and
@@ -341,6 +353,7 @@ class QuantizedKVStore(KVStore):
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
         held += sum(t.numel() * t.element_size() for _, tables in self._rope_tables.values() for pair in tables
                     for t in pair)
+        held += sum(blocks.nbytes for blocks in self._committed.values())
         return held + (self._layout.nbytes if self._layout is not None else 0)
 
     def report(self) -> KVReport:
