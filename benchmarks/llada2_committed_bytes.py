@@ -10,7 +10,10 @@ tokens and the bytes per committed token of the stores alone. Before the packed 
 quantized request held what the unquantized one holds (its blocks were quantized-dequantized in place in the
 full-precision cache): the ``none`` line is that "before" for every method.
 
-Usage: ``python benchmarks/llada2_committed_bytes.py [--rows 4]``.
+``--admission`` prints instead what admission counts per token for each store at LLaDA2.0-mini's K/V shape in bf16
+(`MemoryModel.kv_bytes_per_token`: the bytes a store holds after a 256-token probe) and for 32 rows x 32k tokens.
+
+Usage: ``python benchmarks/llada2_committed_bytes.py [--rows 4] [--admission]``.
 """
 
 from __future__ import annotations
@@ -65,15 +68,35 @@ def measure(model: LLaDA2Model, rows: int, name: str) -> tuple[int, int, int]:
     return peak, peak_stores, sum(c.rows[0].committed for c in cohorts)
 
 
+NAMES = ("kivi-8", "kivi-4", "kivi-2", "dllm_kvq-4", "dllm_kvq-2", "kvquant-4", "kvquant-2")
+
+
+def admission() -> None:
+    """Admission's bytes per token at mini's K/V shape in bf16, and for 32 rows x 32k tokens (module doc)."""
+    from service.runtime.memory import MemoryModel
+
+    spec = spec_of(mini_layout(20, 4096, head_dim=128))
+    memory = MemoryModel(spec, 128, 256, element_size=2)
+    print("| store | bytes per token | GiB at 32 rows x 32k tokens |")
+    print("|---|---:|---:|")
+    for name in NAMES:
+        per_token = memory.kv_bytes_per_token(name, lambda name=name: store_for(name, spec))
+        print(f"| {name} | {per_token:.1f} | {per_token * 32 * 32768 / 2**30:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4, help="requests decoding together (default 4)")
+    parser.add_argument("--admission", action="store_true", help="admission's bytes per token at mini's shape")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.admission:
+        admission()
+        return 0
     model = mini_layout(20, 4096, head_dim=128)
     print("| store | peak bytes (cache + stores) | stores' bytes | committed tokens | store bytes / token |")
     print("|---|---:|---:|---:|---:|")
-    for name in ("none", "kivi-4", "kivi-2", "dllm_kvq-4", "dllm_kvq-2", "kvquant-4", "kvquant-2"):
+    for name in ("none", *NAMES[1:]):
         peak, stores, tokens = measure(model, args.rows, name)
         per_token = f"{stores / tokens:.0f}" if stores else ""
         print(f"| {name} | {peak} | {stores} | {tokens} | {per_token} |", flush=True)
