@@ -11,7 +11,7 @@ host syncs (`benchmarks.iteration_cost.Counter`), forwards and the most rows in 
 later-step forward its ops and the experts active in it (ops grow with the active experts, at most 256, never
 with the rows beyond them). ``--kv-quant kivi`` gives every request a 4-bit KIVI store: its committed blocks are
 quantized in the block-initial iteration (`service.quant.committed`, one quantize/dequantize per committing row
-and layer), later steps read them as they are.
+and layer), later steps dequantize them at every layer (one dequantize per committed block, row and layer).
 
 Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20] [--kv-quant none|kivi]``.
 """
@@ -34,12 +34,14 @@ from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
 
 
-def mini_layout(layers: int, vocab: int) -> LLaDA2Model:
-    """A random LLaDA2 model with LLaDA2.0-mini's layer and expert layout, widths shrunk (module doc)."""
+def mini_layout(layers: int, vocab: int, head_dim: int = 8) -> LLaDA2Model:
+    """A random LLaDA2 model with LLaDA2.0-mini's layer and expert layout, widths shrunk (module doc; the head
+    dim is mini's 128 where K/V bytes are measured, half of it rotated)."""
     config = LLaDA2Config(
-        arch="llada2", vocab_size=vocab, width=128, num_layers=layers, num_heads=16, num_kv_heads=4, head_dim=8,
+        arch="llada2", vocab_size=vocab, width=128, num_layers=layers, num_heads=16, num_kv_heads=4,
+        head_dim=head_dim,
         mlp_hidden=256, eps=1e-6, rope_theta=600000.0, rope_full_precision=False, qkv_bias=False,
-        mask_id=vocab - 1, eos_id=vocab - 4, pad_id=vocab - 4, max_length=4096, rotary_dim=4, first_dense=1,
+        mask_id=vocab - 1, eos_id=vocab - 4, pad_id=vocab - 4, max_length=4096, rotary_dim=head_dim // 2, first_dense=1,
         num_experts=256, experts_per_token=8, expert_groups=8, groups_per_token=4, moe_hidden=16,
         shared_experts=1, routed_scale=2.5,
     )
@@ -50,13 +52,18 @@ def mini_layout(layers: int, vocab: int) -> LLaDA2Model:
     return model.eval().requires_grad_(False)
 
 
-def kivi_store(model: LLaDA2Model, bits: int = 4):
-    """A KIVI store for ``model`` (its spec made from the config: no checkpoint, no fingerprint)."""
+def spec_of(model: LLaDA2Model) -> ModelSpec:
+    """The spec of ``model`` made from its config (no checkpoint, no fingerprint)."""
     c = model.config
-    spec = ModelSpec(arch=c.arch, model_id="mini-layout", fingerprint="none", num_layers=c.num_layers,
+    return ModelSpec(arch=c.arch, model_id="mini-layout", fingerprint="none", num_layers=c.num_layers,
                      num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      vocab_size=c.vocab_size, mask_id=c.mask_id, eos_ids=(c.eos_id,), pad_id=c.pad_id,
                      max_length=c.max_length)
+
+
+def kivi_store(model: LLaDA2Model, bits: int = 4):
+    """A KIVI store for ``model`` (its spec made from the config)."""
+    spec, c = spec_of(model), model.config
     return make_kv_store(KVQuantConfig(method="kivi", bits=bits, v_group_size=c.head_dim), spec, attention="torch")
 
 

@@ -46,7 +46,7 @@ from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
 from service.engine.models import is_block_causal
-from service.engine.params import DecodeParams, RowOptions, response_length
+from service.engine.params import DecodeParams, RowOptions, configured_cache_mode, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
@@ -274,6 +274,7 @@ class Serving:
         check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
         if req.kv_quant is None:
             return self.active.snapshot(cache_mode)
+        cache_mode = configured_cache_mode(cache_mode)  # ``block``'s kv_quant is checked as for ``prefix``
         # These answers go to any client: they must not say where the store is (a path, a Redis URL).
         try:
             try:

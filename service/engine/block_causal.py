@@ -287,7 +287,7 @@ class Row:
 def forward_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV) -> list[torch.Tensor]:
     """One forward for the calls of ``rows`` (each in its own cache slot): their windows right-padded; returns each
     row's active-block logits ``[block_length, V]``."""
-    device = cache.k[0].device
+    device = cache.device
     width = max(c.end - c.start for c in calls)
     widest_block = max(r.block for r in rows)
     ids = torch.stack([torch.nn.functional.pad(r.x[c.start:c.end], (0, width - (c.end - c.start)),

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, forward_rows
 from service.engine.decode import CommittedIds, _row_generator
@@ -59,7 +58,7 @@ class NoStore:
     def report(self) -> None:
         """No quantized store: no KV report."""
 
-    def commit(self, slot: int, start: int, end: int, block: int) -> None:
+    def commit(self, slot: int, start: int, end: int, block: int, row: int = 0) -> None:
         """Nothing to quantize: committed blocks stay as written."""
 
 
@@ -181,12 +180,17 @@ class BlockCausalCohort:
         return DecodeReport(rows=reports, params=self.params,
                             timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
 
+    def packs(self, i: int) -> bool:
+        """Row ``i``'s committed blocks are held packed by the request's quantized store (``block`` mode)."""
+        return not isinstance(self.store, NoStore) and self.rows[i].params.cache_mode == "block"
+
     def commit(self, i: int, slot: int) -> Any:
-        """The columns row ``i`` commits in its next call (cache slot ``slot``) when they are to be quantized."""
-        call, row = self.calls[i], self.rows[i]
-        if row.params.cache_mode != "block":
+        """Row ``i``'s packed committed blocks and the columns it commits in its next call (cache slot ``slot``),
+        a `service.quant.committed.Commit`; None when the row is not held packed (:meth:`packs`)."""
+        if not self.packs(i):
             return None
-        return self.store.commit(slot, call.start, call.block_start, row.block)  # a `Commit`, or None
+        call, row = self.calls[i], self.rows[i]
+        return self.store.commit(slot, call.start, call.block_start, row.block, i)
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
@@ -227,11 +231,14 @@ class BlockCausalBatch:
         self.failed, self.forwards, self.rows = [], 0, 0
         live = [(c, i) for c in self.cohorts for i in sorted(c.calls)]
         if live:
+            # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
+            live.sort(key=lambda ci: ci[0].packs(ci[1]))
             rows = [c.rows[i] for c, i in live]
-            cache = self._cache_for(rows)
+            packed = sum(c.packs(i) for c, i in live)
+            cache = self._cache_for(rows, packed)
             commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
             commits = [x for x in commits if x is not None]
-            cache.on_write = commits[0].hook(cache.k, cache.v, commits, self.model.rotate_keys) if commits else None
+            cache.on_write = commits[0].hook(commits, self.model.rotate_keys) if commits else None
             try:
                 logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
             finally:
@@ -264,29 +271,30 @@ class BlockCausalBatch:
         """:meth:`run` with no plan (`Engine.generate`)."""
         self.run()
 
-    def _cache_for(self, rows: list[Row]) -> CommittedKV:
-        """The cache with one slot per row of ``rows``, in that order: slots of rows that left are dropped and
-        new rows get zeroed slots (both only when the set of rows changes); the columns cover every window."""
+    def _cache_for(self, rows: list[Row], packed: int) -> CommittedKV:
+        """The cache with one slot per row of ``rows``, in that order, the last ``packed`` of them held packed
+        (no per-layer buffers: `CommittedKV`): the full-precision slots of rows that left are dropped and new
+        rows get zeroed slots (both only when the set of rows changes); the columns cover every window."""
         cfg, weight = self.model.config, self.model.embed.weight
         capacity = 2 * max(r.length for r in rows)
-        if self._cache is None:
-            self._cache = CommittedKV(cfg.num_layers, 0, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype,
-                                      weight.device)
-        if rows == self._slots and self._cache.k[0].shape[2] >= capacity:
-            return self._cache
-        cache = self._cache
-        held = {id(r): s for s, r in enumerate(self._slots)}
-        capacity = max(capacity, cache.k[0].shape[2])
-        for layer in range(len(cache.k)):
-            for buffers in (cache.k, cache.v):
-                old = F.pad(buffers[layer], (0, 0, 0, capacity - buffers[layer].shape[2]))
-                fresh = old.new_zeros((len(rows), *old.shape[1:]))
-                kept = [(n, held[id(r)]) for n, r in enumerate(rows) if id(r) in held]
-                if kept:
-                    to, src = (torch.tensor(list(x), device=old.device) for x in zip(*kept))
-                    fresh.index_copy_(0, to, old.index_select(0, src))
-                buffers[layer] = fresh
-        self._slots = list(rows)
+        old = self._cache
+        if old is not None and rows == self._slots and old.k[0].shape[2] >= capacity and (
+                old.scratch is None or old.scratch[0].shape[2] >= capacity):
+            return old
+        if old is not None:
+            capacity = max(capacity, old.k[0].shape[2])
+        full = len(rows) - packed
+        cache = CommittedKV(cfg.num_layers, len(rows), cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype,
+                            weight.device, packed)
+        held = {id(r): s for s, r in enumerate(self._slots[: old.k[0].shape[0]])} if old is not None else {}
+        kept = [(n, held[id(r)]) for n, r in enumerate(rows[:full]) if id(r) in held]
+        if kept:  # the full-precision rows that stay keep their committed K/V
+            to, src = (torch.tensor(list(x), device=weight.device) for x in zip(*kept))
+            for buffers, olds in ((cache.k, old.k), (cache.v, old.v)):
+                for layer in range(len(buffers)):
+                    width = olds[layer].shape[2]
+                    buffers[layer][:, :, :width].index_copy_(0, to, olds[layer].index_select(0, src))
+        self._cache, self._slots = cache, list(rows)
         return cache
 
 
@@ -329,8 +337,10 @@ def generate_batch(
                 raise batch.failed[0][1]
     cfg = model.config
     per_column = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.embed.weight.element_size()
-    for row, result in zip(cohort.rows, cohort.results):
-        if row.params.cache_mode == "block":
+    for i, (row, result) in enumerate(zip(cohort.rows, cohort.results)):
+        if cohort.packs(i):  # held packed by the quantized store
+            result.kv_bytes = cohort.store.committed_bytes(i)
+        elif row.params.cache_mode == "block":
             result.kv_bytes = row.committed * per_column
     return cohort.results
 

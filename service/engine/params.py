@@ -34,9 +34,17 @@ from service.engine.errors import EngineInputError
 #: How much of the K/V a step reuses (DESIGN.md "Words"): none (full recompute), prefix, dual; block: the exact
 #: append-only cache of block-causal families (LLaDA2, `service.engine.block_causal`), refused by the others.
 CacheMode = Literal["none", "prefix", "dual", "block"]
-#: The cache modes that hold an active KV configuration in the store (``block``, LLaDA2's, runs with ``none``'s:
-#: `service.store.active.ActiveConfigs.snapshot`): what ``PUT /admin/active/{cache_mode}`` takes.
+#: The cache modes that hold an active KV configuration in the store: what ``PUT /admin/active/{cache_mode}`` takes.
+#: ``block`` (LLaDA2's) has none of its own: it serves ``prefix``'s (:func:`configured_cache_mode`).
 ConfiguredCacheMode = Literal["none", "prefix", "dual"]
+
+
+def configured_cache_mode(cache_mode: str) -> str:
+    """The cache mode whose KV configuration a request in ``cache_mode`` runs with: its own, except ``block``,
+    a block-causal family's append-only cache of committed blocks (its reused prefix; it has no suffix), which
+    runs with ``prefix``'s: the server's active ``prefix`` configuration, and a request's own ``kv_quant`` checked
+    as for ``prefix`` (a dLLM-KVQ policy made for ``prefix``, as ``calibrate`` makes LLaDA2's)."""
+    return "prefix" if cache_mode == "block" else cache_mode
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")

@@ -1,46 +1,97 @@
-"""Quantized K/V on a block-causal model's committed blocks (LLaDA2's ``block`` cache mode).
+"""Quantized K/V on a block-causal model's committed blocks (LLaDA2's ``block`` cache mode), held packed.
 
 A block-causal model's committed blocks never change (`service.engine.block_causal`), so their K/V are
-quantized once, when their block commits, and read dequantized after that; the active block stays in full
-precision. This is QDQ: the batch's cache (`service.engine.models.llada2.CommittedKV`) keeps the dequantized values
-in the model dtype in place of the exact ones, so attention reads exactly what a packed store would give back;
-the request's accounting (`service.quant.accounting.KVAccounting`) counts the packed layers, so its report's
-effective bits and bytes are those of the packed store (``bytes_held`` accumulates over the committed blocks, as
-the cache grows with the text).
+quantized once, when their block commits, and kept packed (:class:`CommittedBlocks`: per layer, per block, the
+`service.quant.base.PackedLayer` the quantizer made: codes with scales/zeros, or KVQuant's codes and outliers,
+the formats of the other families' stores); the active block stays in full precision. Every later forward reads
+them back per layer: the row's committed columns are dequantized into the batch's one-layer scratch
+(`service.engine.models.llada2.CommittedKV`: a quantized row holds no full-precision copy of its committed
+blocks between forwards), so the bytes held are the packed bytes the request's accounting
+(`service.quant.accounting.KVAccounting`) reports and admission counts, plus that scratch.
 
 The quantization runs inside the forward, per layer, between the scatter of the window's K/V and the attention
 (the ``on_write`` hook of `CommittedKV`): the first forward of a block, which computes the just-committed block's
-final K/V, already attends over their dequantized values, as every later forward does.
+final K/V, already attends over their dequantized values, as every later forward does. The values attention
+reads are the same as a quantize-dequantize in place would leave (the same quantize call, the same slots and K
+groups on the read), so decoding is token for token what it was when the cache held them dequantized.
 
 Methods: KIVI (``kivi``), dLLM-KVQ (``dllm_kvq``) and KVQuant (``kvquant``). dLLM-KVQ's attention score of a
 committing column is the probability the active block's queries put on it in the forward that commits it
 (`attention_scores`: mean over query heads and the block's queries, keys up to the active block's end, which is
 what those queries see under the block-causal mask), the other families' block-initial score in this family's
-terms. KVQuant quantizes the
-committing columns' pre-RoPE keys (the forward's own, taken before its rotation) and the dequantized keys take
-partial RoPE at their positions (only the rotated channels: the model's ``rotate_keys``) before they go back in
-the cache.
+terms. KVQuant quantizes the committing columns' pre-RoPE keys (the forward's own, taken before its rotation)
+and the dequantized keys take partial RoPE at their positions (only the rotated channels: the model's
+``rotate_keys``) at every read.
+
+Cost: a read dequantizes each committed block of each quantized row separately (a few tensor operations per
+block, row and layer, per forward); merging a row's blocks into one packed run per layer is the next step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from service.engine.kv_store import Segments
 from service.engine.scores import attention_scores
 from service.quant.accounting import KVAccounting
-from service.quant.base import KVQuantizer
+from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.layout import SlotLayout
+
+#: ``rotate_keys(k, positions)``: the model's RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64 ``[B, T]``.
+RotateKeys = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class CommittedBlocks:
+    """One row's committed blocks, packed: per layer, ``(start, end, packed)`` per block in commit order.
+
+    The packed layers are the quantizer's own (`KVQuantizer.quantize` over the block's columns); ``read_into``
+    dequantizes them with a layout of the block alone (its slots and K groups in the same order as at the write:
+    groups counted from the block's first column), so the values are those of the write's layout.
+    """
+
+    quantizer: KVQuantizer
+    layers: dict[int, list[tuple[int, int, PackedLayer]]] = field(default_factory=dict)
+    _layouts: dict[tuple[int, str], SlotLayout] = field(default_factory=dict)
+
+    def add(self, layer: int, start: int, end: int, packed: PackedLayer) -> None:
+        self.layers.setdefault(layer, []).append((start, end, packed))
+
+    def read_into(self, layer: int, slot: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  rotate_keys: RotateKeys) -> None:
+        """Write the layer's committed K/V (model dtype; keys post-RoPE) at their columns of row ``slot`` of
+        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched."""
+        for start, end, packed in self.layers.get(layer, ()):
+            k, v = self.quantizer.dequantize(layer, packed, self._layout(end - start, k_buf.device))  # [1, H, w, D]
+            if self.quantizer.pre_rope_keys:
+                k = rotate_keys(k, torch.arange(start, end, device=k.device)[None])
+            k_buf[slot, :, start:end] = k[0]
+            v_buf[slot, :, start:end] = v[0]
+
+    def _layout(self, width: int, device: torch.device) -> SlotLayout:
+        """The layout of one block of ``width`` columns on its own (shared by the row's blocks of that width)."""
+        key = (width, str(device))
+        if key not in self._layouts:
+            self._layouts[key] = SlotLayout.from_segments(Segments((0,), width, width + 1, width + 1, "prefix"),
+                                                          self.quantizer.k_group_size, device)
+        return self._layouts[key]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed layers (and indexes derived from them) and the read layouts' index tensors."""
+        held = sum(p.nbytes + p.derived_nbytes for blocks in self.layers.values() for _, _, p in blocks)
+        return held + sum(layout.nbytes for layout in self._layouts.values())
 
 
 @dataclass(frozen=True)
 class Commit:
-    """Columns ``[start, end)`` of cache slot ``slot`` that commit in this forward (whose window starts at
-    ``start``; its active block is ``[end, end + block)``), and whose quantizer and accounting take them (the
-    request's `service.quant.store.QuantizedKVStore` parts)."""
+    """One quantized row of a forward: its cache slot ``slot``, the columns ``[start, end)`` that commit in this
+    forward (empty on a later step; the window starts at ``start``; the active block is ``[end, end + block)``),
+    its committed blocks held packed (read before ``start``), and the quantizer and accounting that take the
+    committing columns (the request's `service.quant.store.QuantizedKVStore` parts)."""
 
     slot: int
     start: int
@@ -48,64 +99,70 @@ class Commit:
     block: int
     quantizer: KVQuantizer
     accounting: KVAccounting
+    held: CommittedBlocks
 
     @staticmethod
-    def hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], commits: list[Commit],
-             rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-             ) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+    def hook(commits: list[Commit], rotate_keys: RotateKeys,
+             ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
         """`commit_hook`, reached through a commit so that the engine, which gets its commits from the requests'
         stores, needs no import of this package."""
-        return commit_hook(k_cache, v_cache, commits, rotate_keys)
+        return commit_hook(commits, rotate_keys)
 
 
-def commit_hook(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], commits: list[Commit],
-                rotate_keys: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                ) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
-    """The ``on_write(layer, q, k_pre)`` hook that quantizes-dequantizes the committing columns of one layer in
-    place (q: the window's post-RoPE queries ``[B, H, T_w, D]``; k_pre: its pre-RoPE keys ``[B, H_kv, T_w, D]``;
-    each commit's window starts at its ``start``).
+def commit_hook(commits: list[Commit], rotate_keys: RotateKeys,
+                ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    """The ``on_write(layer, q, k_pre, k_buf, v_buf)`` hook of one forward: for each quantized row, its committed
+    blocks are dequantized into its slot, then the columns that commit now are quantized, kept packed and
+    written back dequantized (q: the window's post-RoPE queries ``[B, H, T_w, D]``; k_pre: its pre-RoPE keys
+    ``[B, H_kv, T_w, D]``; each commit's window starts at its ``start``; k_buf, v_buf: the layer's K/V
+    ``[B, H_kv, capacity, D]``, model dtype, the window already written at its columns).
 
     Args:
-        k_cache, v_cache: per layer ``[B, H_kv, capacity, D]`` (the cache's ``k`` and ``v`` lists, model dtype);
-            ``end < capacity`` for every commit (the cache holds twice the longest row).
-        commits: this forward's commits (at most one per slot).
-        rotate_keys: ``rotate_keys(k, positions)``, the model's RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64
-            positions ``[B, T]`` (for a quantizer with ``pre_rope_keys``).
+        commits: this forward's quantized rows (one per slot); ``end < capacity`` for each.
+        rotate_keys: the model's RoPE of pre-RoPE keys (for a quantizer with ``pre_rope_keys``).
 
     Returns:
-        None when nothing commits; else the hook. It raises what `KVQuantizer.quantize` raises
+        None when there is no quantized row; else the hook. It raises what `KVQuantizer.quantize` raises
         (`service.quant.errors.NonFiniteKVError` for a NaN/inf K or V).
     """
-    commits = [c for c in commits if c.end > c.start]
     if not commits:
         return None
-    device = k_cache[0].device
-    # The committing columns as one row's reused prefix after "padding" [0, start) (the columns committed before,
-    # already quantized): K groups run over them from ``start``, as in the other families' prefix segment.
-    layouts = [SlotLayout.from_segments(Segments((c.start,), c.end, c.end + 1, c.end + 1, "prefix"),
-                                        c.quantizer.k_group_size, device) for c in commits]
+    committing = [c for c in commits if c.end > c.start]
+    layouts: list[SlotLayout] = []  # made at the first layer, on the K/V's device
 
-    def on_write(layer: int, q: torch.Tensor, k_pre: torch.Tensor) -> None:
-        for commit, layout in zip(commits, layouts):
-            quantizer, width = commit.quantizer, commit.end - commit.start
-            k = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
+    def layout_of(commit: Commit, device: torch.device) -> SlotLayout:
+        # The committing columns as one row's reused prefix after "padding" [0, start) (the columns committed
+        # before): K groups run over them from ``start``, as in the other families' prefix segment.
+        return SlotLayout.from_segments(Segments((commit.start,), commit.end, commit.end + 1, commit.end + 1,
+                                                 "prefix"), commit.quantizer.k_group_size, device)
+
+    def on_write(layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                 ) -> None:
+        for commit in commits:
+            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys)
+        if len(layouts) < len(committing):
+            layouts.extend(layout_of(c, k_buf.device) for c in committing)
+        for commit, layout in zip(committing, layouts):
+            quantizer, width, slot = commit.quantizer, commit.end - commit.start, commit.slot
+            k = k_buf[slot:slot + 1, :, : commit.end + 1]
             if quantizer.pre_rope_keys:  # the committing columns' pre-RoPE keys at their columns (others unread)
                 k = torch.zeros_like(k)
-                k[:, :, commit.start:commit.end] = k_pre[commit.slot:commit.slot + 1, :, :width]
-            v = v_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + 1]
+                k[:, :, commit.start:commit.end] = k_pre[slot:slot + 1, :, :width]
+            v = v_buf[slot:slot + 1, :, : commit.end + 1]
             scores = None
             if quantizer.needs_scores:
-                queries = q[commit.slot:commit.slot + 1, :, width:width + commit.block]  # the active block's
-                keys = k_cache[layer][commit.slot:commit.slot + 1, :, : commit.end + commit.block]
+                queries = q[slot:slot + 1, :, width:width + commit.block]  # the active block's
+                keys = k_buf[slot:slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
             packed = quantizer.quantize(layer, k, v, layout, scores)
             commit.accounting.add(layer, packed)
+            commit.held.add(layer, commit.start, commit.end, packed)
             k_dq, v_dq = quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
             k_dq = k_dq[:, :, commit.start:commit.end]
             if quantizer.pre_rope_keys:
-                positions = torch.arange(commit.start, commit.end, device=device)[None]
+                positions = torch.arange(commit.start, commit.end, device=k_dq.device)[None]
                 k_dq = rotate_keys(k_dq, positions)
-            k_cache[layer][commit.slot, :, commit.start:commit.end] = k_dq[0]
-            v_cache[layer][commit.slot, :, commit.start:commit.end] = v_dq[0, :, commit.start:commit.end]
+            k_buf[slot, :, commit.start:commit.end] = k_dq[0]
+            v_buf[slot, :, commit.start:commit.end] = v_dq[0, :, commit.start:commit.end]
 
     return on_write

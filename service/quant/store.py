@@ -39,7 +39,7 @@ from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
-from service.quant.committed import Commit
+from service.quant.committed import Commit, CommittedBlocks
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
@@ -114,6 +114,8 @@ class QuantizedKVStore(KVStore):
         # The pooled corrected read's window places (:meth:`_attend_corrected_rows`): the set's layouts, shapes,
         # and `_window_columns` of them.
         self._window_places: tuple | None = None
+        # A block-causal family's committed blocks, packed, per row of the request (`commit`).
+        self._committed: dict[int, CommittedBlocks] = {}
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -330,11 +332,20 @@ class QuantizedKVStore(KVStore):
             return device.type == "cuda" and _triton_available()
         return self.attention == "triton"
 
-    def commit(self, slot: int, start: int, end: int, block: int) -> Commit:
-        """The committing columns ``[start, end)`` of a block-causal family's cache slot ``slot`` (active block
-        ``[end, end + block)``), to be quantized in place by this store's quantizer and counted in its accounting
-        (`service.quant.committed`; LLaDA2's ``block`` cache mode)."""
-        return Commit(slot, start, end, block, self.quantizer, self.accounting)
+    def commit(self, slot: int, start: int, end: int, block: int, row: int = 0) -> Commit:
+        """Row ``row`` of the request (a block-causal family's, in cache slot ``slot`` of this forward): its
+        committed blocks, held packed here, are read before ``start``, and the columns ``[start, end)`` that
+        commit now (active block ``[end, end + block)``; none when ``start == end``) are quantized by this
+        store's quantizer, kept packed and counted in its accounting (`service.quant.committed`; LLaDA2's
+        ``block`` cache mode)."""
+        if row not in self._committed:
+            self._committed[row] = CommittedBlocks(self.quantizer)
+        return Commit(slot, start, end, block, self.quantizer, self.accounting, self._committed[row])
+
+    def committed_bytes(self, row: int) -> int:
+        """Bytes of row ``row``'s committed blocks held packed (0 before its first commit)."""
+        held = self._committed.get(row)
+        return held.nbytes if held is not None else 0
 
     def clear(self) -> None:
         """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,
@@ -360,6 +371,7 @@ class QuantizedKVStore(KVStore):
         self._refills.clear()
         self._rope_tables.clear()
         self._window_places = None
+        self._committed.clear()
 
     def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
         """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and
@@ -383,6 +395,7 @@ class QuantizedKVStore(KVStore):
         held += sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self._dequantized.values())
         held += sum(t.numel() * t.element_size() for _, tables in self._rope_tables.values() for pair in tables
                     for t in pair)
+        held += sum(blocks.nbytes for blocks in self._committed.values())
         return held + (self._layout.nbytes if self._layout is not None else 0)
 
     def report(self) -> KVReport:

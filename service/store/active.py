@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from service.engine.params import CacheMode
+from service.engine.params import CacheMode, configured_cache_mode
 from service.engine.spec import ModelSpec
 from service.quant.accounting import configured_bits
 from service.quant.config import KVQuantConfig
@@ -247,10 +247,9 @@ class ActiveConfigs:
 
     def snapshot(self, cache_mode: CacheMode) -> ConfigSnapshot:
         """The snapshot a request admitted now runs with; ConfigUnavailable when the mode is not ready. Cache mode
-        ``block`` (block-causal families, LLaDA2) has no configuration of its own: its cache is held unquantized
-        (no quantized store applies to it yet), as cache mode ``none``'s."""
-        if cache_mode == "block":
-            cache_mode = "none"
+        ``block`` (block-causal families, LLaDA2) runs with ``prefix``'s (`configured_cache_mode`: its committed
+        blocks are its reused prefix), and its report's ``kv_config`` says ``prefix``."""
+        cache_mode = configured_cache_mode(cache_mode)
         with self._lock:
             reason = self.not_ready.get(cache_mode)
             if reason is not None:

@@ -1,7 +1,7 @@
 """A LLaDA2 checkpoint on a server whose prefix/dual configuration is quantized (``DLLM_KV_QUANT`` KIVI 4-bit):
-requests in those modes are served with the quantized committed-block cache (`service.quant.committed`), as the
-engine decodes them alone with the same store, never a 500; a request's own ``kv_quant`` object applies in
-``block`` mode."""
+requests in those modes, and in ``block`` (which serves ``prefix``'s configuration), are served with the quantized
+committed-block cache (`service.quant.committed`), as the engine decodes them alone with the same store, never a
+500; a request's own ``kv_quant`` object applies in ``block`` mode."""
 
 from __future__ import annotations
 
@@ -53,7 +53,11 @@ def test_quantized_prefix_and_dual_are_served_as_the_engine_decodes_alone(client
         assert out.kv_config["kv_quant"]["method"] == "kivi"
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=64,
                                     extra_body={"cache_mode": "block", "threshold": 0.9})
-    assert out.choices[0].text == exact  # block mode runs with cache mode none's configuration (unquantized)
+    assert out.choices[0].text == quantized  # block mode runs with cache mode prefix's configuration
+    assert out.kv_config["cache_mode"] == "prefix" and out.kv_config["kv_quant"]["method"] == "kivi"
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=64,
+                                    extra_body={"cache_mode": "none", "threshold": 0.9})
+    assert out.choices[0].text == exact and out.kv_config["cache_mode"] == "none"
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=64, extra_body={
         "cache_mode": "block", "threshold": 0.9, "kv_quant": {"method": "kivi", "bits": 2}})
     assert out.choices[0].text == alone(checkpoint, 2)

@@ -129,3 +129,91 @@ def test_the_engine_reports_effective_bits(llada2):
     report = engine.generate([list(range(1, 40))], DecodeParams(gen_length=64, threshold=0.9, cache_mode="dual"),
                              kv_store=kivi_store(loaded.spec, 4))
     assert report.kv is not None and report.kv.k_nominal_bits == 4.0 and report.kv.v_nominal_bits == 4.0
+
+
+QDQ_GOLDEN = "llada2_quant_qdq.json"
+
+
+@pytest.mark.parametrize("method", STORES)
+@pytest.mark.parametrize("family", ["llada2", "llada21"])
+def test_packed_store_decodes_as_the_qdq_in_place_cache(llada2, family, method):
+    """The committed blocks held packed and dequantized at each read decode token for token (and forward for
+    forward) what the cache that held them quantized-dequantized in place decoded (tests/data/llada2/README.md)."""
+    from service.engine.block_causal_batch import generate_batch
+    from tests.support.llada2 import llada2_golden
+
+    golden, loaded = llada2_golden(QDQ_GOLDEN), llada2[family]
+    runs = {run["id"]: run for f, run in CASES if f == family}
+    editing = family == "llada21"
+    for bits in (4, 2):
+        for run_id, ids, nfe in golden[f"{family}/{method}/{bits}"]:
+            run = runs[run_id]
+            result = generate(loaded.model, run["prompt_ids"], params_of(run, "block", editing), loaded.spec.mask_id,
+                              loaded.spec.eos_ids, kv_store=STORES[method](loaded.spec, bits))
+            assert (result.generated_ids, result.nfe) == (ids, nfe), (run_id, bits)
+    batch_runs = [runs[run_id] for run_id, _, _ in golden[f"{family}/{method}/4"]][:6]
+    together = generate_batch(loaded.model, [run["prompt_ids"] for run in batch_runs],
+                              [params_of(run, "block", editing) for run in batch_runs], loaded.spec.mask_id,
+                              loaded.spec.eos_ids, kv_store=STORES[method](loaded.spec, 4))
+    assert [r.generated_ids for r in together] == golden[f"{family}/{method}/batch"]
+
+
+@pytest.mark.parametrize("method", STORES)
+def test_bytes_held_are_the_packed_bytes_the_report_and_admission_count(llada2, method):
+    """The committed blocks are held packed: the store holds the report's packed bytes plus its small index
+    tensors, within 15% of what admission counts for the committed tokens (`MemoryModel.kv_bytes_per_token`, a
+    256-token probe); no full-precision per-layer K/V is held for the row (one scratch layer)."""
+    from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+    from service.runtime.memory import MemoryModel
+
+    loaded, spec = llada2["llada2"], llada2["llada2"].spec
+    run = next(r for f, r in CASES if f == "llada2" and r["params"]["gen_length"] >= 64)
+    store = STORES[method](spec, 4)
+    batch = BlockCausalBatch(loaded.model)
+    batch.join(BlockCausalCohort(loaded.model, [run["prompt_ids"]], [params_of(run, "block", editing=False)],
+                                 spec.mask_id, spec.eos_ids, kv_store=store))
+    with torch.inference_mode():
+        while batch.cohorts:
+            batch.run()
+            assert not batch.failed
+            cache = batch._cache
+            assert all(k.shape[0] == 0 for k in cache.k + cache.v)  # no per-layer buffer for the packed row
+            assert cache.nbytes == 2 * cache.scratch[0].numel() * cache.scratch[0].element_size()
+    held = store._committed[0]
+    tokens = sum(end - start for start, end, _ in held.layers[0])
+    packed = sum(p.nbytes for blocks in held.layers.values() for _, _, p in blocks)
+    assert tokens >= 64 and set(held.layers) == set(range(spec.num_layers))
+    report = store.report()
+    assert report.bytes_held == packed == sum(p.nbytes for blocks in held.layers.values() for *_, p in blocks)
+    bf16 = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * tokens
+    assert report.bf16_bytes == bf16
+    assert packed < store.bytes_held == store.committed_bytes(0) < packed * 1.3  # index tensors of the reads
+    per_token = MemoryModel(spec, 64, 64, 4).kv_bytes_per_token(method, lambda: STORES[method](spec, 4))
+    admission = per_token * tokens
+    print(f"{method} 4-bit, {tokens} committed tokens: held {store.bytes_held} B (packed {packed}), admission "
+          f"{admission:.0f} B, bf16 {bf16} B")
+    assert abs(store.bytes_held - admission) <= 0.15 * admission
+
+
+def test_a_quantized_and_an_unquantized_request_in_one_batch_decode_as_alone(llada2):
+    """Full-precision slots (per-layer buffers) and packed slots (the scratch) in one forward: each request
+    decodes as it does alone."""
+    from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+
+    loaded, spec = llada2["llada2"], llada2["llada2"].spec
+    cases = [run for family, run in CASES if family == "llada2"][:4]
+    settings = [params_of(run, "block", editing=False) for run in cases]
+    stores = [None, kivi_store(spec, 4), None, kivi_store(spec, 2)]
+    alone = [generate(loaded.model, run["prompt_ids"], p, spec.mask_id, spec.eos_ids,
+                      kv_store=kivi_store(spec, (None, 4, None, 2)[n]) if stores[n] else None).generated_ids
+             for n, (run, p) in enumerate(zip(cases, settings))]
+    batch = BlockCausalBatch(loaded.model)
+    cohorts = [BlockCausalCohort(loaded.model, [run["prompt_ids"]], [p], spec.mask_id, spec.eos_ids, kv_store=s)
+               for run, p, s in zip(cases, settings, stores)]
+    for cohort in cohorts:
+        batch.join(cohort)
+    with torch.inference_mode():
+        while batch.cohorts:
+            batch.run()
+            assert not batch.failed
+    assert [c.results[0].generated_ids for c in cohorts] == alone

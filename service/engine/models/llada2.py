@@ -103,28 +103,72 @@ class CommittedKV:
     its active block's columns are rewritten by every forward; columns past its window hold nothing it can see
     (they lie in later blocks, which the mask hides), so padded query columns may write there.
 
+    The last ``packed`` slots belong to rows whose committed blocks a quantized store holds packed
+    (`service.quant.committed`): they have no per-layer buffers, only one scratch layer ``[B, H_kv, capacity,
+    D]`` shared by every layer of a forward, into which the ``on_write`` hook dequantizes their committed blocks
+    at each layer (the full-precision slots' K/V are copied into it beside them, so attention reads one tensor).
+    With no packed slot there is no scratch and attention reads the per-layer buffers as they are.
+
     Args:
         num_layers: L; batch: B (rows); kv_heads: H_kv; capacity: columns per row (at least the widest window's
-            last position + 1); head_dim: D; dtype, device: of the K/V (the model's).
+            last position + 1); head_dim: D; dtype, device: of the K/V (the model's); packed: slots (the last
+            ones) held packed outside.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (batch, kv_heads, capacity, head_dim)
+                 dtype: torch.dtype, device: torch.device | str, packed: int = 0) -> None:
+        shape = (batch - packed, kv_heads, capacity, head_dim)
+        self.device = torch.device(device)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        #: One layer's K and V of every slot ``[B, H_kv, capacity, D]`` when some slots are packed, else None.
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        if packed:
+            full = (batch, kv_heads, capacity, head_dim)
+            self.scratch = (torch.zeros(full, dtype=dtype, device=device),
+                            torch.zeros(full, dtype=dtype, device=device))
         #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
         self.columns = 0
-        #: Called with the layer index, the window's post-RoPE queries ``[B, H, T, D]`` and pre-RoPE keys
-        #: ``[B, H_kv, T, D]`` after the window's K/V are written and before attention reads them (set by the
-        #: caller for one forward; `service.quant.committed` quantizes the committing blocks with it).
-        self.on_write: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        #: Called with the layer index, the window's post-RoPE queries ``[B, H, T, D]``, its pre-RoPE keys
+        #: ``[B, H_kv, T, D]`` and the layer's K and V of every slot ``[B, H_kv, capacity, D]`` after the window's
+        #: K/V are written and before attention reads them (set by the caller for one forward;
+        #: `service.quant.committed` reads and quantizes the packed slots' committed blocks with it).
+        self.on_write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def bytes_per_column(self) -> int:
         """Bytes of one row's K and V at one position, every layer."""
         one = self.k[0]
         return 2 * len(self.k) * one.shape[1] * one.shape[3] * one.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-layer buffers and the scratch."""
+        tensors = [*self.k, *self.v, *(self.scratch or ())]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def layer_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
+                 index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the window's K/V ``[B, H_kv, T, D]`` (post-RoPE keys) at the columns of ``index`` (the scatter
+        index ``[B, H_kv, T, D]``), run ``on_write``, and return the layer's K/V of every slot over the first
+        ``columns`` columns ``[B, H_kv, columns, D]`` (q, k_pre: for ``on_write``)."""
+        if self.scratch is None:
+            k_buf, v_buf = self.k[layer], self.v[layer]
+            k_buf.scatter_(2, index, k)
+            v_buf.scatter_(2, index, v)
+        else:
+            k_buf, v_buf = self.scratch
+            n, cols = self.k[layer].shape[0], self.columns
+            if n:
+                self.k[layer].scatter_(2, index[:n], k[:n])
+                self.v[layer].scatter_(2, index[:n], v[:n])
+                k_buf[:n, :, :cols] = self.k[layer][:, :, :cols]
+                v_buf[:n, :, :cols] = self.v[layer][:, :, :cols]
+            k_buf[n:].scatter_(2, index[n:], k[n:])
+            v_buf[n:].scatter_(2, index[n:], v[n:])
+        if self.on_write is not None:
+            self.on_write(layer, q, k_pre, k_buf, v_buf)
+        return k_buf[:, :, : self.columns], v_buf[:, :, : self.columns]
 
 
 @dataclass
@@ -174,12 +218,7 @@ class LLaDA2Attention(nn.Module):
         k_pre = k
         q, k = self._rotate(q, step), self._rotate(k, step)
         if step.cache is not None:
-            step.cache.k[layer].scatter_(2, step.index, k)
-            step.cache.v[layer].scatter_(2, step.index, v)
-            if step.cache.on_write is not None:
-                step.cache.on_write(layer, q, k_pre)
-            k = step.cache.k[layer][:, :, : step.cache.columns]
-            v = step.cache.v[layer][:, :, : step.cache.columns]
+            k, v = step.cache.layer_kv(layer, q, k, v, k_pre, step.index)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
