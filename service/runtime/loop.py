@@ -617,14 +617,13 @@ class Worker:
         """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
         iteration's token budget left after the decoding forwards (``tokens_left``, counted against
         ``max_batched_tokens``; each task runs at least one batch, so it always advances) and within the memory
-        reserved for one forward (the larger of the task's own transient and the forward reserve); a finished one
+        reserved for one forward (the larger of the task's own transient and the forward reserve; its rows
+        counted with logits at the columns they read, `PromptLikelihood.bytes`); a finished one
         leaves at once, a failing one fails alone."""
         for job in [j for j in self._running.values() if j.task is not None]:
             t = job.cohort.seq_len
-            per_row = self.memory.forward.bytes(1, t, t, t)
-            rows = max(1, min(tokens_left // t, max(job.cost.transient, self.forward_bytes) // per_row))
             try:
-                more = job.cohort.step(rows)
+                more = job.cohort.step(max(1, tokens_left // t), max(job.cost.transient, self.forward_bytes))
                 tokens_left -= job.cohort.last_rows * t
             except Exception as exc:
                 if is_device_fault(exc):
