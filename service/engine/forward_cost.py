@@ -50,8 +50,12 @@ class ForwardCost:
         e = self.element_size
         activations = rows * tokens * (6 * self.width + 3 * self.mlp_hidden) * e
         kv_layer = rows * 3 * 2 * self.num_heads * keys * self.head_dim * e
-        logits = rows * logits_cols * self.vocab_size * 4
-        return activations + kv_layer + logits
+        return activations + kv_layer + self.logits_bytes(rows * logits_cols)
+
+    def logits_bytes(self, columns: int) -> int:
+        """Bytes of the LM head's float32 logits at ``columns`` columns in all (a likelihood forward takes them
+        at each row's masked columns only, `service.engine.likelihood.PromptLikelihood`)."""
+        return columns * self.vocab_size * 4
 
     def flops(self, rows: int, tokens: int, keys: int) -> int:
         """Multiply-adds x 2 of one layer: q/k/v/o projections and the gated MLP per input column, plus

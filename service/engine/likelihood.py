@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from service.engine.forward_cost import ForwardCost
 from service.engine.report import TokenLogprob
 
 #: ``logits_fn(ids)``: ids ``[B, T]`` int64 -> logits ``[B, T, V]`` float where ``logits[:, i]`` scores the token
@@ -146,11 +147,14 @@ class PromptLikelihood:
     budget per iteration) and can stop them.
 
     Its work is a list of batches, each ``b`` rows of the whole prompt (a split's Monte-Carlo draws, or ``b``
-    splits' alternatives); a :meth:`step` packs as many consecutive batches as its ``max_rows`` allows into one
-    forward (the splits of the prompt as rows of one forward, issue 34): the draws are made in the same order
-    and each row's logits are its own, so the values are those of :func:`mc_loglikelihood` (the in-process
-    model's own call, ``model(ids)``) up to float rounding of a larger matrix product (within 1e-6,
-    `tests/engine/test_likelihood_rows.py`). It reuses no K/V, so it holds no store.
+    splits' alternatives); a :meth:`step` packs as many consecutive batches as its ``max_rows`` and ``max_bytes``
+    allow into one forward (the splits of the prompt as rows of one forward, issue 34). The layers run once over
+    all its rows; the LM head runs one batch at a time (the model's ``head=False``, then ``head_logits``), so
+    the forward holds the logits of one batch, not of every row (:meth:`bytes`), and each batch's logits are
+    the product the one-batch forward makes. The draws are made in the same order and each row's logits are its
+    own, so the values are those of :func:`mc_loglikelihood` (the in-process model's own call, ``model(ids)``)
+    up to float rounding of a larger matrix product (within 1e-6, `tests/engine/test_likelihood_rows.py`). It
+    reuses no K/V, so it holds no store.
 
     Args:
         model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
@@ -176,6 +180,7 @@ class PromptLikelihood:
         self._top: dict[int, tuple[tuple[int, float], ...]] = {}
         self._work = self._forwards()
         self._next: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None  # a batch taken, not run
+        self.cost = ForwardCost.of(model)
         self.done = self.cancelled = False
         self.forwards = 0
         self.last_rows = 0  # rows of the last step's forward
@@ -213,11 +218,19 @@ class PromptLikelihood:
         item, self._next = (self._next, None) if self._next is not None else (next(self._work, None), None)
         return item
 
+    def bytes(self, rows: int) -> int:
+        """Transient bytes of a forward of ``rows`` rows of the prompt (`service.engine.forward_cost.ForwardCost`):
+        every row's activations and K/V of one layer, and the float32 logits of one batch (``mc_batch_size`` rows
+        at every column; the LM head runs one batch at a time, :meth:`step`)."""
+        t = self.seq_len
+        return self.cost.bytes(rows, t, t, 0) + self.cost.logits_bytes(self.mc_batch_size * t)
+
     @torch.inference_mode()
-    def step(self, max_rows: int | None = None) -> bool:
+    def step(self, max_rows: int | None = None, max_bytes: int | None = None) -> bool:
         """Run the next forward: the next batches, packed as rows of one forward while their rows stay within
-        ``max_rows`` (None: one batch; the first batch always runs). False once there is none left (or the work
-        was cancelled): then ``done``."""
+        ``max_rows`` and its transient bytes (:meth:`bytes`) within ``max_bytes`` (None: one batch; no byte
+        bound; the first batch always runs). False once there is none left (or the work was cancelled): then
+        ``done``."""
         if self.done:
             return False
         if self._cancelled is not None and self._cancelled():
@@ -229,16 +242,17 @@ class PromptLikelihood:
         items = [first]
         rows = first[0].shape[0]
         while max_rows is not None and (item := self._take()) is not None:
-            if rows + item[0].shape[0] > max_rows:
+            more = rows + item[0].shape[0]
+            if more > max_rows or (max_bytes is not None and self.bytes(more) > max_bytes):
                 self._next = item
                 break
             items.append(item)
             rows += item[0].shape[0]
         ids = items[0][0] if len(items) == 1 else torch.cat([batch for batch, _ in items])
-        logits = self.model(ids.to(self.device))                                  # [rows, T, V]
+        hidden = self.model(ids.to(self.device), head=False)                      # [rows, T, C]
         offset = 0
         for batch, use in items:
-            use(logits[offset: offset + batch.shape[0]])
+            use(self.model.head_logits(hidden[offset: offset + batch.shape[0]]))  # [b, T, V]
             offset += batch.shape[0]
         self.forwards += 1
         self.last_rows = rows

@@ -14,7 +14,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
 * **Iterations.** The engine's `RunningBatch` runs every running request's next forward call, packed into as few
   forwards as the token budget allows (`service.runtime.scheduler.plan_forwards`). Requests with different
   prompt and response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV
-  configurations share them, each with its own KV store; each decodes exactly as it would alone.
+  configurations share them, each with its own KV store; each decodes exactly as it would alone. In an
+  iteration where a request makes its first pass, the running requests' passes wait one iteration (never two in
+  a row; `service.runtime.scheduler.first_passes_first`, the head-of-line rule).
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
   (`service.runtime.scheduler`), and fewer than ``max_rows`` rows run. A request that could never fit, even
@@ -74,6 +76,8 @@ from service.runtime.memory import MemoryModel
 from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
     Cost,
+    Hold,
+    first_passes_first,
     forward_plan,
     forward_tokens,
     plan_admission,
@@ -301,6 +305,7 @@ class Worker:
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
         self._plan = forward_plan(self._token_budget)
+        self._hold = Hold()  # the head-of-line rule's state (`service.runtime.scheduler.first_passes_first`)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -591,6 +596,7 @@ class Worker:
                 self._publish()
             try:
                 passes = self._batch.passes(on_done=self._finished)
+                passes, self._hold = first_passes_first(passes, self._hold)
                 forwards = self._plan(passes)
                 self._batch.run(forwards, on_done=self._finished)
                 self._step_tasks(self._token_budget - sum(forward_tokens(group) for group in forwards))
@@ -617,14 +623,13 @@ class Worker:
         """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
         iteration's token budget left after the decoding forwards (``tokens_left``, counted against
         ``max_batched_tokens``; each task runs at least one batch, so it always advances) and within the memory
-        reserved for one forward (the larger of the task's own transient and the forward reserve); a finished one
+        reserved for one forward (the larger of the task's own transient and the forward reserve; its rows
+        counted with logits at the columns they read, `PromptLikelihood.bytes`); a finished one
         leaves at once, a failing one fails alone."""
         for job in [j for j in self._running.values() if j.task is not None]:
             t = job.cohort.seq_len
-            per_row = self.memory.forward.bytes(1, t, t, t)
-            rows = max(1, min(tokens_left // t, max(job.cost.transient, self.forward_bytes) // per_row))
             try:
-                more = job.cohort.step(rows)
+                more = job.cohort.step(max(1, tokens_left // t), max(job.cost.transient, self.forward_bytes))
                 tokens_left -= job.cohort.last_rows * t
             except Exception as exc:
                 if is_device_fault(exc):

@@ -146,3 +146,37 @@ def forward_plan(max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, padding_slack: fl
     if max_tokens < 1:
         raise ValueError(f"max_batched_tokens must be >= 1, got {max_tokens}")
     return partial(plan_forwards, max_tokens=max_tokens, padding_slack=padding_slack)
+
+
+# ---- head-of-line: a request's first pass runs in an iteration of its own (issue 34) ---------------------------
+@dataclass(frozen=True)
+class Hold:
+    """What :func:`first_passes_first` carries from one iteration to the next: the cohorts whose passes were
+    planned before (``seen``) and those it held in the last iteration (``held``)."""
+
+    seen: frozenset = frozenset()
+    held: frozenset = frozenset()
+
+
+def first_passes_first(passes: list[Pass], hold: Hold) -> tuple[list[Pass], Hold]:
+    """The head-of-line rule: which of an iteration's passes run now (the rest wait for the next iteration; a pass
+    is a pure function of its cohort's state, so waiting changes no token).
+
+    In an iteration where a request makes its first pass (its cohort just joined), the passes of the requests
+    already running wait, except those that waited in the last iteration: a request that arrives beside a long
+    one pays for its own first pass only, not for the long one's pass of that iteration, and a running request
+    waits at most one iteration in a row (a stream of arrivals slows it, never stops it).
+
+    Args:
+        passes: the iteration's passes (`service.engine.batch.RunningBatch.passes`).
+        hold: the state the previous iteration returned (``Hold()`` at first).
+
+    Returns:
+        (the passes that run now, in their order; the state for the next iteration).
+    """
+    first = {p.cohort for p in passes if p.cohort not in hold.seen}
+    held = set()
+    if first:
+        held = {p.cohort for p in passes if p.cohort not in first and p.cohort not in hold.held}
+    present = frozenset(p.cohort for p in passes)  # a cohort that left is forgotten
+    return [p for p in passes if p.cohort not in held], Hold(present, frozenset(held))

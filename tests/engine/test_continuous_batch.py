@@ -11,7 +11,14 @@ from service.engine.models import DiffusionLM, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
-from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, forward_plan, forward_tokens, plan_forwards
+from service.runtime.scheduler import (
+    DEFAULT_MAX_BATCHED_TOKENS,
+    Hold,
+    first_passes_first,
+    forward_plan,
+    forward_tokens,
+    plan_forwards,
+)
 from tests.engine.test_decode_quantized import policy_for, states  # noqa: F401 (states: a fixture)
 from tests.support.fastdllm import four_prompts
 
@@ -44,12 +51,28 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100], ids=["default", "small-budget"])
+def _first_passes_first(budget: int):
+    """The server's plan (`service.runtime.loop.Worker._loop`): the head-of-line rule, then the token budget; the
+    passes it held are counted in ``held``."""
+    plan, state = forward_plan(budget), {"hold": Hold(), "held": 0}
+
+    def planned(passes):
+        run, state["hold"] = first_passes_first(passes, state["hold"])
+        state["held"] += len(passes) - len(run)
+        return plan(run)
+
+    planned.state = state
+    return planned
+
+
+@pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100, "first-passes-first"],
+                         ids=["default", "small-budget", "first-passes-first"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
 def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget):
     engine = engines[arch]
     prompts = four_prompts(arch)
-    batch = engine.batch(forward_plan(budget))
+    plan = _first_passes_first(DEFAULT_MAX_BATCHED_TOKENS) if budget == "first-passes-first" else forward_plan(budget)
+    batch = engine.batch(plan)
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
     cohorts, iteration, merged = {}, 0, []
     with torch.inference_mode():
@@ -63,7 +86,9 @@ def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget
             iteration += 1
     # passes of different requests, at different blocks and settings, shared forwards (as far as the token
     # budget of `plan_forwards` allows)
-    assert max(merged) >= (3 if budget == DEFAULT_MAX_BATCHED_TOKENS else 2)
+    assert max(merged) >= (2 if budget == 100 else 3)
+    if budget == "first-passes-first":
+        assert plan.state["held"] > 0  # running requests waited for the first passes of those that joined
     for index, (prompt, params, row, kind, _) in enumerate(MIXED):
         got = engine.report(cohorts[index])
         alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind))

@@ -182,8 +182,11 @@ def _report(answers, params: DecodeParams, total_s: float, decode_text, rows, eo
 
 
 def _tiny_lm(vocab: int):
-    """A seeded embedding whose logits are its rows' dot products: a torch module with ``embed`` (what
-    `service.engine.likelihood.PromptLikelihood` needs), the same weights every time."""
+    """A seeded embedding whose logits are its rows' dot products: a torch module with ``embed``, ``config``,
+    ``head=False`` and ``head_logits`` (what `service.engine.likelihood.PromptLikelihood` needs), the same
+    weights every time."""
+    from types import SimpleNamespace
+
     import torch
 
     class Tiny(torch.nn.Module):
@@ -192,7 +195,13 @@ def _tiny_lm(vocab: int):
             self.embed = torch.nn.Embedding(vocab, 8)
             torch.nn.init.normal_(self.embed.weight, generator=torch.Generator().manual_seed(0))
 
-        def forward(self, ids):
-            return self.embed(ids) @ self.embed.weight.T
+        config = SimpleNamespace(width=8, mlp_hidden=24, num_heads=1, head_dim=8, vocab_size=vocab)
+
+        def forward(self, ids, head=True):
+            hidden = self.embed(ids)
+            return self.head_logits(hidden) if head else hidden
+
+        def head_logits(self, hidden):
+            return hidden @ self.embed.weight.T
 
     return Tiny().eval()

@@ -113,6 +113,7 @@ class DiffusionLM(nn.Module):
         logits_range: tuple[int, int] | None = None,
         logits_at: torch.Tensor | None = None,
         max_position: int | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         """Position-aligned logits.
 
@@ -130,6 +131,8 @@ class DiffusionLM(nn.Module):
                 ``logits_range``; rows of a continuous batch decode different blocks).
             max_position: an upper bound (exclusive) on ``positions``, when the caller knows it: RoPE's cos/sin
                 are then looked up in the model's table (built once per length) instead of computed per forward.
+            head: False: no LM head, the last layer's hidden states ``[B, T, C]`` come back instead (a likelihood
+                forward runs the head one batch of rows at a time, :meth:`head_logits`).
 
         Returns:
             ``[B, b - a, V]`` (or ``[B, N, V]``) logits in the model dtype, position-aligned (Dream shifted, see module doc).
@@ -150,13 +153,20 @@ class DiffusionLM(nn.Module):
         x = self.embed(input_ids)  # [B, T, C]
         for index, layer in enumerate(self.layers):
             x = layer(x, ctx, index)
+        if not head:
+            return x
         # Dream: column p reads the hidden state at p-1, except the window's first column (reference shift rule).
         if logits_at is not None:
             rows = (logits_at - self.logits_shift).clamp(min=0)  # [B, N]
             return self.lm_head(self.norm(x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))))
-        start, end = logits_range if logits_range is not None else (0, t)
-        rows = (torch.arange(start, end, device=x.device) - self.logits_shift).clamp(min=0)
-        return self.lm_head(self.norm(x[:, rows]))
+        return self.head_logits(x, logits_range)
+
+    def head_logits(self, hidden: torch.Tensor, logits_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """The LM head over hidden states ``[B, T, C]`` (:meth:`forward` with ``head=False``): position-aligned
+        logits ``[B, b - a, V]`` at ``logits_range`` (default: every column), as :meth:`forward` returns them."""
+        start, end = logits_range if logits_range is not None else (0, hidden.shape[1])
+        rows = (torch.arange(start, end, device=hidden.device) - self.logits_shift).clamp(min=0)
+        return self.lm_head(self.norm(hidden[:, rows]))
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy a public checkpoint's tensors (its own names) into this module; every name must match.
