@@ -99,6 +99,11 @@ class Settings(BaseSettings, DecodeSettings):
         2.0, ge=0.0, description="how long a request waiting for memory at the head of the queue lets smaller "
         "requests that fit run ahead of it; after that memory is reserved for it; empty: first come, first served"
     )
+    max_preemptions: int = Field(
+        4, ge=0, description="how often one running request may be preempted at a block "
+        "boundary for a smaller request that does not fit beside it (its KV freed, resumed later with the same "
+        "output; docs/architecture.md, preemption); 0: never"
+    )
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
     kv_budget_bytes: int | None = Field(
         None, gt=0, description="memory for running rows' KV + the largest forward; empty: a fraction of free "

@@ -139,6 +139,9 @@ class Telemetry:
         # endpoint picker reads to score replicas by KV-cache use (docs/deployment.md, deploy/llm-d/).
         self.kv_usage = Gauge("dllm_kv_cache_usage_perc", "KV bytes reserved by running rows over the memory "
                               "budget, from 0 to 1", registry=r)
+        self.preemptions = Counter("dllm_preemptions_total", "running requests preempted at a block boundary for "
+                                   "the head of the queue (their KV freed; they resume later with the same output)",
+                                   registry=r)
         self.memory_waiting = Gauge("dllm_requests_waiting_memory",
                                     "requests waiting because the head of the queue does not fit the budget yet",
                                     registry=r)

@@ -334,9 +334,36 @@ class RunningBatch:
         self.failed: list[tuple[Cohort, BaseException]] = []
         self._finished: list[Cohort] = []
 
-    def join(self, cohort: Cohort) -> None:
-        """Add a cohort; its first call is made at the next :meth:`step`."""
+    def join(self, cohort: Cohort, call: Pass | None = None) -> None:
+        """Add a cohort; its first call is made at the next :meth:`step`, or is ``call`` when given (the call
+        :meth:`preempt` took from it: the cohort resumes exactly where it stopped)."""
         self.cohorts.append(cohort)
+        if call is not None:
+            self._next[cohort] = call
+
+    def preemptible(self, cohort: Cohort) -> bool:
+        """Whether :meth:`preempt` may take ``cohort`` out now: its next call is a full pass, which reads nothing
+        from its KV store (a block-initial pass rewrites the store whole; cache mode ``none`` and the
+        whole-response schedule hold nothing), so it is at a block boundary (or holds no K/V) and every token
+        it revealed is final."""
+        call = self._next.get(cohort)
+        return call is not None and call.kind == "full"
+
+    def preempt(self, cohort: Cohort) -> Pass:
+        """Take ``cohort`` out between iterations and free its KV store; return its next call, which
+        :meth:`join` takes back to resume it. Nothing is recomputed beyond that call: a block-initial pass
+        rebuilds the store from the prompt and the committed tokens, as it would have at this block anyway.
+        The cohort's host state (tokens, counts, generators, grammar, streamed blocks) stays on it.
+
+        Raises:
+            ValueError: not :meth:`preemptible`.
+        """
+        if not self.preemptible(cohort):
+            raise ValueError("a cohort is preempted only when its next call is a full pass")
+        call = self._next.pop(cohort)
+        self.cohorts.remove(cohort)
+        cohort.store.clear()
+        return call
 
     def leave(self, cohort: Cohort) -> None:
         """Remove a cohort now (e.g. its client went away) and free its KV store."""

@@ -33,6 +33,11 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   is reserved for the head (nobody passes it), so it starts within ``backfill_s`` plus the time the requests
   already running take to finish, and a small request never waits for a large one's whole run. With
   ``backfill_s`` None, strictly first come, first served.
+* **Preemption** (issue 36 item 5). When the head of the queue does not fit beside the running requests, a
+  larger running one that has held its memory longest leaves the batch at its next block boundary, its KV store
+  freed, and waits right behind the head; it resumes later with the block-initial pass it was about to make, so
+  its output is unchanged and nothing is computed twice (`service.runtime.preemption`: the rule, at most
+  ``max_preemptions`` times per request; counted by ``dllm_preemptions_total``).
 * **Snapshots.** A job carries the configuration snapshot taken at admission and its result names it, so a swap
   of the active configuration never changes a request already admitted.
 * **Cancellation.** A cancelled job still waiting is dropped (its slot is free at once); a running one (client
@@ -73,6 +78,7 @@ from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
 from service.runtime.memory import MemoryModel
+from service.runtime.preemption import DEFAULT_MAX_PREEMPTIONS, Holder, plan_preemption
 from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
     Cost,
@@ -229,6 +235,11 @@ class Job:
     cost: Cost | None = None
     joined_at: float | None = None
     peak_rows: int = 0
+    # Preemption (`service.runtime.preemption`): when it last joined, how often it was preempted, and while it
+    # waits preempted, the next call its cohort resumes with (`RunningBatch.preempt`).
+    held_since: float | None = None
+    preemptions: int = 0
+    pending: Any = None
 
     @property
     def rows(self) -> list[RowOptions]:
@@ -267,6 +278,7 @@ class Worker:
         shadow_queue: most shadow jobs waiting; more are dropped (counted).
         seed: seeds the shadow sampling (tests).
         max_work: most token-forwards one row may cost (`service.runtime.scheduler.work_tokens`); None: no ceiling.
+        max_preemptions: how often one request may be preempted (`service.runtime.preemption`; 0: never).
 
     Raises:
         ValueError: a limit out of its range.
@@ -289,6 +301,7 @@ class Worker:
         shadow_queue: int = 16,
         seed: int | None = None,
         max_work: int | None = None,
+        max_preemptions: int = DEFAULT_MAX_PREEMPTIONS,
     ) -> None:
         if max_rows < 1 or max_queue < 1 or budget_bytes < 1:
             raise ValueError(f"max_rows, max_queue and budget_bytes must be >= 1, got {max_rows}, {max_queue}, "
@@ -297,6 +310,8 @@ class Worker:
             raise ValueError(f"forward_bytes and backfill_s must be >= 0, got {forward_bytes}, {backfill_s}")
         if not 0.0 <= shadow_rate <= 1.0:
             raise ValueError(f"shadow_rate must be in [0, 1], got {shadow_rate}")
+        if max_preemptions < 0:
+            raise ValueError(f"max_preemptions must be >= 0, got {max_preemptions}")
         self.engine = engine
         self._kv_store_factory = kv_store_factory
         self.telemetry = telemetry
@@ -311,6 +326,9 @@ class Worker:
         self.shadow_queue = shadow_queue
         self._rng = random.Random(seed)
         self.max_work = max_work
+        self.max_preemptions = max_preemptions
+        # Jobs the plan preempted whose cohorts still have to leave the batch (:meth:`_join`, outside the lock).
+        self._preempted: list[Job] = []
         self._queue: deque[Job] = deque()
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -536,6 +554,12 @@ class Worker:
             chosen, head = plan_admission(
                 [(job.cost, job.blocked_at) for job in jobs], running + [job.cost for job in taken],
                 self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
+            if head is not None and queue is self._queue and self._preempt_for(jobs[head], [jobs[i] for i in chosen]):
+                running = [job.cost for job in self._running.values()]
+                jobs = list(queue)
+                chosen, head = plan_admission(
+                    [(job.cost, job.blocked_at) for job in jobs], running + [job.cost for job in taken],
+                    self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None:  # blocked by the running requests (or by those joining before it)
                 blocked = True
                 jobs[head].blocked_at = jobs[head].blocked_at or now
@@ -546,11 +570,50 @@ class Worker:
         self.telemetry.waiting.set(len(self._queue))
         return taken
 
+    def _preempt_for(self, head: Job, joining: list[Job]) -> bool:
+        """Preempt the running jobs the rule names for ``head`` (`service.runtime.preemption.plan_preemption`):
+        each leaves the running set now and waits right behind ``head`` (a shadow job at the front of its own
+        queue); its cohort leaves the batch in :meth:`_join`, outside the lock. Returns whether any was preempted.
+        Caller holds the lock."""
+        if self.max_preemptions == 0:
+            return False
+        pausable = getattr(self._batch, "preemptible", None)
+        jobs = list(self._running.values())
+        holders = [Holder(job.cost, job.held_since or 0.0, job.preemptions,
+                          pausable is not None and job.task is None, pausable is not None and pausable(job.cohort))
+                   for job in jobs]
+        holders += [Holder(job.cost, 0.0, 0, False, False) for job in joining]
+        victims = [jobs[i] for i in plan_preemption(head.cost, holders, self.budget_bytes, self.forward_bytes,
+                                                    self.max_preemptions)]
+        place = self._queue.index(head) + 1
+        for job in victims:
+            del self._running[job.cohort]
+            job.preemptions += 1
+            job.blocked_at = None
+            self._preempted.append(job)
+            if job.served is None:
+                self._queue.insert(place, job)
+                place += 1
+            else:
+                self._shadow.appendleft(job)
+            self.telemetry.preemptions.inc()
+        if victims:
+            log.info("preempted %d running request(s) for the head of the queue", len(victims))
+            self._publish()
+        return bool(victims)
+
     def _join(self, jobs: list[Job]) -> None:
-        """Make the chosen jobs' cohorts (outside the lock) and add them to the batch; a job the engine refuses
-        fails alone."""
+        """Take the preempted jobs' cohorts out of the batch (their stores freed, their next calls kept on them),
+        make the chosen jobs' cohorts (outside the lock) and add them to the batch, a preempted one with the call
+        it stopped at; a job the engine refuses fails alone."""
+        for job in self._preempted:
+            job.pending = self._batch.preempt(job.cohort)
+        self._preempted = []
         made: list[tuple[Job, Any]] = []
         for job in jobs:
+            if job.pending is not None:
+                made.append((job, job.cohort))
+                continue
             try:
                 made.append((job, self._cohort(job)))
             except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
@@ -559,12 +622,20 @@ class Worker:
         with self._cond:
             self._joining = []
             for job, cohort in made:
-                job.cohort, job.joined_at, job.peak_rows = cohort, now, len(self._running) + 1
+                if job.joined_at is None:
+                    job.joined_at = now
+                job.cohort, job.held_since = cohort, now
+                job.peak_rows = max(job.peak_rows, len(self._running) + 1)
                 self._running[cohort] = job
         for job, cohort in made:
-            if job.task is None:  # a task steps itself after each iteration (:meth:`_step_tasks`)
+            resumed, job.pending = job.pending, None
+            if job.task is not None:
+                pass  # a task steps itself after each iteration (:meth:`_step_tasks`)
+            elif resumed is not None:
+                self._batch.join(cohort, resumed)  # preempted: resumes with the call it stopped at
+            else:
                 self._batch.join(cohort)
-            if job.served is None and not job.internal:
+            if job.served is None and not job.internal and resumed is None:
                 self.telemetry.queue_time.observe(now - job.admitted_at)
 
     def _cohort(self, job: Job) -> Any:

@@ -107,7 +107,9 @@ def test_a_small_request_does_not_wait_for_a_large_one_blocked_at_the_head(engin
     """Issue 22 item 5, the case's shape: a request costing the whole budget waits at the head of the queue
     behind a running one; a small request behind it runs beside the running one and finishes before the large
     one starts, while the large one still runs and completes (memory is reserved for it once ``backfill_s`` has
-    passed). Strictly first come, first served, the small one waits for the large one's whole run."""
+    passed). Strictly first come, first served (no backfill and no preemption, which would let the small one
+    preempt the large one: `tests/service/test_preemption.py`), the small one waits for the large one's whole
+    run."""
     prompts = four_prompts("llada")
     probe = _worker(engine, 1 << 30)
     running = (prompts[1], _params(gen_length=128))
@@ -116,7 +118,7 @@ def test_a_small_request_does_not_wait_for_a_large_one_blocked_at_the_head(engin
     costs = [_cost(probe, p, params, KVQuantConfig()) for p, params in (running, large, small)]
     budget = costs[1].kv + costs[1].transient  # the large one fits only alone
     assert costs[0].kv + costs[2].kv + max(costs[0].transient, costs[2].transient) <= budget  # small fits beside
-    worker = _worker(engine, budget, max_rows=8, backfill_s=backfill_s)
+    worker = _worker(engine, budget, max_rows=8, backfill_s=backfill_s, max_preemptions=4 if backfill_s else 0)
     order = []
     jobs = {}
     for name, (prompt, params) in zip(("running", "large", "small"), (running, large, small)):

@@ -1,0 +1,137 @@
+"""Preemption by recompute (issue 36 item 5): a small request arriving while a large one holds the memory budget.
+
+The reproduction of item 5 on the embedded default model, through the server's scheduler
+(`service.runtime.loop.Worker`, the forward reserve of ``--max-batched-tokens`` measured as `serve` measures it):
+the budget is just above one large request (``--prompt`` tokens, ``--gen`` response tokens, dual cache), so a
+small request (``--small-gen`` tokens) does not fit beside it. The large request runs; half a block after it
+commits its first block the small one arrives. Measured in one run:
+
+* the small request alone (its solo latency, the median of ``--repeats``);
+* one block of the large request alone (its decode time over its blocks);
+* the small request's latency beside the large one with preemption (``max_preemptions`` 4, the default) and
+  without (0: it waits for the large one's whole run, item 5);
+* whether the large one's output is the same with and without preemption.
+
+Prints each latency and its ratio to the solo latency and to one block of the large request; target: with
+preemption, at most 3 x solo + one block of the large request.
+
+Usage: ``python benchmarks/preemption.py [--prompt 3500] [--gen 512] [--small-gen 32] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
+
+from service.engine import Engine
+from service.engine.loading import EMBEDDED_DIR
+from service.engine.params import DecodeParams, RowOptions
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
+from service.runtime.loop import Job, Worker
+from service.runtime.memory import MemoryModel
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+from service.store.active import ConfigSnapshot
+from service.telemetry import Telemetry
+
+SNAPSHOT = ConfigSnapshot(KVQuantConfig(), "dual", "request")
+
+
+def _worker(engine, memory: MemoryModel, budget: int, forward: int, max_preemptions: int) -> Worker:
+    return Worker(engine, lambda snap: make_kv_store(snap.config, engine.spec), Telemetry(), memory, budget,
+                  max_rows=32, forward_bytes=forward, backfill_s=2.0, max_preemptions=max_preemptions)
+
+
+def _alone(worker: Worker, job: Job) -> float:
+    t0 = time.perf_counter()
+    worker.submit(job)
+    job.future.result()
+    return time.perf_counter() - t0
+
+
+def _contended(worker: Worker, large: Job, small: Job, delay_s: float) -> tuple[float, list[int], int]:
+    """The large job running, the small one submitted ``delay_s`` after the large one's first block: the small
+    one's latency, the large one's tokens, its preemptions."""
+    first_block = threading.Event()
+    large.on_block = lambda block, ids: first_block.set()
+    worker.submit(large)
+    first_block.wait()
+    time.sleep(delay_s)
+    t0 = time.perf_counter()
+    worker.submit(small)
+    small.future.result()
+    latency = time.perf_counter() - t0
+    result = large.future.result()
+    return latency, result.row.generated_ids, large.preemptions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt", type=int, default=3500, help="prompt tokens of the large request")
+    parser.add_argument("--gen", type=int, default=512, help="response tokens of the large request (blocks of 32)")
+    parser.add_argument("--small-gen", type=int, default=32, help="response tokens of the small request")
+    parser.add_argument("--repeats", type=int, default=3, help="solo runs of the small request (median)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = Engine.load(EMBEDDED_DIR)
+    memory = MemoryModel.for_engine(engine)
+    forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
+    digits = engine.tokenizer.encode(" 4 1 4 4 2 9 7 4 3 2 8 3" * (args.prompt // 12 + 1))
+    large_prompt, small_prompt = digits[: args.prompt], engine.tokenizer.encode("next: 4 1 4 4 2 9 7 4")
+    large_params = DecodeParams(gen_length=args.gen, block_length=32, threshold=0.9, ignore_eos=True,
+                                cache_mode="dual")
+    small_params = DecodeParams(gen_length=args.small_gen, block_length=32, threshold=0.9, ignore_eos=True,
+                                cache_mode="dual")
+
+    def large() -> Job:
+        return Job(large_prompt, large_params, RowOptions(), SNAPSHOT)
+
+    def small() -> Job:
+        return Job(small_prompt, small_params, RowOptions(), SNAPSHOT)
+
+    probe = _worker(engine, memory, 1 << 40, forward, 0)
+    large_cost, small_cost = probe._cost(large()), probe._cost(small())
+    # Just above one large request: the small one does not fit beside it.
+    budget = large_cost.kv + max(large_cost.transient, forward) + small_cost.kv // 2
+    print(f"large: {len(large_prompt):,}-token prompt, {args.gen} tokens (KV {large_cost.kv:,} B); small: "
+          f"{len(small_prompt)}-token prompt, {args.small_gen} tokens (KV {small_cost.kv:,} B); budget {budget:,} B "
+          f"(forward reserve {forward:,} B)")
+
+    worker = _worker(engine, memory, budget, forward, 4)
+    worker.start()
+    _alone(worker, small())  # warm-up
+    solo = statistics.median(_alone(worker, small()) for _ in range(args.repeats))
+    alone_job = large()
+    large_s = _alone(worker, alone_job)
+    blocks = args.gen // 32
+    block = large_s / blocks
+    alone_ids = alone_job.future.result().row.generated_ids
+    delay = block / 2
+    with_p = _contended(worker, large(), small(), delay)
+    worker.stop()
+    without_worker = _worker(engine, memory, budget, forward, 0)
+    without_worker.start()
+    without = _contended(without_worker, large(), small(), delay)
+    without_worker.stop()
+
+    target = 3 * solo + block
+    print(f"small alone: {solo:.3f} s (median of {args.repeats}); large alone: {large_s:.2f} s, one block "
+          f"{block:.3f} s ({blocks} blocks)")
+    for name, (latency, ids, preempted) in (("with preemption", with_p), ("without preemption", without)):
+        print(f"{name:>19}: small {latency:.3f} s = {latency / solo:.1f} x solo = {latency / block:.2f} blocks of "
+              f"the large one = {latency / target:.2f} x the target (3 x solo + one block); large preempted "
+              f"{preempted} time(s), output {'identical' if ids == alone_ids else 'DIFFERENT'}")
+    print(f"target met: {with_p[0] <= target}")
+
+
+if __name__ == "__main__":
+    main()
