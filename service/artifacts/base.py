@@ -8,11 +8,78 @@ This package sits below `service.quant`, which applies the artifacts, and above 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.engine.spec import ModelSpec
+
+#: How a store kind and an admin URL segment are spelled (the store's id rule for kinds).
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+
+
+class Artifact(ABC):
+    """The base class of every fitted artifact a quantization method applies (`PolicyTable`, `KVQuantState`, and
+    any type a plug-in registers, `service.quant.plugin.QuantMethod`): what the store, the admin API, the
+    ``policies`` command, calibration and the result matrix read from it, so none of them names a type.
+
+    A subclass sets three class attributes (checked when the class is made: ``TypeError`` if one is missing or
+    badly spelled): ``KIND`` the store kind it is kept under, ``PLURAL`` the admin URL segment
+    (``/admin/<PLURAL>``), both ``[a-z][a-z0-9_]*``; ``LABEL`` how messages name it ("policy table"). It also
+    offers ``weights_fingerprint`` (`ModelSpec.fingerprint` of the weights it was fitted on), ``bits`` and
+    ``cache_mode`` (the cache mode it was fitted for, None for every mode) as fields or properties (a pydantic
+    model declares them as fields, so they are not declared here).
+    """
+
+    KIND: ClassVar[str]
+    PLURAL: ClassVar[str]
+    LABEL: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("KIND", "PLURAL", "LABEL"):
+            value = getattr(cls, name, None)
+            if not isinstance(value, str) or not value or (name != "LABEL" and not NAME_PATTERN.fullmatch(value)):
+                raise TypeError(f"{cls.__name__}.{name} must be a name ([a-z][a-z0-9_]* for KIND and PLURAL), "
+                                f"got {value!r}")
+
+    @property
+    @abstractmethod
+    def id(self) -> str:
+        """The content-derived id (equal content, equal id): ``<prefix>-<hex digits>``."""
+
+    @abstractmethod
+    def to_bytes(self) -> bytes:
+        """The bytes a store holds; :meth:`from_bytes` gives back an equal artifact with the same id."""
+
+    @classmethod
+    @abstractmethod
+    def from_bytes(cls, data: bytes) -> Artifact:
+        """Parse stored or uploaded bytes (``ValueError``, naming the field where one is at fault, if not one)."""
+
+    @abstractmethod
+    def summary(self) -> dict:
+        """JSON values that describe it (``GET /admin/<PLURAL>/{id}``, ``policies show``): at least
+        ``weights_fingerprint`` and ``bits``."""
+
+    @abstractmethod
+    def validate_for(self, spec: ModelSpec) -> None:
+        """Check it against a loaded model (raise `ArtifactMismatch` naming the field; `check_fingerprint` does the
+        weights)."""
+
+    @classmethod
+    def configured_k_bits(cls, summary: dict) -> float | None:
+        """The configured K bits an artifact's :meth:`summary` fixes (docs/glossary.md, "Effective bits"), for
+        ``policies list``; None (this default) where its ``bits`` is the figure."""
+        return None
+
+    @classmethod
+    def activation_fields(cls) -> tuple[str, ...]:
+        """The `KVQuantConfig` fields its summary fixes when it is activated by id (``bits`` and, for an artifact
+        fitted for group sizes, those)."""
+        return ("bits",)
 
 
 class ArtifactMismatch(ValueError):

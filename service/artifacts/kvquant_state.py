@@ -30,7 +30,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from service import strict_json
-from service.artifacts.base import ArtifactMismatch, Provenance, canonical_json, check_fingerprint
+from service.artifacts.base import Artifact, ArtifactMismatch, Provenance, canonical_json, check_fingerprint
 from service.engine.spec import ModelSpec
 
 _META_KEY = "dllm_kvq.kvquant_state"
@@ -63,7 +63,7 @@ class KVQuantStateMeta(BaseModel):
 
 
 @dataclass(frozen=True, eq=False)
-class KVQuantState:
+class KVQuantState(Artifact):
     """A fitted KVQuant state (metadata + the four per-layer tensors described in the module docstring).
 
     Raises (at construction): ``ValueError`` naming the tensor whose shape or dtype does not fit the metadata.

@@ -15,6 +15,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.artifacts.base import (
+    Artifact,
     ArtifactMismatch,
     Provenance,
     canonical_json,
@@ -42,7 +43,7 @@ class LayerPolicy(BaseModel):
     p: int = Field(ge=0)
 
 
-class PolicyTable(BaseModel):
+class PolicyTable(BaseModel, Artifact):
     """A fitted dLLM-KVQ policy for one (model, cache mode, bits): one :class:`LayerPolicy` per layer.
 
     Attributes:
@@ -125,6 +126,27 @@ class PolicyTable(BaseModel):
     def from_bytes(cls, data: bytes) -> PolicyTable:
         """:meth:`from_json` of UTF-8 bytes (a stored or uploaded table)."""
         return cls.model_validate_json(data)
+
+    @classmethod
+    def configured_k_bits(cls, summary: dict) -> float | None:
+        """The table's configured K bits (`service.quant.accounting.policy_k_bits`: ``(b (G - p) + 16 p) / G``
+        averaged over layers) from its summary; None for a summary that is not a whole table."""
+        from pydantic import ValidationError
+
+        try:
+            return cls.model_validate(summary).mean_k_bits()
+        except ValidationError:
+            return None
+
+    def mean_k_bits(self) -> float:
+        """The full-group nominal K bits ``(b (G - p) + 16 p) / G`` of each layer's budget p, averaged over layers
+        (bits per K element)."""
+        per_layer = [nominal_k_bits(self.bits, self.k_group_size, layer.p) for layer in self.layers]
+        return sum(per_layer) / len(per_layer)
+
+    @classmethod
+    def activation_fields(cls) -> tuple[str, ...]:
+        return ("bits", "k_group_size", "v_group_size")
 
     def validate_for(self, spec: ModelSpec) -> None:
         """Check the table against a loaded model.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.engine.params import DecodeParams
 
@@ -31,13 +31,20 @@ class KVReport(BaseModel):
 
     *Nominal* bits count codes at b bits and protected tokens at 16 (scales not counted); *storage* bits are the
     bytes actually held (scales, zero points, indices, outliers included) x 8 / elements.
+
+    The applied artifact's id is carried under the method's spelling of ``artifact_id``
+    (`service.quant.plugin.QuantMethod.spellings`: ``policy_id`` for dllm_kvq, ``kvquant_state_id`` for kvquant,
+    ``artifact_id`` for a method registered without one); the quantized store writes every registered method's
+    spelling, null but its own (`service.quant.registry.report_fields`), so a report names no method here and a
+    method registered later is reported like the built-in ones.
     """
 
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "additionalProperties": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                 "description": "the applied artifact's id under a method's spelling of "
+                                                "artifact_id (policy_id, kvquant_state_id ...)"}})
+
     config: dict[str, Any]
-    # The applied artifact's id, under the method's spelling (`service.quant.registry`): policy_id for dllm_kvq,
-    # kvquant_state_id for kvquant, artifact_id for a method registered without its own spelling.
-    policy_id: str | None = None
-    kvquant_state_id: str | None = None
     artifact_id: str | None = None
     k_nominal_bits: float
     v_nominal_bits: float

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from service.artifacts.policy import PolicyTable, nominal_k_bits
+from service.artifacts.policy import PolicyTable
 from service.engine.report import KVReport, LayerBits
 from service.quant.base import PackedLayer
 from service.quant.config import KVQuantConfig
@@ -42,8 +42,7 @@ _CONFIGURED = ("kivi", "dllm_kvq")
 def policy_k_bits(table: PolicyTable) -> float:
     """A dLLM-KVQ policy's configured K bits: the full-group nominal K bits ``(b (G - p) + 16 p) / G`` of each
     layer's budget p, averaged over layers (bits per K element; what every report of the policy shows)."""
-    per_layer = [nominal_k_bits(table.bits, table.k_group_size, layer.p) for layer in table.layers]
-    return sum(per_layer) / len(per_layer)
+    return table.mean_k_bits()
 
 
 def configured_bits(config: KVQuantConfig, artifact: Any = None) -> dict[str, float] | None:

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from service.engine.spec import ModelSpec
-from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
@@ -94,6 +93,20 @@ class PackedLayer:
         return self.derived[name]
 
 
+class QuantSettings(Protocol):
+    """What a quantizer reads of its configuration (`service.quant.config.KVQuantConfig` is the one in use; the
+    quantizers name this interface, not the config, so the config may ask the registry of quantizers for its legal
+    methods without an import circle)."""
+
+    method: str
+    bits: int
+    k_group_size: int
+    sides: str
+    key_bias_correction: bool
+
+    def resolve_v_group_size(self, head_dim: int) -> int: ...
+
+
 class KVQuantizer:
     """Base quantizer (KIVI's uniform formats); subclasses are registered in `service.quant.registry`.
 
@@ -112,7 +125,7 @@ class KVQuantizer:
     needs_scores: bool = False
     pre_rope_keys: ClassVar[bool] = False
 
-    def __init__(self, config: KVQuantConfig, spec: ModelSpec) -> None:
+    def __init__(self, config: QuantSettings, spec: ModelSpec) -> None:
         self.config = config
         self.spec = spec
         self.bits = config.bits

@@ -16,6 +16,7 @@ from pydantic import (
 
 from service.artifacts.base import default_v_group_size, legal_v_group_sizes
 from service.engine.params import TOKENS_CEILING, json_int
+from service.quant import registry
 from service.quant.errors import KVQuantError
 
 BITS: tuple[int, ...] = (2, 4, 8)
@@ -51,7 +52,7 @@ class KVQuantConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(_registry().methods())))
+    method: str = Field("none", json_schema_extra=lambda schema: schema.update(enum=list(registry.methods())))
     bits: Literal[2, 4, 8] = 4
     # Integers as JSON Schema types them, as every request field (`service.engine.params.json_int`): "32" is refused,
     # not read as 32 (the environment and the CLI give JSON or typed values).
@@ -73,7 +74,6 @@ class KVQuantConfig(BaseModel):
         """Map a method's own spellings (``policy_id`` ...) onto ``artifact_id`` / ``artifact_file``."""
         if not isinstance(data, dict):
             return data
-        registry = _registry()
         data = dict(data)
         method = data.get("method", "none")
         for spelling, (owner, generic) in registry.spellings().items():
@@ -90,12 +90,12 @@ class KVQuantConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _registered(cls, name: str) -> str:
-        _registry().method(name)  # KVQuantError listing the registered methods
+        registry.method(name)  # KVQuantError listing the registered methods
         return name
 
     @model_validator(mode="after")
     def _check_artifacts(self) -> KVQuantConfig:
-        entry = _registry().method(self.method)
+        entry = registry.method(self.method)
         given = [f for f in ("artifact_id", "artifact_file") if getattr(self, f) is not None]
         if entry.artifact is not None and len(given) != 1:
             names = [entry.spelling(f) for f in given] or "neither"
@@ -103,7 +103,7 @@ class KVQuantConfig(BaseModel):
                              f"{entry.spelling('artifact_file')}, got {names}")
         if entry.artifact is None and given:
             raise ValueError(f"{given[0]} is only used by methods with a fitted artifact "
-                             f"({', '.join(_registry().methods(with_artifact=True))}), not {self.method!r}")
+                             f"({', '.join(registry.methods(with_artifact=True))}), not {self.method!r}")
         if self.key_bias_correction and (entry.quantizer is None or "k" not in self.sides):
             raise ValueError(f"key_bias_correction corrects quantized keys; method {self.method!r} with sides "
                              f"{self.sides!r} quantizes none (use a quantizing method with sides 'kv' or 'k')")
@@ -122,7 +122,7 @@ class KVQuantConfig(BaseModel):
         if not self.key_bias_correction:
             # Written only when on, so every config stored or reported before the option reads as it did.
             out.pop("key_bias_correction", None)
-        entry = _registry().method(self.method)
+        entry = registry.method(self.method)
         for generic in ("artifact_id", "artifact_file"):
             if generic not in out:
                 continue
@@ -139,7 +139,6 @@ class KVQuantConfig(BaseModel):
         refused)."""
         schema = handler(core_schema)
         target = handler.resolve_ref_schema(schema)
-        registry = _registry()
         spellings = registry.spellings()
         for spelling, (owner, generic) in spellings.items():
             target["properties"][spelling] = {"anyOf": [{"type": "string"}, {"type": "null"}],
@@ -164,7 +163,7 @@ class KVQuantConfig(BaseModel):
     @classmethod
     def accepted_keys(cls) -> tuple[str, ...]:
         """Every key a config accepts: its fields and the registered methods' spellings (CLI, model_args)."""
-        return (*cls.model_fields, *_registry().spellings())
+        return (*cls.model_fields, *registry.spellings())
 
     def resolve_v_group_size(self, head_dim: int) -> int:
         """The V group size for a model with ``head_dim`` channels per head (default min(32, head_dim)).
@@ -207,8 +206,5 @@ class KVQuantConfig(BaseModel):
                                "nothing; use 'prefix' or 'dual'", "cache_mode")
 
 
-def _registry():
-    # Imported when first needed: the registry imports the quantizers, which import this module.
-    from service.quant import registry
-
-    return registry
+# A method's spelling never takes a field's name (`registry.register` refuses it).
+registry.reserve(KVQuantConfig.model_fields)

@@ -27,10 +27,11 @@ import torch
 
 from service.artifacts.policy import PolicyTable
 from service.engine.spec import ModelSpec
-from service.quant.base import KVQuantizer
-from service.quant.config import KVQuantConfig
+from service.quant.base import KVQuantizer, QuantSettings
 from service.quant.errors import KVQuantError
+from service.quant.kivi import UNIFORM_ROWS
 from service.quant.layout import SlotLayout
+from service.quant.plugin import CalibrationStep, QuantMethod, same
 from service.quant.uniform import dequantize_codes, k_group_stats, quantize_k_slots
 
 
@@ -45,7 +46,7 @@ class DLLMKVQQuantizer(KVQuantizer):
 
     name = "dllm_kvq"
 
-    def __init__(self, config: KVQuantConfig, spec: ModelSpec, policy: PolicyTable) -> None:
+    def __init__(self, config: QuantSettings, spec: ModelSpec, policy: PolicyTable) -> None:
         super().__init__(config, spec)
         self.policy = policy
         # The engine computes block-initial attention scores only when some layer ranks by them.
@@ -102,3 +103,23 @@ def top_p_per_group(score: torch.Tensor, layout: SlotLayout, p: int) -> torch.Te
     protected = torch.zeros(layout.num_slots + 1, dtype=torch.bool, device=score.device)
     protected[chosen] = True
     return protected[: layout.num_slots]
+
+
+def _check_policy(policy: PolicyTable, config: QuantSettings, v_group_size: int, cache_mode: str | None) -> None:
+    if cache_mode is not None:
+        same("cache_mode", policy.cache_mode, cache_mode)
+    same("bits", policy.bits, config.bits)
+    same("k_group_size", policy.k_group_size, config.k_group_size)
+    same("v_group_size", policy.v_group_size, v_group_size)
+
+
+#: dLLM-KVQ's plug-in (`service.quant.plugin`): a fitted policy table per cache mode and bit width, KIVI's formats
+#: with protected K tokens (read pooled with them, `service.quant.rows`), fitted by ``calibrate fit`` from the
+#: diagnostic sums.
+METHOD = QuantMethod(
+    "dllm_kvq", quantizer=DLLMKVQQuantizer, artifact=PolicyTable, check=_check_policy,
+    spellings={"artifact_id": "policy_id", "artifact_file": "policy_file"}, label="dLLM-KVQ", pooled=UNIFORM_ROWS,
+    calibration=CalibrationStep(
+        "fit", "a dLLM-KVQ policy per cache mode and bit width from the diagnostic sums",
+        "calibration.job:fit_policies", flags="calibration.cli:fit_flags"),
+)

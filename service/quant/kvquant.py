@@ -13,6 +13,8 @@ each token. The state's thresholds and codebooks are not counted: they are fixed
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -20,12 +22,15 @@ from service.artifacts.base import Provenance
 from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
 from service.quant import nuq
-from service.quant.base import KVQuantizer, PackedLayer, PackedTensor, _finite_slots
-from service.quant.config import KVQuantConfig
+from service.quant.base import KVQuantizer, PackedLayer, PackedTensor, QuantSettings, _finite_slots
 from service.quant.kernels.operands import KernelOperands, nuq_operands
 from service.quant.key_bias import bin_widths
 from service.quant.layout import SlotLayout
 from service.quant.packing import byte_table, decode_stream, pack_stream
+from service.quant.plugin import CalibrationStep, PooledReader, QuantMethod, same
+from service.quant.rows_nuq import batch_key as nuq_batch_key
+from service.quant.rows_nuq import dequantize_rows as nuq_dequantize_rows
+from service.quant.rows_nuq import forget as nuq_forget
 
 
 class KVQuantQuantizer(KVQuantizer):
@@ -40,7 +45,7 @@ class KVQuantQuantizer(KVQuantizer):
     name = "kvquant"
     pre_rope_keys = True
 
-    def __init__(self, config: KVQuantConfig, spec: ModelSpec, state: KVQuantState) -> None:
+    def __init__(self, config: QuantSettings, spec: ModelSpec, state: KVQuantState) -> None:
         super().__init__(config, spec)
         self.state = state
         self.sparse = state.meta.sparsity_threshold < 1.0
@@ -270,3 +275,20 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 4:
         return x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], -1)
     return x
+
+
+def _check_state(state: KVQuantState, config: QuantSettings, v_group_size: int, cache_mode: str | None) -> None:
+    same("bits", state.bits, config.bits)
+
+
+#: KVQuant's plug-in (`service.quant.plugin`): a fitted state per bit width serving every cache mode, read pooled
+#: per state (`service.quant.rows_nuq`), fitted by ``calibrate kvquant``.
+METHOD = QuantMethod(
+    "kvquant", quantizer=KVQuantQuantizer, artifact=KVQuantState, check=_check_state,
+    spellings={"artifact_id": "kvquant_state_id", "artifact_file": "kvquant_state_file"}, label="KVQuant",
+    pooled=PooledReader(key=nuq_batch_key, read=nuq_dequantize_rows, forget=nuq_forget,
+                        read_steps=functools.partial(nuq_dequantize_rows, steps=True)),
+    calibration=CalibrationStep(
+        "kvquant", "KVQuant states (per-channel non-uniform codebooks) from the trajectories",
+        "calibration.job:fit_kvquant_states"),
+)

@@ -1,105 +1,53 @@
-"""The quantizer registry: one entry per quantization method, and the one artifact resolver.
+"""The quantizer registry: the registered plug-ins (`service.quant.plugin.QuantMethod`), one per quantization
+method, and the one artifact resolver.
 
-An entry (:class:`QuantMethod`) is the only place that says what a method needs: its quantizer class, the type
-of fitted artifact it applies (None for none and KIVI), the store kind that artifact is kept under (the artifact
-type's ``KIND``), its check of an artifact against a configuration, and the public spellings of the artifact
-reference (``policy_id`` ...). Everything else asks the registry: `KVQuantConfig` (legal methods, which need an
-artifact), `make_quantizer` and `make_kv_store`, the server's resolver (`service.store.active`, from the store),
-the ``generate`` CLI (its ``--kv-quant`` choices, artifacts from files), evaluation (`evaluation.artifacts`), the
-store's reference check and telemetry's labels.
+A plug-in is the only place that says what a method needs (`service.quant.plugin`). Everything else asks the
+registry: `KVQuantConfig` (legal methods, which need an artifact), `make_quantizer` and `make_kv_store`, the
+pooled reads (`service.quant.store`), the KV report's artifact fields, the server's resolver
+(`service.store.active`, from the store), the admin API, the ``generate`` CLI (its ``--kv-quant`` choices,
+artifacts from files), the ``policies`` and ``calibrate`` commands, evaluation (`evaluation.artifacts`, the matrix's
+rows and labels), the store's reference check and telemetry's labels.
 
-KIVI is the base quantizer's own formats (`service.quant.base`): K per channel over groups of ``k_group_size``
-tokens (32 in the paper's adaptation), V per token over groups of ``v_group_size`` channels, residual_length 0.
+The built-in plug-ins are declared beside their quantizers (`service.quant.kivi`, `service.quant.kvquant`,
+`service.quant.dllm_kvq`) and registered at the end of this module. The configuration is read through the
+quantizers' `QuantSettings` interface, so this module imports no configuration (`KVQuantConfig` imports it).
 Adding a method: docs/extending.md, "Adding a quantizer".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
-from service.artifacts.base import ArtifactMismatch
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
+from service.artifacts.base import Artifact, ArtifactMismatch  # noqa: F401 - re-exported for plug-ins
 from service.engine.spec import ModelSpec
-from service.quant.base import KVQuantizer
-from service.quant.config import KVQuantConfig
-from service.quant.dllm_kvq import DLLMKVQQuantizer
+from service.quant import dllm_kvq, kivi, kvquant
+from service.quant.base import KVQuantizer, QuantSettings
 from service.quant.errors import KVQuantError
-from service.quant.kvquant import KVQuantQuantizer
+from service.quant.plugin import REFERENCE_FIELDS, CalibrationStep, PooledReader, QuantMethod, same
 
-#: The generic fields of an artifact reference in `KVQuantConfig`.
-REFERENCE_FIELDS = ("artifact_id", "artifact_file")
-
-
-class Artifact(Protocol):
-    """What an artifact type offers the registry (`PolicyTable`, `KVQuantState` ...)."""
-
-    KIND: ClassVar[str]  # the store kind it is kept under ([a-z][a-z0-9_]*)
-    LABEL: ClassVar[str]  # how messages name it ("policy table")
-
-    @property
-    def id(self) -> str: ...  # content-derived
-
-    @property
-    def weights_fingerprint(self) -> str: ...  # ModelSpec.fingerprint of the model it was fitted on
-
-    @property
-    def bits(self) -> int: ...
-
-    @property
-    def cache_mode(self) -> str | None: ...  # the cache mode it was fitted for; None: every mode
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> Artifact: ...  # ValueError if the bytes are not one
-
-    def validate_for(self, spec: ModelSpec) -> None: ...  # ArtifactMismatch naming the field
-
-
-#: ``check(artifact, config, v_group_size, cache_mode)``: raise `ArtifactMismatch` (message starting with the field
-#: name) where the artifact does not fit the configuration; ``cache_mode`` is None where it is not known (CLI).
-Check = Callable[[Any, KVQuantConfig, int, "str | None"], None]
-
-
-@dataclass(frozen=True)
-class QuantMethod:
-    """One quantization method.
-
-    Attributes:
-        name: the ``method`` value (``[a-z][a-z0-9_]*``).
-        quantizer: builds the quantizer: ``quantizer(config, spec)``, or ``quantizer(config, spec, artifact)`` when
-            ``artifact`` is set; None for the unquantized cache (method none).
-        artifact: the fitted artifact type the method applies, or None.
-        check: the artifact's check against a configuration (beyond its own ``validate_for`` against the model).
-        spellings: public names of the reference fields, e.g. ``{"artifact_id": "policy_id"}``; a name given here
-            is accepted on input, written on output and used in messages in place of the generic one.
-    """
-
-    name: str
-    quantizer: Callable[..., KVQuantizer] | None
-    artifact: type | None = None
-    check: Check | None = None
-    spellings: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def store_kind(self) -> str | None:
-        """The store kind of the method's artifact (None without one)."""
-        return self.artifact.KIND if self.artifact is not None else None
-
-    def spelling(self, generic: str) -> str:
-        """The public name of ``artifact_id`` / ``artifact_file`` for this method."""
-        return self.spellings.get(generic, generic)
-
+__all__ = ["REFERENCE_FIELDS", "Artifact", "CalibrationStep", "PooledReader", "QuantMethod", "same"]
 
 _METHODS: dict[str, QuantMethod] = {}
 
 
+#: Names a spelling may not take: the configuration's own fields (`reserve`).
+_RESERVED: set[str] = set(REFERENCE_FIELDS)
+
+
+def reserve(names: Iterable[str]) -> None:
+    """Names no method's spelling may take (`KVQuantConfig` reserves its fields)."""
+    _RESERVED.update(names)
+
+
 def register(entry: QuantMethod) -> QuantMethod:
-    """Add a method (raises ValueError if the name or one of its spellings is taken)."""
+    """Add a method (raises ValueError if the name or one of its spellings is taken, or its artifact type is not
+    an `Artifact` subclass)."""
+    if entry.artifact is not None and not (isinstance(entry.artifact, type) and issubclass(entry.artifact, Artifact)):
+        raise ValueError(f"method {entry.name!r}: its artifact type must subclass service.artifacts.base.Artifact")
     taken = spellings()
-    clash = [s for s in entry.spellings.values() if s in taken or s in KVQuantConfig.model_fields]
+    clash = [s for s in entry.spellings.values() if s in taken or s in _RESERVED]
     if entry.name in _METHODS or clash:
         raise ValueError(f"method {entry.name!r} or spellings {clash} already registered")
     if set(entry.spellings) - set(REFERENCE_FIELDS):
@@ -141,7 +89,7 @@ def spellings() -> dict[str, tuple[str, str]]:
     return {s: (e.name, g) for e in _METHODS.values() for g, s in e.spellings.items()}
 
 
-def check_artifact(config: KVQuantConfig, spec: ModelSpec, artifact: Any, cache_mode: str | None = None) -> None:
+def check_artifact(config: QuantSettings, spec: ModelSpec, artifact: Any, cache_mode: str | None = None) -> None:
     """Check ``artifact`` against the model, the reference in ``config`` and the method's own check.
 
     Raises:
@@ -159,7 +107,7 @@ def check_artifact(config: KVQuantConfig, spec: ModelSpec, artifact: Any, cache_
 
 
 def resolve_artifact(
-    config: KVQuantConfig,
+    config: QuantSettings,
     spec: ModelSpec,
     fetch: Callable[[str, str], bytes] | None = None,
     cache_mode: str | None = None,
@@ -205,7 +153,7 @@ def resolve_artifact(
     return artifact
 
 
-def make_quantizer(config: KVQuantConfig, spec: ModelSpec, artifact: Any = None) -> KVQuantizer:
+def make_quantizer(config: QuantSettings, spec: ModelSpec, artifact: Any = None) -> KVQuantizer:
     """The quantizer for ``config.method``, its artifact (if the method applies one) checked first.
 
     Raises:
@@ -226,30 +174,29 @@ def make_quantizer(config: KVQuantConfig, spec: ModelSpec, artifact: Any = None)
     return entry.quantizer(config, spec, artifact)
 
 
-def same(field_name: str, artifact_value: Any, config_value: Any) -> None:
-    """Raise `ArtifactMismatch` (starting with ``field_name``) unless the artifact's value is the config's."""
-    if artifact_value != config_value:
-        raise ArtifactMismatch(
-            field_name, f"the artifact has {artifact_value!r}, the configuration asks for {config_value!r}"
-        )
+def pooled_readers() -> list[PooledReader]:
+    """The distinct pooled readers of the registered methods."""
+    found: list[PooledReader] = []
+    for entry in _METHODS.values():
+        if entry.pooled is not None and all(entry.pooled is not r for r in found):
+            found.append(entry.pooled)
+    return found
 
 
-def _check_policy(policy: PolicyTable, config: KVQuantConfig, v_group_size: int, cache_mode: str | None) -> None:
-    if cache_mode is not None:
-        same("cache_mode", policy.cache_mode, cache_mode)
-    same("bits", policy.bits, config.bits)
-    same("k_group_size", policy.k_group_size, config.k_group_size)
-    same("v_group_size", policy.v_group_size, v_group_size)
+def calibration_steps() -> dict[str, QuantMethod]:
+    """The methods with a calibration step, by the step's ``calibrate`` verb."""
+    return {e.calibration.verb: e for e in _METHODS.values() if e.calibration is not None}
 
 
-def _check_state(state: KVQuantState, config: KVQuantConfig, v_group_size: int, cache_mode: str | None) -> None:
-    same("bits", state.bits, config.bits)
+def report_fields() -> tuple[str, ...]:
+    """The names the KV report carries an applied artifact's id under: every registered method's spelling of
+    ``artifact_id``, and ``artifact_id`` itself (`service.engine.report.KVReport`)."""
+    names = [e.spelling("artifact_id") for e in _METHODS.values() if e.artifact is not None]
+    return tuple(dict.fromkeys([*names, "artifact_id"]))
 
 
-# Registration order is the order of CLI choices and error messages.
-register(QuantMethod("none", quantizer=None))
-register(QuantMethod("kivi", quantizer=KVQuantizer))
-register(QuantMethod("kvquant", quantizer=KVQuantQuantizer, artifact=KVQuantState, check=_check_state,
-                     spellings={"artifact_id": "kvquant_state_id", "artifact_file": "kvquant_state_file"}))
-register(QuantMethod("dllm_kvq", quantizer=DLLMKVQQuantizer, artifact=PolicyTable, check=_check_policy,
-                     spellings={"artifact_id": "policy_id", "artifact_file": "policy_file"}))
+# Registration order is the order of CLI choices, error messages and the matrix's rows.
+register(QuantMethod("none", quantizer=None, label="Cache only"))
+register(kivi.METHOD)
+register(kvquant.METHOD)
+register(dllm_kvq.METHOD)

@@ -45,13 +45,9 @@ from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.kernels.parts import forget as forget_set
 from service.quant.key_bias import attend_with_bias, key_score_bias
-from service.quant.kvquant import KVQuantQuantizer
 from service.quant.layout import SlotLayout
-from service.quant.registry import make_quantizer, method, resolve_artifact
-from service.quant.rows import batch_key, dequantize_rows, forget
-from service.quant.rows_nuq import batch_key as nuq_batch_key
-from service.quant.rows_nuq import dequantize_rows as nuq_dequantize_rows
-from service.quant.rows_nuq import forget as nuq_forget
+from service.quant.registry import make_quantizer, method, report_fields, resolve_artifact
+from service.quant.rows import batch_key
 
 
 class QuantizedKVStore(KVStore):
@@ -93,6 +89,8 @@ class QuantizedKVStore(KVStore):
         self.keep_dequantized = keep_dequantized
         self.artifact_id = artifact_id
         self.report_field = report_field
+        # The method's pooled reader (`service.quant.plugin.PooledReader`), None: each store reads alone.
+        self.pooled = method(quantizer.config.method).pooled
         self.accounting = KVAccounting()
         self._segments: Segments | None = None
         self._layout: SlotLayout | None = None
@@ -265,10 +263,7 @@ class QuantizedKVStore(KVStore):
         alone), each row's fresh window written over its window columns (padded window columns into a spare
         last column that gets no weight), one bias and one attention for all rows."""
         key_len = max(store._segments.seq_len for store in stores) + 1
-        if self.pre_rope_keys:
-            k_all, v_all, steps, cos, sin = nuq_dequantize_rows(stores, layer, key_len, positions, rope, steps=True)
-        else:
-            (k_all, v_all, steps), cos, sin = dequantize_rows(stores, layer, key_len, steps=True), None, None
+        k_all, v_all, steps, cos, sin = self.pooled.read_steps(stores, layer, key_len, positions, rope)
         # Where the windows go: the same for every layer of a step, and for the block while the set is the same.
         held = self._window_places
         shape = (tuple(widths), key_len, k.shape[2], k.shape[1])
@@ -294,12 +289,13 @@ class QuantizedKVStore(KVStore):
         return self._operands[layer], self._maps
 
     def batch_key(self, layer, device):
-        """Later steps of stores of one uniform format dequantize together (`service.quant.rows`), and so do
-        KVQuant stores of one state (`service.quant.rows_nuq`): not with kept dequantized copies, a side held as
-        it is, or another quantizer of its own format. Stores on the fused kernel's path of one uniform format
-        attend together in one launch (:meth:`attend_batch`; their key is apart from the PyTorch path's);
-        KVQuant's kernel path still attends per store. Stores with the key-bias correction attend together
-        (:meth:`attend_batch`), apart from uncorrected ones."""
+        """Later steps of stores whose method declares one pooled reader (`service.quant.plugin.PooledReader`:
+        KIVI's and dLLM-KVQ's uniform formats, `service.quant.rows`; KVQuant's per state,
+        `service.quant.rows_nuq`) and whose reader's key agrees dequantize together: not with kept dequantized
+        copies, a side held as it is, or a method that declares no reader. Stores on the fused kernel's path of
+        one uniform format attend together in one launch (:meth:`attend_batch`; their key is apart from the
+        PyTorch path's); KVQuant's kernel path still attends per store. Stores with the key-bias correction attend
+        together (:meth:`attend_batch`), apart from uncorrected ones."""
         key = self._format_key(layer, device)
         return ("key_bias", key) if key is not None and self.key_bias_correction else key
 
@@ -311,19 +307,14 @@ class QuantizedKVStore(KVStore):
             if self.pre_rope_keys or type(quantizer).kernel_operands is not KVQuantizer.kernel_operands:
                 return None
             return ("fused", batch_key(quantizer, self._packed[layer]))
-        if self.keep_dequantized:
+        if self.keep_dequantized or self.pooled is None:
             return None
-        if self.pre_rope_keys:
-            return nuq_batch_key(self, self._packed[layer]) if type(quantizer) is KVQuantQuantizer else None
-        if any(getattr(type(quantizer), name) is not getattr(KVQuantizer, name)
-               for name in ("dequantize", "dequantize_k", "dequantize_v")):
-            return None
-        return batch_key(quantizer, self._packed[layer])
+        if self.key_bias_correction and self.pooled.read_steps is None:
+            return None  # no steps from this method's reader: the correction attends per store
+        return (id(self.pooled), self.pooled.key(self, self._packed[layer]))
 
     def window_kv_batch(self, stores, layer, key_len, positions=None, rope=None):
-        if self.pre_rope_keys:
-            return nuq_dequantize_rows(stores, layer, key_len, positions, rope)
-        return dequantize_rows(stores, layer, key_len)
+        return self.pooled.read(stores, layer, key_len, positions, rope)
 
     def _fused(self, device: torch.device) -> bool:
         if not (self.quantizer.quantizes_k and self.quantizer.quantizes_v):
@@ -351,9 +342,8 @@ class QuantizedKVStore(KVStore):
         """Drop the held tensors (and the pooled indexes made from this block's layout, `service.quant.rows`,
         `service.quant.rows_nuq`, and the kernel's sets made from its maps, `service.quant.kernels.parts`); the
         accounting stays for :meth:`report`."""
-        if self._layout is not None:
-            forget(self._layout)
-            nuq_forget(self._layout)
+        if self._layout is not None and self.pooled is not None:
+            self.pooled.forget(self._layout)
         if self._maps is not None:
             forget_set(self._maps)
         self._segments = None
@@ -400,9 +390,8 @@ class QuantizedKVStore(KVStore):
 
     def report(self) -> KVReport:
         """Effective bits and bytes of everything written so far (see `service.quant.accounting`)."""
-        return self.accounting.report(
-            self.quantizer.config.model_dump(mode="json"), {self.report_field: self.artifact_id}
-        )
+        fields = dict.fromkeys(report_fields()) | {self.report_field: self.artifact_id}
+        return self.accounting.report(self.quantizer.config.model_dump(mode="json"), fields)
 
     def _start_block(self, segments: Segments, device: torch.device) -> None:
         self.clear()

@@ -14,14 +14,14 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel, ConfigDict
 
-from service.artifacts.base import canonical_json, check_fingerprint
+from service.artifacts.base import Artifact, canonical_json, check_fingerprint
 from service.config import Settings
 from service.main import create_app
 from service.quant.base import KVQuantizer
 from service.quant.registry import QuantMethod, register, same, unregister
 
 
-class ToyTable(BaseModel):
+class ToyTable(BaseModel, Artifact):
     """The toy's fitted artifact."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
