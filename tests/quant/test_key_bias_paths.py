@@ -24,7 +24,7 @@ from tests.quant.test_store import STATE2, STATE4
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 #: The pooled read gives each store's own values and steps bit for bit; only the attention's length (the pooled
 #: key axis is the longest sequence's, plus a spare column) may change fp32 round-off.
-POOLED_TOLERANCE = 1e-6
+POOLED_TOLERANCE = 2e-6
 #: The kernel against the PyTorch path: fp32 round-off of a different summation order (and its own cos(2t)).
 KERNEL_TOLERANCE = 2e-5 if DEVICE.type == "cpu" else 1e-4
 
