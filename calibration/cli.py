@@ -195,6 +195,8 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
                   "one round each, so no change between rounds to report (--rounds 2 or more measures it)")
         print(f"  TRACE: {settled} of {len(rows)} samples settled (assignment unchanged) within the round limit; "
               f"{change}", file=out)
+    for note in summary.notes:
+        print(f"  {note}", file=out)
     if summary.report:
         print(f"  report: {summary.report}", file=out)
     if summary.activation_configs:

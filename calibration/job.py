@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm.auto import tqdm
 
+from calibration.block_causal import MODE as BLOCK_CAUSAL_MODE
+from calibration.block_causal import diagnose_block_causal, pre_rope_trace
 from calibration.corpus import HFEncoder, Sample, mixed_chat
 from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
 from calibration.fit import DiagnosticSums, FitSettings, LayerFit, cell_key, fit_policy, table4
@@ -48,6 +50,7 @@ from service.artifacts.base import Provenance, canonical_json, default_v_group_s
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine import Engine
+from service.engine.models import is_block_causal
 from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,8 @@ class RunSummary:
     activation_configs: list[str] = field(default_factory=list)
     convergence: list[dict[str, Any]] = field(default_factory=list)
     fit_layers: dict[str, list[dict]] = field(default_factory=dict)
+    #: One line per step that does not apply to the model (a block-causal model's TRACE and report).
+    notes: list[str] = field(default_factory=list)
 
 
 class CalibrationJob:
@@ -100,6 +105,15 @@ class CalibrationJob:
         self.summary = RunSummary()
         self._samples: list[Sample] | None = None
         self._trajectory_ids: list[str] | None = None
+        #: A block-causal model (LLaDA2): no trajectories, diagnostics over exact committed blocks
+        #: (`calibration.block_causal`).
+        self.block_causal = is_block_causal(self.spec.arch)
+
+    def _note(self, line: str) -> None:
+        """Say once that a step does not apply (`RunSummary.notes`, printed by the CLI, and the log)."""
+        if line not in self.summary.notes:
+            self.summary.notes.append(line)
+            log.info("%s", line)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
     @property
@@ -161,6 +175,12 @@ class CalibrationJob:
         same run call it again and get the ids without another look at the store."""
         if self._trajectory_ids is not None:
             return self._trajectory_ids
+        if self.block_causal:
+            self._note(f"trace: does not apply to a block-causal model ({self.spec.arch}): committed blocks are "
+                       "exact, so there is no stale reuse to reconstruct; diagnose reads each block over its exact "
+                       "committed text")
+            self._trajectory_ids = []
+            return []
         started = time.perf_counter()
         forward = logits_forward(self.engine.model)
         ids = []
@@ -188,11 +208,20 @@ class CalibrationJob:
 
     def diagnose_settings(self) -> DiagnoseSettings:
         s = self.settings
-        return DiagnoseSettings(cache_modes=s.cache_modes, bits=s.bits, k_group_size=s.k_group_size)
+        modes = s.cache_modes
+        if self.block_causal:  # one policy: prefix's, which cache mode block serves
+            if set(modes) != {BLOCK_CAUSAL_MODE}:
+                self._note(f"cache modes: a block-causal model's committed blocks are its reused prefix: policies "
+                           f"are fitted for {BLOCK_CAUSAL_MODE} only (what cache mode block serves)")
+            modes = (BLOCK_CAUSAL_MODE,)
+        return DiagnoseSettings(cache_modes=modes, bits=s.bits, k_group_size=s.k_group_size)
 
     def sums_key(self, trajectory_id: str) -> str:
-        return input_key("diag", {"trajectory": trajectory_id, "settings": self.diagnose_settings().as_dict(),
-                                  "code": CODE_VERSION})
+        """The sums' id of a trajectory (a block-causal model: of the sample, whose trajectory key names it)."""
+        inputs = {"trajectory": trajectory_id, "settings": self.diagnose_settings().as_dict(), "code": CODE_VERSION}
+        if self.block_causal:
+            inputs["block_causal"] = True
+        return input_key("diag", inputs)
 
     def diagnose(self) -> list[str]:
         """Diagnostic sums of every trajectory of this shard (traced first if missing); returns the sums ids."""
@@ -200,6 +229,16 @@ class CalibrationJob:
         started = time.perf_counter()
         settings = self.diagnose_settings()
         ids = []
+        if self.block_causal:
+            for sample in self._bar(self._shard(self.samples()), "diagnose"):
+                key = self.trajectory_key(sample)
+
+                def compute(sample=sample, key=key) -> bytes:
+                    sums = diagnose_block_causal(self.engine.model, self.spec, sample.prompt_ids, sample.answer_ids,
+                                                 key, settings, self.settings.block_length,
+                                                 self.settings.steps_per_block)
+                    return canonical_json(sums.model_dump(mode="json"))
+                ids.append(self._cached(KIND_CALIBRATION_SUMS, self.sums_key(key), compute))
         for trajectory_id in self._bar(trajectory_ids, "diagnose"):
             def compute(trajectory_id=trajectory_id) -> bytes:
                 sums = diagnose_trajectory(self.engine.model, self.spec, self.load_trajectory(trajectory_id),
@@ -243,9 +282,10 @@ class CalibrationJob:
         settings = self.fit_settings()
         tables, fits = {}, {}
         for mode, bits in sums.modes_and_bits():
+            source = "committed-block diagnostics" if self.block_causal else "TRACE trajectories"
             table, layer_fits = fit_policy(
                 sums, mode, bits, settings,
-                self.provenance(f"mixed_chat TRACE trajectories: {len(sums.samples)} samples ({sorted(sums.samples)})"),
+                self.provenance(f"mixed_chat {source}: {len(sums.samples)} samples ({sorted(sums.samples)})"),
                 self.v_group_size)
             table.validate_for(self.spec)
             tables[f"{mode}/{bits}"] = table
@@ -270,8 +310,13 @@ class CalibrationJob:
         s = self.settings
         states = {}
         traces = None
+        if self.block_causal:  # the samples' keys stand for the trajectories
+            trajectory_ids = [self.trajectory_key(sample) for sample in self._shard(self.samples())]
+            if s.fisher:
+                self._note("kvquant --fisher: not on a block-causal model yet; the codebooks are fitted unweighted")
         for bits in s.kvquant_bits:
-            key = input_key("kvqfit", {"trajectories": trajectory_ids, "bits": bits, "fisher": s.fisher,
+            key = input_key("kvqfit", {"trajectories": trajectory_ids, "bits": bits,
+                                       "fisher": s.fisher and not self.block_causal,
                                        "sparsity": s.sparsity_threshold, "code": CODE_VERSION})
             if self.store.exists(KIND_KVQUANT_FIT, key):
                 state_id = self.store.get_json(KIND_KVQUANT_FIT, key)["state"]
@@ -279,10 +324,13 @@ class CalibrationJob:
                 self.summary.skipped[KIND_KVQUANT_FIT] = self.summary.skipped.get(KIND_KVQUANT_FIT, 0) + 1
             else:
                 if traces is None:
-                    traces = self.cache_traces(trajectory_ids)
+                    traces = (self.cache_traces(trajectory_ids) if not self.block_causal else
+                              [pre_rope_trace(self.engine.model, sample.prompt_ids, sample.answer_ids,
+                                              s.block_length) for sample in self._shard(self.samples())])
+                source = "block-causal samples" if self.block_causal else "TRACE trajectories"
                 state = fit_kvquant_state(
                     traces, bits, self.spec, s.sparsity_threshold,
-                    self.provenance(f"pre-RoPE cache traces of {len(trajectory_ids)} TRACE trajectories"))
+                    self.provenance(f"pre-RoPE cache traces of {len(trajectory_ids)} {source}"))
                 state.validate_for(self.spec)
                 self.store.put(KIND_KVQUANT_STATE, state.to_bytes(), state.id)
                 self._cached(KIND_KVQUANT_FIT, key, lambda state=state: canonical_json({"state": state.id}))
@@ -295,6 +343,10 @@ class CalibrationJob:
         """Write the markdown report with plots into ``out`` (policies and states are fitted first if missing)."""
         tables = self.fit()
         self.kvquant()
+        if self.block_causal:
+            self._note("report: not written for a block-causal model yet (its plots read TRACE trajectories); the "
+                       "policies, states and activation bodies are made")
+            return Path(out)
         started = time.perf_counter()
         keys = [self.trajectory_key(sample) for sample in self.samples()]
         trajectory = self.load_trajectory(keys[0])
