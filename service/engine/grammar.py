@@ -7,8 +7,9 @@ resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/be
 * :class:`GrammarSpec` says what a request asks (kind, canonical source, the request field it came from);
 * :class:`GrammarCompiler` turns it into a :class:`CompiledGrammar`, bounded before it compiles (the source's bytes
   and its positions: the characters it spells out with repetitions multiplied out, `service.engine.grammar_size`,
-  so a grammar that would take seconds and hundreds of MB never reaches the compile thread and never delays
-  another request's compile), in time (a wall-clock limit on a compile thread, off the event loop) and in work and
+  so a grammar that would take seconds and hundreds of MB never reaches a compile thread), in time (a wall-clock
+  limit on a compile thread, off the event loop; small grammars compile in a lane of their own, so large ones,
+  however slow, never delay them: :data:`SMALL_POSITIONS`) and in work and
   memory (llguidance's parser limits: lexer fuel, lexer states, grammar size), cached by the spec's hash in an LRU
   bounded in entries and in bytes (each entry's resident memory growth while it compiled); a source it cannot
   compile is an :class:`~service.engine.errors.EngineInputError` naming the request field and the limit (HTTP 400);
@@ -87,14 +88,22 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 #: Largest grammar source accepted, in bytes of its canonical text (a schema's JSON, a regex, the choices' JSON).
 MAX_SOURCE_BYTES = 256 * 1024
 #: Most positions a grammar may spell out (`service.engine.grammar_size`: ~350 bytes and ~4 us of compile each, so
-#: at most ~6 MB and well under 0.1 s per compile; ``\d{1,5000}`` is 5,000, ``a{1000}{1000}`` a million).
+#: at most ~6 MB, and well under 0.1 s for a regex; ``\d{1,5000}`` is 5,000, ``a{1000}{1000}`` a million).
 MAX_GRAMMAR_POSITIONS = 16_384
 #: Compiled grammars kept per compiler (an LRU; each holds llguidance's parser tables, ~kilobytes to a few MB)...
 CACHE_SIZE = 256
 #: ...and the most bytes they may hold together (each entry counted as the resident memory its compile added).
 CACHE_BYTES = 256 << 20
-#: Seconds a compile may take before the request is refused (a 200-property schema takes ~20 ms on one core).
+#: Seconds a compile may take before the request is refused (a 200-property schema takes ~20 ms on one core; a schema
+#: under the size limits can still take seconds: 2,500 optional properties ~3 s, `benchmarks/hostile_grammars.py`).
 COMPILE_TIMEOUT_S = 5.0
+#: Grammars of at most this many positions and :data:`SMALL_SOURCE_BYTES` compile in the small lane, on
+#: :data:`SMALL_LANE_THREADS` threads of their own (milliseconds each); larger ones in the large lane, one thread,
+#: where a slow compile (llguidance's compile cannot be stopped; it runs on past the time limit, bounded by the size
+#: limits and its fuel) delays only other large grammars. llguidance releases the GIL while it compiles.
+SMALL_POSITIONS = 1024
+SMALL_SOURCE_BYTES = 4096
+SMALL_LANE_THREADS = 4
 #: llguidance's bounds on one grammar's work and memory (its defaults are 1M initial lexer fuel ~20 ms, 250k lexer
 #: states ~0.5 GB, grammar size 500k): tighter here, so a hostile schema fails fast and small.
 PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
@@ -270,6 +279,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._small_pool = ThreadPoolExecutor(max_workers=SMALL_LANE_THREADS, thread_name_prefix="grammar-compile-small")
+        self._tokenizer_lock = threading.Lock()  # the two lanes build the trie once
         self.threads = threads or max(1, min(4, (os.cpu_count() or 1) // 2))
         self._executor: llguidance.LLExecutor | None = None
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
@@ -280,6 +291,10 @@ class GrammarCompiler:
         """llguidance's view of the tokenizer: a transformers fast tokenizer is read whole (its byte-level
         vocabulary, special tokens); any other tokenizer through the text of each id (ids that decode to nothing
         count as special, never allowed)."""
+        with self._tokenizer_lock:
+            return self._built_tokenizer()
+
+    def _built_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
             if isinstance(self.tokenizer, PreTrainedTokenizerFast):
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
@@ -321,12 +336,13 @@ class GrammarCompiler:
                                    "compiling); use smaller repetition counts or shorter literals", spec.field)
         with self._lock:
             self.compiles_started += 1
-        future = self._pool.submit(self._measured_compile, spec)
+        small = positions <= SMALL_POSITIONS and len(spec.source.encode()) <= SMALL_SOURCE_BYTES
+        future = (self._small_pool if small else self._pool).submit(self._measured_compile, spec)
         try:
             compiled = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            # The compile thread finishes on its own (the size limit and llguidance's fuel bound it); this request is
-            # refused now, and the late result is not cached.
+            # The compile thread finishes on its own (the size limit and llguidance's fuel bound it; a small grammar's
+            # lane never waits for it); this request is refused now, and the late result is not cached.
             raise EngineInputError(f"{spec.field} took longer than the {self.timeout_s:g} s compile time limit; "
                                    "simplify it", spec.field) from None
         if compiled.nbytes <= self.cache_bytes:
@@ -338,9 +354,9 @@ class GrammarCompiler:
         return compiled
 
     def _measured_compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """:meth:`_compile`, with the resident memory it added as the result's ``nbytes`` (the compile thread is
-        the only one compiling; other threads' allocations in the meantime blur it, which the cache's byte bound
-        tolerates: it is a ceiling on the order of hundreds of MB)."""
+        """:meth:`_compile`, with the resident memory it added as the result's ``nbytes`` (other threads' allocations
+        in the meantime, a small grammar's compile among them, blur it, which the cache's byte bound tolerates: it is
+        a ceiling on the order of hundreds of MB)."""
         before = _resident_bytes()
         compiled = self._compile(spec)
         compiled.nbytes = max(0, _resident_bytes() - before)

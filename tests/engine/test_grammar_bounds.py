@@ -6,6 +6,9 @@ compiled-grammar cache is bounded in bytes. The embedded model's tokenizer; no w
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from service.engine.errors import EngineInputError
@@ -99,3 +102,35 @@ def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_refusal_naming_the_fiel
     with pytest.raises(EngineInputError, match="tokenizer cannot drive the grammar engine") as caught:
         compiler.compile(GrammarSpec.regex(TRIVIAL, "structured_outputs.regex"))
     assert caught.value.field == "structured_outputs.regex"
+
+
+def test_a_slow_grammar_under_the_limits_never_delays_a_small_one(tokenizer):
+    """A schema within the size limits that compiles for seconds (2,500 optional properties: llguidance's compile
+    cannot be stopped, it runs on past the time limit) holds only the large lane: a trivial regex sent while it
+    compiles finishes first and within a time limit the slow one overruns (before the small lane, it queued
+    behind the slow one and was refused for the slow one's time)."""
+    compiler = _compiler(tokenizer, timeout_s=0.2)
+    compiler.compile(GrammarSpec.regex("[a-z]", "warm"))
+    slow = GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2500)}},
+                                   "guided_json")
+    assert grammar_positions(slow.kind, slow.source, MAX_GRAMMAR_POSITIONS) <= MAX_GRAMMAR_POSITIONS
+    finished: list[str] = []
+    errors: list[EngineInputError] = []
+
+    def compile_slow() -> None:
+        try:
+            compiler.compile(slow)
+        except EngineInputError as exc:
+            errors.append(exc)
+        finished.append("slow")
+
+    started = compiler.compiles_started
+    thread = threading.Thread(target=compile_slow)
+    thread.start()
+    while compiler.compiles_started == started:  # the slow compile is in its lane
+        time.sleep(0.001)
+    compiler.compile(GrammarSpec.regex(TRIVIAL, "guided_regex"))  # would raise 'took longer' if it queued
+    finished.append("trivial")
+    thread.join()
+    assert finished == ["trivial", "slow"]
+    assert [e.field for e in errors] == ["guided_json"] and "0.2 s compile time limit" in str(errors[0])
