@@ -1,4 +1,8 @@
-"""``python -m calibration collect | trace | diagnose | fit | kvquant | report | all``.
+"""``python -m calibration collect | trace | diagnose | <a method's verb> | report | all``.
+
+A registered method's calibration step is a verb of its own (its plug-in's `service.quant.plugin.CalibrationStep`:
+dLLM-KVQ's ``fit``, KVQuant's ``kvquant``, and any method registered later); ``report`` and ``all`` run every
+method's step.
 
 Every verb takes the same settings (:class:`calibration.settings.JobSettings`, one flag each) and a store
 (``--store``: ``redis://host:port/db`` or a directory; default the server's, ``DLLM_STORE_URL`` else
@@ -25,7 +29,6 @@ from service.config import DEFAULT_STORE_PREFIX, STORE_HELP, default_store
 if TYPE_CHECKING:
     from calibration.job import RunSummary
 
-VERBS = ("collect", "trace", "diagnose", "fit", "kvquant", "report", "all")
 #: Where ``report`` and ``all`` write without ``--out`` (reports go under runs/, which git ignores).
 DEFAULT_OUT = Path("runs") / "calibration"
 
@@ -60,9 +63,11 @@ def _help(name: str) -> str:
     return f"{info.description} (default {shown})" if default is not None else str(info.description)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(methods: bool = True) -> argparse.ArgumentParser:
     """The ``calibrate`` parser: one flag per `JobSettings` field (help and default from the field), the store,
-    the model's dtype, device and threads, and the report folder."""
+    the model's dtype, device and threads, and the report folder; with ``methods`` a verb per registered method's
+    calibration step (`service.quant.registry.calibration_steps`: imports the quantizers, so torch), without it
+    only the pipeline's own verbs (what ``--help`` and those verbs need)."""
     defaults = JobSettings()
     common = argparse.ArgumentParser(add_help=False)
     add = common.add_argument
@@ -104,25 +109,42 @@ def build_parser() -> argparse.ArgumentParser:
     collect = verbs.add_parser("collect", help="download the paper's corpus (needs internet and `datasets`)",
                                description="download the paper's calibration corpus into bucket JSONL files")
     collect.add_argument("--out", type=Path, required=True, help="directory for the bucket JSONL files (required)")
-    for verb, helptext in VERB_HELP.items():
+    helps = dict(VERB_HELP)
+    steps = {}
+    if methods:
+        from service.quant.registry import calibration_steps
+
+        steps = calibration_steps()
+        helps = {"trace": helps["trace"], "diagnose": helps["diagnose"],
+                 **{verb: entry.calibration.help for verb, entry in steps.items()}, **helps}
+    for verb, helptext in helps.items():
         sub = verbs.add_parser(verb, parents=[common], help=helptext, description=helptext)
         if verb == "diagnose":
             sub.add_argument("--sums-out", type=Path,
                              help="also write this shard's merged sums to a JSON file (default: store only)")
-        if verb == "fit":
-            sub.add_argument("--merge", type=Path, nargs="+",
-                             help="fit from these sums files instead of the store (default: the store's sums)")
+        if verb in steps and steps[verb].calibration.flags is not None:
+            from calibration.job import resolve
+
+            resolve(steps[verb].calibration.flags)(sub)
+    if not methods:
+        parser.epilog = ("each registered method's calibration step is a verb too (dLLM-KVQ's fit, KVQuant's "
+                         "kvquant ...; `calibrate <verb> --help`)")
     return parser
 
 
+#: The pipeline's own verbs (a method's calibration step adds its verb, `build_parser`).
 VERB_HELP = {
     "trace": "TRACE trajectories of the calibration samples (stored)",
     "diagnose": "per-layer diagnostic sums along the stored trajectories",
-    "fit": "a dLLM-KVQ policy per cache mode and bit width from the diagnostic sums",
-    "kvquant": "KVQuant states (per-channel non-uniform codebooks) from the trajectories",
     "report": "the calibration report and one activation body per fitted artifact, from the store",
-    "all": "trace, diagnose, fit, kvquant and report in one run",
+    "all": "trace, diagnose, every registered method's calibration step and report in one run",
 }
+
+
+def fit_flags(parser: argparse.ArgumentParser) -> None:
+    """dLLM-KVQ's ``fit`` verb's own flag (`service.quant.dllm_kvq.METHOD`): ``--merge`` sums files."""
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="fit from these sums files instead of the store (default: the store's sums)")
 
 
 def settings_from(args: argparse.Namespace) -> JobSettings:
@@ -141,23 +163,27 @@ def settings_from(args: argparse.Namespace) -> JobSettings:
 def write_activation_configs(summary: RunSummary, k_group_size: int, v_group_size: int, out: Path) -> list[Path]:
     """Write one ready-to-send ``KVQuantConfig`` body per fitted artifact into ``out/activate/``.
 
-    ``dllm_kvq-<cache mode>-<bits>bit.json`` names a policy (with the group sizes it was fitted for) and
-    ``kvquant-<bits>bit.json`` a KVQuant state, so activating one is a single ``PUT /admin/active/{cache_mode}``
-    with the file as the body (``curl --data @FILE``); the job itself still activates nothing.
+    ``<method>-<cache mode>-<bits>bit.json`` for an artifact fitted for a cache mode (a key ``"<mode>/<bits>"``
+    in `RunSummary.fitted`, e.g. ``dllm_kvq-dual-4bit.json``), ``<method>-<bits>bit.json`` for one fitted for every
+    mode (``kvquant-4bit.json``); the group sizes are written where the artifact type fixes them
+    (`Artifact.activation_fields`). Activating one is a single ``PUT /admin/active/{cache_mode}`` with the file as
+    the body (``curl --data @FILE``); the job itself still activates nothing.
 
     Returns:
         The written paths, sorted.
     """
     from service.quant.config import KVQuantConfig
+    from service.quant.registry import method
 
     configs: dict[str, KVQuantConfig] = {}
-    for key, policy_id in summary.policies.items():
-        mode, bits = key.split("/")
-        configs[f"dllm_kvq-{mode}-{bits}bit"] = KVQuantConfig(
-            method="dllm_kvq", bits=int(bits), k_group_size=k_group_size, v_group_size=v_group_size,
-            policy_id=policy_id)
-    for bits, state_id in summary.kvquant_states.items():
-        configs[f"kvquant-{bits}bit"] = KVQuantConfig(method="kvquant", bits=int(bits), kvquant_state_id=state_id)
+    for name, ids in summary.fitted.items():
+        fields = method(name).artifact.activation_fields()
+        groups = {"k_group_size": k_group_size, "v_group_size": v_group_size}
+        for key, artifact_id in ids.items():
+            *mode, bits = key.split("/")
+            configs["-".join([name, *mode, f"{bits}bit"])] = KVQuantConfig(
+                method=name, bits=int(bits), artifact_id=artifact_id,
+                **{f: v for f, v in groups.items() if f in fields})
     folder = out / "activate"
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -179,14 +205,14 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
               file=out)
     if summary.seconds:
         print("  seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.seconds.items()), file=out)
-    for key, policy_id in sorted(summary.policies.items()):
-        row = summary.table4.get(key, {})
-        rates = " ".join(f"{m}={row[m]:.1f}%" for m in ("centered_l2", "attention_kl", "top1", "topk") if m in row)
-        bits = row.get("configured_k_bits")
-        print(f"  policy {key}: {policy_id}  [{rates}; configured K bits {'—' if bits is None else f'{bits:.3f}'}]",
-              file=out)
-    for bits, state_id in sorted(summary.kvquant_states.items()):
-        print(f"  kvquant state {bits} bits: {state_id}", file=out)
+    if summary.fitted:
+        from service.quant.registry import method
+
+        for name, ids in summary.fitted.items():
+            kind = method(name).store_kind
+            for key, artifact_id in sorted(ids.items()):
+                note = summary.notes.get(artifact_id)
+                print(f"  {kind} {key}: {artifact_id}" + (f"  [{note}]" if note else ""), file=out)
     if summary.convergence:
         rows = summary.convergence
         settled = sum(1 for r in rows if r["settled"])
@@ -195,8 +221,8 @@ def print_summary(summary: RunSummary, seconds: float, out=None, store: str | No
                   "one round each, so no change between rounds to report (--rounds 2 or more measures it)")
         print(f"  TRACE: {settled} of {len(rows)} samples settled (assignment unchanged) within the round limit; "
               f"{change}", file=out)
-    for note in summary.notes:
-        print(f"  {note}", file=out)
+    for line in summary.not_applied:
+        print(f"  {line}", file=out)
     if summary.report:
         print(f"  report: {summary.report}", file=out)
     if summary.activation_configs:
@@ -214,7 +240,10 @@ def flag_of(field: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run ``calibrate <verb>``: 0 when done; 2, one line naming what is wrong and what to do, for bad input (a
     setting, the model, the store, a store holding nothing to fit or report on, ``collect`` without a network)."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The pipeline's verbs and --help parse without the registry (it imports torch); a method's verb needs it.
+    light = not argv or argv[0] in ("collect", "-h", "--help", *VERB_HELP)
+    args = build_parser(methods=not light).parse_args(argv)
     name = prog("calibration", args.verb)
     if args.verb == "collect":
         from calibration.collect import CollectError, collect
@@ -250,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        store.list("policy")  # opening contacts nothing (open_store); one read does, before the model loads
+        store.list("trajectory")  # opening contacts nothing (open_store); one read does, before the model loads
     except (StoreError, OSError) as exc:
         store.close()
         print(f"{name}: error: --store {store.location}: cannot read it ({exc}); start "
@@ -285,7 +314,7 @@ def _run_verb(args: argparse.Namespace, settings: JobSettings, store, started: f
     try:
         _dispatch(args, job)
     except FileNotFoundError as exc:  # merged_sums: the store lacks the diagnostic sums fit and report read
-        if args.verb not in ("fit", "report"):
+        if args.verb in ("trace", "diagnose", "all"):
             raise
         raise CalibrationInputError(f"--store {store.location}: {exc} (`{prog('calibration', 'all')}` runs every "
                                     "step; use the same --model, --samples, --seed and schedule flags)") from None
@@ -297,8 +326,8 @@ def _run_verb(args: argparse.Namespace, settings: JobSettings, store, started: f
 
 
 def _dispatch(args: argparse.Namespace, job) -> None:
-    """Run the verb's step(s) of ``job``."""
-    from calibration.fit import DiagnosticSums
+    """Run the verb's step(s) of ``job``: a pipeline verb, or a method's calibration step (`CalibrationJob.run_step`)."""
+    from service.quant.registry import calibration_steps
 
     if args.verb == "trace":
         job.trace()
@@ -307,19 +336,12 @@ def _dispatch(args: argparse.Namespace, job) -> None:
         if args.sums_out:
             merged = job.merged_sums(ids)
             args.sums_out.write_text(merged.model_dump_json())
-    elif args.verb == "fit":
-        sums = None
-        if args.merge:
-            for path in args.merge:
-                part = DiagnosticSums.model_validate_json(path.read_text())
-                sums = part if sums is None else sums.merge(part)
-        job.fit(sums)
-    elif args.verb == "kvquant":
-        job.kvquant()
     elif args.verb == "report":
         job.report(args.out)
-    else:
+    elif args.verb == "all":
         job.run_all(args.out)
+    else:
+        job.run_step(calibration_steps()[args.verb].name, args)
 
 
 __all__ = ["build_parser", "main", "print_summary", "settings_from", "write_activation_configs"]

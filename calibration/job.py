@@ -1,6 +1,8 @@
-"""The calibration job: corpus -> TRACE -> diagnostics -> policy fit, and KVQuant fit, through a store.
+"""The calibration job: corpus -> TRACE -> diagnostics -> each registered method's fit, through a store.
 
-DESIGN.md flow 2. Every step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`).
+DESIGN.md flow 2. Every step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`); a
+method's fit is its plug-in's calibration step (`service.quant.plugin.CalibrationStep`, run by
+:meth:`CalibrationJob.run_step`): dLLM-KVQ's is :func:`fit_policies`, KVQuant's :func:`fit_kvquant_states`.
 Artifacts go to a :class:`service.store.base.Store` (Redis or a local directory), immutable:
 
 ==================  ========================================================================================
@@ -24,6 +26,7 @@ The job never activates anything: the admin endpoint does.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import platform
 import time
@@ -51,6 +54,7 @@ from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
 from service.engine import Engine
 from service.engine.models import is_block_causal
+from service.quant.registry import calibration_steps, method
 from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
 
 log = logging.getLogger(__name__)
@@ -72,9 +76,11 @@ class RunSummary:
 
     trajectories: list[str] = field(default_factory=list)
     sums: list[str] = field(default_factory=list)
-    policies: dict[str, str] = field(default_factory=dict)
+    #: Per method, the ids of its fitted artifacts by what each was fitted for (``"dual/4"``, ``"2"``).
+    fitted: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Per artifact id, what the end-of-run summary adds to its line (a policy's Table 4 win rates).
+    notes: dict[str, str] = field(default_factory=dict)
     table4: dict[str, dict[str, float]] = field(default_factory=dict)
-    kvquant_states: dict[str, str] = field(default_factory=dict)
     computed: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -83,7 +89,44 @@ class RunSummary:
     convergence: list[dict[str, Any]] = field(default_factory=list)
     fit_layers: dict[str, list[dict]] = field(default_factory=dict)
     #: One line per step that does not apply to the model (a block-causal model's TRACE and report).
-    notes: list[str] = field(default_factory=list)
+    not_applied: list[str] = field(default_factory=list)
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """dLLM-KVQ's policy ids by ``"<mode>/<bits>"`` (its entry of :attr:`fitted`)."""
+        return self.fitted.setdefault("dllm_kvq", {})
+
+    @property
+    def kvquant_states(self) -> dict[str, str]:
+        """KVQuant's state ids by bits (its entry of :attr:`fitted`)."""
+        return self.fitted.setdefault("kvquant", {})
+
+
+def resolve(ref: Callable | str) -> Callable:
+    """A calibration step's function (`CalibrationStep.fit`, ``flags``): the function, or the one its
+    ``"module:qualified.name"`` names."""
+    if callable(ref):
+        return ref
+    module, _, qualname = ref.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def fit_policies(job: CalibrationJob, args: Any = None) -> dict[str, PolicyTable]:
+    """dLLM-KVQ's calibration step (``calibrate fit``): :meth:`CalibrationJob.fit`, from the sums files of
+    ``--merge`` when given (`calibration.cli.fit_flags`)."""
+    sums = None
+    for path in getattr(args, "merge", None) or []:
+        part = DiagnosticSums.model_validate_json(Path(path).read_text())
+        sums = part if sums is None else sums.merge(part)
+    return job.fit(sums)
+
+
+def fit_kvquant_states(job: CalibrationJob, args: Any = None) -> dict[str, KVQuantState]:
+    """KVQuant's calibration step (``calibrate kvquant``): :meth:`CalibrationJob.kvquant`, by bits."""
+    return {str(bits): state for bits, state in job.kvquant().items()}
 
 
 class CalibrationJob:
@@ -104,15 +147,16 @@ class CalibrationJob:
         self.progress = progress
         self.summary = RunSummary()
         self._samples: list[Sample] | None = None
+        self._tables: dict[str, PolicyTable] = {}
         self._trajectory_ids: list[str] | None = None
         #: A block-causal model (LLaDA2): no trajectories, diagnostics over exact committed blocks
         #: (`calibration.block_causal`).
         self.block_causal = is_block_causal(self.spec.arch)
 
     def _note(self, line: str) -> None:
-        """Say once that a step does not apply (`RunSummary.notes`, printed by the CLI, and the log)."""
-        if line not in self.summary.notes:
-            self.summary.notes.append(line)
+        """Say once that a step does not apply (`RunSummary.not_applied`, printed by the CLI, and the log)."""
+        if line not in self.summary.not_applied:
+            self.summary.not_applied.append(line)
             log.info("%s", line)
 
     # ---- helpers ---------------------------------------------------------------------------------------------
@@ -292,8 +336,10 @@ class CalibrationJob:
             fits[f"{mode}/{bits}"] = layer_fits
             self.store.put_model(KIND_POLICY, table)
             self.summary.policies[f"{mode}/{bits}"] = table.id
-            self.summary.table4[f"{mode}/{bits}"] = table4(sums, table)
+            self.summary.table4[f"{mode}/{bits}"] = row = table4(sums, table)
+            self.summary.notes[table.id] = _policy_note(row)
         self.summary.fit_layers = _layer_fit_json(fits, tables, sums)
+        self._tables = tables
         record = {"sums_samples": sorted(sums.samples), "policies": self.summary.policies,
                   "table4": self.summary.table4, "layers": self.summary.fit_layers}
         # "record" 2: layers carry effective K bits and win rates (calibration.policy_tables).
@@ -339,10 +385,30 @@ class CalibrationJob:
         self._timed("kvquant", started)
         return states
 
+    def run_step(self, name: str, args: Any = None) -> dict[str, Any]:
+        """Run method ``name``'s calibration step (its plug-in's, `service.quant.plugin.CalibrationStep`) and record
+        the ids of what it fitted in the summary; returns its artifacts by what each was fitted for.
+
+        Raises:
+            KVQuantError: no such method; ValueError: the method has no calibration step.
+        """
+        step = method(name).calibration
+        if step is None:
+            raise ValueError(f"method {name!r} has no calibration step")
+        artifacts = resolve(step.fit)(self, args)
+        self.summary.fitted.setdefault(name, {}).update({key: a.id for key, a in artifacts.items()})
+        return artifacts
+
+    def run_steps(self) -> dict[str, dict[str, Any]]:
+        """Every registered method's calibration step (`service.quant.registry.calibration_steps`), in
+        registration order; their artifacts by method."""
+        return {entry.name: self.run_step(entry.name) for entry in calibration_steps().values()}
+
     def report(self, out: str | Path) -> Path:
-        """Write the markdown report with plots into ``out`` (policies and states are fitted first if missing)."""
-        tables = self.fit()
-        self.kvquant()
+        """Write the markdown report with plots into ``out`` (every method's artifacts are fitted first if
+        missing, :meth:`run_steps`)."""
+        self.run_steps()
+        tables = self._tables  # the policies the report's Table 4 shows (this run's fit)
         if self.block_causal:
             self._note("report: not written for a block-causal model yet (its plots read TRACE trajectories); the "
                        "policies, states and activation bodies are made")
@@ -360,7 +426,7 @@ class CalibrationJob:
         return path
 
     def run_all(self, out: str | Path) -> RunSummary:
-        """trace -> diagnose -> fit -> kvquant -> report; returns the summary."""
+        """trace -> diagnose -> every method's calibration step -> report; returns the summary."""
         self.diagnose()
         self.report(out)
         return self.summary
@@ -397,6 +463,13 @@ def convergence_row(trajectory_id: str, trajectory: Trajectory, round_limit: int
     objectives = list(trajectory.objectives)
     return {"trajectory": trajectory_id, "rounds": trajectory.rounds, "objectives": objectives, "settled": settled,
             "last_change": objectives[-1] - objectives[-2] if len(objectives) > 1 else None}
+
+
+def _policy_note(row: dict[str, float]) -> str:
+    """A policy's line in the end-of-run summary: its Table 4 win rates and configured K bits."""
+    rates = " ".join(f"{m}={row[m]:.1f}%" for m in ("centered_l2", "attention_kl", "top1", "topk") if m in row)
+    bits = row.get("configured_k_bits")
+    return f"{rates}; configured K bits {'—' if bits is None else f'{bits:.3f}'}"
 
 
 def _layer_fit_json(fits: dict[str, list[LayerFit]], tables: dict[str, PolicyTable],

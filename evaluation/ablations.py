@@ -28,9 +28,7 @@ from evaluation.matrix import (
     BITS_NOTE,
     CACHE_MODES,
     CONFIGURED_DIGITS,
-    METHOD_LABELS,
     MODE_LABELS,
-    QUANT_METHODS,
     Cell,
     _csv,
     _fmt,
@@ -38,6 +36,8 @@ from evaluation.matrix import (
     documents_line,
     documents_per_task,
     index_results,
+    method_label,
+    quant_methods,
     table_row,
 )
 
@@ -92,7 +92,7 @@ def build_sides(results: list[dict[str, Any]], tasks: list[str],
             cache_only = Cell(model, mode, "none")
             if (model, cache_only.key) in by_cell:
                 rows.append(table_row(by_cell, tasks, model, cache_only, None))
-            for method in QUANT_METHODS:
+            for method in quant_methods():
                 for sides in SIDE_LABELS:
                     cell = Cell(model, mode, method, bits, sides=sides)
                     if (model, cell.key) in by_cell:
@@ -152,7 +152,7 @@ def render_sides_markdown(tables: dict[str, Any], skipped: list[dict] | None = N
                 lines.append(f"| *{MODE_LABELS[mode]}* |" + " |" * (len(head) - 1))
             kv, agr, diag, conf = r["kv"] or {}, r["agreement"], r.get("diagnostics"), r.get("configured_bits") or {}
             lines.append("| " + " | ".join([
-                METHOD_LABELS[r["method"]], "—" if r["method"] == "none" else SIDE_LABELS[r["sides"]],
+                method_label(r["method"]), "—" if r["method"] == "none" else SIDE_LABELS[r["sides"]],
                 *(_fmt(r["scores"][t]) for t in tasks), _fmt(r["average"]),
                 _pair(conf.get("k"), conf.get("v"), CONFIGURED_DIGITS),
                 _pair(kv.get("k_nominal_bits"), kv.get("v_nominal_bits")),

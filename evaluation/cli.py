@@ -40,6 +40,15 @@ def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _methods(args) -> list[str]:
+    """``--methods``, or every registered method (`service.quant.registry`) when not given."""
+    if args.methods is not None:
+        return _csv_list(args.methods)
+    from service.quant.registry import methods
+
+    return list(methods())
+
+
 def _task_dir(out: Path, gsm8k_dir: str | None) -> Path:
     from evaluation.embedded_task import embedded_task_configs
     from evaluation.tasks import write_task_dir
@@ -297,8 +306,9 @@ def matrix_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", required=True, help="comma list of lm-eval task names (required)")
     parser.add_argument("--cache-modes", default="prefix,dual", help="comma list of cache modes (default %(default)s)")
     parser.add_argument("--bits", default="4,2", help="comma list of bit widths, 2, 4, 8 (default %(default)s)")
-    parser.add_argument("--methods", default="none,kivi,kvquant,dllm_kvq",
-                        help="comma list of quantization methods; none is the cache-only row (default %(default)s)")
+    parser.add_argument("--methods", default=None,
+                        help="comma list of quantization methods; none is the cache-only row (default: every "
+                             "registered method: none,kivi,kvquant,dllm_kvq)")
     parser.add_argument("--key-bias-correction", choices=("off", "on", "both"), default="off",
                         help="quantized rows with the key-bias correction (service.quant.key_bias): off, on (only "
                              "corrected rows) or both (each row and its corrected twin; default %(default)s)")
@@ -371,7 +381,7 @@ def check_matrix_inputs(args: argparse.Namespace, tasks: list[str]) -> None:
     try:
         from evaluation.matrix import plan_cells
 
-        plan_cells(["m"], _csv_list(args.cache_modes), [], _csv_list(args.methods))
+        plan_cells(["m"], _csv_list(args.cache_modes), [], _methods(args))
         for rule in _csv_list(args.rules):
             parse_rule(rule)
     except ValueError as exc:
@@ -446,7 +456,7 @@ def run_matrix_command(argv: list[str]) -> int:
         raise CommandError(f"--tasks: unknown task(s) {', '.join(unknown)}; looked in lm-eval's tasks and "
                            f"{settings.include_path} (the offline tasks; --gsm8k-dir for gsm8k_local)")
     models, modes = _csv_list(args.models), _csv_list(args.cache_modes)
-    bits, methods, rules = [int(b) for b in _csv_list(args.bits)], _csv_list(args.methods), _csv_list(args.rules)
+    bits, methods, rules = [int(b) for b in _csv_list(args.bits)], _methods(args), _csv_list(args.rules)
     if args.table == "3":
         cells = matrix.plan_controls(models, modes, bits, rules)
     elif args.table == "kv":

@@ -53,8 +53,23 @@ from evaluation.controls import DEFAULT_RULES, is_fixed_rule, parse_rule, store_
 log = logging.getLogger(__name__)
 
 CACHE_MODES = ("prefix", "dual")
-QUANT_METHODS = ("kivi", "kvquant", "dllm_kvq")
-METHOD_LABELS = {"none": "Cache only", "kivi": "KIVI", "kvquant": "KVQuant", "dllm_kvq": "dLLM-KVQ"}
+
+
+def quant_methods() -> tuple[str, ...]:
+    """The registered methods that quantize (every plug-in with a quantizer, `service.quant.registry`), in
+    registration order: the quantized rows of each block."""
+    from service.quant.registry import method, methods
+
+    return tuple(name for name in methods() if method(name).quantizer is not None)
+
+
+def method_label(name: str) -> str:
+    """How a row names a method: its plug-in's label (``"KIVI"``; ``"Cache only"`` for none)."""
+    from service.quant.registry import method
+
+    return method(name).title
+
+
 MODE_LABELS = {"prefix": "Prefix cache", "dual": "Dual cache"}
 REFERENCE_LABEL = "No cache (full recompute)"
 
@@ -106,7 +121,7 @@ class Cell:
     def label(self) -> str:
         if self.cache_mode == "none":
             return REFERENCE_LABEL
-        label = "Fixed K rule" if self.rule is not None else METHOD_LABELS[self.method]
+        label = "Fixed K rule" if self.rule is not None else method_label(self.method)
         return label + KEY_BIAS_LABEL if self.key_bias_correction else label
 
 
@@ -128,7 +143,7 @@ def with_key_bias(cells: list[Cell], choice: str) -> list[Cell]:
         raise ValueError(f"unknown key-bias choice {choice!r}; legal: {', '.join(KEY_BIAS_CHOICES)}")
     out = []
     for cell in cells:
-        takes = cell.method in QUANT_METHODS and cell.sides != "v"
+        takes = cell.method in quant_methods() and cell.sides != "v"
         if not takes or choice == "off":
             out.append(cell)
             continue
@@ -153,8 +168,8 @@ def plan_cells(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable
         if mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {mode!r}; legal: {', '.join(CACHE_MODES)}")
     for method in methods:
-        if method not in ("none", *QUANT_METHODS):
-            raise ValueError(f"unknown method {method!r}; legal: none, {', '.join(QUANT_METHODS)}")
+        if method not in ("none", *quant_methods()):
+            raise ValueError(f"unknown method {method!r}; legal: none, {', '.join(quant_methods())}")
     cells = []
     for model in models:
         cells.append(Cell(model, "none", "none"))
@@ -192,7 +207,7 @@ def plan_sides(models: Iterable[str], cache_modes: Iterable[str], bits: Iterable
     out = []
     for cell in plan_cells(models, cache_modes, bits, methods):
         out.append(cell)
-        if cell.method in QUANT_METHODS:
+        if cell.method in quant_methods():
             out += [Cell(cell.model, cell.cache_mode, cell.method, cell.bits, sides=s) for s in ("k", "v")]
     return out
 
@@ -619,7 +634,7 @@ def build_tables(results: list[dict[str, Any]], tasks: list[str] | None = None) 
             for mode in modes:
                 cache_only = Cell(model, mode, "none")
                 rows.append(table_row(by_cell, tasks, model, cache_only, reference))
-                for method in QUANT_METHODS:
+                for method in quant_methods():
                     for corrected in (False, True):
                         quant = Cell(model, mode, method, bits, key_bias_correction=corrected)
                         if (model, quant.key) in by_cell:

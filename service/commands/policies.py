@@ -29,13 +29,7 @@ from typing import Any
 
 from service.commands import prog, store_url_arg
 
-#: Store kinds of the two fitted artifact types (`PolicyTable.KIND`, `KVQuantState.KIND`; literal here so that
-#: ``--help`` imports neither torch nor the artifact modules).
-KIND_POLICY, KIND_KVQUANT_STATE = "policy", "kvquant_state"
-KINDS = (KIND_POLICY, KIND_KVQUANT_STATE)
 CACHE_MODES = ("none", "prefix", "dual")
-#: The configuration fields an artifact fixes when it is activated by id (the rest keep their defaults).
-ARTIFACT_FIELDS = ("bits", "k_group_size", "v_group_size")
 
 
 class PoliciesError(Exception):
@@ -55,20 +49,32 @@ class CopyResult:
     refused: dict[str, str] = field(default_factory=dict)
 
 
+def registered_kinds() -> tuple[str, ...]:
+    """The store kinds of the registered methods' artifact types (`service.quant.registry`), in registration
+    order (``policy``, ``kvquant_state`` ...). Read when a verb runs, so ``--help`` imports no artifact module."""
+    from service.quant.registry import artifact_types
+
+    return tuple(cls.KIND for cls in artifact_types().values())
+
+
+def what() -> str:
+    """The registered artifact types' labels: ``"KVQuant state or policy table"``."""
+    from service.quant.registry import artifact_types
+
+    labels = [cls.LABEL for cls in artifact_types().values()]
+    return " or ".join([", ".join(labels[:-1]), labels[-1]] if len(labels) > 1 else labels)
+
+
 def content_id(kind: str, data: bytes) -> str:
     """The id an artifact's content gives (ValueError if it is not a valid artifact of that kind)."""
-    from service.artifacts.kvquant_state import KVQuantState
-    from service.artifacts.policy import PolicyTable
-
-    if kind == KIND_POLICY:
-        return PolicyTable.from_json(data).id
-    return KVQuantState.from_bytes(data).id
+    return artifact_type(kind).from_bytes(data).id
 
 
-def copy_artifacts(src, dst, kinds: tuple[str, ...] = KINDS) -> CopyResult:
-    """Copy every artifact of ``kinds`` from the store ``src`` to ``dst``, verifying each id against its content."""
+def copy_artifacts(src, dst, kinds: tuple[str, ...] | None = None) -> CopyResult:
+    """Copy every artifact of ``kinds`` (default: every registered kind, `registered_kinds`) from the store ``src`` to
+    ``dst``, verifying each id against its content."""
     result = CopyResult()
-    for kind in kinds:
+    for kind in kinds or registered_kinds():
         result.copied[kind], result.skipped[kind] = [], []
         for artifact_id in src.list(kind):
             data = src.get(kind, artifact_id)
@@ -90,10 +96,17 @@ def copy_artifacts(src, dst, kinds: tuple[str, ...] = KINDS) -> CopyResult:
 
 
 def artifact_type(kind: str) -> type:
-    """The artifact class of a store kind among the registered methods' (`service.quant.registry`)."""
+    """The artifact class of a store kind among the registered methods' (`service.quant.registry`).
+
+    Raises:
+        PoliciesError: no registered method keeps artifacts of that kind (the message lists the kinds).
+    """
     from service.quant.registry import artifact_types
 
-    return next(cls for cls in artifact_types().values() if cls.KIND == kind)
+    found = [cls for cls in artifact_types().values() if cls.KIND == kind]
+    if not found:
+        raise PoliciesError(f"unknown kind {kind!r}; legal: {', '.join(registered_kinds())}")
+    return found[0]
 
 
 def method_of(kind: str) -> str:
@@ -241,21 +254,11 @@ def when(seconds: float | None) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d %H:%M")
 
 
-def configured_k_bits(summary: dict[str, Any]) -> float | None:
-    """A policy's configured K bits, the figure every report of it shows (docs/glossary.md, "Effective bits";
-    computed by `service.quant.accounting.policy_k_bits`); None for an artifact without per-layer budgets (a
-    KVQuant state: ``bits`` is its figure) or a summary that is not a whole policy table."""
-    from pydantic import ValidationError
-
-    from service.artifacts.policy import PolicyTable
-    from service.quant.accounting import policy_k_bits
-
-    if not summary.get("layers"):
-        return None
-    try:
-        return policy_k_bits(PolicyTable.model_validate(summary))
-    except ValidationError:
-        return None
+def configured_k_bits(kind: str, summary: dict[str, Any]) -> float | None:
+    """An artifact's configured K bits, the figure every report of it shows (docs/glossary.md, "Effective bits";
+    its type's `Artifact.configured_k_bits`: a policy's per-layer budgets); None where ``bits`` is its figure (a
+    KVQuant state) or for a summary that is not a whole artifact."""
+    return artifact_type(kind).configured_k_bits(summary)
 
 
 def describe_config(config: dict[str, Any] | None) -> str:
@@ -277,14 +280,13 @@ def find_artifact(side, artifact_id: str) -> tuple[str, str, dict[str, Any]]:
     none matches, listing the candidates when several do."""
     from service.store.base import ambiguous_id, ids_matching
 
-    found = [(kind, i) for kind in KINDS for i in ids_matching([i for i, _ in side.ids(kind)], artifact_id)]
+    found = [(kind, i) for kind in registered_kinds() for i in ids_matching([i for i, _ in side.ids(kind)], artifact_id)]
     found = [(kind, i) for kind, i in found if i == artifact_id] or found
     if len(found) > 1:
-        raise PoliciesError(f"{ambiguous_id('policy or KVQuant state', artifact_id, [i for _, i in found])} "
-                            f"in {side.where}")
+        raise PoliciesError(f"{ambiguous_id(what(), artifact_id, [i for _, i in found])} in {side.where}")
     summary = side.summary(*found[0]) if found else None
     if summary is None:
-        raise PoliciesError(f"no policy or KVQuant state with id {artifact_id!r} in {side.where}; "
+        raise PoliciesError(f"no {what()} with id {artifact_id!r} in {side.where}; "
                             f"`{prog('service', 'policies list')}` lists them")
     return found[0][0], found[0][1], summary
 
@@ -307,7 +309,7 @@ def config_from(side, target: str):
                             "(calibrate report writes them under runs/calibration/activate/) or a JSON object")
     else:
         kind, full_id, summary = find_artifact(side, target)
-        fixed = {name: summary[name] for name in ARTIFACT_FIELDS if name in summary}
+        fixed = {name: summary[name] for name in artifact_type(kind).activation_fields() if name in summary}
         return KVQuantConfig(method=method_of(kind), artifact_id=full_id, **fixed)
     try:
         config = KVQuantConfig.model_validate_json(text)
@@ -345,10 +347,10 @@ def run_list(side, args: argparse.Namespace) -> int:
             if isinstance(value, str):
                 active.setdefault(value, []).append(entry["cache_mode"])
     rows = []
-    for kind in KINDS:
+    for kind in registered_kinds():
         for artifact_id, created in side.ids(kind):
             summary = side.summary(kind, artifact_id) or {}
-            bits = configured_k_bits(summary)
+            bits = configured_k_bits(kind, summary)
             rows.append({"id": artifact_id, "kind": kind, "method": method_of(kind),
                          "model": summary.get("model_id"), "cache_mode": summary.get("cache_mode"),
                          "bits": summary.get("bits"), "configured_k_bits": bits,
@@ -358,7 +360,7 @@ def run_list(side, args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print(f"no policies or KVQuant states in {side.where}; `calibrate all` fits them")
+        print(f"no {what()} in {side.where}; `calibrate all` fits them")
         return 0
     header = ("ID", "METHOD", "MODEL", "CACHE", "BITS", "K BITS", "FITTED ON", "CREATED (UTC)", "ACTIVE")
     table = [header] + [
@@ -383,7 +385,7 @@ def run_show(side, args: argparse.Namespace) -> int:
     for name, value in summary.items():
         if name not in ("layers", "provenance"):
             print(f"  {name}: {value}")
-    bits = configured_k_bits(summary)
+    bits = configured_k_bits(kind, summary)
     if bits is not None:
         print(f"  configured K bits: {bits:.3f}")
     provenance = summary.get("provenance") or {}
@@ -417,7 +419,7 @@ def run_diff(side, args: argparse.Namespace) -> int:
     for name in sorted((set(a) | set(b)) - {"layers"}):
         if a.get(name) != b.get(name):
             lines.append(f"{name}: {a.get(name)} -> {b.get(name)}")
-    bits = configured_k_bits(a), configured_k_bits(b)
+    bits = configured_k_bits(kinds[0], a), configured_k_bits(kinds[1], b)
     if bits[0] != bits[1] and None not in bits:
         lines.append(f"configured K bits: {bits[0]:.3f} -> {bits[1]:.3f}")
     layers_a, layers_b = a.get("layers") or [], b.get("layers") or []
@@ -504,8 +506,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                            ("import", "copy a directory's policies and KVQuant states into the store")):
         v = verb(name, helptext, [where])
         v.add_argument("directory", help="local directory in the directory-store layout (created on export)")
-        v.add_argument("--kind", choices=KINDS, action="append",
-                       help="only this kind (repeatable; default: both)")
+        v.add_argument("--kind", action="append",
+                       help="only this kind: policy, kvquant_state or another registered method's (repeatable; "
+                            "default: all)")
 
 
 #: Most audit entries one ``audit`` asks for: the bound of the server's ``GET /admin/audit?limit=``, so the store
@@ -574,7 +577,9 @@ def run_copy(args: argparse.Namespace) -> int:
         raise PoliciesError(f"{args.directory}: {exc}") from None
     src, dst = (store, local) if args.verb == "export" else (local, store)
     try:
-        result = copy_artifacts(src, dst, tuple(args.kind or KINDS))
+        for kind in args.kind or ():
+            artifact_type(kind)  # PoliciesError naming the legal kinds
+        result = copy_artifacts(src, dst, tuple(args.kind or registered_kinds()))
     except StoreError as exc:
         raise BackendError(f"--store {store.location}: {exc}") from None
     finally:

@@ -9,8 +9,9 @@ artifacts from files), the ``policies`` and ``calibrate`` commands, evaluation (
 rows and labels), the store's reference check and telemetry's labels.
 
 The built-in plug-ins are declared beside their quantizers (`service.quant.kivi`, `service.quant.kvquant`,
-`service.quant.dllm_kvq`) and registered at the end of this module. The configuration is read through the
-quantizers' `QuantSettings` interface, so this module imports no configuration (`KVQuantConfig` imports it).
+`service.quant.dllm_kvq`) and registered at the first look into the table (`_table`: they import torch, and
+`KVQuantConfig`, which every command's ``--help`` imports, imports this module). The configuration is read
+through the quantizers' `QuantSettings` interface, so this module imports no configuration.
 Adding a method: docs/extending.md, "Adding a quantizer".
 """
 
@@ -18,18 +19,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from service.artifacts.base import Artifact, ArtifactMismatch  # noqa: F401 - re-exported for plug-ins
-from service.engine.spec import ModelSpec
-from service.quant import dllm_kvq, kivi, kvquant
-from service.quant.base import KVQuantizer, QuantSettings
+from service.artifacts.base import Artifact, ArtifactMismatch
 from service.quant.errors import KVQuantError
 from service.quant.plugin import REFERENCE_FIELDS, CalibrationStep, PooledReader, QuantMethod, same
 
-__all__ = ["REFERENCE_FIELDS", "Artifact", "CalibrationStep", "PooledReader", "QuantMethod", "same"]
+if TYPE_CHECKING:
+    from service.engine.spec import ModelSpec
+    from service.quant.base import KVQuantizer, QuantSettings
+
+__all__ = ["REFERENCE_FIELDS", "Artifact", "ArtifactMismatch", "CalibrationStep", "PooledReader", "QuantMethod", "same"]
 
 _METHODS: dict[str, QuantMethod] = {}
+_BUILT_IN_LOADED = False
+
+
+def _table() -> dict[str, QuantMethod]:
+    """The registered plug-ins; the built-in ones are registered at the first look, not at import: they import the
+    quantizers, so torch, and `KVQuantConfig` (every command's ``--help``) imports this module."""
+    global _BUILT_IN_LOADED
+    if not _BUILT_IN_LOADED:
+        _BUILT_IN_LOADED = True
+        from service.quant import dllm_kvq, kivi, kvquant
+
+        # Registration order is the order of CLI choices, error messages and the matrix's rows.
+        for entry in (QuantMethod("none", quantizer=None, label="Cache only"), kivi.METHOD, kvquant.METHOD,
+                      dllm_kvq.METHOD):
+            register(entry)
+    return _METHODS
 
 
 #: Names a spelling may not take: the configuration's own fields (`reserve`).
@@ -48,7 +66,7 @@ def register(entry: QuantMethod) -> QuantMethod:
         raise ValueError(f"method {entry.name!r}: its artifact type must subclass service.artifacts.base.Artifact")
     taken = spellings()
     clash = [s for s in entry.spellings.values() if s in taken or s in _RESERVED]
-    if entry.name in _METHODS or clash:
+    if entry.name in _table() or clash:
         raise ValueError(f"method {entry.name!r} or spellings {clash} already registered")
     if set(entry.spellings) - set(REFERENCE_FIELDS):
         raise ValueError(f"spellings rename only {REFERENCE_FIELDS}, got {sorted(entry.spellings)}")
@@ -58,18 +76,18 @@ def register(entry: QuantMethod) -> QuantMethod:
 
 def unregister(name: str) -> None:
     """Remove a method (tests that register one of their own)."""
-    del _METHODS[name]
+    del _table()[name]
 
 
 def methods(with_artifact: bool = False) -> tuple[str, ...]:
     """Registered method names (only those applying an artifact with ``with_artifact``), in registration order."""
-    return tuple(n for n, e in _METHODS.items() if e.artifact is not None or not with_artifact)
+    return tuple(n for n, e in _table().items() if e.artifact is not None or not with_artifact)
 
 
 def artifact_types() -> dict[str, type]:
     """The artifact types of the registered methods by their admin URL segment (``PLURAL``), e.g.
     ``{"policies": PolicyTable, "kvquant_states": KVQuantState}``."""
-    return {e.artifact.PLURAL: e.artifact for e in _METHODS.values() if e.artifact is not None}
+    return {e.artifact.PLURAL: e.artifact for e in _table().values() if e.artifact is not None}
 
 
 def method(name: str) -> QuantMethod:
@@ -78,7 +96,7 @@ def method(name: str) -> QuantMethod:
     Raises:
         KVQuantError: no such method (the message lists the registered ones).
     """
-    if name not in _METHODS:
+    if name not in _table():
         names = [repr(n) for n in _METHODS]
         raise KVQuantError(f"unknown method {name!r}; input should be {', '.join(names[:-1])} or {names[-1]}")
     return _METHODS[name]
@@ -86,7 +104,7 @@ def method(name: str) -> QuantMethod:
 
 def spellings() -> dict[str, tuple[str, str]]:
     """Every method-specific spelling -> (method, generic field)."""
-    return {s: (e.name, g) for e in _METHODS.values() for g, s in e.spellings.items()}
+    return {s: (e.name, g) for e in _table().values() for g, s in e.spellings.items()}
 
 
 def check_artifact(config: QuantSettings, spec: ModelSpec, artifact: Any, cache_mode: str | None = None) -> None:
@@ -174,29 +192,14 @@ def make_quantizer(config: QuantSettings, spec: ModelSpec, artifact: Any = None)
     return entry.quantizer(config, spec, artifact)
 
 
-def pooled_readers() -> list[PooledReader]:
-    """The distinct pooled readers of the registered methods."""
-    found: list[PooledReader] = []
-    for entry in _METHODS.values():
-        if entry.pooled is not None and all(entry.pooled is not r for r in found):
-            found.append(entry.pooled)
-    return found
-
-
 def calibration_steps() -> dict[str, QuantMethod]:
     """The methods with a calibration step, by the step's ``calibrate`` verb."""
-    return {e.calibration.verb: e for e in _METHODS.values() if e.calibration is not None}
+    return {e.calibration.verb: e for e in _table().values() if e.calibration is not None}
 
 
 def report_fields() -> tuple[str, ...]:
     """The names the KV report carries an applied artifact's id under: every registered method's spelling of
     ``artifact_id``, and ``artifact_id`` itself (`service.engine.report.KVReport`)."""
-    names = [e.spelling("artifact_id") for e in _METHODS.values() if e.artifact is not None]
+    names = [e.spelling("artifact_id") for e in _table().values() if e.artifact is not None]
     return tuple(dict.fromkeys([*names, "artifact_id"]))
 
-
-# Registration order is the order of CLI choices, error messages and the matrix's rows.
-register(QuantMethod("none", quantizer=None, label="Cache only"))
-register(kivi.METHOD)
-register(kvquant.METHOD)
-register(dllm_kvq.METHOD)

@@ -12,7 +12,8 @@ from service.quant.config import KVQuantConfig
 
 
 def test_activation_bodies_name_each_artifact_with_its_group_sizes(tmp_path, capsys):
-    summary = RunSummary(policies={"dual/2": "policy-aa", "prefix/4": "policy-bb"}, kvquant_states={"2": "kvqstate-cc"})
+    summary = RunSummary(fitted={"dllm_kvq": {"dual/2": "policy-aa", "prefix/4": "policy-bb"},
+                                 "kvquant": {"2": "kvqstate-cc"}})
     paths = write_activation_configs(summary, k_group_size=16, v_group_size=8, out=tmp_path)
     assert [p.name for p in paths] == ["dllm_kvq-dual-2bit.json", "dllm_kvq-prefix-4bit.json", "kvquant-2bit.json"]
     bodies = {p.name: json.loads(p.read_text()) for p in paths}

@@ -135,12 +135,12 @@ def test_activate_by_id_file_and_json_then_deactivate_over_a_store(store_dir, sp
 @pytest.mark.parametrize(("args", "says"), [
     # A dual-cache policy for the prefix cache: Store.set_active's check refuses it, naming the field.
     (["activate", "prefix", "{p1}"], "kv_quant.cache_mode: the artifact has 'dual'"),
-    (["activate", "dual", "policy-0000"], "no policy or KVQuant state with id 'policy-0000'"),
+    (["activate", "dual", "policy-0000"], "no KVQuant state or policy table with id 'policy-0000'"),
     (["activate", "dual", "runs/none.json"], "runs/none.json: no such file"),
     (["activate", "dual", '{"method": "kivi", "bits": 3}'], "bits"),
     (["activate", "none", '{"method": "kivi", "bits": 2}'], "cache mode 'none' reuses nothing"),
     (["activate", "dual", "{p1}", "--model", "/nonexistent/model"], "/nonexistent/model does not exist"),
-    (["show", "nope"], "no policy or KVQuant state with id 'nope'"),
+    (["show", "nope"], "no KVQuant state or policy table with id 'nope'"),
     (["import", "/nonexistent/folder"], "/nonexistent/folder: no such directory"),
 ])
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(store_dir, spec, args, says):
@@ -307,4 +307,4 @@ def test_ids_are_taken_by_unique_prefix_and_an_ambiguous_one_lists_the_candidate
     refused = cli("show", short, "--store", path)
     assert refused.returncode != 0
     (line,) = refused.stderr.splitlines()
-    assert f"policy or KVQuant state id '{short}' is ambiguous: it starts 2 ids ({ids['p1']}, {twin})" in line
+    assert f"KVQuant state or policy table id '{short}' is ambiguous: it starts 2 ids ({ids['p1']}, {twin})" in line

@@ -52,5 +52,5 @@ def test_calibration_summary_says_where_it_stored(tmp_path, capsys):
     from calibration.cli import print_summary
     from calibration.job import RunSummary
 
-    print_summary(RunSummary(policies={"dual/2": "policy-aa"}), 1.0, store=open_store(str(tmp_path)).location)
+    print_summary(RunSummary(fitted={"dllm_kvq": {"dual/2": "policy-aa"}}), 1.0, store=open_store(str(tmp_path)).location)
     assert f"stored in {tmp_path.resolve()}" in capsys.readouterr().out
