@@ -245,12 +245,32 @@ class AnswerUnhandled:
             await error_response(exc)(scope, receive, send)
 
 
+def _cache_mode_of_this_model(exc: RequestValidationError, request: Request) -> RequestValidationError:
+    """An unknown ``cache_mode`` in a request body told the modes the served model takes: the request schema's enum
+    is every family's (``block`` included), which a bidirectional model then refuses."""
+    from service.api.rules import describe_value
+    from service.engine.engine import legal_cache_modes
+
+    errors = list(exc.errors())
+    serving = getattr(request.app.state, "serving", None)
+    if not errors or serving is None:
+        return exc
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    if first.get("type") != "literal_error" or loc[:1] != ("body",) or loc[-1:] != ("cache_mode",):
+        return exc
+    message = f"unknown cache mode {describe_value(first.get('input'))}: {legal_cache_modes(serving.spec)}"
+    return RequestValidationError([{**first, "msg": message}, *errors[1:]], body=exc.body)
+
+
 def install(app: FastAPI) -> None:
     """Route every exception through :func:`classify` (an unhandled one without closing the connection: the
     innermost middleware, :class:`AnswerUnhandled`)."""
     app.add_middleware(AnswerUnhandled)
 
     async def handler(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RequestValidationError):
+            exc = _cache_mode_of_this_model(exc, request)
         return error_response(exc)
 
     app.add_exception_handler(Exception, handler)

@@ -195,10 +195,11 @@ class StreamOptions(StrictModel):
 
 
 #: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
-#: all fit in it beside a prompt of at least one token); ``remasking`` by the model family's reveal rule.
+#: all fit in it beside a prompt of at least one token); ``remasking`` by the model family's reveal rule, ``cache_mode``
+#: by the family (``block``: block-causal ones only).
 _KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
                 "steps": from_server(maximum="longest_response"),
-                "remasking": from_server(enum="remasking")}
+                "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes")}
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):
@@ -211,8 +212,8 @@ class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optio
     rules = (
         AtMostOne("threshold", "steps"),
         Implies(Is("cache_mode", "none", server_default=True), NullOrHas("kv_quant", "method", "none", "none"),
-                "a quantizing kv_quant method needs a cache mode that reuses the cache (prefix or dual): cache "
-                "mode 'none' reuses nothing", "cache_mode"),
+                "a quantizing kv_quant method needs a cache mode that reuses the cache (prefix or dual; block on "
+                "a block-causal model): cache mode 'none' reuses nothing", "cache_mode"),
     )
 
     def decode_params(self, defaults: DecodeSettings, gen_length: int) -> DecodeParams:
@@ -293,13 +294,35 @@ class TextPart(StrictModel):
     text: str
 
 
+def _text_parts_only(value: Any, handler) -> Any:
+    """Content refused for a part that is not text (an image, audio, a file) says so at the part's index
+    (``messages.0.content.1``); pydantic's own error named the union's first branch ("Input should be a valid
+    string")."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list):
+            for j, part in enumerate(value):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_part", "content part {index} is of type {kind}: this model reads text only, so "
+                        "image, audio and file parts are not supported; send text parts or a string",
+                        {"index": j, "kind": repr(kind), "param": str(j)}) from None
+        raise
+
+
+#: A message's content: a string or a list of text parts; another part type is refused at its index.
+MessageContent = Annotated[str | list[TextPart] | None, WrapValidator(_text_parts_only)]
+
+
 class ChatMessage(RuledModel):
     """One chat message; ``developer`` is treated as ``system``. Only an assistant message may leave ``content``
     out or null (OpenAI's: its content is optional, every other role's is required). An assistant message may carry
     the ``tool_calls`` it made, a ``tool`` message the result of one (``tool_call_id``; `service.api.tools`)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: MessageContent = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: StrictStr | None = None

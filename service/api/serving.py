@@ -57,6 +57,7 @@ from service.quant.registry import method
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import AmbiguousId, ArtifactNotFound, InvalidName, StoreUnavailable, ids_matching
+from service.store.config_check import ArtifactUnfit
 from service.telemetry import Telemetry
 
 Kind = Literal["completion", "chat", "generate"]
@@ -286,8 +287,28 @@ class Serving:
                 return self.active.resolver.resolve(full, cache_mode, "request")
         except ArtifactNotFound as exc:
             raise ArtifactNotFound(exc.public, exc.field) from None
+        except ArtifactUnfit as exc:
+            if exc.field != "kv_quant.cache_mode":
+                raise
+            raise self._mode_unfit(req, cache_mode, exc) from None
         except StoreUnavailable:
             raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
+
+    @staticmethod
+    def _mode_unfit(req: s.DiffusionKnobs, cache_mode: str, exc: ArtifactUnfit) -> ArtifactUnfit:
+        """A request's artifact fitted for another cache mode, named in the client's fields: a request carries no
+        ``kv_quant.cache_mode`` (the resolver's name for the mode it checks), so the 422 names ``cache_mode`` when
+        the request sent it, else the artifact's id field (the mode was the server's default)."""
+        entry = method(req.kv_quant.method)
+        id_field = f"kv_quant.{entry.spelling('artifact_id')}"
+        fitted = getattr(exc.__cause__, "detail", str(exc))
+        named = f"{id_field} {req.kv_quant.artifact_id!r}"
+        if "cache_mode" in req.model_fields_set:
+            return ArtifactUnfit("cache_mode", f"cache_mode {cache_mode!r} does not fit {named}, a "
+                                 f"{entry.store_kind} fitted for another cache mode ({fitted}); send its cache "
+                                 "mode or one fitted for this one")
+        return ArtifactUnfit(id_field, f"{named} is a {entry.store_kind} fitted for another cache mode than the "
+                             f"server's default {cache_mode!r} ({fitted}); send cache_mode with its mode")
 
     def _full_artifact_id(self, config: KVQuantConfig) -> KVQuantConfig | None:
         """``config`` naming its policy or state in full where it names a prefix that starts one stored id (as the

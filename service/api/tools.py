@@ -18,9 +18,11 @@ Limits (each refusal a 400 naming the field):
   `MAX_ARGUMENTS_BYTES`, nested at most `service.strict_json.MAX_DEPTH`); a ``tool`` message has a
   ``tool_call_id`` and content.
 
-``strict``: the arguments always follow the function's schema as given, strict or not (the grammar enforces it);
-OpenAI's strict mode also requires ``additionalProperties: false`` and every property required, which this server
-does not check: without ``additionalProperties: false`` the grammar allows further keys, as the schema does.
+``strict``: ``true`` checks ``parameters`` as OpenAI's strict mode does (`service.api.strict_schema`: every object
+``additionalProperties: false`` with every property required, only the keywords strict mode supports; absent
+``parameters``: no arguments, ``{}``), a 400 naming ``tools.{i}.function.parameters`` otherwise, and the arguments
+are decoded exactly. Not strict, the schema is any JSON Schema object and is enforced as given (OpenAI then only
+tries to follow it; here the grammar holds it): keys it does not forbid may appear, as the schema allows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from service import strict_json
+from service.api.strict_schema import check_strict, strict_parameters
 from service.engine.errors import EngineInputError
 from service.engine.grammar import GrammarSpec
 from service.engine.schema_values import has_finite_value
@@ -134,7 +137,11 @@ class ToolFields(BaseModel):
                 raise EngineInputError(f"{field}.name {f.name!r} is also tools.{seen[f.name]}'s: names must be "
                                        "unique", f"{field}.name")
             seen[f.name] = i
-            functions.append(Function(f.name, f.description, _parameters(f.parameters, f"{field}.parameters")))
+            parameters = f.parameters
+            if f.strict:
+                check_strict(parameters, f"{field}.parameters", f.name)
+                parameters = strict_parameters(parameters)
+            functions.append(Function(f.name, f.description, _parameters(parameters, f"{field}.parameters")))
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in seen:
                 raise EngineInputError(f"tool_choice names {choice.function.name!r}, which is not one of tools",

@@ -8,6 +8,7 @@ says what is legal).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from service.commands import _block_causal, add_model_flags
@@ -77,14 +78,58 @@ def decode_params(args: argparse.Namespace) -> DecodeParams:
 
 
 def kv_config(args: argparse.Namespace):
-    """The :class:`KVQuantConfig` the ``--kv-*`` flags describe (``pydantic.ValidationError`` if illegal)."""
-    from service.quant.config import KVQuantConfig
+    """The :class:`KVQuantConfig` the ``--kv-*`` flags describe.
 
-    return KVQuantConfig(
-        method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size, v_group_size=args.kv_v_group_size,
-        artifact_file=args.kv_artifact, policy_file=args.policy, kvquant_state_file=args.kvquant_state,
-        keep_dequantized=args.kv_keep_dequantized, key_bias_correction=args.kv_key_bias_correction,
-    )
+    Raises:
+        KVQuantError: illegal flags, in one line of the flags' own spellings (``--kv-quant dllm_kvq needs its
+            fitted policy table: --policy FILE``), never the configuration's field names (``policy_id``), which
+            the command line has no way to set.
+    """
+    from pydantic import ValidationError
+
+    from service.commands import describe_validation_error
+    from service.quant.config import KVQuantConfig
+    from service.quant.errors import KVQuantError
+    from service.quant.registry import method, spellings
+
+    try:
+        entry = method(args.kv_quant)
+    except KVQuantError as exc:
+        raise KVQuantError(f"--kv-quant {args.kv_quant}: {exc}") from None
+    files = [flag for flag, value in (("--policy", args.policy), ("--kvquant-state", args.kvquant_state),
+                                      ("--kv-artifact", args.kv_artifact)) if value is not None]
+    if entry.artifact is None and files:
+        with_artifact = ", ".join(m for m in spellings_owners(spellings()))
+        raise KVQuantError(f"{files[0]} is only used by a method with a fitted artifact ({with_artifact}), not "
+                           f"--kv-quant {entry.name}")
+    if entry.artifact is not None:
+        own = FLAGS[entry.spelling("artifact_file")]
+        if not files:
+            raise KVQuantError(f"--kv-quant {entry.name} needs its fitted {entry.artifact.LABEL}: {own} FILE (or "
+                               "--kv-artifact FILE)")
+        other = [flag for flag in files if flag not in (own, "--kv-artifact")]
+        if other:
+            raise KVQuantError(f"{other[0]} is for another method than --kv-quant {entry.name}; give {own} FILE")
+        if len(files) > 1:
+            raise KVQuantError(f"give {own} or --kv-artifact, not both")
+    try:
+        return KVQuantConfig(
+            method=args.kv_quant, bits=args.kv_bits, k_group_size=args.kv_group_size,
+            v_group_size=args.kv_v_group_size, artifact_file=args.kv_artifact, policy_file=args.policy,
+            kvquant_state_file=args.kvquant_state, keep_dequantized=args.kv_keep_dequantized,
+            key_bias_correction=args.kv_key_bias_correction,
+        )
+    except ValidationError as exc:
+        text = describe_validation_error(exc).replace("settings: ", "").replace("Value error, ", "")
+        text = re.sub(r"method '(\w+)'", r"--kv-quant \1", text)
+        for name, flag in FLAGS.items():
+            text = re.sub(rf"\b{name}\b", flag, text) if "_" in name else text
+        raise KVQuantError(text) from None
+
+
+def spellings_owners(table: dict[str, tuple[str, str]]) -> list[str]:
+    """The methods with a fitted artifact, in registration order, from `service.quant.registry.spellings`."""
+    return list(dict.fromkeys(owner for owner, _ in table.values()))
 
 
 #: `KVQuantConfig` fields and the flags that set them, for error messages (the CLI user typed flags, not fields).

@@ -206,15 +206,27 @@ class Engine:
         )
 
 
+def cache_modes(spec) -> tuple[str, ...]:
+    """The cache modes the model ``spec`` describes decodes with: ``none``, ``prefix`` and ``dual`` for the
+    bidirectional families; block-causal ones (LLaDA2, docs/llada2.md) also ``block`` (where ``prefix`` and
+    ``dual`` decode as ``block``)."""
+    return ("none", "prefix", "dual", "block") if is_block_causal(spec.arch) else ("none", "prefix", "dual")
+
+
+def legal_cache_modes(spec) -> str:
+    """``this llada model takes none, prefix or dual``: what a refused cache mode is told."""
+    *first, last = cache_modes(spec)
+    return f"this {spec.arch} model takes {', '.join(first)} or {last}"
+
+
 def check_cache_mode(spec, cache_mode: str) -> None:
-    """Raise `EngineInputError` (field ``cache_mode``) unless ``cache_mode`` is one the loaded model decodes with:
-    ``none``, ``prefix``, ``dual`` for the bidirectional families, and ``block`` only for block-causal ones (LLaDA2,
-    docs/llada2.md). The API checks it before it resolves a request's KV configuration for that mode."""
+    """Raise `EngineInputError` (field ``cache_mode``) unless ``cache_mode`` is one of :func:`cache_modes`. The
+    API checks it before it resolves a request's KV configuration for that mode."""
     if cache_mode == "block" and not is_block_causal(spec.arch):
-        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); this "
-                               f"{spec.arch} model takes none, prefix or dual", "cache_mode")
-    if cache_mode not in ("none", "prefix", "dual", "block"):
-        raise EngineInputError(f"unknown cache mode {cache_mode!r}; legal: none, prefix, dual", "cache_mode")
+        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); "
+                               f"{legal_cache_modes(spec)}", "cache_mode")
+    if cache_mode not in cache_modes(spec):
+        raise EngineInputError(f"unknown cache mode {cache_mode!r}; {legal_cache_modes(spec)}", "cache_mode")
 
 
 def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions]) -> None:

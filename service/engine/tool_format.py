@@ -9,8 +9,8 @@ is decoded under, and how a response's text is read back into calls.
 
 and several calls follow each other separated by one newline. It is the format Qwen2.5's chat template (the
 base of Dream) and the Hermes function-calling models were trained on, and it has a marker that opens every call,
-so a response either is calls or is text from its first token. The checkpoints served here (LLaDA's, Dream's and
-the embedded model's templates) know no tools; for them :func:`generic_turns` renders a conversation with tools
+so a response either is calls or is text from its first token. The checkpoints served here (LLaDA's, Dream's, the
+embedded model's and the LLaDA2 test checkpoint's templates) know no tools and have no call markup of their own; for them :func:`generic_turns` renders a conversation with tools
 into plain turns (the tools listed in the system turn as Qwen2.5's template lists them, assistant calls in the
 format above, tool results as a user turn of ``<tool_response>`` blocks). A checkpoint whose chat template takes
 ``tools`` renders them itself (`service.engine.prompts.encode_chat`); the calls are still decoded and read in

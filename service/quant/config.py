@@ -203,7 +203,7 @@ class KVQuantConfig(BaseModel):
         """
         if self.method != "none" and cache_mode == "none":
             raise KVQuantError(f"method {self.method!r} quantizes the reused cache, and cache mode 'none' reuses "
-                               "nothing; use 'prefix' or 'dual'", "cache_mode")
+                               "nothing; use 'prefix' or 'dual' ('block' on a block-causal model)", "cache_mode")
 
 
 # A method's spelling never takes a field's name (`registry.register` refuses it).

@@ -64,8 +64,21 @@ def test_dllm_kvq_from_a_policy_file_reports_kv(tmp_path, spec):
 
 
 def test_bad_kv_input_exits_2_with_what_is_legal(tmp_path, spec):
-    out = _main("--kv-quant", "kvquant")
-    assert out.returncode == 2 and "needs exactly one of kvquant_state_id or kvquant_state_file" in out.stderr
+    # One line in the flags' spellings: the command line has no policy_id or kvquant_state_file to set.
+    for args, line in [
+        (("--kv-quant", "kvquant"), ("--kv-quant kvquant needs its fitted KVQuant state: --kvquant-state FILE (or "
+         "--kv-artifact FILE)")),
+        (("--kv-quant", "dllm_kvq"), ("--kv-quant dllm_kvq needs its fitted policy table: --policy FILE (or "
+         "--kv-artifact FILE)")),
+        (("--kv-quant", "kivi", "--policy", "p.json"), ("--policy is only used by a method with a fitted artifact "
+         "(kvquant, dllm_kvq), not --kv-quant kivi")),
+        (("--kv-quant", "dllm_kvq", "--kvquant-state", "s"), ("--kvquant-state is for another method than "
+         "--kv-quant dllm_kvq; give --policy FILE")),
+        (("--kv-quant", "dllm_kvq", "--policy", "a", "--kv-artifact", "b"), ("give --policy or --kv-artifact, not "
+         "both")),
+    ]:
+        out = _main(*args)
+        assert out.returncode == 2 and out.stderr.splitlines() == [f"error: {line}"], (args, out.stderr)
     path = tmp_path / "policy.json"
     path.write_text(_policy(spec, spec.num_layers + 1).to_json())
     out = _main("--kv-quant", "dllm_kvq", "--kv-bits", "2", "--policy", str(path))
@@ -104,7 +117,8 @@ def test_the_key_bias_flag_is_reported_and_refused_without_quantized_keys():
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["kv"]["config"]["key_bias_correction"] is True
     out = _main("--kv-key-bias-correction")
-    assert out.returncode == 2 and "key_bias_correction corrects quantized keys" in out.stderr
+    assert out.returncode == 2 and out.stderr.startswith("error: --kv-key-bias-correction corrects quantized keys; "
+                                                         "--kv-quant none"), out.stderr
 
 
 def test_an_activation_body_names_the_correction():

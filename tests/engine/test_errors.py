@@ -27,7 +27,7 @@ def _params(**kw):
         ("llada", [OK], _params(threshold=0.9, steps=4), "exactly one of threshold"),
         ("llada", [OK], _params(threshold=1.5), r"outside \[0, 1\]"),
         ("llada", [OK], _params(threshold=-0.1), r"outside \[0, 1\]"),
-        ("llada", [OK], _params(cache_mode="full"), "legal: none, prefix, dual"),
+        ("llada", [OK], _params(cache_mode="full"), "this llada model takes none, prefix or dual"),
         ("llada", [OK * 1400], _params(), "over the model's context of 4096"),
         ("llada", [[]], _params(), "prompt 0 is empty"),
         ("llada", [], _params(), "at least one prompt"),
