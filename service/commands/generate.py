@@ -103,7 +103,8 @@ def kv_config(args: argparse.Namespace):
         raise KVQuantError(f"{files[0]} is only used by a method with a fitted artifact ({with_artifact}), not "
                            f"--kv-quant {entry.name}")
     if entry.artifact is not None:
-        own = FLAGS[entry.spelling("artifact_file")]
+        # A method with no flag of its own (one registered by a plug-in) takes its file by --kv-artifact.
+        own = FLAGS.get(entry.spelling("artifact_file"), "--kv-artifact")
         if not files:
             raise KVQuantError(f"--kv-quant {entry.name} needs its fitted {entry.artifact.LABEL}: {own} FILE (or "
                                "--kv-artifact FILE)")
