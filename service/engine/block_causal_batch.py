@@ -4,13 +4,14 @@ live row of every request takes part in the iteration's one forward.
 The runtime's loop (`service.runtime.loop`) drives it through the interface of `service.engine.batch.RunningBatch`
 (``join``, ``leave``, ``passes``, ``run``, ``failed``, ``forwards``, ``rows``, ``cohorts``); `service.engine.Engine`
 hands it out for a block-causal model. Each row is a `service.engine.block_causal.Row`: the reference loop as a
-generator that yields each forward's window and is sent its active block's logits, so a row decodes token for
-token as it would alone whatever else is in the batch. K/V live in one `CommittedKV` with a slot per live row
+generator that yields each forward's window and reveal rule and is sent its active block after the reveal, so a
+row decodes token for token as it would alone whatever else is in the batch. Every row's reveal runs on the device
+at once (`service.engine.block_causal.reveal_rows`) and is read back in one host read per iteration; the rows'
+sequences and their bookkeeping live on the host. K/V live in one `CommittedKV` with a slot per live row
 (grown when requests join, compacted when they leave, never per iteration).
 
 Departures from `RunningBatch`: the iteration is one forward whatever the plan (``run`` ignores the caller's
-grouping: the rows' windows are right-padded together); the rows' host bookkeeping reads the device per row
-(each row's reveal is the reference's own loop); structured output and log-probabilities are refused.
+grouping: the rows' windows are right-padded together); structured output and log-probabilities are refused.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, forward_rows
+from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, step_rows
 from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
@@ -94,13 +95,12 @@ class BlockCausalCohort:
         if any(o.logprobs is not None for o in rows):
             raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
         device = model.embed.weight.device
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
         # A quantized store (`service.quant.store.QuantizedKVStore`) quantizes the committed blocks (its `commit`);
         # any other store slot holds nothing outside the batch's cache.
         self.store = kv_store if callable(getattr(kv_store, "commit", None)) else NoStore()
-        self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
+        self.rows = [Row(prompt, s, mask_id, eos_ids, _generator(o, device))
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
         self.results: list[BlockCausalResult | None] = [None] * len(prompts)
@@ -118,10 +118,11 @@ class BlockCausalCohort:
         """No row decodes any more."""
         return not self.calls
 
-    def advance(self, i: int, logits: torch.Tensor | None) -> None:
-        """Send row ``i`` its logits (None: start it); record its next call, or its result when it is done."""
+    def advance(self, i: int, revealed: tuple[list[int], list[int]] | None) -> None:
+        """Send row ``i`` its forward's reveal (its block's ids and the written offsets; None: start it); record
+        its next call, or its result when it is done."""
         try:
-            self.calls[i] = self.programs[i].send(logits)
+            self.calls[i] = self.programs[i].send(revealed)
         except StopIteration as finished:
             self.calls.pop(i, None)
             self.results[i] = finished.value
@@ -233,15 +234,15 @@ class BlockCausalBatch:
             commits = [x for x in commits if x is not None]
             cache.on_write = commits[0].hook(cache.k, cache.v, commits, self.model.rotate_keys) if commits else None
             try:
-                logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
             finally:
                 cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
-            for (cohort, i), row_logits in zip(live, logits):
+            for (cohort, i), row_revealed in zip(live, revealed):
                 if cohort in [f for f, _ in self.failed]:
                     continue
                 try:
-                    cohort.advance(i, row_logits)
+                    cohort.advance(i, row_revealed)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
                     self.failed.append((cohort, exc))
         for cohort in list(self.cohorts):
