@@ -46,7 +46,9 @@ from typing import Literal
 import torch
 
 from service.engine.errors import EngineInputError
+from service.engine.grammar import ConstrainedRow, GrammarState, GrammarViolation, constrained_reveal
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
+from service.engine.report import TokenLogprob
 
 #: The cache modes of a block-causal family.
 BLOCK_CAUSAL_CACHE_MODES = ("none", "block")
@@ -139,14 +141,23 @@ class Call:
     edit: bool = False
 
 
+#: What a row is sent after a forward: its active block's ids after the reveal (``block_length`` ints), the offsets
+#: the forward wrote, and (when the row asked for log-probabilities) one entry per written offset.
+Revealed = tuple[list[int], list[int], list[TokenLogprob] | None]
+
+
 class Row:
     """One request's sequence and its decode as a generator: it yields a :class:`Call` for each forward and is
-    sent back ``(block, written)``: its active block's ids after the forward's reveal (``block_length`` ints) and
-    the offsets that forward wrote (:func:`reveal_rows` computes both for every row on the device). The sequence
-    lives on the host (``x``, a list): the reference's loop runs over it with no device read of its own."""
+    sent back its :data:`Revealed` (:func:`step_rows` computes it for every row of the forward at once). The
+    sequence lives on the host (``x``, a list): the reference's loop runs over it with no device read of its own.
+
+    ``grammar`` (a `service.engine.grammar.GrammarState`): the row's response is constrained; it reveals left to
+    right by the grammar's chain (`service.engine.grammar.constrained_reveal`) and never edits. ``logprobs``:
+    None, or k >= 0 alternatives per token; each written column's entry is kept (an edit replaces it)."""
 
     def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos_ids: Iterable[int],
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, grammar: GrammarState | None = None,
+                 logprobs: int | None = None) -> None:
         if not prompt:
             raise EngineInputError("the prompt is empty; a prompt needs at least one token", "prompt")
         if mask_id in prompt:
@@ -161,6 +172,8 @@ class Row:
         self.nfe = 0
         self.reveals: list[int] = []
         self.last_written: list[int] = []
+        self.grammar, self.logprobs = grammar, logprobs
+        self.token_logprobs: dict[int, TokenLogprob] = {}  # column -> the entry of its last write
 
     @property
     def length(self) -> int:
@@ -176,20 +189,27 @@ class Row:
         self.nfe += 1
         return Call(start, (index + 1) * self.block, index * self.block, count, edit)
 
-    def wrote(self, index: int, sent: tuple[list[int], list[int]]) -> list[int]:
-        """Record one call's writes over block ``index`` (``sent``: the block's ids, the written offsets);
-        returns the offsets."""
-        block, written = sent
+    def wrote(self, index: int, sent: Revealed) -> list[int]:
+        """Record one call's writes over block ``index`` (``sent``: :data:`Revealed`); returns the offsets."""
+        block, written, entries = sent
         start = index * self.block
         self.x[start:start + self.block] = block
         self.reveals.append(len(written))
         self.last_written = [start + j for j in written]
+        for j, entry in zip(written, entries or []):
+            self.token_logprobs[start + j] = entry
         return written
+
+    def response_logprobs(self, count: int) -> list[TokenLogprob] | None:
+        """The entries of the response's first ``count`` tokens (None when the row did not ask)."""
+        if self.logprobs is None:
+            return None
+        return [self.token_logprobs[self.prompt_length + i] for i in range(count)]
 
     def _has_eos(self, ids: list[int]) -> bool:
         return any(t in self.eos for t in ids)
 
-    def decode(self) -> Generator[Call, tuple[list[int], list[int]], BlockCausalResult]:
+    def decode(self) -> Generator[Call, Revealed, BlockCausalResult]:
         """The whole decode (module doc): yields each forward's call, returns the result."""
         params = self.params
         for index in range(self.prompt_length // self.block, self.num_blocks):
@@ -208,7 +228,7 @@ class Row:
                 break
         return self._result(params.gen_length)
 
-    def _reveal_block(self, index: int) -> Generator[Call, tuple[list[int], list[int]], int | None]:
+    def _reveal_block(self, index: int) -> Generator[Call, Revealed, int | None]:
         """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
         params = self.params
         steps = min(params.steps, params.gen_length // params.minimal_topk)
@@ -224,7 +244,7 @@ class Row:
                     return first + 1
         return None
 
-    def _edit_block(self, index: int) -> Generator[Call, tuple[list[int], list[int]], None]:
+    def _edit_block(self, index: int) -> Generator[Call, Revealed, None]:
         """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
         params = self.params
         start = index * self.block
@@ -235,7 +255,8 @@ class Row:
                 post_steps += 1
                 if post_steps > params.max_post_steps:
                     break
-            written = self.wrote(index, (yield self.call(index, params.min_transfer, edit=True)))
+            edit = self.grammar is None  # a constrained response is never rewritten
+            written = self.wrote(index, (yield self.call(index, params.min_transfer, edit=edit)))
             if not any_masked and not written:  # no mask: every write is an edit
                 break
 
@@ -270,7 +291,8 @@ def reveal_rows(logits: torch.Tensor, active: torch.Tensor, rows: list[Row], cal
     """
     b, w, _ = logits.shape
     device = logits.device
-    sampling = [i for i, r in enumerate(rows) if r.params.temperature > 0]
+    # A constrained row's reveal is its chain (step_rows): it draws nothing here, so its generator is the chain's.
+    sampling = [i for i, r in enumerate(rows) if r.params.temperature > 0 and r.grammar is None]
     if sampling:
         temperature = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
                                    dtype=logits.dtype, device=device)
@@ -303,11 +325,18 @@ def reveal_rows(logits: torch.Tensor, active: torch.Tensor, rows: list[Row], cal
     return torch.stack([torch.where(written, tokens, active), written.long()], dim=1)
 
 
-def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call],
-              cache: CommittedKV) -> list[tuple[list[int], list[int]]]:
+def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV,
+              banned: torch.Tensor | None = None) -> list[Revealed | GrammarViolation]:
     """One forward for the calls of ``rows`` (each in its own cache slot; windows right-padded) and every row's
-    reveal (:func:`reveal_rows`), read back in one host read: per row, its block's ids and the written offsets
-    (what :meth:`Row.decode` is sent)."""
+    reveal, read back in one host read: per row its :data:`Revealed` (what :meth:`Row.decode` is sent).
+
+    A grammar-constrained row reveals its chain instead (`service.engine.grammar.constrained_reveal`, its
+    candidates from the block's leftmost mask; a fixed schedule's count, else the threshold; ``banned`` ids never
+    chosen): a host read per chain position, only when such a row is in the forward; a row whose grammar fails
+    gets its `GrammarViolation` instead of a result. Rows that ask for log-probabilities take a second read, only
+    then: each written token's log-softmax of the model's logits (before any temperature or constraint) and the
+    k most likely tokens.
+    """
     device = cache.k[0].device
     width = max(c.end - c.start for c in calls)
     widest_block = max(r.block for r in rows)
@@ -321,8 +350,59 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call],
     at = at.clamp(max=width - 1)
     cache.columns = max(c.start for c in calls) + width
     logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at)  # [B, widest, V]
+    chains = _chains(logits, rows, calls, banned)
     read = reveal_rows(logits, ids.gather(1, at), rows, calls).tolist()  # the iteration's one host read
-    out = []
-    for r, (block, written) in zip(rows, read):
-        out.append((block[: r.block], [j for j, flag in enumerate(written[: r.block]) if flag]))
+    out: list[Revealed | GrammarViolation] = []
+    for i, (r, (block, written)) in enumerate(zip(rows, read)):
+        chain = chains.get(i)
+        if chain is None:
+            out.append((block[: r.block], [j for j, flag in enumerate(written[: r.block]) if flag], None))
+        elif chain.error is not None:
+            out.append(chain.error)
+        else:
+            c = calls[i]
+            block = r.x[c.block_start:c.block_start + r.block]
+            for k, token in zip(chain.chosen, chain.tokens):
+                block[chain.start + k] = token
+            out.append((block, [chain.start + k for k in chain.chosen], None))
+    return _with_logprobs(logits, rows, out)
+
+
+def _chains(logits: torch.Tensor, rows: list[Row], calls: list[Call],
+            banned: torch.Tensor | None) -> dict[int, ConstrainedRow]:
+    """The grammar-constrained rows' chains of this forward, decided together (row index -> its chain)."""
+    chains = {}
+    for i, (r, c) in enumerate(zip(rows, calls)):
+        if r.grammar is None:
+            continue
+        block = r.x[c.block_start:c.block_start + r.block]
+        start = block.index(r.mask_id) if r.mask_id in block else r.block
+        threshold = r.params.threshold if math.isfinite(r.params.threshold) else None
+        chains[i] = ConstrainedRow(r.grammar, logits[i, start:r.block], None if threshold is not None else max(
+            1, c.count), threshold, r.params.temperature, r.generator, start=start)
+    if chains:
+        constrained_reveal(list(chains.values()), banned)
+    return chains
+
+
+def _with_logprobs(logits: torch.Tensor, rows: list[Row], out: list) -> list:
+    """``out`` with each written token's :class:`TokenLogprob` for the rows that asked (one host read)."""
+    asked = [i for i, (r, o) in enumerate(zip(rows, out)) if r.logprobs is not None and isinstance(o, tuple)]
+    if not asked:
+        return out
+    k = max(rows[i].logprobs for i in asked)
+    w = logits.shape[1]
+    tokens = torch.tensor([out[i][0] + [0] * (w - len(out[i][0])) for i in asked], device=logits.device)
+    logp = torch.log_softmax(logits[asked], dim=-1)  # [A, W, V], the model's
+    values = logp.gather(-1, tokens[..., None])[..., 0]
+    top_values, top_ids = logp.topk(k, dim=-1)  # k = 0: empty
+    # One read: the token's value, then k values, then k ids (float32 holds ids below 2**24 exactly).
+    packed = torch.cat([values[..., None], top_values, top_ids.to(values.dtype)], dim=-1).tolist()
+    for a, i in enumerate(asked):
+        block, written, _ = out[i]
+        n = rows[i].logprobs
+        entries = [TokenLogprob(token=block[j], logprob=packed[a][j][0],
+                                top=[(int(t), v) for t, v in zip(packed[a][j][1 + k:1 + k + n], packed[a][j][1:1 + n])])
+                   for j in written]
+        out[i] = (block, written, entries)
     return out

@@ -11,7 +11,10 @@ sequences and their bookkeeping live on the host. K/V live in one `CommittedKV` 
 (grown when requests join, compacted when they leave, never per iteration).
 
 Departures from `RunningBatch`: the iteration is one forward whatever the plan (``run`` ignores the caller's
-grouping: the rows' windows are right-padded together); structured output and log-probabilities are refused.
+grouping: the rows' windows are right-padded together). A grammar-constrained row (structured output, tool
+calls) reveals by its grammar's chain (`service.engine.block_causal.step_rows`) and never edits; a row that asks
+for log-probabilities gets each token's as the forward that last wrote it gave it (a second host read, only
+when such a row is in the forward).
 """
 
 from __future__ import annotations
@@ -74,33 +77,32 @@ class BlockCausalCohort:
         ``on_block(block, ids_per_row)`` each time every live row has decoded one more block. cancelled: per-row
         flags, polled after each iteration. kv_store: a `QuantizedKVStore` quantizes the rows' committed blocks
         in ``block`` mode with its quantizer and counts them in its report (`service.quant.committed`); None or
-        another store: full precision.
+        another store: full precision. banned_ids: ids a constrained row never chooses (the model's
+        `ModelSpec.banned_ids`; default the mask id).
 
     Raises:
-        EngineInputError: structured output or log-probabilities asked for (not on this family yet), an empty
-            prompt or one holding the mask id.
+        EngineInputError: an empty prompt or one holding the mask id.
     """
 
     def __init__(self, model: LLaDA2Model, prompts: list[list[int]], settings: list[BlockCausalParams],
                  mask_id: int, eos_ids: tuple[int, ...], rows: list[RowOptions] | None = None,
                  params: DecodeParams | None = None, on_block: Callable | None = None,
-                 cancelled: Callable[[], list[bool]] | None = None, kv_store: object | None = None) -> None:
+                 cancelled: Callable[[], list[bool]] | None = None, kv_store: object | None = None,
+                 banned_ids: tuple[int, ...] | None = None) -> None:
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         if len(settings) != len(prompts) or len(rows) != len(prompts):
             raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
                                    "prompts; give one per prompt")
-        if any(o.grammar is not None for o in rows):
-            raise EngineInputError("structured output is not available on block-causal models (LLaDA2) yet",
-                                   "response_format")
-        if any(o.logprobs is not None for o in rows):
-            raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
         device = model.embed.weight.device
+        self.banned = torch.tensor(banned_ids if banned_ids is not None else (mask_id,), dtype=torch.long,
+                                   device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
         # A quantized store (`service.quant.store.QuantizedKVStore`) quantizes the committed blocks (its `commit`);
         # any other store slot holds nothing outside the batch's cache.
         self.store = kv_store if callable(getattr(kv_store, "commit", None)) else NoStore()
-        self.rows = [Row(prompt, s, mask_id, eos_ids, _generator(o, device))
+        self.rows = [Row(prompt, s, mask_id, eos_ids, _generator(o, device),
+                         o.grammar.start() if o.grammar is not None else None, o.logprobs)
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
         self.results: list[BlockCausalResult | None] = [None] * len(prompts)
@@ -154,8 +156,15 @@ class BlockCausalCohort:
         if self.on_block is not None:
             for block in range(self._emitted, count):
                 end = None if blocks == math.inf else int(blocks)
-                self.on_block(block, [CommittedIds(self._ids(i, end)) for i in range(len(self.rows))])
+                self.on_block(block, [self._committed(i, end) for i in range(len(self.rows))])
         self._emitted = max(self._emitted, count)
+
+    def _committed(self, i: int, end: int | None) -> CommittedIds:
+        """Row ``i``'s committed ids before column ``end`` for ``on_block``, with their log-probabilities when it
+        asked for them."""
+        ids = CommittedIds(self._ids(i, end))
+        ids.logprobs = self.rows[i].response_logprobs(len(ids))
+        return ids
 
     def _ids(self, i: int, end: int | None) -> list[int]:
         """Row ``i``'s response ids before column ``end`` (its whole result once it is done)."""
@@ -178,6 +187,7 @@ class BlockCausalCohort:
                 finish_reason="cancelled" if self.status[i] == "cancelled" else cut.finish_reason,
                 nfe=row.nfe, steps_per_block=[], reveals_per_step=row.reveals,
                 tokens_per_second=len(cut.ids) / total if total > 0 else 0.0,
+                logprobs=row.response_logprobs(len(cut.ids)),
             ))
         return DecodeReport(rows=reports, params=self.params,
                             timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
@@ -233,13 +243,17 @@ class BlockCausalBatch:
             commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
             commits = [x for x in commits if x is not None]
             cache.on_write = commits[0].hook(cache.k, cache.v, commits, self.model.rotate_keys) if commits else None
+            banned = next((c.banned for c, _ in live), None)
             try:
-                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned)
             finally:
                 cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
             for (cohort, i), row_revealed in zip(live, revealed):
                 if cohort in [f for f, _ in self.failed]:
+                    continue
+                if isinstance(row_revealed, BaseException):  # its grammar failed mid-decode: this request alone
+                    self.failed.append((cohort, row_revealed))
                     continue
                 try:
                     cohort.advance(i, row_revealed)
