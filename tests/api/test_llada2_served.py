@@ -96,6 +96,15 @@ def test_logprobs_a_json_schema_response_and_a_forced_tool_call(client):
             response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
             extra_body={"cache_mode": mode})
         jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=64, stream=True, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    jsonschema.validate(json.loads("".join(c.delta.content or "" for c in streamed)), schema)
+    entries = [e for c in streamed if c.logprobs is not None for e in c.logprobs.content]
+    # The entries cover the streamed text, then the EOS that ended it (kept in the ids, as on every family).
+    text = "".join(e.token for e in entries)
+    assert text == "".join(c.delta.content or "" for c in streamed) + "<|eot_id|>"
     parameters = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
                   "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
