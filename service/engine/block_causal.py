@@ -38,6 +38,7 @@ several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
@@ -233,7 +234,10 @@ class Row:
         params = self.params
         steps = min(params.steps, params.gen_length // params.minimal_topk)
         start = index * self.block
-        for count in transfer_schedule(self.block, steps) if steps > 0 else []:
+        counts: Iterable[int] = transfer_schedule(self.block, steps) if steps > 0 else []
+        if self.grammar is not None:  # a chain may reveal fewer than the step's count: the block still fills
+            counts = itertools.chain(counts, itertools.repeat(1))
+        for count in counts:
             if self.mask_id not in self.x[start:start + self.block]:
                 break
             written = self.wrote(index, (yield self.call(index, count, edit=False)))

@@ -35,6 +35,19 @@ def prompt_of(loaded, text: str) -> list[int]:
     return loaded.tokenizer(text)["input_ids"]
 
 
+def decode(loaded, prompts: list[list[int]], settings: BlockCausalParams, rows: list[RowOptions]) -> list:
+    """The rows decoded together in one running batch (block-causal settings as given); no request fails."""
+    cohort = BlockCausalCohort(loaded.model, prompts, [settings] * len(prompts), loaded.spec.mask_id,
+                               loaded.spec.eos_ids, rows, banned_ids=tuple(loaded.spec.banned_ids))
+    batch = BlockCausalBatch(loaded.model)
+    batch.join(cohort)
+    with torch.inference_mode():
+        while batch.cohorts:
+            batch.run()
+            assert not batch.failed
+    return cohort.results
+
+
 @pytest.mark.parametrize("mode", ["none", "block"])
 def test_logprobs_are_the_revealing_forwards_and_change_no_token(chat, mode):
     loaded, engine, _ = chat
@@ -87,16 +100,7 @@ def test_a_constrained_row_under_llada21_editing_validates_and_never_edits(chat)
     settings = BlockCausalParams(gen_length=64, block_length=32, steps=32, threshold=0.9, cache_mode="block",
                                  editing=True, editing_threshold=0.0, max_post_steps=4, min_transfer=1)
     prompt = prompt_of(loaded, "w5 w6 w7")
-    cohort = BlockCausalCohort(loaded.model, [prompt, prompt], [settings, settings], loaded.spec.mask_id,
-                               loaded.spec.eos_ids, [RowOptions(grammar=grammar), RowOptions()],
-                               banned_ids=tuple(loaded.spec.banned_ids))
-    batch = BlockCausalBatch(loaded.model)
-    batch.join(cohort)
-    with torch.inference_mode():
-        while batch.cohorts:
-            batch.run()
-            assert not batch.failed
-    constrained, free = cohort.results
+    constrained, free = decode(loaded, [prompt, prompt], settings, [RowOptions(grammar=grammar), RowOptions()])
     text = loaded.tokenizer.decode(constrained.generated_ids, skip_special_tokens=True)
     jsonschema.validate(json.loads(text), SCHEMA)
     # Each mask column of the decoded blocks was written once: no edit rewrote one (editing threshold 0 would
@@ -105,3 +109,15 @@ def test_a_constrained_row_under_llada21_editing_validates_and_never_edits(chat)
     assert sum(constrained.reveals_per_call) == columns - len(prompt)
     alone = generate(loaded.model, prompt, settings, loaded.spec.mask_id, loaded.spec.eos_ids)
     assert (free.generated_ids, free.nfe) == (alone.generated_ids, alone.nfe)
+
+
+def test_a_constrained_block_fills_when_its_chains_reveal_fewer_than_the_schedule(chat):
+    # 4 steps per block of 32 and a threshold no token reaches: each chain reveals what is forced and one more,
+    # fewer than the step's 8; the row steps on until its block has no mask, and the response is complete.
+    loaded, _, grammar = chat
+    settings = BlockCausalParams(gen_length=64, block_length=32, steps=4, threshold=1.5, cache_mode="block")
+    prompt = prompt_of(loaded, "w5 w6 w7")
+    result = decode(loaded, [prompt], settings, [RowOptions(grammar=grammar)])[0]
+    assert loaded.spec.mask_id not in result.generated_ids and result.finish_reason == "stop"
+    jsonschema.validate(json.loads(loaded.tokenizer.decode(result.generated_ids, skip_special_tokens=True)), SCHEMA)
+    assert result.nfe > 4  # more forwards than the first block's schedule
