@@ -32,6 +32,10 @@ this module holds the rules of one row (:class:`Row`, the reference loop as a ge
 host), the reveal of every row of a forward at once on the device (:func:`reveal_rows`: the threshold rule, the
 step's count, the edits) and the iteration (:func:`step_rows`: the forward, the reveal, one host read).
 
+Grammar-constrained rows (structured output, tool calls; `service.engine.grammar`) reveal their grammar's chain
+left to right instead of the rule above, never edit, and under 2.0 step on past the block's schedule until the
+block has no mask (:func:`step_rows`).
+
 Departures: an EOS inside the prompt never ends the response (the 2.0 reference looks for it from column 0);
 several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens), the reference takes one.
 """
