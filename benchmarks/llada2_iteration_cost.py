@@ -7,13 +7,16 @@ prompt (different per row), 256 generated, block 32, 8 steps per block with no t
 every step), cache mode ``block``; rows at 1, 8, 32. For a **block-initial iteration** (every row's first forward
 of its first response block: its prompt's whole blocks and the active block) and a **later-step iteration** (the
 active block alone over the committed K/V) it prints: tensor ops (aten operations dispatched, views included),
-host syncs (`benchmarks.iteration_cost.Counter`), forwards and the most rows in one, and for one MoE layer of the
-later-step forward its ops and the experts active in it (ops grow with the active experts, at most 256, never
-with the rows beyond them). ``--kv-quant kivi`` gives every request a 4-bit KIVI store: its committed blocks are
-quantized in the block-initial iteration (`service.quant.committed`, one quantize/dequantize per committing row
-and layer), later steps dequantize them at every layer (one dequantize per committed block, row and layer).
+host syncs (`benchmarks.iteration_cost.Counter`), of them those outside the MoE layers (the total less one
+expert-count read per MoE layer: the rows' reveal, read once per iteration for every row), forwards and the most
+rows in one, and for one MoE layer of the later-step forward its ops and the experts active in it (ops grow with
+the active experts, at most 256, never with the rows beyond them). ``--kv-quant kivi`` gives every request a
+4-bit KIVI store, ``--kv-quant dllm_kvq`` a 4-bit dLLM-KVQ store (one protected K token per group of 32, by
+attention score): the committed blocks are quantized in the block-initial iteration (`service.quant.committed`,
+one quantize/dequantize per committing row and layer) and held packed; later steps dequantize them at every layer
+(one dequantize per committed block, row and layer).
 
-Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20] [--kv-quant none|kivi]``.
+Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20] [--kv-quant none|kivi|dllm_kvq]``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
 from benchmarks.iteration_cost import Counter, ForwardCount
+from service.artifacts.base import Provenance
+from service.artifacts.policy import LayerPolicy, PolicyTable
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
 from service.engine.models.llada2 import LLaDA2Config, LLaDA2Model
@@ -61,10 +66,19 @@ def spec_of(model: LLaDA2Model) -> ModelSpec:
                      max_length=c.max_length)
 
 
-def kivi_store(model: LLaDA2Model, bits: int = 4):
-    """A KIVI store for ``model`` (its spec made from the config)."""
+def quant_store(model: LLaDA2Model, method: str, bits: int = 4):
+    """A 4-bit KIVI or dLLM-KVQ store for ``model`` (its spec made from the config; dLLM-KVQ with one protected K
+    token per group of 32 on every layer, by attention score, a ``prefix`` policy: the one ``block`` serves)."""
     spec, c = spec_of(model), model.config
-    return make_kv_store(KVQuantConfig(method="kivi", bits=bits, v_group_size=c.head_dim), spec, attention="torch")
+    if method == "kivi":
+        return make_kv_store(KVQuantConfig(method="kivi", bits=bits, v_group_size=c.head_dim), spec,
+                             attention="torch")
+    policy = PolicyTable(model_id=spec.model_id, weights_fingerprint=spec.fingerprint, cache_mode="prefix",
+                         bits=bits, k_group_size=32, v_group_size=c.head_dim, k_bit_cap=16.0,
+                         layers=[LayerPolicy(score_type="attention", p=1)] * c.num_layers,
+                         provenance=Provenance(data="none", code="benchmarks/llada2_iteration_cost.py"))
+    return make_kv_store(KVQuantConfig(method="dllm_kvq", bits=bits, v_group_size=c.head_dim,
+                                       artifact_id=policy.id), spec, policy, attention="torch")
 
 
 def measure(model: LLaDA2Model, rows: int, kv_quant: str = "none") -> dict[str, float]:
@@ -75,7 +89,7 @@ def measure(model: LLaDA2Model, rows: int, kv_quant: str = "none") -> dict[str, 
     batch = BlockCausalBatch(model)
     for _ in range(rows):
         prompt = torch.randint(0, vocab - 8, (200,), generator=gen).tolist()
-        store = kivi_store(model) if kv_quant == "kivi" else None
+        store = quant_store(model, kv_quant) if kv_quant != "none" else None
         batch.join(BlockCausalCohort(model, [prompt], [settings], model.config.mask_id, (model.config.eos_id,),
                                      kv_store=store))
     out = {}
@@ -97,19 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32", help="row counts, comma-separated (default 1,8,32)")
     parser.add_argument("--layers", type=int, default=20, help="layers (default 20, LLaDA2.0-mini's)")
-    parser.add_argument("--kv-quant", default="none", choices=("none", "kivi"), help="KIVI 4-bit committed blocks")
+    parser.add_argument("--kv-quant", default="none", choices=("none", "kivi", "dllm_kvq"),
+                        help="4-bit KIVI or dLLM-KVQ committed blocks")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = mini_layout(args.layers, 4096)
-    print("| rows | iteration | tensor ops | host syncs | forwards | rows/fwd | MoE layer ops | syncs | active experts |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    moe_layers = sum(1 for layer in model.layers if hasattr(layer.mlp, "route"))
+    print("| rows | iteration | tensor ops | host syncs | outside MoE | forwards | rows/fwd | MoE layer ops | syncs "
+          "| active experts |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for rows in (int(r) for r in args.rows.split(",")):
         counts = measure(model, rows, args.kv_quant)
         moe_ops, moe_syncs, active = counts["moe"]
         for kind in ("block-initial", "later-step"):
             ops, syncs, calls, most = counts[kind]
             moe = f"{moe_ops} | {moe_syncs} | {active}" if kind == "later-step" else "| |"
-            print(f"| {rows} | {kind} | {ops} | {syncs} | {calls} | {most} | {moe} |")
+            print(f"| {rows} | {kind} | {ops} | {syncs} | {syncs - moe_layers * moe_syncs} | {calls} | {most} | {moe} |")
     return 0
 
 

@@ -167,6 +167,21 @@ def measured(pid: int, phase, *args) -> dict:
     return row
 
 
+def levels(args: argparse.Namespace, phase, prompts: list) -> list[dict]:
+    """Serve (:func:`start_server`), warm up with ``phase(url, prompts[:4], 4)``, then one :func:`measured` row of
+    ``phase(url, prompts, clients)`` per level of ``args.levels``; the server stops after."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
+        proc = start_server(args, port, str(Path(tmp) / "store"), log)
+        try:
+            phase(url, prompts[:4], 4)  # warm-up (first-call costs, allocator)
+            return [measured(proc.pid, phase, url, prompts, c) for c in map(int, args.levels.split(","))]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
 def completion(client: httpx.Client, ids: list[int], max_tokens: int, quantized: bool = False) -> tuple[float, int]:
     """One /v1/completions on token ids; (latency s, completion tokens)."""
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -324,16 +339,7 @@ def main() -> None:
 
     questions = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]
     prompts = [questions[i % len(questions)] for i in range(args.requests)]
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp, open(Path(tmp) / "server.log", "wb") as log:
-        proc = start_server(args, port, str(Path(tmp) / "store"), log)
-        try:
-            run_level(url, prompts[:4], 4)  # warm-up (first-call costs, allocator)
-            rows = [measured(proc.pid, run_level, url, prompts, c) for c in map(int, args.levels.split(","))]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    rows = levels(args, run_level, prompts)
     base = rows[0]["req_per_s"]
     base_cpu = rows[0]["tok_per_cpu_s"]
     first = "sequential" if rows[0]["clients"] == 0 else f"{rows[0]['clients']} client(s)"

@@ -433,6 +433,9 @@ class Serving:
     def _score_jobs(self, req: s.CompletionRequest, prompts: list[list[int]], snapshot: ConfigSnapshot) -> list[Job]:
         """Jobs scoring each prompt's tokens with the Monte-Carlo ELBO (`service.engine.likelihood`); cost bounded
         by the work ceiling and memory admission at :meth:`submit`."""
+        if is_block_causal(self.spec.arch):  # the engine refuses it in the worker: a 400 here, not a failed batch
+            raise InvalidRequest("echo with logprobs scores the prompt with the ELBO, which is not implemented for "
+                                 "block-causal models (LLaDA2)", param="logprobs")
         mc_num = req.mc_num or self.settings.likelihood_mc_num
         batch = min(self.settings.likelihood_mc_batch_size, mc_num)
         if mc_num % batch:
@@ -488,10 +491,6 @@ class Serving:
         if self._grammars is None:
             raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
-        if is_block_causal(self.spec.arch):  # refused before compiling: the engine would refuse it anyway
-            what = ("constrained tool calls (tool_choice auto, required or a named function; tool_choice none "
-                    "lists the tools and constrains nothing)" if tools is not None else "structured output")
-            raise InvalidRequest(f"{what}: not available on block-causal models (LLaDA2) yet", param=spec.field)
         try:
             return self._grammars.compile(spec)
         except EngineInputError:

@@ -28,8 +28,13 @@ edit, and the block ends at the first forward that changes nothing; ``eos_early_
 the response so far has no mask and holds an EOS.
 
 Rows decode in `service.engine.block_causal_batch` (one forward per iteration for every live row);
-this module holds the rules of one row (:class:`Row`, the reference loop as a generator) and the forward
-(:func:`forward_rows`).
+this module holds the rules of one row (:class:`Row`, the reference loop as a generator over the row's ids on the
+host), the reveal of every row of a forward at once on the device (:func:`reveal_rows`: the threshold rule, the
+step's count, the edits) and the iteration (:func:`step_rows`: the forward, the reveal, one host read).
+
+Grammar-constrained rows (structured output, tool calls; `service.engine.grammar`) reveal their grammar's chain
+left to right instead of the rule above, never edit, and under 2.0 step on past the block's schedule until the
+block has no mask (:func:`step_rows`).
 
 Departures: an EOS inside the prompt never ends the response (the 2.0 reference looks for it from column 0);
 several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens), the reference takes one.
@@ -37,14 +42,18 @@ several EOS ids may end a response (the checkpoint's EOS and end-of-turn tokens)
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import itertools
+import math
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from service.engine.errors import EngineInputError
+from service.engine.grammar import ConstrainedRow, GrammarState, GrammarViolation, constrained_reveal
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
+from service.engine.report import TokenLogprob
 
 #: The cache modes of a block-causal family.
 BLOCK_CAUSAL_CACHE_MODES = ("none", "block")
@@ -124,80 +133,88 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
     return [base + (1 if i < remainder else 0) for i in range(steps)]
 
 
-def _tokens_and_confidence(logits: torch.Tensor, temperature: float,
-                           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits float32 ``[N, V]`` -> (int64 tokens ``[N]``, float32 their probability ``[N]``) (reference
-    ``_sample_with_temperature_topk_topp`` without top-k/top-p)."""
-    if temperature == 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        tokens = torch.argmax(probs, dim=-1, keepdim=True)
-    else:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        tokens = torch.multinomial(probs, num_samples=1, generator=generator)
-    return tokens[:, 0], probs.gather(-1, tokens)[:, 0]
-
-
-def _mask_reveals(masked: torch.Tensor, confidence: torch.Tensor, threshold: float, count: int) -> torch.Tensor:
-    """bool ``[N]``: every masked position above ``threshold`` if there are at least ``count``, else the ``count``
-    most confident masked positions (fewer when fewer are masked)."""
-    scores = torch.where(masked, confidence, -torch.inf)
-    high = (scores > threshold) & masked
-    if int(high.sum()) >= count:
-        return high
-    chosen = torch.zeros_like(masked)
-    chosen[torch.topk(scores, k=min(count, int(masked.sum()))).indices] = True
-    return chosen
-
-
 @dataclass(frozen=True)
 class Call:
-    """What a row asks of the next forward: its window ``[start, end)`` and the first of its block's columns."""
+    """What a row asks of the next forward: its window ``[start, end)``, the first of its block's columns, and
+    the reveal rule of that forward: ``count`` (the 2.0 step's reveals, or the 2.1 floor ``min_transfer``) and
+    ``edit`` (2.1: revealed tokens may be replaced)."""
 
     start: int
     end: int
     block_start: int
+    count: int = 0
+    edit: bool = False
+
+
+#: What a row is sent after a forward: its active block's ids after the reveal (``block_length`` ints), the offsets
+#: the forward wrote, and (when the row asked for log-probabilities) one entry per written offset.
+Revealed = tuple[list[int], list[int], list[TokenLogprob] | None]
 
 
 class Row:
     """One request's sequence and its decode as a generator: it yields a :class:`Call` for each forward and is
-    sent back the float32 logits ``[block_length, V]`` of its active block, the reference's loop unchanged."""
+    sent back its :data:`Revealed` (:func:`step_rows` computes it for every row of the forward at once). The
+    sequence lives on the host (``x``, a list): the reference's loop runs over it with no device read of its own.
 
-    def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos: torch.Tensor,
-                 generator: torch.Generator | None) -> None:
+    ``grammar`` (a `service.engine.grammar.GrammarState`): the row's response is constrained; it reveals left to
+    right by the grammar's chain (`service.engine.grammar.constrained_reveal`) and never edits. ``logprobs``:
+    None, or k >= 0 alternatives per token; each written column's entry is kept (an edit replaces it)."""
+
+    def __init__(self, prompt: list[int], params: BlockCausalParams, mask_id: int, eos_ids: Iterable[int],
+                 generator: torch.Generator | None, grammar: GrammarState | None = None,
+                 logprobs: int | None = None) -> None:
         if not prompt:
             raise EngineInputError("the prompt is empty; a prompt needs at least one token", "prompt")
         if mask_id in prompt:
             raise EngineInputError(f"the prompt contains the mask id {mask_id}", "prompt")
-        self.params, self.block, self.mask_id, self.eos, self.generator = params, params.block_length, mask_id, eos, generator
+        self.params, self.block, self.mask_id, self.generator = params, params.block_length, mask_id, generator
+        self.eos = frozenset(int(e) for e in eos_ids)
         self.prompt_length = len(prompt)
         self.num_blocks = -(-(len(prompt) + params.gen_length) // self.block)
-        self.x = torch.full((self.num_blocks * self.block,), mask_id, dtype=torch.long, device=eos.device)
-        self.x[: len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=eos.device)
+        self.x: list[int] = [int(t) for t in prompt] + [mask_id] * (self.num_blocks * self.block - len(prompt))
         self.committed = 0  # columns whose K/V the cache holds for good (block mode; 0: full recompute)
         self.decoded_end = self.prompt_length // self.block * self.block  # end column of the blocks decoded
         self.nfe = 0
         self.reveals: list[int] = []
-        self.last_written = torch.zeros(0, dtype=torch.long, device=eos.device)
+        self.last_written: list[int] = []
+        self.grammar, self.logprobs = grammar, logprobs
+        self.token_logprobs: dict[int, TokenLogprob] = {}  # column -> the entry of its last write
 
     @property
     def length(self) -> int:
         """Columns of the sequence (whole blocks)."""
-        return self.x.shape[0]
+        return len(self.x)
 
-    def call(self, index: int) -> Call:
-        """The window of the next forward over block ``index``; counts it and commits the columns before it."""
+    def call(self, index: int, count: int, edit: bool) -> Call:
+        """The next forward over block ``index`` (its reveal rule: ``count``, ``edit``); counts it and commits
+        the columns before the block."""
         start = self.committed
         if self.params.cache_mode == "block":
             self.committed = index * self.block  # the columns before the active block are final: written once
         self.nfe += 1
-        return Call(start, (index + 1) * self.block, index * self.block)
+        return Call(start, (index + 1) * self.block, index * self.block, count, edit)
 
-    def wrote(self, index: int, written: torch.Tensor) -> None:
-        """Record one call's writes: bool ``[block_length]`` over block ``index``."""
-        self.reveals.append(int(written.sum()))
-        self.last_written = written.nonzero()[:, 0] + index * self.block
+    def wrote(self, index: int, sent: Revealed) -> list[int]:
+        """Record one call's writes over block ``index`` (``sent``: :data:`Revealed`); returns the offsets."""
+        block, written, entries = sent
+        start = index * self.block
+        self.x[start:start + self.block] = block
+        self.reveals.append(len(written))
+        self.last_written = [start + j for j in written]
+        for j, entry in zip(written, entries or []):
+            self.token_logprobs[start + j] = entry
+        return written
 
-    def decode(self) -> Generator[Call, torch.Tensor, BlockCausalResult]:
+    def response_logprobs(self, count: int) -> list[TokenLogprob] | None:
+        """The entries of the response's first ``count`` tokens (None when the row did not ask)."""
+        if self.logprobs is None:
+            return None
+        return [self.token_logprobs[self.prompt_length + i] for i in range(count)]
+
+    def _has_eos(self, ids: list[int]) -> bool:
+        return any(t in self.eos for t in ids)
+
+    def decode(self) -> Generator[Call, Revealed, BlockCausalResult]:
         """The whole decode (module doc): yields each forward's call, returns the result."""
         params = self.params
         for index in range(self.prompt_length // self.block, self.num_blocks):
@@ -210,61 +227,45 @@ class Row:
             self.decoded_end = (index + 1) * self.block
             response = self.x[self.prompt_length:(index + 1) * self.block]
             if params.editing:
-                if params.eos_early_stop and not bool((response == self.mask_id).any()) and bool(
-                        torch.isin(response, self.eos).any()):
+                if params.eos_early_stop and self.mask_id not in response and self._has_eos(response):
                     break
-            elif bool(torch.isin(response, self.eos).any()):
+            elif self._has_eos(response):
                 break
         return self._result(params.gen_length)
 
-    def _reveal_block(self, index: int) -> Generator[Call, torch.Tensor, int | None]:
+    def _reveal_block(self, index: int) -> Generator[Call, Revealed, int | None]:
         """LLaDA2.0's forwards over block ``index``; returns the response length to stop at (``eos_early_stop``)."""
         params = self.params
         steps = min(params.steps, params.gen_length // params.minimal_topk)
-        active = self.x[index * self.block:(index + 1) * self.block]  # a view: writes land in x
-        for count in transfer_schedule(self.block, steps) if steps > 0 else []:
-            masked = active == self.mask_id
-            if not bool(masked.any()):
+        start = index * self.block
+        counts: Iterable[int] = transfer_schedule(self.block, steps) if steps > 0 else []
+        if self.grammar is not None:  # a chain may reveal fewer than the step's count: the block still fills
+            counts = itertools.chain(counts, itertools.repeat(1))
+        for count in counts:
+            if self.mask_id not in self.x[start:start + self.block]:
                 break
-            logits = yield self.call(index)
-            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
-            chosen = _mask_reveals(masked, confidence, params.threshold, count)
-            active[chosen] = tokens[chosen]
-            self.wrote(index, chosen)
-            if params.eos_early_stop and bool(torch.isin(tokens[chosen], self.eos).any()):
+            written = self.wrote(index, (yield self.call(index, count, edit=False)))
+            if params.eos_early_stop and self._has_eos([self.x[start + j] for j in written]):
                 response = self.x[self.prompt_length:]
-                first = int(torch.isin(response, self.eos).nonzero()[0, 0])
-                if not bool((response[:first] == self.mask_id).any()):
+                first = next(j for j, t in enumerate(response) if t in self.eos)
+                if self.mask_id not in response[:first]:
                     return first + 1
         return None
 
-    def _edit_block(self, index: int) -> Generator[Call, torch.Tensor, None]:
+    def _edit_block(self, index: int) -> Generator[Call, Revealed, None]:
         """LLaDA2.1's forwards over block ``index``: reveals with the ``min_transfer`` floor, and edits."""
         params = self.params
         start = index * self.block
-        active = self.x[start:start + self.block]
-        prompt_columns = torch.arange(start, start + self.block, device=active.device) < self.prompt_length
         post_steps = 0
         while True:
-            old = active.clone()
-            masked = active == self.mask_id
-            any_masked = bool(masked.any())
+            any_masked = self.mask_id in self.x[start:start + self.block]
             if not any_masked:
                 post_steps += 1
                 if post_steps > params.max_post_steps:
                     break
-            logits = yield self.call(index)
-            tokens, confidence = _tokens_and_confidence(logits, params.temperature, self.generator)
-            chosen = torch.zeros_like(masked)
-            if any_masked:
-                chosen = _mask_reveals(masked, confidence, params.threshold, params.min_transfer)
-            editable = ~masked & ~prompt_columns
-            edits = editable & (torch.where(editable, confidence, -torch.inf) > params.editing_threshold) & (
-                tokens != old)
-            written = chosen | edits
-            active[written] = tokens[written]
-            self.wrote(index, written)
-            if not any_masked and not bool(edits.any()):
+            edit = self.grammar is None  # a constrained response is never rewritten
+            written = self.wrote(index, (yield self.call(index, params.min_transfer, edit=edit)))
+            if not any_masked and not written:  # no mask: every write is an edit
                 break
 
     def response(self, end: int | None = None) -> list[int]:
@@ -276,28 +277,140 @@ class Row:
     def _result(self, length: int, finish: str = "length") -> BlockCausalResult:
         """The response's first ``length`` positions cut after the first EOS (reference return value)."""
         response = self.x[self.prompt_length:self.prompt_length + length]
-        hits = torch.isin(response, self.eos).nonzero()
-        if hits.numel():
-            response, finish = response[: int(hits[0, 0]) + 1], "stop"
-        return BlockCausalResult(generated_ids=response.tolist(), nfe=self.nfe, reveals_per_call=self.reveals,
-                                 last_call_columns=self.last_written.tolist(), finish_reason=finish,
-                                 kv_bytes=0)
+        first = next((j for j, t in enumerate(response) if t in self.eos), None)
+        if first is not None:
+            response, finish = response[: first + 1], "stop"
+        return BlockCausalResult(generated_ids=list(response), nfe=self.nfe, reveals_per_call=self.reveals,
+                                 last_call_columns=list(self.last_written), finish_reason=finish, kv_bytes=0)
 
 
-def forward_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV) -> list[torch.Tensor]:
-    """One forward for the calls of ``rows`` (each in its own cache slot): their windows right-padded; returns each
-    row's active-block logits ``[block_length, V]``."""
+def reveal_rows(logits: torch.Tensor, active: torch.Tensor, rows: list[Row], calls: list[Call]) -> torch.Tensor:
+    """Every row's reveal of one forward at once, on the logits' device (the rules of the module doc).
+
+    Args:
+        logits: float32 ``[B, W, V]``, each row's active block in its first ``block_length`` columns (W: the
+            widest block). active: int64 ``[B, W]``, the blocks' ids the forward saw. rows, calls: the B rows and
+            their calls (``count``, ``edit``).
+
+    Returns:
+        int64 ``[B, 2, W]``: the blocks' ids after the reveal and the written flags (1/0); columns past a row's
+        block are never written. Sampling rows (temperature above 0) draw from their own generators, over their
+        own block's columns, as alone.
+    """
+    b, w, _ = logits.shape
+    device = logits.device
+    # A constrained row's reveal is its chain (step_rows): it draws nothing here, so its generator is the chain's.
+    sampling = [i for i, r in enumerate(rows) if r.params.temperature > 0 and r.grammar is None]
+    if sampling:
+        temperature = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+                                   dtype=logits.dtype, device=device)
+        logits = logits / temperature[:, None, None]  # 1.0 leaves a greedy row's logits as they are
+    probs = torch.softmax(logits, dim=-1)
+    tokens = probs.argmax(dim=-1)  # [B, W]
+    for i in sampling:
+        block = rows[i].block
+        tokens[i, :block] = torch.multinomial(probs[i, :block], num_samples=1, generator=rows[i].generator)[:, 0]
+    confidence = probs.gather(-1, tokens[..., None])[..., 0]  # [B, W], the tokens' probabilities
+    # Per-row rules, one host-to-device copy each: thresholds in the confidence's dtype, as the reference compares.
+    limits = torch.tensor([[r.params.threshold, r.params.editing_threshold if c.edit else math.inf]
+                           for r, c in zip(rows, calls)], dtype=confidence.dtype, device=device)
+    counts = torch.tensor([[c.count, r.block, r.prompt_length - c.block_start, int(c.edit)]
+                           for r, c in zip(rows, calls)], dtype=torch.long, device=device)
+    columns = torch.arange(w, device=device)
+    valid = columns < counts[:, 1:2]
+    masked = (active == rows[0].mask_id) & valid
+    scores = torch.where(masked, confidence, -torch.inf)
+    high = scores > limits[:, 0:1]  # masked only: the others score -inf
+    # The count most confident masked positions: rank by a stable descending sort (fewer when fewer are masked).
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, columns.expand(b, w))
+    top = masked & (rank < counts[:, 0:1])
+    chosen = torch.where(high.sum(dim=1, keepdim=True) >= counts[:, 0:1], high, top)
+    # 2.1: revealed, non-prompt columns the model predicts as another token above the editing threshold.
+    editable = valid & ~masked & (columns >= counts[:, 2:3]) & counts[:, 3:4].bool()
+    edits = editable & (confidence > limits[:, 1:2]) & (tokens != active)
+    written = chosen | edits
+    return torch.stack([torch.where(written, tokens, active), written.long()], dim=1)
+
+
+def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV,
+              banned: torch.Tensor | None = None) -> list[Revealed | GrammarViolation]:
+    """One forward for the calls of ``rows`` (each in its own cache slot; windows right-padded) and every row's
+    reveal, read back in one host read: per row its :data:`Revealed` (what :meth:`Row.decode` is sent).
+
+    A grammar-constrained row reveals its chain instead (`service.engine.grammar.constrained_reveal`, its
+    candidates from the block's leftmost mask; a fixed schedule's count, else the threshold; ``banned`` ids never
+    chosen): a host read per chain position, only when such a row is in the forward; a row whose grammar fails
+    gets its `GrammarViolation` instead of a result. Rows that ask for log-probabilities take a second read, only
+    then: each written token's log-softmax of the model's logits (before any temperature or constraint) and the
+    k most likely tokens.
+    """
     device = cache.device
     width = max(c.end - c.start for c in calls)
     widest_block = max(r.block for r in rows)
-    ids = torch.stack([torch.nn.functional.pad(r.x[c.start:c.end], (0, width - (c.end - c.start)),
-                                               value=r.mask_id) for r, c in zip(rows, calls)])  # [B, W]
+    ids = torch.tensor([r.x[c.start:c.end] + [r.mask_id] * (width - (c.end - c.start)) for r, c in zip(rows, calls)],
+                       dtype=torch.long, device=device)  # [B, W]
     starts = torch.tensor([c.start for c in calls], device=device)
     positions = starts[:, None] + torch.arange(width, device=device)  # padded columns lie in later blocks
     blocks = torch.tensor([r.block for r in rows], device=device)
     at = torch.tensor([c.block_start - c.start for c in calls], device=device)[:, None] + torch.arange(
         widest_block, device=device)
+    at = at.clamp(max=width - 1)
     cache.columns = max(c.start for c in calls) + width
-    logits = model(ids, positions=positions, block_length=blocks, cache=cache,
-                   logits_at=at.clamp(max=width - 1))  # [B, widest block, V]
-    return [logits[i, : r.block] for i, r in enumerate(rows)]
+    logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at)  # [B, widest, V]
+    chains = _chains(logits, rows, calls, banned)
+    read = reveal_rows(logits, ids.gather(1, at), rows, calls).tolist()  # the iteration's one host read
+    out: list[Revealed | GrammarViolation] = []
+    for i, (r, (block, written)) in enumerate(zip(rows, read)):
+        chain = chains.get(i)
+        if chain is None:
+            out.append((block[: r.block], [j for j, flag in enumerate(written[: r.block]) if flag], None))
+        elif chain.error is not None:
+            out.append(chain.error)
+        else:
+            c = calls[i]
+            block = r.x[c.block_start:c.block_start + r.block]
+            for k, token in zip(chain.chosen, chain.tokens):
+                block[chain.start + k] = token
+            out.append((block, [chain.start + k for k in chain.chosen], None))
+    return _with_logprobs(logits, rows, out)
+
+
+def _chains(logits: torch.Tensor, rows: list[Row], calls: list[Call],
+            banned: torch.Tensor | None) -> dict[int, ConstrainedRow]:
+    """The grammar-constrained rows' chains of this forward, decided together (row index -> its chain)."""
+    chains = {}
+    for i, (r, c) in enumerate(zip(rows, calls)):
+        if r.grammar is None:
+            continue
+        block = r.x[c.block_start:c.block_start + r.block]
+        start = block.index(r.mask_id) if r.mask_id in block else r.block
+        threshold = r.params.threshold if math.isfinite(r.params.threshold) else None
+        chains[i] = ConstrainedRow(r.grammar, logits[i, start:r.block], None if threshold is not None else max(
+            1, c.count), threshold, r.params.temperature, r.generator, start=start)
+    if chains:
+        constrained_reveal(list(chains.values()), banned)
+    return chains
+
+
+def _with_logprobs(logits: torch.Tensor, rows: list[Row], out: list) -> list:
+    """``out`` with each written token's :class:`TokenLogprob` for the rows that asked (one host read)."""
+    asked = [i for i, (r, o) in enumerate(zip(rows, out)) if r.logprobs is not None and isinstance(o, tuple)]
+    if not asked:
+        return out
+    k = max(rows[i].logprobs for i in asked)
+    w = logits.shape[1]
+    tokens = torch.tensor([out[i][0] + [0] * (w - len(out[i][0])) for i in asked], device=logits.device)
+    logp = torch.log_softmax(logits[asked], dim=-1)  # [A, W, V], the model's
+    values = logp.gather(-1, tokens[..., None])[..., 0]
+    top_values, top_ids = logp.topk(k, dim=-1)  # k = 0: empty
+    # One read: the token's value, then k values, then k ids (float32 holds ids below 2**24 exactly).
+    packed = torch.cat([values[..., None], top_values, top_ids.to(values.dtype)], dim=-1).tolist()
+    for a, i in enumerate(asked):
+        block, written, _ = out[i]
+        n = rows[i].logprobs
+        entries = [TokenLogprob(token=block[j], logprob=packed[a][j][0],
+                                top=[(int(t), v) for t, v in zip(packed[a][j][1 + k:1 + k + n], packed[a][j][1:1 + n])])
+                   for j in written]
+        out[i] = (block, written, entries)
+    return out

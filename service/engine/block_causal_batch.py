@@ -4,13 +4,17 @@ live row of every request takes part in the iteration's one forward.
 The runtime's loop (`service.runtime.loop`) drives it through the interface of `service.engine.batch.RunningBatch`
 (``join``, ``leave``, ``passes``, ``run``, ``failed``, ``forwards``, ``rows``, ``cohorts``); `service.engine.Engine`
 hands it out for a block-causal model. Each row is a `service.engine.block_causal.Row`: the reference loop as a
-generator that yields each forward's window and is sent its active block's logits, so a row decodes token for
-token as it would alone whatever else is in the batch. K/V live in one `CommittedKV` with a slot per live row
+generator that yields each forward's window and reveal rule and is sent its active block after the reveal, so a
+row decodes token for token as it would alone whatever else is in the batch. Every row's reveal runs on the device
+at once (`service.engine.block_causal.reveal_rows`) and is read back in one host read per iteration; the rows'
+sequences and their bookkeeping live on the host. K/V live in one `CommittedKV` with a slot per live row
 (grown when requests join, compacted when they leave, never per iteration).
 
 Departures from `RunningBatch`: the iteration is one forward whatever the plan (``run`` ignores the caller's
-grouping: the rows' windows are right-padded together); the rows' host bookkeeping reads the device per row
-(each row's reveal is the reference's own loop); structured output and log-probabilities are refused.
+grouping: the rows' windows are right-padded together). A grammar-constrained row (structured output, tool
+calls) reveals by its grammar's chain (`service.engine.block_causal.step_rows`) and never edits; a row that asks
+for log-probabilities gets each token's as the forward that last wrote it gave it (a second host read, only
+when such a row is in the forward).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, forward_rows
+from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, step_rows
 from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
@@ -72,34 +76,32 @@ class BlockCausalCohort:
         ``on_block(block, ids_per_row)`` each time every live row has decoded one more block. cancelled: per-row
         flags, polled after each iteration. kv_store: a `QuantizedKVStore` quantizes the rows' committed blocks
         in ``block`` mode with its quantizer and counts them in its report (`service.quant.committed`); None or
-        another store: full precision.
+        another store: full precision. banned_ids: ids a constrained row never chooses (the model's
+        `ModelSpec.banned_ids`; default the mask id).
 
     Raises:
-        EngineInputError: structured output or log-probabilities asked for (not on this family yet), an empty
-            prompt or one holding the mask id.
+        EngineInputError: an empty prompt or one holding the mask id.
     """
 
     def __init__(self, model: LLaDA2Model, prompts: list[list[int]], settings: list[BlockCausalParams],
                  mask_id: int, eos_ids: tuple[int, ...], rows: list[RowOptions] | None = None,
                  params: DecodeParams | None = None, on_block: Callable | None = None,
-                 cancelled: Callable[[], list[bool]] | None = None, kv_store: object | None = None) -> None:
+                 cancelled: Callable[[], list[bool]] | None = None, kv_store: object | None = None,
+                 banned_ids: tuple[int, ...] | None = None) -> None:
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         if len(settings) != len(prompts) or len(rows) != len(prompts):
             raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
                                    "prompts; give one per prompt")
-        if any(o.grammar is not None for o in rows):
-            raise EngineInputError("structured output is not available on block-causal models (LLaDA2) yet",
-                                   "response_format")
-        if any(o.logprobs is not None for o in rows):
-            raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
         device = model.embed.weight.device
-        eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+        self.banned = torch.tensor(banned_ids if banned_ids is not None else (mask_id,), dtype=torch.long,
+                                   device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
         self.on_block, self.cancelled = on_block, cancelled
         # A quantized store (`service.quant.store.QuantizedKVStore`) quantizes the committed blocks (its `commit`);
         # any other store slot holds nothing outside the batch's cache.
         self.store = kv_store if callable(getattr(kv_store, "commit", None)) else NoStore()
-        self.rows = [Row(prompt, s, mask_id, eos, _generator(o, device))
+        self.rows = [Row(prompt, s, mask_id, eos_ids, _generator(o, device),
+                         o.grammar.start() if o.grammar is not None else None, o.logprobs)
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
         self.results: list[BlockCausalResult | None] = [None] * len(prompts)
@@ -117,10 +119,11 @@ class BlockCausalCohort:
         """No row decodes any more."""
         return not self.calls
 
-    def advance(self, i: int, logits: torch.Tensor | None) -> None:
-        """Send row ``i`` its logits (None: start it); record its next call, or its result when it is done."""
+    def advance(self, i: int, revealed: tuple[list[int], list[int]] | None) -> None:
+        """Send row ``i`` its forward's reveal (its block's ids and the written offsets; None: start it); record
+        its next call, or its result when it is done."""
         try:
-            self.calls[i] = self.programs[i].send(logits)
+            self.calls[i] = self.programs[i].send(revealed)
         except StopIteration as finished:
             self.calls.pop(i, None)
             self.results[i] = finished.value
@@ -152,8 +155,15 @@ class BlockCausalCohort:
         if self.on_block is not None:
             for block in range(self._emitted, count):
                 end = None if blocks == math.inf else int(blocks)
-                self.on_block(block, [CommittedIds(self._ids(i, end)) for i in range(len(self.rows))])
+                self.on_block(block, [self._committed(i, end) for i in range(len(self.rows))])
         self._emitted = max(self._emitted, count)
+
+    def _committed(self, i: int, end: int | None) -> CommittedIds:
+        """Row ``i``'s committed ids before column ``end`` for ``on_block``, with their log-probabilities when it
+        asked for them."""
+        ids = CommittedIds(self._ids(i, end))
+        ids.logprobs = self.rows[i].response_logprobs(len(ids))
+        return ids
 
     def _ids(self, i: int, end: int | None) -> list[int]:
         """Row ``i``'s response ids before column ``end`` (its whole result once it is done)."""
@@ -176,6 +186,7 @@ class BlockCausalCohort:
                 finish_reason="cancelled" if self.status[i] == "cancelled" else cut.finish_reason,
                 nfe=row.nfe, steps_per_block=[], reveals_per_step=row.reveals,
                 tokens_per_second=len(cut.ids) / total if total > 0 else 0.0,
+                logprobs=row.response_logprobs(len(cut.ids)),
             ))
         return DecodeReport(rows=reports, params=self.params,
                             timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
@@ -239,16 +250,20 @@ class BlockCausalBatch:
             commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
             commits = [x for x in commits if x is not None]
             cache.on_write = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+            banned = next((c.banned for c, _ in live), None)
             try:
-                logits = forward_rows(self.model, rows, [c.calls[i] for c, i in live], cache)
+                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned)
             finally:
                 cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
-            for (cohort, i), row_logits in zip(live, logits):
+            for (cohort, i), row_revealed in zip(live, revealed):
                 if cohort in [f for f, _ in self.failed]:
                     continue
+                if isinstance(row_revealed, BaseException):  # its grammar failed mid-decode: this request alone
+                    self.failed.append((cohort, row_revealed))
+                    continue
                 try:
-                    cohort.advance(i, row_logits)
+                    cohort.advance(i, row_revealed)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
                     self.failed.append((cohort, exc))
         for cohort in list(self.cohorts):

@@ -168,13 +168,11 @@ class Engine:
         """The cohort of a block-causal model (`service.engine.block_causal_batch`; settings mapped by
         ``settings_from``).
 
-        Raises:
-            EngineInputError: structured output, logprobs.
         """
         editing = self.model.config.editing
         settings = [settings_from(params, options, editing) for options in rows]
         return BlockCausalCohort(self.model, prompts, settings, self.spec.mask_id, self.spec.eos_ids, rows, params,
-                                 on_block, cancelled, kv_store)
+                                 on_block, cancelled, kv_store, tuple(self.spec.banned_ids))
 
     def report(self, cohort: Cohort) -> DecodeReport:
         """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""
@@ -280,12 +278,6 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         )
     params.check_bounds(spec.max_length)
     reveal_rule(spec.arch).check(params)
-    if is_block_causal(spec.arch):
-        if any(row.logprobs is not None for row in rows):
-            raise EngineInputError("logprobs are not available on block-causal models (LLaDA2) yet", "logprobs")
-        if any(row.grammar is not None for row in rows):
-            raise EngineInputError("structured output is not available on block-causal models (LLaDA2) yet",
-                                   "response_format")
     longest = max(len(p) for p in prompts)
     if longest + params.gen_length > spec.max_length:
         raise EngineInputError(

@@ -92,12 +92,13 @@ def test_the_cache_is_bounded_in_bytes(tokenizer):
     assert compiler.cached() < 6  # some were evicted by bytes, though far fewer than CACHE_SIZE entries
 
 
-def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_refusal_naming_the_field():
-    """The tiny LLaDA2's word-level tokenizer (a WordPiece decoder) is one llguidance cannot read: compiling for
-    it is an input error naming the field (a 400 on the server), never a bare ValueError (a 500)."""
-    from tests.support.llada2 import LLADA2_CHAT
+def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_refusal_naming_the_field(tmp_path):
+    """The tests' word-level tokenizer (a WordPiece decoder, `tests.support.fastdllm.add_word_tokenizer`) is one
+    llguidance cannot read: compiling for it is an input error naming the field (a 400 on the server), never a
+    bare ValueError (a 500)."""
+    from tests.support.fastdllm import llada_with_tokenizer
 
-    word_level = load_tokenizer(LLADA2_CHAT)
+    word_level = load_tokenizer(llada_with_tokenizer(tmp_path))
     compiler = GrammarCompiler(word_level, len(word_level), [word_level.eos_token_id])
     with pytest.raises(EngineInputError, match="tokenizer cannot drive the grammar engine") as caught:
         compiler.compile(GrammarSpec.regex(TRIVIAL, "structured_outputs.regex"))

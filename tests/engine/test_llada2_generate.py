@@ -98,7 +98,7 @@ def test_the_engine_serves_llada2_requests_and_refuses_what_it_lacks(llada2):
     fixed = next(r for _, r in CASES if r["id"] == "llada2_p5_g64_fixed_s8")
     report = engine.generate([fixed["prompt_ids"]], DecodeParams(gen_length=64, steps=16, cache_mode="block"))
     assert (report.rows[0].generated_ids, report.rows[0].nfe) == (fixed["generated_ids"], fixed["nfe"])
-    with pytest.raises(EngineInputError, match="logprobs"):
-        engine.generate([[1, 2]], DecodeParams(gen_length=32), [RowOptions(logprobs=1)])
+    with pytest.raises(EngineInputError, match="remasking"):
+        engine.generate([[1, 2]], DecodeParams(gen_length=32, remasking="random"), [RowOptions(temperature=0.5)])
     with pytest.raises(EngineInputError, match="ELBO"):
         engine.likelihood([1, 2, 3], 4, 4, 0)

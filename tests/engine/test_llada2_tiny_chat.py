@@ -25,5 +25,5 @@ def test_it_loads_with_its_tokenizer_and_template():
     loaded = load_checkpoint(LLADA2_CHAT)
     assert loaded.spec.arch != "llada" and loaded.spec.mask_id == 500
     ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "w5 w6"}], add_generation_prompt=True)
-    words = loaded.tokenizer.decode(ids).split()  # a role name is no word of the vocabulary: it reads as w0
-    assert words[0] == "<|start_header_id|>" and words[2:6] == ["<|end_header_id|>", "w5", "w6", "<|eot_id|>"]
+    words = loaded.tokenizer.decode(ids).split()  # byte-level: any text reads back as written
+    assert words[:6] == ["<|start_header_id|>", "user", "<|end_header_id|>", "w5", "w6", "<|eot_id|>"]
