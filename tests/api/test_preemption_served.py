@@ -1,0 +1,82 @@
+"""Preemption over HTTP (issue 36 item 5): ``python -m service serve`` on the embedded model with a memory budget just
+above one large streamed completion; a small completion sent while it streams preempts it at a block boundary,
+finishes first, and the large stream goes on with exactly the chunks it has alone; ``dllm_preemptions_total``
+counts it (read with prometheus_client's parser)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from service.engine import Engine
+from service.engine.params import DecodeParams
+from service.runtime.memory import MemoryModel
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+from tests.support.apps import sse_events
+from tests.support.metrics import metric_sum, metrics
+from tests.support.processes import embedded_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _costs(engine: Engine, large: int, small: int) -> int:
+    """A budget just above the large request (prompt of ``large`` tokens, 256 response tokens): the small one
+    (``small`` tokens, 32) does not fit beside it, as the server costs them (full precision, dual cache)."""
+    memory = MemoryModel.for_engine(engine)
+    spec = engine.spec
+    per_token = 2.0 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
+    big = memory.cost(large, DecodeParams(gen_length=256, block_length=32, cache_mode="dual"), per_token)
+    little = memory.cost(small, DecodeParams(gen_length=32, block_length=32, cache_mode="dual"), per_token)
+    forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
+    return big.kv + max(big.transient, forward) + little.kv // 2
+
+
+def _stream(url: str, prompt: list[int], on_first=None) -> list[str]:
+    """The large completion, streamed: each chunk's text (``on_first`` called at the first one)."""
+    body = {"model": "embedded", "prompt": prompt, "max_tokens": 256, "ignore_eos": True, "stream": True}
+    texts = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():  # one line at a time: on_first runs while the stream goes on
+            events = sse_events([line])
+            if not events:
+                continue
+            event = events[0]
+            if event == "[DONE]":
+                texts.append(event)
+                continue
+            texts.append(event["choices"][0]["text"])
+            if on_first is not None and len(texts) == 1:
+                on_first()
+    return texts
+
+
+def test_a_streamed_request_preempted_for_a_small_one_streams_as_alone(tmp_path):
+    engine = Engine.load(None)
+    digits = engine.tokenizer.encode(" 4 1 4 4 2 9 7 4 3 2 8 3" * 90, add_special_tokens=False)[:1000]
+    small_prompt = engine.tokenizer.encode("copy: 4 1 4 4 2 9 7 4 3 2 8 3 3 8 5 9 9 6", add_special_tokens=False)
+    budget = _costs(engine, len(digits), len(small_prompt))
+    with embedded_server(tmp_path, "preempt", DLLM_KV_BUDGET_BYTES=str(budget)) as srv:
+        alone = _stream(srv.url, digits)
+        assert metric_sum(metrics(srv.url), "dllm_preemptions_total") == 0
+        order: list[str] = []
+        small: dict = {}
+
+        def send_small() -> None:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": "embedded", "prompt": small_prompt,
+                                                                "max_tokens": 32, "ignore_eos": True}, timeout=300)
+            small["status"] = r.status_code
+            order.append("small")
+
+        sender = threading.Thread(target=send_small)
+        streamed = _stream(srv.url, digits, on_first=sender.start)
+        order.append("large")
+        sender.join()
+        samples = metrics(srv.url)
+    assert small["status"] == 200
+    assert metric_sum(samples, "dllm_preemptions_total") == 1, (order, samples)
+    assert order == ["small", "large"]  # the small one did not wait for the large one's run
+    assert metric_sum(samples, "dllm_preemptions_total") == 1
+    assert streamed == alone and len(streamed) >= 5  # every chunk as alone, across the preemption
