@@ -78,6 +78,27 @@ def run(engine, ids: list[int], every: int, rule: bool) -> tuple[list[tuple[int,
             if s not in batch.cohorts], iteration
 
 
+def prompt_ids(engine) -> list[int]:
+    """The token ids the requests' prompts are cut from: the embedded task's prompts, joined."""
+    text = " ".join(json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line)
+    return engine.tokenizer(text)["input_ids"]
+
+
+def alone_counts(engine, ids: list[int]) -> tuple[int, int, list[int]]:
+    """(forwards, flops, tokens) of the short request decoded alone."""
+    cost = ForwardCost.of(engine.model)
+    batch = engine.batch()
+    short = engine.cohort([ids[:100]], _params(32))
+    batch.join(short)
+    forwards = work = 0
+    with torch.inference_mode():
+        while short in batch.cohorts:
+            groups = [[p] for p in batch.passes()]
+            forwards, work = forwards + len(groups), work + _work(cost, groups)
+            batch.run(groups)
+    return forwards, work, engine.report(short).rows[0].generated_ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=3, help="a short request joins every this many iterations")
@@ -86,20 +107,8 @@ def main() -> None:
 
     torch.set_num_threads(1)
     engine = Engine.load(None, threads=1)
-    text = " ".join(json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line)
-    ids = engine.tokenizer(text)["input_ids"]
-    cost = ForwardCost.of(engine.model)
-    batch = engine.batch()
-    short = engine.cohort([ids[:100]], _params(32))
-    batch.join(short)
-    forwards = work = 0
-    with torch.inference_mode():
-        while short in batch.cohorts:
-            passes = batch.passes()
-            groups = [[p] for p in passes]
-            forwards, work = forwards + len(groups), work + _work(cost, groups)
-            batch.run(groups)
-    alone = engine.report(short).rows[0].generated_ids
+    ids = prompt_ids(engine)
+    forwards, work, alone = alone_counts(engine, ids)
     print(f"head-of-line in counts: a 32-token request (100-token prompt) joining every {args.every} iterations of "
           f"a 256-token one (300-token prompt); alone it takes {forwards} forward(s), {work:,} flops per layer")
     print(f"{'plan':>22} {'shorts':>6} {'fwd x mean':>10} {'fwd x max':>9} {'work x mean':>11} {'work x max':>10} "
