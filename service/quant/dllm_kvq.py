@@ -44,7 +44,6 @@ class DLLMKVQQuantizer(KVQuantizer):
         policy: the table (already validated against ``spec`` by the factory).
     """
 
-    name = "dllm_kvq"
 
     def __init__(self, config: QuantSettings, spec: ModelSpec, policy: PolicyTable) -> None:
         super().__init__(config, spec)
