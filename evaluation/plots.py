@@ -20,8 +20,9 @@ import matplotlib.pyplot as plt
 
 #: The file `plot_tradeoff` writes beside ``matrix.md`` (and into a model card).
 TRADEOFF_PNG = "accuracy_vs_kv.png"
-METHOD_COLORS = {"kivi": "tab:blue", "kvquant": "tab:orange", "dllm_kvq": "tab:green"}
-METHOD_NAMES = {"kivi": "KIVI", "kvquant": "KVQuant", "dllm_kvq": "dLLM-KVQ"}
+#: The methods' colours, by their place among the registered quantizers (KIVI, KVQuant, dLLM-KVQ, then plug-ins).
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan")
 MODE_MARKERS = {"prefix": "o", "dual": "s"}
 
 
@@ -61,6 +62,15 @@ def tradeoff_points(tables: Mapping[str, Any], model: str | None = None) -> list
     return points
 
 
+def method_styles() -> dict[str, tuple[str, str]]:
+    """Each registered quantization method's colour and label (`service.quant.registry`: its ``label``), in
+    registration order; a method of a matrix that is not registered now is drawn grey under its name."""
+    from service.quant.registry import method, methods
+
+    quantized = [name for name in methods() if method(name).quantizer is not None]
+    return {name: (PALETTE[i % len(PALETTE)], method(name).title) for i, name in enumerate(quantized)}
+
+
 def plot_tradeoff(tables: Mapping[str, Any], path: Path, model: str | None = None) -> Path | None:
     """Accuracy (%) against KV KiB held (top) and against effective bits (nominal, measured; bottom), one column
     per cache mode, one point per (method, bit width) of ``model``: colour the method, marker the bit width; points
@@ -69,6 +79,11 @@ def plot_tradeoff(tables: Mapping[str, Any], path: Path, model: str | None = Non
     from matplotlib.ticker import FixedLocator, ScalarFormatter
 
     points = tradeoff_points(tables, model)
+    styles = method_styles()
+
+    def style(name: str) -> tuple[str, str]:
+        return styles.get(name, ("tab:gray", name))
+
     modes = [m for m in MODE_MARKERS if any(p["mode"] == m and p["method"] != "none" for p in points)]
     if not modes:
         return None
@@ -93,10 +108,10 @@ def plot_tradeoff(tables: Mapping[str, Any], path: Path, model: str | None = Non
                                 xytext=(0, -16), ha="right", fontsize=8)
                     continue
                 ax.scatter(p[x], p["accuracy"], marker=markers[p["bits"]], s=75, alpha=0.9, zorder=3,
-                           color=METHOD_COLORS.get(p["method"], "tab:gray"), edgecolor="black", linewidth=0.6)
+                           color=style(p["method"])[0], edgecolor="black", linewidth=0.6)
                 groups.setdefault((p["bits"], round(p["accuracy"], 2)), []).append(p)
             for (bits, accuracy), members in groups.items():
-                names = ", ".join(METHOD_NAMES.get(m["method"], m["method"])
+                names = ", ".join(style(m["method"])[1]
                                   for m in sorted(members, key=lambda m: m[x]))
                 ax.annotate(f"{names} ({bits}-bit)", (max(m[x] for m in members), accuracy),
                             textcoords="offset points", xytext=(9, -3), fontsize=8)
@@ -115,8 +130,10 @@ def plot_tradeoff(tables: Mapping[str, Any], path: Path, model: str | None = Non
                 ax.set_title(f"{mode} cache", fontsize=10)
         for row in range(2):
             axes[row][0].set_ylabel(f"accuracy on {', '.join(tables['tasks'])} (%)")
-    handles = [plt.Line2D([], [], linestyle="", marker="o", color=c, markeredgecolor="black", label=METHOD_NAMES[m])
-               for m, c in METHOD_COLORS.items() if any(p["method"] == m for p in points)]
+    shown = {p["method"] for p in points if p["method"] != "none"}
+    order = [m for m in styles if m in shown] + sorted(shown - set(styles))  # registration order, then the rest
+    handles = [plt.Line2D([], [], linestyle="", marker="o", color=style(m)[0], markeredgecolor="black",
+                          label=style(m)[1]) for m in order]
     handles += [plt.Line2D([], [], linestyle="", marker=markers[b], color="white", markeredgecolor="black",
                            label=f"{b}-bit") for b in widths]
     handles += [plt.Line2D([], [], linestyle="", marker="*", color="black", markersize=12, label="cache only"),

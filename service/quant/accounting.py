@@ -9,8 +9,9 @@ Two counts (the same for K and for V):
 And two figures that carry them:
 
 * **configured** bits (`configured_bits`): the nominal bits a configuration sets on full groups, known before
-  any data: b for KIVI, the policy's ``(b (G - p) + 16 p) / G`` averaged over layers for dLLM-KVQ, none for the
-  unquantized cache and for KVQuant (its outliers are counted as the data has them). Every report of a policy or
+  any data, as the method's plug-in declares them (`service.quant.plugin.QuantMethod.configured_bits`): b for
+  KIVI, the policy's ``(b (G - p) + 16 p) / G`` averaged over layers for dLLM-KVQ, none for the unquantized cache
+  and for KVQuant (its outliers are counted as the data has them). Every report of a policy or
   configuration shows this figure: calibration summary and report, matrix tables and model card, ``kv_config``
   and ``/admin`` answers, ``dllm_kv_configured_bits``.
 * **measured** bits (`KVAccounting`, summarized as `service.engine.report.KVReport`): nominal and storage bits
@@ -26,17 +27,18 @@ amount held after any block-initial pass (every layer's packed K/V plus the bloc
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from service.artifacts.policy import PolicyTable
 from service.engine.report import KVReport, LayerBits
 from service.quant.base import PackedLayer
 from service.quant.config import KVQuantConfig
+from service.quant.registry import method
+
+if TYPE_CHECKING:
+    from service.artifacts.policy import PolicyTable
 
 #: Nominal bits of an element held in high precision (the paper counts protected tokens at 16).
 HIGH_PRECISION_BITS = 16.0
-#: Methods whose configured bits follow from the configuration (and its policy table) alone.
-_CONFIGURED = ("kivi", "dllm_kvq")
 
 
 def policy_k_bits(table: PolicyTable) -> float:
@@ -47,23 +49,23 @@ def policy_k_bits(table: PolicyTable) -> float:
 
 def configured_bits(config: KVQuantConfig, artifact: Any = None) -> dict[str, float] | None:
     """The configured nominal bits ``{"k": ..., "v": ...}`` (bits per element) of ``config`` on full groups (module
-    docstring), or None where no figure follows from the configuration: the unquantized cache (method ``none``)
-    and methods whose high-precision share depends on the data (KVQuant's outliers).
+    docstring), as the method's plug-in declares them (`QuantMethod.configured_bits`), or None where no figure
+    follows from the configuration: the unquantized cache (method ``none``), methods that declare none (KVQuant:
+    its outliers depend on the data), and a method whose figure needs its artifact when none is given.
 
     Args:
         config: the configuration; ``sides`` ``k`` / ``v`` count the side left alone at 16 bits.
-        artifact: the loaded artifact ``config`` names (a `PolicyTable` for ``dllm_kvq``); without it a dLLM-KVQ
-            configuration has no figure (None).
+        artifact: the loaded artifact ``config`` names (a `PolicyTable` for ``dllm_kvq``), or None.
+
+    Raises:
+        KVQuantError: ``config.method`` is not registered.
     """
-    if config.method not in _CONFIGURED:
+    declared = method(config.method).configured_bits
+    bits = declared(config, artifact) if declared is not None else None
+    if bits is None:
         return None
-    k = v = float(config.bits)
-    if config.method == "dllm_kvq":
-        if not isinstance(artifact, PolicyTable):
-            return None
-        k = policy_k_bits(artifact)
-    return {"k": HIGH_PRECISION_BITS if config.sides == "v" else k,
-            "v": HIGH_PRECISION_BITS if config.sides == "k" else v}
+    return {"k": HIGH_PRECISION_BITS if config.sides == "v" else float(bits["k"]),
+            "v": HIGH_PRECISION_BITS if config.sides == "k" else float(bits["v"])}
 
 
 class KVAccounting:

@@ -121,7 +121,6 @@ class KVQuantizer:
         KVQuantError: ``v_group_size`` does not divide head_dim (the message lists the legal sizes).
     """
 
-    name: ClassVar[str] = "kivi"
     needs_scores: bool = False
     pre_rope_keys: ClassVar[bool] = False
 

@@ -44,7 +44,6 @@ class DLLMKVQQuantizer(KVQuantizer):
         policy: the table (already validated against ``spec`` by the factory).
     """
 
-    name = "dllm_kvq"
 
     def __init__(self, config: QuantSettings, spec: ModelSpec, policy: PolicyTable) -> None:
         super().__init__(config, spec)
@@ -113,12 +112,21 @@ def _check_policy(policy: PolicyTable, config: QuantSettings, v_group_size: int,
     same("v_group_size", policy.v_group_size, v_group_size)
 
 
+def _policy_bits(config: QuantSettings, policy: PolicyTable | None) -> dict[str, float] | None:
+    """Configured bits (`QuantMethod.configured_bits`): K at the policy's ``(b (G - p) + 16 p) / G`` averaged over
+    layers (`PolicyTable.mean_k_bits`), V at ``bits``; None without a policy table."""
+    if not isinstance(policy, PolicyTable):
+        return None
+    return {"k": policy.mean_k_bits(), "v": float(config.bits)}
+
+
 #: dLLM-KVQ's plug-in (`service.quant.plugin`): a fitted policy table per cache mode and bit width, KIVI's formats
 #: with protected K tokens (read pooled with them, `service.quant.rows`), fitted by ``calibrate fit`` from the
 #: diagnostic sums.
 METHOD = QuantMethod(
     "dllm_kvq", quantizer=DLLMKVQQuantizer, artifact=PolicyTable, check=_check_policy,
     spellings={"artifact_id": "policy_id", "artifact_file": "policy_file"}, label="dLLM-KVQ", pooled=UNIFORM_ROWS,
+    configured_bits=_policy_bits, fused_rows=True,
     calibration=CalibrationStep(
         "fit", "a dLLM-KVQ policy per cache mode and bit width from the diagnostic sums",
         "calibration.job:fit_policies", flags="calibration.cli:fit_flags"),

@@ -6,7 +6,7 @@ dLLM-KVQ's plug-in shares."""
 from __future__ import annotations
 
 from service.quant.base import KVQuantizer
-from service.quant.plugin import PooledReader, QuantMethod
+from service.quant.plugin import PooledReader, QuantMethod, code_bits
 from service.quant.rows import batch_key, dequantize_rows, forget
 
 
@@ -26,4 +26,5 @@ def _uniform_read_steps(stores, layer, key_len, positions=None, rope=None):
 #: The pooled reader of the uniform formats (KIVI's and dLLM-KVQ's; `service.quant.rows`).
 UNIFORM_ROWS = PooledReader(key=_uniform_key, read=_uniform_read, forget=forget, read_steps=_uniform_read_steps)
 
-METHOD = QuantMethod("kivi", quantizer=KVQuantizer, label="KIVI", pooled=UNIFORM_ROWS)
+METHOD = QuantMethod("kivi", quantizer=KVQuantizer, label="KIVI", pooled=UNIFORM_ROWS, configured_bits=code_bits,
+                     fused_rows=True)

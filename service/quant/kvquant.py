@@ -42,7 +42,6 @@ class KVQuantQuantizer(KVQuantizer):
         state: the fitted state (already validated against ``spec`` by the factory).
     """
 
-    name = "kvquant"
     pre_rope_keys = True
 
     def __init__(self, config: QuantSettings, spec: ModelSpec, state: KVQuantState) -> None:

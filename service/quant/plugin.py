@@ -90,6 +90,18 @@ class QuantMethod:
         label: how the result matrix and reports name it (``"KIVI"``); the name where not given.
         pooled: its pooled reader, or None (each store reads alone).
         calibration: its calibration step, or None (nothing to fit).
+        configured_bits: how its configured bits follow from the configuration and its artifact, known before any
+            data: ``configured_bits(config, artifact) -> {"k": bits, "v": bits}``, the nominal bits per element
+            its codes set on full groups (float; a protected token counts 16) or None where the artifact it needs
+            is missing; `service.quant.accounting.configured_bits` puts 16 on a side ``sides`` leaves alone.
+            `code_bits` for codes at the configuration's ``bits`` (KIVI's formats). None (the default): no figure
+            follows from the configuration (KVQuant: its outliers are counted as the data has them), so its
+            reports and matrix rows show none.
+        fused_rows: its stores hold the kernel operands of the uniform formats (`KVQuantizer.kernel_operands`, not
+            overridden) with post-RoPE keys, so on the fused kernel's path the stores of one format in a running
+            batch attend in one launch (`service.quant.store.QuantizedKVStore.attend_batch`,
+            ``fused_reuse_attention_rows``, keyed by `service.quant.rows.batch_key`). False (the default): each
+            store launches the kernel alone (KVQuant: its non-uniform codes and pre-RoPE keys).
     """
 
     name: str
@@ -100,6 +112,8 @@ class QuantMethod:
     label: str | None = None
     pooled: PooledReader | None = None
     calibration: CalibrationStep | None = None
+    configured_bits: Callable[[Any, Any], dict[str, float] | None] | None = None
+    fused_rows: bool = False
 
     @property
     def store_kind(self) -> str | None:
@@ -114,6 +128,12 @@ class QuantMethod:
     def spelling(self, generic: str) -> str:
         """The public name of ``artifact_id`` / ``artifact_file`` for this method."""
         return self.spellings.get(generic, generic)
+
+
+def code_bits(config: Any, artifact: Any = None) -> dict[str, float]:
+    """`QuantMethod.configured_bits` of a method whose every element is a code at the configuration's ``bits``
+    (KIVI's formats): ``{"k": bits, "v": bits}``, float bits per element; the artifact is not read."""
+    return {"k": float(config.bits), "v": float(config.bits)}
 
 
 def same(field_name: str, artifact_value: Any, config_value: Any) -> None:

@@ -3,7 +3,8 @@ method, and the one artifact resolver.
 
 A plug-in is the only place that says what a method needs (`service.quant.plugin`). Everything else asks the
 registry: `KVQuantConfig` (legal methods, which need an artifact), `make_quantizer` and `make_kv_store`, the
-pooled reads (`service.quant.store`), the KV report's artifact fields, the server's resolver
+pooled reads and the fused kernel's shared launches (`service.quant.store`), configured bits
+(`service.quant.accounting`), the KV report's artifact fields, the server's resolver
 (`service.store.active`, from the store), the admin API, the ``generate`` CLI (its ``--kv-quant`` choices,
 artifacts from files), the ``policies`` and ``calibrate`` commands, evaluation (`evaluation.artifacts`, the matrix's
 rows and labels), the store's reference check and telemetry's labels.
@@ -23,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from service.artifacts.base import Artifact, ArtifactMismatch
 from service.quant.errors import KVQuantError
-from service.quant.plugin import REFERENCE_FIELDS, CalibrationStep, PooledReader, QuantMethod, same
+from service.quant.plugin import REFERENCE_FIELDS, CalibrationStep, PooledReader, QuantMethod, code_bits, same
 
 if TYPE_CHECKING:
     from service.engine.spec import ModelSpec
     from service.quant.base import KVQuantizer, QuantSettings
 
-__all__ = ["REFERENCE_FIELDS", "Artifact", "ArtifactMismatch", "CalibrationStep", "PooledReader", "QuantMethod", "same"]
+__all__ = ["REFERENCE_FIELDS", "Artifact", "ArtifactMismatch", "CalibrationStep", "PooledReader", "QuantMethod",
+           "code_bits", "same"]
 
 _METHODS: dict[str, QuantMethod] = {}
 _BUILT_IN_LOADED = False

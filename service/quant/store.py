@@ -64,7 +64,8 @@ class QuantizedKVStore(KVStore):
     ``needs_scores`` and ``pre_rope_keys`` are the quantizer's. A new block starts when ``write`` sees other
     segments, or a layer already written. ``read`` of a layer not written in this block raises
     :class:`KVQuantError`; so does a config with ``key_bias_correction`` for a quantizer whose K format declares
-    no key steps (`KVQuantizer.declares_key_steps`).
+    no key steps (`KVQuantizer.declares_key_steps`), and a method that declares `QuantMethod.fused_rows` for a
+    quantizer that quantizes pre-RoPE keys (``pre_rope_keys``).
     """
 
     def __init__(
@@ -89,8 +90,15 @@ class QuantizedKVStore(KVStore):
         self.keep_dequantized = keep_dequantized
         self.artifact_id = artifact_id
         self.report_field = report_field
+        entry = method(quantizer.config.method)
         # The method's pooled reader (`service.quant.plugin.PooledReader`), None: each store reads alone.
-        self.pooled = method(quantizer.config.method).pooled
+        self.pooled = entry.pooled
+        # Whether its stores share the fused kernel's launches (`QuantMethod.fused_rows`): that launch passes no
+        # positions, so a declaration for quantized pre-RoPE keys would attend them unrotated.
+        self.fused_rows = entry.fused_rows
+        if self.fused_rows and self.pre_rope_keys and quantizer.quantizes_k:
+            raise KVQuantError(f"method {entry.name!r} declares fused_rows, but its quantizer stores pre-RoPE keys, "
+                               "which the fused kernel's shared launch does not rotate")
         self.accounting = KVAccounting()
         self._segments: Segments | None = None
         self._layout: SlotLayout | None = None
@@ -293,9 +301,10 @@ class QuantizedKVStore(KVStore):
         KIVI's and dLLM-KVQ's uniform formats, `service.quant.rows`; KVQuant's per state,
         `service.quant.rows_nuq`) and whose reader's key agrees dequantize together: not with kept dequantized
         copies, a side held as it is, or a method that declares no reader. Stores on the fused kernel's path of
-        one uniform format attend together in one launch (:meth:`attend_batch`; their key is apart from the
-        PyTorch path's); KVQuant's kernel path still attends per store. Stores with the key-bias correction attend
-        together (:meth:`attend_batch`), apart from uncorrected ones."""
+        one uniform format whose method declares `QuantMethod.fused_rows` attend together in one launch
+        (:meth:`attend_batch`; their key is apart from the PyTorch path's); KVQuant's kernel path still attends
+        per store. Stores with the key-bias correction attend together (:meth:`attend_batch`), apart from
+        uncorrected ones."""
         key = self._format_key(layer, device)
         return ("key_bias", key) if key is not None and self.key_bias_correction else key
 
@@ -304,9 +313,7 @@ class QuantizedKVStore(KVStore):
         if layer not in self._packed or not (quantizer.quantizes_k and quantizer.quantizes_v):
             return None
         if self._fused(device):
-            if self.pre_rope_keys or type(quantizer).kernel_operands is not KVQuantizer.kernel_operands:
-                return None
-            return ("fused", batch_key(quantizer, self._packed[layer]))
+            return ("fused", batch_key(quantizer, self._packed[layer])) if self.fused_rows else None
         if self.keep_dequantized or self.pooled is None:
             return None
         if self.key_bias_correction and self.pooled.read_steps is None:

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.artifacts.base import Artifact, ArtifactMismatch, canonical_json, check_fingerprint
 from service.quant.base import KVQuantizer
 from service.quant.kivi import UNIFORM_ROWS
+from service.quant.plugin import code_bits
 from service.quant.registry import CalibrationStep, PooledReader, QuantMethod, register, same, unregister
 from tests.support.cli import console_main
 
@@ -132,6 +133,8 @@ METHOD = QuantMethod(
     spellings={"artifact_id": "clip_table_id", "artifact_file": "clip_table_file"},
     pooled=PooledReader(key=UNIFORM_ROWS.key, read=_read, forget=UNIFORM_ROWS.forget),
     calibration=CalibrationStep("clipfit", "per-layer clipping ratios of the clipped method", fit_clip_tables),
+    # Clipping changes no code width: every element a code at ``bits`` (KIVI's figure), and KIVI's kernel operands.
+    configured_bits=code_bits, fused_rows=True,
 )
 
 
@@ -181,6 +184,8 @@ def test_a_fourth_method_registered_from_a_test_is_served_fitted_listed_and_repo
         assert kv["clip_table_id"] == table_id and kv["policy_id"] is None and kv["kvquant_state_id"] is None
         assert kv["config"] == {**kv["config"], "method": "clipped", "clip_table_id": table_id}
         assert kv["k_nominal_bits"] == kv["v_nominal_bits"] == 8
+        # Its configured bits, as its plug-in declares them (`QuantMethod.configured_bits`).
+        assert r.json()["kv_config"]["configured_bits"] == {"k": 8.0, "v": 8.0}
         r = client.post("/generate", json={**body, "kv_quant": {"method": "clipped", "bits": 4,
                                                                  "clip_table_id": table_id}})
         assert r.status_code == 422 and r.json()["error"]["param"] == "kv_quant.bits", r.text
@@ -258,6 +263,20 @@ def test_the_fourth_method_is_a_row_of_the_matrix(tmp_path, clipped):
     assert [r["cell"] for r in result["ran"]] == ["none", "dual-none", "dual-clipped-8"] and not result["skipped"]
     paths = write_outputs(tmp_path / "matrix", ["tiny_echo"], files=result["files"])
     assert "| Clipped (8-bit) |" in paths["md"].read_text()
+    rows = {r["method"]: r for r in json.loads(paths["json"].read_text())["blocks"][0]["rows"]}
+    assert rows["clipped"]["configured_bits"] == {"k": 8.0, "v": 8.0}  # its plug-in's figure
+    assert rows["none"]["configured_bits"] is None
+
+
+def test_the_fourth_method_declares_its_configured_bits(clipped):
+    """`configured_bits` reads the plug-in: the clipped method's codes at ``bits``, 16 on a side left alone."""
+    from service.quant.accounting import configured_bits
+    from service.quant.config import KVQuantConfig
+
+    table = ClipTable(weights_fingerprint="f" * 64, bits=2, ratios=[0.9])
+    assert configured_bits(KVQuantConfig(method="clipped", bits=2, artifact_id=table.id), table) == {"k": 2.0, "v": 2.0}
+    assert configured_bits(KVQuantConfig(method="clipped", bits=2, sides="k", artifact_id=table.id), table) == {
+        "k": 2.0, "v": 16.0}
 
 
 def test_no_file_of_the_tree_names_the_fourth_method():

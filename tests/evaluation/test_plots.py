@@ -65,3 +65,19 @@ def test_serve_load_plot(tmp_path):
              "p90_s": 0.2 * (c + 1), "p99_s": 0.3 * (c + 1), "mean_batch": max(1, c)} for c in (0, 1, 4, 8, 16)]
     path = plot_serve_load(rows, tmp_path / "new" / "load.png", "title")  # its folder is made
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_method_colours_and_labels_come_from_the_registry():
+    """No method is named in the plot module: the built-in ones keep their colours by registration order, and a
+    method registered later gets its own colour and its plug-in's label."""
+    from evaluation.plots import method_styles
+    from service.quant.base import KVQuantizer
+    from service.quant.registry import QuantMethod, register, unregister
+
+    assert method_styles() == {"kivi": ("tab:blue", "KIVI"), "kvquant": ("tab:orange", "KVQuant"),
+                               "dllm_kvq": ("tab:green", "dLLM-KVQ")}
+    register(QuantMethod("mine", quantizer=KVQuantizer, label="Mine"))
+    try:
+        assert method_styles()["mine"] == ("tab:red", "Mine")
+    finally:
+        unregister("mine")

@@ -153,3 +153,32 @@ def test_the_fused_key_is_apart_from_the_pytorch_paths_and_the_set_is_dropped_on
     assert not any(m is maps for held in parts._SETS.values() for m in held.maps)
     with pytest.raises(KVQuantError, match="rows"):
         stores[0].attend_batch(stores[:1], 0, q, k, k, widths[:1])
+
+
+def test_only_a_method_that_declares_fused_rows_shares_a_launch():
+    """The shared launch is the plug-in's declaration (`QuantMethod.fused_rows`), not read off the quantizer's
+    type: KIVI's formats under a method that does not declare it attend per store; a declaration for quantized
+    pre-RoPE keys (which that launch would attend unrotated) is refused when the store is made."""
+    from service.quant.base import KVQuantizer
+    from service.quant.registry import QuantMethod, register, unregister
+
+    class PreRope(KVQuantizer):
+        pre_rope_keys = True
+
+    seg = LAYOUTS[0]
+    register(QuantMethod("alone", quantizer=KVQuantizer))
+    register(QuantMethod("prerope", quantizer=PreRope, fused_rows=True))
+    try:
+        alone = make_kv_store(KVQuantConfig(method="alone", bits=4, k_group_size=8), SPEC, attention="triton")
+        alone.write(0, *(t.to(DEVICE) for t in kv(seg.batch_size, seg.seq_len, seed=4)), seg)
+        assert alone.batch_key(0, DEVICE) is None
+        with pytest.raises(KVQuantError, match="pre-RoPE"):
+            make_kv_store(KVQuantConfig(method="prerope", bits=4), SPEC, attention="triton")
+        # A side held as it is never reaches the kernel, so pre-RoPE keys held are no contradiction.
+        make_kv_store(KVQuantConfig(method="prerope", bits=4, sides="v"), SPEC, attention="triton")
+    finally:
+        unregister("alone")
+        unregister("prerope")
+    kivi = make_kv_store(KVQuantConfig(method="kivi", bits=4, k_group_size=8), SPEC, attention="triton")
+    kivi.write(0, *(t.to(DEVICE) for t in kv(seg.batch_size, seg.seq_len, seed=4)), seg)
+    assert kivi.batch_key(0, DEVICE)[0] == "fused"
