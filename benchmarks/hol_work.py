@@ -64,7 +64,7 @@ def run(engine, ids: list[int], every: int, rule: bool) -> tuple[list[tuple[int,
                 short = engine.cohort([ids[:100]], _params(32))
                 batch.join(short)
                 shorts[short] = [0, 0]
-            passes = batch.passes()
+            passes = batch.passes(batch.cohorts)
             if rule:
                 passes, hold = first_passes_first(passes, hold)
             forwards = plan(passes)
@@ -93,7 +93,7 @@ def alone_counts(engine, ids: list[int]) -> tuple[int, int, list[int]]:
     forwards = work = 0
     with torch.inference_mode():
         while short in batch.cohorts:
-            groups = [[p] for p in batch.passes()]
+            groups = [[p] for p in batch.passes(batch.cohorts)]
             forwards, work = forwards + len(groups), work + _work(cost, groups)
             batch.run(groups)
     return forwards, work, engine.report(short).rows[0].generated_ids

@@ -62,7 +62,7 @@ def measure(model: LLaDA2Model, rows: int, name: str) -> tuple[int, int, int]:
         while batch.cohorts:
             held = sum(s.bytes_held for s in stores if s is not None)
             committed = max(committed, sum(c.rows[0].committed for c in cohorts))
-            batch.run()
+            batch.step()
             peak = max(peak, held + (batch._cache.nbytes if batch._cache is not None else 0))
             peak_stores = max(peak_stores, sum(s.bytes_held for s in stores if s is not None))
     return peak, peak_stores, sum(c.rows[0].committed for c in cohorts)

@@ -96,7 +96,7 @@ def measure(model: LLaDA2Model, rows: int, kv_quant: str = "none") -> dict[str, 
     with torch.inference_mode():
         for kind in ("block-initial", "later-step"):
             with Counter() as counter, ForwardCount(model) as forwards:
-                batch.run()
+                batch.step()
             out[kind] = (counter.ops, counter.syncs, forwards.calls, forwards.most_rows)
         moe = model.layers[1].mlp
         x = torch.randn(rows, 32, model.config.width, generator=gen)

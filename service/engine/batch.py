@@ -32,7 +32,8 @@ Padded query columns write their K/V into a spare key column that no row attends
 decode token for token as they would alone. Where a fault is caught decides how:
 
 * its next call (:meth:`Cohort.next_pass`), its host bookkeeping after the iteration's read (:meth:`Cohort.absorb`,
-  its log-probabilities, its ``on_block`` and ``on_done`` callbacks): caught around that cohort's own call;
+  its log-probabilities, its ``on_block`` callback, and ``on_done`` of :meth:`RunningBatch.step`): caught around
+  that cohort's own call;
 * its grammar at the reveal (`service.engine.grammar.constrained_reveal`: the grammar engine's work limit, or no
   token allowed): the row's chain records a `GrammarViolation` and stops, the other rows' chains and the batched
   reveal go on with the same logits (each row's reveal reads only its own row), and the failing cohort's window is
@@ -58,7 +59,7 @@ that cannot be one cohort's (a device fault, `service.runtime.loop.is_device_fau
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 import torch
@@ -318,8 +319,15 @@ class RunningBatch:
         plan: how :meth:`step` groups an iteration's passes into forwards (default :func:`alone`; the server's
             loop plans each iteration itself, :meth:`passes` then :meth:`run`).
 
+    **Who keeps the running set.** The caller does: each iteration starts with the cohorts it names
+    (:meth:`passes`), and :meth:`run` returns the ones that finished and lists the ones that failed (both have left:
+    their stores are freed); the batch keeps only each cohort's next call between iterations. So data flows one
+    way, and nothing of the caller runs inside :meth:`run`. The server's worker keeps its running map and never
+    calls :meth:`join` (`service.runtime.loop`); a caller with no running set of its own (`Engine.generate`,
+    tests, benchmarks) lets :meth:`join` keep one for it in :attr:`cohorts` and runs :meth:`step`.
+
     Attributes:
-        cohorts: the cohorts in the batch, oldest first.
+        cohorts: the cohorts :meth:`join` added and that have not left, oldest first (empty in the server).
         forwards: forward calls made by the last :meth:`step` (more when a merged forward failed); merged: the most
             cohorts that shared one of them; rows: row-forwards of the last step (rows summed over forwards).
         failed: (cohort, exception) of the cohorts that failed in the last :meth:`step` (they have left; module
@@ -335,11 +343,16 @@ class RunningBatch:
         self._finished: list[Cohort] = []
 
     def join(self, cohort: Cohort, call: Pass | None = None) -> None:
-        """Add a cohort; its first call is made at the next :meth:`step`, or is ``call`` when given (the call
-        :meth:`preempt` took from it: the cohort resumes exactly where it stopped)."""
+        """Add a cohort to :attr:`cohorts` (the running set :meth:`step` decodes); its first call is made at the
+        next :meth:`step`, or is ``call`` when given (:meth:`resume`)."""
         self.cohorts.append(cohort)
         if call is not None:
-            self._next[cohort] = call
+            self.resume(cohort, call)
+
+    def resume(self, cohort: Cohort, call: Pass) -> None:
+        """Give a preempted cohort back the call :meth:`preempt` took from it: the next iteration that names it
+        (:meth:`passes`) runs that call, so it resumes exactly where it stopped."""
+        self._next[cohort] = call
 
     def preemptible(self, cohort: Cohort) -> bool:
         """Whether :meth:`preempt` may take ``cohort`` out now: its next call is a full pass, which reads nothing
@@ -361,18 +374,20 @@ class RunningBatch:
         if not self.preemptible(cohort):
             raise ValueError("a cohort is preempted only when its next call is a full pass")
         call = self._next.pop(cohort)
-        self.cohorts.remove(cohort)
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
         cohort.store.clear()
         return call
 
     def leave(self, cohort: Cohort) -> None:
-        """Remove a cohort now (e.g. its client went away) and free its KV store."""
+        """Let a cohort go now (finished, failed, its client went away): its next call is dropped, its KV store
+        freed, and it leaves :attr:`cohorts` if :meth:`join` put it there."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
         self._next.pop(cohort, None)
         cohort.store.clear()
 
-    def _ask(self, cohort: Cohort, finished: list[Cohort], on_done: Callable[[Cohort], None] | None) -> None:
+    def _ask(self, cohort: Cohort, finished: list[Cohort]) -> None:
         """Take the cohort's next call, or let it leave (finished) when it has none, or record its fault."""
         try:
             call = cohort.next_pass()
@@ -384,38 +399,43 @@ class RunningBatch:
             return
         self.leave(cohort)
         finished.append(cohort)
-        if on_done is not None:
-            try:
-                on_done(cohort)
-            except Exception as exc:  # noqa: BLE001 -- the caller's callback for this cohort: its fault alone
-                finished.remove(cohort)
-                self.failed.append((cohort, exc))
 
     def step(self, on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
-        """One iteration (module doc): :meth:`passes`, the batch's plan groups them into forwards, :meth:`run`.
-        Returns the cohorts that finished (they have left the batch, their stores cleared); ``on_done`` is called
-        for each as soon as it is known. Cohorts that failed leave too and are listed in :attr:`failed` (never
-        raised, even for the only cohort: module doc); only a fault outside every cohort (the iteration's one host
-        read) raises, and the cohorts stay in the batch then.
+        """One iteration of :attr:`cohorts` (module doc): :meth:`passes`, the batch's plan groups them into
+        forwards, :meth:`run`. Returns the cohorts that finished (they have left, their stores cleared), after
+        ``on_done`` was called for each (a caller's callback that raises fails that cohort alone: it goes into
+        :attr:`failed` instead). Cohorts that failed leave too and are listed in :attr:`failed` (never raised,
+        even for the only cohort: module doc); only a fault outside every cohort (the iteration's one host read)
+        raises, and the cohorts stay in the batch then.
         """
-        return self.run(self.plan(self.passes(on_done)), on_done)
+        finished = self.run(self.plan(self.passes(self.cohorts)))
+        if on_done is not None:
+            for cohort in list(finished):
+                try:
+                    on_done(cohort)
+                except Exception as exc:  # noqa: BLE001 -- the caller's callback for this cohort: its fault alone
+                    finished.remove(cohort)
+                    self.failed.append((cohort, exc))
+        return finished
 
-    def passes(self, on_done: Callable[[Cohort], None] | None = None) -> list[Pass]:
-        """Start an iteration: the next call of every cohort, oldest first, for a plan to group into forwards
-        (cohorts that joined since the last iteration are asked now; one with no call finishes, ``on_done``; one
-        that raises goes into :attr:`failed`)."""
+    def passes(self, cohorts: Sequence[Cohort]) -> list[Pass]:
+        """Start an iteration of ``cohorts`` (the caller's running set, oldest first: class doc): the next call of
+        each, for a plan to group into forwards. A cohort not seen since it last left is asked now; one with no
+        call finishes (:meth:`run` returns it); one that raises goes into :attr:`failed`."""
         self._finished = []
         self.failed = []
         self.forwards = self.merged = self.rows = 0
-        for cohort in list(self.cohorts):
-            if cohort not in self._next:  # joined since the last iteration
-                self._ask(cohort, self._finished, on_done)
-        return [self._next[c] for c in self.cohorts if c in self._next]
+        for cohort in cohorts:
+            if cohort not in self._next:  # new since the last iteration
+                self._ask(cohort, self._finished)
+        return [self._next[c] for c in cohorts if c in self._next]
 
-    def run(self, forwards: list[list[Pass]], on_done: Callable[[Cohort], None] | None = None) -> list[Cohort]:
+    def run(self, forwards: list[list[Pass]]) -> list[Cohort]:
         """Run the iteration :meth:`passes` started, as planned: each group one forward (passes of one kind) and
         one reveal, then the iteration's one host read; a pass the plan left out waits for the next iteration.
-        Returns, fails cohorts and raises as :meth:`step`."""
+        Returns the cohorts that finished (they have left: :meth:`leave`); the ones that failed have left too and
+        are in :attr:`failed` (never raised: module doc); only a fault outside every cohort (the iteration's one
+        host read) raises, and every cohort keeps its state then."""
         finished = self._finished
         done: list[tuple[list[Pass], RevealResult]] = []
         for group in forwards:
@@ -427,7 +447,7 @@ class RunningBatch:
                 del self._next[call.cohort]
                 if self._has_failed(call.cohort):
                     continue
-                self._ask(call.cohort, finished, on_done)
+                self._ask(call.cohort, finished)
         for cohort, _ in self.failed:
             self.leave(cohort)
         self._finished = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -212,11 +212,16 @@ def _generator(options: RowOptions, device: torch.device) -> torch.Generator | N
 
 class BlockCausalBatch:
     """The running batch of a block-causal model (module doc). ``failed`` lists ``(cohort, exception)`` of the last
-    iteration's cohorts that failed alone; ``forwards`` and ``rows`` count its forwards and row-forwards."""
+    iteration's cohorts that failed alone; ``forwards`` and ``rows`` count its forwards and row-forwards.
+
+    The caller keeps the running set, as `service.engine.batch.RunningBatch`'s (its class doc): each iteration
+    runs the cohorts :meth:`passes` names; ``cohorts`` is the set :meth:`join` keeps for a caller without one
+    (:meth:`step`; empty in the server)."""
 
     def __init__(self, model: LLaDA2Model) -> None:
         self.model = model
         self.cohorts: list[BlockCausalCohort] = []
+        self._live: list[BlockCausalCohort] = []  # the cohorts of the iteration :meth:`passes` started
         self.failed: list[tuple[BlockCausalCohort, BaseException]] = []
         self.forwards = 0
         self.rows = 0
@@ -224,23 +229,34 @@ class BlockCausalBatch:
         self._slots: list[Row] = []  # the row of each cache slot
 
     def join(self, cohort: BlockCausalCohort) -> None:
-        """Add a request's rows; they take part from the next iteration."""
+        """Add a request's rows to ``cohorts`` (the set :meth:`step` decodes); they take part from the next
+        iteration."""
         self.cohorts.append(cohort)
 
     def leave(self, cohort: BlockCausalCohort) -> None:
-        """Drop a request (finished, failed or cancelled); its slots go at the next iteration."""
+        """Drop a request (finished, failed or cancelled); its slots go at the next iteration that runs without
+        its rows."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
 
-    def passes(self, on_done: Callable | None = None) -> list:
-        """The iteration's calls are made in :meth:`run` (one forward); nothing for a plan to group."""
+    def passes(self, cohorts: Sequence[BlockCausalCohort]) -> list:
+        """Start an iteration of ``cohorts`` (the caller's running set, oldest first); its calls are made in
+        :meth:`run` (one forward), so nothing for a plan to group."""
+        self._live = list(cohorts)
         return []
 
-    def run(self, forwards: list | None = None, on_done: Callable[[BlockCausalCohort], None] | None = None) -> None:
-        """One iteration: one forward over every live row of every cohort, each row sent its logits; finished
-        cohorts leave (``on_done(cohort)``). A cohort whose host step raises fails alone (:attr:`failed`)."""
+    def step(self) -> list[BlockCausalCohort]:
+        """One iteration of ``cohorts`` (`Engine.generate`, :func:`generate_batch`); returns as :meth:`run`."""
+        self.passes(self.cohorts)
+        return self.run()
+
+    def run(self, forwards: list | None = None) -> list[BlockCausalCohort]:
+        """The iteration :meth:`passes` started: one forward over every live row of its cohorts, each row sent
+        its logits. Returns the cohorts that finished (they have left: :meth:`leave`). A cohort whose host step
+        raises fails alone: it leaves and is listed in :attr:`failed`."""
         self.failed, self.forwards, self.rows = [], 0, 0
-        live = [(c, i) for c in self.cohorts for i in sorted(c.calls)]
+        finished: list[BlockCausalCohort] = []
+        live = [(c, i) for c in self._live for i in sorted(c.calls)]
         if live:
             # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
             live.sort(key=lambda ci: ci[0].packs(ci[1]))
@@ -266,7 +282,7 @@ class BlockCausalBatch:
                     cohort.advance(i, row_revealed)
                 except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
                     self.failed.append((cohort, exc))
-        for cohort in list(self.cohorts):
+        for cohort in self._live:
             if cohort in [f for f, _ in self.failed]:
                 self.leave(cohort)
                 continue
@@ -279,12 +295,9 @@ class BlockCausalBatch:
                 continue
             if cohort.done:
                 self.leave(cohort)
-                if on_done is not None:
-                    on_done(cohort)
-
-    def step(self) -> None:
-        """:meth:`run` with no plan (`Engine.generate`)."""
-        self.run()
+                finished.append(cohort)
+        self._live = []
+        return finished
 
     def _cache_for(self, rows: list[Row], packed: int) -> CommittedKV:
         """The cache with one slot per row of ``rows``, in that order, the last ``packed`` of them held packed
@@ -347,7 +360,7 @@ def generate_batch(
     batch.join(cohort)
     with torch.inference_mode():
         while batch.cohorts:
-            batch.run()
+            batch.step()
             if batch.failed:
                 raise batch.failed[0][1]
     cfg = model.config

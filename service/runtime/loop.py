@@ -52,6 +52,10 @@ planned forwards), finish (set the results of the jobs that left). Rules:
 * **Locking** (issue 34). The lock :meth:`Worker.submit` and :meth:`Worker.cancel` take on the event loop is held
   by the worker thread only for list work and the pure admission plan: probes of new configurations, cohort
   builds and finished jobs' reports and text run outside it (`benchmarks/loop_stall.py`).
+* **One running set** (issue 34). The worker's running map is the only record of what runs: each iteration
+  gives its cohorts to the batch (``passes(cohorts)``), which keeps no list of its own, and the batch hands back
+  what left (``run`` returns the finished cohorts, ``failed`` the failed ones); the results are set after ``run``
+  returns, so nothing of the worker (no callback, no lock) runs inside it.
 * **Drain.** :meth:`Worker.drain` refuses new jobs and lets admitted ones finish up to a timeout (SIGTERM).
 * **Shadow re-decode** (accuracy telemetry, issue #5 item 6): after a quantized job finishes, with probability
   ``shadow_rate`` the same request is queued again with the unquantized cache in a separate low-priority queue;
@@ -102,8 +106,9 @@ class EngineLike(Protocol):
 
     def decode_text(self, ids: list[int]) -> str | None: ...
 
-    # The running batch's interface (`service.engine.batch.RunningBatch`: ``passes()`` starts an iteration,
-    # ``run(forwards)`` runs it as planned), a request's cohort, its report.
+    # The running batch's interface (`service.engine.batch.RunningBatch`: ``passes(cohorts)`` starts an iteration
+    # of the worker's running cohorts, ``run(forwards)`` runs it as planned and returns the finished ones,
+    # ``failed`` lists the failed ones, ``leave`` frees one), a request's cohort, its report.
     def batch(self) -> Any: ...
 
     def cohort(
@@ -332,9 +337,11 @@ class Worker:
         self._queue: deque[Job] = deque()
         self._shadow: deque[Job] = deque()
         self._cond = threading.Condition()
-        # The running jobs by their cohort, in the order they joined: the only record of what runs (drain, counts,
-        # failures); a finished or failed cohort finds its job by one look-up. Mutated by the worker thread only,
-        # under the lock (other threads read it under the lock: drain, counts).
+        # The running jobs by their cohort, in the order they joined: the one running set. Each iteration gives the
+        # batch its cohorts (`RunningBatch.passes`), which keeps no list of its own, and the batch hands back the
+        # ones that finished or failed (the return of ``run``, ``failed``), so data flows one way and nothing of
+        # ours runs inside ``run``. Mutated by the worker thread only, under the lock (other threads read it under
+        # the lock: drain, counts; the worker thread reads it without).
         self._running: dict[Any, Job] = {}
         # Jobs admitted whose cohorts are being built, outside the lock (drain counts them as running).
         self._joining: list[Job] = []
@@ -604,8 +611,8 @@ class Worker:
 
     def _join(self, jobs: list[Job]) -> None:
         """Take the preempted jobs' cohorts out of the batch (their stores freed, their next calls kept on them),
-        make the chosen jobs' cohorts (outside the lock) and add them to the batch, a preempted one with the call
-        it stopped at; a job the engine refuses fails alone."""
+        make the chosen jobs' cohorts (outside the lock) and add them to the running set, a preempted one with the
+        call it stopped at given back to the batch; a job the engine refuses fails alone."""
         for job in self._preempted:
             job.pending = self._batch.preempt(job.cohort)
         self._preempted = []
@@ -629,13 +636,9 @@ class Worker:
                 self._running[cohort] = job
         for job, cohort in made:
             resumed, job.pending = job.pending, None
-            if job.task is not None:
-                pass  # a task steps itself after each iteration (:meth:`_step_tasks`)
-            elif resumed is not None:
-                self._batch.join(cohort, resumed)  # preempted: resumes with the call it stopped at
-            else:
-                self._batch.join(cohort)
-            if job.served is None and not job.internal and resumed is None:
+            if resumed is not None:
+                self._batch.resume(cohort, resumed)  # preempted: resumes with the call it stopped at
+            elif job.served is None and not job.internal:
                 self.telemetry.queue_time.observe(now - job.admitted_at)
 
     def _cohort(self, job: Job) -> Any:
@@ -666,10 +669,12 @@ class Worker:
                     continue
                 self._publish()
             try:
-                passes = self._batch.passes(on_done=self._finished)
-                passes, self._hold = first_passes_first(passes, self._hold)
+                # The one running set goes to the batch (tasks step themselves after it: :meth:`_step_tasks`).
+                cohorts = [job.cohort for job in self._running.values() if job.task is None]
+                passes, self._hold = first_passes_first(self._batch.passes(cohorts), self._hold)
                 forwards = self._plan(passes)
-                self._batch.run(forwards, on_done=self._finished)
+                finished = self._batch.run(forwards)
+                self._settle(finished, self._batch.failed)
                 self._step_tasks(self._token_budget - sum(forward_tokens(group) for group in forwards))
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
@@ -678,17 +683,26 @@ class Worker:
                 continue
             self.telemetry.forwards.observe(self._batch.forwards)
             self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
-            for _cohort, exc in self._batch.failed:
-                if is_device_fault(exc):
-                    self._fail_batch(exc)
-                    return
             with self._cond:
-                for cohort, exc in self._batch.failed:
-                    job = self._running.get(cohort)
-                    if job is not None:  # else its own callback already failed it (:meth:`_finished`)
-                        self._fail_running(job, exc)
                 self._publish()
                 self._cond.notify_all()
+
+    def _settle(self, finished: list[Any], failed: list[tuple[Any, BaseException]]) -> None:
+        """What the iteration handed back (the batch has let these cohorts go): the failed ones' requests fail
+        alone, then the finished ones' results are set (:meth:`_finished`), before the tasks' forwards. A device
+        fault among the failures is raised (the loop fails everything and stops)."""
+        for _cohort, exc in failed:
+            if is_device_fault(exc):
+                raise exc
+        if failed:
+            with self._cond:
+                for cohort, exc in failed:
+                    job = self._running.get(cohort)
+                    if job is not None:
+                        self._fail_running(job, exc)
+                self._cond.notify_all()
+        for cohort in finished:
+            self._finished(cohort)
 
     def _step_tasks(self, tokens_left: int) -> None:
         """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
@@ -713,7 +727,7 @@ class Worker:
                 self._finished(job.cohort)
 
     def _finished(self, cohort: Any) -> None:
-        """A cohort left the batch: its request's result is set now, before the iteration's other forwards. The
+        """A cohort finished (it left the batch, or its task is done): its request's result is set now. The
         result (its report, its text) is made outside the lock; the lock is taken only to let the job go. A result
         that cannot be made (its report raised) fails that request alone."""
         job = self._running.get(cohort)  # the worker thread is the only writer

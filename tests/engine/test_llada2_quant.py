@@ -174,7 +174,7 @@ def test_bytes_held_are_the_packed_bytes_the_report_and_admission_count(llada2, 
                                  spec.mask_id, spec.eos_ids, kv_store=store))
     with torch.inference_mode():
         while batch.cohorts:
-            batch.run()
+            batch.step()
             assert not batch.failed
             cache = batch._cache
             assert all(k.shape[0] == 0 for k in cache.k + cache.v)  # no per-layer buffer for the packed row
@@ -214,6 +214,6 @@ def test_a_quantized_and_an_unquantized_request_in_one_batch_decode_as_alone(lla
         batch.join(cohort)
     with torch.inference_mode():
         while batch.cohorts:
-            batch.run()
+            batch.step()
             assert not batch.failed
     assert [c.results[0].generated_ids for c in cohorts] == alone

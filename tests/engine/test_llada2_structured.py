@@ -43,7 +43,7 @@ def decode(loaded, prompts: list[list[int]], settings: BlockCausalParams, rows: 
     batch.join(cohort)
     with torch.inference_mode():
         while batch.cohorts:
-            batch.run()
+            batch.step()
             assert not batch.failed
     return cohort.results
 

@@ -142,3 +142,78 @@ def test_preemption_waits_for_a_block_boundary_and_is_refused_when_it_cannot_hel
     assert plan_preemption(Cost(40, 5), running, 85) == [1]
     # a request that is not pausable holds too much: preempting the others would not make the head fit
     assert plan_preemption(SMALL, [_holder(Cost(85, 10), pausable=False), _holder(Cost(15, 5))], BUDGET) == []
+
+
+# ---- one running set (issue 34 item 4) --------------------------------------------------------------------------
+class _WatchedLock(threading.Condition):
+    """The worker's lock, noting each time the worker thread takes it while the batch's ``run`` is on its stack."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_run = False
+        self.taken_in_run = 0
+
+    def __enter__(self):
+        if self.in_run and threading.current_thread().name == "dllm-kvq-worker":
+            self.taken_in_run += 1
+        return super().__enter__()
+
+
+def test_the_worker_keeps_the_one_running_set_and_nothing_of_it_runs_inside_the_batch(engines):
+    """The batch decodes exactly the worker's running cohorts each iteration and keeps no list of its own; nothing
+    of the worker (no callback, no lock) runs inside ``run``; once every request is done (one of them preempted
+    and resumed) the batch holds no pending call of any of them."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    large = Job(prompts[2] * 3, DecodeParams(gen_length=96, block_length=32, threshold=0.9, ignore_eos=True,
+                                             cache_mode="dual"), RowOptions(), ConfigSnapshot(KIVI2, "dual", "request"))
+    small = Job(prompts[0], DecodeParams(gen_length=32, block_length=32, threshold=0.9, ignore_eos=True,
+                                         cache_mode="dual"), RowOptions(), ConfigSnapshot(UNQUANTIZED, "dual", "request"))
+    probe = _worker(engine, 1 << 30, Telemetry())
+    cost = probe._cost(large)
+    worker = _worker(engine, cost.kv + cost.transient, Telemetry())
+    lock = worker._cond = _WatchedLock()
+    iterations: list[tuple[list, list, list]] = []  # (the worker's running cohorts, the passes' cohorts, batch.cohorts)
+
+    def watch(batch):
+        passes, run = batch.passes, batch.run
+
+        def watched_passes(cohorts):
+            got = passes(cohorts)
+            iterations.append(([j.cohort for j in worker._running.values()], list(cohorts), list(batch.cohorts)))
+            return got
+
+        def watched_run(forwards):
+            lock.in_run = True
+            try:
+                return run(forwards)
+            finally:
+                lock.in_run = False
+
+        batch.passes, batch.run = watched_passes, watched_run
+        return batch
+
+    make = engine.batch
+    engine.batch = lambda *a, **kw: watch(make(*a, **kw))
+    try:
+        submitted = threading.Event()
+
+        def on_block(block: int, ids: list[list[int]]) -> None:
+            if not submitted.is_set():  # this test's own callback (the server's hands the block to its event
+                submitted.set()             # loop): its submit is not the worker's taking the lock
+                lock.in_run, was = False, lock.in_run
+                worker.submit(small)
+                lock.in_run = was
+
+        large.on_block = on_block
+        worker.submit(large)
+        worker.start()
+        large.future.result(timeout=300)
+        small.future.result(timeout=300)
+        worker.stop()
+    finally:
+        engine.batch = make
+    assert large.preemptions == 1  # the set changed under preemption, not only by joins and finishes
+    assert iterations and all(running == given and own == [] for running, given, own in iterations)
+    assert lock.taken_in_run == 0
+    assert worker._batch._next == {}  # nothing left behind by the cohorts that left

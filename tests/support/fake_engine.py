@@ -112,18 +112,18 @@ class FakeBatch:
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
 
-    def passes(self, on_done=None) -> list[FakePass]:
-        """Start an iteration: finished cohorts leave (``on_done``); one full pass per other cohort, shaped as
-        `service.engine.decode.Pass` for the scheduler's plan (`service.runtime.scheduler.plan_forwards`)."""
-        self._finished = [c for c in self.cohorts if c.done]
+    def passes(self, cohorts) -> list[FakePass]:
+        """Start an iteration of ``cohorts`` (the caller's running set): finished ones leave (:meth:`run`
+        returns them); one full pass per other cohort, shaped as `service.engine.decode.Pass` for the scheduler's
+        plan (`service.runtime.scheduler.plan_forwards`)."""
+        done = [c.done for c in cohorts]
+        self._finished = [c for c, d in zip(cohorts, done) if d]
         for cohort in self._finished:
             self.leave(cohort)
-            if on_done is not None:
-                on_done(cohort)
         return [FakePass(c, "full", len(c.prompts[0]) + c.params.gen_length, range(len(c.prompts)))
-                for c in self.cohorts]
+                for c, d in zip(cohorts, done) if not d]
 
-    def run(self, forwards, on_done=None) -> list[FakeCohort]:
+    def run(self, forwards) -> list[FakeCohort]:
         """Commit one block of every cohort of the planned forwards (one recorded call, one sleep)."""
         cohorts = [p.cohort for group in forwards for p in group]
         self.forwards = 1 if cohorts else 0
@@ -139,8 +139,8 @@ class FakeBatch:
                 cohort.on_block(cohort.block - 1, [a[: cohort.block * size] for a in cohort.answers])
         return self._finished
 
-    def step(self, on_done=None) -> list[FakeCohort]:
-        return self.run([self.passes(on_done)], on_done)
+    def step(self) -> list[FakeCohort]:
+        return self.run([self.passes(self.cohorts)])
 
 
 @dataclass
