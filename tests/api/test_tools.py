@@ -84,6 +84,9 @@ def _valid_calls(message: dict) -> list[tuple[str, dict]]:
     ({"tool_choice": "required", "tools": None}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    # An object tool_choice is told what is wrong with it, not that it is none of the strings.
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tool_choice": {"type": "allowed_tools", "function": {"name": "add"}}}, "tool_choice.type"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_regex": "[0-9]+", "tool_choice": "required"}, "guided_regex"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
