@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from typing import Any
 
 #: Most nested arrays/objects in one document (every request and artifact of this server nests fewer than 10).
@@ -149,8 +150,10 @@ def loads(data: bytes | str, max_depth: int = MAX_DEPTH) -> Any:
         raise NotJSON(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:  # the bracket walk was fooled by invalid text; json's own limit caught it
         raise JSONRefused(f"nested more than {max_depth} levels deep") from None
-    except ValueError as exc:  # json raises plain ValueError for an integer of more than 4,300 digits
-        raise NotJSON(str(exc)) from None
+    except ValueError:  # json raises plain ValueError for an integer of more digits than Python converts
+        # Python's message advises sys.set_int_max_str_digits(), a server-side call: the client is told the limit.
+        raise NotJSON(f"an integer of more than {sys.get_int_max_str_digits():,} digits (the most this server "
+                      "reads)") from None
 
 
 def loads_field(text: str, field: str, max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:

@@ -183,10 +183,24 @@ def _body_path(loc: list, body: dict[str, Any], names_itself: bool) -> list[str]
     return path
 
 
+def _union_branch(errors: list[Any]) -> dict[str, Any]:
+    """The error to name: the first, unless it is a union's string branch refusing an object (``tool_choice:
+    {"type": "function"}`` against ``'none', 'auto' or 'required'``) and the union's object branch said what
+    is wrong with that object (``tool_choice.function: Field required``)."""
+    first = errors[0]
+    if first.get("type") == "literal_error" and isinstance(first.get("input"), dict):
+        field = tuple(first.get("loc", ()))[:-1]
+        for other in errors[1:]:
+            loc = tuple(other.get("loc", ()))
+            if len(loc) > len(field) + 1 and loc[:len(field)] == field:
+                return other
+    return first
+
+
 def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dict[str, Any], None]:
     """400 naming the first bad field (``messages.0.role``); malformed JSON says so."""
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first = _union_branch(errors) if errors else {"loc": (), "msg": "invalid request", "type": ""}
     full = tuple(first.get("loc", ()))
     raw = [p for p in full if p not in ("body", "query", "path")]
     body = getattr(exc, "body", None)

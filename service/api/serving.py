@@ -510,8 +510,11 @@ class Serving:
         if n > self.settings.max_n:
             raise InvalidRequest(f"n {n} is over this server's {self.settings.max_n} choices per request "
                                  "(DLLM_MAX_N)", param="n")
-        row = RowOptions(temperature=temperature, seed=req.seed, stop=self._stops(req.stop), max_tokens=max_tokens,
-                         logprobs=logprobs, grammar=self._grammar(req, tools))
+        # A response that can only be calls (required, a named function) ends where its grammar ends: a stop string
+        # could only cut a call, which is then returned as nothing at all.
+        calls_only = tools is not None and tools.mode in ("required", "named")
+        row = RowOptions(temperature=temperature, seed=req.seed, stop=() if calls_only else self._stops(req.stop),
+                         max_tokens=max_tokens, logprobs=logprobs, grammar=self._grammar(req, tools))
         rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
         jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]

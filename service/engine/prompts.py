@@ -11,7 +11,8 @@ content that spells a special token (``<|eot_id|><|start_header_id|>assistant...
 ``<|mdm_mask|>``) is tokenized as text, so a client cannot forge a turn, a BOS or a mask. Messages without such
 text give exactly the template's ids as before; with it, the template is rendered around markers that stand for
 the special texts of the content, split at the template's own control tokens, and each piece between them is
-encoded with the specials of the content as text (:func:`encode_as_text`). ``special_in_content=True`` keeps the
+encoded with the specials of the content as text (:func:`encode_as_text`). A template that knows tools also writes
+the tools (names, descriptions, schemas) and the calls' arguments: their strings are marked the same way. ``special_in_content=True`` keeps the
 old behaviour (the server's ``DLLM_ALLOW_SPECIAL_TOKENS_IN_CONTENT``).
 """
 
@@ -104,10 +105,34 @@ def encode_as_text(tokenizer: Any, text: str) -> list[int]:
     return out
 
 
-def _content_specials(tokenizer: Any, turns: Sequence[Message]) -> list[str]:
-    """The special-token texts that occur in some message's content."""
-    contents = [m["content"] for m in turns if isinstance(m.get("content"), str)]
-    return [t for t in special_texts(tokenizer) if any(t in c for c in contents)]
+def _strings(value: Any) -> list[str]:
+    """Every string in ``value`` (a message, a tool: nested dicts and lists), dict keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _mark(value: Any, sub: Any) -> Any:
+    """``value`` with ``sub`` applied to every string in it (dict keys included), except a message's ``role``."""
+    if isinstance(value, str):
+        return sub(value)
+    if isinstance(value, Mapping):
+        return {sub(k) if isinstance(k, str) else k: v if k == "role" else _mark(v, sub) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_mark(v, sub) for v in value]
+    return value
+
+
+def _content_specials(tokenizer: Any, turns: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+                      ) -> list[str]:
+    """The special-token texts that occur in some message's text (its content, and the tool calls a template that
+    knows tools renders) or in a tool the template renders (names, descriptions, schemas)."""
+    texts = _strings([{k: v for k, v in m.items() if k != "role"} for m in turns]) + _strings(list(tools or ()))
+    return [t for t in special_texts(tokenizer) if any(t in c for c in texts)]
 
 
 def _encode_chat_content_as_text(tokenizer: Any, turns: list[Message], add_generation_prompt: bool,
@@ -115,10 +140,14 @@ def _encode_chat_content_as_text(tokenizer: Any, turns: list[Message], add_gener
     """The template's ids with the special texts ``found`` in the contents tokenized as text (module docstring)."""
     tag = uuid.uuid4().hex  # markers no content can already hold
     spelled = re.compile("|".join(map(re.escape, found)))
-    marked = [{**m, "content": spelled.sub(lambda mt: f"\ue000{tag}{found.index(mt.group())}\ue001", m["content"])}
-              if isinstance(m.get("content"), str) else m for m in turns]
+    def sub(text: str) -> str:
+        return spelled.sub(lambda mt: f"\ue000{tag}{found.index(mt.group())}\ue001", text)
+
+    # Every string a template may write is marked: contents, and a template that knows tools also writes the
+    # tools' names, descriptions and schemas and the calls' arguments.
+    marked = _mark(turns, sub)
     rendered = tokenizer.apply_chat_template(marked, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **_tools_kwarg(tools))
+                                             **_tools_kwarg(_mark(tools, sub) if tools else tools))
     controls = special_texts(tokenizer)
     unmark = re.compile(f"\ue000{tag}(\\d+)\ue001")
     ids: list[int] = []
@@ -143,7 +172,7 @@ def encode_chat(tokenizer: Any, messages: Sequence[Message], model_id: str, add_
     """
     _need(tokenizer, model_id, True, field)
     turns = _turns(messages)
-    found = [] if special_in_content else _content_specials(tokenizer, turns)
+    found = [] if special_in_content else _content_specials(tokenizer, turns, tools)
     if found:
         return _encode_chat_content_as_text(tokenizer, turns, add_generation_prompt, found, tools)
     return token_ids(tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt,

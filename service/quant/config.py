@@ -13,6 +13,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from service.artifacts.base import default_v_group_size, legal_v_group_sizes
 from service.engine.params import TOKENS_CEILING, json_int
@@ -23,6 +24,12 @@ BITS: tuple[int, ...] = (2, 4, 8)
 Sides = Literal["kv", "k", "v"]
 #: Legal values of ``sides``: both, K only, V only.
 SIDES: tuple[str, ...] = ("kv", "k", "v")
+
+
+def _rule(message: str, field: str) -> PydanticCustomError:
+    """A rule across fields, naming the field to fix (``param`` of the API's 400: ``kv_quant.key_bias_correction``
+    on a request, ``key_bias_correction`` on an activation) where a plain ``ValueError`` names none."""
+    return PydanticCustomError("request_rule", message, {"param": field})
 
 
 class KVQuantConfig(BaseModel):
@@ -81,9 +88,9 @@ class KVQuantConfig(BaseModel):
                 data.pop(spelling, None)
                 continue
             if owner != method:
-                raise ValueError(f"{spelling} is only used by method {owner!r}, not {method!r}")
+                raise _rule(f"{spelling} is only used by method {owner!r}, not {method!r}", spelling)
             if data.get(generic) is not None:
-                raise ValueError(f"give {spelling} or {generic}, not both")
+                raise _rule(f"give {spelling} or {generic}, not both", spelling)
             data[generic] = data.pop(spelling)
         return data
 
@@ -99,14 +106,15 @@ class KVQuantConfig(BaseModel):
         given = [f for f in ("artifact_id", "artifact_file") if getattr(self, f) is not None]
         if entry.artifact is not None and len(given) != 1:
             names = [entry.spelling(f) for f in given] or "neither"
-            raise ValueError(f"method {self.method!r} needs exactly one of {entry.spelling('artifact_id')} or "
-                             f"{entry.spelling('artifact_file')}, got {names}")
+            raise _rule(f"method {self.method!r} needs exactly one of {entry.spelling('artifact_id')} or "
+                        f"{entry.spelling('artifact_file')}, got {names}", entry.spelling("artifact_id"))
         if entry.artifact is None and given:
-            raise ValueError(f"{given[0]} is only used by methods with a fitted artifact "
-                             f"({', '.join(registry.methods(with_artifact=True))}), not {self.method!r}")
+            raise _rule(f"{given[0]} is only used by methods with a fitted artifact "
+                        f"({', '.join(registry.methods(with_artifact=True))}), not {self.method!r}", given[0])
         if self.key_bias_correction and (entry.quantizer is None or "k" not in self.sides):
-            raise ValueError(f"key_bias_correction corrects quantized keys; method {self.method!r} with sides "
-                             f"{self.sides!r} quantizes none (use a quantizing method with sides 'kv' or 'k')")
+            raise _rule(f"key_bias_correction corrects quantized keys; method {self.method!r} with sides "
+                        f"{self.sides!r} quantizes none (use a quantizing method with sides 'kv' or 'k')",
+                        "key_bias_correction")
         return self
 
     @model_serializer(mode="wrap")

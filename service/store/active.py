@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
+from service.engine.models import is_block_causal
 from service.engine.params import CacheMode, configured_cache_mode
 from service.engine.spec import ModelSpec
 from service.quant.accounting import configured_bits
@@ -36,7 +37,7 @@ from service.store.base import (
     StoreError,
     StoreUnavailable,
 )
-from service.store.config_check import ConfigInvalid, check_config
+from service.store.config_check import ArtifactUnfit, ConfigInvalid, check_config
 from service.telemetry import Telemetry
 
 T = TypeVar("T")
@@ -195,7 +196,14 @@ class ConfigResolver:
 
         Raises: see `service.store.config_check.check_config` (ConfigInvalid, ArtifactNotFound, StoreUnavailable).
         """
-        artifact = check_config(config, cache_mode, self.spec, self.store.get, self._artifacts)
+        try:
+            artifact = check_config(config, cache_mode, self.spec, self.store.get, self._artifacts)
+        except ArtifactUnfit as exc:
+            # A block-causal model (LLaDA2) decodes prefix and dual alike in block, whose reused cache is the
+            # committed blocks: a policy fitted for prefix (what `calibrate` fits for it) fits dual's too.
+            if not (cache_mode == "dual" and is_block_causal(self.spec.arch) and exc.field == "kv_quant.cache_mode"):
+                raise
+            artifact = check_config(config, "prefix", self.spec, self.store.get, self._artifacts)
         return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)
 
 

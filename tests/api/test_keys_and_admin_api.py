@@ -88,3 +88,20 @@ def test_a_downloaded_policy_uploads_as_it_is_and_its_id_is_checked(client):
     assert r.status_code == 422 and r.json()["error"]["param"] == "id"
     ids = [a["id"] for a in client.get("/admin/policies", headers=ADMIN).json()["data"]]
     assert ids == [policy.id]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"method": "none", "key_bias_correction": True}, "key_bias_correction"),
+    ({"method": "kivi", "bits": 2, "policy_id": "policy-x"}, "policy_id"),
+    ({"method": "dllm_kvq", "bits": 2}, "policy_id"),
+])
+def test_an_activation_that_breaks_a_rule_across_fields_names_the_field(client, body, param):
+    """An activation body is a `KVQuantConfig`: a rule between its fields names the field to fix, with no
+    pydantic "Value error," in the message; a request's ``kv_quant`` names it under ``kv_quant``."""
+    r = client.put("/admin/active/dual", json=body, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and not error["message"].startswith("Value error"), error
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "kv_quant": body},
+                    headers={"Authorization": "Bearer user-key-1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == f"kv_quant.{param}", r.text

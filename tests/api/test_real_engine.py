@@ -91,7 +91,8 @@ def test_a_key_bias_corrected_request_is_served_and_reported_and_a_pointless_one
         "prompt": "copy: 1 2", "max_tokens": 8, "kv_quant": {"method": "none", "key_bias_correction": True}})
     assert r.status_code == 400, r.text  # the OpenAI shape, as every invalid field
     error = r.json()["error"]
-    assert "key_bias_correction corrects quantized keys" in error["message"] and error["param"] == "kv_quant"
+    assert "key_bias_correction corrects quantized keys" in error["message"]
+    assert error["param"] == "kv_quant.key_bias_correction"
 
 
 def test_quantized_request_reports_bits_and_metrics_and_shadow(server):

@@ -84,6 +84,9 @@ def _valid_calls(message: dict) -> list[tuple[str, dict]]:
     ({"tool_choice": "required", "tools": None}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    # An object tool_choice is told what is wrong with it, not that it is none of the strings.
+    ({"tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ({"tool_choice": {"type": "allowed_tools", "function": {"name": "add"}}}, "tool_choice.type"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_regex": "[0-9]+", "tool_choice": "required"}, "guided_regex"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
@@ -190,3 +193,24 @@ def test_auto_lets_the_model_answer_in_text(client):
         _valid_calls(choice["message"])
     else:
         assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_never_cuts_a_forced_call(client, stream):
+    """``}`` occurs in every call: under ``required`` it would leave no call and no content with finish_reason
+    ``stop``; the call is the grammar's to end, so the stop string does not apply."""
+    body = {"tool_choice": {"type": "function", "function": {"name": "add"}}, "stop": ["}", "add"],
+            "parallel_tool_calls": False}
+    if stream:
+        r = client.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "max_tokens": 64,
+                                                      "stream": True, **body})
+        assert r.status_code == 200, r.text
+        events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]"]
+        finish = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        names = [t["function"]["name"] for e in events for c in e["choices"]
+                 for t in (c["delta"].get("tool_calls") or []) if t.get("function", {}).get("name")]
+        assert finish == ["tool_calls"] and names == ["add"], events
+        return
+    choice = _chat(client, **body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert [name for name, _ in _valid_calls(choice["message"])] == ["add"]

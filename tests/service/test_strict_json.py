@@ -50,3 +50,11 @@ def test_nesting_is_bounded_and_located_without_recursion():
 def test_not_json_says_why(data, says):
     with pytest.raises(NotJSON, match=says):
         loads(data)
+
+
+def test_an_integer_too_long_to_read_says_so_in_the_clients_terms():
+    """Python's own message tells a server operator to call ``sys.set_int_max_str_digits()``: no advice for a
+    client, who is told the limit instead."""
+    with pytest.raises(NotJSON) as exc:
+        loads(b'{"n": ' + b"1" * 5000 + b"}")
+    assert "sys." not in str(exc.value) and "4,300 digits" in str(exc.value)
