@@ -271,7 +271,15 @@ def _cache_mode_of_this_model(exc: RequestValidationError, request: Request) -> 
         return exc
     first = errors[0]
     loc = tuple(first.get("loc", ()))
-    if first.get("type") != "literal_error" or loc[:1] != ("body",) or loc[-1:] != ("cache_mode",):
+    if first.get("type") != "literal_error" or loc[-1:] != ("cache_mode",):
+        return exc
+    if loc[:1] == ("path",):  # PUT /admin/active/{cache_mode}: only the modes that hold a configuration
+        if first.get("input") != "block":
+            return exc
+        message = ("cache mode 'block' has no configuration of its own: a block-causal model's committed blocks are "
+                   "its reused prefix, so 'block' serves prefix's (PUT /admin/active/prefix)")
+        return RequestValidationError([{**first, "msg": message}, *errors[1:]], body=exc.body)
+    if loc[:1] != ("body",):
         return exc
     message = f"unknown cache mode {describe_value(first.get('input'))}: {legal_cache_modes(serving.spec)}"
     return RequestValidationError([{**first, "msg": message}, *errors[1:]], body=exc.body)

@@ -105,3 +105,11 @@ def test_an_activation_that_breaks_a_rule_across_fields_names_the_field(client, 
     r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "kv_quant": body},
                     headers={"Authorization": "Bearer user-key-1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == f"kv_quant.{param}", r.text
+
+
+def test_activating_block_says_it_is_served_by_prefix(client):
+    """``block`` (LLaDA2's cache mode) holds no configuration of its own: the 400 says which one it serves."""
+    r = client.put("/admin/active/block", json={"method": "kivi", "bits": 4}, headers=ADMIN)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "cache_mode" and "PUT /admin/active/prefix" in error["message"], error

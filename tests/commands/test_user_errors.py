@@ -246,3 +246,16 @@ def test_the_light_settings_module_names_the_embedded_split_where_the_engine_has
     from service.engine.loading import EMBEDDED_DIR
 
     assert EMBEDDED_TRAIN_SPLIT == EMBEDDED_DIR / "task" / "train_sample.jsonl" and EMBEDDED_TRAIN_SPLIT.is_file()
+
+
+def test_python_dash_m_dllm_kvq_is_the_console_command(capsys):
+    """``python -m dllm_kvq`` runs what ``dllm-kvq`` runs (its usage, exit 0 for --help)."""
+    import runpy
+
+    argv, sys.argv = sys.argv, ["dllm_kvq", "--help"]
+    try:
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_module("dllm_kvq", run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert stop.value.code == 0 and "usage: dllm-kvq <command>" in capsys.readouterr().out
