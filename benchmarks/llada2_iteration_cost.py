@@ -7,14 +7,15 @@ prompt (different per row), 256 generated, block 32, 8 steps per block with no t
 every step), cache mode ``block``; rows at 1, 8, 32. For a **block-initial iteration** (every row's first forward
 of its first response block: its prompt's whole blocks and the active block) and a **later-step iteration** (the
 active block alone over the committed K/V) it prints: tensor ops (aten operations dispatched, views included),
-host syncs (`benchmarks.iteration_cost.Counter`), of them those outside the MoE layers (the total less one
-expert-count read per MoE layer: the rows' reveal, read once per iteration for every row), forwards and the most
-rows in one, and for one MoE layer of the later-step forward its ops and the experts active in it (ops grow with
-the active experts, at most 256, never with the rows beyond them). ``--kv-quant kivi`` gives every request a
-4-bit KIVI store, ``--kv-quant dllm_kvq`` a 4-bit dLLM-KVQ store (one protected K token per group of 32, by
-attention score): the committed blocks are quantized in the block-initial iteration (`service.quant.committed`,
-one quantize/dequantize per committing row and layer) and held packed; later steps dequantize them at every layer
-(one dequantize per committed block, row and layer).
+host syncs (`benchmarks.iteration_cost.Counter`), of them those outside the MoE layers (the total less the MoE
+layers' own: none with ``grouped_mm``, whose group offsets stay on the device; one expert-count read each on the
+per-expert fallback), forwards and the most rows in one, and for one MoE layer of the later-step forward its ops,
+syncs and the experts active in it (the ops are the same whatever the rows and the active experts).
+``--kv-quant kivi`` gives every request a 4-bit KIVI store, ``--kv-quant dllm_kvq`` a 4-bit dLLM-KVQ store (one
+protected K token per group of 32, by attention score): the committed blocks are quantized in the block-initial
+iteration (`service.quant.committed`, one quantize/dequantize per committing row and layer, the writes' checks
+joined to the iteration's one host read) and held packed; later steps dequantize them at every layer (one
+dequantize per committed block, row and layer).
 
 Usage: ``python benchmarks/llada2_iteration_cost.py [--rows 1,8,32] [--layers 20] [--kv-quant none|kivi|dllm_kvq]``.
 """

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -333,10 +333,25 @@ def reveal_rows(logits: torch.Tensor, active: torch.Tensor, rows: list[Row], cal
     return torch.stack([torch.where(written, tokens, active), written.long()], dim=1)
 
 
+@dataclass(frozen=True)
+class ChecksFailed:
+    """A row of :func:`step_rows` whose K/V writes' checks, put off, failed: what it would have been sent (its
+    reveal over logits that may be NaN: use it only if running its forward again with the checks read at once
+    finds nothing, a false alarm)."""
+
+    revealed: Revealed | GrammarViolation
+
+
 def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV,
-              banned: torch.Tensor | None = None) -> list[Revealed | GrammarViolation]:
+              banned: torch.Tensor | None = None,
+              checks: Callable[[int], torch.Tensor | None] | None = None,
+              ) -> list[Revealed | GrammarViolation | ChecksFailed]:
     """One forward for the calls of ``rows`` (each in its own cache slot; windows right-padded) and every row's
     reveal, read back in one host read: per row its :data:`Revealed` (what :meth:`Row.decode` is sent).
+
+    ``checks(B)``, called after the forward: the verdicts of the checks its cache writes put off, bool ``[B]`` per
+    row on the device (None: none put off; `service.quant.committed.CommitWriter.take_checks`); they join the
+    same read, and a row whose verdict is False gets :class:`ChecksFailed` around what it would have been sent.
 
     A grammar-constrained row reveals its chain instead (`service.engine.grammar.constrained_reveal`, its
     candidates from the block's leftmost mask; a fixed schedule's count, else the threshold; ``banned`` ids never
@@ -359,9 +374,16 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
     cache.columns = max(c.start for c in calls) + width
     logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at)  # [B, widest, V]
     chains = _chains(logits, rows, calls, banned)
-    read = reveal_rows(logits, ids.gather(1, at), rows, calls).tolist()  # the iteration's one host read
-    out: list[Revealed | GrammarViolation] = []
-    for i, (r, (block, written)) in enumerate(zip(rows, read)):
+    revealed = reveal_rows(logits, ids.gather(1, at), rows, calls)  # [B, 2, widest]: ids, written flags
+    verdicts = checks(len(rows)) if checks is not None else None
+    flat = revealed.flatten(1)
+    if verdicts is not None:  # each row's verdict after its ids and flags
+        flat = torch.cat([flat, verdicts.long()[:, None]], dim=1)
+    read = flat.tolist()  # the iteration's one host read
+    w = revealed.shape[2]
+    out: list = []
+    for i, (r, values) in enumerate(zip(rows, read)):
+        block, written = values[:w], values[w:2 * w]
         chain = chains.get(i)
         if chain is None:
             out.append((block[: r.block], [j for j, flag in enumerate(written[: r.block]) if flag], None))
@@ -373,7 +395,10 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
             for k, token in zip(chain.chosen, chain.tokens):
                 block[chain.start + k] = token
             out.append((block, [chain.start + k for k in chain.chosen], None))
-    return _with_logprobs(logits, rows, out)
+    out = _with_logprobs(logits, rows, out)
+    if verdicts is not None:
+        out = [o if values[2 * w] else ChecksFailed(o) for o, values in zip(out, read)]
+    return out
 
 
 def _chains(logits: torch.Tensor, rows: list[Row], calls: list[Call],

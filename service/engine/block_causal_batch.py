@@ -14,7 +14,11 @@ Departures from `RunningBatch`: the iteration is one forward whatever the plan (
 grouping: the rows' windows are right-padded together). A grammar-constrained row (structured output, tool
 calls) reveals by its grammar's chain (`service.engine.block_causal.step_rows`) and never edits; a row that asks
 for log-probabilities gets each token's as the forward that last wrote it gave it (a second host read, only
-when such a row is in the forward).
+when such a row is in the forward). A quantized row's committing-block write checks are put off
+(`service.engine.kv_store.DEFER_WRITE_CHECKS`) and their verdicts join the reveal's read
+(`service.quant.committed.CommitWriter`); a row whose verdict is False runs its forward again alone with each
+check read at once, and its request fails alone with what that raises (a false alarm, which raises nothing, goes
+on with the reveal it had).
 """
 
 from __future__ import annotations
@@ -26,9 +30,17 @@ from typing import Any
 
 import torch
 
-from service.engine.block_causal import BlockCausalParams, BlockCausalResult, Call, Row, step_rows
+from service.engine.block_causal import (
+    BlockCausalParams,
+    BlockCausalResult,
+    Call,
+    ChecksFailed,
+    Row,
+    step_rows,
+)
 from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
+from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
@@ -263,18 +275,28 @@ class BlockCausalBatch:
             rows = [c.rows[i] for c, i in live]
             packed = sum(c.packs(i) for c, i in live)
             cache = self._cache_for(rows, packed)
-            commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
-            commits = [x for x in commits if x is not None]
-            cache.on_write = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+            row_commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
+            commits = [x for x in row_commits if x is not None]
+            hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+            cache.on_write = hook
             banned = next((c.banned for c, _ in live), None)
+            deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
             try:
-                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned)
+                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned,
+                                     hook.take_checks if hook is not None else None)
             finally:
+                DEFER_WRITE_CHECKS.reset(deferred)
                 cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
-            for (cohort, i), row_revealed in zip(live, revealed):
+            for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
                 if cohort in [f for f, _ in self.failed]:
                     continue
+                if isinstance(row_revealed, ChecksFailed):
+                    exc = self._checked_again(cohort, i, commit, banned)
+                    if exc is not None:
+                        self.failed.append((cohort, exc))
+                        continue
+                    row_revealed = row_revealed.revealed  # a false alarm: the same K/V were written
                 if isinstance(row_revealed, BaseException):  # its grammar failed mid-decode: this request alone
                     self.failed.append((cohort, row_revealed))
                     continue
@@ -298,6 +320,26 @@ class BlockCausalBatch:
                 finished.append(cohort)
         self._live = []
         return finished
+
+    def _checked_again(self, cohort: BlockCausalCohort, i: int, commit: Any,
+                       banned: torch.Tensor | None) -> BaseException | None:
+        """Row ``i`` of ``cohort``, whose put-off write checks failed, in a forward of its own with each check read
+        at once (`service.quant.committed.Commit.alone`): what it raises (the cohort fails with it), or None for a
+        false alarm. Its generator's state is put back, so that a false alarm decodes as if nothing happened."""
+        row, call = cohort.rows[i], cohort.calls[i]
+        alone = commit.alone()
+        cache = BlockCausalBatch(self.model)._cache_for([row], 1)
+        cache.on_write = alone.hook([alone], self.model.rotate_keys)
+        state = row.generator.get_state() if row.generator is not None else None
+        self.forwards += 1
+        try:
+            step_rows(self.model, [row], [call], cache, banned)
+        except Exception as exc:  # noqa: BLE001 -- the row's own fault, handed to the caller
+            return exc
+        finally:
+            if state is not None:
+                row.generator.set_state(state)
+        return None
 
     def _cache_for(self, rows: list[Row], packed: int) -> CommittedKV:
         """The cache with one slot per row of ``rows``, in that order, the last ``packed`` of them held packed

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.engine.kv_store import Segments
+from service.engine.kv_store import DEFER_WRITE_CHECKS, Segments
 from service.engine.scores import attention_scores
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
@@ -71,6 +71,12 @@ class CommittedBlocks:
             k_buf[slot, :, start:end] = k[0]
             v_buf[slot, :, start:end] = v[0]
 
+    def before(self, start: int) -> CommittedBlocks:
+        """A copy holding only the blocks that start before column ``start`` (the packed layers themselves are
+        shared): the row as it was before the forward that commits ``start`` onward."""
+        layers = {layer: [b for b in blocks if b[0] < start] for layer, blocks in self.layers.items()}
+        return CommittedBlocks(self.quantizer, layers, self._layouts)
+
     def _layout(self, width: int, device: torch.device) -> SlotLayout:
         """The layout of one block of ``width`` columns on its own (shared by the row's blocks of that width)."""
         key = (width, str(device))
@@ -102,46 +108,78 @@ class Commit:
     held: CommittedBlocks
 
     @staticmethod
-    def hook(commits: list[Commit], rotate_keys: RotateKeys,
-             ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    def hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
         """`commit_hook`, reached through a commit so that the engine, which gets its commits from the requests'
         stores, needs no import of this package."""
         return commit_hook(commits, rotate_keys)
 
+    def alone(self) -> Commit:
+        """This row in slot 0 of a forward of its own, its committed blocks as before this commit's forward and a
+        throwaway accounting: for running its forward again with each check read at once (the failure path of
+        a check put off, :class:`CommitWriter`), so that what it raises is what the write raised before the
+        checks were put off."""
+        return Commit(0, self.start, self.end, self.block, self.quantizer, KVAccounting(),
+                      self.held.before(self.start))
 
-def commit_hook(commits: list[Commit], rotate_keys: RotateKeys,
-                ) -> Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+
+def commit_hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
+    """The ``on_write`` hook of one forward (:class:`CommitWriter`), or None when there is no quantized row.
+
+    Args:
+        commits: this forward's quantized rows (one per slot); ``end < capacity`` for each.
+        rotate_keys: the model's RoPE of pre-RoPE keys (for a quantizer with ``pre_rope_keys``).
+    """
+    return CommitWriter(commits, rotate_keys) if commits else None
+
+
+class CommitWriter:
     """The ``on_write(layer, q, k_pre, k_buf, v_buf)`` hook of one forward: for each quantized row, its committed
     blocks are dequantized into its slot, then the columns that commit now are quantized, kept packed and
     written back dequantized (q: the window's post-RoPE queries ``[B, H, T_w, D]``; k_pre: its pre-RoPE keys
     ``[B, H_kv, T_w, D]``; each commit's window starts at its ``start``; k_buf, v_buf: the layer's K/V
     ``[B, H_kv, capacity, D]``, model dtype, the window already written at its columns).
 
-    Args:
-        commits: this forward's quantized rows (one per slot); ``end < capacity`` for each.
-        rotate_keys: the model's RoPE of pre-RoPE keys (for a quantizer with ``pre_rope_keys``).
-
-    Returns:
-        None when there is no quantized row; else the hook. It raises what `KVQuantizer.quantize` raises
-        (`service.quant.errors.NonFiniteKVError` for a NaN/inf K or V).
+    A write raises what `KVQuantizer.quantize` raises (`service.quant.errors.NonFiniteKVError` for a NaN/inf K or
+    V). Inside a running batch's iteration (`service.engine.kv_store.DEFER_WRITE_CHECKS`) the writes' checks are
+    not read: each committing row's verdict (ANDed over the layers) stays on the device for :meth:`take_checks`,
+    which the iteration's one host read joins (a read per row per layer before). A row whose verdict is False
+    holds packed layers that must not be used (its K/V, hence its logits, may be NaN; no other row attends over
+    them): its forward is run again alone with each check read at once (`Commit.alone`), which raises what the
+    write raised, or, for a false alarm, writes the same K/V.
     """
-    if not commits:
-        return None
-    committing = [c for c in commits if c.end > c.start]
-    layouts: list[SlotLayout] = []  # made at the first layer, on the K/V's device
 
-    def layout_of(commit: Commit, device: torch.device) -> SlotLayout:
+    def __init__(self, commits: list[Commit], rotate_keys: RotateKeys) -> None:
+        self.commits, self.rotate_keys = commits, rotate_keys
+        self.committing = [c for c in commits if c.end > c.start]
+        self._layouts: list[SlotLayout] = []  # made at the first layer, on the K/V's device
+        self._verdicts: dict[int, torch.Tensor] = {}  # slot -> bool 0-dim, the checks put off
+
+    def take_checks(self, batch: int) -> torch.Tensor | None:
+        """The verdicts of the checks put off since the last call, and forget them: bool ``[batch]`` per cache
+        slot on the device (True: every check of the row passed, or it had none); None when none were put off."""
+        if not self._verdicts:
+            return None
+        verdicts, self._verdicts = self._verdicts, {}
+        slots = list(verdicts)
+        out = torch.ones(batch, dtype=torch.bool, device=verdicts[slots[0]].device)
+        out[slots] = torch.stack([verdicts[s] for s in slots])
+        return out
+
+    @staticmethod
+    def _layout_of(commit: Commit, device: torch.device) -> SlotLayout:
         # The committing columns as one row's reused prefix after "padding" [0, start) (the columns committed
         # before): K groups run over them from ``start``, as in the other families' prefix segment.
         return SlotLayout.from_segments(Segments((commit.start,), commit.end, commit.end + 1, commit.end + 1,
                                                  "prefix"), commit.quantizer.k_group_size, device)
 
-    def on_write(layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+    def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  ) -> None:
-        for commit in commits:
+        rotate_keys, committing, layouts = self.rotate_keys, self.committing, self._layouts
+        for commit in self.commits:
             commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys)
         if len(layouts) < len(committing):
-            layouts.extend(layout_of(c, k_buf.device) for c in committing)
+            layouts.extend(self._layout_of(c, k_buf.device) for c in committing)
+        deferred = DEFER_WRITE_CHECKS.get()
         for commit, layout in zip(committing, layouts):
             quantizer, width, slot = commit.quantizer, commit.end - commit.start, commit.slot
             k = k_buf[slot:slot + 1, :, : commit.end + 1]
@@ -154,7 +192,11 @@ def commit_hook(commits: list[Commit], rotate_keys: RotateKeys,
                 queries = q[slot:slot + 1, :, width:width + commit.block]  # the active block's
                 keys = k_buf[slot:slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
-            packed = quantizer.quantize(layer, k, v, layout, scores)
+            verdicts: list[torch.Tensor] | None = [] if deferred else None
+            packed = quantizer.quantize(layer, k, v, layout, scores, verdicts)
+            if verdicts:
+                held = self._verdicts.get(slot)
+                self._verdicts[slot] = verdicts[0] if held is None else held & verdicts[0]
             commit.accounting.add(layer, packed)
             commit.held.add(layer, commit.start, commit.end, packed)
             k_dq, v_dq = quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
@@ -164,5 +206,3 @@ def commit_hook(commits: list[Commit], rotate_keys: RotateKeys,
                 k_dq = rotate_keys(k_dq, positions)
             k_buf[slot, :, commit.start:commit.end] = k_dq[0]
             v_buf[slot, :, commit.start:commit.end] = v_dq[0, :, commit.start:commit.end]
-
-    return on_write

@@ -66,9 +66,14 @@ def test_checkpoint_round_trips_through_public_names(llada2):
         torch.testing.assert_close(again.state_dict()[name], value, atol=0, rtol=0)
 
 
-def test_moe_matches_a_loop_over_tokens(llada2):
-    # The grouped computation against the definition: each token's K experts, weighted, plus the shared expert.
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "per_expert"])
+def test_moe_matches_a_loop_over_tokens(llada2, grouped, monkeypatch):
+    # The grouped computation (one grouped_mm pair, or the fallback's matmul pair per active expert) against the
+    # definition: each token's K experts, weighted, plus the shared expert.
     moe: SparseMoE = llada2["llada2"].model.layers[1].mlp
+    assert moe._grouped(torch.zeros(1, moe.gate_weight.shape[1]))  # the tiny checkpoint's widths take grouped_mm
+    if not grouped:
+        monkeypatch.setattr(moe, "_grouped", lambda rows: False)
     x = torch.randn(2, 7, moe.gate_weight.shape[1], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = moe(x)
@@ -82,3 +87,32 @@ def test_moe_matches_a_loop_over_tokens(llada2):
                 acc = acc + weights[token, k] * (moe.down[e] @ (torch.nn.functional.silu(gate) * up))
             expected.append(acc)
     torch.testing.assert_close(out.reshape(-1, x.shape[-1]), torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_moe_reads_nothing_on_the_host(llada2, monkeypatch):
+    # No .tolist()/.item() in the grouped path: the per-expert fallback (the only reader) must not run, and the
+    # result is the fallback's in bfloat16 too (aligned widths), up to bfloat16 rounding.
+    moe: SparseMoE = llada2["llada2"].model.layers[1].mlp
+    x = torch.randn(3, 5, moe.gate_weight.shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = {dtype: _moe_in(moe, dtype, x, grouped=False) for dtype in (torch.float32, torch.bfloat16)}
+
+        def no_read(*args):
+            raise AssertionError("the grouped path fell back to the per-expert loop")
+
+        monkeypatch.setattr(SparseMoE, "_per_expert", no_read)
+        for dtype, expected in reference.items():
+            out = _moe_in(moe, dtype, x, grouped=True)
+            assert out.dtype == dtype
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _moe_in(moe: SparseMoE, dtype: torch.dtype, x: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """``moe`` (a copy, in ``dtype``) on ``x``, by grouped_mm or by the per-expert fallback."""
+    import copy
+
+    layer = copy.deepcopy(moe).to(dtype)
+    if not grouped:
+        layer._grouped = lambda rows: False
+    return layer(x.to(dtype))

@@ -217,3 +217,43 @@ def test_a_quantized_and_an_unquantized_request_in_one_batch_decode_as_alone(lla
             batch.step()
             assert not batch.failed
     assert [c.results[0].generated_ids for c in cohorts] == alone
+
+
+def test_a_row_whose_put_off_checks_fail_fails_alone_with_the_writes_error(llada2):
+    """The committing block's write checks are put off to the iteration's one read (`CommitWriter`): a row whose
+    committed K holds NaN (its prompt's first token embeds to NaN) fails alone with the error its write raises
+    with the checks read at once; the other rows, quantized or not, decode as alone."""
+    import copy
+
+    from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+    from service.quant.errors import NonFiniteKVError
+
+    loaded, spec = llada2["llada2"], llada2["llada2"].spec
+    model = copy.deepcopy(loaded.model)
+    cases = [run for family, run in CASES if family == "llada2"][:3]
+    settings = [params_of(run, "block", editing=False) for run in cases]
+    alone = [generate(model, run["prompt_ids"], p, spec.mask_id, spec.eos_ids,
+                      kv_store=kivi_store(spec, 4) if n < 2 else None).generated_ids
+             for n, (run, p) in enumerate(zip(cases, settings))]
+    used = {t for run, ids in zip(cases, alone) for t in run["prompt_ids"] + ids}
+    poison = next(t for t in range(spec.vocab_size) if t not in used and t != spec.mask_id)
+    with torch.no_grad():
+        model.embed.weight[poison] = float("nan")
+    bad_prompt = [poison] + cases[0]["prompt_ids"][1:]
+    prompts = [bad_prompt] + [run["prompt_ids"] for run in cases]
+    stores = [kivi_store(spec, 4), kivi_store(spec, 4), kivi_store(spec, 4), None]
+    batch = BlockCausalBatch(model)
+    cohorts = [BlockCausalCohort(model, [prompt], [p], spec.mask_id, spec.eos_ids, kv_store=s)
+               for prompt, p, s in zip(prompts, [settings[0]] + settings, stores)]
+    for cohort in cohorts:
+        batch.join(cohort)
+    failed = []
+    with torch.inference_mode():
+        while batch.cohorts:
+            batch.step()
+            failed += batch.failed
+    assert [c for c, _ in failed] == [cohorts[0]]
+    error = failed[0][1]
+    assert isinstance(error, NonFiniteKVError)
+    assert str(error).startswith("layer 0: K holds NaN or inf at row 0, sequence column 0;"), str(error)
+    assert [c.results[0].generated_ids for c in cohorts[1:]] == alone

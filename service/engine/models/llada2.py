@@ -234,10 +234,15 @@ class SparseMoE(nn.Module):
     ``groups_per_token`` groups stay, and the top K experts among them are chosen; the weights are the chosen
     experts' *unbiased* scores, normalised over the K (when K > 1) and scaled by ``routed_scale``.
 
-    Experts run grouped by expert id: the (token, choice) pairs are sorted by expert, each active expert runs one
-    gate-up matmul and one down matmul over its rows, and the outputs are scattered back; no loop over tokens or
-    rows, and the op count grows only with the experts that are active. Their weights are held stacked:
-    ``gate_up`` ``[E, 2 * I, C]`` (gate rows then up rows) and ``down`` ``[E, C, I]``.
+    Experts run grouped by expert id: the (token, choice) pairs are sorted by expert on the device, their group
+    offsets found there too (the sorted ids searched for each expert's end), and one grouped matmul over every
+    expert's stacked weights (``torch.nn.functional.grouped_mm``) does gate-up, one more does down; the outputs go
+    back to (token, choice) order and are summed with the routing weights. No host read and no loop over tokens,
+    rows or experts: the op count is the same whatever the rows and the active experts. Where ``grouped_mm`` is
+    missing (torch before 2.9) or refuses the operands (bfloat16 rows whose bytes are not a multiple of 16), each
+    active expert runs its matmul pair instead, after one host read of the counts. The weights are held stacked
+    (replacing the checkpoint's per-expert tensors, not beside them): ``gate_up`` ``[E, 2 * I, C]`` (gate rows
+    then up rows) and ``down`` ``[E, C, I]``.
     """
 
     def __init__(self, config: LLaDA2Config) -> None:
@@ -268,13 +273,38 @@ class SparseMoE(nn.Module):
         return ids, weights * self.routed_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[B, T, C]`` -> ``[B, T, C]`` (one host read per call: the row count of each expert)."""
+        """x: ``[B, T, C]`` -> ``[B, T, C]``, same dtype (no host read with ``grouped_mm``: class doc)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, C]
         ids, weights = self.route(flat)
-        order = ids.reshape(-1).argsort()  # (token, choice) pairs grouped by expert
+        experts = ids.reshape(-1)  # [N*K]
+        order = experts.argsort()  # (token, choice) pairs grouped by expert
         rows = flat[order // self.top_k]  # [N*K, C]
-        counts = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
+        if self._grouped(rows):
+            # Each expert's group ends where the sorted ids pass it: int32 cumulative counts [E], on the device.
+            ends = torch.arange(self.num_experts, device=x.device, dtype=experts.dtype)
+            offs = torch.searchsorted(experts[order], ends, right=True).to(torch.int32)
+            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            grouped = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offs)  # [N*K, C]
+        else:
+            grouped = self._per_expert(rows, experts)
+        out = torch.empty_like(grouped)
+        out[order] = grouped  # back to (token, choice) order
+        y = (out.view(*ids.shape, -1).to(weights.dtype) * weights[..., None]).sum(dim=1).to(x.dtype)
+        y = y.view(shape)
+        return y + self.shared(x) if self.shared is not None else y
+
+    def _grouped(self, rows: torch.Tensor) -> bool:
+        """``grouped_mm`` exists and takes these operands (its strides must be multiples of 16 bytes)."""
+        if not hasattr(F, "grouped_mm"):
+            return False
+        size = rows.element_size()
+        return all(n * size % 16 == 0 for n in (rows.shape[-1], self.gate_up.shape[1], self.down.shape[2],
+                                                  self.down.shape[1]))
+
+    def _per_expert(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The fallback: one matmul pair per active expert over its sorted rows ``[N*K, C]`` (one host read)."""
+        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
         outs, start = [], 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -283,12 +313,7 @@ class SparseMoE(nn.Module):
             gate, up = F.linear(chunk, self.gate_up[expert]).chunk(2, dim=-1)
             outs.append(F.linear(F.silu(gate) * up, self.down[expert]))
             start += count
-        grouped = torch.cat(outs)
-        out = torch.empty_like(grouped)
-        out[order] = grouped  # back to (token, choice) order
-        y = (out.view(*ids.shape, -1).to(weights.dtype) * weights[..., None]).sum(dim=1).to(x.dtype)
-        y = y.view(shape)
-        return y + self.shared(x) if self.shared is not None else y
+        return torch.cat(outs)
 
 
 class LLaDA2Layer(nn.Module):
