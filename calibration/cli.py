@@ -1,16 +1,15 @@
 """``python -m calibration collect | trace | diagnose | <a method's verb> | report | all``.
 
-A registered method's calibration step is a verb of its own (its plug-in's `service.quant.plugin.CalibrationStep`:
-dLLM-KVQ's ``fit``, KVQuant's ``kvquant``, and any method registered later); ``report`` and ``all`` run every
-method's step.
+A registered method's calibration step is a verb of its own (its plug-in's `service.quant.plugin.CalibrationStep`,
+read from the registry: this module names no method); ``report`` and ``all`` run every method's step.
 
 Every verb takes the same settings (:class:`calibration.settings.JobSettings`, one flag each) and a store
 (``--store``: ``redis://host:port/db`` or a directory; default the server's, ``DLLM_STORE_URL`` else
 ``.dllm-kvq/store``, so what calibration stores the server finds). Sharding for parallel runs (a Kubernetes Indexed Job):
-``--shard I/N`` makes ``trace``, ``diagnose`` and ``kvquant`` handle samples ``I::N``; then one ``fit`` (or
-``report``/``all``) run merges every sample's sums from the shared store. Without a shared store, each shard
-writes its sums with ``diagnose --sums-out FILE`` and ``fit --merge FILE ...`` merges them: the result equals one
-run over all samples (:mod:`calibration.fit`).
+``--shard I/N`` makes ``trace``, ``diagnose`` and a step that reads this shard's trajectories handle samples
+``I::N``; then one run of a step that reads every sample's sums (or ``report``/``all``) merges them from the shared
+store. Without a shared store, each shard writes its sums with ``diagnose --sums-out FILE`` and a step's own flag
+may merge them (``fit --merge FILE ...``): the result equals one run over all samples (:mod:`calibration.fit`).
 """
 
 from __future__ import annotations
@@ -53,6 +52,11 @@ def _shard(text: str) -> tuple[int, int]:
 
 #: Flags for settings whose flag name is not the field's.
 FIELD_FLAGS = {"shard_index": "--shard", "shard_count": "--shard", "buckets": "--bucket"}
+#: Settings whose flag `build_parser` declares by hand (not one flag made from the field).
+OWN_FLAGS = ("model", "buckets", "pad_answers", "shard_index", "shard_count")
+#: What a flag's help adds to its field's description.
+HELP_MORE = {"rounds": "; the log and report say per sample whether the assignment settled: on the shipped corpus "
+                       "most samples do not settle even in 12 rounds, benchmarks/trace_convergence.py"}
 
 
 def _help(name: str) -> str:
@@ -61,6 +65,20 @@ def _help(name: str) -> str:
     default = info.default
     shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
     return f"{info.description} (default {shown})" if default is not None else str(info.description)
+
+
+def _add_setting(add, name: str, info, default) -> None:
+    """The flag of `JobSettings` field ``name``: a switch for a bool (default off), ``nargs="+"`` for a tuple
+    (its ``choices``), else one value of the default's type (int for an optional field)."""
+    flag = flag_of(name)
+    if isinstance(default, bool):
+        add(flag, action="store_true", help=f"{info.description} (default: off)")
+    elif isinstance(default, tuple):
+        choices = (info.json_schema_extra or {}).get("choices")
+        add(flag, type=type(default[0]), nargs="+", choices=choices, default=list(default), help=_help(name))
+    else:
+        add(flag, type=int if default is None else type(default), default=default,
+            help=_help(name) + HELP_MORE.get(name, ""))
 
 
 def build_parser(methods: bool = True) -> argparse.ArgumentParser:
@@ -82,20 +100,9 @@ def build_parser(methods: bool = True) -> argparse.ArgumentParser:
         help="EOS-pad answers to a block multiple instead of cutting them (default: pad only for the embedded "
              "model's training split)")
     add("--shard", type=_shard, default=(0, 1), metavar="I/N", help="handle samples I::N (default 0/1)")
-    for name in ("samples", "seed", "block_length", "max_answer_length", "steps_per_block", "k_group_size",
-                 "bit_penalty", "min_records", "win_rate", "sparsity_threshold", "batch_size"):
-        kind = type(getattr(defaults, name))
-        add(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name), help=_help(name))
-    add("--rounds", type=int, default=defaults.rounds,
-        help=_help("rounds") + "; the log and report say per sample whether the assignment settled: on the shipped "
-             "corpus most samples do not settle even in 12 rounds, benchmarks/trace_convergence.py")
-    add("--cache-modes", nargs="+", choices=("prefix", "dual"), default=list(defaults.cache_modes),
-        help=_help("cache_modes"))
-    add("--bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.bits), help=_help("bits"))
-    add("--v-group-size", type=int, default=None, help=_help("v_group_size"))
-    add("--kvquant-bits", type=int, nargs="+", choices=(2, 4, 8), default=list(defaults.kvquant_bits),
-        help=_help("kvquant_bits"))
-    add("--fisher", action="store_true", help="weight KVQuant's k-means by Fisher information (default: off)")
+    for name, info in JobSettings.model_fields.items():
+        if name not in OWN_FLAGS:
+            _add_setting(add, name, info, getattr(defaults, name))
     add("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32); part of every work "
         "item's key, since trajectories and diagnostics depend on it")
     add("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
@@ -127,8 +134,8 @@ def build_parser(methods: bool = True) -> argparse.ArgumentParser:
 
             resolve(steps[verb].calibration.flags)(sub)
     if not methods:
-        parser.epilog = ("each registered method's calibration step is a verb too (dLLM-KVQ's fit, KVQuant's "
-                         "kvquant ...; `calibrate <verb> --help`)")
+        parser.epilog = ("each registered method's calibration step is a verb too (`calibrate <verb> --help`; "
+                         "`report` and `all` run every one)")
     return parser
 
 
@@ -141,31 +148,23 @@ VERB_HELP = {
 }
 
 
-def fit_flags(parser: argparse.ArgumentParser) -> None:
-    """dLLM-KVQ's ``fit`` verb's own flag (`service.quant.dllm_kvq.METHOD`): ``--merge`` sums files."""
-    parser.add_argument("--merge", type=Path, nargs="+",
-                        help="fit from these sums files instead of the store (default: the store's sums)")
-
-
 def settings_from(args: argparse.Namespace) -> JobSettings:
+    """The `JobSettings` of parsed flags (`build_parser`: one flag per field)."""
+    values = {name: getattr(args, name) for name in JobSettings.model_fields if name not in OWN_FLAGS}
     return JobSettings(
-        model=args.model, buckets=dict(args.bucket), pad_answers=args.pad_answers, samples=args.samples,
-        seed=args.seed,
-        shard_index=args.shard[0], shard_count=args.shard[1], block_length=args.block_length,
-        max_answer_length=args.max_answer_length, steps_per_block=args.steps_per_block, rounds=args.rounds,
-        cache_modes=tuple(args.cache_modes), bits=tuple(args.bits), k_group_size=args.k_group_size,
-        v_group_size=args.v_group_size, bit_penalty=args.bit_penalty, min_records=args.min_records,
-        win_rate=args.win_rate, kvquant_bits=tuple(args.kvquant_bits), fisher=args.fisher,
-        sparsity_threshold=args.sparsity_threshold, batch_size=args.batch_size,
+        model=args.model, buckets=dict(args.bucket), pad_answers=args.pad_answers,
+        shard_index=args.shard[0], shard_count=args.shard[1],
+        **{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()},
     )
 
 
 def write_activation_configs(summary: RunSummary, k_group_size: int, v_group_size: int, out: Path) -> list[Path]:
-    """Write one ready-to-send ``KVQuantConfig`` body per fitted artifact into ``out/activate/``.
+    """Write one ready-to-send configuration body (`service.quant.config`) per fitted artifact into
+    ``out/activate/``.
 
     ``<method>-<cache mode>-<bits>bit.json`` for an artifact fitted for a cache mode (a key ``"<mode>/<bits>"``
-    in `RunSummary.fitted`, e.g. ``dllm_kvq-dual-4bit.json``), ``<method>-<bits>bit.json`` for one fitted for every
-    mode (``kvquant-4bit.json``); the group sizes are written where the artifact type fixes them
+    in `RunSummary.fitted`, e.g. ``<method>-dual-4bit.json``), ``<method>-<bits>bit.json`` for one fitted for every
+    mode (``<method>-4bit.json``); the group sizes are written where the artifact type fixes them
     (`Artifact.activation_fields`). Activating one is a single ``PUT /admin/active/{cache_mode}`` with the file as
     the body (``curl --data @FILE``); the job itself still activates nothing.
 
@@ -265,11 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                    for e in exc.errors(include_url=False, include_input=False, include_context=False)]
         print(f"{name}: error: {'; '.join(reasons)}", file=sys.stderr)
         return 2
-    for path in getattr(args, "merge", None) or []:
-        if not path.is_file():
-            print(f"{name}: error: --merge {path}: no such file; give the files `diagnose --sums-out` wrote",
-                  file=sys.stderr)
-            return 2
     # The job logs each sample's TRACE convergence (objective per round, settled or not) at INFO.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.perf_counter()

@@ -1,9 +1,10 @@
 """The calibration job: corpus -> TRACE -> diagnostics -> each registered method's fit, through a store.
 
-DESIGN.md flow 2. Every step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`); a
-method's fit is its plug-in's calibration step (`service.quant.plugin.CalibrationStep`, run by
-:meth:`CalibrationJob.run_step`): dLLM-KVQ's is :func:`fit_policies`, KVQuant's :func:`fit_kvquant_states`.
-Artifacts go to a :class:`service.store.base.Store` (Redis or a local directory), immutable:
+DESIGN.md flow 2. Every shared step is a method of :class:`CalibrationJob` (and a CLI verb, :mod:`calibration.cli`);
+a method's fit is its plug-in's calibration step (`service.quant.plugin.CalibrationStep`, run by
+:meth:`CalibrationJob.run_step`), in a module of its own (``calibration/<name>_fit.py``, which documents the kinds
+it stores). The job names no method. Its own artifacts go to a :class:`service.store.base.Store` (Redis or a local
+directory), immutable:
 
 ==================  ========================================================================================
 kind                id and content
@@ -12,15 +13,11 @@ trajectory          ``trace-<h>``, h = hash of the inputs (sample ids, model fin
                     the :class:`~calibration.trace.Trajectory` JSON, which those inputs determine
 calibration_sums    ``diag-<h>``, h = hash of (trajectory id, diagnose settings); one sample's
                     :class:`~calibration.fit.DiagnosticSums`
-calibration_fit     ``fit-<h>``, h = hash of (sums ids, fit settings); the policy ids and Table 4 rows
-policy              the :class:`~service.artifacts.policy.PolicyTable`'s own content id
-kvquant_fit         ``kvqfit-<h>``, h = hash of (trajectory ids, bits, Fisher, sparsity); the state ids
-kvquant_state       the :class:`~service.artifacts.kvquant_state.KVQuantState`'s own content id
 ==================  ========================================================================================
 
-Work items are keyed by their inputs, so a rerun finds what is done and skips it; each artifact is written whole
-by the store (temp file + rename, or one Redis SET), so a failed run leaves finished items and nothing half-written.
-The job never activates anything: the admin endpoint does.
+Work items are keyed by their inputs (:meth:`CalibrationJob.input_key`), so a rerun finds what is done and skips
+it; each artifact is written whole by the store (temp file + rename, or one Redis SET), so a failed run leaves
+finished items and nothing half-written. The job never activates anything: the admin endpoint does.
 """
 
 from __future__ import annotations
@@ -39,27 +36,21 @@ import torch
 from tqdm.auto import tqdm
 
 from calibration.block_causal import MODE as BLOCK_CAUSAL_MODE
-from calibration.block_causal import diagnose_block_causal, pre_rope_trace
+from calibration.block_causal import diagnose_block_causal
 from calibration.corpus import HFEncoder, Sample, mixed_chat
 from calibration.diagnose import DiagnoseSettings, diagnose_trajectory
-from calibration.fit import DiagnosticSums, FitSettings, LayerFit, cell_key, fit_policy, table4
+from calibration.fit import DiagnosticSums
 from calibration.forward import capture_pre_rope, logits_forward
-from calibration.kvquant_fit import fit_kvquant_state
-from calibration.policy_tables import layer_record
-from calibration.report import write_report
+from calibration.report import write_run_report
 from calibration.settings import EMBEDDED_TRAIN_SPLIT, JobSettings  # noqa: F401 - EMBEDDED_TRAIN_SPLIT re-exported
 from calibration.trace import Trajectory, rollout, trace
 from service.artifacts.base import Provenance, canonical_json, default_v_group_size
-from service.artifacts.kvquant_state import KVQuantState
-from service.artifacts.policy import PolicyTable
 from service.engine import Engine
 from service.engine.models import is_block_causal
 from service.quant.registry import calibration_steps, method
-from service.store.base import KIND_CALIBRATION_SUMS, KIND_KVQUANT_STATE, KIND_POLICY, KIND_TRAJECTORY, Store
+from service.store.base import KIND_CALIBRATION_SUMS, KIND_TRAJECTORY, Store
 
 log = logging.getLogger(__name__)
-KIND_FIT = "calibration_fit"
-KIND_KVQUANT_FIT = "kvquant_fit"
 CODE_VERSION = "dllm-kvq calibration 2"
 
 T = TypeVar("T")
@@ -78,7 +69,7 @@ class RunSummary:
     sums: list[str] = field(default_factory=list)
     #: Per method, the ids of its fitted artifacts by what each was fitted for (``"dual/4"``, ``"2"``).
     fitted: dict[str, dict[str, str]] = field(default_factory=dict)
-    #: Per artifact id, what the end-of-run summary adds to its line (a policy's Table 4 win rates).
+    #: Per artifact id, what the end-of-run summary adds to its line (its fit's Table 4 win rates).
     notes: dict[str, str] = field(default_factory=dict)
     table4: dict[str, dict[str, float]] = field(default_factory=dict)
     computed: dict[str, int] = field(default_factory=dict)
@@ -91,16 +82,6 @@ class RunSummary:
     #: One line per step that does not apply to the model (a block-causal model's TRACE and report).
     not_applied: list[str] = field(default_factory=list)
 
-    @property
-    def policies(self) -> dict[str, str]:
-        """dLLM-KVQ's policy ids by ``"<mode>/<bits>"`` (its entry of :attr:`fitted`)."""
-        return self.fitted.setdefault("dllm_kvq", {})
-
-    @property
-    def kvquant_states(self) -> dict[str, str]:
-        """KVQuant's state ids by bits (its entry of :attr:`fitted`)."""
-        return self.fitted.setdefault("kvquant", {})
-
 
 def resolve(ref: Callable | str) -> Callable:
     """A calibration step's function (`CalibrationStep.fit`, ``flags``): the function, or the one its
@@ -112,21 +93,6 @@ def resolve(ref: Callable | str) -> Callable:
     for part in qualname.split("."):
         target = getattr(target, part)
     return target
-
-
-def fit_policies(job: CalibrationJob, args: Any = None) -> dict[str, PolicyTable]:
-    """dLLM-KVQ's calibration step (``calibrate fit``): :meth:`CalibrationJob.fit`, from the sums files of
-    ``--merge`` when given (`calibration.cli.fit_flags`)."""
-    sums = None
-    for path in getattr(args, "merge", None) or []:
-        part = DiagnosticSums.model_validate_json(Path(path).read_text())
-        sums = part if sums is None else sums.merge(part)
-    return job.fit(sums)
-
-
-def fit_kvquant_states(job: CalibrationJob, args: Any = None) -> dict[str, KVQuantState]:
-    """KVQuant's calibration step (``calibrate kvquant``): :meth:`CalibrationJob.kvquant`, by bits."""
-    return {str(bits): state for bits, state in job.kvquant().items()}
 
 
 class CalibrationJob:
@@ -147,13 +113,12 @@ class CalibrationJob:
         self.progress = progress
         self.summary = RunSummary()
         self._samples: list[Sample] | None = None
-        self._tables: dict[str, PolicyTable] = {}
         self._trajectory_ids: list[str] | None = None
         #: A block-causal model (LLaDA2): no trajectories, diagnostics over exact committed blocks
         #: (`calibration.block_causal`).
         self.block_causal = is_block_causal(self.spec.arch)
 
-    def _note(self, line: str) -> None:
+    def note(self, line: str) -> None:
         """Say once that a step does not apply (`RunSummary.not_applied`, printed by the CLI, and the log)."""
         if line not in self.summary.not_applied:
             self.summary.not_applied.append(line)
@@ -171,7 +136,7 @@ class CalibrationJob:
     def _bar(self, items: Iterable[T], description: str, total: int | None = None) -> Iterable[T]:
         return tqdm(items, desc=description, total=total, disable=not self.progress, leave=False)
 
-    def _cached(self, kind: str, key: str, compute: Callable[[], bytes]) -> str:
+    def cached(self, kind: str, key: str, compute: Callable[[], bytes]) -> str:
         """Store ``compute()`` under ``key`` unless it is there; count computed vs skipped items."""
         if self.store.exists(kind, key):
             self.summary.skipped[kind] = self.summary.skipped.get(kind, 0) + 1
@@ -180,8 +145,13 @@ class CalibrationJob:
             self.summary.computed[kind] = self.summary.computed.get(kind, 0) + 1
         return key
 
-    def _timed(self, step: str, started: float) -> None:
+    def timed(self, step: str, started: float) -> None:
         self.summary.seconds[step] = self.summary.seconds.get(step, 0.0) + time.perf_counter() - started
+
+    def input_key(self, prefix: str, inputs: dict[str, Any]) -> str:
+        """A work item's id (:func:`input_key`) over ``inputs`` and the job's code version, so that a changed job
+        recomputes what it changed."""
+        return input_key(prefix, {**inputs, "code": CODE_VERSION})
 
     def provenance(self, data: str) -> Provenance:
         return Provenance(data=data, code=f"{CODE_VERSION}; torch {torch.__version__}; python "
@@ -210,7 +180,7 @@ class CalibrationJob:
             "steps_per_block": s.steps_per_block, "rounds": s.rounds, "code": CODE_VERSION,
         })
 
-    def _shard(self, items: list[T]) -> list[T]:
+    def shard(self, items: list[T]) -> list[T]:
         return items[self.settings.shard_index::self.settings.shard_count]
 
     # ---- steps -----------------------------------------------------------------------------------------------
@@ -220,7 +190,7 @@ class CalibrationJob:
         if self._trajectory_ids is not None:
             return self._trajectory_ids
         if self.block_causal:
-            self._note(f"trace: does not apply to a block-causal model ({self.spec.arch}): committed blocks are "
+            self.note(f"trace: does not apply to a block-causal model ({self.spec.arch}): committed blocks are "
                        "exact, so there is no stale reuse to reconstruct; diagnose reads each block over its exact "
                        "committed text")
             self._trajectory_ids = []
@@ -228,13 +198,13 @@ class CalibrationJob:
         started = time.perf_counter()
         forward = logits_forward(self.engine.model)
         ids = []
-        for sample in self._bar(self._shard(self.samples()), "trace"):
+        for sample in self._bar(self.shard(self.samples()), "trace"):
             def compute(sample=sample) -> bytes:
                 result = trace(sample.prompt_ids, sample.answer_ids, forward, self.spec.mask_id, self.spec.fingerprint,
                                steps_per_block=self.settings.steps_per_block, block_length=self.settings.block_length,
                                max_rounds=self.settings.rounds, batch_size=self.settings.batch_size)
                 return canonical_json(result.model_dump(mode="json"))
-            ids.append(self._cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
+            ids.append(self.cached(KIND_TRAJECTORY, self.trajectory_key(sample), compute))
             row = convergence_row(ids[-1], self.load_trajectory(ids[-1]), self.settings.rounds)
             self.summary.convergence.append(row)
             log.info("TRACE %s: objective per round %s nats; %s", row["trajectory"],
@@ -244,7 +214,7 @@ class CalibrationJob:
                              + (f"last change {row['last_change']:+.4f})" if row["last_change"] is not None else
                                 "one round: no change between rounds to measure)")}[row["settled"]])
         self.summary.trajectories = self._trajectory_ids = ids
-        self._timed("trace", started)
+        self.timed("trace", started)
         return ids
 
     def load_trajectory(self, trajectory_id: str) -> Trajectory:
@@ -253,9 +223,9 @@ class CalibrationJob:
     def diagnose_settings(self) -> DiagnoseSettings:
         s = self.settings
         modes = s.cache_modes
-        if self.block_causal:  # one policy: prefix's, which cache mode block serves
+        if self.block_causal:  # one cache mode: prefix, which cache mode block serves
             if set(modes) != {BLOCK_CAUSAL_MODE}:
-                self._note(f"cache modes: a block-causal model's committed blocks are its reused prefix: policies "
+                self.note(f"cache modes: a block-causal model's committed blocks are its reused prefix: policies "
                            f"are fitted for {BLOCK_CAUSAL_MODE} only (what cache mode block serves)")
             modes = (BLOCK_CAUSAL_MODE,)
         return DiagnoseSettings(cache_modes=modes, bits=s.bits, k_group_size=s.k_group_size)
@@ -274,7 +244,7 @@ class CalibrationJob:
         settings = self.diagnose_settings()
         ids = []
         if self.block_causal:
-            for sample in self._bar(self._shard(self.samples()), "diagnose"):
+            for sample in self._bar(self.shard(self.samples()), "diagnose"):
                 key = self.trajectory_key(sample)
 
                 def compute(sample=sample, key=key) -> bytes:
@@ -282,15 +252,15 @@ class CalibrationJob:
                                                  key, settings, self.settings.block_length,
                                                  self.settings.steps_per_block)
                     return canonical_json(sums.model_dump(mode="json"))
-                ids.append(self._cached(KIND_CALIBRATION_SUMS, self.sums_key(key), compute))
+                ids.append(self.cached(KIND_CALIBRATION_SUMS, self.sums_key(key), compute))
         for trajectory_id in self._bar(trajectory_ids, "diagnose"):
             def compute(trajectory_id=trajectory_id) -> bytes:
                 sums = diagnose_trajectory(self.engine.model, self.spec, self.load_trajectory(trajectory_id),
                                            trajectory_id, settings)
                 return canonical_json(sums.model_dump(mode="json"))
-            ids.append(self._cached(KIND_CALIBRATION_SUMS, self.sums_key(trajectory_id), compute))
+            ids.append(self.cached(KIND_CALIBRATION_SUMS, self.sums_key(trajectory_id), compute))
         self.summary.sums = ids
-        self._timed("diagnose", started)
+        self.timed("diagnose", started)
         return ids
 
     def all_sums_ids(self) -> list[str]:
@@ -311,86 +281,13 @@ class CalibrationJob:
             merged = sums if merged is None else merged.merge(sums)
         return merged
 
-    def fit_settings(self) -> FitSettings:
-        s = self.settings
-        return FitSettings(bit_penalty=s.bit_penalty, min_records=s.min_records, win_rate=s.win_rate)
-
-    def fit(self, sums: DiagnosticSums | None = None) -> dict[str, PolicyTable]:
-        """Fit and store one policy per (cache mode, bits) from every sample's sums (or the given merged sums).
-
-        Returns ``"<mode>/<bits>"`` -> table; ids and Table 4 rows go to the summary and a ``calibration_fit``
-        record keyed by the sums and fit settings.
-        """
-        started = time.perf_counter()
-        sums = sums if sums is not None else self.merged_sums(self.all_sums_ids())
-        settings = self.fit_settings()
-        tables, fits = {}, {}
-        for mode, bits in sums.modes_and_bits():
-            source = "committed-block diagnostics" if self.block_causal else "TRACE trajectories"
-            table, layer_fits = fit_policy(
-                sums, mode, bits, settings,
-                self.provenance(f"mixed_chat {source}: {len(sums.samples)} samples ({sorted(sums.samples)})"),
-                self.v_group_size)
-            table.validate_for(self.spec)
-            tables[f"{mode}/{bits}"] = table
-            fits[f"{mode}/{bits}"] = layer_fits
-            self.store.put_model(KIND_POLICY, table)
-            self.summary.policies[f"{mode}/{bits}"] = table.id
-            self.summary.table4[f"{mode}/{bits}"] = row = table4(sums, table)
-            self.summary.notes[table.id] = _policy_note(row)
-        self.summary.fit_layers = _layer_fit_json(fits, tables, sums)
-        self._tables = tables
-        record = {"sums_samples": sorted(sums.samples), "policies": self.summary.policies,
-                  "table4": self.summary.table4, "layers": self.summary.fit_layers}
-        # "record" 2: layers carry effective K bits and win rates (calibration.policy_tables).
-        key = input_key("fit", {"samples": sorted(sums.samples), "fit": settings.as_dict(),
-                                "v_group_size": self.v_group_size, "code": CODE_VERSION, "record": 2})
-        self._cached(KIND_FIT, key, lambda: canonical_json(record))
-        self._timed("fit", started)
-        return tables
-
-    def kvquant(self) -> dict[int, KVQuantState]:
-        """Fit and store a KVQuant state per bit width from the cache traces of this shard's trajectories."""
-        trajectory_ids = self.trace()
-        started = time.perf_counter()
-        s = self.settings
-        states = {}
-        traces = None
-        if self.block_causal:  # the samples' keys stand for the trajectories
-            trajectory_ids = [self.trajectory_key(sample) for sample in self._shard(self.samples())]
-            if s.fisher:
-                self._note("kvquant --fisher: not on a block-causal model yet; the codebooks are fitted unweighted")
-        for bits in s.kvquant_bits:
-            key = input_key("kvqfit", {"trajectories": trajectory_ids, "bits": bits,
-                                       "fisher": s.fisher and not self.block_causal,
-                                       "sparsity": s.sparsity_threshold, "code": CODE_VERSION})
-            if self.store.exists(KIND_KVQUANT_FIT, key):
-                state_id = self.store.get_json(KIND_KVQUANT_FIT, key)["state"]
-                states[bits] = KVQuantState.from_bytes(self.store.get(KIND_KVQUANT_STATE, state_id))
-                self.summary.skipped[KIND_KVQUANT_FIT] = self.summary.skipped.get(KIND_KVQUANT_FIT, 0) + 1
-            else:
-                if traces is None:
-                    traces = (self.cache_traces(trajectory_ids) if not self.block_causal else
-                              [pre_rope_trace(self.engine.model, sample.prompt_ids, sample.answer_ids,
-                                              s.block_length) for sample in self._shard(self.samples())])
-                source = "block-causal samples" if self.block_causal else "TRACE trajectories"
-                state = fit_kvquant_state(
-                    traces, bits, self.spec, s.sparsity_threshold,
-                    self.provenance(f"pre-RoPE cache traces of {len(trajectory_ids)} {source}"))
-                state.validate_for(self.spec)
-                self.store.put(KIND_KVQUANT_STATE, state.to_bytes(), state.id)
-                self._cached(KIND_KVQUANT_FIT, key, lambda state=state: canonical_json({"state": state.id}))
-                states[bits] = state
-            self.summary.kvquant_states[str(bits)] = states[bits].id
-        self._timed("kvquant", started)
-        return states
-
     def run_step(self, name: str, args: Any = None) -> dict[str, Any]:
         """Run method ``name``'s calibration step (its plug-in's, `service.quant.plugin.CalibrationStep`) and record
         the ids of what it fitted in the summary; returns its artifacts by what each was fitted for.
 
         Raises:
-            KVQuantError: no such method; ValueError: the method has no calibration step.
+            the registry's error for an unknown name (`service.quant.registry.method`); ValueError: the method has
+            no calibration step.
         """
         step = method(name).calibration
         if step is None:
@@ -407,10 +304,9 @@ class CalibrationJob:
     def report(self, out: str | Path) -> Path:
         """Write the markdown report with plots into ``out`` (every method's artifacts are fitted first if
         missing, :meth:`run_steps`)."""
-        self.run_steps()
-        tables = self._tables  # the policies the report's Table 4 shows (this run's fit)
+        fitted = self.run_steps()  # the report shows this run's artifacts
         if self.block_causal:
-            self._note("report: not written for a block-causal model yet (its plots read TRACE trajectories); the "
+            self.note("report: not written for a block-causal model yet (its plots read TRACE trajectories); the "
                        "policies, states and activation bodies are made")
             return Path(out)
         started = time.perf_counter()
@@ -418,10 +314,9 @@ class CalibrationJob:
         trajectory = self.load_trajectory(keys[0])
         convergence = [convergence_row(key, self.load_trajectory(key), self.settings.rounds) for key in keys]
         settings = self.settings.model_dump(mode="json") | {"model": self.spec.model_id}
-        path = write_report(Path(out), tables, self.summary.table4, self.engine.model, trajectory, settings,
-                            self.summary.seconds, self.summary.kvquant_states,
-                            fit_layers=self.summary.fit_layers, convergence=convergence)
-        self._timed("report", started)
+        path = write_run_report(Path(out), fitted, self.summary.table4, self.engine.model, trajectory, settings,
+                                self.summary.seconds, fit_layers=self.summary.fit_layers, convergence=convergence)
+        self.timed("report", started)
         self.summary.report = str(path)
         return path
 
@@ -464,23 +359,3 @@ def convergence_row(trajectory_id: str, trajectory: Trajectory, round_limit: int
     return {"trajectory": trajectory_id, "rounds": trajectory.rounds, "objectives": objectives, "settled": settled,
             "last_change": objectives[-1] - objectives[-2] if len(objectives) > 1 else None}
 
-
-def _policy_note(row: dict[str, float]) -> str:
-    """A policy's line in the end-of-run summary: its Table 4 win rates and configured K bits."""
-    rates = " ".join(f"{m}={row[m]:.1f}%" for m in ("centered_l2", "attention_kl", "top1", "topk") if m in row)
-    bits = row.get("configured_k_bits")
-    return f"{rates}; configured K bits {'—' if bits is None else f'{bits:.3f}'}"
-
-
-def _layer_fit_json(fits: dict[str, list[LayerFit]], tables: dict[str, PolicyTable],
-                    sums: DiagnosticSums) -> dict[str, list[dict]]:
-    """Per policy key and layer: the choice, every candidate's objective and refusal, and `layer_record`."""
-    out = {}
-    for key, layer_fits in fits.items():
-        table = tables[key]
-        out[key] = [{"layer": f.layer, "score_type": f.choice.score_type, "p": f.choice.p, "objective": f.objective,
-                     "refused": f.refused,
-                     **layer_record(sums.cells[cell_key(table.cache_mode, table.bits, f.layer, f.choice.score_type,
-                                                        f.choice.p)], f.choice.p)}
-                    for f in layer_fits]
-    return out

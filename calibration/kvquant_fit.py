@@ -7,19 +7,38 @@ laid out as the reference's 2-D ``[N, C]`` view (``C = num_kv_heads * head_dim``
 one layer (per-channel key thresholds at the sparsity threshold's percentiles, one-dimensional k-means codebooks
 for keys and values with scikit-learn, optional Fisher weights) is the quantization code's
 :func:`service.quant.nuq.fit_layer`, the same rules its quantizer applies.
+
+:func:`fit_kvquant_states` is KVQuant's calibration step (``calibrate kvquant``, `service.quant.kvquant.METHOD`):
+a state per bit width of ``--kvquant-bits``, stored through the job's store:
+
+==================  ========================================================================================
+kind                id and content
+==================  ========================================================================================
+kvquant_fit         ``kvqfit-<h>``, h = hash of (trajectory ids, bits, Fisher, sparsity); the state ids
+kvquant_state       the :class:`~service.artifacts.kvquant_state.KVQuantState`'s own content id
+==================  ========================================================================================
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from calibration.block_causal import pre_rope_trace
 from calibration.forward import PreRopeKV
-from service.artifacts.base import Provenance
+from service.artifacts.base import Provenance, canonical_json
 from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
 from service.quant.nuq import fit_layer
+from service.store.base import KIND_KVQUANT_STATE
+
+if TYPE_CHECKING:
+    from calibration.job import CalibrationJob
+
+KIND_KVQUANT_FIT = "kvquant_fit"
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -60,3 +79,42 @@ def fit_kvquant_state(traces: Sequence[list[PreRopeKV]], bits: int, spec: ModelS
     )
     k_upper, k_lower, k_lut, v_lut = (torch.stack(parts) for parts in zip(*fitted))
     return KVQuantState(meta, k_upper=k_upper, k_lower=k_lower, k_lut=k_lut, v_lut=v_lut)
+
+
+def fit_kvquant_states(job: CalibrationJob, args: Any = None) -> dict[str, KVQuantState]:
+    """KVQuant's calibration step (``calibrate kvquant``): fit and store a state per bit width of
+    ``--kvquant-bits`` from the pre-RoPE cache traces of this shard's trajectories (a block-causal model: of its
+    samples' committed blocks, `calibration.block_causal.pre_rope_trace`); returns the states by bits
+    (``"4"``). A state whose ``kvquant_fit`` record is stored is read back, not fitted again."""
+    trajectory_ids = job.trace()
+    started = time.perf_counter()
+    s = job.settings
+    states = {}
+    traces = None
+    if job.block_causal:  # the samples' keys stand for the trajectories
+        trajectory_ids = [job.trajectory_key(sample) for sample in job.shard(job.samples())]
+        if s.fisher:
+            job.note("kvquant --fisher: not on a block-causal model yet; the codebooks are fitted unweighted")
+    for bits in s.kvquant_bits:
+        key = job.input_key("kvqfit", {"trajectories": trajectory_ids, "bits": bits,
+                                       "fisher": s.fisher and not job.block_causal,
+                                       "sparsity": s.sparsity_threshold})
+        if job.store.exists(KIND_KVQUANT_FIT, key):
+            state_id = job.store.get_json(KIND_KVQUANT_FIT, key)["state"]
+            states[bits] = KVQuantState.from_bytes(job.store.get(KIND_KVQUANT_STATE, state_id))
+            job.summary.skipped[KIND_KVQUANT_FIT] = job.summary.skipped.get(KIND_KVQUANT_FIT, 0) + 1
+        else:
+            if traces is None:
+                traces = (job.cache_traces(trajectory_ids) if not job.block_causal else
+                          [pre_rope_trace(job.engine.model, sample.prompt_ids, sample.answer_ids, s.block_length)
+                           for sample in job.shard(job.samples())])
+            source = "block-causal samples" if job.block_causal else "TRACE trajectories"
+            state = fit_kvquant_state(
+                traces, bits, job.spec, s.sparsity_threshold,
+                job.provenance(f"pre-RoPE cache traces of {len(trajectory_ids)} {source}"))
+            state.validate_for(job.spec)
+            job.store.put(KIND_KVQUANT_STATE, state.to_bytes(), state.id)
+            job.cached(KIND_KVQUANT_FIT, key, lambda state=state: canonical_json({"state": state.id}))
+            states[bits] = state
+    job.timed("kvquant", started)
+    return {str(bits): state for bits, state in states.items()}

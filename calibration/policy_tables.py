@@ -1,7 +1,7 @@
 """Per-layer policy tables (paper appendix: "the selected per-layer policies for each reported model, cache mode
 and bit-width"): one row per layer with the score type, p, nominal K bits and the win rates of its choice.
 
-The fit (`calibration.job.CalibrationJob.fit`) stores, per policy and layer, what `layer_record` returns; the
+The fit (`calibration.dllm_kvq_fit.fit_tables`) stores, per policy and layer, what `layer_record` returns; the
 calibration report and the evaluation matrix print it with `per_layer_markdown`, so a run's exact configuration can
 be read (and, with the table's id or JSON, served again).
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -27,6 +28,7 @@ from calibration.forward import capture_qkv
 from calibration.metrics import METRICS
 from calibration.policy_tables import per_layer_markdown, table4_markdown
 from calibration.trace import Trajectory, rollout
+from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import SCORE_TYPES, PolicyTable
 from service.engine.models import DiffusionLM
 
@@ -177,6 +179,19 @@ def convergence_markdown(rows: Sequence[Mapping], round_limit: int) -> list[str]
         lines.append(f"| `{r['trajectory'][:14]}` | {r['rounds']} | "
                      + ", ".join(f"{o:.3f}" for o in r["objectives"]) + f" | {_change(r['last_change'])} | {state} |")
     return lines + [""]
+
+
+def write_run_report(out: Path, fitted: Mapping[str, Mapping[str, Any]], rows: Mapping[str, Mapping[str, float]],
+                     model: DiffusionLM, trajectory: Trajectory, settings: Mapping, seconds: Mapping[str, float],
+                     fit_layers: Mapping[str, Sequence[Mapping]] | None = None,
+                     convergence: Sequence[Mapping] = ()) -> Path:
+    """:func:`write_report` from a run's fitted artifacts by method (`CalibrationJob.run_steps`): its policy
+    tables and KVQuant states, told apart by type (an artifact of another type is not in the report)."""
+    artifacts = [(key, artifact) for per_method in fitted.values() for key, artifact in per_method.items()]
+    tables = {key: a for key, a in artifacts if isinstance(a, PolicyTable)}
+    states = {key: a.id for key, a in artifacts if isinstance(a, KVQuantState)}
+    return write_report(out, tables, rows, model, trajectory, settings, seconds, states, fit_layers=fit_layers,
+                        convergence=convergence)
 
 
 def write_report(out: Path, tables: Mapping[str, PolicyTable], rows: Mapping[str, Mapping[str, float]],

@@ -13,9 +13,13 @@ from calibration.corpus import OFFLINE_CORPUS_DIR
 #: `service.engine.loading.EMBEDDED_DIR` names, spelled here so that this module stays light.
 EMBEDDED_TRAIN_SPLIT = Path(__file__).resolve().parents[1] / "service" / "assets" / "embedded" / "task" / "train_sample.jsonl"
 
+#: The bit widths a fit accepts (a tuple field's ``choices``: its flag's choices, `calibration.cli.build_parser`).
+BIT_CHOICES = [2, 4, 8]
+
 
 class JobSettings(BaseModel):
-    """Every setting of a calibration run (CLI flags map one to one).
+    """Every setting of a calibration run (CLI flags map one to one: `calibration.cli.build_parser` makes a flag of
+    each field from its type, default, description and ``choices``).
 
     Attributes:
         model: checkpoint dir or HF repo id; None = the embedded default model.
@@ -48,15 +52,18 @@ class JobSettings(BaseModel):
     max_answer_length: int = Field(64, gt=0, description="answers are cut (or padded) to at most this many tokens")
     steps_per_block: int = Field(8, ge=2, description="TRACE denoising steps per block")
     rounds: int = Field(3, gt=0, description="TRACE refinement round limit")
-    cache_modes: tuple[str, ...] = Field(("prefix", "dual"), description="cache modes to fit policies for")
-    bits: tuple[int, ...] = Field((4, 2), description="bit widths to fit dLLM-KVQ policies for")
+    cache_modes: tuple[str, ...] = Field(("prefix", "dual"), description="cache modes to fit policies for",
+                                         json_schema_extra={"choices": ["prefix", "dual"]})
+    bits: tuple[int, ...] = Field((4, 2), description="bit widths to fit dLLM-KVQ policies for",
+                                  json_schema_extra={"choices": BIT_CHOICES})
     k_group_size: int = Field(32, gt=0, description="K tokens per quantization group")
     v_group_size: int | None = Field(None, description="V channels per group (default: min(32, head_dim))")
     bit_penalty: float = Field(0.01, ge=0, description="lambda: the fit objective's cost per nominal K bit above the target")
     min_records: int = Field(8, gt=0, description="fewest paired diagnostic records a candidate needs to be accepted")
     win_rate: float = Field(0.5, ge=0, le=1, description="least centered-score-distance win rate a candidate needs to be accepted")
-    kvquant_bits: tuple[int, ...] = Field((4, 2), description="bit widths to fit KVQuant states for")
-    fisher: bool = False
+    kvquant_bits: tuple[int, ...] = Field((4, 2), description="bit widths to fit KVQuant states for",
+                                          json_schema_extra={"choices": BIT_CHOICES})
+    fisher: bool = Field(False, description="weight KVQuant's k-means by Fisher information")
     sparsity_threshold: float = Field(0.99, gt=0, le=1, description="KVQuant: share of each vector kept dense (the rest are sparse outliers)")
     batch_size: int = Field(16, gt=0, description="rows per forward in TRACE's score matrix")
 

@@ -14,7 +14,7 @@ from typing import Any
 from service.commands import prog
 from service.store.base import open_store, redact_url
 
-#: Artifact kind of the calibration job's fit records (``calibration.job.KIND_FIT``).
+#: Artifact kind of the calibration job's fit records (``calibration.dllm_kvq_fit.KIND_FIT``).
 KIND_CALIBRATION_FIT = "calibration_fit"
 #: Paper column -> metric key in the record.
 COLUMNS = {"L2": "centered_l2", "KL": "attention_kl", "Top-1": "top1", "Top-K": "topk"}

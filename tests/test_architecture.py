@@ -76,3 +76,45 @@ def test_an_illegal_import_is_caught(graph, importer, imported, rule):
     broken = copy.deepcopy(graph)
     broken.add_import(importer=importer, imported=imported)
     assert any(rule in line for line in violations(broken)), violations(broken)
+
+
+def _built_in_names() -> set[str]:
+    """What names a built-in quantizer: its method name and label, its artifact class and store kind."""
+    from service.quant.registry import method, methods
+
+    names = set()
+    for name in methods():
+        entry = method(name)
+        if entry.quantizer is None:  # method none: "none" is a word, not a method's knowledge
+            continue
+        names |= {entry.name, entry.title}
+        if entry.artifact is not None:
+            names |= {entry.artifact.__name__, entry.artifact.KIND}
+    return names
+
+
+def test_the_calibration_job_and_cli_name_no_method():
+    """Issue 33 item 1: calibration's job and CLI read the registry; each method's fit is its own module, named by
+    its plug-in's ``"module:name"`` (checked: a method's knowledge put back into either file fails here)."""
+    import re
+
+    from calibration.job import resolve
+    from service.quant.registry import calibration_steps
+    from tests.support.paths import REPO
+
+    names = _built_in_names()
+    assert {"dllm_kvq", "dLLM-KVQ", "kvquant", "KVQuant", "PolicyTable", "KVQuantState", "kivi", "KIVI"} <= names
+    # A name inside a longer word is another word (KVQuantConfig, the project's dllm-kvq); joined by _ it is not.
+    pattern = re.compile(r"(?<![A-Za-z0-9-])(" + "|".join(map(re.escape, sorted(names))) + r")(?![A-Za-z0-9-])")
+    for path in ("calibration/job.py", "calibration/cli.py"):
+        text = (REPO / path).read_text()
+        assert [m.group(0) for m in pattern.finditer(text)] == [], path
+    assert pattern.search("self.summary.kvquant_states[str(bits)]") is not None
+    assert pattern.search("KVQuantConfig(method=name); CODE_VERSION = 'dllm-kvq calibration 2'") is None
+    steps = {entry.name: entry.calibration for entry in calibration_steps().values()}
+    assert {"dllm_kvq", "kvquant"} <= set(steps)
+    for name, step in steps.items():
+        for ref in (step.fit, step.flags):
+            if isinstance(ref, str):
+                assert callable(resolve(ref)), ref
+                assert ref.split(":")[0] not in ("calibration.job", "calibration.cli"), (name, ref)

@@ -129,5 +129,5 @@ METHOD = QuantMethod(
     configured_bits=_policy_bits, fused_rows=True,
     calibration=CalibrationStep(
         "fit", "a dLLM-KVQ policy per cache mode and bit width from the diagnostic sums",
-        "calibration.job:fit_policies", flags="calibration.cli:fit_flags"),
+        "calibration.dllm_kvq_fit:fit_policies", flags="calibration.dllm_kvq_fit:fit_flags"),
 )

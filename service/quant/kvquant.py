@@ -289,5 +289,5 @@ METHOD = QuantMethod(
                         read_steps=functools.partial(nuq_dequantize_rows, steps=True)),
     calibration=CalibrationStep(
         "kvquant", "KVQuant states (per-channel non-uniform codebooks) from the trajectories",
-        "calibration.job:fit_kvquant_states"),
+        "calibration.kvquant_fit:fit_kvquant_states"),
 )

@@ -59,3 +59,36 @@ def test_one_round_reports_no_change_rather_than_zero(capsys):
     print_summary(summary, 1.0)
     out = capsys.readouterr().out
     assert "no change between rounds to report" in out and "+0.0000" not in out
+
+
+def test_a_missing_merge_file_is_one_line_before_the_model_loads(tmp_path, capsys):
+    """``fit --merge`` (dLLM-KVQ's own flag, `calibration.dllm_kvq_fit.fit_flags`) with a path that is no file: one
+    line naming it, exit 2, before the store or the model is touched (the CLI itself names no method)."""
+    import pytest
+
+    from calibration.cli import main
+
+    missing = tmp_path / "sums-0.json"
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--model", "/nonexistent", "--store", str(tmp_path / "store"), "--merge", str(missing)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [(f"{prog('calibration', 'fit')}: error: --merge {missing}: no such file; give the files "
+                    "`diagnose --sums-out` wrote")]
+    assert not (tmp_path / "store").exists()
+
+
+def test_every_setting_is_one_flag_and_parses_back(tmp_path):
+    """The flags made from `JobSettings`' fields give back the settings they were given (tuples, a switch, an
+    optional int), so no field is lost by the CLI naming none."""
+    from calibration.cli import build_parser, settings_from
+    from calibration.job import JobSettings
+
+    args = build_parser().parse_args([
+        "fit", "--bits", "2", "--kvquant-bits", "8", "2", "--fisher", "--cache-modes", "dual", "--v-group-size", "8",
+        "--samples", "3", "--bit-penalty", "0.5", "--shard", "1/2", "--bucket", f"qa={tmp_path / 'qa.jsonl'}"])
+    settings = settings_from(args)
+    assert settings == JobSettings(bits=(2,), kvquant_bits=(8, 2), fisher=True, cache_modes=("dual",),
+                                   v_group_size=8, samples=3, bit_penalty=0.5, shard_index=1, shard_count=2,
+                                   buckets={"qa": str(tmp_path / "qa.jsonl")})
+    assert settings_from(build_parser().parse_args(["fit"])) == JobSettings()

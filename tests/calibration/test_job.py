@@ -13,8 +13,10 @@ from threadpoolctl import threadpool_limits
 
 from calibration import job as job_module
 from calibration.corpus import write_bucket
+from calibration.dllm_kvq_fit import KIND_FIT, fit_tables
 from calibration.fit import DiagnosticSums
-from calibration.job import KIND_FIT, CalibrationJob, JobSettings
+from calibration.job import CalibrationJob, JobSettings
+from calibration.kvquant_fit import fit_kvquant_states
 from calibration.quantize import reused_key_variants
 from service.artifacts.policy import PolicyTable
 from service.engine import Engine
@@ -69,13 +71,13 @@ def test_job_stores_everything_and_a_rerun_skips_it(engine, tmp_path):
     store = open_store(str(tmp_path / "store"))
     job = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
     job.diagnose()
-    tables = job.fit()
-    states = job.kvquant()
+    tables = fit_tables(job)
+    states = fit_kvquant_states(job)
     assert sorted(tables) == ["dual/2", "dual/4", "prefix/2", "prefix/4"]
     for table in tables.values():
         table.validate_for(engine.spec)
         assert store.get_model(KIND_POLICY, table.id, PolicyTable) == table
-    states[4].validate_for(engine.spec)
+    states["4"].validate_for(engine.spec)
     assert len(store.list(KIND_TRAJECTORY)) == 2 and len(store.list(KIND_CALIBRATION_SUMS)) == 2
     sums = DiagnosticSums.model_validate_json(store.get(KIND_CALIBRATION_SUMS, store.list(KIND_CALIBRATION_SUMS)[0]))
     # 2 blocks x 3 later steps per block = 6 records per (mode, bits, layer, candidate).
@@ -83,9 +85,9 @@ def test_job_stores_everything_and_a_rerun_skips_it(engine, tmp_path):
     assert len(sums.cells) == 2 * 2 * 3 * (1 + 3 * 3)
     again = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
     again.diagnose()
-    again.kvquant()
+    fit_kvquant_states(again)
     assert again.summary.computed == {} and again.summary.skipped[KIND_CALIBRATION_SUMS] == 2
-    assert {k: t.id for k, t in again.fit().items()} == {k: t.id for k, t in tables.items()}
+    assert {k: t.id for k, t in fit_tables(again).items()} == {k: t.id for k, t in tables.items()}
 
 
 def test_shards_merge_into_the_one_run_policy(engine, tmp_path):
@@ -98,7 +100,7 @@ def test_shards_merge_into_the_one_run_policy(engine, tmp_path):
                        progress=False).diagnose()
     merged = CalibrationJob(_settings(tmp_path, samples=3), shard_store, engine, progress=False)
     assert merged.summary.computed == {}
-    assert {k: t.id for k, t in merged.fit().items()} == {k: t.id for k, t in whole.fit().items()}
+    assert {k: t.id for k, t in fit_tables(merged).items()} == {k: t.id for k, t in fit_tables(whole).items()}
 
 
 def test_artifacts_do_not_depend_on_the_thread_count(engine, tmp_path):
@@ -111,7 +113,7 @@ def test_artifacts_do_not_depend_on_the_thread_count(engine, tmp_path):
                 store = open_store(str(tmp_path / folder))
                 job = CalibrationJob(_settings(tmp_path, samples=1), store, engine, progress=False)
                 job.diagnose()
-                return job.fit(), job.kvquant()[4], store
+                return fit_tables(job), fit_kvquant_states(job)["4"], store
         finally:
             torch.set_num_threads(1)
 
@@ -140,12 +142,12 @@ def test_a_failed_run_leaves_finished_items_and_no_policy(engine, tmp_path, monk
         job.diagnose()
     assert len(store.list(KIND_CALIBRATION_SUMS)) == 1 and store.list(KIND_POLICY) == []
     with pytest.raises(FileNotFoundError, match="1 of 2 samples have no diagnostic sums"):
-        job.fit()
+        fit_tables(job)
     monkeypatch.setattr(job_module, "diagnose_trajectory", real)
     rerun = CalibrationJob(_settings(tmp_path), store, engine, progress=False)
     rerun.diagnose()
     assert rerun.summary.computed[KIND_CALIBRATION_SUMS] == 1 and rerun.summary.skipped[KIND_CALIBRATION_SUMS] == 1
-    rerun.fit()
+    fit_tables(rerun)
     assert len(store.list(KIND_POLICY)) == 4 and len(store.list(KIND_FIT)) == 1
 
 
