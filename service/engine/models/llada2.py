@@ -72,6 +72,21 @@ class LLaDA2Config(ModelConfig):
     routed_scale: float = 1.0
     editing: bool = False
 
+    @property
+    def mlp_cost(self) -> tuple[int, int]:
+        """Admission's MLP figures per input column (`ModelConfig.mlp_cost`) of the costliest layer kind: a MoE
+        layer holds its K chosen experts' gate, up and product (``3 K I``), the shared expert's (``3 S I``) and
+        the input gathered per choice plus the experts' outputs before the weighted sum (``2 K C``); it multiplies
+        ``3 C (K + S) I`` plus the router's ``C E``. The dense layers before ``first_dense`` (``intermediate_size``)
+        count when they are larger. Not the dense ``intermediate_size`` alone: that is not what a MoE layer holds."""
+        dense = super().mlp_cost if self.first_dense or not self.num_experts else (0, 0)
+        if not self.num_experts:
+            return dense
+        k, c, hidden = self.experts_per_token, self.width, self.moe_hidden
+        routed = k + self.shared_experts
+        moe = 3 * routed * hidden + 2 * k * c, 3 * c * routed * hidden + c * self.num_experts
+        return max(dense[0], moe[0]), max(dense[1], moe[1])
+
 
 def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
                       block_length: int | torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -58,6 +58,14 @@ class ModelConfig:
     pad_id: int
     max_length: int
 
+    @property
+    def mlp_cost(self) -> tuple[int, int]:
+        """The family's declared MLP figures for admission (`service.engine.forward_cost.ForwardCost`), per input
+        column of one layer: (activation elements held at the MLP's peak, multiply-adds). A dense gated MLP of
+        hidden size M holds gate, up and their product (``3 M``) and multiplies ``3 C M``; a family with another
+        MLP (LLaDA2's experts) overrides this."""
+        return 3 * self.mlp_hidden, 3 * self.width * self.mlp_hidden
+
 
 class DiffusionLM(nn.Module):
     """Embedding -> L pre-norm bidirectional decoder layers -> RMSNorm -> LM head.
