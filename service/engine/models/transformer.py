@@ -78,6 +78,11 @@ class DiffusionLM(nn.Module):
     """
 
     arch: ClassVar[str]
+    #: The cache modes this family decodes with (the request's ``cache_mode``, `service.engine.params.CacheMode`),
+    #: each mapped to the configured cache mode whose KV configuration it runs with (`ConfiguredCacheMode`: the
+    #: store's active entry, a request's ``kv_quant`` checked as for it). The engine's checks, the refusal
+    #: messages and the API's published schema read this (`service.engine.engine.cache_modes`).
+    cache_modes: ClassVar[dict[str, str]] = {"none": "none", "prefix": "prefix", "dual": "dual"}
     logits_shift: ClassVar[int]
     CHECKPOINT_NAMES: ClassVar[dict[str, str]]
     reveal_rule: ClassVar[RevealRule]
