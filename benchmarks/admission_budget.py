@@ -75,7 +75,7 @@ def main() -> None:
     compute = args.compute_dtype or args.dtype
     engine = random_engine(args.preset, getattr(torch, compute), "cpu", 10.0)
     config = engine.model.config
-    memory = MemoryModel(engine.spec, config.width, config.mlp_hidden, getattr(torch, args.dtype).itemsize)
+    memory = MemoryModel.dense(engine.spec, config.width, config.mlp_hidden, getattr(torch, args.dtype).itemsize)
     params = DecodeParams(gen_length=args.gen, block_length=32, cache_mode="dual", threshold=None,
                           steps=2 * (args.gen // 32), ignore_eos=True)
     gen = torch.Generator().manual_seed(0)

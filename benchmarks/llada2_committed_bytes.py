@@ -76,7 +76,7 @@ def admission() -> None:
     from service.runtime.memory import MemoryModel
 
     spec = spec_of(mini_layout(20, 4096, head_dim=128))
-    memory = MemoryModel(spec, 128, 256, element_size=2)
+    memory = MemoryModel.dense(spec, 128, 256, element_size=2)
     print("| store | bytes per token | GiB at 32 rows x 32k tokens |")
     print("|---|---:|---:|")
     for name in NAMES:

@@ -275,7 +275,7 @@ class Serving:
         check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
         if req.kv_quant is None:
             return self.active.snapshot(cache_mode)
-        cache_mode = configured_cache_mode(cache_mode)  # ``block``'s kv_quant is checked as for ``prefix``
+        cache_mode = configured_cache_mode(cache_mode, self.spec.arch)  # ``block``'s kv_quant is checked as for ``prefix``
         # These answers go to any client: they must not say where the store is (a path, a Redis URL).
         try:
             try:

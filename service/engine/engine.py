@@ -15,7 +15,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
-from service.engine.models import is_block_causal, reveal_rule
+from service.engine.models import MODEL_CLASSES, family_cache_modes, is_block_causal, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_prompt
 from service.engine.report import DecodeReport, RowReport, Timings
@@ -205,10 +205,10 @@ class Engine:
 
 
 def cache_modes(spec) -> tuple[str, ...]:
-    """The cache modes the model ``spec`` describes decodes with: ``none``, ``prefix`` and ``dual`` for the
-    bidirectional families; block-causal ones (LLaDA2, docs/llada2.md) also ``block`` (where ``prefix`` and
-    ``dual`` decode as ``block``)."""
-    return ("none", "prefix", "dual", "block") if is_block_causal(spec.arch) else ("none", "prefix", "dual")
+    """The cache modes the model ``spec`` describes decodes with, as its family declares them
+    (`service.engine.models.DiffusionLM.cache_modes`): ``none``, ``prefix`` and ``dual`` for the bidirectional
+    families; LLaDA2 (docs/llada2.md) also ``block`` (where ``prefix`` and ``dual`` decode as ``block``)."""
+    return tuple(family_cache_modes(spec.arch))
 
 
 def legal_cache_modes(spec) -> str:
@@ -220,11 +220,13 @@ def legal_cache_modes(spec) -> str:
 def check_cache_mode(spec, cache_mode: str) -> None:
     """Raise `EngineInputError` (field ``cache_mode``) unless ``cache_mode`` is one of :func:`cache_modes`. The
     API checks it before it resolves a request's KV configuration for that mode."""
-    if cache_mode == "block" and not is_block_causal(spec.arch):
-        raise EngineInputError("cache mode 'block' is the exact cache of block-causal models (LLaDA2); "
-                               f"{legal_cache_modes(spec)}", "cache_mode")
-    if cache_mode not in cache_modes(spec):
-        raise EngineInputError(f"unknown cache mode {cache_mode!r}; {legal_cache_modes(spec)}", "cache_mode")
+    if cache_mode in cache_modes(spec):
+        return
+    others = [arch for arch, cls in MODEL_CLASSES.items() if cache_mode in cls.cache_modes]
+    if others:
+        raise EngineInputError(f"cache mode {cache_mode!r} is a cache mode of {', '.join(others)} models, not of this "
+                               f"one; {legal_cache_modes(spec)}", "cache_mode")
+    raise EngineInputError(f"unknown cache mode {cache_mode!r}; {legal_cache_modes(spec)}", "cache_mode")
 
 
 def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions]) -> None:

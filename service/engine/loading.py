@@ -171,7 +171,8 @@ def checkpoint_fingerprint(directory: Path) -> str:
 
 
 def detect_arch(hf_config: dict[str, Any]) -> str:
-    """``"llada"``, ``"dream"`` or ``"llada2"`` from ``model_type`` / ``architectures``.
+    """The family (a key of `MODEL_CLASSES`: ``"llada"``, ``"dream"``, ``"llada2"``) from ``model_type`` /
+    ``architectures``.
 
     The longest family name found wins, so ``llada2_moe`` / ``LLaDA2MoeModelLM`` (and the 2.1 copy's
     ``llada21_moe``) are LLaDA2, never LLaDA.
@@ -184,8 +185,8 @@ def detect_arch(hf_config: dict[str, Any]) -> str:
     for arch in sorted(MODEL_CLASSES, key=len, reverse=True):
         if arch in lowered:
             return arch
-    raise EngineInputError(f"unsupported model type {names}; legal: LLaDA (model_type 'llada'), Dream ('Dream'), "
-                           "LLaDA2 ('llada2_moe')")
+    raise EngineInputError(f"unsupported model type {names}; legal: a model_type or architecture naming one of "
+                           f"{', '.join(MODEL_CLASSES)} (e.g. 'llada', 'Dream', 'llada2_moe')")
 
 
 def load_tokenizer(directory: Path):

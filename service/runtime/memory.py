@@ -37,27 +37,32 @@ class MemoryModel:
     """Bytes per request and per forward for one loaded model.
 
     Args:
-        spec: the model's spec; width, mlp_hidden: model width and MLP hidden size; element_size: bytes per
-        activation element (4 for float32, 2 for bf16); device: where probes run.
+        spec: the model's spec; forward: its forward's figures (`service.engine.forward_cost.ForwardCost`, the
+        MLP's as the family declares them); device: where probes run.
     """
 
-    def __init__(self, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
-                 device: torch.device | str = "cpu") -> None:
-        self.spec, self.width, self.mlp_hidden, self.element_size = spec, width, mlp_hidden, element_size
-        self.forward = ForwardCost(width, mlp_hidden, spec.num_heads, spec.head_dim, spec.vocab_size, element_size)
+    def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu") -> None:
+        self.spec, self.forward, self.element_size = spec, forward, forward.element_size
         self.device = torch.device(device)
         self._per_token: dict[object, float] = {}  # insertion-ordered: the oldest is dropped past PER_TOKEN_KEEP
 
     @classmethod
+    def dense(cls, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
+              device: torch.device | str = "cpu") -> MemoryModel:
+        """For a model with a dense gated MLP of hidden size ``mlp_hidden`` (`ForwardCost.dense`)."""
+        return cls(spec, ForwardCost.dense(width, mlp_hidden, spec.num_heads, spec.head_dim, spec.vocab_size,
+                                           element_size), device)
+
+    @classmethod
     def for_engine(cls, engine) -> MemoryModel:
-        """From a loaded `service.engine.Engine` (its model config, dtype and device); an engine without a torch
-        model (the tests' fake) is costed as a float32 model of width heads x head_dim and a 3x MLP."""
+        """From a loaded `service.engine.Engine` (its model's declared cost figures, dtype and device); an engine
+        without a torch model (the tests' fake) is costed as a float32 model of width heads x head_dim and a
+        dense 3x MLP."""
         model = getattr(engine, "model", None)
         if model is None:
             width = engine.spec.num_heads * engine.spec.head_dim
-            return cls(engine.spec, width, 3 * width, 4)
-        return cls(engine.spec, model.config.width, model.config.mlp_hidden, model.embed.weight.element_size(),
-                   model.embed.weight.device)
+            return cls.dense(engine.spec, width, 3 * width, 4)
+        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device)
 
     def knows(self, key: object) -> bool:
         """Whether the bytes per token of configuration ``key`` are measured (asking costs no torch work)."""

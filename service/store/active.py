@@ -257,7 +257,7 @@ class ActiveConfigs:
         """The snapshot a request admitted now runs with; ConfigUnavailable when the mode is not ready. Cache mode
         ``block`` (block-causal families, LLaDA2) runs with ``prefix``'s (`configured_cache_mode`: its committed
         blocks are its reused prefix), and its report's ``kv_config`` says ``prefix``."""
-        cache_mode = configured_cache_mode(cache_mode)
+        cache_mode = configured_cache_mode(cache_mode, self.resolver.spec.arch)
         with self._lock:
             reason = self.not_ready.get(cache_mode)
             if reason is not None:

@@ -53,7 +53,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from pydantic import BaseModel, ValidationError
@@ -61,7 +61,7 @@ from pydantic import BaseModel, ValidationError
 from service.artifacts.base import canonical_json
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
-from service.engine.params import CacheMode
+from service.engine.params import CacheMode, ConfiguredCacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
@@ -75,7 +75,9 @@ KIND_CALIBRATION_SUMS = "calibration_sums"
 KIND_EVAL_SCORES = "eval_scores"
 KINDS = (KIND_POLICY, KIND_KVQUANT_STATE, KIND_TRAJECTORY, KIND_CALIBRATION_SUMS, KIND_EVAL_SCORES)
 
-CACHE_MODES: tuple[str, ...] = ("none", "prefix", "dual")
+#: The cache modes that hold an active configuration (`service.engine.params.ConfiguredCacheMode`): what each
+#: family's declared modes run with (`service.engine.models.DiffusionLM.cache_modes`).
+CACHE_MODES: tuple[str, ...] = get_args(ConfiguredCacheMode)
 
 #: Audit entries kept by either backend (the newest; older ones are dropped in the write that adds one).
 AUDIT_KEEP = 10_000

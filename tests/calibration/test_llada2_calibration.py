@@ -71,7 +71,7 @@ def test_calibrate_all_makes_a_servable_policy_and_state(loaded, tmp_path, capsy
     for config, artifact in ((KVQuantConfig(method="dllm_kvq", bits=4, policy_id=policy.id), policy),
                              (KVQuantConfig(method="kvquant", bits=4, kvquant_state_id=state.id), state)):
         entry = method(config.method)
-        entry.check(artifact, config, policy.v_group_size, configured_cache_mode("block"))  # as the server checks
+        entry.check(artifact, config, policy.v_group_size, configured_cache_mode("block", "llada2"))  # as the server checks
         artifact.validate_for(spec)
         store_ = make_kv_store(config, spec, artifact, attention="torch")
         result = generate(loaded.model, prompt, params, spec.mask_id, spec.eos_ids, kv_store=store_)

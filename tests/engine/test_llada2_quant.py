@@ -188,7 +188,7 @@ def test_bytes_held_are_the_packed_bytes_the_report_and_admission_count(llada2, 
     bf16 = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * tokens
     assert report.bf16_bytes == bf16
     assert packed < store.bytes_held == store.committed_bytes(0) < packed * 1.3  # index tensors of the reads
-    per_token = MemoryModel(spec, 64, 64, 4).kv_bytes_per_token(method, lambda: STORES[method](spec, 4))
+    per_token = MemoryModel.dense(spec, 64, 64, 4).kv_bytes_per_token(method, lambda: STORES[method](spec, 4))
     admission = per_token * tokens
     print(f"{method} 4-bit, {tokens} committed tokens: held {store.bytes_held} B (packed {packed}), admission "
           f"{admission:.0f} B, bf16 {bf16} B")

@@ -195,7 +195,9 @@ def _tiny_lm(vocab: int):
             self.embed = torch.nn.Embedding(vocab, 8)
             torch.nn.init.normal_(self.embed.weight, generator=torch.Generator().manual_seed(0))
 
-        config = SimpleNamespace(width=8, mlp_hidden=24, num_heads=1, head_dim=8, vocab_size=vocab)
+        # mlp_cost: a dense gated MLP of hidden 24 (`ModelConfig.mlp_cost`), as admission reads it.
+        config = SimpleNamespace(width=8, mlp_hidden=24, mlp_cost=(3 * 24, 3 * 8 * 24), num_heads=1, head_dim=8,
+                                 vocab_size=vocab)
 
         def forward(self, ids, head=True):
             hidden = self.embed(ids)

@@ -1,7 +1,9 @@
 """LLaDA, Dream and LLaDA2 models built from the shared layers.
 
-`MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec and the decode
-loop's reveal rule (:func:`reveal_rule`) all come from it.
+`MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec, the decode
+loop's reveal rule (:func:`reveal_rule`), the attention-mask kind (:func:`is_block_causal`), the cache modes
+(:func:`family_cache_modes`) and admission's cost figures (the config's ``mlp_cost``) all come from what the class
+declares (docs/extending.md "Adding a model family").
 """
 
 from service.engine.errors import EngineInputError
@@ -19,6 +21,13 @@ def is_block_causal(arch: str) -> bool:
     return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
 
 
+def family_cache_modes(arch: str) -> dict[str, str]:
+    """The cache modes the family named ``arch`` declares (``DiffusionLM.cache_modes``: mode -> the configured
+    cache mode it runs with); a name outside :data:`MODEL_CLASSES` (the tests' fake engine) has the bidirectional
+    families' default."""
+    return MODEL_CLASSES.get(arch, DiffusionLM).cache_modes
+
+
 def reveal_rule(arch: str) -> RevealRule:
     """The reveal rule of the family named ``arch``.
 
@@ -32,5 +41,5 @@ def reveal_rule(arch: str) -> RevealRule:
 
 __all__ = [
     "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "is_block_causal", "reveal_rule",
+    "family_cache_modes", "is_block_causal", "reveal_rule",
 ]

@@ -72,6 +72,25 @@ class LLaDA2Config(ModelConfig):
     routed_scale: float = 1.0
     editing: bool = False
 
+    @property
+    def mlp_cost(self) -> tuple[int, int]:
+        """Admission's MLP figures per input column (`ModelConfig.mlp_cost`) of the costliest layer kind.
+
+        A MoE layer (`SparseMoE.forward`) holds, per column, for its K chosen experts of hidden size I: the input
+        gathered per choice, the experts' output, its copy back in (token, choice) order and the weighted sum's
+        float32 copy and product (``7 K C`` at bf16, where the float32 ones count twice; ``4 K C`` at float32);
+        the experts' gate/up, activation and product (``4 K I``); the shared expert's gate, up and product
+        (``3 S I``). Counted together, ``7 K C + 4 K I + 3 S I`` bounds the live peak measured per column in
+        float32 and bfloat16 (tests/engine/test_family.py); it is not the dense ``intermediate_size``, which a MoE
+        layer never holds. Multiply-adds: ``3 C (K + S) I`` plus the router's ``C E``. The dense layers before
+        ``first_dense`` count when they are larger."""
+        dense = super().mlp_cost if self.first_dense or not self.num_experts else (0, 0)
+        if not self.num_experts:
+            return dense
+        k, c, hidden, shared = self.experts_per_token, self.width, self.moe_hidden, self.shared_experts * self.moe_hidden
+        moe = 7 * k * c + 4 * k * hidden + 3 * shared, 3 * c * (k * hidden + shared) + c * self.num_experts
+        return max(dense[0], moe[0]), max(dense[1], moe[1])
+
 
 def block_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
                       block_length: int | torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -355,6 +374,10 @@ class LLaDA2Model(DiffusionLM):
     #: Attention kind of the family: bidirectional inside a block, causal across blocks (its own decode loop,
     #: `service.engine.block_causal`, and its cache modes there).
     mask_kind: ClassVar[str] = "block_causal"
+    #: ``block``, the exact append-only cache of committed blocks, runs with ``prefix``'s configuration (committed
+    #: blocks are its reused prefix; it has no suffix); ``prefix`` and ``dual`` decode as ``block`` with their own
+    #: (a dual request whose policy was fitted for prefix is served with it, `service.store.active`).
+    cache_modes: ClassVar[dict[str, str]] = {"none": "none", "prefix": "prefix", "dual": "dual", "block": "prefix"}
     reveal_rule = BlockCausalRule()
     #: Public names -> module names. The experts' per-expert tensors are stacked on load (``gate_up``, ``down``).
     CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {

@@ -58,6 +58,14 @@ class ModelConfig:
     pad_id: int
     max_length: int
 
+    @property
+    def mlp_cost(self) -> tuple[int, int]:
+        """The family's declared MLP figures for admission (`service.engine.forward_cost.ForwardCost`), per input
+        column of one layer: (activation elements held at the MLP's peak, multiply-adds). A dense gated MLP of
+        hidden size M holds gate, up and their product (``3 M``) and multiplies ``3 C M``; a family with another
+        MLP (LLaDA2's experts) overrides this."""
+        return 3 * self.mlp_hidden, 3 * self.width * self.mlp_hidden
+
 
 class DiffusionLM(nn.Module):
     """Embedding -> L pre-norm bidirectional decoder layers -> RMSNorm -> LM head.
@@ -70,6 +78,11 @@ class DiffusionLM(nn.Module):
     """
 
     arch: ClassVar[str]
+    #: The cache modes this family decodes with (the request's ``cache_mode``, `service.engine.params.CacheMode`),
+    #: each mapped to the configured cache mode whose KV configuration it runs with (`ConfiguredCacheMode`: the
+    #: store's active entry, a request's ``kv_quant`` checked as for it). The engine's checks, the refusal
+    #: messages and the API's published schema read this (`service.engine.engine.cache_modes`).
+    cache_modes: ClassVar[dict[str, str]] = {"none": "none", "prefix": "prefix", "dual": "dual"}
     logits_shift: ClassVar[int]
     CHECKPOINT_NAMES: ClassVar[dict[str, str]]
     reveal_rule: ClassVar[RevealRule]
