@@ -1,4 +1,4 @@
-"""A fresh reviewer's fifty-odd hostile requests (``tests/hostile_requests.py``, issue 13 "Done when") against a
+"""A fresh reviewer's fifty-odd hostile requests (``tests/api/hostile_requests.py``, issue 13 "Done when") against a
 real ``python -m service serve`` on the embedded model, the suite's Redis (own key prefix) and an admin key: no
 server error, memory under 1 GB, ready throughout; and nothing above INFO in the server's log (run at warning level:
 a handled bad request or a client's disconnect is not an error). No wall-clock bar: the script's 5 s limit is for a
@@ -19,7 +19,7 @@ from tests.support.processes import SHARED_REDIS_URL, ServerProcess
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ADMIN_KEY = "hostile-reviewer-admin-key"
-SCRIPT = Path(__file__).resolve().parents[1] / "hostile_requests.py"
+SCRIPT = Path(__file__).resolve().with_name("hostile_requests.py")
 
 
 @pytest.fixture(scope="module")

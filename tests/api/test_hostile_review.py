@@ -1,4 +1,4 @@
-"""A fresh reviewer's hostile review (``tests/hostile_review.py``): the whole script against a real
+"""A fresh reviewer's hostile review (``tests/api/hostile_review.py``): the whole script against a real
 ``python -m service serve`` (embedded model, a scratch directory store, an admin key), which must pass the issue's
 bar (no 5xx, server RSS at most 1 GB, ready throughout, every disconnected stream cancelled) with no flag but the two
 the HTTP server (uvicorn) owns; then each of its findings as a test with the answer it must get, mostly against the
@@ -32,7 +32,7 @@ ADMIN_KEY = "hostile-review-admin-key-0123"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 USER_KEY = "hostile-review-user-key"
 JSON = {"content-type": "application/json"}
-SCRIPT = Path(__file__).resolve().parents[1] / "hostile_review.py"
+SCRIPT = Path(__file__).resolve().with_name("hostile_review.py")
 # What the script still flags and this server does not decide: uvicorn answers a request line without Host, and
 # one with a 100 KB header, itself (httptools has no header-size limit).
 UVICORN_OWNED = ("HTTP/1.1 without Host", "100 KB header")

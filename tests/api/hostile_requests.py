@@ -1,7 +1,7 @@
 """Fifty hostile or unusual requests against a running server, on every route, as a reviewer told nothing of the
 server's rules would send them (issue 13, "Done when").
 
-    python tests/hostile_requests.py http://127.0.0.1:8000 ADMIN_KEY SERVER_PID
+    python tests/api/hostile_requests.py http://127.0.0.1:8000 ADMIN_KEY SERVER_PID
 
 Prints one line per request (status, seconds, what was sent) and a summary. Exits 1 when any request got a 5xx,
 took longer than ``--slow-s`` (5 s; with ``--no-time-bar`` a slow request is reported, not failed: a loaded machine

@@ -3,7 +3,7 @@
 Not a pytest module (the name does not start with ``test_``): it talks to a server you started, e.g.::
 
     DLLM_ADMIN_KEY=... .venv/bin/dllm-kvq serve --port 8001 --store-url /tmp/h/store --create-store --threads 1 &
-    python tests/hostile_review.py --url http://127.0.0.1:8001 --admin-key "$DLLM_ADMIN_KEY" --server-pid $!
+    python tests/api/hostile_review.py --url http://127.0.0.1:8001 --admin-key "$DLLM_ADMIN_KEY" --server-pid $!
 
 It sends malformed, mistyped, huge, unicode-odd, conflicting, streaming, concurrent, admin and unknown-route
 requests (raw HTTP, ``httpx`` and the official ``openai`` client), and for each one prints status, whether a
