@@ -17,7 +17,10 @@ imports it before handing the arguments to lm-eval's CLI)::
   ``kv_quant``), so one ``--gen_kwargs`` works for both paths.
 - ``loglikelihood`` / ``loglikelihood_rolling``: the Monte-Carlo masked estimate of `evaluation.likelihood`
   (``mc_num`` samples), so multiple-choice and perplexity tasks run too; one forward pass reuses no cache, so
-  cache mode and KV quantization do not change likelihoods.
+  cache mode and KV quantization do not change likelihoods. On a block-causal model (LLaDA2) they raise
+  `service.engine.errors.EngineInputError` (a ValueError), as the server answers them with a 400: its ELBO is not
+  implemented. LLaDA2 takes cache_mode ``none`` or ``block`` (``prefix`` and ``dual``, the default, decode as
+  ``block``).
 
 Every finished generation is kept in :attr:`DllmKvqLM.records` (task, doc id, response token ids, text, NFE) and
 every KV report in :attr:`DllmKvqLM.kv_reports`, for the result matrix (exact match and token agreement between
@@ -296,6 +299,9 @@ class DllmKvqLM(TemplateLM):
         return self.engine.model(ids)
 
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        # A block-causal model (LLaDA2) is refused as the server refuses it (400): the MC estimate below is the
+        # bidirectional ELBO, not that model's likelihood.
+        self.engine.check_likelihood()
         total = len(context) + len(continuation)
         if total > self.spec.max_length:
             keep = self.spec.max_length - len(continuation)
@@ -321,7 +327,8 @@ class DllmKvqLM(TemplateLM):
         """ELBO of each whole string given the prefix token (one window: strings must fit ``max_length - 1``).
 
         Raises:
-            ValueError: a string longer than the model's context (rolling windows are not implemented).
+            ValueError: a string longer than the model's context (rolling windows are not implemented); a
+                block-causal model (`service.engine.errors.EngineInputError`: LLaDA2 has no likelihood yet).
         """
         out = []
         for req in tqdm(requests, desc="dllm-kvq loglikelihood_rolling", disable=disable_tqdm):

@@ -124,10 +124,16 @@ class Engine:
             ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
             EngineInputError: a block-causal model (its ELBO over the block-causal mask is not implemented).
         """
+        self.check_likelihood()
+        return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
+
+    def check_likelihood(self) -> None:
+        """Raise `EngineInputError` (field ``logprobs``) when this model has no likelihood: a block-causal model
+        (LLaDA2), whose ELBO over the block-causal mask is not implemented. The server's 400 and the in-process
+        lm-eval model's refusal (`evaluation.lm`) both come from here."""
         if is_block_causal(self.spec.arch):
             raise EngineInputError("likelihood (the ELBO) is not implemented for block-causal models (LLaDA2): "
                                    "the bidirectional ELBO would not be the model's", "logprobs")
-        return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
     def batch(self, plan: Plan = alone) -> RunningBatch:
         """An empty continuous batch on this model (see `service.engine.batch`); ``plan`` groups each
