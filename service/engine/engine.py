@@ -228,7 +228,8 @@ def check_cache_mode(spec, cache_mode: str) -> None:
     API checks it before it resolves a request's KV configuration for that mode."""
     if cache_mode in cache_modes(spec):
         return
-    others = [arch for arch, cls in MODEL_CLASSES.items() if cache_mode in cls.cache_modes]
+    others = [f"{arch} ({getattr(cls, 'mask_kind', 'bidirectional').replace('_', '-')})"
+              for arch, cls in MODEL_CLASSES.items() if cache_mode in cls.cache_modes]
     if others:
         raise EngineInputError(f"cache mode {cache_mode!r} is a cache mode of {', '.join(others)} models, not of this "
                                f"one; {legal_cache_modes(spec)}", "cache_mode")
