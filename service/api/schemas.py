@@ -46,7 +46,7 @@ from service.api.rules import (
     only,
 )
 from service.api.structured import StructuredOutputFields
-from service.api.tools import ToolCallIn, ToolFields
+from service.api.tools import OfferedTools, ToolCallIn, ToolFields
 from service.engine.params import (
     MAX_TOP_LOGPROBS,
     N_CEILING,
@@ -587,12 +587,15 @@ class GenerateResponse(DecodeReport):
 
 
 # ---- tokenizer (lm-eval's RemoteTokenizer and vLLM's shapes) ---------------------------------------------------------
-class TokenizeRequest(RuledModel):
+class TokenizeRequest(RuledModel, OfferedTools):
     """``/tokenize``: a prompt, or chat messages rendered through the chat template.
 
     ``prompt`` may itself be a list of chat messages: lm-eval's remote tokenizer (``local-completions`` with
     ``tokenizer_backend=remote`` and ``--apply_chat_template``) posts each request's chat history as ``prompt``;
-    it is rendered through the chat template as ``messages`` is (``add_special_tokens`` does not apply then)."""
+    it is rendered through the chat template as ``messages`` is (``add_special_tokens`` does not apply then).
+    ``tools`` (vLLM's ``TokenizeChatRequest`` field) go with chat messages and are rendered as
+    ``/v1/chat/completions`` renders them: the ids are that route's prompt (``tool_choice`` does not change the
+    prompt, and is not taken)."""
 
     model: ModelName | None = None
     prompt: str | Annotated[list[ChatMessage], Field(min_length=1)] | None = None
@@ -600,7 +603,9 @@ class TokenizeRequest(RuledModel):
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
-    rules = (ExactlyOne("prompt", "messages"),)
+    rules = (ExactlyOne("prompt", "messages"),
+             Implies(Given("tools"), Not(IsText("prompt")), "tools go with chat messages (messages, or a prompt "
+                     "that is a list of messages), not a text prompt", "tools"))
 
 
 class TokenizeResponse(BaseModel):

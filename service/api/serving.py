@@ -51,7 +51,7 @@ from service.engine.prompts import encode_chat, encode_prompt, encode_text, know
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
-from service.engine.tool_format import Call, generic_turns, parse_calls, starts_as_call
+from service.engine.tool_format import Call, Function, generic_turns, parse_calls, starts_as_call
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
 from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
@@ -185,21 +185,22 @@ class Serving:
         return tok
 
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True,
-                  tools: ToolRequest | None = None) -> list[int]:
+                  functions: tuple[Function, ...] = ()) -> list[int]:
+        """The prompt of chat ``messages`` offering ``functions`` (the request's ``tools``): the one rendering of
+        ``/v1/chat/completions`` and ``/tokenize``."""
         turns = [{"role": m.role, "content": m.text} for m in messages]
         declared = None
-        if tools is not None or any(m.tool_calls or m.role == "tool" for m in messages):
-            turns, declared = self._tool_turns(messages, turns, tools)
+        if functions or any(m.tool_calls or m.role == "tool" for m in messages):
+            turns, declared = self._tool_turns(messages, turns, functions)
         return self._tokenize(sum(len(t["content"] or "") for t in turns), encode_chat, self.engine.tokenizer,
                               turns, self.spec.model_id, add_generation_prompt, "messages",
                               self.settings.allow_special_tokens_in_content, declared)
 
-    def _tool_turns(self, messages: list[s.ChatMessage], turns: list[dict[str, Any]], tools: ToolRequest | None
-                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    def _tool_turns(self, messages: list[s.ChatMessage], turns: list[dict[str, Any]],
+                    functions: tuple[Function, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """A conversation with tools, calls or results as turns for the chat template, and the tools to hand it:
         OpenAI's shapes for a template that knows tools, else the generic format with no tools to hand
         (`service.engine.tool_format`)."""
-        functions = tools.functions if tools is not None else ()
         for i, (m, turn) in enumerate(zip(messages, turns, strict=True)):
             if m.tool_calls:
                 turn["tool_calls"] = conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
@@ -219,13 +220,14 @@ class Serving:
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
         """``/tokenize``: ids of a prompt or of chat messages (``messages``, or a ``prompt`` that is a message list as
-        lm-eval's remote tokenizer sends it; through the chat template). A text prompt that
+        lm-eval's remote tokenizer sends it; through the chat template, with the ``tools`` they offer: the prompt
+        :meth:`plan_chat` makes of the same messages and tools). A text prompt that
         provably cannot fit the context is refused as on the generation routes: no request could use its ids, and
         tokenizing a megabyte of text takes ~200 MB for a moment."""
         self._check_model(req.model)
         messages = req.prompt if isinstance(req.prompt, list) else req.messages
         if messages is not None:
-            ids = self._chat_ids(messages, req.add_generation_prompt)
+            ids = self._chat_ids(messages, req.add_generation_prompt, req.offered())
         else:
             self._check_fits([req.prompt])
             ids = self._encode(req.prompt, req.add_special_tokens)
@@ -459,7 +461,8 @@ class Serving:
         self._check_model(req.model)
         constrained = next((f for f in CONSTRAINT_FIELDS if req._constrains(f)), None)
         tools = req.tool_request(constrained)
-        plan = self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages, tools=tools)],
+        functions = tools.functions if tools is not None else ()
+        plan = self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages, functions=functions)],
                           req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages",
                           tools=tools)
         plan.tools = tools is not None and tools.calls

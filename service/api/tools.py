@@ -1,6 +1,9 @@
 """Tool calling on ``/v1/chat/completions`` (issue 35): OpenAI's ``tools``, ``tool_choice`` and
 ``parallel_tool_calls``, the conversation's calls and results, and the calls of a response.
 
+``POST /tokenize`` takes ``tools`` too (:class:`OfferedTools`, vLLM's shape), checked and rendered as chat renders
+them, so its ids are the prompt chat completions decodes from.
+
 The format, its grammar and its parser are `service.engine.tool_format`'s; here are the request's shapes and
 limits, what a request asks for (:class:`ToolRequest`), and the response's ``tool_calls``.
 
@@ -105,10 +108,44 @@ class ToolCallIn(_Strict):
     function: CalledFunction
 
 
-class ToolFields(BaseModel):
-    """The tool fields of ``/v1/chat/completions`` (module docstring). Mixed into its request model."""
+class OfferedTools(BaseModel):
+    """The ``tools`` field: the functions a chat request offers, which the chat template renders into the prompt.
+    Mixed into ``/v1/chat/completions``' request (through :class:`ToolFields`) and ``/tokenize``'s (vLLM's
+    ``TokenizeChatRequest`` takes ``tools``), so both render the same prompt."""
 
     tools: Tools | None = Field(None, description=f"functions the model may call (1-{MAX_TOOLS})")
+
+    def offered(self) -> tuple[Function, ...]:
+        """The offered functions as the prompt lists them (none: an empty tuple), checked.
+
+        Raises:
+            EngineInputError: a limit of the module docstring on ``tools``, naming the field.
+        """
+        return tuple(_offered(self.tools or ())[0])
+
+
+def _offered(tools: list[ToolDefinition] | tuple[()]) -> tuple[list[Function], dict[str, int]]:
+    """Each tool as a `Function` (a strict one's parameters as strict mode reads them), and each name's index."""
+    functions = []
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        f = tool.function
+        field = f"tools.{i}.function"
+        if f.name in seen:
+            raise EngineInputError(f"{field}.name {f.name!r} is also tools.{seen[f.name]}'s: names must be "
+                                   "unique", f"{field}.name")
+        seen[f.name] = i
+        parameters = f.parameters
+        if f.strict:
+            check_strict(parameters, f"{field}.parameters", f.name)
+            parameters = strict_parameters(parameters)
+        functions.append(Function(f.name, f.description, _parameters(parameters, f"{field}.parameters")))
+    return functions, seen
+
+
+class ToolFields(OfferedTools):
+    """The tool fields of ``/v1/chat/completions`` (module docstring). Mixed into its request model."""
+
     tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
                                            '{"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: StrictBool | None = Field(None, description="with tool_choice required or auto, allow "
@@ -128,20 +165,7 @@ class ToolFields(BaseModel):
             if choice is not None and choice != "none":
                 raise EngineInputError("tool_choice other than none needs tools", "tool_choice")
             return None
-        functions = []
-        seen: dict[str, int] = {}
-        for i, tool in enumerate(self.tools):
-            f = tool.function
-            field = f"tools.{i}.function"
-            if f.name in seen:
-                raise EngineInputError(f"{field}.name {f.name!r} is also tools.{seen[f.name]}'s: names must be "
-                                       "unique", f"{field}.name")
-            seen[f.name] = i
-            parameters = f.parameters
-            if f.strict:
-                check_strict(parameters, f"{field}.parameters", f.name)
-                parameters = strict_parameters(parameters)
-            functions.append(Function(f.name, f.description, _parameters(parameters, f"{field}.parameters")))
+        functions, seen = _offered(self.tools)
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in seen:
                 raise EngineInputError(f"tool_choice names {choice.function.name!r}, which is not one of tools",
@@ -262,6 +286,6 @@ def read_answer(text: str, finish_reason: str, ids: list[str] | None = None, for
     return ToolAnswer(None, list(zip(ids, calls, strict=False)), reason)
 
 
-__all__ = ["MAX_ARGUMENTS_BYTES", "MAX_PARAMETERS_BYTES", "MAX_TOOLS", "NamedToolChoice", "ToolAnswer",
-           "ToolCallIn", "ToolDefinition", "ToolFields", "ToolRequest", "call_id", "conversation_calls",
+__all__ = ["MAX_ARGUMENTS_BYTES", "MAX_PARAMETERS_BYTES", "MAX_TOOLS", "NamedToolChoice", "OfferedTools",
+           "ToolAnswer", "ToolCallIn", "ToolDefinition", "ToolFields", "ToolRequest", "call_id", "conversation_calls",
            "read_answer"]

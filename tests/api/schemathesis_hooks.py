@@ -17,7 +17,7 @@ cases are never filtered. The rules, named again at each check:
 * ``tools``: chat's tool fields as `service.api.tools` states them beyond the schema (unique names, a named
   ``tool_choice`` among the tools, object schemas with a finite value that compile, no structured-output field
   beside a ``tool_choice`` other than none, a conversation's call arguments the JSON text of an object, on
-  ``/tokenize`` too), restated with that module's own checks and llguidance (as ``grammar``);
+  ``/tokenize`` too, with its ``tools``), restated with that module's own checks and llguidance (as ``grammar``);
 * ``choices``: each of the ``n`` choices costs the work above (the ceiling holds for their sum);
 * ``likelihood``: a completion with ``echo`` and ``logprobs`` scores every prompt token: ``(T - 1) x (mc_num + 1)
   x T`` token-forwards within ``max_request_work``, and ``mc_num`` a multiple of the server's Monte-Carlo batch
@@ -68,8 +68,9 @@ def _tokens(value: Any, key: str = "prompt") -> int:
 
 def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int]:
     """Tokens of each prompt of a generation request, as the route encodes it."""
-    if path == "/v1/chat/completions":
-        return [_tokens(body["messages"], "messages")]
+    if path == "/v1/chat/completions":  # its tools are rendered into the prompt, as /tokenize renders them
+        return [_count(json.dumps({"messages": body["messages"], "tools": body.get("tools") or None},
+                                  sort_keys=True))]
     prompt = body["prompt"]
     if isinstance(prompt, str):
         chat = path == "/generate" and body.get("chat")
@@ -131,7 +132,8 @@ def _tools_fit(body: dict[str, Any]) -> bool:
 
 
 def _conversation_fits(body: dict[str, Any]) -> bool:
-    """Rule "tools" on ``/tokenize``: the calls of a conversation (``messages``, or a ``prompt`` of messages)."""
+    """Rule "tools" on ``/tokenize``: the calls of a conversation (``messages``, or a ``prompt`` of messages) and
+    the tools it offers."""
     from service.api.schemas import TokenizeRequest
     from service.api.tools import conversation_calls
     from service.engine.errors import EngineInputError
@@ -144,6 +146,7 @@ def _conversation_fits(body: dict[str, Any]) -> bool:
     try:
         for i, m in enumerate(messages):
             conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
+        req.offered()
     except EngineInputError:
         return False
     return True

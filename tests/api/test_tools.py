@@ -214,3 +214,33 @@ def test_a_stop_string_never_cuts_a_forced_call(client, stream):
     choice = _chat(client, **body)["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     assert [name for name, _ in _valid_calls(choice["message"])] == ["add"]
+
+
+def test_tokenize_renders_tools_as_chat_does(client, engine):
+    """``/tokenize`` takes ``tools`` with chat messages (vLLM's ``TokenizeChatRequest``) and returns the prompt
+    chat completions decodes from for the same messages and tools (the strict tool's parameters as strict mode
+    reads them); a ``prompt`` of messages (lm-eval's remote tokenizer) renders the same."""
+    r = client.post("/tokenize", json={"messages": USER, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    tokens = r.json()
+    assert tokens["count"] == _chat(client, tool_choice="none", max_tokens=8)["usage"]["prompt_tokens"]
+    assert tokens["count"] == _chat(client, tool_choice="required", max_tokens=8)["usage"]["prompt_tokens"]
+    functions = [Function(t["function"]["name"], t["function"].get("description"), t["function"]["parameters"])
+                 for t in TOOLS]
+    assert tokens["tokens"] == encode_chat(engine.tokenizer, generic_turns(USER, functions), "embedded")
+    assert tokens["count"] > client.post("/tokenize", json={"messages": USER}).json()["count"]
+    assert client.post("/tokenize", json={"prompt": USER, "tools": TOOLS}).json() == tokens
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "copy: 4 1", "tools": TOOLS}, "tools"),
+    ({"messages": USER, "tools": [TOOLS[0], TOOLS[0]]}, "tools.1.function.name"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"messages": USER, "tools": []}, "tools"),
+])
+def test_tokenize_refuses_tools_as_chat_does(client, body, param):
+    r = client.post("/tokenize", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
