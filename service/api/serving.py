@@ -462,12 +462,28 @@ class Serving:
         constrained = next((f for f in CONSTRAINT_FIELDS if req._constrains(f)), None)
         tools = req.tool_request(constrained)
         functions = tools.functions if tools is not None else ()
-        plan = self._plan("chat", "/v1/chat/completions", req, [self._chat_ids(req.messages, functions=functions)],
-                          req.max_completion_tokens or req.max_tokens, req.temperature or 0.0, "messages",
-                          tools=tools)
+        ids = self._chat_ids(req.messages, functions=functions)
+        self._check_tools_fit(req.messages, ids, functions)
+        plan = self._plan("chat", "/v1/chat/completions", req, [ids], req.max_completion_tokens or req.max_tokens,
+                          req.temperature or 0.0, "messages", tools=tools)
         plan.tools = tools is not None and tools.calls
         plan.tools_forced = plan.tools and tools.mode in ("required", "named")
         return plan
+
+    def _check_tools_fit(self, messages: list[s.ChatMessage], ids: list[int], functions: tuple[Function, ...]
+                         ) -> None:
+        """A chat prompt over the model's context that fits without its tools is a 400 naming ``tools``: their
+        rendered text is what puts it over (the engine's context rule would name ``messages``, which the client
+        need not shorten). Over the context without them too, the engine's refusal naming ``messages`` stands."""
+        if not functions or len(ids) < self.spec.max_length:
+            return
+        bare = len(self._chat_ids(messages))
+        if bare >= self.spec.max_length:
+            return
+        raise EngineInputError(
+            f"the tools' rendered text puts the prompt over the model's context of {self.spec.max_length} tokens: "
+            f"the messages with tools are {len(ids):,} tokens, without them {bare:,}; offer fewer tools or shorten "
+            "their descriptions and parameters", "tools")
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
         """Validate ``/generate``: text (optionally through the chat template) or token ids."""

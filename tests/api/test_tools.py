@@ -244,3 +244,18 @@ def test_tokenize_refuses_tools_as_chat_does(client, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_tools_that_put_the_prompt_over_the_context_are_named(client):
+    """A tool description that puts the prompt over the model's context is a 400 naming ``tools`` (the messages
+    alone fit); messages over the context without their tools still name ``messages``."""
+    huge = [{"type": "function", "function": {"name": "f", "description": "word " * 2000}}]
+    r = client.post("/v1/chat/completions", json={"messages": USER, "tools": huge, "max_tokens": 8})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and error["type"] == "invalid_request_error", error
+    assert "tools' rendered text" in error["message"] and "context of 4096" in error["message"], error
+    long_user = [{"role": "user", "content": "word " * 2000}]
+    for tools in (TOOLS, huge):
+        r = client.post("/v1/chat/completions", json={"messages": long_user, "tools": tools, "max_tokens": 8})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
