@@ -195,11 +195,12 @@ class StreamOptions(StrictModel):
 
 
 #: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
-#: all fit in it beside a prompt of at least one token); ``remasking`` by the model family's reveal rule, ``cache_mode``
-#: by the family (``block``: block-causal ones only).
+#: all fit in it beside a prompt of at least one token); ``remasking`` and ``dream_schedule`` by the model family's
+#: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only).
 _KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
                 "steps": from_server(maximum="longest_response"),
-                "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes")}
+                "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes"),
+                "dream_schedule": from_server(enum="dream_schedules")}
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):

@@ -58,9 +58,19 @@ class RevealRule:
 
     #: The ``remasking`` values the family decodes (the published schema states them).
     remasking: tuple[str, ...] = ("low_confidence", "random")
+    #: The ``dream_schedule`` values the family takes (the published schema states them): Dream's no-cache
+    #: schedules are Dream's; another family takes only the default, which asks it for nothing.
+    dream_schedules: tuple[str, ...] = ("origin",)
 
     def check(self, params: DecodeParams) -> None:
-        """Refuse settings the family cannot decode (EngineInputError with what is legal)."""
+        """Refuse settings the family cannot decode (EngineInputError with what is legal). Here: a
+        ``dream_schedule`` other than the family's (a Dream setting sent to another family was silently ignored);
+        a family that refuses more calls this first."""
+        if params.dream_schedule not in self.dream_schedules:
+            raise EngineInputError(
+                f"dream_schedule {params.dream_schedule!r} is a Dream setting (its schedule with cache mode none) "
+                f"and the served model is not Dream; legal here: {', '.join(map(repr, self.dream_schedules))} "
+                "(the default), or leave it unset", "dream_schedule")
 
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""
@@ -160,8 +170,10 @@ class DreamRule(RevealRule):
     ``dream_schedule="origin"`` it runs its own whole-response algorithm (SPEC 3.5)."""
 
     remasking = ("low_confidence",)
+    dream_schedules = ("origin", "block")
 
     def check(self, params: DecodeParams) -> None:
+        super().check(params)
         if params.remasking not in self.remasking:
             raise EngineInputError("remasking 'random' is LLaDA's; Dream supports only 'low_confidence'", "remasking")
         num_blocks = params.gen_length // params.block_length

@@ -72,7 +72,8 @@ def test_concurrent_clients_decode_as_alone(client):
 def test_refusals_are_400_naming_the_field(server):
     # Echo with logprobs scores the prompt (the ELBO, not implemented for the block-causal mask).
     body = {"model": "llada2-tiny-chat", "prompt": "w5 w6", "max_tokens": 32}
-    for extra, field in (({"remasking": "random"}, "remasking"), ({"echo": True, "logprobs": 1}, "logprobs")):
+    for extra, field in (({"remasking": "random"}, "remasking"), ({"echo": True, "logprobs": 1}, "logprobs"),
+                         ({"dream_schedule": "block"}, "dream_schedule")):
         response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field

@@ -96,6 +96,23 @@ def test_the_published_schema_lists_this_models_cache_modes(stored):
         assert _enum(mode) == ["none", "prefix", "dual"], (request, mode)
 
 
+def test_dreams_schedule_is_refused_on_another_family(stored):
+    """``dream_schedule`` ``block`` (Dream's block-wise no-cache schedule) sent to this LLaDA model was accepted and
+    ignored: a 400 naming it; ``origin`` (the default) is still taken, and the published schema lists only it."""
+    client, _ = stored
+    for route, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "w1"}),
+                        ("/generate", {"prompt": "w1"})):
+        for mode in ("none", "dual"):
+            refused = error(client.post(route, json={**body, "dream_schedule": "block", "cache_mode": mode,
+                                                     "max_tokens": 4}))
+            assert refused["param"] == "dream_schedule" and "the served model is not Dream" in refused["message"]
+        taken = client.post(route, json={**body, "dream_schedule": "origin", "max_tokens": 4})
+        assert taken.status_code == 200, taken.text
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest", "GenerateRequest"):
+        assert _enum(schemas[request]["properties"]["dream_schedule"]) == ["origin"], request
+
+
 def _enum(node: dict) -> list | None:
     """The enum of a (possibly nullable) field's schema."""
     if "enum" in node:

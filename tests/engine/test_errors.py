@@ -36,6 +36,8 @@ def _params(**kw):
         ("llada", [[-1, 3]], _params(), r"outside the vocabulary \[0, 384\)"),
         ("dream", [OK], _params(threshold=None, steps=2), "at least 2 steps per block"),
         ("dream", [OK], _params(remasking="random"), "only 'low_confidence'"),
+        # Dream's schedule sent to another family (was ignored); Dream takes it (tests/engine/test_decode_batch.py).
+        ("llada", [OK], _params(cache_mode="none", dream_schedule="block"), "the served model is not Dream"),
     ],
 )
 def test_bad_request(engines, arch, prompts, params, message):

@@ -100,5 +100,8 @@ def test_the_engine_serves_llada2_requests_and_refuses_what_it_lacks(llada2):
     assert (report.rows[0].generated_ids, report.rows[0].nfe) == (fixed["generated_ids"], fixed["nfe"])
     with pytest.raises(EngineInputError, match="remasking"):
         engine.generate([[1, 2]], DecodeParams(gen_length=32, remasking="random"), [RowOptions(temperature=0.5)])
+    with pytest.raises(EngineInputError, match="dream_schedule 'block' is a Dream setting") as refused:
+        engine.generate([[1, 2]], DecodeParams(gen_length=32, cache_mode="none", dream_schedule="block"))
+    assert refused.value.field == "dream_schedule"
     with pytest.raises(EngineInputError, match="ELBO"):
         engine.likelihood([1, 2, 3], 4, 4, 0)

@@ -358,9 +358,11 @@ class BlockCausalRule(RevealRule):
     remasking = ("low_confidence",)
 
     def check(self, params) -> None:
-        """Refuse random remasking (the reference reveals by confidence only)."""
+        """Refuse random remasking (the reference reveals by confidence only), and what every family but Dream
+        refuses (`RevealRule.check`)."""
         from service.engine.errors import EngineInputError
 
+        super().check(params)
         if params.remasking != "low_confidence":
             raise EngineInputError(f"remasking {params.remasking!r} is not a LLaDA2 rule; legal: low_confidence",
                                    "remasking")
