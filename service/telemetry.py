@@ -3,7 +3,8 @@
 Names and labels (the README's "Metrics" table is the same list; the Grafana dashboard and alert rules in
 ``deploy/`` are built from it). ``endpoint`` is the route path, ``status`` the HTTP status code;
 ``method``/``bits``/``cache_mode``/``policy`` describe a KV quantization configuration (``policy`` is the policy
-id for dllm_kvq, the KVQuant state id for kvquant, empty otherwise).
+id for dllm_kvq, the KVQuant state id for kvquant, empty otherwise); dllm_nfe_per_request's ``cache_mode`` is the
+request's own (LLaDA2's ``block``, which runs with ``prefix``'s configuration, as ``block``).
 
 =====================================================  =========  =============================================
 name                                                   type       labels
@@ -233,10 +234,14 @@ class Telemetry:
         """The exposition text of every metric."""
         return generate_latest(self.registry)
 
-    def observe_report(self, report: DecodeReport, cache_mode: str, config: KVQuantConfig) -> None:
-        """Record NFE, tokens and KV cost of a finished batch (one report, several rows)."""
+    def observe_report(self, report: DecodeReport, cache_mode: str, config: KVQuantConfig,
+                       request_mode: str | None = None) -> None:
+        """Record NFE, tokens and KV cost of a finished batch (one report, several rows): the NFE under the
+        request's own cache mode ``request_mode`` (default ``cache_mode``; LLaDA2's ``block`` runs with
+        ``prefix``'s configuration), the KV cost under the configuration it ran with (``config`` of
+        ``cache_mode``), whose labels are those of `dllm_active_config_info` and the policy's K-bit cap."""
         for row in report.rows:
-            self.nfe.labels(cache_mode).observe(row.nfe)
+            self.nfe.labels(request_mode or cache_mode).observe(row.nfe)
             self.generation_tokens.inc(len(row.generated_ids))
         if report.kv is not None:
             labels = config_labels(config, cache_mode)

@@ -774,7 +774,7 @@ class Worker:
             return None
         if not job.internal:
             self.telemetry.batch_size.observe(job.peak_rows)
-            self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config)
+            self.telemetry.observe_report(report, job.snapshot.cache_mode, job.snapshot.config, job.params.cache_mode)
         return JobResult(report, job.snapshot, job.joined_at - job.admitted_at, job.peak_rows)
 
     def _fail_running(self, job: Job, exc: BaseException) -> None:

@@ -127,7 +127,9 @@ def test_effective_bits_and_bytes_series_of_block_requests(served, server):
                 assert value == pytest.approx(kv[f"{tensor}_{accounting}_bits"]), (bits, tensor, accounting)
         assert metric_sum(m, "dllm_kv_bytes_held", **labels) == kv["bytes_held"]
         assert metric_sum(m, "dllm_kv_bf16_bytes", **labels) == kv["bf16_bytes"]
-        assert metric_sum(m, "dllm_nfe_per_request_count", cache_mode="prefix") > 0
+    # The NFE is the request's series: its own cache mode, not its configuration's (which the KV series carry).
+    assert metric_sum(m, "dllm_nfe_per_request_count", cache_mode="block") == len(results)
+    assert metric_sum(m, "dllm_nfe_per_request_count", cache_mode="prefix") == 0
     assert metric_sum(m, "dllm_active_config_info", cache_mode="prefix", method="kivi", bits="2") == 1
     assert metric_sum(m, "dllm_config_changes_total", cache_mode="prefix") == 2
     # The KV-usage gauge: reserved over budget while rows run (read with 3 clients in flight).
