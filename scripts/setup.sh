@@ -12,6 +12,9 @@ command -v "$PY" >/dev/null || PY=python3
 # The project's lm-eval tasks (digit_ledger, gsm8k_local, humaneval_local) where plain lm-eval finds them:
 # `lm_eval --include_path .dllm-kvq/lm-eval-tasks --tasks digit_ledger ...` (docs/evaluation.md).
 .venv/bin/dllm-kvq evaluate tasks --out .dllm-kvq/lm-eval-tasks >/dev/null
+# matplotlib lists the system fonts (fc-list) the first time it is imported and keeps the list: done here, once,
+# not inside whichever command or test imports it first (the suite refuses unmarked subprocesses).
+.venv/bin/python -c "import matplotlib.font_manager" >/dev/null 2>&1 || true
 cat <<'NEXT'
 
 Set up. Next, start the server on the embedded default model (CPU, no download):

@@ -95,6 +95,11 @@ class Settings(BaseSettings, DecodeSettings):
         16384, gt=0, description="most input tokens of one forward (vLLM's max_num_batched_tokens); its activation "
         "memory is measured at start-up and taken off the memory budget before KV admission"
     )
+    layer_split_tokens: int = Field(
+        512, ge=0, description="a block-initial pass over more input tokens runs its layers over several "
+        "iterations, this many tokens' worth at a time, so a short request never waits for a long one's whole "
+        "pass (token-exact; docs/architecture.md, head-of-line); 0: never split"
+    )
     backfill_s: float | None = Field(
         2.0, ge=0.0, description="how long a request waiting for memory at the head of the queue lets smaller "
         "requests that fit run ahead of it; after that memory is reserved for it; empty: first come, first served"

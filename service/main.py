@@ -178,7 +178,8 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
                   max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
                   backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
                   shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
-                  max_work=max_work, max_preemptions=settings.max_preemptions)
+                  max_work=max_work, max_preemptions=settings.max_preemptions,
+                  layer_split_tokens=settings.layer_split_tokens)
 
 
 def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, forward: int, max_work: int) -> None:

@@ -236,13 +236,11 @@ class BatchedReuse:
         return kk, vv
 
 
-def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One forward over ``group`` (passes of one kind): the logits at each row's reveal columns ``[R, W_r, V]``
-    and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal, and
-    None. With ``columns`` (per row, window columns as `Cohort.reveal_columns` gives them) the LM head runs only
-    there: the logits are ``[R, M, V]`` (M the longest list; shorter rows repeat their last column) and the third
-    value is their window columns, int64 ``[R, M]`` with padded entries W_r (`RevealBatch.columns`)."""
+def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int) -> dict:
+    """The model's keyword arguments for the forward over ``group`` (passes of one kind and one layer range):
+    inputs and positions right-padded to the widest pass, the key mask, the KV hook, RoPE's table bound, and
+    for a pass split by layers (`service.runtime.scheduler.split_by_layers`) its layer range and the hidden states
+    its previous piece left (padded columns: zeros; no real column attends to them, the key mask says so)."""
     device = group[0].input_ids.device
     width = max(p.width for p in group)
     ids = torch.cat([_padded(p.input_ids, width, pad_id) for p in group]) if len(group) > 1 else group[0].input_ids
@@ -258,6 +256,44 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: lis
         keys = torch.arange(key_len, device=device)[None, :]
         key_mask = ((keys >= torch.tensor(pads, device=device)[:, None])
                     & (keys < torch.tensor(lengths, device=device)[:, None]))
+    hook = None
+    if window:
+        starts = [p.input_start for p in group for _ in p.rows]
+        widths = [p.width for p in group for _ in p.rows]
+        wcols = torch.arange(width, device=device)[None, :]
+        dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
+                           wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
+        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask, model.rope)
+    elif any(p.hook is not None for p in group):
+        hook = BlockWrites(group)
+    found = {"input_ids": ids, "positions": positions, "key_mask": key_mask, "kv_hook": hook,
+             "max_position": longest}
+    if group[0].layers is not None:
+        found["layers"] = group[0].layers
+        if group[0].hidden is not None:
+            found["hidden"] = (torch.cat([F.pad(p.hidden, (0, 0, 0, width - p.width)) for p in group])
+                               if len(group) > 1 else group[0].hidden)
+    return found
+
+
+def run_piece(model: DiffusionLM, group: list[Pass], pad_id: int) -> torch.Tensor:
+    """A forward over the layers of ``group``'s range that are not the last (a block-initial pass split by
+    layers, `service.runtime.scheduler.split_by_layers`): its KV hook writes those layers' reused K/V, and the
+    hidden states after the range come back, ``[R, W, C]`` (rows in group order, right-padded to the widest
+    pass), for the next piece; no LM head, no reveal."""
+    return model(**_inputs(model, group, pad_id))
+
+
+def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One forward over ``group`` (passes of one kind; of a pass split by layers, its last piece): the logits at
+    each row's reveal columns ``[R, W_r, V]``
+    and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal, and
+    None. With ``columns`` (per row, window columns as `Cohort.reveal_columns` gives them) the LM head runs only
+    there: the logits are ``[R, M, V]`` (M the longest list; shorter rows repeat their last column) and the third
+    value is their window columns, int64 ``[R, M]`` with padded entries W_r (`RevealBatch.columns`)."""
+    inputs = _inputs(model, group, pad_id)
+    ids, device = inputs["input_ids"], inputs["input_ids"].device
     reveal = max(p.reveal_width for p in group)
     offsets = [p.logits_offset for p in group for _ in p.rows]
     last = [p.reveal_width - 1 for p in group for _ in p.rows]
@@ -275,19 +311,15 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: lis
                              [[j + o for j in c + [c[-1]] * (most - len(c))] for c, o in zip(columns, offsets)]],
                             device=device)
         listed, logits_at = both[0], both[1]
-    hook = None
-    if window:
-        starts = [p.input_start for p in group for _ in p.rows]
-        widths = [p.width for p in group for _ in p.rows]
-        wcols = torch.arange(width, device=device)[None, :]
-        dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
-                           wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
-        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask, model.rope)
-    elif any(p.hook is not None for p in group):
-        hook = BlockWrites(group)
-    logits = model(ids, positions=positions, key_mask=key_mask, kv_hook=hook, logits_at=logits_at,
-                   max_position=longest)
+    logits = model(**inputs, logits_at=logits_at)
     return logits, ids.gather(1, at), listed
+
+
+def _whole(call: Pass) -> Pass:
+    """``call`` over every layer: the last piece of a pass split by layers, run again alone on the failure path,
+    runs the whole pass (a quantized store starts its block again when a layer it holds is written again, so
+    running only the last piece again would drop the earlier pieces' layers)."""
+    return call if call.layers is None else replace(call, layers=None, hidden=None)
 
 
 def _advanced_by_reveal(group: list[Pass]) -> list[tuple]:
@@ -360,7 +392,8 @@ class RunningBatch:
         whole-response schedule hold nothing), so it is at a block boundary (or holds no K/V) and every token
         it revealed is final."""
         call = self._next.get(cohort)
-        return call is not None and call.kind == "full"
+        # Between the pieces of a pass split by layers the store holds some layers of the block: not a boundary.
+        return call is not None and call.kind == "full" and call.hidden is None
 
     def preempt(self, cohort: Cohort) -> Pass:
         """Take ``cohort`` out between iterations and free its KV store; return its next call, which
@@ -440,6 +473,9 @@ class RunningBatch:
         done: list[tuple[list[Pass], RevealResult]] = []
         for group in forwards:
             self.merged = max(self.merged, len(group))
+            if group[0].layers is not None and group[0].layers[1] < len(self.model.layers):
+                self._run_piece(group)
+                continue
             done += self._run_group(group)
         self._absorb(done)
         for group, _ in done:
@@ -623,11 +659,44 @@ class RunningBatch:
         ids = call.input_ids.clone()
         ids[:, call.logits_offset: call.logits_offset + call.reveal_width] = call.cohort.spec.mask_id
         self.forwards += 1
-        try:
-            run_forward(self.model, [replace(call, input_ids=ids)], self.pad_id)
+        try:  # the whole pass, every layer, when it was split by layers
+            run_forward(self.model, [replace(call, input_ids=ids, layers=None, hidden=None)], self.pad_id)
         except Exception as exc:  # noqa: BLE001 -- the cohort's own fault, handed to the caller
             return exc
         return None
+
+    def _run_piece(self, group: list[Pass]) -> None:
+        """A piece of the group's passes split by layers, not their last (`run_piece`): its layers' K/V written
+        (their checks put off to the read of the iteration that runs the last piece), and each pass's next call
+        becomes the rest of its layers from the hidden states it reached, for the next iteration. When the
+        forward raises, each pass runs its layers up to the piece's end again alone (from layer 0: a quantized
+        store starts its block again when a layer it holds is written again), the failing ones into
+        :attr:`failed`."""
+        self.forwards += 1
+        deferred = DEFER_WRITE_CHECKS.set(True)
+        try:
+            parts = [(group, run_piece(self.model, group, self.pad_id))]
+        except Exception as exc:  # noqa: BLE001 -- one cohort's fault is its own (module doc)
+            parts = []
+            if len(group) == 1:
+                self.failed.append((group[0].cohort, exc))
+                return
+        finally:
+            DEFER_WRITE_CHECKS.reset(deferred)
+        if not parts:
+            for call in group:
+                self.forwards += 1
+                again = replace(call, layers=(0, call.layers[1]), hidden=None)
+                try:
+                    parts.append(([again], run_piece(self.model, [again], self.pad_id)))
+                except Exception as exc:  # noqa: BLE001 -- isolate the culprit
+                    self.failed.append((call.cohort, exc))
+        last = len(self.model.layers)
+        for members, hidden in parts:
+            self.rows += sum(len(p.rows) for p in members)
+            for call, rows in zip(members, _rows(members)):
+                self._next[call.cohort] = replace(call, layers=(call.layers[1], last),
+                                                  hidden=hidden[rows, : call.width])
 
     def _run_group(self, group: list[Pass]) -> list[tuple[list[Pass], RevealResult]]:
         """The group's forward and reveal, its stores' write checks put off to the iteration's read, the cohorts
@@ -651,7 +720,7 @@ class RunningBatch:
         for call in group:
             self.forwards += 1
             try:
-                result, faults = self._forward([call])
+                result, faults = self._forward([_whole(call)])
             except Exception as exc:  # noqa: BLE001 -- isolate the culprit
                 self.failed.append((call.cohort, exc))
                 continue

@@ -107,6 +107,10 @@ class Pass:
         count, fraction, first_only: per row, the reveal's plan (`service.engine.reveal.RevealBatch`).
         segments, selection, reused_positions: a window pass's block layout, its rows among the block-initial
             pass's rows (int64, None = all) and the RoPE positions of the reused columns (pre-RoPE stores only).
+        layers, hidden: a full pass split by layers (`service.runtime.scheduler.split_by_layers`): the decoder
+            layers ``(a, b)`` this forward runs (None: all) and the hidden states ``[n, width, C]`` after layer
+            ``a - 1`` that the previous piece left (None when ``a`` is 0). The running batch sets them; the
+            cohort never does (its call is the whole pass).
     """
 
     cohort: Cohort
@@ -127,6 +131,8 @@ class Pass:
     segments: Segments | None = None
     selection: torch.Tensor | None = None
     reused_positions: torch.Tensor | None = None
+    layers: tuple[int, int] | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def width(self) -> int:

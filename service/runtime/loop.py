@@ -78,6 +78,7 @@ from typing import Any, Protocol
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.grammar import GrammarViolation
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
+from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport
 from service.engine.spec import ModelSpec
@@ -284,6 +285,8 @@ class Worker:
         seed: seeds the shadow sampling (tests).
         max_work: most token-forwards one row may cost (`service.runtime.scheduler.work_tokens`); None: no ceiling.
         max_preemptions: how often one request may be preempted (`service.runtime.preemption`; 0: never).
+        layer_split_tokens: a full pass of more input tokens runs its layers over several iterations
+            (`service.runtime.scheduler.split_by_layers`; 0: never).
 
     Raises:
         ValueError: a limit out of its range.
@@ -307,6 +310,7 @@ class Worker:
         seed: int | None = None,
         max_work: int | None = None,
         max_preemptions: int = DEFAULT_MAX_PREEMPTIONS,
+        layer_split_tokens: int = 0,
     ) -> None:
         if max_rows < 1 or max_queue < 1 or budget_bytes < 1:
             raise ValueError(f"max_rows, max_queue and budget_bytes must be >= 1, got {max_rows}, {max_queue}, "
@@ -324,7 +328,10 @@ class Worker:
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
-        self._plan = forward_plan(self._token_budget)
+        # A block-causal family runs every row in one forward of its own batch, never a pass to split.
+        self.layer_split_tokens = 0 if is_block_causal(engine.spec.arch) else layer_split_tokens
+        self._plan = forward_plan(self._token_budget, split_tokens=self.layer_split_tokens,
+                                  num_layers=engine.spec.num_layers)
         self._hold = Hold()  # the head-of-line rule's state (`service.runtime.scheduler.first_passes_first`)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
@@ -476,7 +483,14 @@ class Worker:
         if job.task is not None:  # full passes without cache: no KV held
             return Cost(0, job.task.transient_bytes(self.memory.forward))
         one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
-        return Cost(one.kv * len(job.rows), one.transient * len(job.rows))  # n choices: n rows
+        rows = len(job.rows)
+        kv = one.kv * rows
+        seq_len = len(job.prompt_ids) + job.params.gen_length
+        if self.layer_split_tokens and rows * seq_len > self.layer_split_tokens:
+            # Its block-initial passes are split by layers: the hidden states between two pieces are held across
+            # an iteration, beside the other requests' forwards (`service.runtime.scheduler.split_by_layers`).
+            kv += rows * self.memory.hidden_bytes(seq_len)
+        return Cost(kv, one.transient * rows)  # n choices: n rows
 
     def _store(self, job: Job) -> KVStore:
         store = self._kv_store_factory(job.snapshot)

@@ -136,6 +136,11 @@ class MemoryModel:
         torch.cuda.synchronize(self.device)
         return int(torch.cuda.max_memory_allocated(self.device) - before)
 
+    def hidden_bytes(self, seq_len: int) -> int:
+        """Bytes of one row's hidden states over ``seq_len`` columns (``C`` activations per column): what a
+        block-initial pass split by layers holds between its pieces (`service.runtime.scheduler.split_by_layers`)."""
+        return seq_len * self.forward.width * self.element_size
+
     def transient(self, seq_len: int, logits_cols: int) -> int:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
         (`service.engine.forward_cost.ForwardCost.bytes`)."""

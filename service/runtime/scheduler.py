@@ -13,7 +13,7 @@ whose own block-initial pass is larger runs it alone and reserves its own transi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from service.engine.batch import Plan
@@ -114,17 +114,56 @@ def forward_tokens(group: list[Pass]) -> int:
     return sum(len(p.rows) for p in group) * max(p.width for p in group)
 
 
-def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK) -> list[list[Pass]]:
+def split_by_layers(passes: list[Pass], split_tokens: int, num_layers: int) -> list[Pass]:
+    """The head-of-line rule's second half (issue 34): a full pass of more than ``split_tokens`` input tokens
+    (:func:`forward_tokens`, its rows x its width) runs its layers over several iterations, at most
+    ``split_tokens`` tokens' worth of work in each: ``k = min(num_layers, ceil(tokens / split_tokens))`` pieces of
+    ``ceil(num_layers / k)`` consecutive layers. This iteration runs the next piece (``Pass.layers``); the running
+    batch keeps the hidden states it reaches and makes the rest of the layers the cohort's next call
+    (`service.engine.batch.RunningBatch`). A short request that arrives while a long request's block-initial pass
+    runs then waits for one piece of it, not for all of it, and every later iteration of the short request pays for
+    one piece at most. Each layer runs the same operations on the same inputs as in the whole pass, so no token
+    changes (`service.engine.models.transformer.DiffusionLM.forward`, ``layers``). ``split_tokens`` 0: no split.
+
+    Args:
+        passes: the iteration's passes; a pass whose ``layers`` is set is the rest of a split pass.
+        split_tokens: the most tokens' worth of work of one piece (``DLLM_LAYER_SPLIT_TOKENS``); num_layers: the
+            model's decoder layers.
+
+    Returns:
+        The passes, a split one replaced by its piece of this iteration (``layers=(a, b)``; its hidden states
+        as they were), the others as they were.
+    """
+    if split_tokens <= 0:
+        return passes
+    out = []
+    for p in passes:
+        tokens = len(p.rows) * p.width
+        if p.kind != "full" or tokens <= split_tokens:
+            out.append(p)
+            continue
+        pieces = min(num_layers, -(-tokens // split_tokens))
+        per_piece = -(-num_layers // pieces)
+        start = p.layers[0] if p.layers is not None else 0
+        out.append(replace(p, layers=(start, min(start + per_piece, num_layers))))
+    return out
+
+
+def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK, split_tokens: int = 0,
+                  num_layers: int = 0) -> list[list[Pass]]:
     """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
     packed in order while the forward's padded tokens (:func:`forward_tokens`) stay within ``max_tokens`` and
     within ``1 + padding_slack`` times its real tokens (padded columns are arithmetic thrown away: block-initial
     passes of very different lengths go into different forwards); a pass alone always runs. Window and full
     passes never share a forward (their keys come from different places), so an iteration with both kinds makes
-    at least two forwards."""
+    at least two forwards. With ``split_tokens`` a wide full pass runs one piece of its layers
+    (:func:`split_by_layers`); only passes through the same layers share a forward."""
+    passes = split_by_layers(passes, split_tokens, num_layers)
     groups: list[list[Pass]] = []
-    for kind in ("window", "full"):
+    for kind, layers in sorted({(p.kind, p.layers or (0, 0)) for p in passes}, key=lambda k: (k[0] != "window", k[1])):
         current: list[Pass] = []
-        for p in sorted((p for p in passes if p.kind == kind), key=lambda p: (p.width, p.seq_len)):
+        for p in sorted((p for p in passes if p.kind == kind and (p.layers or (0, 0)) == layers),
+                        key=lambda p: (p.width, p.seq_len)):
             merged = [*current, p]
             padded = forward_tokens(merged)
             if current and (padded > max_tokens
@@ -137,15 +176,21 @@ def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PA
     return groups
 
 
-def forward_plan(max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, padding_slack: float = PADDING_SLACK) -> Plan:
-    """:func:`plan_forwards` at a token budget, as the plan of a running batch (`service.engine.Engine.batch`).
+def forward_plan(max_tokens: int = DEFAULT_MAX_BATCHED_TOKENS, padding_slack: float = PADDING_SLACK,
+                 split_tokens: int = 0, num_layers: int = 0) -> Plan:
+    """:func:`plan_forwards` at a token budget (and a layer split, :func:`split_by_layers`), as the plan of a
+    running batch (`service.engine.Engine.batch`).
 
     Raises:
-        ValueError: ``max_tokens`` < 1.
+        ValueError: ``max_tokens`` < 1, ``split_tokens`` < 0, or a split without ``num_layers``.
     """
     if max_tokens < 1:
         raise ValueError(f"max_batched_tokens must be >= 1, got {max_tokens}")
-    return partial(plan_forwards, max_tokens=max_tokens, padding_slack=padding_slack)
+    if split_tokens < 0 or (split_tokens and num_layers < 1):
+        raise ValueError(f"layer_split_tokens must be >= 0 with the model's layer count, got {split_tokens}, "
+                         f"{num_layers} layers")
+    return partial(plan_forwards, max_tokens=max_tokens, padding_slack=padding_slack, split_tokens=split_tokens,
+                   num_layers=num_layers)
 
 
 # ---- head-of-line: a request's first pass runs in an iteration of its own (issue 34) ---------------------------

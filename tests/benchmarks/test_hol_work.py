@@ -1,6 +1,7 @@
 """`benchmarks/hol_work.py` counts the work a short request waits on beside a long one: with the head-of-line rule
 (`service.runtime.scheduler.first_passes_first`) it waits on its own forwards only, without it on the long one's
-too, and its tokens are those it decodes alone either way."""
+too, and its tokens are those it decodes alone either way; the layer split halves the forward it can arrive
+into."""
 
 from __future__ import annotations
 
@@ -20,9 +21,23 @@ def engine():
 def test_with_the_rule_a_short_request_waits_on_its_own_work_only(engine):
     ids = hol_work.prompt_ids(engine)
     forwards, work, alone = hol_work.alone_counts(engine, ids)
-    without, _ = hol_work.run(engine, ids, 7, rule=False)
-    with_rule, _ = hol_work.run(engine, ids, 7, rule=True)
+    without, _, _ = hol_work.run(engine, ids, 7, rule=False)
+    with_rule, _, _ = hol_work.run(engine, ids, 7, rule=True)
     assert without and with_rule
     assert all(tokens == alone for _, _, tokens in [*without, *with_rule])
     assert max(f for f, _, _ in without) > forwards and max(w for _, w, _ in without) > work
     assert all((f, w) == (forwards, work) for f, w, _ in with_rule)
+
+
+def test_the_layer_split_halves_the_largest_forward_a_request_can_arrive_into(engine):
+    """With the long request's 556-token block-initial passes split at 512 tokens (two pieces of the embedded
+    model's 4 layers), the largest forward it runs alone is half the unsplit one; the short requests still wait on
+    their own work only and decode as alone, and the long one's pieces cost it iterations."""
+    ids = hol_work.prompt_ids(engine)
+    forwards, work, alone = hol_work.alone_counts(engine, ids)
+    _, iterations, largest = hol_work.run(engine, ids, 7, rule=True)
+    split, split_iterations, split_largest = hol_work.run(engine, ids, 7, rule=True, split=512)
+    assert split and all(tokens == alone for _, _, tokens in split)
+    assert all((f, w) == (forwards, work) for f, w, _ in split)
+    assert split_largest == largest / 2 and largest > work
+    assert split_iterations > iterations

@@ -51,27 +51,38 @@ MIXED = [
 ]
 
 
-def _first_passes_first(budget: int):
-    """The server's plan (`service.runtime.loop.Worker._loop`): the head-of-line rule, then the token budget; the
-    passes it held are counted in ``held``."""
-    plan, state = forward_plan(budget), {"hold": Hold(), "held": 0}
+def _first_passes_first(budget: int, split_tokens: int = 0, num_layers: int = 0):
+    """The server's plan (`service.runtime.loop.Worker._loop`): the head-of-line rule, then the token budget (and
+    the layer split); the passes it held are counted in ``held``, the pieces of split passes in ``pieces``."""
+    plan = forward_plan(budget, split_tokens=split_tokens, num_layers=num_layers)
+    state = {"hold": Hold(), "held": 0, "pieces": 0}
 
     def planned(passes):
         run, state["hold"] = first_passes_first(passes, state["hold"])
         state["held"] += len(passes) - len(run)
-        return plan(run)
+        forwards = plan(run)
+        state["pieces"] += sum(p.layers is not None for group in forwards for p in group)
+        return forwards
 
     planned.state = state
     return planned
 
 
-@pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100, "first-passes-first"],
-                         ids=["default", "small-budget", "first-passes-first"])
+@pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100, "first-passes-first", "layer-split"],
+                         ids=["default", "small-budget", "first-passes-first", "layer-split"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
 def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget):
+    """Requests of every cache mode, quantized or not, joining at different iterations decode token for token as
+    alone under each plan: the token budget, the head-of-line rule, and the rule with block-initial passes split
+    by layers (`service.runtime.scheduler.split_by_layers`: pieces of at most 40 tokens' worth)."""
     engine = engines[arch]
     prompts = four_prompts(arch)
-    plan = _first_passes_first(DEFAULT_MAX_BATCHED_TOKENS) if budget == "first-passes-first" else forward_plan(budget)
+    if budget == "first-passes-first":
+        plan = _first_passes_first(DEFAULT_MAX_BATCHED_TOKENS)
+    elif budget == "layer-split":
+        plan = _first_passes_first(DEFAULT_MAX_BATCHED_TOKENS, 40, engine.spec.num_layers)
+    else:
+        plan = forward_plan(budget)
     batch = engine.batch(plan)
     pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
     cohorts, iteration, merged = {}, 0, []
@@ -87,8 +98,10 @@ def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget
     # passes of different requests, at different blocks and settings, shared forwards (as far as the token
     # budget of `plan_forwards` allows)
     assert max(merged) >= (2 if budget == 100 else 3)
-    if budget == "first-passes-first":
+    if budget in ("first-passes-first", "layer-split"):
         assert plan.state["held"] > 0  # running requests waited for the first passes of those that joined
+    if budget == "layer-split":
+        assert plan.state["pieces"] > 0  # block-initial passes ran piece by piece
     for index, (prompt, params, row, kind, _) in enumerate(MIXED):
         got = engine.report(cohorts[index])
         alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind))
@@ -252,3 +265,35 @@ def test_a_request_validated_where_it_was_made_is_not_checked_again(engines):
     with pytest.raises(EngineInputError, match="contains the mask id"):
         engine.cohort([prompt], _p())
     assert engine.cohort([prompt], _p(), validated=True).x[0, : len(prompt)].tolist() == prompt
+
+
+def test_a_pass_split_by_layers_is_preempted_only_before_its_first_piece(engines):
+    """Between the pieces of a block-initial pass split by layers the store holds part of the block's layers, so
+    the cohort is not preemptible there (`RunningBatch.preemptible`); at the next block boundary it is, and
+    preempted there and resumed it decodes as alone."""
+    engine = engines["llada"]
+    layers = engine.spec.num_layers
+    prompt = four_prompts("llada")[0]
+    params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
+    batch = engine.batch(forward_plan(split_tokens=8, num_layers=layers))
+    cohort = engine.cohort([prompt], params, None, _store(engine, "kivi4"))
+    batch.join(cohort)
+    mid_split = 0
+    with torch.inference_mode():
+        while True:
+            batch.step()
+            call = batch._next[cohort]
+            if call.hidden is not None:  # between two pieces of the block-initial pass
+                mid_split += 1
+                assert not batch.preemptible(cohort)
+            if batch.preemptible(cohort):
+                break
+        assert mid_split == layers - 1  # one layer a piece
+        assert cohort.block == 1 and call.kind == "full" and call.layers is None
+        call = batch.preempt(cohort)
+        batch.join(cohort, call)
+        while batch.cohorts:
+            batch.step()
+    alone = engine.generate([prompt], params, kv_store=_store(engine, "kivi4")).rows[0]
+    got = engine.report(cohort).rows[0]
+    assert (got.generated_ids, got.nfe) == (alone.generated_ids, alone.nfe)

@@ -30,10 +30,12 @@ FAILS_AFTER_ITEM = {
 }
 
 
-def _run(engine, cohorts: list, joins: dict[int, int] | None = None) -> list[tuple[int, int, list]]:
+def _run(engine, cohorts: list, joins: dict[int, int] | None = None, split: int = 0) -> list[tuple[int, int, list]]:
     """Step a batch with the server's plan until it is empty; cohorts join at their iteration (``joins``, default
-    all at 0). Returns per iteration (index, most cohorts in one forward, failed)."""
-    batch = engine.batch(forward_plan(DEFAULT_MAX_BATCHED_TOKENS))
+    all at 0); ``split``: block-initial passes split by layers at that many tokens. Returns per iteration (index,
+    most cohorts in one forward, failed)."""
+    batch = engine.batch(forward_plan(DEFAULT_MAX_BATCHED_TOKENS, split_tokens=split,
+                                      num_layers=engine.spec.num_layers))
     joins = joins or {i: 0 for i in range(len(cohorts))}
     log, iteration = [], 0
     while batch.cohorts or iteration <= max(joins.values()):
@@ -105,11 +107,13 @@ class NonFiniteAtLastBlock(FullPrecisionKVStore):
         super().write(layer, k, v, segments, scores)
 
 
+@pytest.mark.parametrize("split", [0, 8], ids=["whole", "split-by-layers"])
 @pytest.mark.parametrize("alone_in_iteration", [False, True])
-def test_a_store_refusing_its_input_fails_its_request_alone(engines, alone_in_iteration):
+def test_a_store_refusing_its_input_fails_its_request_alone(engines, alone_in_iteration, split):
     """The store's error is raised inside the forward (the block-initial pass's write): with others in the forward,
     each pass runs again alone and only the culprit fails; alone in its iteration (the others finished), it
-    fails alone too (was: the iteration raised and the server failed every running request)."""
+    fails alone too (was: the iteration raised and the server failed every running request). With block-initial
+    passes split by layers, the piece that raises is run again alone from layer 0 for each of its passes."""
     engine = engines["llada"]
     # One token a call: the last block's block-initial pass is call 24 (the others' 8 tokens are done by call 8).
     params = DecodeParams(gen_length=32, block_length=8, steps=32, threshold=None, cache_mode="dual",
@@ -117,7 +121,7 @@ def test_a_store_refusing_its_input_fails_its_request_alone(engines, alone_in_it
     short = params.model_copy(update={"gen_length": 8, "steps": 8})
     others = [engine.cohort([PROMPTS[i]], short if alone_in_iteration else params, [RowOptions()]) for i in (0, 2)]
     broken = engine.cohort([PROMPTS[1]], params, [RowOptions()], kv_store=NonFiniteAtLastBlock())
-    log = _run(engine, [others[0], broken, others[1]])
+    log = _run(engine, [others[0], broken, others[1]], split=split)
     failures = [(merged, failed) for _, merged, failed in log if failed]
     assert len(failures) == 1 and failures[0][0] == (1 if alone_in_iteration else 3), log
     [(cohort, exc)] = failures[0][1]

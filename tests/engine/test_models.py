@@ -95,3 +95,32 @@ def test_checkpoint_names_round_trip(engines, arch):
     with safe_open(CKPT[arch] / "model.safetensors", framework="pt") as handle:
         names = set(handle.keys())
     assert set(engines[arch].model.checkpoint_state_dict()) == names
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_a_forward_split_by_layers_gives_the_whole_forward_bit_for_bit(engines, arch):
+    """`DiffusionLM.forward` over a layer range (a block-initial pass split by layers,
+    `service.runtime.scheduler.split_by_layers`): the ranges called in turn, each from the hidden states the last
+    returned, give the whole forward's logits exactly, and every layer's K/V hook sees the same tensors."""
+    model = engines[arch].model
+    ids = torch.tensor([golden(f"{arch}_forward.json")["mixed_tokens_and_masks"]["input_ids"]])
+    layers = len(model.layers)
+    assert layers >= 2
+
+    def recorder(seen):
+        def hook(layer, q, k_pre, k, v):
+            seen.append((layer, k.clone(), v.clone()))
+        return hook
+
+    whole_kv, split_kv = [], []
+    with torch.no_grad():
+        whole = model(ids, kv_hook=recorder(whole_kv))
+        hidden = None
+        for start in range(layers):  # one layer a piece: every boundary is crossed
+            out = model(ids, kv_hook=recorder(split_kv), layers=(start, start + 1), hidden=hidden)
+            hidden = out
+    assert torch.equal(out, whole)
+    assert [layer for layer, *_ in split_kv] == list(range(layers)) == [layer for layer, *_ in whole_kv]
+    assert all(torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]) for a, b in zip(split_kv, whole_kv))
+    with pytest.raises(ValueError, match="hidden states after layer 0"):
+        model(ids, layers=(1, layers))

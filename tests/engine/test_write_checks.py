@@ -71,16 +71,19 @@ def test_a_block_initial_iteration_of_quantized_rows_reads_the_host_once(engines
     assert syncs["kivi"] == syncs["dllm_kvq"] == syncs[None] == [1] * 8, syncs
 
 
+@pytest.mark.parametrize("split", [0, 8], ids=["whole", "split-by-layers"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
-def test_a_row_whose_write_fails_its_checks_fails_alone_with_the_same_error(engines, arch):
+def test_a_row_whose_write_fails_its_checks_fails_alone_with_the_same_error(engines, arch, split):
     """Three requests in one merged forward; one store's second block-initial write meets a NaN K: that request
-    fails with the error its write raises alone (layer, row and column named), the others decode as alone."""
+    fails with the error its write raises alone (layer, row and column named), the others decode as alone. With
+    block-initial passes split by layers (one layer a piece), the checks of every piece are read with the last
+    piece's iteration and the failing pass is run again whole."""
     engine = engines[arch]
     prompts = four_prompts(arch)[:3]
     params = _p(gen_length=64, block_length=32, threshold=None, steps=8)
     poisoned = PoisonedStore(engine, len(prompts[1]) + 32)  # one row, no padding: the response starts there
     stores = [_store(engine, "kivi"), poisoned, _store(engine, "dllm_kvq")]
-    batch = engine.batch(forward_plan())
+    batch = engine.batch(forward_plan(split_tokens=split, num_layers=engine.spec.num_layers))
     cohorts = [engine.cohort([p], params, None, s) for p, s in zip(prompts, stores)]
     failed, merged = [], 0
     with torch.inference_mode():

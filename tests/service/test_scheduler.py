@@ -46,7 +46,11 @@ def _cost(worker: Worker, prompt: list[int], params: DecodeParams, config: KVQua
     return worker._cost(Job(prompt, params, RowOptions(), _snapshot(config, params.cache_mode)))
 
 
-def test_requests_with_mixed_settings_decode_as_alone(engine):
+@pytest.mark.parametrize("split", [0, 40], ids=["whole-passes", "split-by-layers"])
+def test_requests_with_mixed_settings_decode_as_alone(engine, split):
+    """The worker's one loop decodes requests of every cache mode, quantized or not, as alone; with
+    ``layer_split_tokens`` (a small one: every block-initial pass runs piece by piece) too, and a split request's
+    cost holds its hidden states between pieces."""
     prompts = four_prompts("llada")
     requests = [
         (prompts[0], _params(), RowOptions(), KVQuantConfig()),
@@ -54,13 +58,17 @@ def test_requests_with_mixed_settings_decode_as_alone(engine):
         (prompts[1], _params(cache_mode="prefix", block_length=16), RowOptions(), KVQuantConfig()),
         (prompts[3], _params(cache_mode="none", gen_length=32), RowOptions(), KVQuantConfig()),
     ]
-    worker = _worker(engine, 1 << 30, max_rows=8)
+    worker = _worker(engine, 1 << 30, max_rows=8, layer_split_tokens=split)
     jobs = [worker.submit(Job(p, params, row, _snapshot(config, params.cache_mode)))
             for p, params, row, config in requests]
     worker.start()
     results = [job.future.result(timeout=300) for job in jobs]
     worker.stop()
     assert max(r.batch_size for r in results) >= 2  # they ran together
+    whole = _worker(engine, 1 << 30)
+    for p, params, _, config in requests:
+        hidden = (len(p) + params.gen_length) * engine.model.config.width * 4  # float32, one row
+        assert _cost(worker, p, params, config).kv - _cost(whole, p, params, config).kv == (hidden if split else 0)
     for (prompt, params, row, config), result in zip(requests, results):
         alone = engine.generate([prompt], params, [row], kv_store=make_kv_store(config, engine.spec)).rows[0]
         assert result.row.generated_ids == alone.generated_ids

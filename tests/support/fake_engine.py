@@ -151,6 +151,7 @@ class FakePass:
     kind: str
     width: int
     rows: range
+    layers: tuple[int, int] | None = None  # the fake runs every pass whole, a piece of a split one included
 
     @property
     def seq_len(self) -> int:

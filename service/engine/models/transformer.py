@@ -127,6 +127,8 @@ class DiffusionLM(nn.Module):
         logits_at: torch.Tensor | None = None,
         max_position: int | None = None,
         head: bool = True,
+        layers: tuple[int, int] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Position-aligned logits.
 
@@ -146,6 +148,12 @@ class DiffusionLM(nn.Module):
                 are then looked up in the model's table (built once per length) instead of computed per forward.
             head: False: no LM head, the last layer's hidden states ``[B, T, C]`` come back instead (a likelihood
                 forward runs the head one batch of rows at a time, :meth:`head_logits`).
+            layers: ``(a, b)``, run decoder layers ``a .. b-1`` only (default: all). ``a > 0`` starts from
+                ``hidden`` (the ``[B, T, C]`` hidden states a call with ``layers=(.., a)`` returned) instead of the
+                embedding; ``b`` below the layer count returns the hidden states after layer ``b - 1`` (no LM
+                head). Each layer runs the same operations in the same order as in a whole forward, so the ranges
+                of one forward called in turn give its logits bit for bit (a block-initial pass split by layers,
+                `service.runtime.scheduler.split_by_layers`).
 
         Returns:
             ``[B, b - a, V]`` (or ``[B, N, V]``) logits in the model dtype, position-aligned (Dream shifted, see module doc).
@@ -163,10 +171,13 @@ class DiffusionLM(nn.Module):
         if max_position is not None:
             cos, sin = self.rope.cos_sin_at(positions, max_position)
         ctx = ForwardContext(positions=positions, key_mask=key_mask, rope=self.rope, kv_hook=kv_hook, cos=cos, sin=sin)
-        x = self.embed(input_ids)  # [B, T, C]
-        for index, layer in enumerate(self.layers):
-            x = layer(x, ctx, index)
-        if not head:
+        start, stop = layers if layers is not None else (0, len(self.layers))
+        if start and hidden is None:
+            raise ValueError(f"layers {start}..{stop - 1} need the hidden states after layer {start - 1}")
+        x = self.embed(input_ids) if start == 0 else hidden  # [B, T, C]
+        for index in range(start, stop):
+            x = self.layers[index](x, ctx, index)
+        if not head or stop < len(self.layers):
             return x
         # Dream: column p reads the hidden state at p-1, except the window's first column (reference shift rule).
         if logits_at is not None:
