@@ -16,7 +16,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   prompt and response lengths, block lengths, thresholds or steps, temperatures, cache modes and KV
   configurations share them, each with its own KV store; each decodes exactly as it would alone. In an
   iteration where a request makes its first pass, the running requests' passes wait one iteration (never two in
-  a row; `service.runtime.scheduler.first_passes_first`, the head-of-line rule).
+  a row; `service.runtime.scheduler.first_passes_first`, the head-of-line rule), and a block-initial pass over
+  more than ``layer_split_tokens`` tokens runs its layers over several iterations, so a request that arrives
+  meanwhile waits for one piece of it (`service.runtime.scheduler.split_by_layers`).
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
   (`service.runtime.scheduler`), and fewer than ``max_rows`` rows run. A request that could never fit, even
