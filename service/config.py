@@ -96,7 +96,7 @@ class Settings(BaseSettings, DecodeSettings):
         "memory is measured at start-up and taken off the memory budget before KV admission"
     )
     layer_split_tokens: int = Field(
-        512, ge=0, description="a block-initial pass over more input tokens runs its layers over several "
+        512, ge=0, description="a full pass (block-initial, or any of cache mode none) over more input tokens runs its layers over several "
         "iterations, this many tokens' worth at a time, so a short request never waits for a long one's whole "
         "pass (token-exact; docs/architecture.md, head-of-line); 0: never split"
     )
