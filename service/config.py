@@ -96,9 +96,9 @@ class Settings(BaseSettings, DecodeSettings):
         "memory is measured at start-up and taken off the memory budget before KV admission"
     )
     layer_split_tokens: int = Field(
-        512, ge=0, description="a full pass (block-initial, or any of cache mode none) over more input tokens runs its layers over several "
-        "iterations, this many tokens' worth at a time, so a short request never waits for a long one's whole "
-        "pass (token-exact; docs/architecture.md, head-of-line); 0: never split"
+        512, ge=0, description="a full pass (block-initial, or any of cache mode none) over more input tokens "
+        "runs its layers over several iterations, this many tokens' worth at a time, so a short request never "
+        "waits for a long one's whole pass (token-exact; docs/architecture.md, head-of-line); 0: never split"
     )
     backfill_s: float | None = Field(
         2.0, ge=0.0, description="how long a request waiting for memory at the head of the queue lets smaller "
