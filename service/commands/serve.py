@@ -301,6 +301,14 @@ def run(args: argparse.Namespace) -> int:
     return serve_app(app, settings, sock)
 
 
+class _DropRefusalTraceback(logging.Filter):
+    """Drops the log record of a start-up refused for its settings (the traceback text of `StartupRefused`):
+    :func:`serve_app` prints the refusal itself, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "StartupRefused" not in record.getMessage()
+
+
 def serve_app(app: Any, settings: Settings, sock: socket.socket) -> int:
     """Serve ``app`` on the bound ``sock`` until stopped; the exit status (see the module docstring)."""
     server = uvicorn_server(app, settings)
@@ -309,12 +317,18 @@ def serve_app(app: Any, settings: Settings, sock: socket.socket) -> int:
     # A handler that only notes the signal lets the drained server return: a stop that was asked for is no
     # failure. SIGINT keeps its default (KeyboardInterrupt).
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    # A refusal of the settings (`service.main.StartupRefused`) is printed below in one line; uvicorn would log the
+    # lifespan's traceback of it first (Starlette hands it the formatted traceback as the failure's message).
+    quiet = _DropRefusalTraceback()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(quiet)
     try:
         server.run(sockets=[sock])
     except SystemExit:
         if server.started:
             raise  # a failed start-up is uvicorn's sys.exit(3): answered below, with the reason when there is one
     finally:
+        uvicorn_log.removeFilter(quiet)
         signal.signal(signal.SIGTERM, previous)
         sock.close()
     if not server.started:

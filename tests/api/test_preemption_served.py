@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from service.config import Settings
 from service.engine import Engine
 from service.engine.params import DecodeParams
 from service.runtime.memory import MemoryModel
@@ -30,7 +31,10 @@ def _costs(engine: Engine, large: int, small: int) -> int:
     big = memory.cost(large, DecodeParams(gen_length=256, block_length=32, cache_mode="dual"), per_token)
     little = memory.cost(small, DecodeParams(gen_length=32, block_length=32, cache_mode="dual"), per_token)
     forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
-    return big.kv + max(big.transient, forward) + little.kv // 2
+    # The large request's block-initial passes are split by layers (the default DLLM_LAYER_SPLIT_TOKENS): it holds
+    # its hidden states between pieces beside its KV (`Worker._cost`).
+    held = memory.hidden_bytes(large + 256) if large + 256 > Settings.model_fields["layer_split_tokens"].default else 0
+    return big.kv + held + max(big.transient, forward) + little.kv // 2
 
 
 def _stream(url: str, prompt: list[int], on_first=None) -> list[str]:

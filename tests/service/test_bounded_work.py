@@ -5,6 +5,10 @@ refuses with a 400 before any work: the issue's 2 x (n 8, top_logprobs 20, max_t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -50,6 +54,20 @@ def test_a_work_ceiling_below_the_default_max_tokens_is_refused_naming_both(tmp_
         pass
     message = str(info.value)
     assert "--max-request-work" in message and "--default-max-tokens" in message and "\n" not in message, message
+
+
+@pytest.mark.integration
+def test_the_command_refuses_such_settings_in_one_line_without_a_traceback(tmp_path):
+    """`dllm-kvq serve` as a user starts it: the refusal is the output's last line, and no traceback comes
+    before it (uvicorn logged the lifespan's traceback of the refusal first)."""
+    env = {**os.environ, "DLLM_KV_BUDGET_BYTES": "8000000", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "service", "serve", "--port", "0", "--store-url",
+                           str(tmp_path / "store"), "--create-store"], env=env, capture_output=True, text=True, check=False,
+                          timeout=300)
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: --kv-budget-bytes / DLLM_KV_BUDGET_BYTES of 8,000,000 bytes"), lines[-1]
+    assert "Traceback" not in done.stderr and "StartupRefused" not in done.stderr, done.stderr
 
 
 @pytest.fixture(scope="module")
