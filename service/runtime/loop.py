@@ -481,11 +481,12 @@ class Worker:
     def _per_token(self, job: Job) -> float:
         return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
 
-    def _cost(self, job: Job) -> Cost:
+    def _cost(self, job: Job, rows: int | None = None) -> Cost:
+        """The memory of ``job`` (`service.runtime.scheduler.Cost`), all its rows, or ``rows`` of them."""
         if job.task is not None:  # full passes without cache: no KV held
             return Cost(0, job.task.transient_bytes(self.memory.forward))
         one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
-        rows = len(job.rows)
+        rows = len(job.rows) if rows is None else rows
         kv = one.kv * rows
         seq_len = len(job.prompt_ids) + job.params.gen_length
         if self.layer_split_tokens and rows * seq_len > self.layer_split_tokens:
@@ -514,14 +515,18 @@ class Worker:
             short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
             fits_short = short.kv + max(short.transient, self.forward_bytes) <= self.budget_bytes
             field = "max_tokens" if fits_short else "prompt"
+            single = self._cost(job, rows=1)
+            if len(job.rows) > 1 and single.kv + max(single.transient, self.forward_bytes) <= self.budget_bytes:
+                field = "n"  # one choice fits: the n choices' rows are what put it over
             # The forward reserve is a server setting: named as such, never blamed on the prompt (issue 36).
             reserve = max(cost.transient, self.forward_bytes)
             forward = ("its largest forward" if cost.transient >= self.forward_bytes else
                        "the forward reserve of --max-batched-tokens")
             raise RequestTooLarge(
                 f"this request needs about {cost.kv + reserve:,} bytes (KV {cost.kv:,} + {forward} {reserve:,}), "
-                f"over the server's memory budget of {self.budget_bytes:,} bytes even alone: shorten "
-                f"{'max_tokens' if fits_short else 'the prompt'}",
+                f"over the server's memory budget of {self.budget_bytes:,} bytes even alone: "
+                + {"n": f"its {len(job.rows)} choices do (one fits): lower n", "max_tokens": "shorten max_tokens",
+                   "prompt": "shorten the prompt"}[field],
                 field,
             )
 

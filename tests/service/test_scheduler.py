@@ -107,6 +107,11 @@ def test_a_request_that_can_never_fit_is_refused_naming_the_field(engine):
     with pytest.raises(RequestTooLarge) as too_big:
         worker.submit(Job(prompt * 20, _params(gen_length=32), RowOptions(), _snapshot()))
     assert too_big.value.field == "prompt"
+    # n choices: one fits, four do not: n is named, not max_tokens or the prompt.
+    four = Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(), more_rows=(RowOptions(),) * 3)
+    with pytest.raises(RequestTooLarge) as too_many:
+        worker.submit(four)
+    assert too_many.value.field == "n" and "its 4 choices do (one fits): lower n" in str(too_many.value)
     assert worker.num_waiting == 0
 
 
