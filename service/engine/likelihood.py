@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +141,41 @@ def greedy_check(logits_fn: LogitsFn, context: list[int], continuation: list[int
     return seq[0, len(context):].tolist() == list(continuation)
 
 
+@dataclass(frozen=True)
+class Call:
+    """A likelihood's next model call (:meth:`PromptLikelihood.next_call`): ``rows`` rows of the prompt, from
+    layer ``start`` on (0: a new forward; more: the rest of a forward split by layers)."""
+
+    rows: int
+    start: int
+
+
+@dataclass(eq=False)
+class _Batch:
+    """A batch of the work: ids ``[b, T]``, what to do with its logits, the rows given to forwards so far and
+    the hidden states ``[n, T, C]`` of those through every layer (a batch cut over several forwards)."""
+
+    ids: torch.Tensor
+    use: Callable[[torch.Tensor], None]
+    taken: int = 0
+    hidden: list = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A forward in flight: its input ``[rows, T]``, its rows as (batch, first row, count), the first layer it has
+    not run and the hidden states ``[rows, T, C]`` it reached."""
+
+    ids: torch.Tensor
+    parts: list
+    start: int = 0
+    hidden: torch.Tensor | None = None
+
+
 class PromptLikelihood:
     """The per-token values of one prompt (module docstring), computed a few batches per :meth:`step`, so that a
     server's worker interleaves them with its decoding iterations (under its memory admission and its token
@@ -156,11 +191,18 @@ class PromptLikelihood:
     up to float rounding of a larger matrix product (within 1e-6, `tests/engine/test_likelihood_rows.py`). It
     reuses no K/V, so it holds no store.
 
+    In the server (issue 45 items 7-8) a forward is planned as decoding passes are: the worker asks for the next
+    call (:meth:`next_call`: its rows, fixed by the task's bounds, `service.runtime.scheduler.likelihood_rows`) and
+    runs a piece of its layers per iteration (``step(layers=...)``, `service.runtime.scheduler.piece_layers`), so
+    an iteration holds about ``layer_split_tokens`` tokens' worth of likelihood work; the hidden states between
+    pieces are held on the task (and counted with its memory, `service.runtime.loop.Worker._cost`). The values
+    are those of the same forwards run whole, bit for bit.
+
     Args:
         model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
         mc_num, mc_batch_size, seed: as :func:`mc_loglikelihood` (``mc_num`` a multiple of ``mc_batch_size``).
         top_k: alternatives per token (0: none).
-        cancelled: polled before each forward; True ends the work (``cancelled`` becomes True).
+        cancelled: polled before each model call; True ends the work (``cancelled`` becomes True).
 
     Raises:
         ValueError: an empty prompt, or ``mc_num`` not a multiple of ``mc_batch_size``.
@@ -179,11 +221,14 @@ class PromptLikelihood:
         self._losses: dict[int, list[float]] = {c: [] for c in range(1, self.seq_len)}
         self._top: dict[int, tuple[tuple[int, float], ...]] = {}
         self._work = self._forwards()
-        self._next: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None  # a batch taken, not run
+        self._next: _Batch | None = None  # the batch the next forward takes rows of
+        self._flight: _Flight | None = None  # a forward whose layers have not all run yet
         self.cost = ForwardCost.of(model)
         self.done = self.cancelled = False
-        self.forwards = 0
-        self.last_rows = 0  # rows of the last step's forward
+        self.forwards = 0  # forwards through every layer
+        self.calls = 0  # model calls (a forward split by layers is one call per piece)
+        self.work = 0.0  # tokens' worth of work of every call: rows x T x the share of the layers it ran
+        self.last_rows = 0  # rows of the last forward
 
     @staticmethod
     def work_tokens(prompt_len: int, mc_num: int) -> int:
@@ -214,9 +259,14 @@ class PromptLikelihood:
                     self._top[c] = tuple((int(t), float(v)) for t, v in zip(tokens.tolist(), values.tolist()))
             yield rows, top
 
-    def _take(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
-        item, self._next = (self._next, None) if self._next is not None else (next(self._work, None), None)
-        return item
+    def _take(self) -> _Batch | None:
+        """The next batch of the work, not yet given to a forward (None when none is left)."""
+        if self._next is None:
+            item = next(self._work, None)
+            if item is None:
+                return None
+            self._next = _Batch(*item)
+        return self._next
 
     def bytes(self, rows: int) -> int:
         """Transient bytes of a forward of ``rows`` rows of the prompt (`service.engine.forward_cost.ForwardCost`):
@@ -225,37 +275,85 @@ class PromptLikelihood:
         t = self.seq_len
         return self.cost.bytes(rows, t, t, 0) + self.cost.logits_bytes(self.mc_batch_size * t)
 
-    @torch.inference_mode()
-    def step(self, max_rows: int | None = None, max_bytes: int | None = None) -> bool:
-        """Run the next forward: the next batches, packed as rows of one forward while their rows stay within
-        ``max_rows`` and its transient bytes (:meth:`bytes`) within ``max_bytes`` (None: one batch; no byte
-        bound; the first batch always runs). False once there is none left (or the work was cancelled): then
-        ``done``."""
-        if self.done:
-            return False
+    def next_call(self, max_rows: int | None = None, max_bytes: int | None = None) -> Call | None:
+        """The next model call: the rest of the forward in flight, or a new forward of the next rows, taken now.
+
+        A new forward packs whole batches while its rows stay within ``max_rows`` and its transient bytes
+        (:meth:`bytes`) within ``max_bytes`` (None: one batch; no byte bound); a batch larger than ``max_rows``
+        alone is cut into forwards of ``max_rows`` rows (its LM head runs once all its rows are through the
+        layers). The rows of a forward depend only on these bounds, never on what runs beside it. None once
+        the work is done or cancelled (polled here)."""
+        if self.done or self.cancelled:
+            return None
         if self._cancelled is not None and self._cancelled():
-            self.cancelled = True
-        first = None if self.cancelled else self._take()
-        if first is None:
+            self.cancelled, self._flight = True, None
+            return None
+        if self._flight is not None:
+            return Call(self._flight.ids.shape[0], self._flight.start)
+        parts: list[tuple[_Batch, int, int]] = []
+        rows = 0
+        while (batch := self._take()) is not None:
+            left = batch.rows - batch.taken
+            limit = left if max_rows is None else max_rows - rows
+            whole = left <= limit and (max_bytes is None or self.bytes(rows + left) <= max_bytes)
+            if parts and not whole:
+                break  # batches are cut only when one alone is over the bounds
+            n = left if whole else min(left, max(1, limit))
+            parts.append((batch, batch.taken, n))
+            batch.taken += n
+            rows += n
+            if batch.taken == batch.rows:
+                self._next = None
+            if max_rows is None or rows >= max_rows or not whole:
+                break
+        if not parts:
+            return None
+        ids = torch.cat([b.ids[a: a + n] for b, a, n in parts]) if len(parts) > 1 else \
+            parts[0][0].ids[parts[0][1]: parts[0][1] + parts[0][2]]
+        self._flight = _Flight(ids, parts)
+        return Call(rows, 0)
+
+    @torch.inference_mode()
+    def step(self, max_rows: int | None = None, max_bytes: int | None = None,
+             layers: tuple[int, int] | None = None) -> bool:
+        """Run the next call (:meth:`next_call` with these bounds): the layers ``layers`` of the forward in flight
+        (None: all it has left), keeping its hidden states ``[rows, T, C]`` for the next call until its last
+        layer, where the LM head runs for every batch whose rows are all through (``[b, T, V]``, one batch at a
+        time). A forward run in pieces gives the values of the same forward run at once bit for bit: each layer
+        runs the same operations on the same inputs (`service.engine.models.transformer.DiffusionLM.forward`).
+        False once there is nothing left (or the work was cancelled): then ``done``.
+
+        Raises:
+            ValueError: ``layers`` does not start where the forward in flight stopped.
+        """
+        call = self.next_call(max_rows, max_bytes)
+        if call is None:
             self.done = True
             return False
-        items = [first]
-        rows = first[0].shape[0]
-        while max_rows is not None and (item := self._take()) is not None:
-            more = rows + item[0].shape[0]
-            if more > max_rows or (max_bytes is not None and self.bytes(more) > max_bytes):
-                self._next = item
-                break
-            items.append(item)
-            rows += item[0].shape[0]
-        ids = items[0][0] if len(items) == 1 else torch.cat([batch for batch, _ in items])
-        hidden = self.model(ids.to(self.device), head=False)                      # [rows, T, C]
+        flight = self._flight
+        num_layers = self.model.config.num_layers
+        start, stop = layers if layers is not None else (flight.start, num_layers)
+        if start != flight.start:
+            raise ValueError(f"the forward in flight continues at layer {flight.start}, not {start}")
+        whole = start == 0 and stop == num_layers
+        kwargs = {} if whole else {"layers": (start, stop), "hidden": flight.hidden}
+        hidden = self.model(flight.ids.to(self.device), head=False, **kwargs)    # [rows, T, C]
+        self.calls += 1
+        self.work += call.rows * self.seq_len * (stop - start) / num_layers
+        if stop < num_layers:
+            flight.hidden, flight.start = hidden, stop
+            return True
+        self._flight = None
         offset = 0
-        for batch, use in items:
-            use(self.model.head_logits(hidden[offset: offset + batch.shape[0]]))  # [b, T, V]
-            offset += batch.shape[0]
+        for batch, _, n in flight.parts:
+            batch.hidden.append(hidden[offset: offset + n])
+            offset += n
+            if sum(h.shape[0] for h in batch.hidden) == batch.rows:
+                h = batch.hidden[0] if len(batch.hidden) == 1 else torch.cat(batch.hidden)
+                batch.use(self.model.head_logits(h))                              # [b, T, V]
+                batch.hidden = []
         self.forwards += 1
-        self.last_rows = rows
+        self.last_rows = call.rows
         return True
 
     def scores(self) -> list[TokenLogprob]:

@@ -38,8 +38,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
 * **Preemption** (issue 36 item 5). When the head of the queue does not fit beside the running requests, a
   larger running one that has held its memory longest leaves the batch at its next block boundary, its KV store
   freed, and waits right behind the head; it resumes later with the block-initial pass it was about to make, so
-  its output is unchanged and nothing is computed twice (`service.runtime.preemption`: the rule, at most
-  ``max_preemptions`` times per request; counted by ``dllm_preemptions_total``).
+  its output is unchanged and nothing is computed twice (`service.runtime.preemption`: the rule; past
+  ``max_preemptions`` preemptions of one request the next ones wait for 1, 2, 3 ... blocks of its progress, so a
+  small request never waits for a large one's whole run; counted by ``dllm_preemptions_total``).
 * **Snapshots.** A job carries the configuration snapshot taken at admission and its result names it, so a swap
   of the active configuration never changes a request already admitted.
 * **Cancellation.** A cancelled job still waiting is dropped (its slot is free at once); a running one (client
@@ -90,10 +91,15 @@ from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
     Cost,
     Hold,
+    TaskTurn,
     first_passes_first,
     forward_plan,
     forward_tokens,
+    likelihood_rows,
+    piece_layers,
+    piece_work,
     plan_admission,
+    take_turns,
     work_tokens,
 )
 from service.store.active import ConfigSnapshot
@@ -127,7 +133,8 @@ class EngineLike(Protocol):
 
     def report(self, cohort: Any) -> DecodeReport: ...
 
-    # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``step()``, ``scores()``).
+    # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``seq_len``,
+    # ``next_call(max_rows, max_bytes)``, ``step(layers=...)``, ``scores()``).
     def likelihood(self, ids: list[int], mc_num: int, mc_batch_size: int, seed: int, top_k: int = 0,
                    cancelled: Callable[[], bool] | None = None) -> Any: ...
 
@@ -248,6 +255,12 @@ class Job:
     held_since: float | None = None
     preemptions: int = 0
     pending: Any = None
+    # Blocks committed so far (counted by the worker's ``on_block``), and as many when it last joined: its progress
+    # since then spaces the preemptions past the cap (`service.runtime.preemption.may_preempt`).
+    blocks: int = 0
+    joined_blocks: int = 0
+    # A likelihood task's last turn (`Worker._step_tasks`: the one that ran longest ago goes first; 0: never ran).
+    turn: int = 0
 
     @property
     def rows(self) -> list[RowOptions]:
@@ -335,6 +348,7 @@ class Worker:
         self._plan = forward_plan(self._token_budget, split_tokens=self.layer_split_tokens,
                                   num_layers=engine.spec.num_layers)
         self._hold = Hold()  # the head-of-line rule's state (`service.runtime.scheduler.first_passes_first`)
+        self._turns = 0  # likelihood calls made so far: each task's last one orders their turns (:meth:`_step_tasks`)
         self.retry_after_s = retry_after_s
         self.shadow_rate = shadow_rate
         self.shadow_queue = shadow_queue
@@ -484,7 +498,14 @@ class Worker:
     def _cost(self, job: Job, rows: int | None = None) -> Cost:
         """The memory of ``job`` (`service.runtime.scheduler.Cost`), all its rows, or ``rows`` of them."""
         if job.task is not None:  # full passes without cache: no KV held
-            return Cost(0, job.task.transient_bytes(self.memory.forward))
+            held = 0
+            t = len(job.task.ids)
+            rows = likelihood_rows(t, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
+            if piece_layers(rows * t, 0, self.layer_split_tokens, self.engine.spec.num_layers) is not None:
+                # Its forwards run in pieces: the hidden states of a forward between pieces, and those of a batch
+                # cut over several forwards, are held across iterations beside the other requests' forwards.
+                held = (rows + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
+            return Cost(held, job.task.transient_bytes(self.memory.forward))
         one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
         rows = len(job.rows) if rows is None else rows
         kv = one.kv * rows
@@ -505,10 +526,10 @@ class Worker:
         job.sized = True
         cost = job.cost = self._cost(job)
         if job.task is not None:
-            if cost.transient > self.budget_bytes:
-                raise RequestTooLarge(f"this request's largest forward needs about {cost.transient:,} bytes, over "
-                                      f"the server's memory budget of {self.budget_bytes:,} bytes: shorten the prompt",
-                                      "prompt")
+            if cost.kv + cost.transient > self.budget_bytes:
+                raise RequestTooLarge(f"this request's largest forward needs about {cost.kv + cost.transient:,} "
+                                      f"bytes, over the server's memory budget of {self.budget_bytes:,} bytes: "
+                                      "shorten the prompt", "prompt")
             return
         if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
@@ -608,7 +629,8 @@ class Worker:
         pausable = getattr(self._batch, "preemptible", None)
         jobs = list(self._running.values())
         holders = [Holder(job.cost, job.held_since or 0.0, job.preemptions,
-                          pausable is not None and job.task is None, pausable is not None and pausable(job.cohort))
+                          pausable is not None and job.task is None, pausable is not None and pausable(job.cohort),
+                          job.blocks - job.joined_blocks)
                    for job in jobs]
         holders += [Holder(job.cost, 0.0, 0, False, False) for job in joining]
         victims = [jobs[i] for i in plan_preemption(head.cost, holders, self.budget_bytes, self.forward_bytes,
@@ -652,7 +674,7 @@ class Worker:
             for job, cohort in made:
                 if job.joined_at is None:
                     job.joined_at = now
-                job.cohort, job.held_since = cohort, now
+                job.cohort, job.held_since, job.joined_blocks = cohort, now, job.blocks
                 job.peak_rows = max(job.peak_rows, len(self._running) + 1)
                 self._running[cohort] = job
         for job, cohort in made:
@@ -666,6 +688,7 @@ class Worker:
         """The engine's decoding state of ``job``'s rows (or its task's own)."""
 
         def on_block(block: int, ids: list[list[int]]) -> None:
+            job.blocks += 1
             if job.first_block_at is None:
                 job.first_block_at = time.monotonic()
             if job.on_block is not None and not job.cancelled:
@@ -690,20 +713,23 @@ class Worker:
                     continue
                 self._publish()
             try:
-                # The one running set goes to the batch (tasks step themselves after it: :meth:`_step_tasks`).
+                # The one running set goes to the batch; the likelihood tasks' next calls are planned beside its
+                # passes under the same head-of-line rule and run after its forwards (:meth:`_step_tasks`).
                 cohorts = [job.cohort for job in self._running.values() if job.task is None]
-                passes, self._hold = first_passes_first(self._batch.passes(cohorts), self._hold)
-                forwards = self._plan(passes)
+                turns = [TaskTurn(job.cohort) for job in self._running.values() if job.task is not None]
+                passes, self._hold = first_passes_first(self._batch.passes(cohorts) + turns, self._hold)
+                forwards = self._plan([p for p in passes if not isinstance(p, TaskTurn)])
                 finished = self._batch.run(forwards)
                 self._settle(finished, self._batch.failed)
-                self._step_tasks(self._token_budget - sum(forward_tokens(group) for group in forwards))
+                calls, rows = self._step_tasks({p.cohort for p in passes if isinstance(p, TaskTurn)},
+                                               self._token_budget - sum(forward_tokens(group) for group in forwards))
             except Exception as exc:  # noqa: BLE001 -- a failed forward fails its requests; the worker goes on
                 self._fail_batch(exc)
                 if self.fault is not None:
                     return
                 continue
-            self.telemetry.forwards.observe(self._batch.forwards)
-            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
+            self.telemetry.forwards.observe(self._batch.forwards + calls)
+            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0) + rows)
             with self._cond:
                 self._publish()
                 self._cond.notify_all()
@@ -725,18 +751,34 @@ class Worker:
         for cohort in finished:
             self._finished(cohort)
 
-    def _step_tasks(self, tokens_left: int) -> None:
-        """One forward of every running task (`Job.task`), its batches packed as rows of that forward within the
-        iteration's token budget left after the decoding forwards (``tokens_left``, counted against
-        ``max_batched_tokens``; each task runs at least one batch, so it always advances) and within the memory
-        reserved for one forward (the larger of the task's own transient and the forward reserve; its rows
-        counted with logits at the columns they read, `PromptLikelihood.bytes`); a finished one
-        leaves at once, a failing one fails alone."""
-        for job in [j for j in self._running.values() if j.task is not None]:
-            t = job.cohort.seq_len
+    def _step_tasks(self, due: set, tokens_left: int) -> tuple[int, int]:
+        """The likelihood tasks' share of the iteration (issue 45 items 7-8), planned as decoding work is: of the
+        running tasks the head-of-line rule let run (``due``, their cohorts), the ones that ran longest ago take
+        their turns (`service.runtime.scheduler.take_turns`) while their calls stay within the iteration's
+        allowance (``layer_split_tokens`` with a split, else ``tokens_left`` of ``max_batched_tokens`` after the
+        decoding forwards; the first always runs, so each advances). A call is the next piece of the task's
+        forward (`service.runtime.scheduler.piece_layers`): its rows fixed for the task
+        (`service.runtime.scheduler.likelihood_rows`) within the memory reserved for one forward (the larger of
+        the task's own transient and the forward reserve, `PromptLikelihood.bytes`), its layers split as a
+        decoding pass's are. A finished task leaves at once, a failing one fails alone. Returns the model calls
+        made and their rows (counted in ``dllm_forwards_per_iteration``)."""
+        jobs = sorted((j for j in self._running.values() if j.task is not None and j.cohort in due),
+                      key=lambda j: j.turn)
+        split, layers = self.layer_split_tokens, self.engine.spec.num_layers
+        planned = []
+        for job in jobs:
+            task = job.cohort
+            call = task.next_call(self._task_rows(task), max(job.cost.transient, self.forward_bytes))
+            piece = None if call is None else piece_layers(call.rows * task.seq_len, call.start, split, layers)
+            work = 0.0 if call is None else piece_work(call.rows * task.seq_len, piece, layers)
+            planned.append((job, call, piece, work))
+        chosen = take_turns([w for _, _, _, w in planned], split if split else tokens_left)
+        calls = rows = 0
+        for job, call, piece, _ in (planned[i] for i in chosen):
+            self._turns += 1
+            job.turn = self._turns
             try:
-                more = job.cohort.step(max(1, tokens_left // t), max(job.cost.transient, self.forward_bytes))
-                tokens_left -= job.cohort.last_rows * t
+                more = job.cohort.step(layers=piece)
             except Exception as exc:
                 if is_device_fault(exc):
                     raise
@@ -744,8 +786,15 @@ class Worker:
                     self._fail_running(job, exc)
                     self._cond.notify_all()
                 continue
+            if call is not None:
+                calls, rows = calls + 1, rows + call.rows
             if not more:
                 self._finished(job.cohort)
+        return calls, rows
+
+    def _task_rows(self, task: Any) -> int:
+        """Rows of each forward of a likelihood task (`service.runtime.scheduler.likelihood_rows`)."""
+        return likelihood_rows(task.seq_len, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
 
     def _finished(self, cohort: Any) -> None:
         """A cohort finished (it left the batch, or its task is done): its request's result is set now. The

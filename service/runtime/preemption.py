@@ -14,9 +14,15 @@ beside the running ones, a running request may be preempted for it if
 
 * it is larger than the head (KV + transient bytes): a request never makes way for one as large as itself, so
   equal requests stay first come, first served and a preempted request never preempts the one it made way for;
-* it has been preempted fewer than ``max_preemptions`` times: a large request is delayed at most that many times
-  (each time by at most the backfill window, ``backfill_s``, plus the run of the requests it made way for, since
-  it waits at the head of the queue right behind them);
+* it has been preempted fewer than ``max_preemptions`` times, or, past that cap, it has committed enough blocks
+  since it last joined: the ``(max_preemptions + k)``-th preemption waits until it has committed ``k`` blocks
+  since it last rejoined (issue 45 item 9). Before the cap a small request waits at most one block of the large
+  one (its boundary); after it, the next small request waits at most one block more, the one after two, and so
+  on: no cliff where a small request suddenly waits for the large one's whole run. The large one still cannot
+  be starved: it advances ``k`` blocks before its ``(max_preemptions + k)``-th preemption, so a request of ``B``
+  blocks is preempted at most ``max_preemptions + k`` times where ``k (k + 1) / 2 <= B`` (16 blocks: at most
+  ``max_preemptions + 5``), each time delayed by at most the backfill window, ``backfill_s``, plus the run of
+  the requests it made way for (it waits at the head of the queue right behind them);
 * it is a decoding request of a family whose batch can pause it (not a likelihood task; not LLaDA2's
   block-causal batch, whose committed K/V live in a shared cache).
 
@@ -43,7 +49,8 @@ class Holder:
     Attributes:
         cost: its reserved memory; held_since: when it last joined the batch (seconds, any one clock);
         preemptions: how often it was preempted so far; pausable: its batch can pause it at all (a decoding
-        request of a family that supports it); at_boundary: it can be paused now (its next call is a full pass).
+        request of a family that supports it); at_boundary: it can be paused now (its next call is a full pass);
+        progress: blocks it committed since it last joined (what a preemption past the cap waits for).
     """
 
     cost: Cost
@@ -51,6 +58,16 @@ class Holder:
     preemptions: int
     pausable: bool
     at_boundary: bool
+    progress: int = 0
+
+
+def may_preempt(holder: Holder, max_preemptions: int) -> bool:
+    """Whether the preemption count and progress of ``holder`` let it be preempted (module doc, the rule): fewer
+    than ``max_preemptions`` preemptions, or past the cap ``k`` blocks committed since it last joined for its
+    ``(max_preemptions + k)``-th. ``max_preemptions`` 0: never."""
+    if max_preemptions <= 0:
+        return False
+    return holder.preemptions < max_preemptions or holder.progress > holder.preemptions - max_preemptions
 
 
 def size(cost: Cost) -> int:
@@ -66,7 +83,7 @@ def plan_preemption(head: Cost, running: list[Holder], budget: int, reserve: int
         head: the cost of the request blocked at the head of the queue.
         running: the running requests (and those joining this iteration, as not pausable).
         budget, reserve: bytes, as `service.runtime.scheduler.fits`.
-        max_preemptions: preemptions allowed per request (0: none).
+        max_preemptions: preemptions allowed per request before they are spaced by its progress (0: none).
 
     Returns:
         The indices, longest held first; empty when preemption cannot make the head fit, or when the requests it
@@ -74,7 +91,7 @@ def plan_preemption(head: Cost, running: list[Holder], budget: int, reserve: int
     """
     candidates = sorted(
         (i for i, h in enumerate(running)
-         if h.pausable and h.preemptions < max_preemptions and size(h.cost) > size(head)),
+         if h.pausable and may_preempt(h, max_preemptions) and size(h.cost) > size(head)),
         key=lambda i: running[i].held_since,
     )
     kept = set(range(len(running)))

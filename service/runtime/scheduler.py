@@ -138,15 +138,28 @@ def split_by_layers(passes: list[Pass], split_tokens: int, num_layers: int) -> l
         return passes
     out = []
     for p in passes:
-        tokens = len(p.rows) * p.width
-        if p.kind != "full" or tokens <= split_tokens:
-            out.append(p)
-            continue
-        pieces = min(num_layers, -(-tokens // split_tokens))
-        per_piece = -(-num_layers // pieces)
         start = p.layers[0] if p.layers is not None else 0
-        out.append(replace(p, layers=(start, min(start + per_piece, num_layers))))
+        piece = piece_layers(len(p.rows) * p.width, start, split_tokens, num_layers) if p.kind == "full" else None
+        out.append(p if piece is None else replace(p, layers=piece))
     return out
+
+
+def piece_layers(tokens: int, start: int, split_tokens: int, num_layers: int) -> tuple[int, int] | None:
+    """The layers ``(a, b)`` the next piece of a full forward of ``tokens`` input tokens (rows x width) runs, from
+    layer ``start`` on (:func:`split_by_layers`' rule, also the likelihood's, :func:`likelihood_rows`); None when
+    the forward is not split (``split_tokens`` 0, or ``tokens`` within it), so its layers run at once."""
+    if split_tokens <= 0 or tokens <= split_tokens:
+        return None
+    pieces = min(num_layers, -(-tokens // split_tokens))
+    per_piece = -(-num_layers // pieces)
+    return start, min(start + per_piece, num_layers)
+
+
+def piece_work(tokens: int, layers: tuple[int, int] | None, num_layers: int) -> float:
+    """Tokens' worth of work of a piece (the unit of ``layer_split_tokens``): its input tokens times the share of
+    the layers it runs (``layers`` None: all)."""
+    start, stop = layers if layers is not None else (0, num_layers)
+    return tokens * (stop - start) / num_layers
 
 
 def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK, split_tokens: int = 0,
@@ -225,3 +238,37 @@ def first_passes_first(passes: list[Pass], hold: Hold) -> tuple[list[Pass], Hold
         held = {p.cohort for p in passes if p.cohort not in first and p.cohort not in hold.held}
     present = frozenset(p.cohort for p in passes)  # a cohort that left is forgotten
     return [p for p in passes if p.cohort not in held], Hold(present, frozenset(held))
+
+
+# ---- likelihood work in the plan (issue 45 items 7-8) -----------------------------------------------------------
+@dataclass(frozen=True)
+class TaskTurn:
+    """A likelihood task's next call as the head-of-line rule sees it (:func:`first_passes_first` reads only
+    ``cohort``): its cohort is the task's `service.engine.likelihood.PromptLikelihood`."""
+
+    cohort: object
+
+
+def likelihood_rows(seq_len: int, max_tokens: int, split_tokens: int, num_layers: int) -> int:
+    """Rows of one likelihood forward over a ``seq_len``-token prompt (at least 1): as many as ``max_tokens`` holds,
+    and with a layer split (``split_tokens`` > 0) no more than ``split_tokens x num_layers`` tokens, so that each
+    of its layer pieces (:func:`piece_layers`, one layer at the least) is about ``split_tokens`` tokens' worth of
+    work, as a decoding pass's piece is. The same number every forward of the task, whatever runs beside it: the
+    values do not depend on the traffic (`service.engine.likelihood.PromptLikelihood.next_call`)."""
+    tokens = min(max_tokens, split_tokens * num_layers) if split_tokens > 0 else max_tokens
+    return max(1, tokens // seq_len)
+
+
+def take_turns(works: list[float], allowance: float) -> list[int]:
+    """Which likelihood tasks run their next call in this iteration: ``works`` their calls' tokens' worth of work
+    (:func:`piece_work`) in turn order (the one that ran longest ago first); taken in that order while their sum
+    stays within ``allowance`` (``layer_split_tokens`` with a split, else what the decoding forwards left of
+    ``max_batched_tokens``), the first always, so every task advances and an iteration holds about one piece of
+    likelihood work whatever the number of tasks. Returns indices into ``works``."""
+    chosen, total = [], 0.0
+    for i, work in enumerate(works):
+        if chosen and total + work > allowance:
+            continue
+        chosen.append(i)
+        total += work
+    return chosen

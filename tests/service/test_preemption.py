@@ -119,8 +119,25 @@ BUDGET = 100
 SMALL, LARGE = Cost(10, 5), Cost(80, 10)
 
 
-def _holder(cost: Cost, since: float = 0.0, preemptions: int = 0, pausable: bool = True, boundary: bool = True):
-    return Holder(cost, since, preemptions, pausable, boundary)
+def _holder(cost: Cost, since: float = 0.0, preemptions: int = 0, pausable: bool = True, boundary: bool = True,
+            progress: int = 0):
+    return Holder(cost, since, preemptions, pausable, boundary, progress)
+
+
+def test_past_the_cap_each_preemption_waits_for_one_block_more_of_progress():
+    """Issue 45 item 9: past ``max_preemptions`` the ``(cap + k)``-th preemption waits until the request committed
+    ``k`` blocks since it last joined (no cliff: the next small request waits one block more, not the whole run);
+    below the cap progress does not matter, and 0 still turns preemption off."""
+    def plan(preemptions: int, progress: int, cap: int = 2) -> list[int]:
+        # 95 bytes: the small one does not fit beside the large one (80 + 10 + 10), alone it does
+        return plan_preemption(SMALL, [_holder(LARGE, preemptions=preemptions, progress=progress)], 95,
+                               max_preemptions=cap)
+
+    assert plan(1, 0) == [0]
+    assert [plan(2, 0), plan(2, 1)] == [[], [0]]  # the cap + 1st: one block
+    assert [plan(3, 1), plan(3, 2)] == [[], [0]]  # the cap + 2nd: two blocks
+    assert [plan(4, 2), plan(4, 3)] == [[], [0]]
+    assert plan(0, 5, cap=0) == []
 
 
 def test_the_request_holding_memory_longest_makes_way_for_a_smaller_head():
@@ -217,3 +234,46 @@ def test_the_worker_keeps_the_one_running_set_and_nothing_of_it_runs_inside_the_
     assert iterations and all(running == given and own == [] for running, given, own in iterations)
     assert lock.taken_in_run == 0
     assert worker._batch._next == {}  # nothing left behind by the cohorts that left
+
+
+def test_small_requests_past_the_cap_wait_one_block_more_each_not_the_large_ones_whole_run(engines):
+    """Issue 45 item 9, counted in blocks of the large request: small requests arrive one after another (each as
+    the one before finishes) while a large one holds the budget; with ``max_preemptions`` 1 the first waits for no
+    block of it (it arrives at a boundary), the second 1 block (it waits for the large one's next boundary, as any
+    request before the cap), the third 2, the fourth 3: past the cap one block more each time, where the rule
+    before issue 45 made the second wait for the large one's whole run. The large one's output is unchanged."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    large_params = DecodeParams(gen_length=96, block_length=8, threshold=0.9, ignore_eos=True, cache_mode="dual")
+    small_params = DecodeParams(gen_length=8, block_length=8, threshold=0.9, ignore_eos=True, cache_mode="dual")
+
+    def small() -> Job:
+        return Job(prompts[0], small_params, RowOptions(), ConfigSnapshot(UNQUANTIZED, "dual", "request"))
+
+    large = Job(prompts[2] * 3, large_params, RowOptions(), ConfigSnapshot(UNQUANTIZED, "dual", "request"))
+    probe = _worker(engine, 1 << 30, Telemetry())
+    cost = probe._cost(large)
+    worker = _worker(engine, cost.kv + cost.transient, Telemetry(), max_preemptions=1)
+    smalls = [small() for _ in range(4)]
+    waits: list[int] = []  # blocks the large one committed while each small one was in the server
+
+    def submit(i: int) -> None:  # on the worker thread, between iterations
+        at = large.blocks
+        smalls[i].future.add_done_callback(lambda _: waits.append(large.blocks - at))
+        if i + 1 < len(smalls):
+            smalls[i].future.add_done_callback(lambda _: submit(i + 1))
+        worker.submit(smalls[i])
+
+    large.on_block = lambda block, ids: submit(0) if block == 0 else None
+    worker.submit(large)
+    worker.start()
+    try:
+        result = large.future.result(timeout=300)
+        for job in smalls:
+            job.future.result(timeout=300)
+    finally:
+        worker.stop()
+    assert waits == [0, 1, 2, 3]
+    assert large.preemptions == 4 and large.blocks == 12
+    alone = engine.generate([prompts[2] * 3], large_params)
+    assert result.row.generated_ids == alone.rows[0].generated_ids

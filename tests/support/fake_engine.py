@@ -198,11 +198,14 @@ def _tiny_lm(vocab: int):
 
         # mlp_cost: a dense gated MLP of hidden 24 (`ModelConfig.mlp_cost`), as admission reads it.
         config = SimpleNamespace(width=8, mlp_hidden=24, mlp_cost=(3 * 24, 3 * 8 * 24), num_heads=1, head_dim=8,
-                                 vocab_size=vocab)
+                                 vocab_size=vocab, num_layers=2)
 
-        def forward(self, ids, head=True):
-            hidden = self.embed(ids)
-            return self.head_logits(hidden) if head else hidden
+        def forward(self, ids, head=True, layers=None, hidden=None):
+            # Two "layers" that keep the embedding as it is: a forward split by layers (the server's plan of
+            # likelihood work, `service.runtime.scheduler.piece_layers`) gives the same values.
+            start, stop = layers if layers is not None else (0, 2)
+            hidden = self.embed(ids) if start == 0 else hidden
+            return self.head_logits(hidden) if head and stop == 2 else hidden
 
         def head_logits(self, hidden):
             return hidden @ self.embed.weight.T
