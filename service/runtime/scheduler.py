@@ -263,11 +263,12 @@ def take_turns(works: list[float], allowance: float) -> list[int]:
     """Which likelihood tasks run their next call in this iteration: ``works`` their calls' tokens' worth of work
     (:func:`piece_work`) in turn order (the one that ran longest ago first); taken in that order while their sum
     stays within ``allowance`` (``layer_split_tokens`` with a split, else what the decoding forwards left of
-    ``max_batched_tokens``), the first always, so every task advances and an iteration holds about one piece of
-    likelihood work whatever the number of tasks. Returns indices into ``works``."""
+    ``max_batched_tokens``), the first with work always (a task with no call left, work 0, takes its turn to
+    finish), so every task advances and an iteration holds about one piece of likelihood work whatever the
+    number of tasks. Returns indices into ``works``."""
     chosen, total = [], 0.0
     for i, work in enumerate(works):
-        if chosen and total + work > allowance:
+        if total > 0 and total + work > allowance:
             continue
         chosen.append(i)
         total += work
