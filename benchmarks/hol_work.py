@@ -17,7 +17,20 @@ largest forward the long request runs alone, over the short request's own (what 
 forward starts waits for before its first pass: no plan cuts into a running forward); ``worst`` adds it to the
 largest ``work x``: the worst case of a short request in work, to hold against the 2x target.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/hol_work.py [--every 3] [--split 512]``.
+**Likelihood beside a short request** (``--likelihood``, issue 45 items 7-8): the reproduction of item 8 through
+the server's worker (`service.runtime.loop.Worker`, in process, the forward reserve measured as ``serve`` does):
+one or four likelihood requests of a 2,200-token prompt (``mc_num`` 5, ``logprobs`` 5, as lm-eval's multiple
+choice sends them) run, and a 32-token request (100-token prompt) arrives ``--repeats`` times, each after the one
+before finished. Two plans in one run: before issue 45 (the likelihood ran after the decoding forwards, each task
+one whole forward of at least one batch per iteration, outside the head-of-line rule: `_BeforeWorker`, the loop's
+``_step_tasks`` of issue 34) and now (rows fixed per task, pieces of layers, the head-of-line rule, turns). For
+each: the likelihood calls and work that ran while the short request was in the server (tokens' worth: rows x
+tokens x the share of the layers; and arithmetic, `ForwardCost.flops`, over the short request's own), the
+largest single likelihood call, and the short request's wall time over its time alone (same run, same worker
+settings, the median of ``--repeats``).
+
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/hol_work.py [--every 3] [--split 512]``;
+``OMP_NUM_THREADS=1 python benchmarks/hol_work.py --likelihood [--repeats 3]``.
 """
 
 from __future__ import annotations
@@ -112,16 +125,199 @@ def alone_counts(engine, ids: list[int]) -> tuple[int, int, list[int]]:
     return forwards, work, engine.report(short).rows[0].generated_ids
 
 
+# ---- likelihood beside a short request (issue 45 items 7-8) ------------------------------------------------------
+def _before_worker():
+    """The worker with the likelihood plan of issue 34 (before issue 45), for the comparison in one run: every task
+    runs one whole forward of at least one batch per iteration after the decoding forwards, its rows from what
+    those left of the token budget, outside the head-of-line rule."""
+    from service.runtime.loop import Worker, is_device_fault
+
+    class _BeforeWorker(Worker):
+        def _step_tasks(self, due, tokens_left):
+            for job in [j for j in self._running.values() if j.task is not None]:
+                t = job.cohort.seq_len
+                try:
+                    # at least one whole batch, then whole batches while the budget left holds them
+                    rows = max(job.cohort.mc_batch_size, tokens_left // t)
+                    more = job.cohort.step(rows, max(job.cost.transient, self.forward_bytes))
+                    tokens_left -= job.cohort.last_rows * t
+                except Exception as exc:
+                    if is_device_fault(exc):
+                        raise
+                    with self._cond:
+                        self._fail_running(job, exc)
+                    continue
+                if not more:
+                    self._finished(job.cohort)
+            return 0, 0
+
+    return _BeforeWorker
+
+
+def _watch_calls(task, calls: list[tuple[float, float]], cost: ForwardCost, num_layers: int) -> None:
+    """Record each call of ``task`` as (tokens' worth, flops) in ``calls`` (its ``step`` wrapped)."""
+    step = task.step
+
+    def watched(*args, **kwargs):
+        work, pending = task.work, task._flight
+        more = step(*args, **kwargs)
+        if task.work > work:
+            flight = task._flight or pending  # the forward this call ran a piece of (None: a whole one)
+            rows = flight.ids.shape[0] if flight is not None else task.last_rows
+            share = (task.work - work) / (rows * task.seq_len)  # the share of the layers it ran
+            calls.append((task.work - work, cost.flops(rows, task.seq_len, task.seq_len) * share))
+        return more
+
+    task.step = watched
+
+
+def likelihood_beside(engine, before: bool, tasks: int, repeats: int, split: int) -> dict:
+    """The short request beside ``tasks`` 2,200-token likelihood requests on one worker (module doc): its wall
+    times, the likelihood calls (tokens' worth, flops) that ran while it was in the server, its own forwards."""
+    import time as clock
+
+    from service.engine.likelihood import LikelihoodTask
+    from service.engine.params import RowOptions
+    from service.quant.config import KVQuantConfig
+    from service.runtime.loop import Job, Worker
+    from service.runtime.memory import MemoryModel
+    from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+    from service.store.active import ConfigSnapshot
+    from service.telemetry import Telemetry
+
+    ids = prompt_ids(engine)
+    cost, layers = ForwardCost.of(engine.model), engine.spec.num_layers
+    memory = MemoryModel.for_engine(engine)
+    forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
+    kind = _before_worker() if before else Worker
+    worker = kind(engine, lambda snap: None, Telemetry(), memory, 1 << 34, max_rows=8, forward_bytes=forward,
+                  layer_split_tokens=split)
+    snapshot = ConfigSnapshot(KVQuantConfig(), "dual", "request")
+    lparams = DecodeParams(gen_length=1, block_length=1, cache_mode="none", threshold=None, steps=1)
+    likelihoods = [Job(ids[i: i + 2200], lparams, RowOptions(), snapshot,
+                       task=LikelihoodTask(tuple(ids[i: i + 2200]), 5, 5, 1234, 5)) for i in range(tasks)]
+    calls: list[tuple[float, float]] = []  # appended on the worker thread
+    worker.start()
+    out = {"latency": [], "calls": [], "work": [], "flops": [], "largest": 0.0, "largest_flops": 0.0, "nfe": []}
+    try:
+        for job in likelihoods:
+            worker.submit(job)
+        while not all(j.cohort is not None and j.cohort.calls >= 1 for j in likelihoods):
+            clock.sleep(0.01)
+        for job in likelihoods:
+            _watch_calls(job.cohort, calls, cost, layers)
+        for _ in range(repeats):
+            small = Job(ids[:100], _params(32), RowOptions(), snapshot)
+            mark = len(calls)
+            t0 = clock.perf_counter()
+            worker.submit(small)
+            result = small.future.result()
+            out["latency"].append(clock.perf_counter() - t0)
+            # the call in flight when it arrived ends after ``mark``: counted, as the short request waited on it
+            during = calls[mark:]
+            out["calls"].append(len(during))
+            out["work"].append(sum(w for w, _ in during))
+            out["flops"].append(sum(f for _, f in during))
+            out["nfe"].append(result.row.nfe)
+        out["largest"] = max(w for w, _ in calls)
+        out["largest_flops"] = max(f for _, f in calls)
+    finally:
+        for job in likelihoods:
+            job.cancel()
+        worker.stop()
+        worker._thread.join()  # a forward of the plan before may outlast stop's wait; let it end before exit
+    return out
+
+
+def shape_counts(cost: ForwardCost, layers: int, split: int, nfe: int) -> tuple[float, float, float]:
+    """At a model shape, from the plans' rules (no run): the short request's arithmetic (a full pass over its 132
+    tokens, then ``nfe - 1`` window passes over its 32-token block), the largest likelihood call of the plan before
+    (one whole forward of a 5-row batch of the 2,200-token prompt) and of the plan now (one piece of
+    `likelihood_rows` rows, `likelihood_layers`)."""
+    from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, likelihood_layers, likelihood_rows
+
+    own = layers * (cost.flops(1, 132, 132) + (nfe - 1) * cost.flops(1, 32, 133))
+    before = layers * cost.flops(5, 2200, 2200)
+    rows = likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, split, layers)
+    start, stop = likelihood_layers(rows * 2200, 0, split, layers) or (0, layers)
+    return own, before, (stop - start) * cost.flops(rows, 2200, 2200)
+
+
+def small_alone(engine, repeats: int, split: int) -> tuple[float, float, float]:
+    """(median wall time, tokens' worth, flops per layer, forwards) of the short request alone on a worker of the same settings."""
+    import time as clock
+
+    from service.engine.params import RowOptions
+    from service.quant.config import KVQuantConfig
+    from service.runtime.loop import Job, Worker
+    from service.runtime.memory import MemoryModel
+    from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+    from service.store.active import ConfigSnapshot
+    from service.telemetry import Telemetry
+
+    ids = prompt_ids(engine)
+    memory = MemoryModel.for_engine(engine)
+    worker = Worker(engine, lambda snap: None, Telemetry(), memory, 1 << 34, max_rows=8,
+                    forward_bytes=memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS), layer_split_tokens=split)
+    worker.start()
+    times = []
+    try:
+        for _ in range(repeats + 1):  # the first warms up
+            small = Job(ids[:100], _params(32), RowOptions(), ConfigSnapshot(KVQuantConfig(), "dual", "request"))
+            t0 = clock.perf_counter()
+            worker.submit(small)
+            small.future.result()
+            times.append(clock.perf_counter() - t0)
+    finally:
+        worker.stop()
+    # its work: a full pass over its 132 tokens, then window passes over its 32-token block (dual cache)
+    nfe = small.future.result().row.nfe
+    cost, tokens = ForwardCost.of(engine.model), 132
+    work = tokens + (nfe - 1) * 32
+    flops = cost.flops(1, tokens, tokens) + (nfe - 1) * cost.flops(1, 32, tokens + 1)
+    return statistics.median(times[1:]), work, flops, nfe
+
+
+def likelihood_main(engine, repeats: int, split: int) -> None:
+    solo, own_work, own_flops, nfe = small_alone(engine, repeats, split)
+    print(f"a 32-token request (100-token prompt) beside 2,200-token likelihood requests (mc_num 5, logprobs 5), "
+          f"layer split {split}; alone: {solo:.3f} s (median of {repeats}), {own_work} tokens' worth, "
+          f"{own_flops / 1e6:,.0f} MFLOP per layer")
+    print(f"{'plan':>18} {'tasks':>5} {'calls waited':>12} {'work waited':>11} {'x own':>6} {'flops x own':>11} "
+          f"{'largest call':>12} {'x own':>6} {'wall x alone':>12}")
+    for tasks in (1, 4):
+        for name, before in (("before issue 45", True), ("planned (now)", False)):
+            got = likelihood_beside(engine, before, tasks, repeats, split)
+            print(f"{name:>18} {tasks:5d} {max(got['calls']):12d} {max(got['work']):11,.0f} "
+                  f"{max(got['work']) / own_work:6.1f} {max(got['flops']) / own_flops:11.1f} "
+                  f"{got['largest']:12,.0f} {got['largest_flops'] / own_flops:6.1f} "
+                  f"{statistics.median(got['latency']) / solo:12.1f}")
+    # The embedded model is 128 wide: attention over 2,200 keys outweighs its projections, so one row of one layer
+    # (the smallest piece) is many times a short request's arithmetic; at a real model's shape it is not.
+    llada8b = ForwardCost.dense(4096, 12288, 32, 128, 126464, 2)
+    for name, cost, layers in (("embedded (4 layers, width 128)", ForwardCost.of(engine.model), engine.spec.num_layers),
+                               ("LLaDA-8B shape (32 layers, width 4096)", llada8b, 32)):
+        own, before, now = shape_counts(cost, layers, split, nfe)
+        print(f"largest likelihood call over the short request's arithmetic, {name}, counted from the rules: "
+              f"before {before / own:.1f}x, now {now / own:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=3, help="a short request joins every this many iterations")
     parser.add_argument("--split", type=int, default=512,
                         help="the layer split's tokens of work a piece (DLLM_LAYER_SPLIT_TOKENS's default)")
+    parser.add_argument("--likelihood", action="store_true",
+                        help="the short request beside 2,200-token likelihood requests, before and now (issue 45)")
+    parser.add_argument("--repeats", type=int, default=3, help="short requests per plan with --likelihood")
     args = parser.parse_args()
     from service.engine import Engine
 
     torch.set_num_threads(1)
     engine = Engine.load(None, threads=1)
+    if args.likelihood:
+        likelihood_main(engine, args.repeats, args.split)
+        return
     ids = prompt_ids(engine)
     forwards, work, alone = alone_counts(engine, ids)
     print(f"head-of-line in counts: a 32-token request (100-token prompt) joining every {args.every} iterations of "

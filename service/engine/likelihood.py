@@ -193,7 +193,7 @@ class PromptLikelihood:
 
     In the server (issue 45 items 7-8) a forward is planned as decoding passes are: the worker asks for the next
     call (:meth:`next_call`: its rows, fixed by the task's bounds, `service.runtime.scheduler.likelihood_rows`) and
-    runs a piece of its layers per iteration (``step(layers=...)``, `service.runtime.scheduler.piece_layers`), so
+    runs a piece of its layers per iteration (``step(layers=...)``, `service.runtime.scheduler.likelihood_layers`), so
     an iteration holds about ``layer_split_tokens`` tokens' worth of likelihood work; the hidden states between
     pieces are held on the task (and counted with its memory, `service.runtime.loop.Worker._cost`). The values
     are those of the same forwards run whole, bit for bit.

@@ -95,8 +95,8 @@ from service.runtime.scheduler import (
     first_passes_first,
     forward_plan,
     forward_tokens,
+    likelihood_layers,
     likelihood_rows,
-    piece_layers,
     piece_work,
     plan_admission,
     take_turns,
@@ -501,7 +501,7 @@ class Worker:
             held = 0
             t = len(job.task.ids)
             rows = likelihood_rows(t, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
-            if piece_layers(rows * t, 0, self.layer_split_tokens, self.engine.spec.num_layers) is not None:
+            if likelihood_layers(rows * t, 0, self.layer_split_tokens, self.engine.spec.num_layers) is not None:
                 # Its forwards run in pieces: the hidden states of a forward between pieces, and those of a batch
                 # cut over several forwards, are held across iterations beside the other requests' forwards.
                 held = (rows + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
@@ -757,7 +757,7 @@ class Worker:
         their turns (`service.runtime.scheduler.take_turns`) while their calls stay within the iteration's
         allowance (``layer_split_tokens`` with a split, else ``tokens_left`` of ``max_batched_tokens`` after the
         decoding forwards; the first always runs, so each advances). A call is the next piece of the task's
-        forward (`service.runtime.scheduler.piece_layers`): its rows fixed for the task
+        forward (`service.runtime.scheduler.likelihood_layers`): its rows fixed for the task
         (`service.runtime.scheduler.likelihood_rows`) within the memory reserved for one forward (the larger of
         the task's own transient and the forward reserve, `PromptLikelihood.bytes`), its layers split as a
         decoding pass's are. A finished task leaves at once, a failing one fails alone. Returns the model calls
@@ -769,7 +769,7 @@ class Worker:
         for job in jobs:
             task = job.cohort
             call = task.next_call(self._task_rows(task), max(job.cost.transient, self.forward_bytes))
-            piece = None if call is None else piece_layers(call.rows * task.seq_len, call.start, split, layers)
+            piece = None if call is None else likelihood_layers(call.rows * task.seq_len, call.start, split, layers)
             work = 0.0 if call is None else piece_work(call.rows * task.seq_len, piece, layers)
             planned.append((job, call, piece, work))
         chosen = take_turns([w for _, _, _, w in planned], split if split else tokens_left)

@@ -138,21 +138,15 @@ def split_by_layers(passes: list[Pass], split_tokens: int, num_layers: int) -> l
         return passes
     out = []
     for p in passes:
+        tokens = len(p.rows) * p.width
+        if p.kind != "full" or tokens <= split_tokens:
+            out.append(p)
+            continue
+        pieces = min(num_layers, -(-tokens // split_tokens))
+        per_piece = -(-num_layers // pieces)
         start = p.layers[0] if p.layers is not None else 0
-        piece = piece_layers(len(p.rows) * p.width, start, split_tokens, num_layers) if p.kind == "full" else None
-        out.append(p if piece is None else replace(p, layers=piece))
+        out.append(replace(p, layers=(start, min(start + per_piece, num_layers))))
     return out
-
-
-def piece_layers(tokens: int, start: int, split_tokens: int, num_layers: int) -> tuple[int, int] | None:
-    """The layers ``(a, b)`` the next piece of a full forward of ``tokens`` input tokens (rows x width) runs, from
-    layer ``start`` on (:func:`split_by_layers`' rule, also the likelihood's, :func:`likelihood_rows`); None when
-    the forward is not split (``split_tokens`` 0, or ``tokens`` within it), so its layers run at once."""
-    if split_tokens <= 0 or tokens <= split_tokens:
-        return None
-    pieces = min(num_layers, -(-tokens // split_tokens))
-    per_piece = -(-num_layers // pieces)
-    return start, min(start + per_piece, num_layers)
 
 
 def piece_work(tokens: int, layers: tuple[int, int] | None, num_layers: int) -> float:
@@ -249,11 +243,24 @@ class TaskTurn:
     cohort: object
 
 
+def likelihood_layers(tokens: int, start: int, split_tokens: int, num_layers: int) -> tuple[int, int] | None:
+    """The layers ``(a, b)`` the next piece of a likelihood forward of ``tokens`` input tokens (rows x width) runs,
+    from layer ``start`` on: as many whole layers as keep it within ``split_tokens`` tokens' worth of work
+    (:func:`piece_work`), one at the least; None when the forward is not split (``split_tokens`` 0, or ``tokens``
+    within it). The bound of :func:`split_by_layers`, held per piece: its equal pieces of ``ceil(L / k)`` layers
+    can reach twice ``split_tokens`` (a 15,400-token forward on 32 layers: 16 pieces of 2 layers, 962 tokens'
+    worth each, where this gives 32 of 481)."""
+    if split_tokens <= 0 or tokens <= split_tokens:
+        return None
+    per_piece = max(1, split_tokens * num_layers // tokens)
+    return start, min(start + per_piece, num_layers)
+
+
 def likelihood_rows(seq_len: int, max_tokens: int, split_tokens: int, num_layers: int) -> int:
     """Rows of one likelihood forward over a ``seq_len``-token prompt (at least 1): as many as ``max_tokens`` holds,
     and with a layer split (``split_tokens`` > 0) no more than ``split_tokens x num_layers`` tokens, so that each
-    of its layer pieces (:func:`piece_layers`, one layer at the least) is about ``split_tokens`` tokens' worth of
-    work, as a decoding pass's piece is. The same number every forward of the task, whatever runs beside it: the
+    of its layer pieces (:func:`likelihood_layers`, one layer at the least) is at most ``split_tokens`` tokens'
+    worth of work (more only when one layer of one row is), as a decoding pass's piece is meant to be. The same number every forward of the task, whatever runs beside it: the
     values do not depend on the traffic (`service.engine.likelihood.PromptLikelihood.next_call`)."""
     tokens = min(max_tokens, split_tokens * num_layers) if split_tokens > 0 else max_tokens
     return max(1, tokens // seq_len)

@@ -96,12 +96,12 @@ def test_the_server_runs_the_109_token_request_in_at_most_4_forwards_with_the_sa
 
 @pytest.mark.parametrize("rows", [MC, 2], ids=["whole-batches", "batches-cut-in-two"])
 def test_a_forward_run_in_layer_pieces_gives_the_values_of_the_same_forward_run_whole_bit_for_bit(engine, rows):
-    """The server's plan of likelihood work (issue 45 items 7-8, `service.runtime.scheduler.piece_layers`): each
+    """The server's plan of likelihood work (issue 45 items 7-8, `service.runtime.scheduler.likelihood_layers`): each
     forward of ``rows`` rows runs a piece of its layers per call, its hidden states kept between calls, and a batch
     larger than ``rows`` is cut over several forwards (its LM head once all its rows are through). The values are
     those of the same forwards run whole, bit for bit (a piece runs the same operations on the same inputs), and
     those of one forward per batch within 1e-6."""
-    from service.runtime.scheduler import piece_layers
+    from service.runtime.scheduler import likelihood_layers
 
     ids = _prompt(engine, 40)
     whole = engine.likelihood(ids, MC, MC, 1234, top_k=2)
@@ -111,7 +111,7 @@ def test_a_forward_run_in_layer_pieces_gives_the_values_of_the_same_forward_run_
     layers = engine.spec.num_layers
     while (call := pieces.next_call(rows)) is not None:
         # 10 tokens' worth a piece: one layer per call (a forward holds 40 tokens or more)
-        assert pieces.step(rows, layers=piece_layers(call.rows * len(ids), call.start, 10, layers))
+        assert pieces.step(rows, layers=likelihood_layers(call.rows * len(ids), call.start, 10, layers))
     assert not pieces.step(rows)
     assert pieces.calls == layers * whole.forwards and pieces.forwards == whole.forwards
     assert pieces.work == pytest.approx(whole.work)

@@ -1,6 +1,6 @@
 """Likelihood work in the iteration's plan (issue 45 items 7-8): a likelihood task's forwards have rows fixed for
 the task (`service.runtime.scheduler.likelihood_rows`) and run piece by piece of their layers under the same
-split and head-of-line rule as decoding passes (`piece_layers`, `first_passes_first`), the tasks taking turns
+split and head-of-line rule as decoding passes (`likelihood_layers`, `first_passes_first`), the tasks taking turns
 within one piece's allowance (`take_turns`). Counted, never timed: the likelihood work a small decoding request
 waits on beside one or four 2,200-token likelihood requests (the reproduction of item 8), the calls counted in
 ``dllm_forwards_per_iteration``, and the values served beside decoding equal, bit for bit, to the same forwards
@@ -23,8 +23,8 @@ from service.runtime.loop import Job, Worker
 from service.runtime.memory import MemoryModel
 from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
+    likelihood_layers,
     likelihood_rows,
-    piece_layers,
     piece_work,
     take_turns,
 )
@@ -76,13 +76,18 @@ def _histogram_sum(telemetry: Telemetry, name: str) -> float:
 def test_a_likelihood_forward_holds_about_one_piece_per_layer_and_the_tasks_take_turns():
     # 4 layers, pieces of 512 tokens' worth: a 2,200-token prompt runs one row a forward, one layer a piece
     assert likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 4) == 1
-    assert piece_layers(2200, 0, SPLIT, 4) == (0, 1) and piece_layers(2200, 3, SPLIT, 4) == (3, 4)
+    assert likelihood_layers(2200, 0, SPLIT, 4) == (0, 1) and likelihood_layers(2200, 3, SPLIT, 4) == (3, 4)
     assert piece_work(2200, (0, 1), 4) == 550
     # a 109-token one: 18 rows (1,962 tokens, four pieces of ~490); without a split, the whole token budget
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 4) == 18
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, 0, 4) == DEFAULT_MAX_BATCHED_TOKENS // 109
-    # deep models: the split's bound is the token budget itself (32 layers x 512 = 16,384)
+    # deep models: the split's bound is the token budget itself (32 layers x 512 = 16,384): 7 rows of 2,200
+    # tokens, one layer a piece (481 tokens' worth; not 16 pieces of two layers, 962, as equal pieces would be)
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 32) == DEFAULT_MAX_BATCHED_TOKENS // 109
+    assert likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 32) == 7
+    assert likelihood_layers(7 * 2200, 5, SPLIT, 32) == (5, 6)
+    assert likelihood_layers(1962, 0, SPLIT, 4) == (0, 1) and likelihood_layers(600, 0, SPLIT, 4) == (0, 3)
+    assert likelihood_layers(512, 0, SPLIT, 4) is None and likelihood_layers(600, 0, 0, 4) is None
     # turns: the first always runs, the others while the allowance lasts
     assert take_turns([550, 550, 550, 550], SPLIT) == [0]
     assert take_turns([200, 550, 200], SPLIT) == [0, 2]
