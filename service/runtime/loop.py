@@ -18,7 +18,9 @@ planned forwards), finish (set the results of the jobs that left). Rules:
   iteration where a request makes its first pass, the running requests' passes wait one iteration (never two in
   a row; `service.runtime.scheduler.first_passes_first`, the head-of-line rule), and a block-initial pass over
   more than ``layer_split_tokens`` tokens runs its layers over several iterations, so a request that arrives
-  meanwhile waits for one piece of it (`service.runtime.scheduler.split_by_layers`).
+  meanwhile waits for one piece of it (`service.runtime.scheduler.split_by_layers`). Likelihood requests are
+  planned beside them by the same rules (issue 45): their forwards run piece by piece, wait under the
+  head-of-line rule, and take turns within one piece's worth an iteration (:meth:`Worker._step_tasks`).
 * **Admission by memory.** Before each iteration the head of the queue joins while the KV bytes of every running
   row plus its own, plus the transient memory of the largest forward with it, fit ``budget_bytes``
   (`service.runtime.scheduler`), and fewer than ``max_rows`` rows run. A request that could never fit, even
@@ -498,13 +500,12 @@ class Worker:
     def _cost(self, job: Job, rows: int | None = None) -> Cost:
         """The memory of ``job`` (`service.runtime.scheduler.Cost`), all its rows, or ``rows`` of them."""
         if job.task is not None:  # full passes without cache: no KV held
-            held = 0
-            t = len(job.task.ids)
-            rows = likelihood_rows(t, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
-            if likelihood_layers(rows * t, 0, self.layer_split_tokens, self.engine.spec.num_layers) is not None:
+            held, t = 0, len(job.task.ids)
+            per_forward = self._task_rows(t)
+            if likelihood_layers(per_forward * t, 0, self.layer_split_tokens, self.engine.spec.num_layers):
                 # Its forwards run in pieces: the hidden states of a forward between pieces, and those of a batch
                 # cut over several forwards, are held across iterations beside the other requests' forwards.
-                held = (rows + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
+                held = (per_forward + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
             return Cost(held, job.task.transient_bytes(self.memory.forward))
         one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
         rows = len(job.rows) if rows is None else rows
@@ -768,10 +769,14 @@ class Worker:
         planned = []
         for job in jobs:
             task = job.cohort
-            call = task.next_call(self._task_rows(task), max(job.cost.transient, self.forward_bytes))
-            piece = None if call is None else likelihood_layers(call.rows * task.seq_len, call.start, split, layers)
-            work = 0.0 if call is None else piece_work(call.rows * task.seq_len, piece, layers)
-            planned.append((job, call, piece, work))
+            try:
+                call = task.next_call(self._task_rows(task.seq_len), max(job.cost.transient, self.forward_bytes))
+            except Exception as exc:  # noqa: BLE001 -- this request's fault alone (a device fault is raised on)
+                self._task_failed(job, exc)
+                continue
+            tokens = 0 if call is None else call.rows * task.seq_len
+            piece = None if call is None else likelihood_layers(tokens, call.start, split, layers)
+            planned.append((job, call, piece, piece_work(tokens, piece, layers)))
         chosen = take_turns([w for _, _, _, w in planned], split if split else tokens_left)
         calls = rows = 0
         for job, call, piece, _ in (planned[i] for i in chosen):
@@ -779,12 +784,8 @@ class Worker:
             job.turn = self._turns
             try:
                 more = job.cohort.step(layers=piece)
-            except Exception as exc:
-                if is_device_fault(exc):
-                    raise
-                with self._cond:
-                    self._fail_running(job, exc)
-                    self._cond.notify_all()
+            except Exception as exc:  # noqa: BLE001 -- this request's fault alone (a device fault is raised on)
+                self._task_failed(job, exc)
                 continue
             if call is not None:
                 calls, rows = calls + 1, rows + call.rows
@@ -792,9 +793,17 @@ class Worker:
                 self._finished(job.cohort)
         return calls, rows
 
-    def _task_rows(self, task: Any) -> int:
-        """Rows of each forward of a likelihood task (`service.runtime.scheduler.likelihood_rows`)."""
-        return likelihood_rows(task.seq_len, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
+    def _task_failed(self, job: Job, exc: Exception) -> None:
+        """A likelihood task raised: it fails alone (a device fault is raised on: the loop fails everything)."""
+        if is_device_fault(exc):
+            raise exc
+        with self._cond:
+            self._fail_running(job, exc)
+            self._cond.notify_all()
+
+    def _task_rows(self, seq_len: int) -> int:
+        """Rows of each forward of a likelihood task over ``seq_len`` tokens (`scheduler.likelihood_rows`)."""
+        return likelihood_rows(seq_len, self._token_budget, self.layer_split_tokens, self.engine.spec.num_layers)
 
     def _finished(self, cohort: Any) -> None:
         """A cohort finished (it left the batch, or its task is done): its request's result is set now. The
