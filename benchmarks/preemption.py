@@ -15,7 +15,15 @@ commits its first block the small one arrives. Measured in one run:
 Prints each latency and its ratio to the solo latency and to one block of the large request; target: with
 preemption, at most 3 x solo + one block of the large request.
 
-Usage: ``python benchmarks/preemption.py [--prompt 3500] [--gen 512] [--small-gen 32] [--repeats 3]``.
+**Past the cap** (``--after-cap N``, issue 45 item 9): N small requests arrive one after another while the large
+one runs (each as the one before finishes), so the large one is preempted again and again. Each small request's
+latency and the blocks the large one committed meanwhile, under the rule before issue 45 (no preemption past
+``max_preemptions``: the next small request waits for the large one's whole run) and now (the ``(cap + k)``-th
+preemption waits for ``k`` blocks of the large one's progress, `service.runtime.preemption.may_preempt`), in one
+run.
+
+Usage: ``python benchmarks/preemption.py [--prompt 3500] [--gen 512] [--small-gen 32] [--repeats 3]
+[--after-cap 0]``.
 """
 
 from __future__ import annotations
@@ -73,6 +81,47 @@ def _contended(worker: Worker, large: Job, small: Job, delay_s: float) -> tuple[
     return latency, result.row.generated_ids, large.preemptions
 
 
+def _in_turn(worker: Worker, large: Job, smalls: list[Job]) -> list[tuple[float, int]]:
+    """The large job running, the small ones submitted one after another from its first block on (each as the
+    one before finishes): each small one's latency and the blocks the large one committed while it was in."""
+    out: list[tuple[float, int]] = []
+
+    def submit(i: int) -> None:  # on the worker thread, between iterations
+        at, t0 = large.blocks, time.perf_counter()
+        smalls[i].future.add_done_callback(lambda _: out.append((time.perf_counter() - t0, large.blocks - at)))
+        if i + 1 < len(smalls):
+            smalls[i].future.add_done_callback(lambda _: submit(i + 1))
+        worker.submit(smalls[i])
+
+    large.on_block = lambda block, ids: submit(0) if block == 0 else None
+    worker.submit(large)
+    large.future.result()
+    for job in smalls:
+        job.future.result()
+    return out
+
+
+def after_cap(engine, memory: MemoryModel, budget: int, forward: int, large, small, count: int, cap: int,
+              block: float) -> None:
+    """``--after-cap``: the small requests in turn beside the large one, the rule before issue 45 and now."""
+    from service.runtime import preemption
+
+    rule = preemption.may_preempt
+    print(f"{count} small requests in turn beside the large one, max_preemptions {cap}:")
+    for name, may in (("before issue 45 (none past the cap)", lambda h, m: 0 < m and h.preemptions < m),
+                      ("now (past the cap, k blocks for the cap + k-th)", rule)):
+        preemption.may_preempt = may  # the rule as it was, for the comparison in one run
+        try:
+            worker = _worker(engine, memory, budget, forward, cap)
+            worker.start()
+            got = _in_turn(worker, large(), [small() for _ in range(count)])
+            worker.stop()
+        finally:
+            preemption.may_preempt = rule
+        print(f"  {name}: " + ", ".join(f"{s:.2f} s / {b} blocks" for s, b in got)
+              + f" (one block of the large one alone: {block:.3f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=3500, help="prompt tokens of the large request")
@@ -80,6 +129,8 @@ def main() -> None:
     parser.add_argument("--small-gen", type=int, default=32, help="response tokens of the small request")
     parser.add_argument("--repeats", type=int, default=3, help="solo runs of the small request (median)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--after-cap", type=int, default=0,
+                        help="small requests in turn past the preemption cap (issue 45 item 9); 0: not run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.load(EMBEDDED_DIR)
@@ -131,6 +182,8 @@ def main() -> None:
               f"the large one = {latency / target:.2f} x the target (3 x solo + one block); large preempted "
               f"{preempted} time(s), output {'identical' if ids == alone_ids else 'DIFFERENT'}")
     print(f"target met: {with_p[0] <= target}")
+    if args.after_cap:
+        after_cap(engine, memory, budget, forward, large, small, args.after_cap, 4, block)
 
 
 if __name__ == "__main__":
