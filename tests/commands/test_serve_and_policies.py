@@ -141,14 +141,14 @@ def test_a_busy_port_is_one_line_before_the_model_loads(monkeypatch, capsys):
 
 def test_a_budget_below_the_forward_reserve_ends_with_one_line_naming_both(monkeypatch, capsys, tmp_path):
     """Issue 36: ``--kv-budget-bytes 17000000`` with the default ``--max-batched-tokens`` (a ~172 MB forward
-    reserve on the embedded model) is refused at start-up, exit 3, its last line naming both flags (it used to
-    start, stay not ready and blame every prompt)."""
-    from service.commands.serve import STARTUP_FAILED, run
+    reserve on the embedded model) is refused at start-up, exit 2 (a bad setting, as `serve --help` says; issue 45),
+    its last line naming both flags (it used to start, stay not ready and blame every prompt)."""
+    from service.commands.serve import BAD_SETTING, run
     from tests.support.processes import free_port
 
     monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
     args = ["serve", "--port", str(free_port()), "--kv-budget-bytes", "17000000", "--store-url", str(tmp_path)]
-    assert run(build_parser().parse_args(args)) == STARTUP_FAILED
+    assert run(build_parser().parse_args(args)) == BAD_SETTING  # `serve --help`: 2 for a bad setting
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --kv-budget-bytes / DLLM_KV_BUDGET_BYTES of 17,000,000 bytes") and \
         "--max-batched-tokens / DLLM_MAX_BATCHED_TOKENS 16,384" in last, last
