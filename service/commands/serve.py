@@ -86,10 +86,12 @@ def _not_json(name: str, exc: json.JSONDecodeError) -> str:
 def describe_settings_error(exc: ValidationError) -> str:
     """One ``--flag / DLLM_NAME: reason`` per error (the flag and the variable that set the setting), WITHOUT the
     input values (pydantic's own message repeats them, admin and API keys included)."""
+    from service.engine.errors import validation_message
+
     lines = []
     for error in exc.errors(include_url=False, include_input=False, include_context=False):
         loc = [str(part) for part in error["loc"]]
-        message = error["msg"].removeprefix("Value error, ")
+        message = validation_message(error)
         if loc and loc[0] in Settings.model_fields:
             where = f"--{loc[0].replace('_', '-')} / DLLM_{loc[0].upper()}" + "".join(f".{p}" for p in loc[1:])
             message = f"{where}: {message}"

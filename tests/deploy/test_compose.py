@@ -163,6 +163,8 @@ def test_cpu_override_drops_every_gpu_and_serves_the_embedded_default(cpu_stack)
         service = cpu_stack["services"][name]
         assert "deploy" not in service or not service["deploy"].get("resources"), name
         assert service["build"]["args"]["TORCH_VARIANT"] == "cpu"
+        # A CPU image on a CPU base by default, not on the Dockerfile's nvidia/cuda (issue 45 item 6).
+        assert service["build"]["args"]["CUDA_BASE"] == "debian:bookworm", name
         assert service["environment"]["DLLM_DEVICE"] == "cpu"
         assert service["environment"]["DLLM_MODEL"] == ""
     from service.config import Settings
