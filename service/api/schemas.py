@@ -48,6 +48,7 @@ from service.api.rules import (
 from service.api.structured import StructuredOutputFields
 from service.api.tools import OfferedTools, ToolCallIn, ToolFields
 from service.engine.params import (
+    EDITING_FIELDS,
     MAX_TOP_LOGPROBS,
     N_CEILING,
     TOKENS_CEILING,
@@ -196,11 +197,13 @@ class StreamOptions(StrictModel):
 
 #: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
 #: all fit in it beside a prompt of at least one token); ``remasking`` and ``dream_schedule`` by the model family's
-#: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only).
+#: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only),
+#: token editing's fields by whether the family edits (null only where it does not).
 _KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
                 "steps": from_server(maximum="longest_response"),
                 "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes"),
-                "dream_schedule": from_server(enum="dream_schedules")}
+                "dream_schedule": from_server(enum="dream_schedules"),
+                **{name: from_server(**{"not": "token_editing"}) for name in EDITING_FIELDS}}
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):
@@ -429,10 +432,16 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
-    # vLLM's names (``return_token_ids``): null unless asked for, or the checkpoint has no tokenizer.
+    # vLLM's names (``return_token_ids``): only when asked for, or when the checkpoint has no tokenizer.
     prompt_token_ids: list[int] | None = Field(None, description="the prompt's token ids (return_token_ids)")
     token_ids: list[int] | None = Field(None, description="the returned token ids, cut as the text is "
                                         "(return_token_ids)")
+
+    @model_serializer(mode="wrap")
+    def _token_ids_when_given(self, handler: Any) -> dict[str, Any]:
+        """Left out, not null, when not asked for: the choice is then OpenAI's object exactly."""
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in ("prompt_token_ids", "token_ids")}
 
 
 class CompletionResponse(BaseModel):
