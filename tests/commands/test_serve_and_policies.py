@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from pydantic import ValidationError
 
 from service.__main__ import build_parser
 from service.commands.policies import copy_artifacts
@@ -29,6 +30,16 @@ def test_serve_flags_override_environment(monkeypatch):
     s = settings_from_args(args)
     assert (s.port, s.max_batch_size, s.kv_quant, s.allow_unauthenticated) == (
         9100, 2, KVQuantConfig(method="kivi", bits=2), True)
+
+
+def test_token_editing_is_a_serve_flag_and_a_setting(monkeypatch):
+    """Issue 45 item 4: LLaDA2.1's editing settings are DLLM_* settings and serve flags, as every decoding setting."""
+    monkeypatch.setenv("DLLM_EDITING_THRESHOLD", "0.7")
+    monkeypatch.setenv("DLLM_MIN_TRANSFER", "3")
+    s = settings_from_args(build_parser().parse_args(["serve", "--max-post-steps", "4", "--min-transfer", "2"]))
+    assert (s.editing_threshold, s.max_post_steps, s.min_transfer) == (0.7, 4, 2)
+    with pytest.raises(ValidationError):  # 0 could reveal nothing, forever
+        settings_from_args(build_parser().parse_args(["serve", "--min-transfer", "0"]))
 
 
 @pytest.mark.integration
