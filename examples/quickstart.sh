@@ -5,9 +5,10 @@
 # over HTTP on the model's task, and the paper-style table. Each step is the page's command; what they print and
 # write lands in $RUNS.
 #
-# Run from the repository root after `bash scripts/setup.sh`, with redis-server answering at $STORE:
+# Run from the repository root after `bash scripts/setup.sh`:
 #   bash examples/quickstart.sh
-# Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (redis://127.0.0.1:6379/0), RUNS
+# Settings (environment): PY (.venv/bin/python), PORT (8000), STORE (a Redis URL; default: a redis-server of the
+# script's own on a free port, stopped at the end: one already answering on 6379 may be someone else's), RUNS
 # (runs/quickstart), DLLM_ADMIN_KEY, CALIBRATION_ARGS (extra `calibration all` flags, e.g. "--samples 2 --rounds 1
 # --cache-modes dual --bits 2 --kvquant-bits 2"), ASK_QUESTIONS (8), LIMIT (32), MATRIX_ARGS (extra `evaluation matrix`
 # flags after the page's, which they override, e.g. "--cache-modes prefix,dual --bits 4,2"). tests/e2e runs this
@@ -16,17 +17,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8000}
-STORE=${STORE:-redis://127.0.0.1:6379/0}
 RUNS=${RUNS:-runs/quickstart}
 export DLLM_ADMIN_KEY=${DLLM_ADMIN_KEY:-quickstart-admin-key-0123456789}
 URL=http://127.0.0.1:$PORT
 mkdir -p "$RUNS"
 step() { printf '\n== %s\n' "$*"; }
+SERVER=
+REDIS_PID_FILE=
+stop() {
+  if [ -n "$SERVER" ]; then kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; fi
+  if [ -n "$REDIS_PID_FILE" ] && [ -s "$REDIS_PID_FILE" ]; then kill "$(cat "$REDIS_PID_FILE")" 2>/dev/null || true; fi
+}
+trap stop EXIT
+
+if [ -z "${STORE:-}" ]; then
+  step "start a Redis of our own on a free port (docs/quickstart.md, step 2)"
+  REDIS_PORT=$($PY -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  REDIS_PID_FILE=$(cd "$RUNS" && pwd)/redis.pid
+  redis-server --daemonize yes --bind 127.0.0.1 --port "$REDIS_PORT" --save "" --appendonly no --pidfile "$REDIS_PID_FILE"
+  for _ in $(seq 100); do redis-cli -p "$REDIS_PORT" ping >/dev/null 2>&1 && break; sleep 0.1; done
+  STORE=redis://127.0.0.1:$REDIS_PORT/0
+fi
 
 step "start the server on the embedded default model, Redis as the store, every quantized request re-decoded unquantized (agreement)"
 $PY -m service serve --store-url "$STORE" --shadow-rate 1 --threads 1 --port "$PORT" > "$RUNS/server.log" 2>&1 &
 SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
 curl -sS --fail-with-body --retry 180 --retry-delay 1 --retry-all-errors "$URL/health/ready"; echo
 
 step "calibrate the embedded model on its own training split (policies and KVQuant states go to Redis)"

@@ -1,18 +1,31 @@
 """Server settings: one pydantic-settings object, environment prefix ``DLLM_``, the only reader of the environment.
 
 Every field is also a ``python -m service serve`` flag (``--max-batch-size 8`` overrides ``DLLM_MAX_BATCH_SIZE``);
-the README has the table (the decoding settings are listed with `DecodeSettings`). Validation happens at start-up, and unsafe combinations are refused (see
-:meth:`Settings._refuse_unsafe`).
+docs/settings.md has the table (the decoding settings are listed with `DecodeSettings`). Validation happens at
+start-up, and unsafe combinations are refused (see :meth:`Settings._refuse_unsafe`).
+
+Where a value comes from, first found wins: the flag, the environment, the env file (``.env`` in the working
+directory, the file docker compose reads; ``DLLM_ENV_FILE`` names another, empty: none), the default. The env file
+is read as compose and a shell's ``set -a; . .env`` read it (python-dotenv: ``KEY=value``, quotes for values with
+spaces or JSON); its variables that are no setting (compose's own, ``DLLM_PUBLISH_ADDRESS``, removed settings) are
+ignored, as unknown ``DLLM_`` variables of the environment are.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    DotEnvSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from service.engine.params import N_CEILING, DecodeSettings
 from service.quant.config import KVQuantConfig
@@ -41,6 +54,33 @@ PLACEHOLDER_KEYS = frozenset({"replace-with-a-long-random-admin-key", "replace-w
 #: The shortest admin key accepted.
 MIN_ADMIN_KEY_CHARS = 16
 STORE_HELP = f"store URL, redis://host:port/db or a directory (default: DLLM_STORE_URL, else {DEFAULT_STORE_URL})"
+
+
+#: The env file read when ``DLLM_ENV_FILE`` is not set: the working directory's ``.env`` (docker compose's file).
+DEFAULT_ENV_FILE = ".env"
+
+
+def env_file() -> str | None:
+    """The env file the settings read (relative to the working directory): ``DLLM_ENV_FILE`` when set (empty:
+    none), else ``.env``. A missing file is no error (nothing is read)."""
+    return os.environ.get("DLLM_ENV_FILE", DEFAULT_ENV_FILE) or None
+
+
+class _KnownSettingsFile(DotEnvSettingsSource):
+    """The env file's values of this model's fields only: the file also holds compose's variables
+    (``DLLM_PUBLISH_ADDRESS``, ``GRAFANA_ADMIN_PASSWORD``) and may hold removed settings, which a model that
+    forbids extra fields would refuse."""
+
+    def __call__(self) -> dict[str, Any]:
+        return {name: value for name, value in super().__call__().items() if name in self.settings_cls.model_fields}
+
+
+def _sources(settings_cls: type[BaseSettings], init: PydanticBaseSettingsSource, env: PydanticBaseSettingsSource,
+             dotenv: DotEnvSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+    """Flags (the init arguments), then the environment, then the env file (pydantic-settings' ``_env_file``
+    argument when one is given, else :func:`env_file`), then defaults."""
+    path = dotenv.env_file if dotenv.env_file is not None else env_file()
+    return init, env, _KnownSettingsFile(settings_cls, env_file=path, env_file_encoding="utf-8")
 
 
 def served_model_name(settings: Settings, model_id: str) -> str:
@@ -72,6 +112,12 @@ class Settings(BaseSettings, DecodeSettings):
     """
 
     model_config = SettingsConfigDict(env_prefix="DLLM_", extra="forbid", validate_default=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flag > environment > env file > default (the module doc)."""
+        return _sources(settings_cls, init_settings, env_settings, dotenv_settings)
 
     # ---- model ---------------------------------------------------------------------------------------------------
     model: str | None = Field(None, description="checkpoint directory or HF repo id; empty: the embedded default")
@@ -255,6 +301,12 @@ class StoreSettings(BaseSettings):
     to the server's store without validating the server's other settings."""
 
     model_config = SettingsConfigDict(env_prefix="DLLM_", extra="ignore")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        """As the server's settings: the offline commands default to the store the server uses."""
+        return _sources(settings_cls, init_settings, env_settings, dotenv_settings)
 
     store_url: str = DEFAULT_STORE_URL
     store_prefix: str = Field(DEFAULT_STORE_PREFIX, min_length=1)

@@ -182,12 +182,29 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
                   layer_split_tokens=settings.layer_split_tokens)
 
 
+def default_request_bytes(settings: Settings, memory: MemoryModel, forward: int) -> tuple[int, int]:
+    """``(bytes, prompt tokens)``: the memory admission needs to run the server's default request alone (a request
+    that leaves max_tokens out: ``default_max_tokens`` response positions rounded up to whole blocks, after a prompt
+    as long as that response, e.g. the README's 61-token chat under the default 64), counted as the worker counts
+    it (`service.runtime.loop.Worker._check_size`): full-precision KV of the whole sequence and a spare column in
+    the server's cache mode, the hidden states held between the pieces of a block-initial pass split by layers, and
+    the larger of its own largest forward and the forward reserve ``forward`` (bytes)."""
+    spec, block = memory.spec, settings.block_length
+    gen = -(-settings.default_max_tokens // block) * block
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
+    params = DecodeParams(gen_length=gen, block_length=block, cache_mode=settings.cache_mode)
+    cost = memory.cost(gen, params, per_token)
+    split = settings.layer_split_tokens and 2 * gen > settings.layer_split_tokens
+    held = memory.hidden_bytes(2 * gen) if split else 0
+    return cost.kv + held + max(cost.transient, forward), gen
+
+
 def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, forward: int, max_work: int) -> None:
     """Refuse settings that cannot work together, in one line naming both (issue 36), rather than start a server
     that refuses every request and blames the prompt:
 
-    * the memory budget below the forward reserve of ``max_batched_tokens`` plus the KV of the smallest request (a
-      one-token prompt, one block of ``block_length`` at full precision): nothing could ever be admitted;
+    * the memory budget below what the default request needs alone beside the forward reserve of
+      ``max_batched_tokens`` (:func:`default_request_bytes`; the minimum named serves it, issue 45 item 11);
     * ``max_request_work`` below the work of a one-token request of ``default_max_tokens``: every request that
       leaves max_tokens out would be refused.
 
@@ -195,17 +212,17 @@ def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, 
 
     Raises: StartupRefused.
     """
-    spec, block = memory.spec, settings.block_length
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
-    smallest = per_token * (1 + block + 1)  # `MemoryModel.cost`: the sequence plus a spare column
-    if forward + smallest > budget:
+    block = settings.block_length
+    needed, prompt = default_request_bytes(settings, memory, forward)
+    if needed > budget:
         named = ("--kv-budget-bytes / DLLM_KV_BUDGET_BYTES" if settings.kv_budget_bytes else
                  "the default memory budget (--kv-budget-fraction of free GPU memory, 1 GiB on CPU)")
         raise StartupRefused(
-            f"{named} of {budget:,} bytes is below what --max-batched-tokens / DLLM_MAX_BATCHED_TOKENS "
-            f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes) plus the smallest request's "
-            f"KV ({smallest:,} bytes): no request could ever run; raise the budget to at least {forward + smallest:,} "
-            "bytes or lower --max-batched-tokens")
+            f"{named} of {budget:,} bytes is below the {needed:,} bytes that one request of "
+            f"--default-max-tokens / DLLM_DEFAULT_MAX_TOKENS {settings.default_max_tokens:,} after a {prompt:,}-token "
+            f"prompt needs beside what --max-batched-tokens / DLLM_MAX_BATCHED_TOKENS "
+            f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes): the default request could "
+            f"never run; raise the budget to at least {needed:,} bytes or lower --max-batched-tokens")
     gen = -(-settings.default_max_tokens // block) * block
     default_work = gen * (1 + gen)  # `service.runtime.scheduler.work_tokens` of a one-token prompt, threshold decoding
     if default_work > max_work:

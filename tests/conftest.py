@@ -66,6 +66,10 @@ def pytest_runtest_protocol(item, nextitem):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The settings read the working directory's .env (`service.config.env_file`): a developer's copy for compose (the
+# 8B model on cuda) must not change what the suite's settings and servers are; tests of the env file set it.
+os.environ["DLLM_ENV_FILE"] = ""
+
 
 def pytest_configure(config) -> None:
     if os.environ.get(TEST_REDIS_ENV) or shutil.which("redis-server") is None:

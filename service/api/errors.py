@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
-from service.engine.errors import EngineInputError
+from service.engine.errors import EngineInputError, validation_message
 from service.engine.grammar import GrammarViolation
 from service.runtime.loop import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 from service.store.active import ConfigUnavailable
@@ -221,7 +221,7 @@ def _validation(exc: RequestValidationError | ValidationError) -> tuple[int, dic
     if first.get("type") == "extra_forbidden":
         message = f"unknown field {param!r}: neither an OpenAI field nor one of this server's"
         return 400, error_body(message, "invalid_request_error", "unknown_field", param), None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    message = f"{param}: {validation_message(first)}" if param else validation_message(first)
     return 400, error_body(message, "invalid_request_error", "invalid_value", param), None
 
 

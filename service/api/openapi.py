@@ -118,8 +118,8 @@ def server_values(state: Any) -> dict[str, Any]:
     ``context`` (tokens, the model's ``max_length``); ``longest_prompt`` / ``longest_response`` (tokens: the
     context less one position for the other part); ``last_token_id`` (a prompt id: below the logits' width) and
     ``mask_id`` (``{"const": id}``, never in a prompt); ``last_decodable_id`` (``/detokenize``: the tokenizer's
-    size); ``model_names`` (the served name); ``fingerprint`` (the weights'); ``remasking`` and
-    ``dream_schedules`` (what the family's reveal rule takes); ``cache_modes`` (what
+    size); ``model_names`` (the served name); ``fingerprint`` (the weights'); ``remasking``,
+    ``dream_schedules`` and ``token_editing`` (what the family's reveal rule takes); ``cache_modes`` (what
     the family decodes with, `service.engine.engine.cache_modes`); ``artifact_kinds`` (admin URL segments of the registered methods); ``max_prompts``
     (prompts in one completion request: the most the queue holds, ``max_queue``); ``max_n`` (choices per prompt,
     ``DLLM_MAX_N``).
@@ -137,6 +137,9 @@ def server_values(state: Any) -> dict[str, Any]:
         "fingerprint": [spec.fingerprint],
         "remasking": list(reveal_rule(spec.arch).remasking),
         "dream_schedules": list(reveal_rule(spec.arch).dream_schedules),
+        # JSON Schema's "not" of token editing's values: nothing ({}: every value refused) on a family that does
+        # not edit, anything ({"not": {}}) on one that does.
+        "token_editing": {"not": {}} if reveal_rule(spec.arch).edits_tokens else {},
         "cache_modes": list(cache_modes(spec)),
         "artifact_kinds": list(artifact_types()),
         "max_prompts": serving.settings.max_queue,

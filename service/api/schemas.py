@@ -48,6 +48,7 @@ from service.api.rules import (
 from service.api.structured import StructuredOutputFields
 from service.api.tools import OfferedTools, ToolCallIn, ToolFields
 from service.engine.params import (
+    EDITING_FIELDS,
     MAX_TOP_LOGPROBS,
     N_CEILING,
     TOKENS_CEILING,
@@ -196,11 +197,13 @@ class StreamOptions(StrictModel):
 
 #: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
 #: all fit in it beside a prompt of at least one token); ``remasking`` and ``dream_schedule`` by the model family's
-#: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only).
+#: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only),
+#: token editing's fields by whether the family edits (null only where it does not).
 _KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
                 "steps": from_server(maximum="longest_response"),
                 "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes"),
-                "dream_schedule": from_server(enum="dream_schedules")}
+                "dream_schedule": from_server(enum="dream_schedules"),
+                **{name: from_server(**{"not": "token_editing"}) for name in EDITING_FIELDS}}
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):
@@ -260,6 +263,9 @@ LOGPROBS_HELP = ("log-probability of each returned token as the model gave it at
 ECHO_HELP = "the prompt before the completion; with logprobs, the prompt's tokens scored (max_tokens 0: only them)"
 MC_NUM_HELP = ("our field: Monte-Carlo samples of each prompt ELBO of echo = true with logprobs (default: the "
                "server's DLLM_LIKELIHOOD_MC_NUM); a multiple of the server's DLLM_LIKELIHOOD_MC_BATCH_SIZE when above it")
+RETURN_TOKEN_IDS_HELP = ("vLLM's field: each choice also carries its prompt's ids (prompt_token_ids) and the ids "
+                         "it returned (token_ids), as cut for its text; always on for a checkpoint without a "
+                         "tokenizer, whose text is empty; not streamed")
 #: A completion's ``max_tokens``: 0 (only with echo: nothing generated, the prompt scored) or a response length.
 CompletionTokens = json_int(ge=0, le=TOKENS_CEILING, json_schema_extra=from_server(maximum="longest_response"))
 
@@ -277,6 +283,7 @@ class CompletionRequest(OpenAISampling):
     logprobs: TopLogprobs | None = Field(None, description=LOGPROBS_HELP)
     mc_num: json_int(ge=1, le=MAX_MC_NUM) | None = Field(None, description=MC_NUM_HELP)
     suffix: only(None, "suffix (insertion) is not supported") = None
+    return_token_ids: StrictBool | None = Field(None, description=RETURN_TOKEN_IDS_HELP)
 
     rules = (
         Implies(Is("max_tokens", 0), Is("echo", True), "max_tokens 0 generates nothing: only with echo = true (the "
@@ -285,6 +292,8 @@ class CompletionRequest(OpenAISampling):
                 "true", "mc_num"),
         Implies(Is("echo", True), Not(Is("stream", True)), "echo is not streamed: send it with stream = false",
                 "echo"),
+        Implies(Is("return_token_ids", True), Not(Is("stream", True)), "return_token_ids is not streamed: send it "
+                "with stream = false", "return_token_ids"),
     )
 
 
@@ -423,6 +432,16 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
+    # vLLM's names (``return_token_ids``): only when asked for, or when the checkpoint has no tokenizer.
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt's token ids (return_token_ids)")
+    token_ids: list[int] | None = Field(None, description="the returned token ids, cut as the text is "
+                                        "(return_token_ids)")
+
+    @model_serializer(mode="wrap")
+    def _token_ids_when_given(self, handler: Any) -> dict[str, Any]:
+        """Left out, not null, when not asked for: the choice is then OpenAI's object exactly."""
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in ("prompt_token_ids", "token_ids")}
 
 
 class CompletionResponse(BaseModel):

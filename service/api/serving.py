@@ -97,6 +97,7 @@ class Plan:
     scored: list[list[TokenLogprob]] = field(default_factory=list)
     tools: bool = False
     tools_forced: bool = False  # tool_choice required or a named function: the response is calls only
+    token_ids: bool = False  # each choice carries its prompt's and its own ids (``return_token_ids``)
 
     @property
     def all_jobs(self) -> list[Job]:
@@ -193,7 +194,7 @@ class Serving:
         if functions or any(m.tool_calls or m.role == "tool" for m in messages):
             turns, declared = self._tool_turns(messages, turns, functions)
         return self._tokenize(sum(len(t["content"] or "") for t in turns), encode_chat, self.engine.tokenizer,
-                              turns, self.spec.model_id, add_generation_prompt, "messages",
+                              turns, self.model_name, add_generation_prompt, "messages",
                               self.settings.allow_special_tokens_in_content, declared)
 
     def _tool_turns(self, messages: list[s.ChatMessage], turns: list[dict[str, Any]],
@@ -215,7 +216,7 @@ class Serving:
         return turns, [f.declared() for f in functions] or None
 
     def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.spec.model_id,
+        return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.model_name,
                               add_special_tokens)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
@@ -421,6 +422,13 @@ class Serving:
             plan = self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
             snapshot = plan.jobs[0].snapshot
         plan.logprobs = req.logprobs
+        # Without a tokenizer the text is empty: the ids are the answer (vLLM's return_token_ids fields), and a
+        # stream, which carries text deltas, would carry nothing.
+        plan.token_ids = bool(req.return_token_ids) or getattr(self.engine, "tokenizer", None) is None
+        if plan.stream and getattr(self.engine, "tokenizer", None) is None:
+            raise InvalidRequest(f"{self.model_name} has no tokenizer: a stream carries text deltas, which would "
+                                 "all be empty; send stream = false (the answer's token_ids are the response)",
+                                 param="stream")
         if req.echo:
             plan.echo = [x if isinstance(x, str) else self._prompt_text(x)
                          for x in ([p] if isinstance(p, str) or isinstance(p[0], int) else p)]
@@ -492,7 +500,7 @@ class Serving:
             if not req.chat:  # a chat template may trim or drop text: no bound
                 self._check_fits([req.prompt])
             ids = self._tokenize(len(req.prompt), encode_prompt, self.engine.tokenizer, req.prompt,
-                                 self.spec.model_id, req.chat, self.settings.allow_special_tokens_in_content)
+                                 self.model_name, req.chat, self.settings.allow_special_tokens_in_content)
         else:
             ids = list(req.prompt)  # chat with token ids is refused by the request's rules
         return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
@@ -508,7 +516,7 @@ class Serving:
         if spec is None:
             return None
         if self._grammars is None:
-            raise InvalidRequest(f"{self.spec.model_id} has no tokenizer: its output cannot be constrained",
+            raise InvalidRequest(f"{self.model_name} has no tokenizer: its output cannot be constrained",
                                  param=spec.field)
         try:
             return self._grammars.compile(spec)
@@ -617,7 +625,7 @@ class Serving:
                 if plan.logprobs is not None:
                     logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
                 choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
-                                                  finish_reason="length"))
+                                                  finish_reason="length", **_token_ids(plan, ids, [])))
         for k, (_job, row) in enumerate(_choice_rows(plan, results)):
             i = k // plan.n
             echo = plan.echo[i] if plan.echo is not None else ""
@@ -628,7 +636,8 @@ class Serving:
                                                plan.prompts[i] if scored is not None else None, scored,
                                                offset=0 if scored is not None else len(echo))
             choices.append(s.CompletionChoice(index=k, text=echo + (row.text or ""), logprobs=logprobs,
-                                              finish_reason=row.finish_reason))
+                                              finish_reason=row.finish_reason,
+                                              **_token_ids(plan, plan.prompts[i], row.generated_ids)))
             completion_tokens += len(row.generated_ids)
         snapshot = results[0].snapshot if results else self.active.snapshot(self.settings.cache_mode)
         return s.CompletionResponse(
@@ -841,6 +850,12 @@ def _tool_message(answer: ToolAnswer) -> s.ChatMessageOut:
     calls = [s.ToolCallOut(id=i, function=s.FunctionCallOut(name=c.name, arguments=c.arguments))
              for i, c in answer.calls]
     return s.ChatMessageOut(content=answer.content, tool_calls=calls or None)
+
+
+def _token_ids(plan: Plan, prompt: list[int], returned: list[int]) -> dict[str, list[int] | None]:
+    """A completion choice's ``prompt_token_ids`` and ``token_ids`` (vLLM's ``return_token_ids`` fields) when the
+    plan carries them, else none (they stay null)."""
+    return {"prompt_token_ids": list(prompt), "token_ids": list(returned)} if plan.token_ids else {}
 
 
 def _choice_rows(plan: Plan, results: list[JobResult]) -> list[tuple[Job, Any]]:

@@ -44,10 +44,12 @@ def prog(package: str, *words: str) -> str:
 def describe_validation_error(exc: ValidationError) -> str:
     """One ``field: reason`` per error, WITHOUT the input values or pydantic's documentation links: its own
     message repeats what it was given (admin and API keys included, for settings) into terminals and logs."""
+    from service.engine.errors import validation_message
+
     lines = []
     for error in exc.errors(include_url=False, include_input=False, include_context=False):
         where = ".".join(str(part) for part in error["loc"]) or "settings"
-        lines.append(f"{where}: {error['msg']}")
+        lines.append(f"{where}: {validation_message(error)}")
     return "; ".join(lines)
 
 

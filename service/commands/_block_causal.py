@@ -18,12 +18,13 @@ import json
 import time
 from dataclasses import asdict
 
-#: Flags of the 2.1 editing algorithm (argparse dests); any of them given turns editing on.
-EDITING_FLAGS = ("editing_threshold", "max_post_steps", "min_transfer")
+from service.engine.params import EDITING_FIELDS, DecodeSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The block-causal flags of ``generate`` (default None: the family's default applies)."""
+    """The block-causal flags of ``generate`` (default None: the family's default applies). The 2.1 editing flags
+    (``--editing-threshold``, ``--max-post-steps``, ``--min-transfer``) are decoding settings
+    (`service.engine.params.DecodeSettings`), added with the others."""
     group = parser.add_argument_group("block-causal decoding (LLaDA2.x; service.engine.block_causal)")
     group.add_argument("--steps-per-block", type=int, default=None,
                        help="forwards per block at most, LLaDA2.0's schedule (default 32)")
@@ -31,13 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="stop at the first EOS with no mask before it (default: after the EOS's block)")
     group.add_argument("--minimal-topk", type=int, default=None,
                        help="caps steps per block at gen_length // minimal_topk (default 1)")
-    group.add_argument("--editing-threshold", type=float, default=None,
-                       help="LLaDA2.1: replace a revealed token predicted otherwise above this probability "
-                            "(default 0.9 on a 2.1 checkpoint; giving it turns editing on)")
-    group.add_argument("--max-post-steps", type=int, default=None,
-                       help="LLaDA2.1: forwards after a block's last mask that may still edit (default 16)")
-    group.add_argument("--min-transfer", type=int, default=None,
-                       help="LLaDA2.1: reveals per forward at least (the reference's num_to_transfer; default 1)")
 
 
 def params_from(args: argparse.Namespace, editing_default: bool):
@@ -45,6 +39,7 @@ def params_from(args: argparse.Namespace, editing_default: bool):
 
     Raises:
         EngineInputError: a flag of the other families (``--steps``) or a value out of bounds.
+        pydantic.ValidationError: an editing flag outside its `DecodeSettings` bounds.
     """
     from service.engine.block_causal import BlockCausalParams
     from service.engine.errors import EngineInputError
@@ -52,7 +47,11 @@ def params_from(args: argparse.Namespace, editing_default: bool):
     if args.steps is not None:
         raise EngineInputError("--steps (total over blocks) is not a setting of block-causal models; "
                                "use --steps-per-block", "steps")
-    given = {name: getattr(args, name) for name in ("minimal_topk", *EDITING_FLAGS) if getattr(args, name) is not None}
+    # The editing flags are text (`add_model_flags`): read and bounded as the server reads the same settings.
+    editing = DecodeSettings(**{name: getattr(args, name) for name in EDITING_FIELDS if getattr(args, name) is not None})
+    given = {name: getattr(editing, name) for name in EDITING_FIELDS if getattr(editing, name) is not None}
+    if args.minimal_topk is not None:
+        given["minimal_topk"] = args.minimal_topk
     if args.steps_per_block is not None:
         given["steps"] = args.steps_per_block
     if args.block_length is not None:
@@ -63,7 +62,7 @@ def params_from(args: argparse.Namespace, editing_default: bool):
     return BlockCausalParams(
         gen_length=args.gen_length, cache_mode="none" if cache_mode == "none" else "block",
         eos_early_stop=args.eos_early_stop, temperature=args.temperature,
-        editing=editing_default or any(name in given for name in EDITING_FLAGS), **given,
+        editing=editing_default or any(name in given for name in EDITING_FIELDS), **given,
     )
 
 

@@ -121,7 +121,7 @@ def kv_config(args: argparse.Namespace):
             key_bias_correction=args.kv_key_bias_correction,
         )
     except ValidationError as exc:
-        text = describe_validation_error(exc).replace("settings: ", "").replace("Value error, ", "")
+        text = describe_validation_error(exc).replace("settings: ", "")
         text = re.sub(r"method '(\w+)'", r"--kv-quant \1", text)
         for name, flag in FLAGS.items():
             text = re.sub(rf"\b{name}\b", flag, text) if "_" in name else text

@@ -163,6 +163,12 @@ class StoreSide:
         """Every active entry (all models): fingerprint, cache_mode, config, set_at, key_id."""
         return [e.model_dump(mode="json") for e in self.store.list_active()]
 
+    def current(self, cache_mode: str) -> dict[str, Any] | None:
+        """The store's active configuration of ``--model`` for ``cache_mode`` (a `KVQuantConfig` as JSON), or
+        None when it holds none."""
+        entry = self.store.get_active(self.spec().fingerprint, cache_mode)
+        return None if entry is None else entry.config.model_dump(mode="json")
+
     def activate(self, cache_mode: str, config) -> dict[str, Any]:
         """`Store.set_active` against ``--model``'s spec; the audit entry (old, new)."""
         from service.store.base import ArtifactNotFound, ConfigInvalid, InvalidName
@@ -233,6 +239,11 @@ class ServerSide:
     def active(self) -> list[dict[str, Any]]:
         view = self._call("GET", "/admin/active")
         return list(view["store"].values())
+
+    def current(self, cache_mode: str) -> dict[str, Any] | None:
+        """The store's active configuration of the served model for ``cache_mode``, or None."""
+        entry = self._call("GET", "/admin/active")["store"].get(cache_mode)
+        return None if entry is None else entry["config"]
 
     def activate(self, cache_mode: str, config) -> dict[str, Any]:
         return self._call("PUT", f"/admin/active/{cache_mode}", json=config.model_dump(mode="json", exclude_none=True))
@@ -400,6 +411,15 @@ def run_show(side, args: argparse.Namespace) -> int:
 def run_activate(side, args: argparse.Namespace) -> int:
     from service.quant.config import KVQuantConfig
 
+    if args.verb == "deactivate":
+        current = side.current(args.cache_mode)
+        if current is not None and current.get("method") == "none":
+            # Already unquantized in the store: writing it again would only log a "none -> none" change.
+            if args.json:
+                print(json.dumps({"cache_mode": args.cache_mode, "unchanged": True, "config": current}, indent=2))
+            else:
+                print(f"{args.cache_mode}: already unquantized (none) in {side.where}; nothing written")
+            return 0
     config = KVQuantConfig() if args.verb == "deactivate" else config_from(side, args.target)
     audit = side.activate(args.cache_mode, config)
     if args.json:

@@ -3,9 +3,10 @@
 Every setting of `service.config.Settings` is also a flag (``--max-batch-size 8``); a flag overrides the
 ``DLLM_*`` environment. With no ``--model`` (and no ``DLLM_MODEL``) the embedded default model is served.
 SIGTERM: readiness fails and new requests are refused at once, admitted ones finish (up to ``drain_timeout_s``).
-Exit status: 0 after a clean stop, 1 when the drain timeout cut admitted requests, 2 for a bad setting, 3 when
-start-up failed (the port cannot be bound, or the store refuses the credentials of its URL: one line, before the
-model loads).
+Exit status: 0 after a clean stop, 1 when the drain timeout cut admitted requests, 2 for a bad setting (one that
+is refused alone, or settings that cannot work together, such as a memory budget below what the default request
+needs: refused once the model is loaded), 3 when start-up failed (the port cannot be bound, the store refuses the
+credentials of its URL, or the model failed to load: one line).
 Idle and slow clients are bounded (`service.connections`: header, body and keep-alive timeouts, a cap on open
 connections below the file-descriptor limit), and on a loopback bind only the loopback Host names are answered
 unless ``allowed_hosts`` says otherwise.
@@ -40,8 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 # Seconds uvicorn waits beyond the worker's drain, for the 503s of what the drain cancelled to be written.
 DRAIN_MARGIN_S = 5
-# Exit statuses besides 0 (stopped, everything admitted finished) and 2 (bad setting).
+# Exit statuses besides 0 (stopped, everything admitted finished).
 DRAIN_CUT = 1  # SIGTERM's drain timeout ran out and cancelled admitted requests (they got a 503)
+BAD_SETTING = 2  # a setting refused alone, or settings that cannot work together (argparse's own usage status)
 STARTUP_FAILED = 3  # uvicorn's own status for a failed start-up
 
 
@@ -84,10 +86,12 @@ def _not_json(name: str, exc: json.JSONDecodeError) -> str:
 def describe_settings_error(exc: ValidationError) -> str:
     """One ``--flag / DLLM_NAME: reason`` per error (the flag and the variable that set the setting), WITHOUT the
     input values (pydantic's own message repeats them, admin and API keys included)."""
+    from service.engine.errors import validation_message
+
     lines = []
     for error in exc.errors(include_url=False, include_input=False, include_context=False):
         loc = [str(part) for part in error["loc"]]
-        message = error["msg"].removeprefix("Value error, ")
+        message = validation_message(error)
         if loc and loc[0] in Settings.model_fields:
             where = f"--{loc[0].replace('_', '-')} / DLLM_{loc[0].upper()}" + "".join(f".{p}" for p in loc[1:])
             message = f"{where}: {message}"
@@ -335,5 +339,6 @@ def serve_app(app: Any, settings: Settings, sock: socket.socket) -> int:
         refused = getattr(app.state, "startup_refused", None)
         if refused:  # settings that cannot work together (`service.main.refuse_contradictions`): one line, last
             print(f"error: {refused}", file=sys.stderr)
+            return BAD_SETTING  # what --help promises for a bad setting
         return STARTUP_FAILED  # the lifespan failed (uvicorn logged why)
     return 0 if getattr(app.state, "drained", True) else DRAIN_CUT

@@ -42,7 +42,7 @@ from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
-from service.engine.params import DecodeParams, RowOptions
+from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 
@@ -52,16 +52,18 @@ def settings_from(params: DecodeParams, options: RowOptions, editing: bool) -> B
 
     ``threshold`` as given, every position revealable in one step (steps per block = block length, the reference
     default for blocks of 32); a fixed schedule of ``steps`` over the response blocks: ``steps / blocks`` per block
-    and no threshold; ``prefix``/``dual`` decode in ``block``; editing with the reference's defaults when the
-    checkpoint is LLaDA2.1.
+    and no threshold; ``prefix``/``dual`` decode in ``block``; token editing (``editing``: the checkpoint is
+    LLaDA2.1) with the reference's defaults, or with the editing settings given (`EDITING_FIELDS`), which turn it
+    on for any LLaDA2 checkpoint as ``generate``'s flags do (`service.commands._block_causal`).
     """
     blocks = max(1, params.gen_length // params.block_length)
     steps = params.block_length if params.steps is None else max(1, params.steps // blocks)
+    given = {name: getattr(params, name) for name in EDITING_FIELDS if getattr(params, name) is not None}
     return BlockCausalParams(
         gen_length=params.gen_length, block_length=params.block_length, steps=steps,
         threshold=math.inf if params.threshold is None else params.threshold,
-        cache_mode="none" if params.cache_mode == "none" else "block", editing=editing,
-        temperature=options.temperature,
+        cache_mode="none" if params.cache_mode == "none" else "block", editing=editing or bool(given),
+        temperature=options.temperature, **given,
     )
 
 

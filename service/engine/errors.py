@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+#: What pydantic puts before the message of a ValueError or AssertionError raised in a validator: noise to the reader
+#: of an error ("kv_quant.method: Value error, unknown method 'bogus'", issue 45).
+PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def validation_message(error: Mapping[str, Any]) -> str:
+    """The message of one pydantic error (an item of ``ValidationError.errors()``) without pydantic's prefix."""
+    message = str(error.get("msg", ""))
+    for prefix in PYDANTIC_PREFIXES:
+        message = message.removeprefix(prefix)
+    return message
+
 
 class EngineInputError(ValueError):
     """A request or load argument the engine cannot accept; the message says what is legal.

@@ -52,6 +52,9 @@ def configured_cache_mode(cache_mode: str, arch: str) -> str:
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")
+#: LLaDA2.1's token editing (`service.engine.block_causal`): any of them given decodes with 2.1's algorithm on a
+#: block-causal model; a family whose reveal rule does not edit refuses each by name (`service.engine.reveal`).
+EDITING_FIELDS = ("editing_threshold", "max_post_steps", "min_transfer")
 
 # ---- bounds (issue 13: the cost of a request is bounded before it is admitted) -------------------------------------
 #: A static ceiling on every token count (block length, steps, max_tokens, group sizes), so the published schema
@@ -157,6 +160,21 @@ class DecodeSettings(BaseModel):
     # no-cache schedule consistent with the cached modes (full recompute).
     dream_schedule: Literal["origin", "block"] = Field(
         "origin", description="Dream with cache_mode none: whole-sequence (origin) or block-wise full recompute"
+    )
+    # LLaDA2.1's token editing (docs/llada2.md): unset is the family's default (on with 0.9 / 16 / 1 on a 2.1
+    # checkpoint, off on 2.0); any of them given turns it on. Another family refuses them by name.
+    editing_threshold: float | None = Field(
+        None, ge=0.0, allow_inf_nan=False, description="LLaDA2 token editing: replace a revealed token the model "
+        "predicts as another above this probability (above 1: never); giving any editing setting turns editing on "
+        "(unset: 0.9 on a LLaDA2.1 checkpoint, no editing on 2.0; LLaDA2 only)"
+    )
+    max_post_steps: int | None = Field(
+        None, ge=0, le=TOKENS_CEILING, description="LLaDA2 token editing: forwards after a block's last mask that "
+        "may still edit (unset: 16; LLaDA2 only)"
+    )
+    min_transfer: int | None = Field(
+        None, ge=1, le=TOKENS_CEILING, description="LLaDA2 token editing: reveals per forward at least (the "
+        "reference's num_to_transfer; unset: 1; LLaDA2 only)"
     )
 
     @model_validator(mode="before")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.errors import EngineInputError
-from service.engine.params import DecodeParams
+from service.engine.params import EDITING_FIELDS, DecodeParams
 from service.engine.sampling import (
     _ENTROPY_EPS,
     DREAM_EPS,
@@ -61,16 +61,24 @@ class RevealRule:
     #: The ``dream_schedule`` values the family takes (the published schema states them): Dream's no-cache
     #: schedules are Dream's; another family takes only the default, which asks it for nothing.
     dream_schedules: tuple[str, ...] = ("origin",)
+    #: The family decodes LLaDA2.1's token editing (`EDITING_FIELDS`); the others refuse those settings by name.
+    edits_tokens: bool = False
 
     def check(self, params: DecodeParams) -> None:
         """Refuse settings the family cannot decode (EngineInputError with what is legal). Here: a
-        ``dream_schedule`` other than the family's (a Dream setting sent to another family was silently ignored);
-        a family that refuses more calls this first."""
+        ``dream_schedule`` other than the family's (a Dream setting sent to another family was silently ignored),
+        and token editing's settings on a family that does not edit (each was silently ignored as well); a family
+        that refuses more calls this first."""
         if params.dream_schedule not in self.dream_schedules:
             raise EngineInputError(
                 f"dream_schedule {params.dream_schedule!r} is a Dream setting (its schedule with cache mode none) "
                 f"and the served model is not Dream; legal here: {', '.join(map(repr, self.dream_schedules))} "
                 "(the default), or leave it unset", "dream_schedule")
+        given = [name for name in EDITING_FIELDS if getattr(params, name) is not None]
+        if given and not self.edits_tokens:
+            raise EngineInputError(
+                f"{given[0]} is a setting of LLaDA2.1's token editing (block-causal LLaDA2 models), and this "
+                "model's family does not edit tokens; leave it unset", given[0])
 
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""

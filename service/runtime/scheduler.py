@@ -79,11 +79,15 @@ def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     """An upper bound on the work of one row, in token-forwards: forward calls x tokens per call.
 
     Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
-    one token, `service.engine.sampling.select_reveals`). Tokens per call: at most the whole sequence
+    one token, `service.engine.sampling.select_reveals`; LLaDA2.1's ``min_transfer`` >= 1 likewise), plus a given
+    ``max_post_steps`` per block. Tokens per call: at most the whole sequence
     (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
     ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
     """
     calls = params.steps if params.steps is not None else params.gen_length
+    # LLaDA2.1's token editing may run max_post_steps more forwards after each block's last mask (given by the
+    # request or the server: a client may ask for many; the family's default, 16, is not counted).
+    calls += (params.gen_length // params.block_length) * (params.max_post_steps or 0)
     return calls * (prompt_len + params.gen_length)
 
 

@@ -61,6 +61,7 @@ from pydantic import BaseModel, ValidationError
 from service.artifacts.base import canonical_json
 from service.artifacts.kvquant_state import KVQuantState
 from service.artifacts.policy import PolicyTable
+from service.engine.errors import validation_message
 from service.engine.params import CacheMode, ConfiguredCacheMode
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
@@ -235,7 +236,7 @@ def describe_invalid(exc: ValidationError) -> str:
     if not errors:
         return "invalid"
     loc = ".".join(str(p) for p in errors[0]["loc"])
-    return f"{loc}: {errors[0]['msg']}" if loc else str(errors[0]["msg"])
+    return f"{loc}: {validation_message(errors[0])}" if loc else validation_message(errors[0])
 
 
 def check_kind(kind: str) -> str:

@@ -113,3 +113,23 @@ def test_activating_block_says_it_is_served_by_prefix(client):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "cache_mode" and "PUT /admin/active/prefix" in error["message"], error
+
+
+def test_a_bad_kv_quant_method_is_named_without_pydantics_prefix(client):
+    """Issue 45 item 6: an unknown ``kv_quant.method`` (activation body, request field, the commands' one-line
+    messages) says what is legal, without pydantic's "Value error," in front."""
+    from pydantic import ValidationError
+
+    from service.commands import describe_validation_error
+    from service.quant.config import KVQuantConfig
+    from service.store.base import describe_invalid
+
+    legal = "unknown method 'bogus'; input should be 'none', 'kivi', 'kvquant' or 'dllm_kvq'"
+    r = client.put("/admin/active/dual", json={"method": "bogus"}, headers=ADMIN)
+    assert r.status_code == 400 and r.json()["error"]["message"] == f"method: {legal}", r.text
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4, "kv_quant": {"method": "bogus"}},
+                    headers={"Authorization": "Bearer user-key-1"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == f"kv_quant.method: {legal}", r.text
+    with pytest.raises(ValidationError) as refused:
+        KVQuantConfig(method="bogus")
+    assert describe_validation_error(refused.value) == describe_invalid(refused.value) == f"method: {legal}"

@@ -98,6 +98,9 @@ CASES = [
         {**PROMPT, "kv_quant": {"method": "dllm_kvq", "policy_id": "bad id"}},
         {**PROMPT, "kv_quant": {"method": "dllm_kvq"}},
         {**PROMPT, "model": "fake-llada"}, {**PROMPT, "model": "gpt-4"},
+        # LLaDA2.1's token editing: refused by a family that does not edit, null only in its document (issue 45).
+        {**PROMPT, "editing_threshold": 0.5}, {**PROMPT, "min_transfer": 2}, {**PROMPT, "max_post_steps": None},
+        {**PROMPT, "return_token_ids": True}, {**PROMPT, "return_token_ids": True, "stream": True},
     ]
 ] + [
     ("/v1/chat/completions", "ChatCompletionRequest", {"messages": [{"role": "user", "content": "ab"}], **extra})

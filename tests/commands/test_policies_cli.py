@@ -130,6 +130,10 @@ def test_activate_by_id_file_and_json_then_deactivate_over_a_store(store_dir, sp
     assert [e["new"]["method"] for e in audit] == ["none", "kivi"]
     text = cli("audit", "--store", path).stdout.splitlines()
     assert text[0].endswith("kivi 4-bit -> none (unquantized)")
+    # Already unquantized: nothing is written, so the audit log gets no "none -> none" entry (issue 45 item 6).
+    again = cli("deactivate", "dual", "--store", path)
+    assert again.returncode == 0 and "dual: already unquantized (none)" in again.stdout, again.stdout
+    assert json.loads(cli("audit", "--store", path, "--json", "--limit", "2").stdout) == audit
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -211,6 +215,13 @@ def test_over_a_running_server_and_the_server_logs_every_change(store_dir, spec,
         assert f"by {key_id(ADMIN_KEY)}:" in changes[0] and ids["p1"] in changes[0]
         assert "'method': 'none'" in changes[0].split(" -> ")[0]  # old: what the server served before
         assert "by cli:" in changes[1] and "'method': 'kivi'" in changes[1].split(" -> ")[1]
+
+        # Deactivating writes once; deactivating what is already unquantized writes nothing (issue 45 item 6).
+        for _ in range(2):
+            assert cli("deactivate", "dual", "--server", url, env=admin).returncode == 0
+        entries = json.loads(cli("audit", "--server", url, "--json", env=admin).stdout)
+        assert [((e["old"] or {}).get("method"), e["new"]["method"]) for e in entries] == [
+            ("kivi", "none"), ("dllm_kvq", "kivi"), (None, "dllm_kvq")], entries
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from pydantic import ValidationError
 
 from service.__main__ import build_parser
 from service.commands.policies import copy_artifacts
@@ -29,6 +30,16 @@ def test_serve_flags_override_environment(monkeypatch):
     s = settings_from_args(args)
     assert (s.port, s.max_batch_size, s.kv_quant, s.allow_unauthenticated) == (
         9100, 2, KVQuantConfig(method="kivi", bits=2), True)
+
+
+def test_token_editing_is_a_serve_flag_and_a_setting(monkeypatch):
+    """Issue 45 item 4: LLaDA2.1's editing settings are DLLM_* settings and serve flags, as every decoding setting."""
+    monkeypatch.setenv("DLLM_EDITING_THRESHOLD", "0.7")
+    monkeypatch.setenv("DLLM_MIN_TRANSFER", "3")
+    s = settings_from_args(build_parser().parse_args(["serve", "--max-post-steps", "4", "--min-transfer", "2"]))
+    assert (s.editing_threshold, s.max_post_steps, s.min_transfer) == (0.7, 4, 2)
+    with pytest.raises(ValidationError):  # 0 could reveal nothing, forever
+        settings_from_args(build_parser().parse_args(["serve", "--min-transfer", "0"]))
 
 
 @pytest.mark.integration
@@ -141,14 +152,14 @@ def test_a_busy_port_is_one_line_before_the_model_loads(monkeypatch, capsys):
 
 def test_a_budget_below_the_forward_reserve_ends_with_one_line_naming_both(monkeypatch, capsys, tmp_path):
     """Issue 36: ``--kv-budget-bytes 17000000`` with the default ``--max-batched-tokens`` (a ~172 MB forward
-    reserve on the embedded model) is refused at start-up, exit 3, its last line naming both flags (it used to
-    start, stay not ready and blame every prompt)."""
-    from service.commands.serve import STARTUP_FAILED, run
+    reserve on the embedded model) is refused at start-up, exit 2 (a bad setting, as `serve --help` says; issue 45),
+    its last line naming both flags (it used to start, stay not ready and blame every prompt)."""
+    from service.commands.serve import BAD_SETTING, run
     from tests.support.processes import free_port
 
     monkeypatch.delenv("DLLM_ADMIN_KEY", raising=False)
     args = ["serve", "--port", str(free_port()), "--kv-budget-bytes", "17000000", "--store-url", str(tmp_path)]
-    assert run(build_parser().parse_args(args)) == STARTUP_FAILED
+    assert run(build_parser().parse_args(args)) == BAD_SETTING  # `serve --help`: 2 for a bad setting
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: --kv-budget-bytes / DLLM_KV_BUDGET_BYTES of 17,000,000 bytes") and \
         "--max-batched-tokens / DLLM_MAX_BATCHED_TOKENS 16,384" in last, last

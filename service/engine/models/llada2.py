@@ -356,6 +356,7 @@ class BlockCausalRule(RevealRule):
     other families' settings it refuses."""
 
     remasking = ("low_confidence",)
+    edits_tokens = True  # LLaDA2.1's algorithm (`service.engine.block_causal`), on any LLaDA2 checkpoint
 
     def check(self, params) -> None:
         """Refuse random remasking (the reference reveals by confidence only), and what every family but Dream
