@@ -8,18 +8,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-TRITON_DIR = os.path.dirname(triton.__file__)
+
+def _from_module(module: str, start) -> None:
+    """Call ``start`` as code of ``module`` (its frame's globals carry that ``__name__``), as a compiler's own call
+    would start a process."""
+    types.FunctionType(start.__code__, {"__name__": module, "subprocess": subprocess, "sys": sys})()
 
 
-def _from_module(module: str, source: str) -> None:
-    """Run ``source`` as the code of ``module`` (its frames carry that ``__name__``), as a compiler's own call."""
-    exec(compile(source, os.path.join(TRITON_DIR, "runtime", "build.py"), "exec"),
-         {"__name__": module, "subprocess": subprocess, "sys": sys})
+def _cc() -> None:
+    subprocess.run(["cc", "--version"], stdout=subprocess.DEVNULL, check=False)
+
+
+def _python() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], check=False)
 
 
 def test_triton_s_own_ldconfig_passes_the_guard():
@@ -43,8 +50,7 @@ def test_triton_s_own_ldconfig_passes_the_guard():
 
 def test_a_compiler_s_cc_passes_the_guard():
     """A C compiler started from Triton's code (its launcher build) passes; the compile itself runs."""
-    _from_module("triton.runtime.build",
-                 "subprocess.run(['cc', '--version'], stdout=subprocess.DEVNULL, check=False)")
+    _from_module("triton.runtime.build", _cc)
 
 
 def test_the_same_program_from_the_test_itself_fails():
@@ -55,9 +61,9 @@ def test_the_same_program_from_the_test_itself_fails():
 def test_an_arbitrary_program_from_a_compiler_fails():
     """The door opens by name and by caller: a program outside the compiler's tools fails even from Triton."""
     with pytest.raises(pytest.fail.Exception, match="not marked integration"):
-        _from_module("triton.runtime.build", "subprocess.run([sys.executable, '-c', 'pass'], check=False)")
+        _from_module("triton.runtime.build", _python)
 
 
 def test_a_compiler_tool_from_another_package_fails():
     with pytest.raises(pytest.fail.Exception, match="not marked integration"):
-        _from_module("tritonish.helpers", "subprocess.run(['cc', '--version'], check=False)")
+        _from_module("tritonish.helpers", _cc)
