@@ -99,6 +99,8 @@ class _Graph:
     logits: torch.Tensor
     bytes: int
     generations: tuple
+    #: RoPE's table the graph reads (`RotaryEmbedding.table`): kept alive should a longer sequence replace it.
+    table: tuple
 
 
 class LaterSteps:
@@ -136,13 +138,18 @@ class LaterSteps:
         if group[0].kind != "window" or group[0].layers is not None:
             return run_forward(model, group, pad_id, columns)
         bucket = bucket_of(group, self.key_step, self.width_step)
-        device = group[0].input_ids.device
-        if not (self.capture and device.type == "cuda" and graphable(group)):
+        capturing = self.capture and self._can_capture(group[0].input_ids.device)
+        if not (capturing and graphable(group)):
             self.eager += 1
-            if self.capture and device.type == "cuda":  # not graphable: as without graphs
+            if capturing:  # not graphable: as without graphs
                 return run_forward(model, group, pad_id, columns)
             return run_forward(model, group, pad_id, columns, bucket)
         return self._replayed(model, group, pad_id, bucket)
+
+    @staticmethod
+    def _can_capture(device: torch.device) -> bool:
+        """Whether forwards on ``device`` can be captured (CUDA)."""
+        return device.type == "cuda"
 
     def _key(self, group: list[Pass], bucket: Bucket) -> tuple:
         # The layout the captured hook bakes in (each pass's rows, and the stores it reads) and the bucket.
@@ -201,12 +208,20 @@ class LaterSteps:
         inputs = _inputs(model, group, pad_id, bucket)
         at = self._at(group, device)
         logits_at = torch.nn.functional.pad(at, (0, 0, 0, bucket.rows - at.shape[0]))
+        table = model.rope.table(bucket.key_len, device)
+        graph, logits, held = self._record(model, inputs, logits_at)
+        graph.replay()  # the capture records without running: this step's values
+        self.captures += 1
+        return _Graph(graph, inputs, logits_at, logits, held, generations, table)
+
+    @staticmethod
+    def _record(model: DiffusionLM, inputs: dict, logits_at: torch.Tensor):
+        """Capture ``model(**inputs, logits_at=logits_at)`` as a CUDA graph: (the graph, its logits, the bytes its
+        private memory pool took, CUDA's reserved bytes before and after)."""
+        device = logits_at.device
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # a private pool per graph: dropping the graph frees it
             logits = model(**inputs, logits_at=logits_at)
-        graph.replay()  # the capture records without running: this step's values
-        self.captures += 1
-        held = max(0, torch.cuda.memory_reserved(device) - before)
-        return _Graph(graph, inputs, logits_at, logits, held, generations)
+        return graph, logits, max(0, torch.cuda.memory_reserved(device) - before)

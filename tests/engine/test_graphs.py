@@ -108,6 +108,75 @@ def test_padded_logits_equal_unpadded_at_the_real_rows(engines):
     assert torch.equal(padded_out[0].argmax(-1), plain[0].argmax(-1))
 
 
+def decoded(engine, prompts: list[list[int]], params: DecodeParams, runner: LaterSteps | None) -> list[list[int]]:
+    """Each prompt's generated ids, the prompts decoded together (one request each) with ``runner``'s later steps
+    (None: plain eager forwards)."""
+    engine.use_graphs(runner)
+    batch = engine.batch(forward_plan())
+    cohorts = [engine.cohort([p], params) for p in prompts]
+    with torch.inference_mode():
+        for cohort in cohorts:
+            batch.join(cohort)
+        while batch.cohorts:
+            batch.step()
+    return [engine.report(c).rows[0].generated_ids for c in cohorts]
+
+
+class _Rerun:
+    """A stand-in for a captured graph on the CPU: its replay runs the captured call again over the same input
+    tensors (what a CUDA graph's replay reads) and writes the same output tensor; the hook's cached flat index is
+    recomputed from its destination buffer, as the captured graph recomputes it."""
+
+    def __init__(self, model, inputs, logits_at):
+        self.model, self.inputs, self.logits_at = model, inputs, logits_at
+        self.logits = model(**inputs, logits_at=logits_at)
+
+    def replay(self):
+        self.inputs["kv_hook"]._flat = None
+        self.logits.copy_(self.model(**self.inputs, logits_at=self.logits_at))
+
+
+class Rerun(LaterSteps):
+    """:class:`LaterSteps` with capture on, its graphs :class:`_Rerun` stand-ins: the keys, the warm-up, the
+    persistent inputs refreshed before each replay and the graphs dropped with their stores, on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(capture=True, key_step=16, width_step=8)
+
+    @staticmethod
+    def _can_capture(device):
+        return True
+
+    @staticmethod
+    def _record(model, inputs, logits_at):
+        graph = _Rerun(model, inputs, logits_at)
+        return graph, graph.logits, 0
+
+
+@pytest.mark.parametrize("cache_mode", ["dual", "prefix"])
+def test_replays_over_persistent_inputs_decode_as_eager(engines, cache_mode):
+    """A batch of mixed prompt lengths replays its later steps from persistent inputs refreshed each step, block
+    after block (the store written in place), and decodes as the plain eager forwards; full-precision stores only
+    are captured, and a graph goes when its stores leave."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    params = DecodeParams(gen_length=64, block_length=32, cache_mode=cache_mode, threshold=None, steps=16,
+                          ignore_eos=True)
+
+    saved = engine.later_steps
+    try:
+        runner = Rerun()
+        eager = decoded(engine, prompts, params, None)
+        assert decoded(engine, prompts, params, runner) == eager
+    finally:
+        engine.use_graphs(saved)
+    # dual: one key for the whole decode (the window and stores stay); prefix: one per block (its width shrinks)
+    assert runner.captures == (1 if cache_mode == "dual" else 2)
+    assert runner.replays >= 2 * 6 - runner.captures
+    runner._drop_stale()  # the cohorts left: their stores were cleared
+    assert runner.bytes_held == 0 and not runner._graphs
+
+
 @CUDA
 @pytest.mark.parametrize("cache_mode", ["dual", "prefix"])
 def test_cuda_graphs_replay_token_identical_to_eager(cache_mode):
@@ -121,20 +190,9 @@ def test_cuda_graphs_replay_token_identical_to_eager(cache_mode):
     params = DecodeParams(gen_length=64, block_length=32, cache_mode=cache_mode, threshold=None, steps=16,
                           ignore_eos=True)
 
-    def decoded(runner):
-        engine.use_graphs(runner)
-        batch = engine.batch(forward_plan())
-        cohorts = [engine.cohort([p], params) for p in prompts]
-        with torch.inference_mode():
-            for cohort in cohorts:
-                batch.join(cohort)
-            while batch.cohorts:
-                batch.step()
-        return [engine.report(c).rows[0].generated_ids for c in cohorts]
-
     graphs = LaterSteps(capture=True)
-    eager = decoded(None)
-    assert decoded(graphs) == eager
+    eager = decoded(engine, prompts, params, None)
+    assert decoded(engine, prompts, params, graphs) == eager
     assert graphs.captures >= 1 and graphs.replays > graphs.captures
     assert graphs.bytes_held > 0
     for run in (r for r in CACHED if r["id"].startswith("llada") and r["mode"] == cache_mode):
