@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-command GPU check (issues 15, 21 and 41): at most 5 minutes on one H200 (each step has its own timeout; the
-# sum of the timeouts is 290 s, the model builds included); ends with ONE table: each target of issue 41's
+# sum of the timeouts is 295 s, the model builds included); ends with ONE table: each target of issue 41's
 # "Targets on one H200" and item 5's ratios, the measured figure, PASS or FAIL.
 #
 #   bash benchmarks/gpu_check.sh              # from the repository root, on a host with CUDA torch and Triton
@@ -9,7 +9,8 @@
 #
 # Exit status 0 when every step ran to its end (the verdicts are the table's), 1 naming those that did not.
 # Raw outputs go into one folder, OUT (default runs/gpu_check): device.txt, tests.txt, iteration_cost.txt,
-# decode_4k_8.txt, later_step.json (+ .txt), llada2.json (+ .txt), table.txt.
+# decode_4k_8.txt, later_step.json (+ .txt), llada2.json (+ .txt), fastdllm_reference.json (+ .txt; with
+# FASTDLLM_DIR), table.txt.
 #
 # Steps (PYTHON, default python3; nothing is downloaded):
 # 1. tests on CUDA: the fused quantized-attention kernels compiled (tests/quant/test_fused_attention.py,
@@ -22,8 +23,12 @@
 # 4. benchmarks/gpu_steps.py later-step: a later-step iteration's time at 1, 8, 32, 64 rows, unquantized (CUDA
 #    graphs on, and off) and KIVI, against its roofline;
 # 5. benchmarks/gpu_steps.py llada2: LLaDA2.0-mini's shape, block mode, tokens/s at 1 and 32 rows (no target);
-# 6. benchmarks/gpu_steps.py table: the table (the Fast-dLLM reference row reads OUT/fastdllm_reference.json,
-#    which this script does not make: the reference's code is not in the repository; it says NOT RUN).
+# 6. with FASTDLLM_DIR (a checkout of NVlabs/Fast-dLLM at commit 24cc59e, carried like the wheels below: its
+#    llada/generate.py and llada/model/ are read; it needs einops, which the device image has), benchmarks/
+#    gpu_steps.py reference: batch 1, our decode against the reference's own generate_with_dual_cache on the same
+#    random weights, tokens/s and token identity (the reference's code is not in this repository; without
+#    FASTDLLM_DIR that row says NOT RUN);
+# 7. benchmarks/gpu_steps.py table: the table.
 #
 # The device image (docs/gpu-host.md) has CUDA torch, Triton and transformers but lacks packages the server
 # needs; the check's steps import only the engine and the quantized store, which need pydantic (and its
@@ -85,15 +90,19 @@ step() {  # step NAME SECONDS COMMAND...: run, tee into OUT/NAME.txt, go on what
 }
 FAILED=""
 
-step tests 60 "$PYTHON" -m pytest tests/quant/test_fused_attention.py tests/quant/test_fused_rows.py \
+step tests 50 "$PYTHON" -m pytest tests/quant/test_fused_attention.py tests/quant/test_fused_rows.py \
   tests/engine/test_graphs.py::test_cuda_graphs_replay_token_identical_to_eager "${TESTS[@]}"
-step iteration_cost 50 "$PYTHON" benchmarks/iteration_cost.py "${DEV[@]}" "${ITER[@]}" --caches dual \
+step iteration_cost 40 "$PYTHON" benchmarks/iteration_cost.py "${DEV[@]}" "${ITER[@]}" --caches dual \
   --methods none,kivi
-step decode_4k_8 90 "$PYTHON" benchmarks/decode_speed.py "${DEV[@]}" "${DECODE[@]}" --bits 4,2 \
+step decode_4k_8 80 "$PYTHON" benchmarks/decode_speed.py "${DEV[@]}" "${DECODE[@]}" --bits 4,2 \
   --schedules fixed --repeats 1 --peak-bandwidth "$PEAK_GBS" \
   --methods "dual+kivi 4b,dual+dllm_kvq 4b,dual+kivi 2b,dual+dllm_kvq 2b"
-step later_step 50 "$PYTHON" benchmarks/gpu_steps.py later-step "${DEV[@]}" "${STEPS[@]}" --json "$OUT/later_step.json"
-step llada2 40 "$PYTHON" benchmarks/gpu_steps.py llada2 "${DEV[@]}" "${STEPS[@]}" --json "$OUT/llada2.json"
+step later_step 45 "$PYTHON" benchmarks/gpu_steps.py later-step "${DEV[@]}" "${STEPS[@]}" --json "$OUT/later_step.json"
+step llada2 35 "$PYTHON" benchmarks/gpu_steps.py llada2 "${DEV[@]}" "${STEPS[@]}" --json "$OUT/llada2.json"
+if [ -n "${FASTDLLM_DIR:-}" ]; then
+  step fastdllm_reference 45 "$PYTHON" benchmarks/gpu_steps.py reference --fastdllm "$FASTDLLM_DIR" "${DEV[@]}" \
+    "${STEPS[@]}" --json "$OUT/fastdllm_reference.json"
+fi
 "$PYTHON" benchmarks/gpu_steps.py table --out "$OUT" $([ "$DRY" = 1 ] && echo --dry-run) | tee "$OUT/table.txt"
 # The status: 0 when every step ran to its end (whatever the verdicts), 1 naming the steps that did not.
 if [ -n "$FAILED" ]; then echo "steps that did not finish:$FAILED"; exit 1; fi

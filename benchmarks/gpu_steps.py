@@ -11,6 +11,12 @@
   experts of 512, top 8, one shared, dense layer 0 of 5120, vocabulary 157184, as its public ``config.json``
   gives them) decoding 256 tokens in ``block`` mode (block 32, 8 steps per block) at 1 and 32 rows, unquantized
   and 4-bit KIVI. Recorded with no target (SGLang reports 426 tokens/s for LLaDA2.1-mini, one request, on a B200).
+* ``reference``: batch 1 against the Fast-dLLM reference's own ``generate_with_dual_cache`` (NVlabs/Fast-dLLM
+  commit 24cc59e, ``llada/generate.py`` and ``llada/model``, whose folder ``--fastdllm`` names: the reference's
+  code is not in this repository; it needs ``einops``) on the same random weights at LLaDA-8B's shape (ours
+  handed over under the public checkpoint's names, `DiffusionLM.checkpoint_state_dict`): a 200-token prompt,
+  256 generated, block 32, 8 fixed steps per block; tokens/s of each (after a warm-up decode of one block each),
+  the speedup and whether the tokens are identical. Writes a JSON object.
 * ``table``: reads a run's folder and prints ONE table: each target of issue 41's "Targets on one H200" and item
   5's ratios, the measured figure, PASS or FAIL (``NOT RUN`` where a step wrote nothing; ``recorded`` where
   there is no target yet).
@@ -187,6 +193,73 @@ def llada2(argv: list[str]) -> None:
     Path(args.json).write_text(json.dumps(results, indent=1))
 
 
+def reference(argv: list[str]) -> None:
+    """The ``reference`` step (module doc)."""
+    from benchmarks.decode_speed import random_engine
+    from service.engine.params import DecodeParams
+
+    parser = argparse.ArgumentParser(prog="gpu_steps.py reference")
+    parser.add_argument("--fastdllm", required=True, help="a Fast-dLLM checkout (its llada/ folder is read)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (dry run)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--json", required=True)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(args.fastdllm) / "llada"))
+    from generate import generate_with_dual_cache  # the reference's own decode loop
+    from model.configuration_llada import LLaDAConfig
+    from model.modeling_llada import LLaDAModelLM
+
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    engine = random_engine("tiny" if args.tiny else "8b", dtype, args.device, 10.0)
+    c, spec = engine.model.config, engine.spec
+    template = Path(__file__).resolve().parents[1] / "tests" / "data" / "fastdllm" / "ckpt" / "llada-tiny"
+    hf = {**json.loads((template / "config.json").read_text()), "d_model": c.width, "n_layers": c.num_layers,
+          "n_heads": c.num_heads, "n_kv_heads": c.num_kv_heads, "mlp_hidden_size": c.mlp_hidden,
+          "vocab_size": c.vocab_size, "embedding_size": c.vocab_size, "mask_token_id": spec.mask_id,
+          "eos_token_id": spec.eos_ids[0], "pad_token_id": spec.pad_id, "max_sequence_length": spec.max_length,
+          "init_device": str(device)}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            ref = LLaDAModelLM(LLaDAConfig(**hf))
+    finally:
+        torch.set_default_dtype(default)
+    ref.load_state_dict(engine.model.checkpoint_state_dict())
+    ref.eval().requires_grad_(False)
+    prompt_length, gen, block = (24, 64, 32) if args.tiny else (200, 256, 32)
+    prompt = torch.randint(3, spec.vocab_size - 1, (prompt_length,), generator=torch.Generator().manual_seed(1))
+    steps = 8 * gen // block
+    params = DecodeParams(cache_mode="dual", gen_length=gen, block_length=block, threshold=None, steps=steps,
+                          ignore_eos=True)
+    x = prompt[None].to(device)
+
+    def ours(n: int) -> list[int]:
+        return engine.generate([prompt.tolist()], params.model_copy(update={"gen_length": n, "steps": 8 * n // block})
+                               ).rows[0].generated_ids
+
+    def theirs(n: int) -> list[int]:
+        out, _ = generate_with_dual_cache(ref, x, steps=8 * n // block, gen_length=n, block_length=block,
+                                          temperature=0.0, threshold=None, mask_id=spec.mask_id)
+        return out[0, prompt_length:].tolist()
+
+    ours(block), theirs(block)  # warm-up: one block each
+    timed = {}
+    for name, decode in (("ours", ours), ("reference", theirs)):
+        _sync(device)
+        start = time.perf_counter()
+        timed[name] = decode(gen)
+        _sync(device)
+        timed[name + "_s"] = time.perf_counter() - start
+    found = {"ours_tokens_per_s": gen / timed["ours_s"], "reference_tokens_per_s": gen / timed["reference_s"],
+             "speedup": timed["reference_s"] / timed["ours_s"], "identical": timed["ours"] == timed["reference"]}
+    print(f"batch 1 vs the Fast-dLLM reference (generate_with_dual_cache): ours {found['ours_tokens_per_s']:.1f} "
+          f"tokens/s, reference {found['reference_tokens_per_s']:.1f} tokens/s, {found['speedup']:.2f}x, "
+          f"token-identical: {found['identical']}")
+    Path(args.json).write_text(json.dumps(found, indent=1))
+
+
 def decode_rows(path: Path) -> dict[str, dict[str, float]]:
     """The fixed-schedule rows of a `benchmarks/decode_speed.py` table (name -> tokens/s, time vs the dual cache,
     share of peak when printed)."""
@@ -264,7 +337,7 @@ def table(argv: list[str]) -> list[tuple[str, str, str]]:
         rows.append((name, f"{ref['speedup']:.2f}x, identical: {ref['identical']}",
                      verdict(ref["speedup"] >= 3 and ref["identical"])))
     else:
-        rows.append((name, "needs the reference's code (docs/gpu-host.md)", "NOT RUN"))
+        rows.append((name, "needs the reference's code (FASTDLLM_DIR, benchmarks/gpu_check.sh)", "NOT RUN"))
     mini = json.loads((out / "llada2.json").read_text()) if (out / "llada2.json").exists() else []
     for r in mini:
         rows.append((f"LLaDA2.0-mini shape, block mode, {r['rows']} rows, {r['kv']}: tokens/s (no target)",
@@ -283,7 +356,7 @@ def table(argv: list[str]) -> list[tuple[str, str, str]]:
 
 
 if __name__ == "__main__":
-    commands = {"later-step": later_step, "llada2": llada2, "table": table}
+    commands = {"later-step": later_step, "llada2": llada2, "reference": reference, "table": table}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         raise SystemExit(f"usage: gpu_steps.py {{{'|'.join(commands)}}} [options]")
     commands[sys.argv[1]](sys.argv[2:])

@@ -4,6 +4,7 @@ script cannot rot between the days a GPU is lent; with the packages the device l
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ RAW = ("device.txt", "tests.txt", "iteration_cost.txt", "decode_4k_8.txt", "late
 
 def test_every_step_runs_dry_and_the_check_ends_with_one_table(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    env.pop("FASTDLLM_DIR", None)  # the reference's code, which the repository does not hold: its own test
     done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -44,3 +46,19 @@ def test_the_dry_run_refuses_what_the_device_lacks(tmp_path):
     done = subprocess.run([sys.executable, "-c", "import fastapi"], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode != 0 and "absent on the GPU device" in done.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("FASTDLLM_DIR"), reason="FASTDLLM_DIR names no Fast-dLLM checkout (its "
+                    "code is not in this repository; benchmarks/gpu_check.sh)")
+def test_the_reference_row_runs_dry_with_the_reference_s_code(tmp_path):
+    """With FASTDLLM_DIR the dry run compares with the reference's own generate_with_dual_cache: token-identical
+    on the same weights (the tiny shape's speed means nothing)."""
+    pytest.importorskip("einops")  # the reference's model imports it
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = json.loads((tmp_path / "out" / "fastdllm_reference.json").read_text())
+    assert found["identical"] is True
+    row = next(line for line in (tmp_path / "out" / "table.txt").read_text().splitlines() if "Fast-dLLM" in line)
+    assert "identical: True" in row and "NOT RUN" not in row
