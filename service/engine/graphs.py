@@ -11,12 +11,13 @@ persistent buffers, SGLang one graph per batch size.
 :data:`ROW_BUCKETS`, keys (the longest sequence + its spare column) up to a multiple of ``key_step``, the window
 width up to a multiple of ``width_step`` (`service.engine.batch._inputs` pads them; a padded row's input is the
 pad id at position 0, it sees only the spare key column, its keys and values are zeros and its logits are
-dropped; padded key columns get no weight). The LM head reads the columns it would eagerly, padded rows added.
+dropped; padded key columns get no weight). The LM head reads the columns it would eagerly, padded rows added; in a graph their count per row is rounded up
+to a power of two (a key of its own), the extra entries listed as padding.
 
-**Capture (CUDA).** A bucket's graph is captured lazily: the first forward of a (bucket, stores) key runs eagerly
-(its warm-up: RoPE's table for the bucket's length, the allocator, Triton's autotuning), the second is captured
-and every later one replays (one eager forward per key is the bounded warm-up; the capture itself is one more
-forward, at the capture stream). The graph's persistent inputs are the forward's own tensors of the capture
+**Capture (CUDA).** Graphs are captured lazily: the first forward of a shape (bucket and LM-head columns) runs
+eagerly (its warm-up: RoPE's table for the bucket's length, the allocator, the libraries' kernels for those
+shapes), the next forward of a key (the shape and the stores it reads) is captured and every later one replays
+(one eager forward per shape is the bounded warm-up; a capture is one forward recorded and run once). The graph's persistent inputs are the forward's own tensors of the capture
 (ids, positions, key mask, the window's destination columns, the LM head's columns): each replay copies the
 step's values into them; its outputs (the logits) are the graph's own buffer, read by the reveal before the next
 replay. The reused K/V are read where the stores hold them (`FullPrecisionKVStore.sequence_kv`, written in place
@@ -144,7 +145,7 @@ class LaterSteps:
             if capturing:  # not graphable: as without graphs
                 return run_forward(model, group, pad_id, columns)
             return run_forward(model, group, pad_id, columns, bucket)
-        return self._replayed(model, group, pad_id, bucket)
+        return self._replayed(model, group, pad_id, bucket, columns)
 
     @staticmethod
     def _can_capture(device: torch.device) -> bool:
@@ -164,17 +165,21 @@ class LaterSteps:
         if len(self._seen) > 4 * self.max_graphs:
             self._seen.clear()
 
-    def _replayed(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket):
+    def _replayed(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket,
+                  columns: list[list[int]] | None):
         self._drop_stale()
-        key = self._key(group, bucket)
+        device = group[0].input_ids.device
+        at = self._at(group, device)
+        head_at, listed = self._head_columns(group, at, columns)
+        shape = (bucket, head_at.shape[1])
+        key = (self._key(group, bucket), shape)
         found = self._graphs.get(key)
-        # The LM head reads every reveal column (no per-step column list: the graph's shapes are fixed).
         if found is None:
-            if key not in self._seen or self.bytes_held >= self.max_bytes:
-                self._seen.add(key)  # first use: the eager warm-up
+            if shape not in self._seen or self.bytes_held >= self.max_bytes:
+                self._seen.add(shape)  # a shape's first forward: the eager warm-up
                 self.eager += 1
-                return run_forward(model, group, pad_id, None, bucket)
-            found = self._captured(model, group, pad_id, bucket,
+                return run_forward(model, group, pad_id, columns, bucket)
+            found = self._captured(model, group, pad_id, bucket, head_at,
                                    tuple((weakref.ref(p.cohort.store), p.cohort.store.generation) for p in group))
             self._graphs[key] = found
             while len(self._graphs) > self.max_graphs:
@@ -185,13 +190,11 @@ class LaterSteps:
             for name in ("input_ids", "positions", "key_mask"):
                 found.inputs[name].copy_(fresh[name])
             found.inputs["kv_hook"].dest.copy_(fresh["kv_hook"].dest)
-            at = self._at(group, group[0].input_ids.device)
-            found.logits_at[: at.shape[0]].copy_(at)
+            found.logits_at[: head_at.shape[0]].copy_(head_at)
             found.graph.replay()
             self.replays += 1
-        rows = sum(len(p.rows) for p in group)
-        at = found.logits_at[:rows]
-        return found.logits[:rows], found.inputs["input_ids"][:rows].gather(1, at), None
+        rows = at.shape[0]
+        return found.logits[:rows], found.inputs["input_ids"][:rows].gather(1, at), listed
 
     @staticmethod
     def _at(group: list[Pass], device) -> torch.Tensor:
@@ -202,12 +205,30 @@ class LaterSteps:
         offsets = torch.tensor([p.logits_offset for p in group for _ in p.rows], device=device)[:, None]
         return torch.minimum(cols, last) + offsets
 
-    def _captured(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket, generations):
-        """Capture the group's forward at its bucket (module doc); the capture's own run gives this step's logits."""
+    @staticmethod
+    def _head_columns(group: list[Pass], at: torch.Tensor, columns: list[list[int]] | None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The input columns the LM head reads, int64 ``[R, M]``, and the window columns they are (None: every
+        reveal column, ``at`` itself), as `run_forward` makes them from ``columns`` but with M rounded up to a
+        power of two (at most the reveal width), so that one graph serves every step whose longest list fits:
+        the extra entries repeat a row's last column and are listed as padding (the reveal width)."""
+        if columns is None:
+            return at, None
+        reveal = at.shape[1]
+        most = min(reveal, 1 << (max(len(c) for c in columns) - 1).bit_length())
+        offsets = [p.logits_offset for p in group for _ in p.rows]
+        both = torch.tensor([[c + [reveal] * (most - len(c)) for c in columns],
+                             [[j + o for j in c + [c[-1]] * (most - len(c))] for c, o in zip(columns, offsets)]],
+                            device=at.device)
+        return both[1], both[0]
+
+    def _captured(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket, head_at: torch.Tensor,
+                  generations):
+        """Capture the group's forward at its bucket, the LM head at ``head_at`` ``[R, M]`` (module doc); the
+        capture's own run gives this step's logits."""
         device = group[0].input_ids.device
         inputs = _inputs(model, group, pad_id, bucket)
-        at = self._at(group, device)
-        logits_at = torch.nn.functional.pad(at, (0, 0, 0, bucket.rows - at.shape[0]))
+        logits_at = torch.nn.functional.pad(head_at, (0, 0, 0, bucket.rows - head_at.shape[0]))
         table = model.rope.table(bucket.key_len, device)
         graph, logits, held = self._record(model, inputs, logits_at)
         graph.replay()  # the capture records without running: this step's values

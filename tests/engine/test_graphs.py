@@ -170,9 +170,11 @@ def test_replays_over_persistent_inputs_decode_as_eager(engines, cache_mode):
         assert decoded(engine, prompts, params, runner) == eager
     finally:
         engine.use_graphs(saved)
-    # dual: one key for the whole decode (the window and stores stay); prefix: one per block (its width shrinks)
-    assert runner.captures == (1 if cache_mode == "dual" else 2)
-    assert runner.replays >= 2 * 6 - runner.captures
+    # keys: the bucket (dual: one for the whole decode, the window and stores stay; prefix: one per block, its
+    # width shrinks) and the LM head's columns rounded up to a power of two (32, 16, 8, 4 as the masks go)
+    blocks = 1 if cache_mode == "dual" else 2
+    assert blocks <= runner.captures <= 6 * blocks
+    assert runner.replays > (runner.captures if cache_mode == "dual" else 0)
     runner._drop_stale()  # the cohorts left: their stores were cleared
     assert runner.bytes_held == 0 and not runner._graphs
 
