@@ -86,7 +86,8 @@ def graphable(group: list[Pass]) -> bool:
     """Whether a captured graph can run ``group``: a window group whose every pass reads a sequence-ordered
     full-precision store, whole (its buffers stay where they are between blocks: module doc)."""
     return group[0].kind == "window" and group[0].layers is None and all(
-        p.hook is None and p.selection is None and isinstance(p.cohort.store, FullPrecisionKVStore)
+        # the store itself, not a subclass: its buffers are those sequence_kv gives at every step
+        p.hook is None and p.selection is None and type(p.cohort.store) is FullPrecisionKVStore
         for p in group)
 
 
