@@ -43,6 +43,9 @@
 #   python3 -m pip install --no-index --find-links .whl --target /tmp/site pydantic pydantic-core \
 #     annotated-types typing-inspection llguidance && export PYTHONPATH=/tmp/site
 # (versions: those scripts/setup.sh installs; pip download without --no-deps fetches their dependencies too).
+# The Fast-dLLM reference travels the same way: from a clone of https://github.com/NVlabs/Fast-dLLM,
+#   mkdir -p .fastdllm && git -C Fast-dLLM archive 24cc59e llada/generate.py llada/model | tar -x -C .fastdllm
+# then FASTDLLM_DIR=.fastdllm on the device (name .whl and .fastdllm in .git/info/exclude and in the run's carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
