@@ -215,6 +215,9 @@ def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, 
     if forward + smallest > budget:
         named = ("--kv-budget-bytes / DLLM_KV_BUDGET_BYTES" if settings.kv_budget_bytes else
                  "the default memory budget (--kv-budget-fraction of free GPU memory, 1 GiB on CPU)")
+        if settings.cuda_graphs and memory.device.type == "cuda":
+            named += (f" less --cuda-graph-bytes / DLLM_CUDA_GRAPH_BYTES {settings.cuda_graph_bytes:,} reserved for "
+                      "the CUDA graphs (--no-cuda-graphs frees it)")
         raise StartupRefused(
             f"{named} of {budget:,} bytes is below what --max-batched-tokens / DLLM_MAX_BATCHED_TOKENS "
             f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes) plus the smallest request's "
