@@ -155,6 +155,15 @@ class Settings(BaseSettings, DecodeSettings):
         "boundary for a smaller request that does not fit beside it (its KV freed, resumed later with the same "
         "output; docs/architecture.md, preemption); 0: never"
     )
+    cuda_graphs: bool = Field(
+        True, description="on CUDA, the later steps' forwards (dual and prefix cache, full-precision KV) are "
+        "captured as CUDA graphs per bucket of rows and key length and replayed (service/engine/graphs.py; "
+        "token-identical to eager); false: eager forwards. No effect on CPU"
+    )
+    cuda_graph_bytes: int = Field(
+        2 << 30, ge=0, description="GPU memory the CUDA graphs may hold (their memory pools): taken off the KV "
+        "budget at start-up when cuda_graphs is on and the device is CUDA; no graph is captured beyond it"
+    )
     max_queue: int = Field(64, gt=0, description="most requests waiting; beyond it: 429")
     kv_budget_bytes: int | None = Field(
         None, gt=0, description="memory for running rows' KV + the largest forward; empty: a fraction of free "

@@ -63,8 +63,13 @@ def default_kv_store_factory(spec: ModelSpec) -> Callable[[ConfigSnapshot], KVSt
 def load_engine(settings: Settings) -> EngineLike:
     """The engine the settings name (None: the embedded default model)."""
     from service.engine import Engine
+    from service.engine.graphs import LaterSteps
 
-    return Engine.load(settings.model, dtype=settings.dtype, device=settings.device, threads=settings.threads)
+    engine = Engine.load(settings.model, dtype=settings.dtype, device=settings.device, threads=settings.threads)
+    # CUDA graphs of the later steps: on by default on CUDA (Engine's default), capped by cuda_graph_bytes.
+    graphs = settings.cuda_graphs and engine.device.type == "cuda"
+    engine.use_graphs(LaterSteps(capture=True, max_bytes=settings.cuda_graph_bytes) if graphs else None)
+    return engine
 
 
 class MetricsMiddleware:
@@ -171,6 +176,15 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     GPU memory) and the activation memory of a forward at ``max_batched_tokens``, measured here once."""
     memory = MemoryModel.for_engine(engine)
     budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
+    # The later steps' CUDA graphs hold up to cuda_graph_bytes of memory pools: reserved out of the budget, and
+    # what they hold is reported (dllm_cuda_graph_bytes).
+    from service.engine import Engine
+
+    runner = engine.later_steps if isinstance(engine, Engine) else None  # a test's fake engine has none
+    if settings.cuda_graphs and memory.device.type == "cuda":
+        budget -= settings.cuda_graph_bytes
+    if runner is not None:
+        telemetry.cuda_graph_bytes.set_function(lambda: runner.bytes_held)
     forward = memory.measure_forward(engine, settings.max_batched_tokens)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
     refuse_contradictions(settings, memory, budget, forward, max_work)
@@ -217,6 +231,9 @@ def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, 
     if needed > budget:
         named = ("--kv-budget-bytes / DLLM_KV_BUDGET_BYTES" if settings.kv_budget_bytes else
                  "the default memory budget (--kv-budget-fraction of free GPU memory, 1 GiB on CPU)")
+        if settings.cuda_graphs and memory.device.type == "cuda":
+            named += (f" less --cuda-graph-bytes / DLLM_CUDA_GRAPH_BYTES {settings.cuda_graph_bytes:,} reserved for "
+                      "the CUDA graphs (--no-cuda-graphs frees it)")
         raise StartupRefused(
             f"{named} of {budget:,} bytes is below the {needed:,} bytes that one request of "
             f"--default-max-tokens / DLLM_DEFAULT_MAX_TOKENS {settings.default_max_tokens:,} after a {prompt:,}-token "

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,14 @@ from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
 from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 
+if TYPE_CHECKING:
+    from service.engine.graphs import Bucket
+
 #: An iteration's plan: its passes grouped into forwards (`service.runtime.scheduler.plan_forwards` in the server).
 Plan = Callable[[list[Pass]], list[list[Pass]]]
+#: What runs one forward of a group and gives its logits, tokens and listed columns (:func:`run_forward`'s
+#: signature; `service.engine.graphs.LaterSteps` replays the later steps' forwards).
+Forward = Callable[..., "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]"]
 
 
 def alone(passes: list[Pass]) -> list[list[Pass]]:
@@ -123,8 +130,10 @@ class BatchedReuse:
         columns: the spare column); key_mask: bool ``[R, key_len]``.
     """
 
-    def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor, rope=None) -> None:
+    def __init__(self, group: list[Pass], key_len: int, dest: torch.Tensor, key_mask: torch.Tensor, rope=None,
+                 ) -> None:
         self.parts = list(zip(group, _rows(group)))
+        self.real = sum(len(p.rows) for p in group)
         self.key_len, self.dest, self.key_mask, self.rope = key_len, dest, key_mask, rope
         # Flat row index of each fresh K/V row in a [R, H_kv, key_len, D] buffer, made at the first layer.
         self._flat: torch.Tensor | None = None
@@ -179,6 +188,16 @@ class BatchedReuse:
         return got
 
     def __call__(self, layer, q, k_pre, k, v):
+        n = self.real
+        if q.shape[0] == n:
+            return self._attended(layer, q, k_pre, k, v)
+        # Rows padded to a bucket (`service.engine.graphs`): the real rows as without them; a padded row gets zero
+        # keys and values (its key mask lets it see only the spare column), so its output is finite and unused.
+        out = self._attended(layer, q[:n], k_pre[:n], k[:n], v[:n])
+        extra = (0, 0, 0, 0, 0, 0, 0, q.shape[0] - n)
+        return F.pad(out, extra) if isinstance(out, torch.Tensor) else tuple(F.pad(x, extra) for x in out)
+
+    def _attended(self, layer, q, k_pre, k, v):
         together = self._together(layer, q, k, v)
         if len(together) == 1 and len(self.parts) > 1:
             whole = together[0]
@@ -236,26 +255,33 @@ class BatchedReuse:
         return kk, vv
 
 
-def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int) -> dict:
+def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket | None = None) -> dict:
     """The model's keyword arguments for the forward over ``group`` (passes of one kind and one layer range):
     inputs and positions right-padded to the widest pass, the key mask, the KV hook, RoPE's table bound, and
     for a pass split by layers (`service.runtime.scheduler.split_by_layers`) its layer range and the hidden states
-    its previous piece left (padded columns: zeros; no real column attends to them, the key mask says so)."""
+    its previous piece left (padded columns: zeros; no real column attends to them, the key mask says so).
+    With ``bucket`` (a window group, `service.engine.graphs.Bucket`) the shapes are the bucket's: rows, input
+    width and keys padded up to it; a padded row's input is ``pad_id`` at position 0 and it sees only the spare
+    key column."""
     device = group[0].input_ids.device
-    width = max(p.width for p in group)
-    ids = torch.cat([_padded(p.input_ids, width, pad_id) for p in group]) if len(group) > 1 else group[0].input_ids
-    positions = (torch.cat([_padded(p.positions, width) for p in group]) if len(group) > 1
-                 else group[0].positions)
+    width = max(p.width for p in group) if bucket is None else bucket.width
+    one = len(group) == 1 and bucket is None
+    ids = group[0].input_ids if one else torch.cat([_padded(p.input_ids, width, pad_id) for p in group])
+    positions = group[0].positions if one else torch.cat([_padded(p.positions, width) for p in group])
     pads = [pad for p in group for pad in p.pads]
     lengths = [p.seq_len for p in group for _ in p.rows]
     longest = max(lengths)
     window = group[0].kind == "window"
-    key_len = longest + 1 if window else width
+    key_len = width if not window else longest + 1 if bucket is None else bucket.key_len
+    extra = 0 if bucket is None else bucket.rows - len(lengths)
+    if extra:
+        ids = F.pad(ids, (0, 0, 0, extra), value=pad_id)
+        positions = F.pad(positions, (0, 0, 0, extra))
     key_mask = None
     if window or any(pads) or any(t < key_len for t in lengths):
         keys = torch.arange(key_len, device=device)[None, :]
-        key_mask = ((keys >= torch.tensor(pads, device=device)[:, None])
-                    & (keys < torch.tensor(lengths, device=device)[:, None]))
+        key_mask = ((keys >= torch.tensor(pads + [key_len - 1] * extra, device=device)[:, None])
+                    & (keys < torch.tensor(lengths + [key_len] * extra, device=device)[:, None]))
     hook = None
     if window:
         starts = [p.input_start for p in group for _ in p.rows]
@@ -263,11 +289,11 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int) -> dict:
         wcols = torch.arange(width, device=device)[None, :]
         dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
                            wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
-        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask, model.rope)
+        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask[: len(lengths)], model.rope)
     elif any(p.hook is not None for p in group):
         hook = BlockWrites(group)
     found = {"input_ids": ids, "positions": positions, "key_mask": key_mask, "kv_hook": hook,
-             "max_position": longest}
+             "max_position": longest if bucket is None else key_len}
     if group[0].layers is not None:
         found["layers"] = group[0].layers
         if group[0].hidden is not None:
@@ -285,14 +311,15 @@ def run_piece(model: DiffusionLM, group: list[Pass], pad_id: int) -> torch.Tenso
 
 
 def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                bucket: Bucket | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One forward over ``group`` (passes of one kind; of a pass split by layers, its last piece): the logits at
     each row's reveal columns ``[R, W_r, V]``
     and the tokens there now ``[R, W_r]`` (int64), rows in group order, right-padded to the widest reveal, and
     None. With ``columns`` (per row, window columns as `Cohort.reveal_columns` gives them) the LM head runs only
     there: the logits are ``[R, M, V]`` (M the longest list; shorter rows repeat their last column) and the third
-    value is their window columns, int64 ``[R, M]`` with padded entries W_r (`RevealBatch.columns`)."""
-    inputs = _inputs(model, group, pad_id)
+    value is their window columns, int64 ``[R, M]`` with padded entries W_r (`RevealBatch.columns`). With ``bucket``
+    the forward runs at the bucket's shapes (:func:`_inputs`) and what comes back is its real rows only."""
+    inputs = _inputs(model, group, pad_id, bucket)
     ids, device = inputs["input_ids"], inputs["input_ids"].device
     reveal = max(p.reveal_width for p in group)
     offsets = [p.logits_offset for p in group for _ in p.rows]
@@ -311,8 +338,11 @@ def run_forward(model: DiffusionLM, group: list[Pass], pad_id: int, columns: lis
                              [[j + o for j in c + [c[-1]] * (most - len(c))] for c, o in zip(columns, offsets)]],
                             device=device)
         listed, logits_at = both[0], both[1]
+    rows = at.shape[0]
+    if ids.shape[0] > rows:  # rows padded to a bucket: their logits are made and dropped
+        logits_at = F.pad(logits_at, (0, 0, 0, ids.shape[0] - rows))
     logits = model(**inputs, logits_at=logits_at)
-    return logits, ids.gather(1, at), listed
+    return logits[:rows], ids[:rows].gather(1, at), listed
 
 
 def _whole(call: Pass) -> Pass:
@@ -366,8 +396,11 @@ class RunningBatch:
             doc, "A failing row fails alone").
     """
 
-    def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone) -> None:
+    def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone, forward: Forward = run_forward) -> None:
         self.model, self.pad_id, self.plan = model, pad_id, plan
+        # Runs a forward and gives its logits (issue 41: the later-step forward captured once per bucket and
+        # replayed, `service.engine.graphs.LaterSteps`, wraps run_forward here).
+        self.forward_call = forward
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
         self.forwards = self.merged = self.rows = 0
@@ -562,7 +595,7 @@ class RunningBatch:
     def _forward(self, group: list[Pass]) -> tuple[RevealResult, list[tuple[Cohort, BaseException]]]:
         """The group's forward (the LM head only at the columns its reveal reads) and reveal (:meth:`_reveal`);
         a reveal that raises is undone (module doc) before the exception goes on."""
-        logits, tokens, columns = run_forward(self.model, group, self.pad_id, self._columns(group))
+        logits, tokens, columns = self.forward_call(self.model, group, self.pad_id, self._columns(group))
         saved = _advanced_by_reveal(group)
         try:
             return self._reveal(group, logits, tokens, columns)

@@ -12,6 +12,7 @@ from service.engine.batch import Plan, RunningBatch, alone
 from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort, settings_from
 from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.errors import EngineInputError
+from service.engine.graphs import LaterSteps
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
@@ -35,6 +36,14 @@ class Engine:
 
     def __init__(self, model, spec, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.spec, self.tokenizer, self.dtype, self.device = model, spec, tokenizer, dtype, device
+        #: The later steps' forward runner of the batches made from now on (`service.engine.graphs`): CUDA graphs
+        #: by default on CUDA, None (plain eager forwards) elsewhere; :meth:`use_graphs` changes it.
+        self.later_steps: LaterSteps | None = LaterSteps(capture=True) if torch.device(device).type == "cuda" else None
+
+    def use_graphs(self, runner: LaterSteps | None) -> None:
+        """Run the later steps of the batches made from now on with ``runner`` (None: plain eager forwards, the
+        server's ``DLLM_CUDA_GRAPHS=false``)."""
+        self.later_steps = runner
 
     @classmethod
     def load(
@@ -141,7 +150,9 @@ class Engine:
         `service.runtime.scheduler.forward_plan`)."""
         if is_block_causal(self.spec.arch):
             return BlockCausalBatch(self.model)
-        return RunningBatch(self.model, self.spec.pad_id, plan)
+        if self.later_steps is None:
+            return RunningBatch(self.model, self.spec.pad_id, plan)
+        return RunningBatch(self.model, self.spec.pad_id, plan, self.later_steps)
 
     def cohort(
         self,

@@ -21,6 +21,7 @@ Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ import torch
 if TYPE_CHECKING:
     from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
+
+#: Store generations (`FullPrecisionKVStore.generation`): unique over the process.
+_GENERATIONS = itertools.count()
 
 #: Set by a running batch around the forwards of an iteration (`service.engine.batch`): a store's ``write`` may
 #: then leave the verdict of its checks on the device (:meth:`KVStore.take_checks`) for the iteration's one host
@@ -274,6 +278,9 @@ class FullPrecisionKVStore(KVStore):
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sequence: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._segments: Segments | None = None
+        #: Changes whenever a layer's buffer is allocated anew or freed (unique across stores): a captured later
+        #: step (`service.engine.graphs`) reads these buffers where they lie and is valid while this is unchanged.
+        self.generation = next(_GENERATIONS)
 
     @property
     def sequence_ordered(self) -> bool:  # type: ignore[override]
@@ -283,8 +290,17 @@ class FullPrecisionKVStore(KVStore):
                 and cls.window_kv is KVStore.window_kv and not self.pre_rope_keys)
 
     def write(self, layer, k, v, segments, scores=None) -> None:
-        # F.pad copies, so the store never aliases the forward's activations.
-        self._sequence[layer] = (torch.nn.functional.pad(k, (0, 0, 0, 1)), torch.nn.functional.pad(v, (0, 0, 0, 1)))
+        held = self._sequence.get(layer)
+        if held is not None and held[0].shape[:2] == k.shape[:2] and held[0].shape[2] == k.shape[2] + 1 \
+                and held[0].dtype == k.dtype and held[0].device == k.device:
+            # A later block of the same sequence: written in place, so the buffers stay where a captured later
+            # step reads them (the spare column keeps whatever it held: it is never attended).
+            held[0][:, :, :-1].copy_(k)
+            held[1][:, :, :-1].copy_(v)
+        else:  # F.pad copies, so the store never aliases the forward's activations.
+            self._sequence[layer] = (torch.nn.functional.pad(k, (0, 0, 0, 1)),
+                                     torch.nn.functional.pad(v, (0, 0, 0, 1)))
+            self.generation = next(_GENERATIONS)
         self._segments = segments
 
     def read(self, layer):
@@ -303,3 +319,4 @@ class FullPrecisionKVStore(KVStore):
         self._layers.clear()
         self._sequence.clear()
         self._segments = None
+        self.generation = next(_GENERATIONS)

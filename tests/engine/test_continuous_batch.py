@@ -68,6 +68,23 @@ def _first_passes_first(budget: int, split_tokens: int = 0, num_layers: int = 0)
     return planned
 
 
+def run_mixed(engine, batch, prompts: list[list[int]]) -> tuple[dict, list[int]]:
+    """Decode :data:`MIXED` in ``batch``, each request joining at its iteration: its cohorts by index and the most
+    cohorts merged in one forward at each iteration."""
+    pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
+    cohorts, iteration, merged = {}, 0, []
+    with torch.inference_mode():
+        while pending or batch.cohorts:
+            while pending and pending[0][1][4] <= iteration:
+                index, (prompt, params, row, kind, _) = pending.pop(0)
+                cohorts[index] = engine.cohort([prompts[prompt]], params, [row], _store(engine, kind))
+                batch.join(cohorts[index])
+            batch.step()
+            merged.append(batch.merged)
+            iteration += 1
+    return cohorts, merged
+
+
 @pytest.mark.parametrize("budget", [DEFAULT_MAX_BATCHED_TOKENS, 100, "first-passes-first", "layer-split"],
                          ids=["default", "small-budget", "first-passes-first", "layer-split"])
 @pytest.mark.parametrize("arch", ["llada", "dream"])
@@ -83,18 +100,7 @@ def test_mixed_requests_joining_mid_flight_decode_as_alone(engines, arch, budget
         plan = _first_passes_first(DEFAULT_MAX_BATCHED_TOKENS, 40, engine.spec.num_layers)
     else:
         plan = forward_plan(budget)
-    batch = engine.batch(plan)
-    pending = sorted(enumerate(MIXED), key=lambda item: item[1][4])
-    cohorts, iteration, merged = {}, 0, []
-    with torch.inference_mode():
-        while pending or batch.cohorts:
-            while pending and pending[0][1][4] <= iteration:
-                index, (prompt, params, row, kind, _) = pending.pop(0)
-                cohorts[index] = engine.cohort([prompts[prompt]], params, [row], _store(engine, kind))
-                batch.join(cohorts[index])
-            batch.step()
-            merged.append(batch.merged)
-            iteration += 1
+    cohorts, merged = run_mixed(engine, engine.batch(plan), prompts)
     # passes of different requests, at different blocks and settings, shared forwards (as far as the token
     # budget of `plan_forwards` allows)
     assert max(merged) >= (2 if budget == 100 else 3)
