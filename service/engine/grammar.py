@@ -47,6 +47,30 @@ above, confidences in float64), and the positions revealed are contiguous from t
 fixed schedule's count is the family's (LLaDA's even split, Dream's timestep share, 1 at Dream's block-initial
 pass), at least one.
 
+**Every constrained response closes within its positions (issue 45).** A diffusion LM decodes a canvas of known
+length, so a row knows how many positions are left (its *budget*: ``min(gen_length, max_tokens + 1)`` response
+positions, the last for the EOS that `service.engine.response.cut_response` still reads as ``stop``). Each
+:class:`GrammarState` holds a *closing path*: tokens the grammar accepts from where it is to its end, EOS
+included, that fit in what is left. A token the model chooses is kept when a closing path from after it still
+fits (the old path, checked with llguidance's ``validate_tokens``, one cheap call; else a new one found by
+:meth:`GrammarCompiler.closing_path`); otherwise the path's next token is revealed instead. So the path always
+fits, and the response always ends complete and valid, EOS included, within ``max_tokens``. A request whose
+grammar's closing path from the start does not fit is refused before decoding (:meth:`CompiledGrammar.fits`).
+
+Why a closing path and not a length-bounded grammar: llguidance has no "shortest completion" query, and
+intersecting the grammar with a length bound (``max_tokens`` on its rules) needs a new compile per remaining
+length. The path is a witness: a real token sequence the matcher accepted, so keeping one that fits is exact
+(never a cut response), and it costs nothing while the model follows it (forced tokens, closing punctuation) and one
+``validate_tokens`` call while the old path still closes after the model's token (string and number content). A new
+path is searched only after a structural choice (a key, a value's start), by a greedy walk over the grammar's own
+masks: llguidance's forced tokens (``compute_ff_tokens``) where it forces any, else the allowed token ranked
+closest to an end (closing quotes and brackets, the longest first; then ``0``; then punctuation that ends a
+lexeme; then letters and digits; opening brackets last; a token used in the walk already ranks lower, so a loop
+such as ``a+b`` still ends). The walk is an upper bound on the shortest completion (it may take a few tokens more
+than the shortest, e.g. ``""`` for a free value where ``0`` is one byte shorter), so a refusal may come a few
+positions early; it never lets a response be cut. A grammar whose walk does not end within
+:data:`CLOSE_SEARCH_TOKENS` (a regex the ranking cannot steer) is decoded as before, unbounded.
+
 **A grammar that fails mid-decode fails its row alone.** The checks before decoding (`service.engine.schema_values`,
 the first-token check) cannot prove every grammar completable: llguidance may still reach its work limit deep in a
 response (a branch that is only entered after some tokens and can never end, e.g. ``[12345, {"a": {"a": ...``
@@ -78,6 +102,7 @@ from transformers import PreTrainedTokenizerFast
 
 from service.engine.errors import EngineInputError
 from service.engine.grammar_size import grammar_positions
+from service.engine.params import response_length
 from service.engine.schema_values import has_finite_value
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "lark"]
@@ -104,6 +129,8 @@ COMPILE_TIMEOUT_S = 5.0
 SMALL_POSITIONS = 1024
 SMALL_SOURCE_BYTES = 4096
 SMALL_LANE_THREADS = 4
+#: Longest closing path searched for a grammar's start (module doc): one mask per token, at compile time.
+CLOSE_SEARCH_TOKENS = 4096
 #: llguidance's bounds on one grammar's work and memory (its defaults are 1M initial lexer fuel ~20 ms, 250k lexer
 #: states ~0.5 GB, grammar size 500k): tighter here, so a hostile schema fails fast and small.
 PARSER_LIMITS = {"initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
@@ -170,13 +197,53 @@ class CompiledGrammar:
     state. Hashable by identity (rows carry it in `service.engine.params.RowOptions`)."""
 
     def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher, compiler: GrammarCompiler,
-                 nbytes: int = 0) -> None:
+                 nbytes: int = 0, start_path: list[int] | None = None) -> None:
         self.spec, self._matcher, self.compiler = spec, matcher, compiler
         self.nbytes = nbytes  # resident bytes its compile added (an estimate of what it holds; 0 when unknown)
+        # A closing path from the start (module doc), EOS included; None: none found within CLOSE_SEARCH_TOKENS.
+        self.start_path = start_path
 
-    def start(self) -> GrammarState:
-        """A fresh state at the start of the response (its failures name :attr:`spec`'s field)."""
-        return GrammarState(self._matcher.deep_copy(), self.compiler, self.spec.field)
+    @property
+    def min_tokens(self) -> int | None:
+        """Response positions the grammar's closing path from the start takes, its EOS included (an upper bound
+        on the shortest complete response; None when no path was found: the grammar is decoded unbounded)."""
+        return None if self.start_path is None else len(self.start_path)
+
+    def fits(self, max_tokens: int, block_length: int) -> None:
+        """Refuse, before decoding, a request whose response cannot close in its positions (module doc).
+
+        Args:
+            max_tokens: the request's ``max_tokens`` (tokens, >= 1); block_length: its block length (its decode
+                window is ``max_tokens`` rounded up to whole blocks: `service.engine.params.response_length`).
+
+        Raises:
+            EngineInputError: naming ``max_tokens``, with the least that fits: the closing path from the start
+                needs more positions than :func:`budget` gives.
+        """
+        need = self.min_tokens
+        if need is None or self._room(max_tokens, block_length) >= need:
+            return
+        least = max(1, need - 1)
+        while self._room(least, block_length) < need:
+            least += 1
+        raise EngineInputError(
+            f"max_tokens {max_tokens} cannot hold a complete response to {self.spec.field}: the shortest one found "
+            f"is {need - 1} tokens and its end (EOS) one position more; raise max_tokens to at least {least}",
+            "max_tokens")
+
+    @staticmethod
+    def _room(max_tokens: int, block_length: int) -> int:
+        return budget(max_tokens, response_length(max_tokens, block_length))
+
+    def start(self, max_tokens: int | None = None, gen_length: int | None = None) -> GrammarState:
+        """A fresh state at the start of the response (its failures name :attr:`spec`'s field), bound to close in
+        the :func:`budget` of ``max_tokens`` and ``gen_length`` (both None: unbounded). A budget the start's path
+        does not fit (a caller that skipped :meth:`fits`) leaves the row unbounded, as before issue 45."""
+        state = GrammarState(self._matcher.deep_copy(), self.compiler, self.spec.field)
+        positions = budget(max_tokens, gen_length)
+        if positions is not None and self.start_path is not None and len(self.start_path) <= positions:
+            state.positions, state.path = positions, list(self.start_path)
+        return state
 
     def for_field(self, field: str) -> CompiledGrammar:
         """The same grammar (shared parser tables) as asked by another request field (the cache ignores the
@@ -184,7 +251,7 @@ class CompiledGrammar:
         if field == self.spec.field:
             return self
         return CompiledGrammar(GrammarSpec(self.spec.kind, self.spec.source, field), self._matcher, self.compiler,
-                               self.nbytes)
+                               self.nbytes, self.start_path)
 
     def __repr__(self) -> str:
         return f"CompiledGrammar({self.spec.kind}, {self.spec.key[:12]})"
@@ -197,7 +264,10 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, field: str | None = None) -> None:
         self.matcher, self.compiler, self.field = matcher, compiler, field
         self.ended = False  # an EOS was consumed: only EOS follows
-        self.consumed = 0  # tokens the matcher took (what :meth:`restore` rolls back)
+        self.consumed = 0  # tokens the matcher took (what :meth:`restore` rolls back): the next response position
+        # The positions the response must close in and a closing path that fits (module doc); None: unbounded.
+        self.positions: int | None = None
+        self.path: list[int] | None = None
 
     def consume(self, token: int) -> None:
         """Advance by one revealed token (any of the model's EOS ids counts as the grammar's EOS).
@@ -216,17 +286,55 @@ class GrammarState:
             raise self.violation(f"the grammar engine failed at token {token}: "
                                  f"{_first_line(self.matcher.get_error() or 'token refused')}")
 
-    def mark(self) -> tuple[int, bool]:
-        """The position now, for :meth:`restore`."""
-        return self.consumed, self.ended
+    def consume_closing(self, token: int) -> int:
+        """Advance by one revealed token while keeping a closing path that fits (module doc): ``token`` when a
+        complete response still fits after it, else the closing path's next token. Unbounded (no path): as
+        :meth:`consume`.
 
-    def restore(self, mark: tuple[int, bool]) -> None:
+        Returns: the token consumed (what the position reveals).
+
+        Raises:
+            GrammarViolation: as :meth:`consume`.
+        """
+        eos = self.compiler.eos_ids
+        if self.path is None or self.ended or not self.path:
+            self.consume(token)
+            return token
+        if token == self.path[0] or (token in eos and self.path[0] in eos):
+            self.consume(token)
+            self.path = self.path[1:]
+            return token
+        room = self.positions - self.consumed - 1  # positions after this one
+        self.consume(token)
+        if token in eos:
+            self.path = []
+            return token
+        if len(self.path) <= room:
+            self.compiler.closing_checks += 1
+            if self.matcher.validate_tokens(self.path) == len(self.path):
+                return token  # the old path still closes (string and number content)
+        found = self.compiler.closing_path(self.matcher, room)
+        if found is not None:
+            self.path = found
+            return token
+        # No complete response fits after the model's token: undo it and take the path's next one instead.
+        self.matcher.rollback(1)
+        self.consumed -= 1
+        forced, self.path = self.path[0], self.path[1:]
+        self.consume(forced)
+        return forced
+
+    def mark(self) -> tuple[int, bool, list[int] | None]:
+        """The position now, for :meth:`restore`."""
+        return self.consumed, self.ended, self.path
+
+    def restore(self, mark: tuple[int, bool, list[int] | None]) -> None:
         """Go back to ``mark`` (a reveal that raised is undone before its passes run again alone: llguidance's
         rollback of the tokens consumed since)."""
-        consumed, ended = mark
+        consumed, ended, path = mark
         if self.consumed > consumed:
             self.matcher.rollback(self.consumed - consumed)
-        self.consumed, self.ended = consumed, ended
+        self.consumed, self.ended, self.path = consumed, ended, path
 
     def violation(self, detail: str) -> GrammarViolation:
         """The :class:`GrammarViolation` of this row failing mid-decode, ``detail`` saying how."""
@@ -285,6 +393,10 @@ class GrammarCompiler:
         self._executor: llguidance.LLExecutor | None = None
         self.limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
         self._words = (vocab_size + 31) // 32
+        self._rank: np.ndarray | None = None  # the closing walk's token ranks (built on first use)
+        # What keeping responses closable costs (`benchmarks/structured_cost.py`): closing walks, the masks they
+        # computed, and checks of an old closing path after a model's token (llguidance's validate_tokens).
+        self.closing_walks = self.closing_masks = self.closing_checks = 0
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -387,7 +499,69 @@ class GrammarCompiler:
             # can follow it, and decoding it would fail at the first reveal.
             raise EngineInputError(f"{spec.field} allows no response: its grammar has no first token (a schema "
                                    "that only refers to itself, or an empty language)", spec.field)
-        return CompiledGrammar(spec, matcher, self)
+        return CompiledGrammar(spec, matcher, self, start_path=self.closing_path(matcher, CLOSE_SEARCH_TOKENS))
+
+    def closing_path(self, matcher: llguidance.LLMatcher, limit: int) -> list[int] | None:
+        """A closing path from ``matcher``'s state (module doc): the tokens of a complete response's rest, its
+        EOS (the grammar's) last, at most ``limit`` of them; None when the greedy walk finds none that short.
+        The walk runs on a copy of ``matcher`` (a walk that reaches llguidance's work limit leaves it errored), so
+        ``matcher`` is left as it was.
+
+        Cost: one mask (llguidance's ``compute_bitmask``, a host numpy argmin over the vocabulary) per token the
+        walk chooses; forced runs cost one ``compute_ff_tokens`` call each.
+        """
+        rank = self._close_rank()
+        self.closing_walks += 1
+        matcher = matcher.deep_copy()
+        path: list[int] = []
+        used: dict[int, int] = {}
+        while len(path) < limit:
+            if matcher.is_accepting():
+                return [*path, self.grammar_eos]
+            forced = matcher.compute_ff_tokens()[: limit - len(path)]
+            if forced:
+                taken = matcher.try_consume_tokens(forced)
+                path.extend(forced[:taken])
+                if taken == len(forced):
+                    continue
+            if matcher.is_error():
+                return None
+            allowed = self._mask(matcher)
+            self.closing_masks += 1
+            allowed[list(self.eos_ids)] = False  # not accepting: EOS cannot close here
+            if not allowed.any():
+                return None
+            scores = np.where(allowed, rank, np.iinfo(np.int32).max)
+            for token, times in used.items():  # a walk that loops (``a+b``) tries another token
+                if allowed[token] and rank[token] >= _REPEATABLE:
+                    scores[token] += 500 * times
+            token = int(scores.argmin())
+            if not matcher.consume_token(token):
+                return None
+            path.append(token)
+            used[token] = used.get(token, 0) + 1
+        return None
+
+    def _mask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
+        """bool ``[vocab_size]``: the tokens ``matcher`` allows next (its raw mask, EOS as llguidance gives it)."""
+        bitmask = torch.empty((1, self._words), dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        return np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[0, : self.vocab_size
+                                                                                       ].astype(bool)
+
+    def _close_rank(self) -> np.ndarray:
+        """int32 ``[vocab_size]``: each token's rank for the closing walk, lower first (module doc), from its bytes;
+        built once per compiler."""
+        if self._rank is None:
+            ll = self.ll_tokenizer
+            rank = np.full(self.vocab_size, 9_999, dtype=np.int32)
+            for i in range(min(self.vocab_size, ll.vocab_size)):
+                if ll.is_special_token(i):
+                    continue
+                text = ll.decode_bytes([i])
+                rank[i] = _token_rank(text)
+            self._rank = rank
+        return self._rank
 
     def cached(self) -> int:
         """Compiled grammars in the cache."""
@@ -436,6 +610,45 @@ class _DecodedVocabulary(llguidance.TokenizerWrapper):
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def budget(max_tokens: int | None, gen_length: int | None) -> int | None:
+    """Response positions a constrained response must close in, its EOS included (module doc): ``max_tokens``
+    tokens and one more for the EOS, within the ``gen_length`` positions decoded; None when neither is given."""
+    bounds = [b for b in (None if max_tokens is None else max_tokens + 1, gen_length) if b is not None]
+    return min(bounds) if bounds else None
+
+
+_CLOSERS = frozenset(b'"}]')
+_OPENERS = frozenset(b"{[-")
+#: Ranks below this (closing quotes and brackets) repeat in a walk without a penalty: ``}}]`` closes three levels.
+_REPEATABLE = 256
+
+
+def _token_rank(text: bytes) -> int:
+    """A token's rank in the closing walk (module doc), lower first, from its bytes after any leading spaces (JSON
+    writes ``": "`` before a value, so a value's first token often carries one): closing quotes and brackets (the
+    longest first), one punctuation byte (``,`` ends a number), ``0``, other digits, letters and digits (the longest
+    first), opening brackets and ``-``, other tokens, whitespace; a token with no bytes last."""
+    if not text:
+        return 9_999
+    core = text.lstrip(b" ")
+    longest_first = 255 - min(len(core), 255)
+    if not core or any(chr(b).isspace() for b in core):
+        return 6_000 + longest_first
+    if all(b in _CLOSERS for b in core):
+        return longest_first
+    if len(core) == 1 and core[0] < 128 and not core.isalnum() and core[0] not in _OPENERS:
+        return 900
+    if core == b"0":
+        return 1_000
+    if len(core) == 1 and core.isdigit():
+        return 1_100
+    if core.isalnum():
+        return 3_000 + longest_first
+    if len(core) == 1 and core[0] in _OPENERS:
+        return 4_000
+    return 5_000 + longest_first
 
 
 def _resident_bytes() -> int:
@@ -531,13 +744,13 @@ def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | No
                 accept = k == 0 or forced or confidence_list[j] >= (r.threshold or 0.0)
             if not accept:
                 continue
-            try:
-                r.state.consume(token_list[j])
+            try:  # the model's token, or the closing path's where no complete response fits after it
+                token = r.state.consume_closing(token_list[j])
             except GrammarViolation as exc:
                 r.error = exc
                 continue
             r.chosen.append(k)
-            r.tokens.append(token_list[j])
+            r.tokens.append(token)
             if k + 1 < r.logits.shape[0]:
                 still_open.append(r)
         open_rows = still_open
@@ -545,4 +758,4 @@ def constrained_reveal(rows: Sequence[ConstrainedRow], banned: torch.Tensor | No
 
 
 __all__ = ["CompiledGrammar", "ConstrainedRow", "GrammarCompiler", "GrammarSpec", "GrammarState",
-           "GrammarViolation", "constrained_reveal"]
+           "GrammarViolation", "budget", "constrained_reveal"]
