@@ -223,7 +223,8 @@ class ToolRequest:
         """The grammar of the response (None for ``none``: the tools are listed, nothing is constrained)."""
         if not self.calls:
             return None
-        return GrammarSpec.lark(call_grammar(self.called, self.parallel, self.mode == "auto"), "tools")
+        return GrammarSpec.lark(call_grammar(self.called, self.parallel, self.mode == "auto"), "tools",
+                                self.parameter_specs())
 
     def parameter_specs(self) -> list[GrammarSpec]:
         """Each called function's ``parameters`` as a structured-output schema naming its field: compiled one by

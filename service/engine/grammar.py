@@ -82,6 +82,7 @@ other row's chain goes on as it would alone; the running batch fails that reques
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -149,11 +150,15 @@ class GrammarSpec:
             its properties' order: the grammar writes an object's keys in that order, as OpenAI's structured
             outputs and vLLM do, so two schemas that differ only in that order are different grammars.
         field: the request field it came from, named by a refusal (e.g. ``response_format.json_schema.schema``).
+        parts: the specs a ``lark`` grammar embeds (a tool call's argument schemas, each naming its
+            ``tools.{i}.function.parameters``): held to the same size limit as when sent on their own (issue 45,
+            N4), and the one over it is named. Not part of the key: the source already holds them.
     """
 
     kind: GrammarKind
     source: str
     field: str
+    parts: tuple[GrammarSpec, ...] = field(default=(), compare=False)
 
     @property
     def key(self) -> str:
@@ -177,8 +182,8 @@ class GrammarSpec:
         return cls("choice", json.dumps(list(choices)), field)
 
     @classmethod
-    def lark(cls, grammar: str, field: str) -> GrammarSpec:
-        return cls("lark", grammar, field)
+    def lark(cls, grammar: str, field: str, parts: Sequence[GrammarSpec] = ()) -> GrammarSpec:
+        return cls("lark", grammar, field, tuple(parts))
 
     def grammar(self) -> str:
         """llguidance's grammar text for this spec (not yet checked: :class:`GrammarCompiler` does)."""
@@ -409,8 +414,9 @@ class GrammarCompiler:
     def _built_tokenizer(self) -> llguidance.LLTokenizer:
         if self._ll_tokenizer is None:
             if isinstance(self.tokenizer, PreTrainedTokenizerFast):
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                                  eos_token=self.grammar_eos)
+                self._ll_tokenizer = llguidance.LLTokenizer(_TextVocabulary(self.tokenizer, self.vocab_size,
+                                                                            self.grammar_eos),
+                                                            n_vocab=self.vocab_size)
             else:
                 self._ll_tokenizer = llguidance.LLTokenizer(_DecodedVocabulary(self.tokenizer, self.vocab_size,
                                                                                self.grammar_eos),
@@ -442,10 +448,12 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec.key)
                 return found.for_field(spec.field)
         positions = grammar_positions(spec.kind, spec.source, self.max_positions)
+        for part in spec.parts:  # a tool's argument schema counts as when sent alone, and is named
+            positions += grammar_positions(part.kind, part.source, self.max_positions)
+            if positions > self.max_positions:
+                raise self._too_large(part)
         if positions > self.max_positions:
-            raise EngineInputError(f"{spec.field} spells out more than {self.max_positions:,} positions (characters "
-                                   "with repetitions multiplied out: the grammar size limit, checked before "
-                                   "compiling); use smaller repetition counts or shorter literals", spec.field)
+            raise self._too_large(spec)
         with self._lock:
             self.compiles_started += 1
         small = positions <= SMALL_POSITIONS and len(spec.source.encode()) <= SMALL_SOURCE_BYTES
@@ -464,6 +472,11 @@ class GrammarCompiler:
                 while len(self._cache) > self.cache_size or self.cached_bytes() > self.cache_bytes:
                     self._cache.popitem(last=False)
         return compiled
+
+    def _too_large(self, spec: GrammarSpec) -> EngineInputError:
+        return EngineInputError(f"{spec.field} spells out more than {self.max_positions:,} positions (characters "
+                                "with repetitions multiplied out: the grammar size limit, checked before "
+                                "compiling); use smaller repetition counts or shorter literals", spec.field)
 
     def _measured_compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """:meth:`_compile`, with the resident memory it added as the result's ``nbytes`` (other threads' allocations
@@ -499,13 +512,27 @@ class GrammarCompiler:
             # can follow it, and decoding it would fail at the first reveal.
             raise EngineInputError(f"{spec.field} allows no response: its grammar has no first token (a schema "
                                    "that only refers to itself, or an empty language)", spec.field)
-        return CompiledGrammar(spec, matcher, self, start_path=self.closing_path(matcher, CLOSE_SEARCH_TOKENS))
+        path, error = self._walk(matcher, CLOSE_SEARCH_TOKENS)
+        if error is not None:
+            # The engine failed on text every response starts with: decoding would fail there too (issue 45, N2:
+            # 800 optional properties fail at the first token, "Current row has 3207 items; max is 2000": every
+            # optional property is an open alternative at once).
+            raise EngineInputError(
+                f"{spec.field} is more than the grammar engine can decode: it fails at {error}; {_advice(error)}",
+                spec.field)
+        return CompiledGrammar(spec, matcher, self, start_path=path)
 
     def closing_path(self, matcher: llguidance.LLMatcher, limit: int) -> list[int] | None:
+        """:meth:`_walk`'s path (None where it found none, or the grammar engine failed on the way)."""
+        return self._walk(matcher, limit)[0]
+
+    def _walk(self, matcher: llguidance.LLMatcher, limit: int) -> tuple[list[int] | None, str | None]:
         """A closing path from ``matcher``'s state (module doc): the tokens of a complete response's rest, its
         EOS (the grammar's) last, at most ``limit`` of them; None when the greedy walk finds none that short.
         The walk runs on a copy of ``matcher`` (a walk that reaches llguidance's work limit leaves it errored), so
-        ``matcher`` is left as it was.
+        ``matcher`` is left as it was. Returns (the path or None, llguidance's error where it failed on the way
+        while every token so far was forced: every response fails there; where it failed after a choice, other
+        responses may not, and the error is None).
 
         Cost: one mask (llguidance's ``compute_bitmask``, a host numpy argmin over the vocabulary) per token the
         walk chooses; forced runs cost one ``compute_ff_tokens`` call each.
@@ -515,32 +542,44 @@ class GrammarCompiler:
         matcher = matcher.deep_copy()
         path: list[int] = []
         used: dict[int, int] = {}
+        chose = False  # a token was chosen among several: a failure from here on is not every response's
         while len(path) < limit:
             if matcher.is_accepting():
-                return [*path, self.grammar_eos]
-            forced = matcher.compute_ff_tokens()[: limit - len(path)]
+                return [*path, self.grammar_eos], None
+            forced = self._text_tokens(matcher.compute_ff_tokens() or [])[: limit - len(path)]
             if forced:
                 taken = matcher.try_consume_tokens(forced)
                 path.extend(forced[:taken])
                 if taken == len(forced):
                     continue
             if matcher.is_error():
-                return None
+                return None, None if chose else _failed(path, matcher)
             allowed = self._mask(matcher)
             self.closing_masks += 1
             allowed[list(self.eos_ids)] = False  # not accepting: EOS cannot close here
             if not allowed.any():
-                return None
+                return None, _failed(path, matcher) if matcher.is_error() and not chose else None
             scores = np.where(allowed, rank, np.iinfo(np.int32).max)
             for token, times in used.items():  # a walk that loops (``a+b``) tries another token
                 if allowed[token] and rank[token] >= _REPEATABLE:
                     scores[token] += 500 * times
             token = int(scores.argmin())
+            chose = chose or int(allowed.sum()) > 1
             if not matcher.consume_token(token):
-                return None
+                return None, None if chose else _failed(path, matcher)
             path.append(token)
             used[token] = used.get(token, 0) + 1
-        return None
+        return None, None
+
+    def _text_tokens(self, forced: list[int]) -> list[int]:
+        """``forced`` up to its first special token: llguidance tokenizes forced text with the model's tokenizer,
+        which reads text that spells a special token (``<|eot_id|>`` in an enum) as that token, one the grammar
+        never takes (a value is text, issue 45 N6); the walk spells that text through the mask instead."""
+        ll = self.ll_tokenizer
+        for i, token in enumerate(forced):
+            if ll.is_special_token(token):
+                return forced[:i]
+        return forced
 
     def _mask(self, matcher: llguidance.LLMatcher) -> np.ndarray:
         """bool ``[vocab_size]``: the tokens ``matcher`` allows next (its raw mask, EOS as llguidance gives it)."""
@@ -596,6 +635,32 @@ class GrammarCompiler:
         return torch.from_numpy(allowed)
 
 
+class _TextVocabulary(llguidance.TokenizerWrapper):
+    """A transformers fast tokenizer as llguidance reads it (each id's exact bytes, its special tokens), except
+    that text is tokenized with special tokens off: text that spells one (``<|eot_id|>`` in an enum, a const, a
+    choice) is written with text tokens, never as the control token (issue 45, N6). Read through
+    ``llguidance.hf.from_tokenizer`` directly, llguidance's forced-text tokenization turned that text into the
+    special token, its mask then allowed only that token while its matcher refused it (an EOS id: no first token,
+    a 400; another: the mask and the matcher disagreed)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, vocab_size: int, eos: int) -> None:
+        base = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        known = min(vocab_size, base.vocab_size)
+        self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = [i for i in range(vocab_size) if i >= known or base.is_special_token(i)]
+        self.tokens = [base.decode_bytes([i]) if i < known else b"" for i in range(vocab_size)]
+        self.tokens = [t or f"<|special_{i}|>".encode() for i, t in enumerate(self.tokens)]
+        self._backend = copy.copy(tokenizer.backend_tokenizer)
+        self._backend.no_padding()
+        self._backend.no_truncation()
+        self._backend.encode_special_tokens = True  # text is text: never split into special tokens
+        self.is_tokenizer_wrapper = True
+        self._accepts_bytes = False
+
+    def __call__(self, text: str) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+
 class _DecodedVocabulary(llguidance.TokenizerWrapper):
     """A tokenizer without a vocabulary file, as llguidance reads one: each id's bytes from its decoded text."""
 
@@ -610,6 +675,20 @@ class _DecodedVocabulary(llguidance.TokenizerWrapper):
 
     def __call__(self, text: str) -> list[int]:
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _failed(path: list[int], matcher: llguidance.LLMatcher) -> str:
+    """Where and how a closing walk failed: after how many tokens, llguidance's error on one line."""
+    return f"token {len(path) + 1} of a response ({_first_line(matcher.get_error() or 'token refused')})"
+
+
+def _advice(error: str) -> str:
+    """What to change in a grammar the engine fails on (`GrammarCompiler._compile`), from llguidance's error."""
+    if "items" in error:  # its Earley row limit: alternatives open at one point
+        return ("too many alternatives are open at one point (each optional property of an object is one until it "
+                "is written): make fewer properties optional (required, with a type that admits null) or split the "
+                "schema")
+    return "simplify it"
 
 
 def budget(max_tokens: int | None, gen_length: int | None) -> int | None:
