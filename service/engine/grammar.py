@@ -87,6 +87,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -101,7 +102,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from service.engine.errors import EngineInputError
+from service.engine.errors import EngineInputError, GrammarLaneFull
 from service.engine.grammar_size import grammar_positions
 from service.engine.params import response_length
 from service.engine.schema_values import has_finite_value
@@ -130,6 +131,12 @@ COMPILE_TIMEOUT_S = 5.0
 SMALL_POSITIONS = 1024
 SMALL_SOURCE_BYTES = 4096
 SMALL_LANE_THREADS = 4
+#: Large compiles that may wait for the large lane (besides the one compiling); one more is refused at once (HTTP
+#: 429, `service.engine.errors.GrammarLaneFull`). :data:`COMPILE_TIMEOUT_S` counts from a compile's start, never
+#: its wait (issue 45, N3: after 20 large schemas a 0.12 s one was refused as "longer than 5 s to compile"), so the
+#: wait is bounded here instead: at most this many compiles ahead, each bounded by the size limits and llguidance's
+#: fuel.
+LARGE_LANE_QUEUE = 4
 #: Longest closing path searched for a grammar's start (module doc): one mask per token, at compile time.
 CLOSE_SEARCH_TOKENS = 4096
 #: llguidance's bounds on one grammar's work and memory (its defaults are 1M initial lexer fuel ~20 ms, 250k lexer
@@ -387,6 +394,7 @@ class GrammarCompiler:
         self.cache_size, self.cache_bytes, self.timeout_s = cache_size, cache_bytes, timeout_s
         self.max_positions = max_positions
         self.compiles_started = 0  # compiles handed to the compile thread (refusals before it are not counted)
+        self._large_waiting = 0  # large compiles handed to the large lane and not yet taken up (LARGE_LANE_QUEUE)
         self.grammar_eos = self.eos_ids[0] if self.eos_ids else tokenizer.eos_token_id
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
@@ -454,12 +462,29 @@ class GrammarCompiler:
                 raise self._too_large(part)
         if positions > self.max_positions:
             raise self._too_large(spec)
-        with self._lock:
-            self.compiles_started += 1
         small = positions <= SMALL_POSITIONS and len(spec.source.encode()) <= SMALL_SOURCE_BYTES
-        future = (self._small_pool if small else self._pool).submit(self._measured_compile, spec)
+        with self._lock:
+            if not small and self._large_waiting >= LARGE_LANE_QUEUE:
+                raise GrammarLaneFull(f"{spec.field} is a large grammar and {self._large_waiting} large grammars "
+                                      "are waiting to compile (the most this server queues); retry shortly",
+                                      spec.field, max(1, round(self.timeout_s)))
+            self.compiles_started += 1
+            self._large_waiting += 0 if small else 1
+        begun: list[float] = []  # when the compile thread took it up (its time limit counts from there)
+        ready = threading.Event()
+
+        def job() -> CompiledGrammar:
+            begun.append(time.monotonic())
+            if not small:
+                with self._lock:
+                    self._large_waiting -= 1
+            ready.set()
+            return self._measured_compile(spec)
+
+        future = (self._small_pool if small else self._pool).submit(job)
+        ready.wait()  # bounded: at most LARGE_LANE_QUEUE compiles ahead (a small one: milliseconds)
         try:
-            compiled = future.result(timeout=self.timeout_s)
+            compiled = future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - begun[0])))
         except FutureTimeout:
             # The compile thread finishes on its own (the size limit and llguidance's fuel bound it; a small grammar's
             # lane never waits for it); this request is refused now, and the late result is not cached.
