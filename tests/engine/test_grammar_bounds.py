@@ -12,8 +12,13 @@ import time
 import pytest
 
 from service.engine.errors import EngineInputError, GrammarLaneFull
-from service.engine.grammar import (LARGE_LANE_QUEUE, MAX_GRAMMAR_POSITIONS, GrammarCompiler, GrammarSpec,
-                                    _resident_bytes)
+from service.engine.grammar import (
+    LARGE_LANE_QUEUE,
+    MAX_GRAMMAR_POSITIONS,
+    GrammarCompiler,
+    GrammarSpec,
+    _resident_bytes,
+)
 from service.engine.grammar_size import grammar_positions, regex_positions
 from service.engine.loading import load_tokenizer
 from tests.support.paths import REPO
