@@ -7,12 +7,17 @@ resource limits and its token-mask API: `benchmarks/grammar_engines.py`, docs/be
 * :class:`GrammarSpec` says what a request asks (kind, canonical source, the request field it came from);
 * :class:`GrammarCompiler` turns it into a :class:`CompiledGrammar`, bounded before it compiles (the source's bytes
   and its positions: the characters it spells out with repetitions multiplied out, `service.engine.grammar_size`,
-  so a grammar that would take seconds and hundreds of MB never reaches a compile thread), in time (a wall-clock
-  limit on a compile thread, off the event loop; small grammars compile in a lane of their own, so large ones,
-  however slow, never delay them: :data:`SMALL_POSITIONS`) and in work and
-  memory (llguidance's parser limits: lexer fuel, lexer states, grammar size), cached by the spec's hash in an LRU
+  so a grammar that would take seconds and hundreds of MB never reaches a compile thread; a tool call's grammar
+  counts each argument schema it embeds, :attr:`GrammarSpec.parts`), in time (a wall-clock limit on a compile
+  thread, counted from when the thread takes it up, off the event loop; small grammars compile in a lane of their
+  own, so large ones, however slow, never delay them: :data:`SMALL_POSITIONS`; large ones wait in a queue of at
+  most :data:`LARGE_LANE_QUEUE`) and in work and
+  memory (llguidance's parser limits: lexer fuel, lexer states, grammar size; a grammar the engine fails on at text
+  every response starts with is refused while compiling, issue 45), cached by the spec's hash in an LRU
   bounded in entries and in bytes (each entry's resident memory growth while it compiled); a source it cannot
   compile is an :class:`~service.engine.errors.EngineInputError` naming the request field and the limit (HTTP 400);
+* the tokenizer is read for text with special tokens off (:class:`_TextVocabulary`): a value that spells a special
+  token is written with text tokens;
 * :class:`GrammarState` is one row's matcher (a copy of the compiled grammar), advanced token by token;
 * :func:`constrained_reveal` decides the chains (below) of all constrained rows of one forward together, across
   requests; the running batch (`service.engine.batch.RunningBatch`) then hands each chain to the batched reveal
@@ -443,9 +448,11 @@ class GrammarCompiler:
 
         Raises:
             EngineInputError: naming ``spec.field`` and the limit: the source is too large, spells out more than
-                ``max_positions`` (both before compiling), is invalid (the engine's message), over the parser's
-                limits, took longer than ``timeout_s``, allows no first token, or is a JSON schema that no finite
-                value satisfies.
+                ``max_positions`` (both before compiling; a part over it names the part's field), is invalid (the
+                engine's message), over the parser's limits, took longer than ``timeout_s`` from its start,
+                allows no first token, fails in the engine at text every response starts with, or is a JSON
+                schema that no finite value satisfies.
+            GrammarLaneFull: a large grammar while :data:`LARGE_LANE_QUEUE` large ones wait (nothing queued).
         """
         if len(spec.source.encode()) > MAX_SOURCE_BYTES:
             raise EngineInputError(f"{spec.field} is {len(spec.source.encode()):,} bytes, over the "
