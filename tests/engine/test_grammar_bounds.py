@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from service.api.errors import classify
 from service.engine.errors import EngineInputError, GrammarLaneFull
 from service.engine.grammar import (
     LARGE_LANE_QUEUE,
@@ -174,6 +175,10 @@ def test_the_compile_limit_counts_compile_time_and_the_large_lane_queue_is_bound
     with pytest.raises(GrammarLaneFull) as full:
         compiler.compile(schema(LARGE_LANE_QUEUE))
     assert full.value.field == f"schema{LARGE_LANE_QUEUE}" and full.value.retry_after_s >= 1
+    status, body, headers = classify(full.value)  # what a client gets: a 429 to retry, naming the field
+    assert (status, body["error"]["code"], body["error"]["param"]) == (429, "grammar_lane_full",
+                                                                      f"schema{LARGE_LANE_QUEUE}")
+    assert headers == {"Retry-After": str(full.value.retry_after_s)}
     time.sleep(compiler.timeout_s + 0.5)  # queued longer than the limit: before issue 45 every one was refused
     gate.set()
     for thread in threads:
