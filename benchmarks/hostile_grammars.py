@@ -51,7 +51,7 @@ def rss_mib(pid: int) -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def chat(url: str, regex: str | None, max_tokens: int = 8, schema: dict | None = None,
+def chat(url: str, regex: str | None, max_tokens: int = 32, schema: dict | None = None,
          ) -> tuple[int, str | None, float]:
     """One chat completion (constrained by ``regex`` or ``schema`` unless None): (status, error param, seconds)."""
     body = {"model": "embedded", "messages": [{"role": "user", "content": "copy: 1 2 3"}], "max_tokens": max_tokens,
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
             after_burst = chat(url, TRIVIAL % 7)
             after = rss_mib(proc.pid)
             with concurrent.futures.ThreadPoolExecutor(len(SLOW_SCHEMAS)) as pool:
-                slow = [pool.submit(chat, url, None, 8, schema) for schema in SLOW_SCHEMAS]
+                slow = [pool.submit(chat, url, None, 32, schema) for schema in SLOW_SCHEMAS]
                 time.sleep(0.5)  # the slow compiles have started
                 during_slow = chat(url, TRIVIAL % 9)
                 slow_results = [f.result() for f in slow]

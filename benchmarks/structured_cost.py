@@ -10,9 +10,16 @@
    the process's CPU time until the 15 unconstrained ones are done (wall time on a shared machine measures the
    other jobs), the median of ``--repeat`` alternating runs, as a ratio.
 3. **Compiling a 200-property schema**, the median of ``--repeat`` compiles (cache off), against the 1 s bound.
+4. **Closing within max_tokens** (issue 45): forced calls whose arguments have free ints, strings, arrays and nested
+   objects (the tool-call grammar of `service.engine.tool_format`), on 8 digit-ledger prompts at the least
+   ``max_tokens`` that fits, a little above it and 64: complete outputs (``stop``) with the closing rule and
+   without it (the grammar decoded unbounded, as before), tokens per forward, and what the rule costs in grammar
+   operations per revealed token (closing walks, the masks they compute, ``validate_tokens`` checks of an old
+   path), against the one mask per revealed token the constrained reveal computes anyway. Counts, not times.
 
 Usage: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/structured_cost.py [--split test] [--batch 16]
-[--cache-mode dual] [--repeat 5]`` (about two minutes on one CPU core).
+[--cache-mode dual] [--repeat 5] [--closing-only]`` (about two minutes on one CPU core; ``--closing-only``: part 4
+alone, about a minute).
 """
 
 from __future__ import annotations
@@ -25,12 +32,27 @@ import torch
 
 from evaluation.embedded_task import BLOCK_LENGTH, GEN_LENGTH, load_split, score
 from service.engine import Engine
-from service.engine.grammar import GrammarCompiler, GrammarSpec
+from service.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_chat
+from service.engine.tool_format import Function, call_grammar
 from service.runtime.scheduler import forward_plan
 
 LEDGER_REGEX = r"( [0-9]){48}"
+#: Part 4's argument schemas: nothing bounds a value's length.
+FREE_SCHEMAS = {
+    "int": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"]},
+    "str": {"type": "object", "properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+            "required": ["city", "temp"]},
+    "arrays": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer"}},
+                                                "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+               "required": ["xs", "tags"]},
+    "nested": {"type": "object", "properties": {"order": {"type": "object", "properties": {
+        "id": {"type": "string"}, "lines": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "qty": {"type": "integer"}}, "required": ["sku", "qty"]}}},
+        "required": ["id", "lines"]}}, "required": ["order"]},
+}
 
 
 def ledger_run(engine: Engine, prompts, answers, params: DecodeParams, rows: RowOptions, batch: int) -> dict:
@@ -65,6 +87,35 @@ def mixed_batch(engine: Engine, prompts, params: DecodeParams, grammar) -> float
     return time.process_time() - started
 
 
+def closing_run(engine: Engine, compiler: GrammarCompiler, prompts, cache_mode: str) -> None:
+    """Part 4 (module doc): a markdown table of forced calls with free arguments, closed and unbounded."""
+    print("| arguments | max_tokens | complete, closing | complete, unbounded | tokens / forward, closing | "
+          "unbounded | walks / token | walk masks / token | path checks / token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    block = 32
+    for name, schema in FREE_SCHEMAS.items():
+        grammar = compiler.compile(GrammarSpec.lark(call_grammar([Function("f", None, schema)], False, False),
+                                                    "tools"))
+        unbounded = CompiledGrammar(grammar.spec, grammar._matcher, compiler)  # no start path: as before issue 45
+        least = max(1, grammar.min_tokens - 1)
+        for max_tokens in sorted({least, least + 16, max(64, least)}):
+            params = DecodeParams(cache_mode=cache_mode, block_length=block, gen_length=-(-max_tokens // block) * block)
+            out = {}
+            for label, g in (("closing", grammar), ("unbounded", unbounded)):
+                before = (compiler.closing_walks, compiler.closing_masks, compiler.closing_checks)
+                report = engine.generate(prompts, params, [RowOptions(max_tokens=max_tokens, grammar=g)] * len(prompts))
+                tokens = sum(len(r.generated_ids) for r in report.rows)
+                out[label] = {
+                    "complete": sum(r.finish_reason == "stop" for r in report.rows),
+                    "per_forward": tokens / sum(r.nfe for r in report.rows),
+                    "ops": [(now - was) / tokens for now, was in zip(
+                        (compiler.closing_walks, compiler.closing_masks, compiler.closing_checks), before)]}
+            c, u = out["closing"], out["unbounded"]
+            walks, masks, checks = c["ops"]
+            print(f"| {name} | {max_tokens} | {c['complete']}/{len(prompts)} | {u['complete']}/{len(prompts)} | "
+                  f"{c['per_forward']:.2f} | {u['per_forward']:.2f} | {walks:.3f} | {masks:.3f} | {checks:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--split", default="test")
@@ -72,12 +123,18 @@ def main() -> None:
     parser.add_argument("--cache-mode", default="dual")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--closing-only", action="store_true", help="part 4 alone")
     args = parser.parse_args()
     engine = Engine.load(None, threads=args.threads)
     compiler = GrammarCompiler(engine.tokenizer, engine.spec.vocab_size, engine.spec.eos_ids)
-    ledger = compiler.compile(GrammarSpec.regex(LEDGER_REGEX, "structured_outputs.regex"))
     questions = load_split(args.split)
     prompts = [encode_chat(engine.tokenizer, [{"role": "user", "content": q.prompt}], "embedded") for q in questions]
+    print(f"forced calls with free arguments, 8 questions of {args.split}, cache {args.cache_mode}, block 32:")
+    closing_run(engine, compiler, prompts[:8], args.cache_mode)
+    if args.closing_only:
+        return
+    print()
+    ledger = compiler.compile(GrammarSpec.regex(LEDGER_REGEX, "structured_outputs.regex"))
     answers = [q.answer for q in questions]
     params = DecodeParams(cache_mode=args.cache_mode, block_length=BLOCK_LENGTH, gen_length=GEN_LENGTH)
 

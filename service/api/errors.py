@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.artifacts.base import ArtifactMismatch
-from service.engine.errors import EngineInputError, validation_message
+from service.engine.errors import EngineInputError, GrammarLaneFull, validation_message
 from service.engine.grammar import GrammarViolation
 from service.runtime.loop import BatchFailed, JobCancelled, QueueFull, RequestTooLarge, WorkerUnavailable
 from service.store.active import ConfigUnavailable
@@ -107,6 +107,7 @@ class RequestTimeout(ApiError):
 # exception type -> (status, OpenAI type, code). First match in order wins (subclasses before bases).
 MAPPING: list[tuple[type[BaseException], int, str, str]] = [
     (QueueFull, 429, "rate_limit_error", "queue_full"),
+    (GrammarLaneFull, 429, "rate_limit_error", "grammar_lane_full"),
     (RequestTooLarge, 400, "invalid_request_error", "over_memory_budget"),
     (WorkerUnavailable, 503, "service_unavailable_error", "not_ready"),
     (StoreUnavailable, 503, "service_unavailable_error", "store_unavailable"),
@@ -147,7 +148,8 @@ def classify(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str] | 
         if isinstance(exc, cls):
             field = getattr(exc, "field", None)
             param = REQUEST_PARAM.get(field, field)
-            retry = getattr(exc, "retry_after_s", None) if isinstance(exc, QueueFull | StoreUnavailable) else None
+            busy = isinstance(exc, QueueFull | StoreUnavailable | GrammarLaneFull)
+            retry = getattr(exc, "retry_after_s", None) if busy else None
             headers = {"Retry-After": str(retry)} if retry is not None else None
             message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
             return status, error_body(message, type_, code, param), headers

@@ -540,8 +540,11 @@ class Serving:
         # A response that can only be calls (required, a named function) ends where its grammar ends: a stop string
         # could only cut a call, which is then returned as nothing at all.
         calls_only = tools is not None and tools.mode in ("required", "named")
+        grammar = self._grammar(req, tools)
+        if grammar is not None:  # a constrained response closes within its positions, or is refused now (issue 45)
+            grammar.fits(max_tokens, params.block_length)
         row = RowOptions(temperature=temperature, seed=req.seed, stop=() if calls_only else self._stops(req.stop),
-                         max_tokens=max_tokens, logprobs=logprobs, grammar=self._grammar(req, tools))
+                         max_tokens=max_tokens, logprobs=logprobs, grammar=grammar)
         rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
         jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
         prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]

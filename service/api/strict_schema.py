@@ -1,5 +1,7 @@
-"""OpenAI's strict mode for a function's ``parameters`` (``tools[].function.strict: true``): the schema must be of
-the subset OpenAI's Structured Outputs accepts, checked as OpenAI checks it, before anything compiles.
+"""OpenAI's strict mode for a function's ``parameters`` (``tools[].function.strict: true``) and for a
+``response_format`` ``json_schema`` with ``strict: true`` (issue 45: OpenAI answers a plain pydantic
+``model_json_schema()`` there with a 400): the schema must be of the subset OpenAI's Structured Outputs accepts,
+checked as OpenAI checks it, before anything compiles.
 
 The rules (OpenAI's "Supported schemas" of Structured Outputs), each refusal naming where in the schema:
 
@@ -41,13 +43,15 @@ MAX_NESTING = 10
 MAX_ENUM_VALUES = 1000
 
 
-def check_strict(schema: Any, field: str, function: str) -> None:
-    """Refuse ``schema`` (a function's ``parameters``) unless it is in strict mode's subset (module docstring).
+def check_strict(schema: Any, field: str, function: str, owner: str = "function") -> None:
+    """Refuse ``schema`` (a function's ``parameters``, or a ``response_format``'s schema) unless it is in strict
+    mode's subset (module docstring).
 
     Args:
         schema: the ``parameters`` as sent (None: no parameters, which strict mode takes as an empty object).
         field: the request field, e.g. ``tools.0.function.parameters`` (the error's ``param``).
-        function: the function's name, for the message.
+        function: the function's (or the ``json_schema``'s) name, for the message; owner: what it names
+            (``function``, or ``response_format json_schema``).
 
     Raises:
         EngineInputError: the first rule broken, with where in the schema (``properties.city.items``).
@@ -55,7 +59,7 @@ def check_strict(schema: Any, field: str, function: str) -> None:
     if schema is None:
         return
     counts = {"properties": 0, "enum": 0}
-    _node(schema, (), 0, counts, field, function, root=True)
+    _node(schema, (), 0, counts, field, f"{owner} {function!r}", root=True)
 
 
 def strict_parameters(schema: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -68,7 +72,7 @@ def _node(node: Any, path: tuple[str, ...], depth: int, counts: dict[str, int], 
           root: bool = False) -> None:
     def refuse(rule: str) -> EngineInputError:
         where = ".".join(path) or "the root"
-        return EngineInputError(f"{field}: function {function!r} is strict, and in strict mode {rule} (at {where}); "
+        return EngineInputError(f"{field}: {function} is strict, and in strict mode {rule} (at {where}); "
                                 "send strict: false to use this schema as it is", field)
 
     if not isinstance(node, dict):

@@ -6,7 +6,9 @@ Accepted on ``/v1/chat/completions`` and ``/v1/completions`` (at most one of the
 
 * ``response_format``: ``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "json_schema":
   {"name", "description", "schema", "strict"}}`` (OpenAI's shapes; what ``client.chat.completions.parse`` sends
-  for a pydantic model). The schema is always enforced, ``strict`` or not.
+  for a pydantic model). The schema is always enforced, ``strict`` or not; ``strict: true`` also checks it as OpenAI
+  does (`service.api.strict_schema`: every object ``additionalProperties: false`` with every property required,
+  only strict mode's keywords), a 400 naming ``response_format.json_schema.schema`` otherwise.
 * ``structured_outputs``: vLLM's current object (since v0.12 its only form): ``{"json": schema}``,
   ``{"regex": pattern}``, ``{"choice": [strings]}`` or ``{"json_object": true}``; exactly one key. vLLM's other
   keys (``grammar``, ``structural_tag``, ``whitespace_pattern`` ...) are refused as unknown fields.
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_
 from pydantic_core import PydanticCustomError
 
 from service import strict_json
+from service.api.strict_schema import check_strict
 from service.engine.errors import EngineInputError
 from service.engine.grammar import MAX_SOURCE_BYTES, GrammarSpec
 
@@ -137,6 +140,8 @@ class StructuredOutputFields(BaseModel):
         if isinstance(rf, ResponseFormatJsonSchema):
             schema = rf.json_schema.schema_
             field = "response_format.json_schema.schema"
+            if rf.json_schema.strict and schema is not None:  # as OpenAI checks it (`service.api.strict_schema`)
+                check_strict(schema, field, rf.json_schema.name, "response_format json_schema")
             return GrammarSpec.json_object(field) if schema is None else GrammarSpec.json_schema(schema, field)
         if so is not None:
             if so.json_ is not None:

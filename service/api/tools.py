@@ -12,7 +12,8 @@ Limits (each refusal a 400 naming the field):
 * ``tools``: 1 to `MAX_TOOLS` (OpenAI's 128) tools of type ``function``; a name is 1-64 letters, digits,
   ``_`` or ``-`` (OpenAI's rule), unique in the request; ``parameters`` a JSON Schema object of at most
   `MAX_PARAMETERS_BYTES` as compact JSON, whose ``type`` (if given) is ``object`` (calls carry an object of
-  arguments); a schema no finite value satisfies is refused as a structured-output schema is;
+  arguments); a schema no finite value satisfies, or over the grammar size limit (counted as when sent in
+  ``response_format``, issue 45), is refused as a structured-output schema is;
 * ``tool_choice``: ``none``, ``auto`` (default with tools), ``required`` or ``{"type": "function", "function":
   {"name"}}`` naming one of ``tools``; other than ``none`` only with ``tools``, and not together with a
   structured-output field (``response_format`` other than text, ``structured_outputs``, ``guided_*``): the response
@@ -223,7 +224,8 @@ class ToolRequest:
         """The grammar of the response (None for ``none``: the tools are listed, nothing is constrained)."""
         if not self.calls:
             return None
-        return GrammarSpec.lark(call_grammar(self.called, self.parallel, self.mode == "auto"), "tools")
+        return GrammarSpec.lark(call_grammar(self.called, self.parallel, self.mode == "auto"), "tools",
+                                self.parameter_specs())
 
     def parameter_specs(self) -> list[GrammarSpec]:
         """Each called function's ``parameters`` as a structured-output schema naming its field: compiled one by

@@ -115,7 +115,7 @@ class BlockCausalCohort:
         # any other store slot holds nothing outside the batch's cache.
         self.store = kv_store if callable(getattr(kv_store, "commit", None)) else NoStore()
         self.rows = [Row(prompt, s, mask_id, eos_ids, _generator(o, device),
-                         o.grammar.start() if o.grammar is not None else None, o.logprobs)
+                         o.grammar.start(o.max_tokens, s.gen_length) if o.grammar is not None else None, o.logprobs)
                      for prompt, s, o in zip(prompts, settings, rows)]
         self.status = ["running"] * len(prompts)
         self.results: list[BlockCausalResult | None] = [None] * len(prompts)

@@ -192,7 +192,7 @@ class Cohort:
         self.banned = torch.tensor(spec.banned_ids, dtype=torch.long, device=device)
         self.rows = [
             RowState(pad=pad, temperature=o.temperature, generator=_row_generator(o, params, device),
-                     grammar=o.grammar.start() if o.grammar is not None else None)
+                     grammar=o.grammar.start(o.max_tokens, params.gen_length) if o.grammar is not None else None)
             for pad, o in zip(pads, rows)
         ]
         #: Per row, the response as last read back (the mask id where not revealed yet).

@@ -29,3 +29,13 @@ class EngineInputError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class GrammarLaneFull(RuntimeError):
+    """The large-grammar compile lane has its most compiles waiting (`service.engine.grammar.LARGE_LANE_QUEUE`):
+    retry after ``retry_after_s`` seconds. The API maps it to HTTP 429 (the request was fine; the server is busy),
+    ``field`` naming the grammar's request field."""
+
+    def __init__(self, message: str, field: str | None, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.field, self.retry_after_s = field, retry_after_s

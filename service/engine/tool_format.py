@@ -36,6 +36,7 @@ this format.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,14 +183,21 @@ def parse_calls(text: str, max_depth: int = strict_json.MAX_DEPTH) -> tuple[list
         end = text.find(CALL_CLOSE, at + len(CALL_OPEN))
         if end < 0:
             return calls, False
+        body = text[at + len(CALL_OPEN):end]
         try:
-            value = strict_json.loads(text[at + len(CALL_OPEN):end], max_depth=max_depth)
+            value = strict_json.loads(body, max_depth=max_depth)
         except strict_json.JSONError:
+            value = None
+        if value is None:
+            call = _written_call(body)  # nested deeper, or an integer longer, than parsing takes
+            if call is None:
+                return calls, False
+            calls.append(call)
+        elif not (isinstance(value, dict) and isinstance(value.get("name"), str)
+                  and isinstance(value.get("arguments"), dict)):
             return calls, False
-        if not (isinstance(value, dict) and isinstance(value.get("name"), str)
-                and isinstance(value.get("arguments"), dict)):
-            return calls, False
-        calls.append(Call(value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
+        else:
+            calls.append(Call(value["name"], json.dumps(value["arguments"], ensure_ascii=False)))
         at = end + len(CALL_CLOSE)
         if at == len(text):
             return calls, True
@@ -197,6 +205,29 @@ def parse_calls(text: str, max_depth: int = strict_json.MAX_DEPTH) -> tuple[list
             return calls, False
         at += len(CALL_SEPARATOR)
     return calls, False  # no marker at the start, or a separator with no call after it
+
+
+#: A call as the grammar writes it (`JSON_OPTIONS`' separators, the name first): its name and its arguments' text.
+_WRITTEN_CALL = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": (\{.*\})\}', re.DOTALL)
+# One lexical token of JSON text (strings whole, so their brackets are not counted).
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]|[^"\[\]{}]+')
+
+
+def _written_call(body: str) -> Call | None:
+    """A call whose JSON the server will not parse into values (nested deeper than `service.strict_json.MAX_DEPTH`,
+    an integer of more digits than Python converts) read from its text instead (issue 45, N5: such a call, valid
+    under its grammar, was dropped: no ``tool_calls``, ``finish_reason`` ``stop``). The grammar wrote it, so it has
+    the shape of :data:`_WRITTEN_CALL`; its arguments are returned as written (the separators json.dumps writes)
+    once a bracket count, linear and without recursion, finds them one balanced object. None otherwise."""
+    match = _WRITTEN_CALL.fullmatch(body)
+    if match is None:
+        return None
+    depth = 0
+    for token in _JSON_TOKEN.findall(match.group(2)):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(token, 0)
+        if depth < 0:
+            return None
+    return Call(json.loads(match.group(1)), match.group(2)) if depth == 0 else None
 
 
 __all__ = ["CALL_CLOSE", "CALL_OPEN", "TOOLS_PREAMBLE", "Call", "Function", "call_grammar", "call_text",

@@ -417,6 +417,8 @@ def prompt_cases(h: Hostile, mask_id: int) -> None:
     m("chat: max_tokens 8 and max_completion_tokens 64 (conflict)", [{"role": "user", "content": DIGITS}],
       "max_completion_tokens", expect={200, 400}, max_completion_tokens=64)
     m("chat: tools (served, issue 35)", [{"role": "user", "content": "x"}], None, expect=200,
+      tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", max_tokens=64)
+    m("chat: forced tools, max_tokens 8: no call fits (issue 45)", [{"role": "user", "content": "x"}], "max_tokens",
       tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
     m("chat: tools with a name OpenAI refuses", [{"role": "user", "content": "x"}], "tools.0.function.name",
       tools=[{"type": "function", "function": {"name": "f()"}}])

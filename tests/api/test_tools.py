@@ -1,7 +1,7 @@
 """Tool calling over HTTP (issue 35), in-process: the real app and routes around the embedded model (TestClient).
 Refusals name the field; a forced call comes back as ``message.tool_calls`` whose arguments validate, under every
 cache mode, a quantized KV cache, n > 1 and with logprobs; streamed, each call goes out as OpenAI streams one and
-adds up to the same answer; a ``length`` cut is ``length``, never a broken call; a conversation carrying calls
+adds up to the same answer; a ``max_tokens`` no call fits is a 400, never a broken call; a conversation carrying calls
 and results is rendered (the generic format) and answered.
 
 The openai client against a real server process: ``tests/structured/test_tool_server.py``."""
@@ -135,36 +135,20 @@ def test_a_named_call_streams_as_openai_streams_it_and_adds_up(client):
     assert events[-3]["choices"][0]["finish_reason"] == "tool_calls"
 
 
-def test_a_length_cut_is_length_never_a_broken_call(client):
-    for stream in (False, True):
-        r = client.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": "required",
-                                                      "max_tokens": 12, "stream": stream})
-        if stream:
-            events = sse_events(r.iter_lines())
-            assert not any("tool_calls" in e["choices"][0]["delta"] for e in events[:-1] if e["choices"])
-            assert events[-2]["choices"][0]["finish_reason"] == "length"
-        else:
-            choice = r.json()["choices"][0]
-            assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"], choice
-
-
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_a_cut_inside_the_call_marker_is_no_content(client, tool_choice):
-    """Four tokens cut a forced call inside its marker (``<tool_``): the docs' "content is null", streamed and
-    not (it came back as content ``"<tool_"``, a partial call shown as text)."""
-    for stream in (False, True):
+def test_a_max_tokens_no_call_fits_is_a_400_never_a_cut_call(client, tool_choice):
+    """A forced call cut by ``max_tokens`` (12 tokens; 4, inside its marker ``<tool_``) came back as ``length``
+    with no call (issue 35); since issue 45 a ``max_tokens`` no complete call fits is refused before decoding,
+    streamed or not, with the least that fits (`service.engine.grammar`), and at that least the call is whole."""
+    for max_tokens, stream in ((4, False), (12, True)):
         r = client.post("/v1/chat/completions", json={"messages": USER, "tools": TOOLS, "tool_choice": tool_choice,
-                                                      "max_tokens": 4, "stream": stream})
-        assert r.status_code == 200, r.text
-        if stream:
-            events = [e for e in sse_events(r.iter_lines()) if e != "[DONE]" and e["choices"]]
-            assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == ""
-            assert not any("tool_calls" in e["choices"][0]["delta"] for e in events)
-            assert events[-1]["choices"][0]["finish_reason"] == "length"
-        else:
-            choice = r.json()["choices"][0]
-            assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
-            assert "tool_calls" not in choice["message"], choice
+                                                      "max_tokens": max_tokens, "stream": stream})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "max_tokens" and "cannot hold a complete response to tools" in error["message"]
+    least = int(error["message"].rsplit("at least ", 1)[1])
+    choice = _chat(client, tool_choice=tool_choice, max_tokens=least)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and _valid_calls(choice["message"]), choice
 
 
 def test_a_conversation_with_calls_and_results(client, engine):
@@ -224,7 +208,7 @@ def test_tokenize_renders_tools_as_chat_does(client, engine):
     assert r.status_code == 200, r.text
     tokens = r.json()
     assert tokens["count"] == _chat(client, tool_choice="none", max_tokens=8)["usage"]["prompt_tokens"]
-    assert tokens["count"] == _chat(client, tool_choice="required", max_tokens=8)["usage"]["prompt_tokens"]
+    assert tokens["count"] == _chat(client, tool_choice="required", max_tokens=64)["usage"]["prompt_tokens"]
     functions = [Function(t["function"]["name"], t["function"].get("description"), t["function"]["parameters"])
                  for t in TOOLS]
     assert tokens["tokens"] == encode_chat(engine.tokenizer, generic_turns(USER, functions), "embedded")

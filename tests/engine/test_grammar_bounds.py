@@ -11,8 +11,15 @@ import time
 
 import pytest
 
-from service.engine.errors import EngineInputError
-from service.engine.grammar import MAX_GRAMMAR_POSITIONS, GrammarCompiler, GrammarSpec, _resident_bytes
+from service.api.errors import classify
+from service.engine.errors import EngineInputError, GrammarLaneFull
+from service.engine.grammar import (
+    LARGE_LANE_QUEUE,
+    MAX_GRAMMAR_POSITIONS,
+    GrammarCompiler,
+    GrammarSpec,
+    _resident_bytes,
+)
 from service.engine.grammar_size import grammar_positions, regex_positions
 from service.engine.loading import load_tokenizer
 from tests.support.paths import REPO
@@ -135,3 +142,46 @@ def test_a_slow_grammar_under_the_limits_never_delays_a_small_one(tokenizer):
     thread.join()
     assert finished == ["trivial", "slow"]
     assert [e.field for e in errors] == ["guided_json"] and "0.2 s compile time limit" in str(errors[0])
+
+
+def test_the_compile_limit_counts_compile_time_and_the_large_lane_queue_is_bounded(tokenizer):
+    """Issue 45, N3: the time limit counts from a compile's start, not its wait in the large lane (after 20 large
+    schemas a 300-property one, 0.12 s alone, was refused as "took longer than 5 s to compile"), and the wait is
+    bounded by a queue of `LARGE_LANE_QUEUE` instead: one more large grammar is refused at once (429), never run.
+    The lane is held by a job that waits on an event, longer than the time limit, then let go: every queued
+    schema compiles."""
+    compiler = _compiler(tokenizer, timeout_s=2.0)
+    gate = threading.Event()
+    compiler._pool.submit(gate.wait)  # the large lane is busy
+
+    def schema(i: int) -> GrammarSpec:
+        return GrammarSpec.json_schema({"type": "object", "description": str(i),
+                                        "properties": {f"p{j}": {"type": "string"} for j in range(300)}},
+                                       f"schema{i}")
+
+    results: dict[int, object] = {}
+
+    def compile_one(i: int) -> None:
+        try:
+            results[i] = compiler.compile(schema(i))
+        except (EngineInputError, GrammarLaneFull) as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=compile_one, args=(i,)) for i in range(LARGE_LANE_QUEUE)]
+    for thread in threads:
+        thread.start()
+    while compiler._large_waiting < LARGE_LANE_QUEUE:
+        time.sleep(0.01)
+    with pytest.raises(GrammarLaneFull) as full:
+        compiler.compile(schema(LARGE_LANE_QUEUE))
+    assert full.value.field == f"schema{LARGE_LANE_QUEUE}" and full.value.retry_after_s >= 1
+    status, body, headers = classify(full.value)  # what a client gets: a 429 to retry, naming the field
+    assert (status, body["error"]["code"], body["error"]["param"]) == (429, "grammar_lane_full",
+                                                                      f"schema{LARGE_LANE_QUEUE}")
+    assert headers == {"Retry-After": str(full.value.retry_after_s)}
+    time.sleep(compiler.timeout_s + 0.5)  # queued longer than the limit: before issue 45 every one was refused
+    gate.set()
+    for thread in threads:
+        thread.join()
+    assert all(not isinstance(r, Exception) for r in results.values()), results
+    assert len(results) == LARGE_LANE_QUEUE

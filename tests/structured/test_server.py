@@ -1,7 +1,7 @@
 """Structured output through a real server (``python -m service serve``, the embedded model) and the official
 openai client: ``chat.completions.parse`` with a pydantic model, a streamed JSON schema, vLLM's fields on
 completions under each cache mode, a schema that cannot compile (400 naming the field), and a ``max_tokens`` too
-short for any valid output (``length``, never an invalid ``stop``)."""
+short for any valid output (a 400 naming ``max_tokens``, issue 45)."""
 
 from __future__ import annotations
 
@@ -90,10 +90,17 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client):
     assert client.completions.create(model="embedded", prompt="x", max_tokens=8).choices
 
 
-def test_max_tokens_too_short_ends_with_length(client):
-    short = client.completions.create(model="embedded", prompt=f"copy: {DIGITS}", max_tokens=8,
-                                      extra_body={"structured_outputs": {"regex": LEDGER}})
-    assert short.choices[0].finish_reason == "length" and len(short.choices[0].text.split()) <= 8
+def test_max_tokens_too_short_is_a_400_and_the_least_it_names_closes(client):
+    """Was ``length`` with a cut output; since issue 45 a ``max_tokens`` no complete output fits is refused before
+    decoding, and at the least it names the output is complete (``tests/structured/test_closing_server.py``)."""
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="embedded", prompt=f"copy: {DIGITS}", max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": LEDGER}})
+    assert bad.value.body["param"] == "max_tokens"
+    least = int(re.search(r"at least (\d+)", bad.value.body["message"]).group(1))
+    done = client.completions.create(model="embedded", prompt=f"copy: {DIGITS}", max_tokens=least,
+                                     extra_body={"structured_outputs": {"regex": LEDGER}})
+    assert done.choices[0].finish_reason == "stop" and re.fullmatch(LEDGER, done.choices[0].text)
 
 
 def test_a_schema_failing_mid_decode_fails_alone_beside_a_running_request(server, client):
