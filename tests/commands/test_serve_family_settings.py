@@ -17,7 +17,7 @@ from tests.support.cli import service_main
 from tests.support.fastdllm import CKPT
 from tests.support.llada2 import LLADA2_CKPT
 
-CHECKPOINTS = {**CKPT, **{"llada2": LLADA2_CKPT["llada2"]}}
+CHECKPOINTS = {**CKPT, "llada2": LLADA2_CKPT["llada2"]}
 
 
 def _values(name: str) -> list:
