@@ -24,9 +24,9 @@ from service.engine import Engine, EngineInputError
 from service.engine.engine import cache_modes
 from service.engine.forward_cost import ForwardCost
 from service.engine.loading import detect_arch, load_checkpoint
-from service.engine.models import MODEL_CLASSES, ModelConfig
+from service.engine.models import MODEL_CLASSES, ModelConfig, configured_cache_mode
 from service.engine.models.llada import LLaDAModel
-from service.engine.params import CacheMode, ConfiguredCacheMode, DecodeParams, configured_cache_mode
+from service.engine.params import CacheMode, ConfiguredCacheMode, DecodeParams
 from service.runtime.memory import MemoryModel
 from tests.support.fastdllm import CKPT, golden
 from tests.support.llada2 import LLADA2_CKPT
