@@ -219,9 +219,10 @@ class BlockCausalCohort:
         return self.store.commit(slot, call.start, call.block_start, row.block, i)
 
 
-#: What the block-causal family can do: its forwards are the plan's (bounded by ``max_batched_tokens``), and it is
-#: preempted by recompute at a block boundary; no likelihood, no layer split (its forward runs every layer).
-CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=True, plan_bounded=True,
+#: What the block-causal family can do: its forwards are the plan's (bounded by ``max_batched_tokens``), a wide
+#: pass that commits columns is split by layers (not a row whose store packs committed blocks), and it is
+#: preempted by recompute at a block boundary; no likelihood.
+CAPABILITIES = Capabilities(likelihood=False, layer_split=True, preemption=True, plan_bounded=True,
                             cache_kind="committed", mask_kind="block_causal")
 
 #: How LLaDA2 serves each `DecodeSettings` field (`settings_from` maps them to `BlockCausalParams`).
@@ -280,8 +281,9 @@ class BlockCausalPass:
     """One cohort's part of an iteration, as the plan reads it (`service.engine.protocol.PlannedPass`): its live
     rows' next calls. ``kind`` is ``full`` when one of them commits columns (its window starts before its active
     block: the first call of a block, the prompt's included, or every call of cache mode ``none``), else
-    ``window``; ``width`` the widest window, ``seq_len`` the farthest column. Never split by layers (``layers``
-    stays None: `Capabilities.layer_split` is False)."""
+    ``window``; ``width`` the widest window, ``seq_len`` the farthest column. ``layers``, ``hidden``: the rest of
+    a pass split by layers (`service.runtime.scheduler.split_by_layers`): the layers it has left and the hidden
+    states ``[n, width, C]`` the previous piece reached."""
 
     cohort: BlockCausalCohort
     rows: list[int]
@@ -324,6 +326,8 @@ class BlockCausalBatch:
         self.rows = 0
         self._caches: list[tuple[list[Row], CommittedKV]] = []  # each cache with the row of each slot
         self._owner: dict[int, tuple[CommittedKV, int]] = {}  # id(row) -> the cache and slot holding its K/V
+        # Cohorts between the pieces of a pass split by layers: the layer reached and the hidden states there.
+        self._pieces: dict[BlockCausalCohort, tuple[int, torch.Tensor]] = {}
 
     @property
     def caches(self) -> list[CommittedKV]:
@@ -343,6 +347,7 @@ class BlockCausalBatch:
         self._forget(cohort)
 
     def _forget(self, cohort: BlockCausalCohort) -> None:
+        self._pieces.pop(cohort, None)
         for row in cohort.rows:
             self._owner.pop(id(row), None)
         held = {id(cache) for cache, _ in self._owner.values()}
@@ -350,8 +355,9 @@ class BlockCausalBatch:
 
     def preemptible(self, cohort: BlockCausalCohort) -> bool:
         """Whether :meth:`preempt` may take ``cohort`` out now (class doc): every live row's next call commits
-        columns (a block boundary) and no row's committed blocks are held packed by its store."""
-        return bool(cohort.calls) and all(
+        columns (a block boundary), it is not between the pieces of a split pass, and no row's committed blocks
+        are held packed by its store."""
+        return bool(cohort.calls) and cohort not in self._pieces and all(
             call.start < call.block_start or cohort.rows[i].params.cache_mode == "none"
             for i, call in cohort.calls.items()) and not any(cohort.packs(i) for i in cohort.calls)
 
@@ -387,8 +393,10 @@ class BlockCausalBatch:
                 continue
             calls = [cohort.calls[i] for i in sorted(cohort.calls)]
             full = any(c.start < c.block_start for c in calls) or not any(c.start for c in calls)
+            reached, hidden = self._pieces.get(cohort, (0, None))
             out.append(BlockCausalPass(cohort, sorted(cohort.calls), "full" if full else "window",
-                                       max(c.end - c.start for c in calls), max(c.end for c in calls)))
+                                       max(c.end - c.start for c in calls), max(c.end for c in calls),
+                                       (reached, len(self.model.layers)) if reached else None, hidden))
         return out
 
     def step(self) -> list[BlockCausalCohort]:
@@ -403,7 +411,12 @@ class BlockCausalBatch:
         :meth:`leave`). A cohort whose host step raises fails alone: it leaves and is listed in :attr:`failed`."""
         finished: list[BlockCausalCohort] = []
         for group in forwards:
-            self._run_group([(p.cohort, i) for p in group for i in p.rows if i in p.cohort.calls])
+            layers = group[0].layers
+            if layers is not None and any(p.cohort.packs(i) for p in group for i in p.rows):
+                layers = None  # a packing store's write hooks run over a whole forward: such a pass is not split
+            if layers is not None and layers == (0, len(self.model.layers)):
+                layers = None
+            self._run_group([(p.cohort, i) for p in group for i in p.rows if i in p.cohort.calls], group, layers)
         for cohort in self._live:
             if cohort in [f for f, _ in self.failed]:
                 self.leave(cohort)
@@ -421,10 +434,22 @@ class BlockCausalBatch:
         self._live, self._finished = [], []
         return finished
 
-    def _run_group(self, live: list[tuple[BlockCausalCohort, int]]) -> None:
-        """One forward over the rows ``live`` ((cohort, row index) pairs), each row advanced with its reveal."""
+    def _run_group(self, live: list[tuple[BlockCausalCohort, int]], group: list[BlockCausalPass] | None = None,
+                   layers: tuple[int, int] | None = None) -> None:
+        """One forward over the rows ``live`` ((cohort, row index) pairs), each row advanced with its reveal; with
+        ``layers`` one piece of it (the passes of ``group`` split by layers): a piece before the last keeps each
+        cohort's hidden states for the next, the last reveals."""
         if not live:
             return
+        hidden = None
+        if layers is not None:
+            if layers[0] > 0:  # the previous pieces' hidden states, the group's rows in order, padded to one width
+                width = max(p.width for p in group)
+                hidden = torch.cat([torch.nn.functional.pad(p.hidden, (0, 0, 0, width - p.hidden.shape[1]))
+                                    for p in group])
+            if layers[1] < len(self.model.layers):
+                self._run_piece(live, group, layers, hidden)
+                return
         # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
         live = sorted(live, key=lambda ci: ci[0].packs(ci[1]))
         rows = [c.rows[i] for c, i in live]
@@ -438,12 +463,14 @@ class BlockCausalBatch:
         deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
         try:
             revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned,
-                                 hook.take_checks if hook is not None else None)
+                                 hook.take_checks if hook is not None else None, layers, hidden)
         finally:
             DEFER_WRITE_CHECKS.reset(deferred)
             cache.on_write = None
         self.forwards += 1
         self.rows += len(rows)
+        for p in group or ():
+            self._pieces.pop(p.cohort, None)
         for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
             if cohort in [f for f, _ in self.failed]:
                 continue
@@ -460,6 +487,22 @@ class BlockCausalBatch:
                 cohort.advance(i, row_revealed)
             except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
                 self.failed.append((cohort, exc))
+
+    def _run_piece(self, live: list[tuple[BlockCausalCohort, int]], group: list[BlockCausalPass],
+                   layers: tuple[int, int], hidden: torch.Tensor | None) -> None:
+        """A piece of the group's passes before the last layer: its layers write their K/V into the rows' slots,
+        and each cohort keeps the hidden states its rows reached (cut to its own width) for its next piece. No
+        row is revealed or advanced. A fault here is no one cohort's (the iteration's forward raised)."""
+        rows = [c.rows[i] for c, i in live]
+        cache = self._cache_for(rows, 0)
+        reached = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, None, None, layers, hidden)
+        self.forwards += 1
+        self.rows += len(rows)
+        offset = 0
+        for p in group:
+            n = len(p.rows)
+            self._pieces[p.cohort] = (layers[1], reached[offset:offset + n, : p.width])
+            offset += n
 
     def _checked_again(self, cohort: BlockCausalCohort, i: int, commit: Any,
                        banned: torch.Tensor | None) -> BaseException | None:

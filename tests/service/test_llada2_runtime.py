@@ -42,8 +42,9 @@ def _snapshot(mode: str) -> ConfigSnapshot:
     return ConfigSnapshot(UNQUANTIZED, mode, "request")
 
 
+@pytest.mark.parametrize("split", [0, 24], ids=["whole", "layer-split"])
 @pytest.mark.parametrize("mode", ["block", "none"])
-def test_batched_under_a_small_token_budget_each_request_decodes_as_alone(engine, mode):
+def test_batched_under_a_small_token_budget_each_request_decodes_as_alone(engine, mode, split):
     prompts = _prompts()
     params = [DecodeParams(gen_length=64, block_length=32, threshold=0.9, cache_mode=mode),
               DecodeParams(gen_length=32, block_length=16, steps=8, cache_mode=mode)]
@@ -51,13 +52,15 @@ def test_batched_under_a_small_token_budget_each_request_decodes_as_alone(engine
             for i, p in enumerate(prompts)]
     alone = [engine.generate([j.prompt_ids], j.params, [j.row]).rows[0].generated_ids for j in jobs]
     budget_tokens = 96  # below two block-initial passes together: the plan makes several forwards
-    worker = _worker(engine, 1 << 30, Telemetry(), max_batched_tokens=budget_tokens)
+    worker = _worker(engine, 1 << 30, Telemetry(), max_batched_tokens=budget_tokens, layer_split_tokens=split)
     planned: list[list[int]] = []
+    pieces: list[tuple[int, int]] = []
     plan = worker._plan
 
     def spy(passes):
         forwards = plan(passes)
         planned.append([forward_tokens(group) for group in forwards if len(group) > 1])
+        pieces.extend(group[0].layers for group in forwards if group[0].layers is not None)
         return forwards
 
     worker._plan = spy
@@ -69,6 +72,10 @@ def test_batched_under_a_small_token_budget_each_request_decodes_as_alone(engine
     assert served == alone
     assert max(len(p) for p in planned) >= 1  # requests did share forwards
     assert all(tokens <= budget_tokens for forwards in planned for tokens in forwards)  # merged ones in budget
+    layers = engine.spec.num_layers
+    assert bool(pieces) == bool(split)  # block-initial passes ran piece by piece, first and last pieces among them
+    if split:
+        assert any(a == 0 and b < layers for a, b in pieces) and any(a > 0 and b == layers for a, b in pieces)
 
 
 def _run(engine, mode: str, n: int, temperature: float, max_preemptions: int):
