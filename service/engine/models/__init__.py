@@ -1,7 +1,7 @@
 """LLaDA, Dream and LLaDA2 models built from the shared layers.
 
 `MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec, the decode
-loop's reveal rule (:func:`reveal_rule`), the attention-mask kind (:func:`is_block_causal`), the cache modes
+loop's reveal rule (:func:`reveal_rule`), the decoder (``DiffusionLM.decoder``, `service.engine.families`), the cache modes
 (:func:`family_cache_modes`) and admission's cost figures (the config's ``mlp_cost``) all come from what the class
 declares (docs/extending.md "Adding a model family").
 """
@@ -16,16 +16,21 @@ from service.engine.reveal import RevealRule
 MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model)}
 
 
-def is_block_causal(arch: str) -> bool:
-    """The family named ``arch`` attends block-causally (its own decode loop, cache mode ``block``)."""
-    return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
-
-
 def family_cache_modes(arch: str) -> dict[str, str]:
     """The cache modes the family named ``arch`` declares (``DiffusionLM.cache_modes``: mode -> the configured
     cache mode it runs with); a name outside :data:`MODEL_CLASSES` (the tests' fake engine) has the bidirectional
     families' default."""
     return MODEL_CLASSES.get(arch, DiffusionLM).cache_modes
+
+
+def configured_cache_mode(cache_mode: str, arch: str) -> str:
+    """The cache mode whose KV configuration a request in ``cache_mode`` runs with on the family named ``arch``,
+    as the family declares it (`service.engine.models.DiffusionLM.cache_modes`): its own for LLaDA and Dream;
+    LLaDA2's ``block``, its append-only cache of committed blocks (its reused prefix; it has no suffix), runs with
+    ``prefix``'s: the server's active ``prefix`` configuration, and a request's own ``kv_quant`` checked as for
+    ``prefix`` (a dLLM-KVQ policy made for ``prefix``, as ``calibrate`` makes LLaDA2's). A mode the family does
+    not declare is returned as is (the caller's `check_cache_mode` refuses it)."""
+    return family_cache_modes(arch).get(cache_mode, cache_mode)
 
 
 def reveal_rule(arch: str) -> RevealRule:
@@ -41,5 +46,5 @@ def reveal_rule(arch: str) -> RevealRule:
 
 __all__ = [
     "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "family_cache_modes", "is_block_causal", "reveal_rule",
+    "configured_cache_mode", "family_cache_modes", "reveal_rule",
 ]
