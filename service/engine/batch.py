@@ -60,8 +60,7 @@ that cannot be one cohort's (a device fault, `service.runtime.loop.is_device_fau
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +72,21 @@ from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
 from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 
-if TYPE_CHECKING:
-    from service.engine.graphs import Bucket
+
+@dataclass(frozen=True)
+class Bucket:
+    """The shapes a window forward runs at (the bucket of a CUDA graph, `service.engine.graphs`): ``rows`` (batch
+    rows), ``width`` (input columns), ``key_len`` (key columns: every row's sequence plus the spare column,
+    padded)."""
+
+    rows: int
+    width: int
+    key_len: int
+
+    def __post_init__(self) -> None:
+        if min(self.rows, self.width, self.key_len) < 1:
+            raise ValueError(f"a bucket's rows, width and key_len are >= 1, got {self}")
+
 
 #: An iteration's plan: its passes grouped into forwards (`service.runtime.scheduler.plan_forwards` in the server).
 Plan = Callable[[list[Pass]], list[list[Pass]]]
@@ -260,7 +272,7 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket |
     inputs and positions right-padded to the widest pass, the key mask, the KV hook, RoPE's table bound, and
     for a pass split by layers (`service.runtime.scheduler.split_by_layers`) its layer range and the hidden states
     its previous piece left (padded columns: zeros; no real column attends to them, the key mask says so).
-    With ``bucket`` (a window group, `service.engine.graphs.Bucket`) the shapes are the bucket's: rows, input
+    With ``bucket`` (a window group, :class:`Bucket`) the shapes are the bucket's: rows, input
     width and keys padded up to it; a padded row's input is ``pad_id`` at position 0 and it sees only the spare
     key column."""
     device = group[0].input_ids.device

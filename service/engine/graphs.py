@@ -44,27 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
-from service.engine.batch import _inputs, run_forward
+from service.engine.batch import Bucket, _inputs, run_forward
 from service.engine.decode import Pass
 from service.engine.kv_store import FullPrecisionKVStore
 from service.engine.models import DiffusionLM
 
 #: Row counts a later-step forward is padded up to (the largest: rows beyond it run at their own count).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """The shapes a window forward runs at: ``rows`` (batch rows), ``width`` (input columns), ``key_len`` (key
-    columns: every row's sequence plus the spare column, padded)."""
-
-    rows: int
-    width: int
-    key_len: int
-
-    def __post_init__(self) -> None:
-        if min(self.rows, self.width, self.key_len) < 1:
-            raise ValueError(f"a bucket's rows, width and key_len are >= 1, got {self}")
 
 
 def round_up(n: int, step: int) -> int:
