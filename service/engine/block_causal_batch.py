@@ -23,6 +23,7 @@ on with the reveal it had).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 
@@ -105,6 +107,7 @@ class BlockCausalCohort:
             raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
                                    "prompts; give one per prompt")
         device = model.embed.weight.device
+        self.kv_dtype = model.embed.weight.dtype
         self.banned = torch.tensor(banned_ids if banned_ids is not None else (mask_id,), dtype=torch.long,
                                    device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
@@ -123,6 +126,11 @@ class BlockCausalCohort:
         self.finished_s: float | None = None
         self.first_block_s = 0.0
         self._emitted = 0
+        # The prefix cache (`service.engine.prefix_cache`): per row, its hit (referenced until the cohort leaves);
+        # the rows looked up; the rows whose whole prompt blocks go into the cache after their first forward.
+        self.prefix_hits: dict[int, PrefixHit] = {}
+        self._looked_up: set[int] = set()
+        self._to_insert: set[int] = set()
         for i in range(len(self.rows)):
             self.advance(i, None)
 
@@ -209,11 +217,96 @@ class BlockCausalCohort:
 
     def commit(self, i: int, slot: int) -> Any:
         """Row ``i``'s packed committed blocks and the columns it commits in its next call (cache slot ``slot``),
-        a `service.quant.committed.Commit`; None when the row is not held packed (:meth:`packs`)."""
+        a `service.quant.committed.Commit`; None when the row is not held packed (:meth:`packs`). A row whose
+        prompt blocks go into the prefix cache packs them one block at a time (``pieces``)."""
         if not self.packs(i):
             return None
         call, row = self.calls[i], self.rows[i]
-        return self.store.commit(slot, call.start, call.block_start, row.block, i)
+        commit = self.store.commit(slot, call.start, call.block_start, row.block, i)
+        return dataclasses.replace(commit, pieces=row.block) if i in self._to_insert else commit
+
+    # ---- the prefix cache (`service.engine.prefix_cache`) -------------------------------------------------------
+    def prefix_namespace(self, i: int, model: str) -> Namespace | None:
+        """What row ``i``'s cached blocks are keyed under (model fingerprint ``model``, dtype, block length, KV
+        configuration), or None when the row cannot use the cache: cache mode ``none``, or a quantized store
+        whose blocks quantized one by one would not be the codes the row makes (`KVQuantizer.block_separable`:
+        dLLM-KVQ's scores read the active block's queries; K groups crossing a block)."""
+        row = self.rows[i]
+        if row.params.cache_mode != "block":
+            return None
+        dtype = f"{self.banned.device.type}:{self.kv_dtype}"
+        if not self.packs(i):
+            return Namespace(model, dtype, row.block, "none", ("none", "", "block", ""))
+        quantizer = self.store.quantizer
+        if not quantizer.block_separable(row.block):
+            return None
+        config = quantizer.config
+        return Namespace(model, dtype, row.block, f"{config.model_dump_json()}|{self.store.artifact_id}",
+                         (config.method, str(config.bits), "block", config.artifact_id or ""))
+
+    def look_up_prefix(self, i: int, cache: PrefixCache, model: str) -> None:
+        """Before row ``i``'s first forward (once): its longest cached run of whole prompt blocks; its first call
+        then starts after them, and its own whole prompt blocks after them are inserted after that forward."""
+        if i in self._looked_up:
+            return
+        self._looked_up.add(i)
+        row, call = self.rows[i], self.calls.get(i)
+        whole = row.prompt_length // row.block
+        namespace = self.prefix_namespace(i, model)
+        if call is None or namespace is None or call.start != 0 or row.nfe != 1 or whole == 0:
+            return
+        hit = cache.lookup(namespace, row.x[: row.prompt_length], whole)
+        self.prefix_hits[i] = hit
+        self.calls[i] = dataclasses.replace(call, start=hit.tokens)  # the committed pass runs over the rest
+        if len(hit.blocks) < whole:
+            self._to_insert.add(i)
+
+    def adopt_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any) -> None:
+        """Row ``i``'s cached blocks into its first forward: the packed layers into its held blocks and its
+        accounting (a quantized row: shared, read-only), or the K/V copied into its cache slot ``slot``."""
+        hit = self.prefix_hits.get(i)
+        if hit is None or not hit.blocks or self.rows[i].nfe != 1:
+            return
+        block = self.rows[i].block
+        for b, cached in enumerate(hit.blocks):
+            start, end = b * block, (b + 1) * block
+            for layer, payload in enumerate(cached.payload):
+                if commit is not None:
+                    commit.held.add(layer, start, end, payload)
+                    commit.accounting.add(layer, payload)
+                else:
+                    kv.k[layer][slot, :, start:end] = payload[0]
+                    kv.v[layer][slot, :, start:end] = payload[1]
+
+    def insert_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any, cache: PrefixCache) -> None:
+        """After row ``i``'s first forward: its whole prompt blocks past its hit into the cache (per layer the
+        packed run its store holds, or a copy of its K/V ``[H_kv, block, D]``)."""
+        if i not in self._to_insert:
+            return
+        self._to_insert.discard(i)
+        row, hit = self.rows[i], self.prefix_hits[i]
+        blocks = []
+        packed = ({layer: {start: p for start, _, p in runs} for layer, runs in commit.held.layers.items()}
+                  if commit is not None else None)
+        for b in range(len(hit.blocks), row.prompt_length // row.block):
+            start, end = b * row.block, (b + 1) * row.block
+            if packed is not None:
+                payload = tuple(packed[layer][start] for layer in sorted(packed))
+                nbytes = sum(p.nbytes + p.derived_nbytes for p in payload)
+            else:
+                payload = tuple((kv.k[layer][slot, :, start:end].clone(), kv.v[layer][slot, :, start:end].clone())
+                                for layer in range(len(kv.k)))
+                nbytes = sum(t.numel() * t.element_size() for pair in payload for t in pair)
+            blocks.append((row.x[start:end], payload, nbytes))
+        cache.insert(hit, blocks)
+
+    def release_prefix(self, cache: PrefixCache | None) -> None:
+        """Give back the cached blocks this cohort read (it left the batch)."""
+        if cache is None:
+            return
+        for hit in self.prefix_hits.values():
+            cache.release(hit)
+        self._to_insert.clear()
 
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
@@ -230,8 +323,11 @@ class BlockCausalBatch:
     runs the cohorts :meth:`passes` names; ``cohorts`` is the set :meth:`join` keeps for a caller without one
     (:meth:`step`; empty in the server)."""
 
-    def __init__(self, model: LLaDA2Model) -> None:
+    def __init__(self, model: LLaDA2Model, prefix_cache: PrefixCache | None = None, model_key: str = "") -> None:
         self.model = model
+        #: Content-keyed committed K/V of prompts' whole blocks shared across requests (None: every request computes
+        #: its whole prompt), keyed under ``model_key`` (the weights' fingerprint). `service.engine.prefix_cache`.
+        self.prefix_cache, self.model_key = prefix_cache, model_key
         self.cohorts: list[BlockCausalCohort] = []
         self._live: list[BlockCausalCohort] = []  # the cohorts of the iteration :meth:`passes` started
         self.failed: list[tuple[BlockCausalCohort, BaseException]] = []
@@ -250,6 +346,7 @@ class BlockCausalBatch:
         its rows."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
+        cohort.release_prefix(self.prefix_cache)
 
     def passes(self, cohorts: Sequence[BlockCausalCohort]) -> list:
         """Start an iteration of ``cohorts`` (the caller's running set, oldest first); its calls are made in
@@ -269,13 +366,20 @@ class BlockCausalBatch:
         self.failed, self.forwards, self.rows = [], 0, 0
         finished: list[BlockCausalCohort] = []
         live = [(c, i) for c in self._live for i in sorted(c.calls)]
+        prefix = self.prefix_cache
         if live:
+            if prefix is not None:  # a row's first forward starts after its longest cached prefix
+                for c, i in live:
+                    c.look_up_prefix(i, prefix, self.model_key)
             # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
             live.sort(key=lambda ci: ci[0].packs(ci[1]))
             rows = [c.rows[i] for c, i in live]
             packed = sum(c.packs(i) for c, i in live)
             cache = self._cache_for(rows, packed)
             row_commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
+            if prefix is not None:
+                for slot, ((c, i), commit) in enumerate(zip(live, row_commits)):
+                    c.adopt_prefix(i, slot, cache, commit)
             commits = [x for x in row_commits if x is not None]
             hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
             cache.on_write = hook
@@ -288,9 +392,11 @@ class BlockCausalBatch:
                 DEFER_WRITE_CHECKS.reset(deferred)
                 cache.on_write = None
             self.forwards, self.rows = 1, len(rows)
-            for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
+            for slot, ((cohort, i), row_revealed, commit) in enumerate(zip(live, revealed, row_commits)):
                 if cohort in [f for f, _ in self.failed]:
                     continue
+                if prefix is not None and not isinstance(row_revealed, (ChecksFailed, BaseException)):
+                    cohort.insert_prefix(i, slot, cache, commit, prefix)  # its K/V checked and final
                 if isinstance(row_revealed, ChecksFailed):
                     exc = self._checked_again(cohort, i, commit, banned)
                     if exc is not None:
@@ -376,6 +482,8 @@ def generate_batch(
     eos_ids: tuple[int, ...],
     generators: list[torch.Generator | None] | None = None,
     kv_store: object | None = None,
+    prefix_cache: PrefixCache | None = None,
+    model_key: str = "",
 ) -> list[BlockCausalResult]:
     """Decode several prompts together, each with its own settings (`service.engine.block_causal`), one forward
     per iteration for every row still decoding; each row decodes as it would alone.
@@ -385,7 +493,8 @@ def generate_batch(
         params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
             response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
             default). kv_store: a `QuantizedKVStore` quantizes every ``block`` row's committed blocks (its report
-            counts them); None: full precision.
+            counts them); None: full precision. prefix_cache: read and filled by the ``block`` rows
+            (`service.engine.prefix_cache`), keyed under ``model_key`` (the weights' fingerprint); None: none.
 
     Returns:
         One :class:`BlockCausalResult` per prompt, in order (``kv_bytes``: the committed K/V the row held).
@@ -393,7 +502,7 @@ def generate_batch(
     Raises:
         EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
     """
-    batch = BlockCausalBatch(model)
+    batch = BlockCausalBatch(model, prefix_cache, model_key)
     seeded = [RowOptions(temperature=p.temperature) for p in params]
     cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded, kv_store=kv_store)
     if generators:  # the caller's generators replace the rows' own
@@ -423,10 +532,14 @@ def generate(
     eos_ids: tuple[int, ...],
     generator: torch.Generator | None = None,
     kv_store: object | None = None,
+    prefix_cache: PrefixCache | None = None,
+    model_key: str = "",
 ) -> BlockCausalResult:
-    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store`` as there).
+    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store``, ``prefix_cache`` and
+    ``model_key`` as there).
 
     Raises:
         EngineInputError: an empty prompt, or one holding ``mask_id``.
     """
-    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store)[0]
+    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store, prefix_cache,
+                          model_key)[0]

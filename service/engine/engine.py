@@ -17,6 +17,7 @@ from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
 from service.engine.models import MODEL_CLASSES, family_cache_modes, is_block_causal, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import PrefixCache
 from service.engine.prompts import encode_prompt
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
@@ -35,6 +36,10 @@ class Engine:
 
     def __init__(self, model, spec, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.spec, self.tokenizer, self.dtype, self.device = model, spec, tokenizer, dtype, device
+        #: The prefix cache its block-causal batches share (`service.engine.prefix_cache`; the server sets it from
+        #: ``prefix_cache_bytes``); None: none. A bidirectional family never uses it (its prompt K/V depend on
+        #: what follows).
+        self.prefix_cache: PrefixCache | None = None
 
     @classmethod
     def load(
@@ -140,7 +145,7 @@ class Engine:
         :meth:`RunningBatch.step`'s passes into forwards (default: each alone; the server's is
         `service.runtime.scheduler.forward_plan`)."""
         if is_block_causal(self.spec.arch):
-            return BlockCausalBatch(self.model)
+            return BlockCausalBatch(self.model, self.prefix_cache, self.spec.fingerprint)
         return RunningBatch(self.model, self.spec.pad_id, plan)
 
     def cohort(
