@@ -166,7 +166,7 @@ def _decodes_block_causally(args: argparse.Namespace) -> bool:
     """The checkpoint's family decodes block-causally (LLaDA2.x; its own flags and decode)."""
     from service.engine.loading import model_class
 
-    return getattr(model_class(args.model), "mask_kind", "bidirectional") == "block_causal"
+    return model_class(args.model).decoder == "block_causal"
 
 
 def run(args: argparse.Namespace) -> int:

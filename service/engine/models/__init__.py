@@ -1,7 +1,7 @@
 """LLaDA, Dream and LLaDA2 models built from the shared layers.
 
 `MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec, the decode
-loop's reveal rule (:func:`reveal_rule`), the attention-mask kind (:func:`is_block_causal`), the cache modes
+loop's reveal rule (:func:`reveal_rule`), the decoder (``DiffusionLM.decoder``, `service.engine.families`), the cache modes
 (:func:`family_cache_modes`) and admission's cost figures (the config's ``mlp_cost``) all come from what the class
 declares (docs/extending.md "Adding a model family").
 """
@@ -14,11 +14,6 @@ from service.engine.models.transformer import DiffusionLM, LayerQKV, ModelConfig
 from service.engine.reveal import RevealRule
 
 MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model)}
-
-
-def is_block_causal(arch: str) -> bool:
-    """The family named ``arch`` attends block-causally (its own decode loop, cache mode ``block``)."""
-    return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
 
 
 def family_cache_modes(arch: str) -> dict[str, str]:
@@ -41,5 +36,5 @@ def reveal_rule(arch: str) -> RevealRule:
 
 __all__ = [
     "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "family_cache_modes", "is_block_causal", "reveal_rule",
+    "family_cache_modes", "reveal_rule",
 ]
