@@ -89,7 +89,8 @@ def shared_phase(url: str, prompts: list[list[int]], clients: int) -> dict:
 
 
 def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(260, 490)}" for _ in range(n))
+    """``n`` random lowercase letters: ``n`` tokens of the byte-level tokenizer."""
+    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
 
 
 def chat_phase(url: str, conversations: int, turns: int, seed: int = 45) -> dict:
@@ -153,6 +154,7 @@ def table(title: str, rows: list[dict]) -> None:
         print(f"| {r['label']} | {r['requests']} | {r['prompt']:.0f} | {r['computed']:.1f} | {r['nfe']:.2f} | "
               f"{r['tokens']} | {r['cpu_s']:.2f} | {r['tok_per_cpu_s']:.1f} | "
               f"{r['tok_per_cpu_s'] / base['tok_per_cpu_s']:.2f} | {r['first_s']:.3f} | {same} |")
+    sys.stdout.flush()  # a long run shows each table as it comes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,17 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prompts = shared_prompts(args.requests, args.system)
     kivi2 = '{"method": "kivi", "bits": 2}'
+    print(f"llada2_prefix_cache: {CHAT.name}, 1 torch thread, cpu; max_tokens 64, block 32, greedy, cache mode block")
     shared = [run("off", False, None, shared_phase, prompts, args.clients),
               run("on", True, None, shared_phase, prompts, args.clients)]
-    quantized = [run("KIVI 2-bit, off", False, kivi2, shared_phase, prompts, args.clients),
-                 run("KIVI 2-bit, on", True, kivi2, shared_phase, prompts, args.clients)]
-    chats = [run("off", False, None, chat_phase, args.conversations, args.turns),
-             run("on", True, None, chat_phase, args.conversations, args.turns)]
-    print(f"llada2_prefix_cache: {CHAT.name}, 1 torch thread, cpu; max_tokens 64, block 32, greedy, cache mode block")
     table(f"Shared system prompt: {args.requests} requests, {args.system}-token prefix + 32-token question, "
           f"{args.clients} clients", shared)
+    quantized = [run("KIVI 2-bit, off", False, kivi2, shared_phase, prompts, args.clients),
+                 run("KIVI 2-bit, on", True, kivi2, shared_phase, prompts, args.clients)]
     table("Same, KIVI 2-bit committed blocks", quantized)
-    table(f"Multi-turn: {args.conversations} chats x {args.turns} turns", chats)
+    chats = [run("off", False, None, chat_phase, args.conversations, args.turns),
+             run("on", True, None, chat_phase, args.conversations, args.turns)]
+    table(f"Multi-turn: {args.conversations} chats x {args.turns} turns (32-token system and user messages)", chats)
     layers, kv_heads, head_dim = 3, 2, 16  # the tiny checkpoint's config.json
     bf16 = 2 * layers * kv_heads * head_dim * 2
     print("\nBytes per cached token (block 32)")

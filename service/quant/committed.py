@@ -61,15 +61,26 @@ class CommittedBlocks:
         self.layers.setdefault(layer, []).append((start, end, packed))
 
     def read_into(self, layer: int, slot: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  rotate_keys: RotateKeys) -> None:
+                  rotate_keys: RotateKeys, read: dict[int, int] | None = None) -> None:
         """Write the layer's committed K/V (model dtype; keys post-RoPE) at their columns of row ``slot`` of
-        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched."""
+        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched.
+
+        ``read``: packed layers already read into another slot of the same buffers in this forward (``id`` -> that
+        slot), updated here: a block shared by several rows (a prefix cache's, `service.engine.prefix_cache`,
+        always at the same columns) is dequantized once per forward and layer and copied to the others."""
         for start, end, packed in self.layers.get(layer, ()):
+            done = read.get(id(packed)) if read is not None else None
+            if done is not None:
+                k_buf[slot, :, start:end] = k_buf[done, :, start:end]
+                v_buf[slot, :, start:end] = v_buf[done, :, start:end]
+                continue
             k, v = self.quantizer.dequantize(layer, packed, self._layout(end - start, k_buf.device))  # [1, H, w, D]
             if self.quantizer.pre_rope_keys:
                 k = rotate_keys(k, torch.arange(start, end, device=k.device)[None])
             k_buf[slot, :, start:end] = k[0]
             v_buf[slot, :, start:end] = v[0]
+            if read is not None:
+                read[id(packed)] = slot
 
     def before(self, start: int) -> CommittedBlocks:
         """A copy holding only the blocks that start before column ``start`` (the packed layers themselves are
@@ -185,8 +196,9 @@ class CommitWriter:
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  ) -> None:
         rotate_keys, committing, layouts = self.rotate_keys, self.committing, self._layouts
+        read: dict[int, int] = {}  # the packed blocks read into a slot in this layer: shared ones are copied
         for commit in self.commits:
-            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys)
+            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys, read)
         if len(layouts) < len(committing):
             layouts.extend([self._layout_of(c, a, b, k_buf.device) for a, b in c.runs()] for c in committing)
         deferred = DEFER_WRITE_CHECKS.get()

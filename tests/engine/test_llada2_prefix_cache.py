@@ -136,3 +136,24 @@ def test_a_perturbed_cached_block_changes_the_output(llada2):
     perturbed = decode(loaded, prompts[1], family, None, cache)
     assert next(iter(cache.stats().values())).hit_tokens == 96
     assert perturbed.generated_ids != decode(loaded, prompts[1], family, None).generated_ids
+
+
+def test_rows_sharing_cached_blocks_dequantize_them_once_per_forward(llada2, monkeypatch):
+    """Each row's reads per forward are those it makes alone, except the cached blocks it shares with other rows of
+    the forward: those are dequantized once and copied (`CommittedBlocks.read_into`). So the batch dequantizes
+    strictly less than the rows alone did together (without the sharing, exactly as much)."""
+    loaded, family = llada2["llada2"], "llada2"
+    prompts = shared_prompts(3, seed=7)
+
+    def dequantizes(batch: list[list[int]]) -> int:
+        cache = PrefixCache(10**8)
+        decode(loaded, prompts[0], family, kivi_store(loaded.spec, 4), cache)  # warms the shared prefix
+        store, calls = kivi_store(loaded.spec, 4), []
+        real = store.quantizer.dequantize
+        monkeypatch.setattr(store.quantizer, "dequantize", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        generate_batch(loaded.model, batch, [params(family)] * len(batch), loaded.spec.mask_id,
+                       loaded.spec.eos_ids, kv_store=store, prefix_cache=cache, model_key=loaded.spec.fingerprint)
+        return len(calls)
+
+    alone = sum(dequantizes([p]) for p in prompts)
+    assert dequantizes(prompts) < alone
