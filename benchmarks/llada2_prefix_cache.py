@@ -13,8 +13,8 @@ configuration, in this order, and sends each the same requests in the same order
 * the same with KIVI 2-bit committed blocks (``DLLM_KV_QUANT``), cache on: bytes per cached token
   (``dllm_prefix_cache_bytes`` over ``dllm_prefix_cache_blocks`` x 32) against bf16's ``2 x layers x kv_heads x
   head_dim x 2`` and the unquantized (float32) cache's;
-* **multi-turn**: ``--conversations`` (8) chats of ``--turns`` (6) turns (the chat route: each turn the history,
-  the model's last answer and a new 32-token user message), one client per chat.
+* **multi-turn**: ``--conversations`` (8) chats of ``--turns`` (6) turns on token ids (``POST /generate``: each
+  turn the history, the model's last answer and a new 32-token user message), one client per chat.
 
 Usage: ``python benchmarks/llada2_prefix_cache.py [--requests 64] [--clients 8] [--system 768]
 [--conversations 8] [--turns 6]``.
@@ -59,7 +59,8 @@ def streamed(client: httpx.Client, path: str, body: dict) -> tuple[float, int, s
     """One streamed request: (seconds to the first chunk with text, completion tokens, the text)."""
     t0, first, text, tokens = time.perf_counter(), None, [], 0
     with client.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: {r.status_code} {r.read().decode()}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -88,26 +89,29 @@ def shared_phase(url: str, prompts: list[list[int]], clients: int) -> dict:
             "texts": [r[2] for r in results]}
 
 
-def words(rng: random.Random, n: int) -> str:
-    """``n`` random lowercase letters: ``n`` tokens of the byte-level tokenizer."""
-    return "".join(chr(rng.randrange(97, 123)) for _ in range(n))
-
-
 def chat_phase(url: str, conversations: int, turns: int, seed: int = 45) -> dict:
-    """``conversations`` chats of ``turns`` turns, one client each (the turns of a chat in order)."""
-    def chat(c: int) -> tuple[float, int, list[str]]:
+    """``conversations`` chats of ``turns`` turns, one client each, the turns of a chat in order, on token ids
+    (``POST /generate``, which answers with the ids: a chat's history is then exactly what the model saw and
+    wrote, as a chat template's rendering of earlier turns is): a 32-token system prompt, then per turn a new
+    32-token user message after the history and the model's last answer. First block: the server's
+    ``timings.first_block_s`` (admission to the first committed block)."""
+    def chat(c: int) -> tuple[float, int, list[list[int]]]:
         rng = random.Random(seed + c)
-        messages = [{"role": "system", "content": words(rng, 32)}]
-        first, tokens, texts = 0.0, 0, []
+        history = [rng.randrange(5, 490) for _ in range(32)]
+        first, tokens, answers = 0.0, 0, []
         with httpx.Client(base_url=url, timeout=600) as client:
             for _ in range(turns):
-                messages.append({"role": "user", "content": words(rng, 32)})
-                s, n, text = streamed(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 64,
-                                                                       "temperature": 0, "cache_mode": "block"})
-                messages.append({"role": "assistant", "content": text})
-                first, tokens = first + s, tokens + n
-                texts.append(text)
-        return first, tokens, texts
+                history += [rng.randrange(5, 490) for _ in range(32)]
+                r = client.post("/generate", json={"prompt": history, "max_tokens": 64, "temperature": 0,
+                                                   "cache_mode": "block"})
+                if r.status_code != 200:
+                    raise RuntimeError(f"/generate: {r.status_code} {r.text}")
+                report = r.json()
+                answer = report["rows"][0]["generated_ids"]
+                history += answer
+                first, tokens = first + report["timings"]["first_block_s"], tokens + len(answer)
+                answers.append(answer)
+        return first, tokens, answers
 
     with concurrent.futures.ThreadPoolExecutor(conversations) as pool:
         results = list(pool.map(chat, range(conversations)))
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     table("Same, KIVI 2-bit committed blocks", quantized)
     chats = [run("off", False, None, chat_phase, args.conversations, args.turns),
              run("on", True, None, chat_phase, args.conversations, args.turns)]
-    table(f"Multi-turn: {args.conversations} chats x {args.turns} turns (32-token system and user messages)", chats)
+    table(f"Multi-turn: {args.conversations} chats x {args.turns} turns (32-token system prompt and user messages, "
+          "64-token answers, on token ids)", chats)
     layers, kv_heads, head_dim = 3, 2, 16  # the tiny checkpoint's config.json
     bf16 = 2 * layers * kv_heads * head_dim * 2
     print("\nBytes per cached token (block 32)")
