@@ -131,6 +131,7 @@ class BlockCausalCohort:
         # the rows looked up; the rows whose whole prompt blocks go into the cache after their first forward.
         self.prefix_hits: dict[int, PrefixHit] = {}
         self._looked_up: set[int] = set()
+        self._adopted: set[int] = set()
         self._to_insert: set[int] = set()
         for i in range(len(self.rows)):
             self.advance(i, None)
@@ -266,8 +267,9 @@ class BlockCausalCohort:
         """Row ``i``'s cached blocks into its first forward: the packed layers into its held blocks and its
         accounting (a quantized row: shared, read-only), or the K/V copied into its cache slot ``slot``."""
         hit = self.prefix_hits.get(i)
-        if hit is None or not hit.blocks or self.rows[i].nfe != 1:
+        if hit is None or not hit.blocks or i in self._adopted:
             return
+        self._adopted.add(i)  # once: a packed row's held blocks must not take them twice
         block = self.rows[i].block
         for b, cached in enumerate(hit.blocks):
             start, end = b * block, (b + 1) * block
