@@ -345,7 +345,8 @@ class ChecksFailed:
 def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: CommittedKV,
               banned: torch.Tensor | None = None,
               checks: Callable[[int], torch.Tensor | None] | None = None,
-              ) -> list[Revealed | GrammarViolation | ChecksFailed]:
+              layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None,
+              ) -> list[Revealed | GrammarViolation | ChecksFailed] | torch.Tensor:
     """One forward for the calls of ``rows`` (each in its own cache slot; windows right-padded) and every row's
     reveal, read back in one host read: per row its :data:`Revealed` (what :meth:`Row.decode` is sent).
 
@@ -359,6 +360,9 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
     gets its `GrammarViolation` instead of a result. Rows that ask for log-probabilities take a second read, only
     then: each written token's log-softmax of the model's logits (before any temperature or constraint) and the
     k most likely tokens.
+
+    ``layers``, ``hidden``: one piece of the forward split by layers (`LLaDA2Model.forward`); a piece that ends
+    before the last layer returns its hidden states ``[B, W, C]`` (nothing revealed), the last one reveals.
     """
     device = cache.device
     width = max(c.end - c.start for c in calls)
@@ -372,7 +376,12 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
         widest_block, device=device)
     at = at.clamp(max=width - 1)
     cache.columns = max(c.start for c in calls) + width
-    logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at)  # [B, widest, V]
+    if hidden is not None and hidden.shape[1] < width:  # a piece's rows regrouped with wider ones
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, width - hidden.shape[1]))
+    logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at, layers=layers,
+                   hidden=hidden)  # [B, widest, V]
+    if layers is not None and layers[1] < len(model.layers):
+        return logits  # the hidden states after this piece
     chains = _chains(logits, rows, calls, banned)
     revealed = reveal_rows(logits, ids.gather(1, at), rows, calls)  # [B, 2, widest]: ids, written flags
     verdicts = checks(len(rows)) if checks is not None else None

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from service.engine.block_causal import BlockCausalParams
-from service.engine.block_causal_batch import generate, generate_batch
+from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort, generate, generate_batch
 from service.engine.loading import load_checkpoint
 from service.engine.prefix_cache import PrefixCache
+from service.runtime.scheduler import forward_plan
 from tests.engine.test_llada2_quant import dllm_kvq_store, kivi_store, kvquant_store
 from tests.support.llada2 import LLADA2_CKPT
 
@@ -157,3 +158,36 @@ def test_rows_sharing_cached_blocks_dequantize_them_once_per_forward(llada2, mon
 
     alone = sum(dequantizes([p]) for p in prompts)
     assert dequantizes(prompts) < alone
+
+
+def test_under_the_runtime_plan_split_by_layers_the_cache_is_exact(llada2):
+    """The runtime's plan (`forward_plan`, one layer a piece) splits the passes that commit columns: a row's first
+    pass over the rest of its prompt runs in pieces that attend over the cached prefix, and decodes as alone."""
+    loaded = llada2["llada2"]
+    cache = PrefixCache(10**8)
+    batch = BlockCausalBatch(loaded.model, forward_plan(split_tokens=8, num_layers=3), cache,
+                             loaded.spec.fingerprint)
+    prompts = shared_prompts(4, seed=8)
+
+    def cohort(prompt: list[int]) -> BlockCausalCohort:
+        made = BlockCausalCohort(loaded.model, [prompt], [params("llada2")], loaded.spec.mask_id,
+                                 loaded.spec.eos_ids)
+        batch.join(made)
+        return made
+
+    with torch.inference_mode():
+        first = cohort(prompts[0])  # alone: fills the cache
+        while batch.cohorts:
+            batch.step()
+            assert not batch.failed
+        rest = [cohort(p) for p in prompts[1:]]  # together: each reads it
+        split = False
+        while batch.cohorts:
+            batch.step()
+            split = split or bool(batch._pieces)  # between two pieces of a split pass
+            assert not batch.failed
+        assert split
+    got = [c.results[0].generated_ids for c in [first, *rest]]
+    assert got == [decode(loaded, p, "llada2", None).generated_ids for p in prompts]
+    assert next(iter(cache.stats().values())).hit_tokens == 3 * 96
+    assert all(block.refs == 0 for block in cache.blocks())

@@ -476,6 +476,8 @@ class LLaDA2Model(DiffusionLM):
         cache: CommittedKV | None = None,
         logits_range: tuple[int, int] | None = None,
         logits_at: torch.Tensor | None = None,
+        layers: tuple[int, int] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits of a window of columns, block-causal when ``block_length`` is given.
 
@@ -490,9 +492,15 @@ class LLaDA2Model(DiffusionLM):
                 attention reads each row's first ``cache.columns`` columns.
             logits_range: ``(a, b)`` columns of the window whose logits are wanted (default all);
             logits_at: instead, int64 ``[B, N]`` window columns per row.
+            layers: ``(a, b)``: run decoder layers ``a .. b-1`` only (default all), from ``hidden`` (the ``[B, T,
+                C]`` hidden states a call with ``layers=(.., a)`` returned) when ``a > 0``; ``b`` below the layer
+                count returns the hidden states after layer ``b - 1`` (a block-initial pass split by layers,
+                `service.runtime.scheduler.split_by_layers`: each layer runs the same operations as in a whole
+                forward, so the pieces give its logits bit for bit).
 
         Returns:
-            float32 ``[B, N, V]`` logits (the reference casts them to float32).
+            float32 ``[B, N, V]`` logits (the reference casts them to float32), or ``[B, T, C]`` hidden states
+            (``layers`` ending before the last layer).
         """
         b, t = input_ids.shape
         device = input_ids.device
@@ -512,9 +520,14 @@ class LLaDA2Model(DiffusionLM):
             mask = None if key_mask is None else key_mask[:, None, None, :]
         cos, sin = self.rope.cos_sin(positions)
         step = _Step(cos=cos, sin=sin, mask=mask, cache=cache, index=index)
-        x = self.embed(input_ids)  # [B, T, C]
-        for layer_index, layer in enumerate(self.layers):
-            x = layer(x, step, layer_index)
+        start, stop = layers if layers is not None else (0, len(self.layers))
+        if start and hidden is None:
+            raise ValueError(f"layers {start}..{stop - 1} need the hidden states after layer {start - 1}")
+        x = self.embed(input_ids) if start == 0 else hidden  # [B, T, C]
+        for layer_index in range(start, stop):
+            x = self.layers[layer_index](x, step, layer_index)
+        if stop < len(self.layers):
+            return x
         if logits_at is not None:
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))  # [B, N, C]
         else:
