@@ -191,3 +191,28 @@ def test_under_the_runtime_plan_split_by_layers_the_cache_is_exact(llada2):
     assert got == [decode(loaded, p, "llada2", None).generated_ids for p in prompts]
     assert next(iter(cache.stats().values())).hit_tokens == 3 * 96
     assert all(block.refs == 0 for block in cache.blocks())
+
+
+def test_a_preempted_request_gives_its_blocks_back_and_resumes_as_alone(llada2):
+    """Preemption by recompute at a block boundary (`BlockCausalBatch.preempt`): the request's cached blocks are
+    unreferenced while it waits (evictable), and resumed from column 0 it decodes as alone."""
+    loaded = llada2["llada2"]
+    prompts = shared_prompts(2, seed=9)
+    cache = PrefixCache(10**8)
+    decode(loaded, prompts[0], "llada2", None, cache)
+    batch = BlockCausalBatch(loaded.model, None, cache, loaded.spec.fingerprint)
+    cohort = BlockCausalCohort(loaded.model, [prompts[1]], [params("llada2")], loaded.spec.mask_id,
+                               loaded.spec.eos_ids)
+    batch.join(cohort)
+    with torch.inference_mode():
+        batch.step()  # its first forward reads the 3 cached blocks
+        assert [block.refs for block in cache.blocks()] == [1, 1, 1]
+        while not (batch.preemptible(cohort) and cohort.rows[0].decoded_end > 128):
+            batch.step()
+        calls = batch.preempt(cohort)
+        assert [block.refs for block in cache.blocks()] == [0, 0, 0]
+        batch.join(cohort)
+        batch.resume(cohort, calls)
+        while batch.cohorts:
+            batch.step()
+    assert cohort.results[0].generated_ids == decode(loaded, prompts[1], "llada2", None).generated_ids
