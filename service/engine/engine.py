@@ -23,7 +23,7 @@ from service.engine.spec import ModelSpec
 
 
 class Engine:
-    """A LLaDA or Dream model ready to decode.
+    """A model of any registered family (`service.engine.families`) ready to decode.
 
     Attributes:
         spec: the model's :class:`~service.engine.spec.ModelSpec`.
@@ -226,8 +226,9 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
             block length; neither or both of threshold and steps; threshold outside [0, 1]; steps not a positive
             multiple of the number of blocks; what the model family's reveal rule refuses
             (`service.engine.reveal`, e.g. Dream's fixed schedule with < 2 steps per block in block mode); unknown
-            cache mode or architecture (``block`` outside block-causal families); logprobs or structured output on
-            a block-causal model; prompt + response longer than the model's context; the bounds of
+            cache mode or architecture (``block`` outside block-causal families); a setting value the family's
+            decoder does not serve (its declaration, `service.engine.families.check_family_settings`, e.g.
+            ``ignore_eos`` on LLaDA2); prompt + response longer than the model's context; the bounds of
             :meth:`DecodeParams.check_bounds` (block length, steps).
     """
     if not prompts:

@@ -1,5 +1,5 @@
-"""Preemption over HTTP (issue 36 item 5): ``python -m service serve`` on the embedded model with a memory budget just
-above one large streamed completion; a small completion sent while it streams preempts it at a block boundary,
+"""Preemption over HTTP (issue 36 item 5; LLaDA2 too, issue 42): ``python -m service serve`` on the embedded model
+(and on the tiny LLaDA2) with a memory budget just above one large streamed completion; a small completion sent while it streams preempts it at a block boundary,
 finishes first, and the large stream goes on with exactly the chunks it has alone; ``dllm_preemptions_total``
 counts it (read with prometheus_client's parser)."""
 
@@ -37,9 +37,10 @@ def _costs(engine: Engine, large: int, small: int) -> int:
     return big.kv + held + max(big.transient, forward) + little.kv // 2
 
 
-def _stream(url: str, prompt: list[int], on_first=None) -> list[str]:
+def _stream(url: str, prompt: list[int], on_first=None, model: str = "embedded", ignore_eos: bool = True
+            ) -> list[str]:
     """The large completion, streamed: each chunk's text (``on_first`` called at the first one)."""
-    body = {"model": "embedded", "prompt": prompt, "max_tokens": 256, "ignore_eos": True, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": 256, "ignore_eos": ignore_eos, "stream": True}
     texts = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
@@ -84,3 +85,40 @@ def test_a_streamed_request_preempted_for_a_small_one_streams_as_alone(tmp_path)
     assert order == ["small", "large"]  # the small one did not wait for the large one's run
     assert metric_sum(samples, "dllm_preemptions_total") == 1
     assert streamed == alone and len(streamed) >= 5  # every chunk as alone, across the preemption
+
+
+def test_a_streamed_llada2_request_preempted_for_a_small_one_streams_as_alone(tmp_path):
+    """The same on the tiny LLaDA2 (issue 42: every family under the same preemption), its default cache mode
+    (dual, decoded in block); no ignore_eos (LLaDA2 refuses it): the prompt is one the tiny model answers past 256
+    tokens without an EOS, which the test checks alone first."""
+    from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
+
+    engine = Engine.load(LLADA2_CHAT)
+    digits = [5 + i % 40 for i in range(600)]
+    small_prompt = [5 + i % 7 for i in range(9)]
+    budget = _costs(engine, len(digits), len(small_prompt))
+    srv = start_llada2_server(LLADA2_CHAT, tmp_path, DLLM_KV_BUDGET_BYTES=str(budget))
+    try:
+        model = "llada2-tiny-chat"
+        alone = _stream(srv.url, digits, model=model, ignore_eos=False)
+        order: list[str] = []
+        small: dict = {}
+
+        def send_small() -> None:
+            r = httpx.post(srv.url + "/v1/completions", json={"model": model, "prompt": small_prompt,
+                                                                "max_tokens": 32}, timeout=300)
+            small["status"] = r.status_code
+            order.append("small")
+
+        sender = threading.Thread(target=send_small)
+        streamed = _stream(srv.url, digits, on_first=sender.start, model=model, ignore_eos=False)
+        order.append("large")
+        sender.join()
+        samples = metrics(srv.url)
+    finally:
+        srv.stop()
+    assert len(alone) >= 5, alone  # the large answer streams several blocks alone
+    assert small["status"] == 200
+    assert metric_sum(samples, "dllm_preemptions_total") == 1, (order, samples)
+    assert order == ["small", "large"]
+    assert streamed == alone

@@ -28,7 +28,7 @@ from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
 
 #: What the refusal of likelihood on a block-causal model says in process (`Engine.check_likelihood`) and in the
 #: server's 400 (echo with logprobs: "... scores the prompt with the ELBO, which is not implemented for ...").
-NO_LIKELIHOOD = "not implemented for block-causal models (LLaDA2)"
+NO_LIKELIHOOD = "not implemented for llada2 models"
 LIMIT = 2
 
 
