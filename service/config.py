@@ -172,6 +172,11 @@ class Settings(BaseSettings, DecodeSettings):
     kv_budget_fraction: float = Field(
         0.9, gt=0.0, le=1.0, description="share of free GPU memory (after loading) used when kv_budget_bytes is empty"
     )
+    prefix_cache_bytes: int = Field(
+        0, ge=0, description="most bytes of the prefix cache across requests (block-causal families: a prompt's "
+        "whole blocks' committed K/V, held in the request's KV format, docs/prefix-cache.md); counted in the memory "
+        "budget and evicted before a request waits for memory; 0: off"
+    )
     max_request_work: int | None = Field(
         None, gt=0, description="most token-forwards (forward calls x tokens) one request may cost, all its n "
         "choices together; beyond: 400 naming steps, max_tokens or the prompt, before any work; empty: 2 x the "

@@ -25,6 +25,7 @@ from service.api.serving import OUTCOME_KEY, Serving
 from service.config import Settings, served_model_name
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import PrefixCache
 from service.engine.protocol import EngineLike
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
@@ -174,7 +175,8 @@ def startup_line(model_name: str, spec: ModelSpec, store: Store, active: ActiveC
 
 def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, telemetry: Telemetry) -> Worker:
     """The worker with the settings' limits: its KV memory budget (``kv_budget_bytes``, else a fraction of free
-    GPU memory) and the activation memory of a forward at ``max_batched_tokens``, measured here once."""
+    GPU memory), the activation memory of a forward at ``max_batched_tokens``, measured here once, and the prefix
+    cache of ``prefix_cache_bytes`` (none at 0), set on the engine too."""
     memory = MemoryModel.for_engine(engine)
     budget = settings.kv_budget_bytes or default_budget(memory.device, settings.kv_budget_fraction, CPU_BUDGET_BYTES)
     # The later steps' CUDA graphs hold up to cuda_graph_bytes of memory pools: reserved out of the budget, and
@@ -189,12 +191,18 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     forward = memory.measure_forward(engine, settings.max_batched_tokens)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
     refuse_contradictions(settings, memory, budget, forward, max_work)
+    # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
+    # fill it, the worker counts it in the budget and makes it give way, telemetry publishes its counts.
+    prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None
+    engine.prefix_cache = prefix_cache
+    if prefix_cache is not None:
+        telemetry.watch_prefix_cache(prefix_cache)
     return Worker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
                   max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
                   backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
                   shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
                   max_work=max_work, max_preemptions=settings.max_preemptions,
-                  layer_split_tokens=settings.layer_split_tokens)
+                  layer_split_tokens=settings.layer_split_tokens, prefix_cache=prefix_cache)
 
 
 def default_request_bytes(settings: Settings, memory: MemoryModel, forward: int) -> tuple[int, int]:

@@ -73,7 +73,9 @@ from collections import OrderedDict
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from service.engine.prefix_cache import PrefixCache
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
 
@@ -233,6 +235,10 @@ class Telemetry:
             series = self._artifact_series.pop(artifact_id, set())
         self._remove(series)
 
+    def watch_prefix_cache(self, cache: PrefixCache) -> None:
+        """Publish ``cache``'s counts at every scrape (:class:`PrefixCacheCollector`)."""
+        self.registry.register(PrefixCacheCollector(cache))
+
     def render(self) -> bytes:
         """The exposition text of every metric."""
         return generate_latest(self.registry)
@@ -319,3 +325,37 @@ class Telemetry:
         for metric, value in scores.items():
             self._series(self.eval_score, task=task, metric=metric, **labels).set(value)
         self._series(self.eval_time, task=task, **labels).set(at)
+
+
+class PrefixCacheCollector:
+    """The prefix cache's series (`service.engine.prefix_cache`), read from its counts at each scrape, per KV
+    configuration (the labels of `dllm_active_config_info`, cache mode ``block``): queried and hit prompt tokens
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` under this server's ``dllm_`` prefix), bytes held and
+    evicted, and the capacity."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def describe(self) -> list:
+        return []  # the series are made at collection (registering reads nothing)
+
+    def collect(self):
+        stats = self.cache.stats()
+        families = (
+            (CounterMetricFamily, "dllm_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+             "queried_tokens"),
+            (CounterMetricFamily, "dllm_prefix_cache_hits",
+             "prompt tokens served from the prefix cache (whole blocks; their committed pass not run)", "hit_tokens"),
+            (GaugeMetricFamily, "dllm_prefix_cache_bytes", "bytes of the prefix cache's blocks held", "held_bytes"),
+            (CounterMetricFamily, "dllm_prefix_cache_evicted_bytes", "bytes evicted from the prefix cache",
+             "evicted_bytes"),
+            (GaugeMetricFamily, "dllm_prefix_cache_blocks", "blocks held in the prefix cache", "blocks"),
+        )
+        for kind, name, text, attr in families:
+            family = kind(name, text, labels=list(CONFIG_LABELS))
+            for label, counts in stats.items():
+                values = list(label) if isinstance(label, tuple) else [label, "", "block", ""]
+                family.add_metric(values, getattr(counts, attr))
+            yield family
+        yield GaugeMetricFamily("dllm_prefix_cache_capacity_bytes", "most bytes the prefix cache may hold "
+                                "(prefix_cache_bytes)", value=self.cache.capacity_bytes)

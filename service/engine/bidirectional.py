@@ -54,6 +54,9 @@ class BidirectionalDecoder:
     """
 
     capabilities = CAPABILITIES
+    #: Never read: a bidirectional family's prompt K/V depend on what follows the prompt, so no prefix of them can be
+    #: shared across requests (`service.engine.prefix_cache`).
+    prefix_cache = None
 
     def __init__(self, model: DiffusionLM, spec: ModelSpec) -> None:
         self.model, self.spec, self.family = model, spec, spec.arch

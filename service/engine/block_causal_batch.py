@@ -24,6 +24,7 @@ on with the reveal it had).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
+from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
 from service.engine.protocol import Capabilities, SettingRule, honoured, only
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
@@ -110,6 +112,7 @@ class BlockCausalCohort:
             raise EngineInputError(f"{len(settings)} settings and {len(rows)} row options for {len(prompts)} "
                                    "prompts; give one per prompt")
         device = model.embed.weight.device
+        self.kv_dtype = model.embed.weight.dtype
         self.banned = torch.tensor(banned_ids if banned_ids is not None else (mask_id,), dtype=torch.long,
                                    device=device)
         self.params, self.eos_ids, self.row_options = params, tuple(eos_ids), rows
@@ -128,6 +131,12 @@ class BlockCausalCohort:
         self.finished_s: float | None = None
         self.first_block_s = 0.0
         self._emitted = 0
+        # The prefix cache (`service.engine.prefix_cache`): per row, its hit (referenced until the cohort leaves);
+        # the rows looked up; the rows whose whole prompt blocks go into the cache after their first forward.
+        self.prefix_hits: dict[int, PrefixHit] = {}
+        self._looked_up: set[int] = set()
+        self._adopted: set[int] = set()
+        self._to_insert: set[int] = set()
         for i in range(len(self.rows)):
             self.advance(i, None)
 
@@ -214,11 +223,97 @@ class BlockCausalCohort:
 
     def commit(self, i: int, slot: int) -> Any:
         """Row ``i``'s packed committed blocks and the columns it commits in its next call (cache slot ``slot``),
-        a `service.quant.committed.Commit`; None when the row is not held packed (:meth:`packs`)."""
+        a `service.quant.committed.Commit`; None when the row is not held packed (:meth:`packs`). A row whose
+        prompt blocks go into the prefix cache packs them one block at a time (``pieces``)."""
         if not self.packs(i):
             return None
         call, row = self.calls[i], self.rows[i]
-        return self.store.commit(slot, call.start, call.block_start, row.block, i)
+        commit = self.store.commit(slot, call.start, call.block_start, row.block, i)
+        return dataclasses.replace(commit, pieces=row.block) if i in self._to_insert else commit
+
+    # ---- the prefix cache (`service.engine.prefix_cache`) -------------------------------------------------------
+    def prefix_namespace(self, i: int, model: str) -> Namespace | None:
+        """What row ``i``'s cached blocks are keyed under (model fingerprint ``model``, dtype, block length, KV
+        configuration), or None when the row cannot use the cache: cache mode ``none``, or a quantized store
+        whose blocks quantized one by one would not be the codes the row makes (`KVQuantizer.block_separable`:
+        dLLM-KVQ's scores read the active block's queries; K groups crossing a block)."""
+        row = self.rows[i]
+        if row.params.cache_mode != "block":
+            return None
+        dtype = f"{self.banned.device.type}:{self.kv_dtype}"
+        if not self.packs(i):
+            return Namespace(model, dtype, row.block, "none", ("none", "", "block", ""))
+        quantizer = self.store.quantizer
+        if not quantizer.block_separable(row.block):
+            return None
+        config = quantizer.config
+        return Namespace(model, dtype, row.block, f"{config.model_dump_json()}|{self.store.artifact_id}",
+                         (config.method, str(config.bits), "block", config.artifact_id or ""))
+
+    def look_up_prefix(self, i: int, cache: PrefixCache, model: str) -> None:
+        """Before row ``i``'s first forward (once): its longest cached run of whole prompt blocks; its first call
+        then starts after them, and its own whole prompt blocks after them are inserted after that forward."""
+        if i in self._looked_up:
+            return
+        self._looked_up.add(i)
+        row, call = self.rows[i], self.calls.get(i)
+        whole = row.prompt_length // row.block
+        namespace = self.prefix_namespace(i, model)
+        if call is None or namespace is None or call.start != 0 or row.nfe != 1 or whole == 0:
+            return
+        hit = cache.lookup(namespace, row.x[: row.prompt_length], whole)
+        self.prefix_hits[i] = hit
+        self.calls[i] = dataclasses.replace(call, start=hit.tokens)  # the committed pass runs over the rest
+        if len(hit.blocks) < whole:
+            self._to_insert.add(i)
+
+    def adopt_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any) -> None:
+        """Row ``i``'s cached blocks into its first forward: the packed layers into its held blocks and its
+        accounting (a quantized row: shared, read-only), or the K/V copied into its cache slot ``slot``."""
+        hit = self.prefix_hits.get(i)
+        if hit is None or not hit.blocks or hit.released or i in self._adopted:
+            return  # (a preempted row gave its hit back: it resumes from column 0)
+        self._adopted.add(i)  # once: a packed row's held blocks must not take them twice
+        block = self.rows[i].block
+        for b, cached in enumerate(hit.blocks):
+            start, end = b * block, (b + 1) * block
+            for layer, payload in enumerate(cached.payload):
+                if commit is not None:
+                    commit.held.add(layer, start, end, payload)
+                    commit.accounting.add(layer, payload)
+                else:
+                    kv.k[layer][slot, :, start:end] = payload[0]
+                    kv.v[layer][slot, :, start:end] = payload[1]
+
+    def insert_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any, cache: PrefixCache) -> None:
+        """After row ``i``'s first forward: its whole prompt blocks past its hit into the cache (per layer the
+        packed run its store holds, or a copy of its K/V ``[H_kv, block, D]``)."""
+        if i not in self._to_insert:
+            return
+        self._to_insert.discard(i)
+        row, hit = self.rows[i], self.prefix_hits[i]
+        blocks = []
+        packed = ({layer: {start: p for start, _, p in runs} for layer, runs in commit.held.layers.items()}
+                  if commit is not None else None)
+        for b in range(len(hit.blocks), row.prompt_length // row.block):
+            start, end = b * row.block, (b + 1) * row.block
+            if packed is not None:
+                payload = tuple(packed[layer][start] for layer in sorted(packed))
+                nbytes = sum(p.nbytes + p.derived_nbytes for p in payload)
+            else:
+                payload = tuple((kv.k[layer][slot, :, start:end].clone(), kv.v[layer][slot, :, start:end].clone())
+                                for layer in range(len(kv.k)))
+                nbytes = sum(t.numel() * t.element_size() for pair in payload for t in pair)
+            blocks.append((row.x[start:end], payload, nbytes))
+        cache.insert(hit, blocks)
+
+    def release_prefix(self, cache: PrefixCache | None) -> None:
+        """Give back the cached blocks this cohort read (it left the batch)."""
+        if cache is None:
+            return
+        for hit in self.prefix_hits.values():
+            cache.release(hit)
+        self._to_insert.clear()
 
 
 #: What the block-causal family can do: its forwards are the plan's (bounded by ``max_batched_tokens``), a wide
@@ -258,11 +353,14 @@ class BlockCausalDecoder:
         self.model, self.spec, self.family = model, spec, spec.arch
         #: Not read: LLaDA2's later steps (`step_rows`) run eagerly; CUDA graphs of them are not built yet.
         self.later_steps = None
+        #: The prefix cache across requests its batches share (`service.engine.prefix_cache`; set through
+        #: `service.engine.Engine.prefix_cache`); None: none. A block-causal family's hook (DiffusionGemma's too).
+        self.prefix_cache: PrefixCache | None = None
 
     def batch(self, plan: Any = None) -> BlockCausalBatch:
         """An empty :class:`BlockCausalBatch`; ``plan`` groups :meth:`BlockCausalBatch.step`'s passes into
-        forwards."""
-        return BlockCausalBatch(self.model, plan)
+        forwards; its requests read and fill :attr:`prefix_cache`, keyed under the weights' fingerprint."""
+        return BlockCausalBatch(self.model, plan, self.prefix_cache, self.spec.fingerprint)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
                kv_store: object | None, on_block: Callable | None,
@@ -321,11 +419,20 @@ class BlockCausalBatch:
     its store not packing committed blocks, `BlockCausalCohort.packs`) gives up its slots; it resumes with the same
     calls widened to start at column 0, which rebuild its committed K/V from its committed tokens (which never
     change, block-causal) before the block, as the block-initial pass of the bidirectional families does.
+
+    **Prefix cache** (``prefix_cache``, `service.engine.prefix_cache`): a row looks up its longest cached run of
+    whole prompt blocks when its cohort's pass is first made (:meth:`passes`, so the plan sees the narrower pass),
+    takes the cached K/V before its first forward and puts its own whole prompt blocks in after it; its cohort
+    gives the blocks back when it leaves or is preempted.
     """
 
-    def __init__(self, model: LLaDA2Model, plan: Any = None) -> None:
+    def __init__(self, model: LLaDA2Model, plan: Any = None, prefix_cache: PrefixCache | None = None,
+                 model_key: str = "") -> None:
         self.model = model
         self.plan = plan
+        #: Content-keyed committed K/V of prompts' whole blocks shared across requests (None: every request computes
+        #: its whole prompt), keyed under ``model_key`` (the weights' fingerprint).
+        self.prefix_cache, self.model_key = prefix_cache, model_key
         self.cohorts: list[BlockCausalCohort] = []
         self._live: list[BlockCausalCohort] = []  # the cohorts of the iteration :meth:`passes` started
         self._finished: list[BlockCausalCohort] = []
@@ -355,6 +462,7 @@ class BlockCausalBatch:
         self._forget(cohort)
 
     def _forget(self, cohort: BlockCausalCohort) -> None:
+        cohort.release_prefix(self.prefix_cache)  # left or preempted: its cached blocks may go
         self._pieces.pop(cohort, None)
         for row in cohort.rows:
             self._owner.pop(id(row), None)
@@ -399,6 +507,9 @@ class BlockCausalBatch:
         for cohort in cohorts:
             if cohort.done:
                 continue
+            if self.prefix_cache is not None:  # a row's first forward starts after its longest cached prefix
+                for i in sorted(cohort.calls):
+                    cohort.look_up_prefix(i, self.prefix_cache, self.model_key)
             calls = [cohort.calls[i] for i in sorted(cohort.calls)]
             full = any(c.start < c.block_start for c in calls) or not any(c.start for c in calls)
             reached, hidden = self._pieces.get(cohort, (0, None))
@@ -464,6 +575,10 @@ class BlockCausalBatch:
         packed = sum(c.packs(i) for c, i in live)
         cache = self._cache_for(rows, packed)
         row_commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
+        prefix = self.prefix_cache
+        if prefix is not None:
+            for slot, ((c, i), commit) in enumerate(zip(live, row_commits)):
+                c.adopt_prefix(i, slot, cache, commit)
         commits = [x for x in row_commits if x is not None]
         hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
         cache.on_write = hook
@@ -479,9 +594,11 @@ class BlockCausalBatch:
         self.rows += len(rows)
         for p in group or ():
             self._pieces.pop(p.cohort, None)
-        for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
+        for slot, ((cohort, i), row_revealed, commit) in enumerate(zip(live, revealed, row_commits)):
             if cohort in [f for f, _ in self.failed]:
                 continue
+            if prefix is not None and not isinstance(row_revealed, (ChecksFailed, BaseException)):
+                cohort.insert_prefix(i, slot, cache, commit, prefix)  # its K/V checked and final
             if isinstance(row_revealed, ChecksFailed):
                 exc = self._checked_again(cohort, i, commit, banned)
                 if exc is not None:
@@ -503,6 +620,9 @@ class BlockCausalBatch:
         row is revealed or advanced. A fault here is no one cohort's (the iteration's forward raised)."""
         rows = [c.rows[i] for c, i in live]
         cache = self._cache_for(rows, 0)
+        if self.prefix_cache is not None:  # the first piece attends over the cached prefix too
+            for slot, (c, i) in enumerate(live):
+                c.adopt_prefix(i, slot, cache, None)
         reached = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, None, None, layers, hidden)
         self.forwards += 1
         self.rows += len(rows)
@@ -575,6 +695,8 @@ def generate_batch(
     eos_ids: tuple[int, ...],
     generators: list[torch.Generator | None] | None = None,
     kv_store: object | None = None,
+    prefix_cache: PrefixCache | None = None,
+    model_key: str = "",
 ) -> list[BlockCausalResult]:
     """Decode several prompts together, each with its own settings (`service.engine.block_causal`), one forward
     per iteration for every row still decoding; each row decodes as it would alone.
@@ -584,7 +706,8 @@ def generate_batch(
         params: one :class:`BlockCausalParams` per row. mask_id: the ``<|mask|>`` id. eos_ids: ids that end a
             response. generators: per row, the sampling generator when its temperature is above 0 (None: torch's
             default). kv_store: a `QuantizedKVStore` quantizes every ``block`` row's committed blocks (its report
-            counts them); None: full precision.
+            counts them); None: full precision. prefix_cache: read and filled by the ``block`` rows
+            (`service.engine.prefix_cache`), keyed under ``model_key`` (the weights' fingerprint); None: none.
 
     Returns:
         One :class:`BlockCausalResult` per prompt, in order (``kv_bytes``: the committed K/V the row held).
@@ -592,7 +715,7 @@ def generate_batch(
     Raises:
         EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
     """
-    batch = BlockCausalBatch(model)
+    batch = BlockCausalBatch(model, prefix_cache=prefix_cache, model_key=model_key)
     seeded = [RowOptions(temperature=p.temperature) for p in params]
     cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded, kv_store=kv_store)
     if generators:  # the caller's generators replace the rows' own
@@ -622,10 +745,14 @@ def generate(
     eos_ids: tuple[int, ...],
     generator: torch.Generator | None = None,
     kv_store: object | None = None,
+    prefix_cache: PrefixCache | None = None,
+    model_key: str = "",
 ) -> BlockCausalResult:
-    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store`` as there).
+    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store``, ``prefix_cache`` and
+    ``model_key`` as there).
 
     Raises:
         EngineInputError: an empty prompt, or one holding ``mask_id``.
     """
-    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store)[0]
+    return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store, prefix_cache,
+                          model_key)[0]

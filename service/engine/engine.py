@@ -16,6 +16,7 @@ from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
 from service.engine.models import MODEL_CLASSES, family_cache_modes, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import PrefixCache
 from service.engine.prompts import encode_prompt
 from service.engine.protocol import Cancelled, Capabilities, Cohort, DecodeBatch, FamilyDecoder, OnBlock, Plan
 from service.engine.report import DecodeReport
@@ -37,6 +38,7 @@ class Engine:
     def __init__(self, model, spec, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.spec, self.tokenizer, self.dtype, self.device = model, spec, tokenizer, dtype, device
         self.decoder: FamilyDecoder = decoder_for(model, spec)
+        self._prefix_cache: PrefixCache | None = None
         if torch.device(device).type == "cuda":
             # CUDA graphs of the later steps by default on CUDA (`service.engine.graphs`); :meth:`use_graphs`
             # changes it. A family whose batches run no graphed step keeps the runner unused.
@@ -151,6 +153,18 @@ class Engine:
             raise EngineInputError(f"likelihood (the ELBO) is not implemented for {self.spec.arch} models "
                                    f"({self.capabilities.mask_kind.replace('_', '-')} attention): the bidirectional "
                                    "ELBO would not be the model's", "logprobs")
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache this model's running batches share (`service.engine.prefix_cache`; the server sets it
+        from ``prefix_cache_bytes``); None: none. The family's decoder gets it: a block-causal one reads and fills
+        it, a bidirectional one never does (its prompt K/V depend on what follows)."""
+        return self._prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        self._prefix_cache = cache
+        self.decoder.prefix_cache = cache
 
     @property
     def capabilities(self) -> Capabilities:

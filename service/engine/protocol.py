@@ -235,6 +235,9 @@ class FamilyDecoder(Protocol):
     capabilities: Capabilities
     settings: Mapping[str, SettingRule]
     later_steps: Any
+    #: The prefix cache across requests its batches read and fill (`service.engine.prefix_cache`; set through
+    #: `service.engine.Engine.prefix_cache`); a family whose prompt K/V depend on what follows never reads it.
+    prefix_cache: Any
 
     def batch(self, plan: Plan) -> DecodeBatch:
         """An empty running batch; ``plan`` groups :meth:`DecodeBatch.step`'s passes into forwards."""
@@ -255,6 +258,9 @@ class EngineLike(Protocol):
     tests/support/fake_engine.py, has the same)."""
 
     spec: ModelSpec
+    #: The prefix cache across requests (`service.engine.prefix_cache`; `service.main` sets it, the family's decoder
+    #: reads it: only a block-causal family uses it).
+    prefix_cache: Any
 
     @property
     def capabilities(self) -> Capabilities:

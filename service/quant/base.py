@@ -209,6 +209,14 @@ class KVQuantizer:
         kernel reads codes only, so a config with one side held (``sides``) takes the PyTorch path instead."""
         return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
 
+    def block_separable(self, block_length: int) -> bool:
+        """Whether quantizing a run of whole blocks of ``block_length`` tokens one block at a time gives the same
+        codes as quantizing the run at once (a block-causal family's prefix cache, `service.engine.prefix_cache`,
+        stores blocks so, and serves them only then): K groups of ``k_group_size`` tokens counted from the run's
+        first column must not cross a block, and no statistic may read anything but the block's own K/V (a
+        quantizer that ``needs_scores`` ranks tokens by the active block's queries, which differ per request)."""
+        return not self.needs_scores and block_length % self.k_group_size == 0
+
     @property
     def quantizes_k(self) -> bool:
         return "k" in self.config.sides

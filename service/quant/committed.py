@@ -61,15 +61,26 @@ class CommittedBlocks:
         self.layers.setdefault(layer, []).append((start, end, packed))
 
     def read_into(self, layer: int, slot: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  rotate_keys: RotateKeys) -> None:
+                  rotate_keys: RotateKeys, read: dict[int, int] | None = None) -> None:
         """Write the layer's committed K/V (model dtype; keys post-RoPE) at their columns of row ``slot`` of
-        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched."""
+        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched.
+
+        ``read``: packed layers already read into another slot of the same buffers in this forward (``id`` -> that
+        slot), updated here: a block shared by several rows (a prefix cache's, `service.engine.prefix_cache`,
+        always at the same columns) is dequantized once per forward and layer and copied to the others."""
         for start, end, packed in self.layers.get(layer, ()):
+            done = read.get(id(packed)) if read is not None else None
+            if done is not None:
+                k_buf[slot, :, start:end] = k_buf[done, :, start:end]
+                v_buf[slot, :, start:end] = v_buf[done, :, start:end]
+                continue
             k, v = self.quantizer.dequantize(layer, packed, self._layout(end - start, k_buf.device))  # [1, H, w, D]
             if self.quantizer.pre_rope_keys:
                 k = rotate_keys(k, torch.arange(start, end, device=k.device)[None])
             k_buf[slot, :, start:end] = k[0]
             v_buf[slot, :, start:end] = v[0]
+            if read is not None:
+                read[id(packed)] = slot
 
     def before(self, start: int) -> CommittedBlocks:
         """A copy holding only the blocks that start before column ``start`` (the packed layers themselves are
@@ -97,7 +108,10 @@ class Commit:
     """One quantized row of a forward: its cache slot ``slot``, the columns ``[start, end)`` that commit in this
     forward (empty on a later step; the window starts at ``start``; the active block is ``[end, end + block)``),
     its committed blocks held packed (read before ``start``), and the quantizer and accounting that take the
-    committing columns (the request's `service.quant.store.QuantizedKVStore` parts)."""
+    committing columns (the request's `service.quant.store.QuantizedKVStore` parts). ``pieces``: 0 packs the
+    committing columns as one run; a block length cuts them into runs of that many columns, each packed alone (a
+    prefix cache stores a prompt's blocks one by one, `service.engine.prefix_cache`; the codes are the same when
+    the quantizer is `KVQuantizer.block_separable`)."""
 
     slot: int
     start: int
@@ -106,6 +120,13 @@ class Commit:
     quantizer: KVQuantizer
     accounting: KVAccounting
     held: CommittedBlocks
+    pieces: int = 0
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The committing columns ``[a, b)`` packed alone, in order (one run unless ``pieces``)."""
+        if self.pieces <= 0 or self.end <= self.start:
+            return [(self.start, self.end)]
+        return [(a, min(a + self.pieces, self.end)) for a in range(self.start, self.end, self.pieces)]
 
     @staticmethod
     def hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
@@ -119,7 +140,7 @@ class Commit:
         a check put off, :class:`CommitWriter`), so that what it raises is what the write raised before the
         checks were put off."""
         return Commit(0, self.start, self.end, self.block, self.quantizer, KVAccounting(),
-                      self.held.before(self.start))
+                      self.held.before(self.start), self.pieces)
 
 
 def commit_hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
@@ -151,7 +172,7 @@ class CommitWriter:
     def __init__(self, commits: list[Commit], rotate_keys: RotateKeys) -> None:
         self.commits, self.rotate_keys = commits, rotate_keys
         self.committing = [c for c in commits if c.end > c.start]
-        self._layouts: list[SlotLayout] = []  # made at the first layer, on the K/V's device
+        self._layouts: list[list[SlotLayout]] = []  # per commit, per run: made at the first layer, on the device
         self._verdicts: dict[int, torch.Tensor] = {}  # slot -> bool 0-dim, the checks put off
 
     def take_checks(self, batch: int) -> torch.Tensor | None:
@@ -166,43 +187,52 @@ class CommitWriter:
         return out
 
     @staticmethod
-    def _layout_of(commit: Commit, device: torch.device) -> SlotLayout:
-        # The committing columns as one row's reused prefix after "padding" [0, start) (the columns committed
-        # before): K groups run over them from ``start``, as in the other families' prefix segment.
-        return SlotLayout.from_segments(Segments((commit.start,), commit.end, commit.end + 1, commit.end + 1,
-                                                 "prefix"), commit.quantizer.k_group_size, device)
+    def _layout_of(commit: Commit, start: int, end: int, device: torch.device) -> SlotLayout:
+        # The committing columns [start, end) as one row's reused prefix after "padding" [0, start) (the columns
+        # committed before): K groups run over them from ``start``, as in the other families' prefix segment.
+        return SlotLayout.from_segments(Segments((start,), end, end + 1, end + 1, "prefix"),
+                                        commit.quantizer.k_group_size, device)
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                  ) -> None:
         rotate_keys, committing, layouts = self.rotate_keys, self.committing, self._layouts
+        read: dict[int, int] = {}  # the packed blocks read into a slot in this layer: shared ones are copied
         for commit in self.commits:
-            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys)
+            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys, read)
         if len(layouts) < len(committing):
-            layouts.extend(self._layout_of(c, k_buf.device) for c in committing)
+            layouts.extend([self._layout_of(c, a, b, k_buf.device) for a, b in c.runs()] for c in committing)
         deferred = DEFER_WRITE_CHECKS.get()
-        for commit, layout in zip(committing, layouts):
+        for commit, run_layouts in zip(committing, layouts):
             quantizer, width, slot = commit.quantizer, commit.end - commit.start, commit.slot
-            k = k_buf[slot:slot + 1, :, : commit.end + 1]
-            if quantizer.pre_rope_keys:  # the committing columns' pre-RoPE keys at their columns (others unread)
-                k = torch.zeros_like(k)
-                k[:, :, commit.start:commit.end] = k_pre[slot:slot + 1, :, :width]
-            v = v_buf[slot:slot + 1, :, : commit.end + 1]
             scores = None
             if quantizer.needs_scores:
                 queries = q[slot:slot + 1, :, width:width + commit.block]  # the active block's
                 keys = k_buf[slot:slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
-            verdicts: list[torch.Tensor] | None = [] if deferred else None
-            packed = quantizer.quantize(layer, k, v, layout, scores, verdicts)
-            if verdicts:
-                held = self._verdicts.get(slot)
-                self._verdicts[slot] = verdicts[0] if held is None else held & verdicts[0]
-            commit.accounting.add(layer, packed)
-            commit.held.add(layer, commit.start, commit.end, packed)
-            k_dq, v_dq = quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
-            k_dq = k_dq[:, :, commit.start:commit.end]
-            if quantizer.pre_rope_keys:
-                positions = torch.arange(commit.start, commit.end, device=k_dq.device)[None]
-                k_dq = rotate_keys(k_dq, positions)
-            k_buf[slot, :, commit.start:commit.end] = k_dq[0]
-            v_buf[slot, :, commit.start:commit.end] = v_dq[0, :, commit.start:commit.end]
+            for (start, end), layout in zip(commit.runs(), run_layouts):
+                self._write_run(layer, commit, start, end, layout, k_pre, k_buf, v_buf, scores, deferred)
+
+    def _write_run(self, layer: int, commit: Commit, start: int, end: int, layout: SlotLayout, k_pre: torch.Tensor,
+                   k_buf: torch.Tensor, v_buf: torch.Tensor, scores: torch.Tensor | None, deferred: bool) -> None:
+        """Quantize the committing columns ``[start, end)`` of ``commit`` as one packed run, keep it and write it
+        back dequantized (the window starts at ``commit.start``)."""
+        quantizer, slot, rotate_keys = commit.quantizer, commit.slot, self.rotate_keys
+        k = k_buf[slot:slot + 1, :, : end + 1]
+        if quantizer.pre_rope_keys:  # the run's pre-RoPE keys at their columns (others unread)
+            k = torch.zeros_like(k)
+            k[:, :, start:end] = k_pre[slot:slot + 1, :, start - commit.start:end - commit.start]
+        v = v_buf[slot:slot + 1, :, : end + 1]
+        verdicts: list[torch.Tensor] | None = [] if deferred else None
+        packed = quantizer.quantize(layer, k, v, layout, scores, verdicts)
+        if verdicts:
+            held = self._verdicts.get(slot)
+            self._verdicts[slot] = verdicts[0] if held is None else held & verdicts[0]
+        commit.accounting.add(layer, packed)
+        commit.held.add(layer, start, end, packed)
+        k_dq, v_dq = quantizer.dequantize(layer, packed, layout)  # [1, H_kv, end, D]
+        k_dq = k_dq[:, :, start:end]
+        if quantizer.pre_rope_keys:
+            positions = torch.arange(start, end, device=k_dq.device)[None]
+            k_dq = rotate_keys(k_dq, positions)
+        k_buf[slot, :, start:end] = k_dq[0]
+        v_buf[slot, :, start:end] = v_dq[0, :, start:end]

@@ -44,6 +44,10 @@ class KVQuantQuantizer(KVQuantizer):
 
     pre_rope_keys = True
 
+    def block_separable(self, block_length: int) -> bool:
+        """Always: every statistic is per token (no token groups), so a block quantized alone is the run's."""
+        return True
+
     def __init__(self, config: QuantSettings, spec: ModelSpec, state: KVQuantState) -> None:
         super().__init__(config, spec)
         self.state = state

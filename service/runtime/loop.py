@@ -84,6 +84,7 @@ from service.engine.agreement import exact_match, token_agreement
 from service.engine.grammar import GrammarViolation
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import PrefixCache
 from service.engine.protocol import DecodeBatch, EngineLike
 from service.engine.report import DecodeReport, RowReport
 from service.runtime.memory import MemoryModel
@@ -272,6 +273,9 @@ class Worker:
         max_preemptions: how often one request may be preempted (`service.runtime.preemption`; 0: never).
         layer_split_tokens: a full pass of more input tokens runs its layers over several iterations
             (`service.runtime.scheduler.split_by_layers`; 0: never).
+        prefix_cache: the engine's prefix cache (`service.engine.prefix_cache`), whose bytes count in the budget
+            and which gives way (evicts unreferenced blocks) before a request waits for memory or is preempted;
+            None: none.
 
     Raises:
         ValueError: a limit out of its range.
@@ -296,6 +300,7 @@ class Worker:
         max_work: int | None = None,
         max_preemptions: int = DEFAULT_MAX_PREEMPTIONS,
         layer_split_tokens: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_rows < 1 or max_queue < 1 or budget_bytes < 1:
             raise ValueError(f"max_rows, max_queue and budget_bytes must be >= 1, got {max_rows}, {max_queue}, "
@@ -310,6 +315,7 @@ class Worker:
         self._kv_store_factory = kv_store_factory
         self.telemetry = telemetry
         self.memory, self.budget_bytes = memory, budget_bytes
+        self.prefix_cache = prefix_cache
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
@@ -569,15 +575,16 @@ class Worker:
             if queue is self._shadow and (self._queue or blocked):
                 break  # shadow re-decodes only when no user request waits
             jobs = list(queue)
+            budget = self._budget_beside_cache(running + [job.cost for job in taken], jobs[0].cost if jobs else None)
             chosen, head = plan_admission(
                 [(job.cost, job.blocked_at) for job in jobs], running + [job.cost for job in taken],
-                self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
+                budget, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None and queue is self._queue and self._preempt_for(jobs[head], [jobs[i] for i in chosen]):
                 running = [job.cost for job in self._running.values()]
                 jobs = list(queue)
                 chosen, head = plan_admission(
                     [(job.cost, job.blocked_at) for job in jobs], running + [job.cost for job in taken],
-                    self.budget_bytes, now, self.forward_bytes, self.max_rows, self.backfill_s)
+                    budget, now, self.forward_bytes, self.max_rows, self.backfill_s)
             if head is not None:  # blocked by the running requests (or by those joining before it)
                 blocked = True
                 jobs[head].blocked_at = jobs[head].blocked_at or now
@@ -587,6 +594,21 @@ class Worker:
         self.telemetry.memory_waiting.set(len(self._queue) if blocked else 0)
         self.telemetry.waiting.set(len(self._queue))
         return taken
+
+    def _budget_beside_cache(self, running: list[Cost], head: Cost | None) -> int:
+        """The budget left to requests beside the prefix cache, after the cache gave way: it evicts its least
+        recently used unreferenced blocks until ``running`` (the running requests and those joining) and the head
+        of the queue ``head`` fit beside what it keeps (its blocks count in the budget; a referenced block, read by
+        a running row, stays). Caller holds the lock; eviction is dictionary work, no device work."""
+        cache = self.prefix_cache
+        if cache is None:
+            return self.budget_bytes
+        wanted = [*running, head] if head is not None else running
+        transient = max([self.forward_bytes, *(c.transient for c in wanted)])
+        over = sum(c.kv for c in wanted) + transient + cache.held_bytes - self.budget_bytes
+        if over > 0:
+            cache.evict(over)
+        return self.budget_bytes - cache.held_bytes
 
     def _preempt_for(self, head: Job, joining: list[Job]) -> bool:
         """Preempt the running jobs the rule names for ``head`` (`service.runtime.preemption.plan_preemption`):
@@ -602,7 +624,8 @@ class Worker:
                           job.blocks - job.joined_blocks)
                    for job in jobs]
         holders += [Holder(job.cost, 0.0, 0, False, False) for job in joining]
-        victims = [jobs[i] for i in plan_preemption(head.cost, holders, self.budget_bytes, self.forward_bytes,
+        budget = self.budget_bytes - (self.prefix_cache.held_bytes if self.prefix_cache is not None else 0)
+        victims = [jobs[i] for i in plan_preemption(head.cost, holders, budget, self.forward_bytes,
                                                     self.max_preemptions)]
         place = self._queue.index(head) + 1
         for job in victims:

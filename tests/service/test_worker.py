@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.prefix_cache import Namespace, PrefixCache
 from service.quant.config import KVQuantConfig
 from service.runtime.loop import (
     DeviceFault,
@@ -114,3 +115,27 @@ def test_shadow_re_decode_only_for_quantized_jobs_and_labelled_by_the_served_con
     worker.drain(10)
     assert observed == [("kivi", "dual", 1.0, True)]  # the fake engine ignores the cache: full agreement
     assert engine.calls == [1, 1, 1]
+
+
+def test_the_prefix_cache_counts_in_the_budget_and_gives_way_before_a_request_waits():
+    """The cache's blocks fill the whole budget: a request still joins at once, because the cache evicts its least
+    recently used unreferenced blocks first, and only as many as the request needs (one block here)."""
+    engine = FakeEngine()
+    budget = 1 << 24
+    cache = PrefixCache(budget)
+    namespace = Namespace("fa" * 32, "cpu:torch.float32", 4, "none")
+    for b in range(8):  # 8 one-block chains of budget / 8 bytes each
+        hit = cache.lookup(namespace, [b] * 4)
+        cache.insert(hit, [([b] * 4, (), budget // 8)])
+        cache.release(hit)
+    worker = Worker(engine, lambda snap: None, Telemetry(), MemoryModel.for_engine(engine), budget,
+                    prefix_cache=cache)
+    first = cache.blocks()[0].key
+    j = job(4)
+    worker.submit(j)
+    worker.start()
+    assert j.future.result(timeout=60).row.generated_ids == [11, 10, 2]
+    stats = cache.stats()["none"]
+    assert stats.evicted_bytes == budget // 8 and first not in cache, "the least recently used block, only"
+    assert cache.held_bytes == 7 * budget // 8
+    worker.stop()

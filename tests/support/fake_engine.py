@@ -57,6 +57,7 @@ class FakeEngine:
                               num_heads=2, num_kv_heads=2, head_dim=8, vocab_size=128, mask_id=MASK,
                               eos_ids=(EOS,), pad_id=PAD, max_length=max_length)
         self.calls: list[int] = []  # rows of every iteration, in order
+        self.prefix_cache = None  # a bidirectional family: the prefix cache is never read
 
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
