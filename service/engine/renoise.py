@@ -293,17 +293,17 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
     steps = max(row.params.max_denoising_steps for row in rows if not row.done)
     while not all(row.settled for row in rows) and step_count < steps:
         step_count += 1
-        logits = model.decode(canvas, cache, soft)  # [B, C, V] float32
+        live = [not row.settled for row in rows]
+        logits = model.decode(canvas, cache, soft, rows=live)  # [B, C, V] float32 (rows not live: junk)
         accepted: list[torch.Tensor | None] = [None] * b
         for r, row in enumerate(rows):
-            live = not row.settled
-            if not live and mode != "shared":
+            if not live[r] and mode != "shared":
                 continue
             step = row.params.max_denoising_steps - step_count + 1
             if step >= 1:
                 logits[r].div_(temperature(step, row.params))
             drawn, new_argmax, ent = sample_row(logits[r:r + 1], row.generator, chunk)
-            if not live:
+            if not live[r]:
                 continue  # shared mode: the reference draws for finished rows too, and discards them
             row.result.nfe += 1
             keep = accept_mask(ent, row.params.entropy_bound)
@@ -323,8 +323,12 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
                 0, vocab, (1, width), generator=row.generator, device=device)
             canvas[r] = torch.where(~accepted[r], fresh, canvas[r:r + 1])[0]
         sc = logits.to(model.embed.weight.dtype)
-        # One row at a time: the softmax's [C, V] float32 copy does not multiply with the rows.
-        soft = torch.cat([model.soft_embeddings(sc[r:r + 1]) for r in range(b)])
+        # One row at a time: the softmax's [C, V] float32 copy does not multiply with the rows (and a row's matmul
+        # is the one it makes alone).
+        soft = torch.zeros(b, width, model.config.width, dtype=sc.dtype, device=device)
+        for r, row in enumerate(rows):
+            if not row.settled:
+                soft[r] = model.soft_embeddings(sc[r:r + 1])[0]
     for row, nfe in zip(rows, before, strict=True):
         if not row.done:
             row.result.steps_per_canvas.append(row.result.nfe - nfe)

@@ -41,7 +41,7 @@ Shapes use STYLE.md letters: B rows, T tokens, C width, H heads, D head dim, E e
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -148,54 +148,50 @@ def inv_freq(head_dim: int, theta: float, rotary_pairs: int | None) -> torch.Ten
 
 
 @dataclass
+class KeyLayout:
+    """One row's SDPA call on one layer kind, as the reference makes it at batch 1 (transformers ``masking_utils``):
+    ``mask`` None with ``causal`` (SDPA's ``is_causal``) where it skips the mask, else its boolean mask
+    ``[1, 1, T, L]``; the decoder: no mask, not causal. ``keep``: positions the cache keeps after an encoder pass
+    (``None``: all; a sliding layer keeps the last ``W - 1``)."""
+
+    mask: torch.Tensor | None
+    causal: bool
+    keep: int | None = None
+
+
+@dataclass
 class PassInputs:
     """What every layer of one pass shares.
 
     Attributes:
         rope: per layer kind, (cos, sin) ``[B, T, D]`` in the activation dtype.
-        keys: per layer kind, how the pass's keys are laid out (:class:`KeyLayout`).
+        new: per row, its real tokens in this pass (the first ``new[r]`` columns; 0: the row sits this pass out).
+        layouts: per row, per layer kind, its :class:`KeyLayout`.
         decoder: the decoder pass (reads the cache) or the encoder pass (writes it).
         cache: the rows' :class:`CanvasCache`.
         last_layer_kv_only: the encoder's last layer computes its K/V only (its output is never read).
     """
 
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    keys: dict[str, KeyLayout]
+    new: list[int]
+    layouts: list[dict[str, KeyLayout] | None]
     decoder: bool
     cache: CanvasCache
     last_layer_kv_only: bool = True
 
-
-@dataclass
-class KeyLayout:
-    """The keys one pass attends over on one layer kind, and the SDPA call the reference makes.
-
-    At batch 1 keys are ``cat(cached, new)`` and ``mask``/``causal`` are the reference's (None and ``is_causal`` in
-    a prefill it may skip, else its boolean mask; None in the decoder). With rows of different lengths ``gather``
-    ``[B, L]`` picks each row's keys out of ``cat(cached, new)`` (its held columns, then its new ones, padding after)
-    and ``mask`` hides the padding.
-
-    Attributes:
-        mask: bool ``[B, 1, T, L]`` or None; causal: SDPA's ``is_causal``; gather: int64 ``[B, L]`` or None;
-        keep: int64 ``[B, L_keep]`` columns of the pass's keys the cache keeps after an encoder pass (None: all,
-            or in the decoder); held: the rows' held lengths after the pass ``[B]`` (host ints).
-    """
-
-    mask: torch.Tensor | None
-    causal: bool
-    gather: torch.Tensor | None = None
-    keep: torch.Tensor | None = None
-    held: list[int] = field(default_factory=list)
-    keep_last: int | None = None
+    def whole(self, width: int) -> bool:
+        """One row whose tokens fill the pass (batch 1: tensors pass as they are, no per-row slicing)."""
+        return len(self.new) == 1 and self.new[0] == width
 
 
 class CanvasCache:
-    """The committed K/V of a batch's rows, per layer: written once by encoder passes, read by decoder passes.
+    """The committed K/V of a batch's rows: written once by encoder passes, read by decoder passes.
 
-    Layer ``l`` holds K and V ``[B, H_kv, S_l, D_l]`` and each row's held length; row r's keys are its first
-    ``held[kind][r]`` columns (padding after). A global layer holds every committed position; a sliding layer only
-    the last ``sliding_window - 1`` (the reference's ``DynamicSlidingWindowLayer``), so its memory does not grow with
-    the text. Every row has its own committed length ``length[r]`` (prompt + committed canvases).
+    Per layer and row, K and V ``[1, H_kv, S, D]``: a global layer holds every committed position, a sliding layer
+    the last ``sliding_window - 1`` only (the reference's ``DynamicSlidingWindowLayer``: its memory does not grow
+    with the text). ``length[r]``: row r's committed tokens (prompt + committed canvases), where its next positions
+    start. Rows are held apart (not padded into one tensor): each row's attention reads exactly the tensors it
+    would read alone, so it rounds as alone.
 
     Args:
         config: the model's; batch: B.
@@ -203,21 +199,28 @@ class CanvasCache:
 
     def __init__(self, config: DiffusionGemmaConfig, batch: int) -> None:
         self.config = config
-        self.k: list[torch.Tensor | None] = [None] * config.num_layers
-        self.v: list[torch.Tensor | None] = [None] * config.num_layers
+        self.k: list[list[torch.Tensor | None]] = [[None] * batch for _ in range(config.num_layers)]
+        self.v: list[list[torch.Tensor | None]] = [[None] * batch for _ in range(config.num_layers)]
         self.length = [0] * batch
-        self.held = {SLIDING: [0] * batch, GLOBAL: [0] * batch}
+
+    def held(self, row: int, kind: str) -> int:
+        """Positions row ``row`` holds on a layer of ``kind``."""
+        if not self.length[row]:
+            return 0
+        return min(self.length[row], self.config.sliding_window - 1) if kind == SLIDING else self.length[row]
 
     @property
     def nbytes(self) -> int:
         """Bytes of every layer's held K and V."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+        return sum(t.numel() * t.element_size() for layer in (*self.k, *self.v) for t in layer if t is not None)
 
-    def layer(self, index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.k[index], self.v[index]
-
-    def store(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[index], self.v[index] = k, v
+    def row_bytes(self, row: int) -> dict[str, int]:
+        """Bytes row ``row`` holds, per layer kind."""
+        out = {SLIDING: 0, GLOBAL: 0}
+        for index, kind in enumerate(self.config.layer_types):
+            for t in (self.k[index][row], self.v[index][row]):
+                out[kind] += t.numel() * t.element_size() if t is not None else 0
+        return out
 
 
 class Attention(nn.Module):
@@ -250,33 +253,42 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: PassInputs, layer: int) -> torch.Tensor | None:
         """x ``[B, T, C]`` -> ``[B, T, C]``; an encoder pass writes the cache (and returns None on the last layer
-        when only its K/V are wanted)."""
+        when only its K/V are wanted). Each row attends alone over its own cached K/V and its new columns."""
         cos, sin = inputs.rope[self.kind]
         k, v = self.kv(x, cos, sin)
-        layout = inputs.keys[self.kind]
-        cached_k, cached_v = inputs.cache.layer(layer)
-        if cached_k is not None:
-            k_all, v_all = torch.cat([cached_k, k], dim=-2), torch.cat([cached_v, v], dim=-2)
-        else:
-            k_all, v_all = k, v
-        if layout.gather is not None:
-            index = layout.gather[:, None, :, None].expand(-1, k_all.shape[1], -1, k_all.shape[-1])
-            k_all, v_all = k_all.gather(2, index), v_all.gather(2, index)
-        if not inputs.decoder:
-            keep_k, keep_v = k_all, v_all
-            if layout.keep is not None:
-                index = layout.keep[:, None, :, None].expand(-1, k_all.shape[1], -1, k_all.shape[-1])
-                keep_k, keep_v = k_all.gather(2, index), v_all.gather(2, index)
-            elif layout.keep_last is not None:
-                keep_k, keep_v = k_all[:, :, -layout.keep_last:], v_all[:, :, -layout.keep_last:]
-            inputs.cache.store(layer, keep_k, keep_v)
-            if inputs.last_layer_kv_only and layer == len(inputs.cache.k) - 1:
-                return None
-        shape = (*x.shape[:-1], -1, self.head_dim)
-        q = self.q_norm(self.q_proj(x).view(shape))
-        q = ((q * cos[:, :, None]) + (rotate_half(q) * sin[:, :, None])).transpose(1, 2)  # [B, H, T, D]
-        out = sdpa(q, k_all, v_all, layout.mask, layout.causal, self.groups)
-        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:-1], -1))
+        cache = inputs.cache
+        last = not inputs.decoder and inputs.last_layer_kv_only and layer == len(cache.k) - 1
+        q = None
+        if not last:
+            shape = (*x.shape[:-1], -1, self.head_dim)
+            q = self.q_norm(self.q_proj(x).view(shape))
+            q = ((q * cos[:, :, None]) + (rotate_half(q) * sin[:, :, None])).transpose(1, 2)  # [B, H, T, D]
+        whole = inputs.whole(x.shape[1])
+        outs = None if whole or last else q.new_zeros(q.shape)
+        for r, t in enumerate(inputs.new):
+            if not t:
+                continue
+            k_r, v_r = (k, v) if whole else (k[r:r + 1, :, :t], v[r:r + 1, :, :t])
+            held_k, held_v = cache.k[layer][r], cache.v[layer][r]
+            if held_k is not None:  # the reference's torch.cat (a fresh contiguous tensor, as its cache returns)
+                k_r, v_r = torch.cat([held_k, k_r], dim=-2), torch.cat([held_v, v_r], dim=-2)
+            else:
+                k_r, v_r = k_r.contiguous(), v_r.contiguous()
+            layout = inputs.layouts[r][self.kind]
+            if not inputs.decoder:
+                keep = layout.keep
+                cache.k[layer][r] = k_r if keep is None else k_r[:, :, -keep:]
+                cache.v[layer][r] = v_r if keep is None else v_r[:, :, -keep:]
+            if last:
+                continue
+            out = sdpa(q if whole else q[r:r + 1, :, :t], k_r, v_r, layout.mask, layout.causal, self.groups)
+            if whole:
+                outs = out
+            else:
+                outs[r:r + 1, :, :t] = out
+        if last:
+            return None
+        return self.o_proj(outs.transpose(1, 2).reshape(*x.shape[:-1], -1))
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
@@ -402,8 +414,16 @@ class Layer(nn.Module):
             return None
         x = x + self.post_attention_layernorm(attn)
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
-        flat = x.reshape(-1, x.shape[-1])
-        routed = self.experts(self.pre_feedforward_layernorm_2(flat), flat).reshape(x.shape)
+        expert_in = self.pre_feedforward_layernorm_2(x)
+        if inputs.whole(x.shape[1]):
+            routed = self.experts(expert_in.reshape(-1, x.shape[-1]), x.reshape(-1, x.shape[-1])).reshape(x.shape)
+        else:
+            # Each row's tokens are grouped by expert alone: grouped_mm rounds a group by its size, so a row's
+            # experts computed beside other rows' tokens would not be the ones it computes alone.
+            routed = torch.zeros_like(x)
+            for r, t in enumerate(inputs.new):
+                if t:
+                    routed[r, :t] = self.experts(expert_in[r, :t], x[r, :t])
         x = x + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(routed))
         return x * (self.decoder_scalar if inputs.decoder else self.encoder_scalar)
 
@@ -645,65 +665,29 @@ class DiffusionGemmaModel(DiffusionLM):
             out[kind] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
 
-    def _layouts(self, cache: CanvasCache, new: list[int], width: int, decoder: bool,
-                 device: torch.device) -> dict[str, KeyLayout]:
-        """How each layer kind's keys are laid out for a pass adding ``new[r]`` tokens per row (``width`` columns,
-        right-padded), given what ``cache`` holds; and, for an encoder pass, what it keeps."""
-        c = self.config
-        b = len(new)
-        out = {}
-        for kind in (SLIDING, GLOBAL):
-            held = cache.held[kind]
-            total = [h + n for h, n in zip(held, new, strict=True)]
-            keep = [min(t, c.sliding_window - 1) if kind == SLIDING else t for t in total]
-            if b == 1:
-                out[kind] = self._solo_layout(kind, cache.length[0], held[0], new[0], decoder, device)
-                out[kind].held = keep
-                out[kind].keep_last = keep[0] if kind == SLIDING and keep[0] < total[0] else None
-                continue
-            cached_width = max(held)
-            length = max(total)
-            j = torch.arange(length, device=device)
-            held_t = torch.tensor(held, device=device)[:, None]
-            total_t = torch.tensor(total, device=device)[:, None]
-            gather = torch.where(j < held_t, j, cached_width + (j - held_t).clamp(max=width - 1))  # [B, L]
-            valid = j < total_t  # [B, L]
-            first = torch.tensor([cache.length[r] - held[r] for r in range(b)], device=device)[:, None]
-            key_pos = first + j  # [B, L] absolute positions of the keys
-            q_pos = torch.tensor(cache.length, device=device)[:, None] + torch.arange(width, device=device)
-            allowed = valid[:, None, :].expand(b, width, length)
-            if not decoder:
-                allowed = allowed & (key_pos[:, None, :] <= q_pos[:, :, None])
-                if kind == SLIDING:
-                    allowed = allowed & (key_pos[:, None, :] > q_pos[:, :, None] - c.sliding_window)
-            keep_width = max(keep)
-            start = total_t - torch.tensor(keep, device=device)[:, None]
-            keep_index = (start + torch.arange(keep_width, device=device)).clamp(max=length - 1)
-            out[kind] = KeyLayout(mask=allowed[:, None], causal=False, gather=gather,
-                                  keep=None if decoder else keep_index, held=keep)
-        return out
+    def _layouts(self, cache: CanvasCache, new: list[int], decoder: bool,
+                 device: torch.device) -> list[dict[str, KeyLayout] | None]:
+        """Each row's :class:`KeyLayout` per layer kind for a pass adding ``new[r]`` tokens (None: not in it)."""
+        return [{kind: self._layout(kind, cache.length[r], cache.held(r, kind), n, decoder, device)
+                 for kind in (SLIDING, GLOBAL)} if n else None for r, n in enumerate(new)]
 
-    def _solo_layout(self, kind: str, length: int, held: int, new: int, decoder: bool,
-                     device: torch.device) -> KeyLayout:
-        """The reference's mask at batch 1 (transformers ``masking_utils``: ``_ignore_causal_mask_sdpa`` and the
-        causal / sliding-window mask functions)."""
-        if decoder:
-            return KeyLayout(mask=None, causal=False)
+    def _layout(self, kind: str, length: int, held: int, new: int, decoder: bool, device: torch.device) -> KeyLayout:
+        """The reference's SDPA call for one row (transformers ``masking_utils``: ``_ignore_causal_mask_sdpa`` and
+        the causal / sliding-window mask functions; the decoder: ``create_diffusion_decoder_attention_mask``'s
+        None without padding)."""
         window = self.config.sliding_window if kind == SLIDING else None
         keys = held + new
+        keep = window - 1 if window is not None and keys > window - 1 else None
+        if decoder:
+            return KeyLayout(mask=None, causal=False)
         if not (window is not None and keys >= window) and (new == 1 or keys == new or length == 0):
-            return KeyLayout(mask=None, causal=True)
+            return KeyLayout(mask=None, causal=True, keep=keep)
         key_pos = torch.arange(length - held, length + new, device=device)
         q_pos = torch.arange(length, length + new, device=device)
         allowed = key_pos[None, :] <= q_pos[:, None]
         if window is not None:
             allowed = allowed & (key_pos[None, :] > q_pos[:, None] - window)
-        return KeyLayout(mask=allowed[None, None], causal=False)
-
-    def _commit_layouts(self, cache: CanvasCache, layouts: dict[str, KeyLayout], new: list[int]) -> None:
-        for kind, layout in layouts.items():
-            cache.held[kind] = list(layout.held)
-        cache.length = [length + n for length, n in zip(cache.length, new, strict=True)]
+        return KeyLayout(mask=allowed[None, None], causal=False, keep=keep)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """``embed(ids) * sqrt(C)`` with the scale a float32 tensor cast to the weight's dtype (reference
@@ -712,8 +696,9 @@ class DiffusionGemmaModel(DiffusionLM):
         return self.embed(ids) * scale
 
     def encode(self, ids: torch.Tensor, lengths: list[int], cache: CanvasCache) -> None:
-        """Encoder pass: run ``ids`` int64 ``[B, T]`` (row r's first ``lengths[r]`` tokens, right-padded) causally
-        after each row's committed text and write their K/V into ``cache`` (sliding layers keep ``W - 1``).
+        """Encoder pass: run ``ids`` int64 ``[B, T]`` (row r's first ``lengths[r]`` tokens, right-padded; 0: the row
+        sits out) causally after each row's committed text and write their K/V into ``cache`` (sliding layers keep
+        the last ``W - 1`` positions).
 
         Positions continue each row's committed length. Nothing is returned: the encoder's hidden states are never
         read (the last layer computes its K/V only).
@@ -721,28 +706,31 @@ class DiffusionGemmaModel(DiffusionLM):
         t = ids.shape[1]
         positions = torch.tensor(cache.length, device=ids.device)[:, None] + torch.arange(t, device=ids.device)
         x = self._embed(ids)
-        layouts = self._layouts(cache, lengths, t, decoder=False, device=ids.device)
-        inputs = PassInputs(rope=self._rope(positions, x.dtype), keys=layouts, decoder=False, cache=cache)
+        inputs = PassInputs(rope=self._rope(positions, x.dtype), new=list(lengths),
+                            layouts=self._layouts(cache, lengths, False, ids.device), decoder=False, cache=cache)
         for index, layer in enumerate(self.layers):
             x = layer(x, inputs, index)
-        self._commit_layouts(cache, layouts, lengths)
+        cache.length = [length + n for length, n in zip(cache.length, lengths, strict=True)]
 
-    def decode(self, canvas: torch.Tensor, cache: CanvasCache, soft: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, canvas: torch.Tensor, cache: CanvasCache, soft: torch.Tensor | None = None,
+               rows: list[bool] | None = None) -> torch.Tensor:
         """Decoder pass: logits of the canvas ``[B, T]`` int64 at the positions after each row's committed text,
         bidirectional over the cache and the canvas; the cache is read, never written.
 
         Args:
             soft: the self-conditioning embeddings ``[B, T, C]`` (:meth:`soft_embeddings` of the previous step's
                 processed logits) or None (a canvas's first step).
+            rows: which rows take part (default: all); the others' logits are not meaningful.
 
         Returns:
             float32 ``[B, T, V]`` soft-capped logits.
         """
-        b, t = canvas.shape
+        t = canvas.shape[1]
         positions = torch.tensor(cache.length, device=canvas.device)[:, None] + torch.arange(t, device=canvas.device)
         x = self.self_conditioning(self._embed(canvas), soft)
-        layouts = self._layouts(cache, [t] * b, t, decoder=True, device=canvas.device)
-        inputs = PassInputs(rope=self._rope(positions, x.dtype), keys=layouts, decoder=True, cache=cache)
+        new = [t if length else 0 for length in cache.length] if rows is None else [t * bool(r) for r in rows]
+        inputs = PassInputs(rope=self._rope(positions, x.dtype), new=new,
+                            layouts=self._layouts(cache, new, True, canvas.device), decoder=True, cache=cache)
         for index, layer in enumerate(self.layers):
             x = layer(x, inputs, index)
         logits = F.linear(self.norm(x), self.embed.weight).float()
