@@ -11,7 +11,11 @@ hidden 16) on every layer, a tiny vision tower (that the engine skips). Two vari
 - ``dgemma-tiny`` (with tokenizer and a Gemma-style chat template): 5 layers ``S S F S F``, sliding window 12,
   canvas 16;
 - ``dgemma-tiny-w8``: 4 layers ``S F S F``, sliding window 8, canvas 8, other seeds: the sliding layers' cache
-  is trimmed to 7 positions after the first canvas (token ids only, no tokenizer).
+  is trimmed to 7 positions after the first canvas (token ids only, no tokenizer);
+- ``dgemma-tiny-settling``: ``dgemma-tiny-w8``'s layout, another seed, and a near rank-1 embedding (every token's
+  row ``a_v u`` plus 1% noise, ``a_v`` in [0, 3)): the tied head then prefers a few ids whatever the canvas, so
+  canvases settle and the stopping rule's *stability* half fires (on the other two, random weights keep every
+  argmax moving and only ``stability_threshold 0`` stops early).
 
 Each layer's ``layer_scalar`` (encoder and decoder apart), the routers' ``scale`` and ``per_expert_scale`` and the
 norms' weights are drawn too (not left at one), so a wrong tie or a missing scalar changes the logits.
@@ -47,6 +51,9 @@ VARIANTS = {
     "dgemma-tiny-w8": {"seed": 4343, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
                                                      "full_attention"],
                        "sliding_window": 8, "canvas_length": 8, "tokenizer": False},
+    "dgemma-tiny-settling": {"seed": 99, "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                                         "full_attention"],
+                             "sliding_window": 8, "canvas_length": 8, "tokenizer": False, "rank1_embedding": 1},
 }
 
 
@@ -83,6 +90,11 @@ def build(variant: dict):
         for name, value in model.named_buffers():
             if name.endswith("layer_scalar"):
                 value.copy_(0.75 + 0.5 * torch.rand_like(value))
+        if variant.get("rank1_embedding"):
+            embed = model.model.decoder.embed_tokens.weight  # the encoder's and the head's too (tied)
+            g = torch.Generator().manual_seed(variant["rank1_embedding"])
+            scale, direction = 3 * torch.rand(embed.shape[0], generator=g), torch.randn(embed.shape[1], generator=g)
+            embed.copy_(torch.outer(scale, direction) + 0.01 * torch.randn(embed.shape, generator=g))
     return model
 
 
