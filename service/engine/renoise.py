@@ -106,6 +106,18 @@ class RenoiseParams:
         return cls(**values)
 
 
+def stop_ids(directory: Path | None) -> tuple[tuple[int, ...], int | None]:
+    """The EOS ids and the pad id the reference's ``generate`` uses: its generation config's, i.e. the checkpoint's
+    ``generation_config.json`` (none there, or no such file: no EOS ends the text and nothing is padded; the
+    reference does not fall back on ``config.json``)."""
+    generation = directory / "generation_config.json" if directory is not None else None
+    saved = json.loads(generation.read_text()) if generation is not None and generation.is_file() else {}
+    eos = saved.get("eos_token_id")
+    eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    pad = saved.get("pad_token_id")
+    return eos_ids, int(pad) if pad is not None else None
+
+
 @dataclass
 class RenoiseResult:
     """One row's decode.
@@ -202,6 +214,7 @@ def generate(
     generators: torch.Generator | list[torch.Generator | None] | None = None,
     mode: Literal["shared", "per_row"] = "per_row",
     chunk: int = 64,
+    caches: list[CanvasCache] | None = None,
 ) -> list[RenoiseResult]:
     """Decode ``prompts`` together by renoising (module doc), one decoder pass per step for all rows.
 
@@ -216,6 +229,7 @@ def generate(
             (None entries: the global one) or one for every row.
         mode: ``shared`` or ``per_row`` (module doc).
         chunk: positions per piece of the sampler's ``[C, V]`` work.
+        caches: a list the rows' :class:`CanvasCache` is appended to (to read what they held at the end).
 
     Returns:
         One :class:`RenoiseResult` per prompt, in order.
@@ -240,8 +254,10 @@ def generate(
     device = model.embed.weight.device
     rows = [_Row(p, g, canvases_left=math.ceil(p.max_new_tokens / width)) for p, g in zip(per_params, row_generators,
                                                                                          strict=True)]
-    eos = torch.tensor(sorted(set(eos_ids)), device=device)
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     cache = CanvasCache(config, b)
+    if caches is not None:
+        caches.append(cache)
     with torch.inference_mode():
         pending = [torch.tensor(p, device=device) for p in prompts]  # what the next encoder pass runs, per row
         while not all(row.done for row in rows):
