@@ -46,7 +46,7 @@ from calibration.settings import EMBEDDED_TRAIN_SPLIT, JobSettings  # noqa: F401
 from calibration.trace import Trajectory, rollout, trace
 from service.artifacts.base import Provenance, canonical_json, default_v_group_size
 from service.engine import Engine
-from service.engine.models import is_block_causal
+from service.engine.families import capabilities_of
 from service.quant.registry import calibration_steps, method
 from service.store.base import KIND_CALIBRATION_SUMS, KIND_TRAJECTORY, Store
 
@@ -116,7 +116,7 @@ class CalibrationJob:
         self._trajectory_ids: list[str] | None = None
         #: A block-causal model (LLaDA2): no trajectories, diagnostics over exact committed blocks
         #: (`calibration.block_causal`).
-        self.block_causal = is_block_causal(self.spec.arch)
+        self.block_causal = capabilities_of(self.spec.arch).cache_kind == "committed"
 
     def note(self, line: str) -> None:
         """Say once that a step does not apply (`RunSummary.not_applied`, printed by the CLI, and the log)."""

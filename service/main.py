@@ -25,9 +25,10 @@ from service.api.serving import OUTCOME_KEY, Serving
 from service.config import Settings, served_model_name
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.protocol import EngineLike
 from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
-from service.runtime.loop import EngineLike, Job, Worker
+from service.runtime.loop import Job, Worker
 from service.runtime.memory import CPU_BUDGET_BYTES, MemoryModel, default_budget
 from service.runtime.scheduler import default_max_work
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot

@@ -45,16 +45,16 @@ from service.engine.engine import check_cache_mode, validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
-from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions, configured_cache_mode, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
+from service.engine.protocol import EngineLike
 from service.engine.report import TokenLogprob
 from service.engine.response import Cut, cut_response
 from service.engine.token_bound import max_bytes_per_token, min_tokens
 from service.engine.tool_format import Call, Function, generic_turns, parse_calls, starts_as_call
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
-from service.runtime.loop import EngineLike, Job, JobCancelled, JobResult, RequestTooLarge, Worker
+from service.runtime.loop import Job, JobCancelled, JobResult, RequestTooLarge, Worker
 from service.store.active import ActiveConfigs, ConfigSnapshot
 from service.store.base import AmbiguousId, ArtifactNotFound, InvalidName, StoreUnavailable, ids_matching
 from service.store.config_check import ArtifactUnfit
@@ -435,9 +435,9 @@ class Serving:
     def _score_jobs(self, req: s.CompletionRequest, prompts: list[list[int]], snapshot: ConfigSnapshot) -> list[Job]:
         """Jobs scoring each prompt's tokens with the Monte-Carlo ELBO (`service.engine.likelihood`); cost bounded
         by the work ceiling and memory admission at :meth:`submit`."""
-        if is_block_causal(self.spec.arch):  # the engine refuses it in the worker: a 400 here, not a failed batch
+        if not self.engine.capabilities.likelihood:  # the engine refuses it in the worker: a 400 here
             raise InvalidRequest("echo with logprobs scores the prompt with the ELBO, which is not implemented for "
-                                 "block-causal models (LLaDA2)", param="logprobs")
+                                 f"{self.spec.arch} models", param="logprobs")
         mc_num = req.mc_num or self.settings.likelihood_mc_num
         batch = min(self.settings.likelihood_mc_batch_size, mc_num)
         if mc_num % batch:

@@ -163,12 +163,12 @@ def one_line_report(row, timings) -> str:
     )
 
 
-def _mask_kind(args: argparse.Namespace) -> str:
-    """How the checkpoint's family decodes: ``bidirectional`` (LLaDA, Dream), ``block_causal`` (LLaDA2.x) or
-    ``renoising`` (DiffusionGemma); the last two have their own flags and decode."""
+def _decoder(args: argparse.Namespace) -> str:
+    """The checkpoint's family's decoder (``DiffusionLM.decoder``): ``bidirectional`` (LLaDA, Dream),
+    ``block_causal`` (LLaDA2.x) or ``renoising`` (DiffusionGemma); the last two have their own flags and decode."""
     from service.engine.loading import model_class
 
-    return getattr(model_class(args.model), "mask_kind", "bidirectional")
+    return model_class(args.model).decoder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from service.quant.store import make_kv_store
 
     try:
-        kind = _mask_kind(args)
+        kind = _decoder(args)
         if kind == "renoising":
             engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
             prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)

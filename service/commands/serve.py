@@ -107,6 +107,24 @@ def check_model_settings(settings: Settings) -> str | None:
             check(value)
         except EngineInputError as exc:
             return f"{flag}: {exc}"
+    return check_family_settings(settings)
+
+
+def check_family_settings(settings: Settings) -> str | None:
+    """The decoding setting the model's family does not serve, as one line naming its flag, or None: each
+    default decoding setting (``DecodeSettings``, which every request falls back on) against the family's
+    declaration (`service.engine.families.check_family_settings`, from ``config.json`` alone: no weights read),
+    so that ``serve --cache-mode block`` on LLaDA does not start "ready" and refuse every request for a field the
+    client never sent (issue 45 item 3)."""
+    from service.engine.errors import EngineInputError
+    from service.engine.families import check_family_settings as check
+    from service.engine.loading import model_class
+
+    try:
+        check(model_class(settings.model).arch, settings.decode_settings())
+    except EngineInputError as exc:
+        name = exc.field or ""
+        return f"--{name.replace('_', '-')} / DLLM_{name.upper()}: {exc}"
     return None
 
 

@@ -43,6 +43,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.protocol import Capabilities, SettingRule, honoured, only
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 
@@ -216,6 +217,54 @@ class BlockCausalCohort:
         return self.store.commit(slot, call.start, call.block_start, row.block, i)
 
 
+#: What the block-causal family can do today (issue 42 item 3 plans its forwards).
+CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
+                            cache_kind="committed", mask_kind="block_causal")
+
+#: How LLaDA2 serves each `DecodeSettings` field (`settings_from` maps them to `BlockCausalParams`).
+SETTINGS: dict[str, SettingRule] = {
+    "cache_mode": honoured("none recomputes; prefix, dual and block decode with the append-only cache of "
+                           "committed blocks"),
+    "block_length": honoured("the reference's block_length"),
+    "threshold": honoured("the reference's threshold; every position revealable in one step"),
+    "steps": honoured("a fixed schedule of steps / blocks per block, no threshold"),
+    "remasking": only(("low_confidence",), "the reference reveals by confidence only"),
+    "ignore_eos": only((False,), "the reference loop ends a response after the block holding its EOS"),
+    "dream_schedule": only(("origin",), "dream_schedule is a Dream setting (its schedule with cache mode none)"),
+}
+
+
+class BlockCausalDecoder:
+    """The `service.engine.protocol.FamilyDecoder` of a block-causal family (LLaDA2.x).
+
+    Args:
+        model: the loaded model; spec: its `ModelSpec`.
+    """
+
+    capabilities = CAPABILITIES
+    settings = SETTINGS
+
+    def __init__(self, model: LLaDA2Model, spec: Any) -> None:
+        self.model, self.spec, self.family = model, spec, spec.arch
+
+    def batch(self, plan: Any = None) -> BlockCausalBatch:
+        """An empty :class:`BlockCausalBatch` (its one forward per iteration ignores ``plan``)."""
+        return BlockCausalBatch(self.model)
+
+    def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
+               kv_store: object | None, on_block: Callable | None,
+               cancelled: Callable[[], list[bool]] | None) -> BlockCausalCohort:
+        """The request's :class:`BlockCausalCohort`, its settings mapped by :func:`settings_from`."""
+        editing = self.model.config.editing
+        settings = [settings_from(params, options, editing) for options in rows]
+        return BlockCausalCohort(self.model, prompts, settings, self.spec.mask_id, self.spec.eos_ids, rows, params,
+                                 on_block, cancelled, kv_store, tuple(self.spec.banned_ids))
+
+    def report(self, cohort: BlockCausalCohort, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
+        """The cohort's report (:meth:`BlockCausalCohort.report`)."""
+        return cohort.report(decode_text)
+
+
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
     """The row's RNG when it samples (seeded from its options), None when greedy: the other families' rule with
     their default settings (no random remasking here)."""
@@ -250,6 +299,18 @@ class BlockCausalBatch:
         its rows."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
+
+    def preemptible(self, cohort: BlockCausalCohort) -> bool:
+        """Never (yet): the rows' committed K/V live in the batch's shared cache."""
+        return False
+
+    def preempt(self, cohort: BlockCausalCohort) -> Any:
+        """Raises ValueError: a block-causal cohort is not :meth:`preemptible`."""
+        raise ValueError("a block-causal cohort cannot be preempted")
+
+    def resume(self, cohort: BlockCausalCohort, call: Any) -> None:
+        """Raises ValueError: nothing was preempted (:meth:`preempt`)."""
+        raise ValueError("a block-causal cohort cannot be preempted")
 
     def passes(self, cohorts: Sequence[BlockCausalCohort]) -> list:
         """Start an iteration of ``cohorts`` (the caller's running set, oldest first); its calls are made in

@@ -322,7 +322,7 @@ class Cohort:
                 self._reused_positions = (rows, self._select(self.positions, rows)[:, columns])
             reused_positions = self._reused_positions[1]
         hook = None
-        if not getattr(self.store, "sequence_ordered", False):
+        if not self.store.sequence_ordered:
             hook = ReuseRead(self.store, segments, selection, self.model.rope, reused_positions)
         count, fraction, first_only = self._plan(rows, self.step)
         return Pass(

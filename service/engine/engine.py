@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from service.engine.batch import Plan, RunningBatch, alone
-from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort, settings_from
-from service.engine.decode import Cancelled, Cohort, OnBlock
+from service.engine.batch import alone
 from service.engine.errors import EngineInputError
-from service.engine.kv_store import FullPrecisionKVStore, KVStore
+from service.engine.families import check_family_settings, decoder_for
+from service.engine.kv_store import KVStore
 from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
-from service.engine.models import MODEL_CLASSES, family_cache_modes, is_block_causal, reveal_rule
+from service.engine.models import MODEL_CLASSES, family_cache_modes, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prompts import encode_prompt
-from service.engine.report import DecodeReport, RowReport, Timings
-from service.engine.response import cut_response
+from service.engine.protocol import Cancelled, Capabilities, Cohort, DecodeBatch, FamilyDecoder, OnBlock, Plan
+from service.engine.report import DecodeReport
 from service.engine.spec import ModelSpec
 
 
@@ -30,11 +28,14 @@ class Engine:
         spec: the model's :class:`~service.engine.spec.ModelSpec`.
         tokenizer: a transformers tokenizer, or None for a checkpoint without tokenizer files (token ids only).
         model: the torch module (:class:`~service.engine.models.DiffusionLM`), eval mode.
+        decoder: its family's decoder (`service.engine.protocol.FamilyDecoder`, `service.engine.families`): the
+            batch, cohorts, reports, settings rules and capabilities every method here asks.
         dtype, device: what the weights were loaded as.
     """
 
     def __init__(self, model, spec, tokenizer, dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.spec, self.tokenizer, self.dtype, self.device = model, spec, tokenizer, dtype, device
+        self.decoder: FamilyDecoder = decoder_for(model, spec)
 
     @classmethod
     def load(
@@ -128,20 +129,24 @@ class Engine:
         return PromptLikelihood(self.model, self.spec.mask_id, ids, mc_num, mc_batch_size, seed, top_k, cancelled)
 
     def check_likelihood(self) -> None:
-        """Raise `EngineInputError` (field ``logprobs``) when this model has no likelihood: a block-causal model
-        (LLaDA2), whose ELBO over the block-causal mask is not implemented. The server's 400 and the in-process
-        lm-eval model's refusal (`evaluation.lm`) both come from here."""
-        if is_block_causal(self.spec.arch):
-            raise EngineInputError("likelihood (the ELBO) is not implemented for block-causal models (LLaDA2): "
-                                   "the bidirectional ELBO would not be the model's", "logprobs")
+        """Raise `EngineInputError` (field ``logprobs``) when this model's family has no likelihood
+        (`Capabilities.likelihood`; LLaDA2, whose ELBO over the block-causal mask is not implemented). The server's
+        400 and the in-process lm-eval model's refusal (`evaluation.lm`) both come from here."""
+        if not self.capabilities.likelihood:
+            raise EngineInputError(f"likelihood (the ELBO) is not implemented for {self.spec.arch} models "
+                                   f"({self.capabilities.mask_kind.replace('_', '-')} attention): the bidirectional "
+                                   "ELBO would not be the model's", "logprobs")
 
-    def batch(self, plan: Plan = alone) -> RunningBatch:
-        """An empty continuous batch on this model (see `service.engine.batch`); ``plan`` groups each
-        :meth:`RunningBatch.step`'s passes into forwards (default: each alone; the server's is
-        `service.runtime.scheduler.forward_plan`)."""
-        if is_block_causal(self.spec.arch):
-            return BlockCausalBatch(self.model)
-        return RunningBatch(self.model, self.spec.pad_id, plan)
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the loaded family's decoder can do (`service.engine.protocol.Capabilities`)."""
+        return self.decoder.capabilities
+
+    def batch(self, plan: Plan = alone) -> DecodeBatch:
+        """An empty running batch of this model's family (`service.engine.protocol.DecodeBatch`); ``plan`` groups
+        each ``step()``'s passes into forwards (default: each alone; the server's worker plans each iteration
+        itself with `service.runtime.scheduler.forward_plan`)."""
+        return self.decoder.batch(plan)
 
     def cohort(
         self,
@@ -153,7 +158,7 @@ class Engine:
         cancelled: Cancelled | None = None,
         validated: bool = False,
     ) -> Cohort:
-        """Validate a request and make its :class:`Cohort` (arguments as :meth:`generate`), ready to join a batch.
+        """Validate a request and make its cohort (arguments as :meth:`generate`), ready to join a batch.
 
         Args:
             validated: the caller already ran :func:`validate_request` on these prompts and params against this
@@ -165,49 +170,11 @@ class Engine:
         rows = rows if rows is not None else [RowOptions() for _ in prompts]
         if not validated:
             validate_request(self.spec, prompts, params, rows)
-        if is_block_causal(self.spec.arch):
-            return self._block_causal_cohort(prompts, params, rows, kv_store, on_block, cancelled)
-        store = kv_store if kv_store is not None else FullPrecisionKVStore()
-        return Cohort(self.model, self.spec, prompts, params, rows, store, on_block, cancelled)
-
-    def _block_causal_cohort(self, prompts, params, rows, kv_store, on_block, cancelled) -> BlockCausalCohort:
-        """The cohort of a block-causal model (`service.engine.block_causal_batch`; settings mapped by
-        ``settings_from``).
-
-        """
-        editing = self.model.config.editing
-        settings = [settings_from(params, options, editing) for options in rows]
-        return BlockCausalCohort(self.model, prompts, settings, self.spec.mask_id, self.spec.eos_ids, rows, params,
-                                 on_block, cancelled, kv_store, tuple(self.spec.banned_ids))
+        return self.decoder.cohort(prompts, params, rows, kv_store, on_block, cancelled)
 
     def report(self, cohort: Cohort) -> DecodeReport:
-        """The :class:`DecodeReport` of a finished (or abandoned) cohort; timings run from its first call."""
-        if isinstance(cohort, BlockCausalCohort):
-            return cohort.report(self.decode_text)
-        end = cohort.finished_s or time.perf_counter()
-        total = end - cohort.started_s if cohort.started_s else 0.0
-        reports = [self._row_report(cohort, r, opts, total) for r, opts in enumerate(cohort.row_options)]
-        return DecodeReport(
-            rows=reports,
-            params=cohort.params,
-            timings=Timings(total_s=total, first_block_s=cohort.first_block_s),
-            kv=cohort.store.report(),
-        )
-
-    def _row_report(self, cohort: Cohort, row: int, options: RowOptions, total_s: float) -> RowReport:
-        state = cohort.rows[row]
-        cut = cut_response(cohort.response_ids(row), self.spec.eos_ids, cohort.params.ignore_eos,
-                           options.max_tokens, options.stop, self.decode_text)
-        return RowReport(
-            generated_ids=cut.ids,
-            text=cut.text,
-            finish_reason="cancelled" if state.status == "cancelled" else cut.finish_reason,
-            nfe=state.nfe,
-            steps_per_block=state.steps_per_block,
-            reveals_per_step=state.reveals,
-            tokens_per_second=len(cut.ids) / total_s if total_s > 0 else 0.0,
-            logprobs=cohort.response_logprobs(row, len(cut.ids)),
-        )
+        """The :class:`DecodeReport` of a finished (or abandoned) cohort (its family's decoder makes it)."""
+        return self.decoder.report(cohort, self.decode_text)
 
 
 def cache_modes(spec) -> tuple[str, ...]:
@@ -228,7 +195,7 @@ def check_cache_mode(spec, cache_mode: str) -> None:
     API checks it before it resolves a request's KV configuration for that mode."""
     if cache_mode in cache_modes(spec):
         return
-    others = [f"{arch} ({getattr(cls, 'mask_kind', 'bidirectional').replace('_', '-')})"
+    others = [f"{arch} ({cls.mask_kind.replace('_', '-')})"
               for arch, cls in MODEL_CLASSES.items() if cache_mode in cls.cache_modes]
     if others:
         raise EngineInputError(f"cache mode {cache_mode!r} is a cache mode of {', '.join(others)} models, not of this "
@@ -287,6 +254,7 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         )
     params.check_bounds(spec.max_length)
     reveal_rule(spec.arch).check(params)
+    check_family_settings(spec.arch, params.decode_settings())
     longest = max(len(p) for p in prompts)
     if longest + params.gen_length > spec.max_length:
         raise EngineInputError(

@@ -44,6 +44,7 @@ import torch
 
 from service.engine.errors import EngineInputError
 from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel
+from service.engine.protocol import Capabilities, SettingRule, only
 
 #: The reference's global defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``), applied
 #: where neither the call nor the checkpoint's ``generation_config.json`` sets a value.
@@ -365,3 +366,82 @@ def _stable(row: _Row, new_argmax: torch.Tensor) -> bool:
 def with_defaults(params: RenoiseParams, **given) -> RenoiseParams:
     """``params`` with the non-None ``given`` values replaced (checked again)."""
     return replace(params, **{k: v for k, v in given.items() if v is not None})
+
+
+# ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
+# Serving a renoising family through the runtime (a running batch whose iterations are encoder passes, denoising
+# steps and commits of many requests' canvases) is not built yet: the decoder declares the family and refuses each
+# request at admission with a 400 that says what decodes it (`dllm-kvq generate`), so no masked-decoding path ever
+# runs on these weights.
+
+_NOT_SERVED = "DiffusionGemma is decoded by `dllm-kvq generate` only in this version (no running batch yet)"
+
+CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
+                            cache_kind="committed", mask_kind="renoising")
+
+#: How the family would take each `DecodeSettings` field; every request is refused at admission for now (above).
+SETTINGS: dict[str, SettingRule] = {
+    "cache_mode": only(("prefix", "dual", "block"), "its decoder always reads the committed canvases' cache (no "
+                       "recompute mode)", "the committed canvases' cache (prefix, dual and block name it)"),
+    "block_length": SettingRule("not read: a canvas is the checkpoint's canvas_length"),
+    "threshold": SettingRule("not read: acceptance is entropy-bounded (entropy_bound)"),
+    "steps": SettingRule("would be max_denoising_steps per canvas"),
+    "remasking": only(("low_confidence",), "there is no mask: non-accepted positions are redrawn uniformly"),
+    "ignore_eos": only((False,), "the reference ends the text after the canvas holding its EOS"),
+    "dream_schedule": only(("origin",), "dream_schedule is a Dream setting"),
+}
+
+
+class RenoisingBatch:
+    """The family's running batch (`service.engine.protocol.DecodeBatch`): empty, since no cohort is admitted."""
+
+    def __init__(self) -> None:
+        self.failed: list = []
+        self.forwards = 0
+        self.rows = 0
+        self.cohorts: list = []
+
+    def passes(self, cohorts):
+        return []
+
+    def run(self, forwards):
+        return []
+
+    def step(self):
+        return []
+
+    def join(self, cohort) -> None:
+        raise EngineInputError(_NOT_SERVED, "model")
+
+    def leave(self, cohort) -> None:
+        return None
+
+    def preemptible(self, cohort) -> bool:
+        return False
+
+    def preempt(self, cohort):
+        raise ValueError("a renoising cohort cannot be preempted")
+
+    def resume(self, cohort, call) -> None:
+        raise ValueError("a renoising cohort cannot be preempted")
+
+
+class RenoisingDecoder:
+    """The `service.engine.protocol.FamilyDecoder` of DiffusionGemma: declared, refusing requests (module part
+    above). Args: model, spec: the loaded model and its spec."""
+
+    capabilities = CAPABILITIES
+    settings = SETTINGS
+
+    def __init__(self, model: DiffusionGemmaModel, spec) -> None:
+        self.model, self.spec, self.family = model, spec, spec.arch
+
+    def batch(self, plan=None) -> RenoisingBatch:
+        return RenoisingBatch()
+
+    def cohort(self, prompts, params, rows, kv_store, on_block, cancelled):
+        """Raises EngineInputError (HTTP 400, field ``model``): not served yet."""
+        raise EngineInputError(_NOT_SERVED, "model")
+
+    def report(self, cohort, decode_text):
+        raise EngineInputError(_NOT_SERVED, "model")

@@ -75,15 +75,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from service.engine.agreement import exact_match, token_agreement
 from service.engine.grammar import GrammarViolation
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
-from service.engine.models import is_block_causal
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.protocol import DecodeBatch, EngineLike
 from service.engine.report import DecodeReport, RowReport
-from service.engine.spec import ModelSpec
 from service.runtime.memory import MemoryModel
 from service.runtime.preemption import DEFAULT_MAX_PREEMPTIONS, Holder, plan_preemption
 from service.runtime.scheduler import (
@@ -100,36 +99,6 @@ from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-
-class EngineLike(Protocol):
-    """What the worker needs of `service.engine.Engine` (a fake engine in HTTP-shape tests has the same)."""
-
-    spec: ModelSpec
-
-    def decode_text(self, ids: list[int]) -> str | None: ...
-
-    # The running batch's interface (`service.engine.batch.RunningBatch`: ``passes(cohorts)`` starts an iteration
-    # of the worker's running cohorts, ``run(forwards)`` runs it as planned and returns the finished ones,
-    # ``failed`` lists the failed ones, ``leave`` frees one), a request's cohort, its report.
-    def batch(self) -> Any: ...
-
-    def cohort(
-        self,
-        prompts: list[list[int]],
-        params: DecodeParams,
-        rows: list[RowOptions] | None = None,
-        kv_store: KVStore | None = None,
-        on_block: Callable[[int, list[list[int]]], None] | None = None,
-        cancelled: Callable[[], list[bool]] | None = None,
-        validated: bool = False,
-    ) -> Any: ...
-
-    def report(self, cohort: Any) -> DecodeReport: ...
-
-    # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``step()``, ``scores()``).
-    def likelihood(self, ids: list[int], mc_num: int, mc_batch_size: int, seed: int, top_k: int = 0,
-                   cancelled: Callable[[], bool] | None = None) -> Any: ...
 
 
 class WorkerError(Exception):
@@ -330,8 +299,8 @@ class Worker:
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
-        # A block-causal family runs every row in one forward of its own batch, never a pass to split.
-        self.layer_split_tokens = 0 if is_block_causal(engine.spec.arch) else layer_split_tokens
+        # A family whose passes cannot be split by layers never has one split (`Capabilities.layer_split`).
+        self.layer_split_tokens = layer_split_tokens if engine.capabilities.layer_split else 0
         self._plan = forward_plan(self._token_budget, split_tokens=self.layer_split_tokens,
                                   num_layers=engine.spec.num_layers)
         self._hold = Hold()  # the head-of-line rule's state (`service.runtime.scheduler.first_passes_first`)
@@ -354,7 +323,7 @@ class Worker:
         self._running: dict[Any, Job] = {}
         # Jobs admitted whose cohorts are being built, outside the lock (drain counts them as running).
         self._joining: list[Job] = []
-        self._batch: Any = None  # the engine's running batch, made on the worker thread
+        self._batch: DecodeBatch | None = None  # the engine's running batch, made on the worker thread
         self._accepting = True
         self._stopping = False
         #: Client jobs a drain cancelled because its timeout ran out (the exit status reports it).
@@ -605,10 +574,10 @@ class Worker:
         Caller holds the lock."""
         if self.max_preemptions == 0:
             return False
-        pausable = getattr(self._batch, "preemptible", None)
+        pausable = self.engine.capabilities.preemption
         jobs = list(self._running.values())
-        holders = [Holder(job.cost, job.held_since or 0.0, job.preemptions,
-                          pausable is not None and job.task is None, pausable is not None and pausable(job.cohort))
+        holders = [Holder(job.cost, job.held_since or 0.0, job.preemptions, pausable and job.task is None,
+                          pausable and job.task is None and self._batch.preemptible(job.cohort))
                    for job in jobs]
         holders += [Holder(job.cost, 0.0, 0, False, False) for job in joining]
         victims = [jobs[i] for i in plan_preemption(head.cost, holders, self.budget_bytes, self.forward_bytes,
@@ -703,7 +672,7 @@ class Worker:
                     return
                 continue
             self.telemetry.forwards.observe(self._batch.forwards)
-            self.telemetry.row_forwards.inc(getattr(self._batch, "rows", 0))
+            self.telemetry.row_forwards.inc(self._batch.rows)
             with self._cond:
                 self._publish()
                 self._cond.notify_all()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
-from service.engine.models import is_block_causal
+from service.engine.families import capabilities_of
 from service.engine.params import CacheMode, configured_cache_mode
 from service.engine.spec import ModelSpec
 from service.quant.accounting import configured_bits
@@ -199,9 +199,10 @@ class ConfigResolver:
         try:
             artifact = check_config(config, cache_mode, self.spec, self.store.get, self._artifacts)
         except ArtifactUnfit as exc:
-            # A block-causal model (LLaDA2) decodes prefix and dual alike in block, whose reused cache is the
-            # committed blocks: a policy fitted for prefix (what `calibrate` fits for it) fits dual's too.
-            if not (cache_mode == "dual" and is_block_causal(self.spec.arch) and exc.field == "kv_quant.cache_mode"):
+            # A family whose cache holds committed blocks (LLaDA2) decodes prefix and dual alike, its reused cache
+            # the committed blocks: a policy fitted for prefix (what `calibrate` fits for it) fits dual's too.
+            committed = capabilities_of(self.spec.arch).cache_kind == "committed"
+            if not (cache_mode == "dual" and committed and exc.field == "kv_quant.cache_mode"):
                 raise
             artifact = check_config(config, "prefix", self.spec, self.store.get, self._artifacts)
         return ConfigSnapshot(config, cache_mode, source, artifact=artifact, set_at=set_at)

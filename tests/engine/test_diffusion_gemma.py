@@ -282,3 +282,16 @@ def test_canvases_follow_max_new_tokens(engines):
     assert len(result.steps_per_canvas) == math.ceil((width + 1) / width) == 2
     assert len(result.generated_ids) == 2 * width  # whole canvases, as the reference returns them
     assert entropy(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
+
+
+def test_a_masked_decoding_request_is_refused_at_admission(engines):
+    """Not served through the runtime yet: the engine's decoder refuses each request with a 400 naming ``model``
+    (no masked-decoding path runs on these weights)."""
+    from service.engine import Engine
+    from service.engine.params import DecodeParams
+
+    loaded = engines[TINY]
+    engine = Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
+    with pytest.raises(EngineInputError, match="dllm-kvq generate") as refused:
+        engine.generate([[1, 2, 3]], DecodeParams(gen_length=32))
+    assert refused.value.field == "model" and engine.capabilities.mask_kind == "renoising"

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from service.engine.params import DecodeParams, RowOptions
+from service.engine.protocol import Capabilities
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
@@ -43,6 +44,11 @@ class CharTokenizer:
 
 class FakeEngine:
     """See the module docstring. ``block_delay_s`` is slept per committed block (per batch, not per row)."""
+
+    #: Its passes are planned like a bidirectional family's (each runs whole, a piece of a split one included);
+    #: it cannot be preempted (`FakeBatch.preemptible`).
+    capabilities = Capabilities(likelihood=True, layer_split=True, preemption=False, plan_bounded=True,
+                                cache_kind="reuse")
 
     def __init__(self, block_delay_s: float = 0.0, max_length: int = 512) -> None:
         self.block_delay_s = block_delay_s
@@ -101,7 +107,7 @@ class FakeBatch:
     the sizes of the steps go to the engine's ``calls``; no cohort fails alone (``failed`` stays empty)."""
 
     def __init__(self, engine: FakeEngine) -> None:
-        self.engine, self.cohorts, self.forwards = engine, [], 0
+        self.engine, self.cohorts, self.forwards, self.rows = engine, [], 0, 0
         self._finished: list[FakeCohort] = []
         self.failed: list[tuple[FakeCohort, BaseException]] = []
 
@@ -111,6 +117,15 @@ class FakeBatch:
     def leave(self, cohort: FakeCohort) -> None:
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
+
+    def preemptible(self, cohort: FakeCohort) -> bool:
+        return False
+
+    def preempt(self, cohort: FakeCohort):
+        raise ValueError("the fake batch preempts nothing")
+
+    def resume(self, cohort: FakeCohort, call) -> None:
+        raise ValueError("the fake batch preempts nothing")
 
     def passes(self, cohorts) -> list[FakePass]:
         """Start an iteration of ``cohorts`` (the caller's running set): finished ones leave (:meth:`run`

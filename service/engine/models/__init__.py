@@ -1,7 +1,7 @@
 """LLaDA, Dream, LLaDA2 and DiffusionGemma models built from the shared layers.
 
 `MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec, the decode
-loop's reveal rule (:func:`reveal_rule`), the attention-mask kind (:func:`is_block_causal`), the cache modes
+loop's reveal rule (:func:`reveal_rule`), the decoder (``DiffusionLM.decoder``, `service.engine.families`), the cache modes
 (:func:`family_cache_modes`) and admission's cost figures (the config's ``mlp_cost``) all come from what the class
 declares (docs/extending.md "Adding a model family").
 """
@@ -16,11 +16,6 @@ from service.engine.reveal import RevealRule
 
 MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model,
                                                                            DiffusionGemmaModel)}
-
-
-def is_block_causal(arch: str) -> bool:
-    """The family named ``arch`` attends block-causally (its own decode loop, cache mode ``block``)."""
-    return getattr(MODEL_CLASSES.get(arch), "mask_kind", "bidirectional") == "block_causal"
 
 
 def family_cache_modes(arch: str) -> dict[str, str]:
@@ -42,6 +37,6 @@ def reveal_rule(arch: str) -> RevealRule:
 
 
 __all__ = [
-    "MODEL_CLASSES", "DiffusionGemmaModel", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "family_cache_modes", "is_block_causal", "reveal_rule",
+    "MODEL_CLASSES", "DiffusionGemmaModel", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV",
+    "ModelConfig", "capture_qkv", "family_cache_modes", "reveal_rule",
 ]

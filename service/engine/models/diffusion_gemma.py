@@ -48,7 +48,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.engine.errors import EngineInputError
 from service.engine.models import layers
 from service.engine.models.transformer import DiffusionLM, ModelConfig
 from service.engine.reveal import RevealRule
@@ -446,16 +445,11 @@ class SelfConditioning(nn.Module):
 
 
 class RenoisingRule(RevealRule):
-    """DiffusionGemma decodes by renoising (`service.engine.renoise`), not by revealing masks: the masked families'
-    running batch cannot take its requests yet (served through the family protocol: not wired in this version)."""
+    """DiffusionGemma decodes by renoising (`service.engine.renoise`), not by revealing masks: the settings are
+    checked by its decoder's rules (`service.engine.renoise.SETTINGS`) and a request is refused at admission
+    (`service.engine.renoise.RenoisingDecoder.cohort`) until its running batch exists."""
 
     remasking = ("low_confidence",)
-
-    def check(self, params) -> None:
-        """Refuse every masked-decoding request, naming what does decode this family."""
-        raise EngineInputError("this DiffusionGemma model decodes by renoising (dllm-kvq generate with "
-                               "--max-denoising-steps and the other DiffusionGemma flags); serving it over the "
-                               "masked families' running batch is not implemented yet", "model")
 
 
 #: Checkpoint names of one layer's text tensors under ``model.decoder.layers.{i}.`` (or the encoder's
@@ -503,6 +497,8 @@ class DiffusionGemmaModel(DiffusionLM):
     #: masked families' ``prefix``/``dual`` mean the same cache here.
     cache_modes: ClassVar[dict[str, str]] = {"prefix": "prefix", "dual": "dual", "block": "prefix"}
     mask_kind: ClassVar[str] = "renoising"
+    #: Its decoder (`service.engine.families.DECODERS`): `service.engine.renoise.RenoisingDecoder`.
+    decoder: ClassVar[str] = "renoising"
     reveal_rule = RenoisingRule()
     CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {}  # loading maps names itself (tied passes, vision skipped)
 

@@ -376,6 +376,7 @@ class LLaDA2Model(DiffusionLM):
     #: Attention kind of the family: bidirectional inside a block, causal across blocks (its own decode loop,
     #: `service.engine.block_causal`, and its cache modes there).
     mask_kind: ClassVar[str] = "block_causal"
+    decoder: ClassVar[str] = "block_causal"
     #: ``block``, the exact append-only cache of committed blocks, runs with ``prefix``'s configuration (committed
     #: blocks are its reused prefix; it has no suffix); ``prefix`` and ``dual`` decode as ``block`` with their own
     #: (a dual request whose policy was fitted for prefix is served with it, `service.store.active`).

@@ -83,6 +83,11 @@ class DiffusionLM(nn.Module):
     #: store's active entry, a request's ``kv_quant`` checked as for it). The engine's checks, the refusal
     #: messages and the API's published schema read this (`service.engine.engine.cache_modes`).
     cache_modes: ClassVar[dict[str, str]] = {"none": "none", "prefix": "prefix", "dual": "dual"}
+    #: Attention kind of the family (``bidirectional``; LLaDA2's ``block_causal``), as messages name it.
+    mask_kind: ClassVar[str] = "bidirectional"
+    #: The decoder that decodes the family (a key of `service.engine.families.DECODERS`): its batch, cohorts,
+    #: settings rules and capabilities (`service.engine.protocol.FamilyDecoder`).
+    decoder: ClassVar[str] = "bidirectional"
     logits_shift: ClassVar[int]
     CHECKPOINT_NAMES: ClassVar[dict[str, str]]
     reveal_rule: ClassVar[RevealRule]

@@ -1,0 +1,282 @@
+"""The engine as the runtime sees it, typed: one running-batch protocol that every model family's batch
+implements, the family's decoder declaration, and the engine interface the worker and the HTTP layer use
+(issue 42; STYLE.md habit 15).
+
+The runtime (`service.runtime.loop.Worker`) drives every family the same way, one iteration at a time:
+
+1. ``batch.passes(cohorts)``: the running set (the caller keeps it, oldest first) names each cohort's next call,
+   a :class:`PlannedPass` the plan can read;
+2. the plan (`service.runtime.scheduler`: head-of-line rule, layer split, token budget) groups the passes into
+   forwards, ``list[list[PlannedPass]]``; a pass it leaves out waits for the next iteration;
+3. ``batch.run(forwards)``: runs them, returns the cohorts that finished; ``batch.failed`` the ones that failed
+   alone (both have left the batch);
+4. between iterations: ``leave`` (cancelled), ``preemptible`` / ``preempt`` / ``resume`` (preemption by
+   recompute, `service.runtime.preemption`).
+
+A family's decoder (:class:`FamilyDecoder`) owns its batch, its cohorts and their reports, says how it serves
+every decoding setting (:class:`SettingRule`, one per `service.engine.params.DecodeSettings` field) and declares
+its :class:`Capabilities`; `service.engine.Engine` and the runtime ask it and name no family.
+
+This module imports no family and no torch code (it sits at the bottom of `service.engine`): a family module
+implements it, the runtime reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:  # annotations only: importing them here would close a circle through the families
+    from service.engine.kv_store import KVStore
+    from service.engine.params import DecodeParams, RowOptions
+    from service.engine.report import DecodeReport
+    from service.engine.spec import ModelSpec
+
+#: A request's decoding state in a batch (`service.engine.decode.Cohort`,
+#: `service.engine.block_causal_batch.BlockCausalCohort`): opaque to the runtime, which keys its running map by it
+#: and hands it back to the batch and to :meth:`FamilyDecoder.report`.
+Cohort = Hashable
+
+#: ``on_block(block_index, ids_per_row)`` after each block every live row of a cohort committed (streaming).
+OnBlock = Callable[[int, list[list[int]]], None]
+#: Per-row cancellation flags, polled after each iteration.
+Cancelled = Callable[[], list[bool]]
+
+
+class PlannedPass(Protocol):
+    """One cohort's next call, as the plan reads it (`service.runtime.scheduler`). Built on the host; reading it
+    reads nothing from the device. Implementations are dataclasses: the layer split makes a piece of a pass with
+    ``dataclasses.replace(p, layers=(a, b))``.
+
+    Attributes:
+        cohort: who asked. rows: its row indices in the call.
+        kind: ``full`` (every column of the sequence is input: a block-initial pass, which may be split by layers
+            and is a block boundary) or ``window`` (a later step over the active block next to reused K/V).
+        seq_len: keys each row attends over (tokens). width: input columns per row (tokens).
+        layers: the decoder layers ``(a, b)`` this forward runs (None: all): set by the plan's layer split only.
+        hidden: hidden states a previous piece of a split pass left (None when the pass starts at layer 0).
+    """
+
+    cohort: Cohort
+    rows: Sequence[int]
+    kind: Literal["full", "window"]
+    seq_len: int
+    layers: tuple[int, int] | None
+    hidden: Any
+
+    @property
+    def width(self) -> int: ...
+
+
+#: An iteration's plan: its passes grouped into forwards.
+Plan = Callable[[list[PlannedPass]], list[list[PlannedPass]]]
+
+
+class DecodeBatch(Protocol):
+    """The running batch of one family (`service.engine.batch.RunningBatch`,
+    `service.engine.block_causal_batch.BlockCausalBatch`): the protocol the runtime drives (module doc).
+
+    Attributes:
+        failed: ``(cohort, exception)`` of the cohorts that failed alone in the last iteration (they have left).
+        forwards: forward calls of the last iteration; rows: row-forwards of the last iteration (rows summed over
+            its forwards; ``dllm_row_forwards_total``).
+        cohorts: the running set :meth:`join` keeps for a caller without one of its own (:meth:`step`:
+            `Engine.generate`, tests, benchmarks); empty in the server, whose worker keeps the running set.
+    """
+
+    failed: list[tuple[Cohort, BaseException]]
+    forwards: int
+    rows: int
+    cohorts: list[Cohort]
+
+    def passes(self, cohorts: Sequence[Cohort]) -> list[PlannedPass]:
+        """Start an iteration of ``cohorts`` (the caller's running set, oldest first): the next call of each. A
+        cohort with no call left finishes (:meth:`run` returns it); one that raises goes into ``failed``."""
+        ...
+
+    def run(self, forwards: list[list[PlannedPass]]) -> list[Cohort]:
+        """Run the iteration :meth:`passes` started as planned (each group one forward; a pass left out waits).
+        Returns the cohorts that finished (they have left). Never raises for one cohort's fault."""
+        ...
+
+    def step(self) -> list[Cohort]:
+        """One iteration of ``cohorts`` under the batch's own plan (callers without a running set)."""
+        ...
+
+    def join(self, cohort: Cohort) -> None:
+        """Add ``cohort`` to ``cohorts`` (for :meth:`step`)."""
+        ...
+
+    def leave(self, cohort: Cohort) -> None:
+        """Let ``cohort`` go now (finished, failed, cancelled): its next call dropped, its K/V freed."""
+        ...
+
+    def preemptible(self, cohort: Cohort) -> bool:
+        """Whether :meth:`preempt` may take ``cohort`` out now: it is at a block boundary (its next call rebuilds
+        whatever K/V it holds, so every token it revealed is final). False always where the family cannot be
+        preempted (:attr:`Capabilities.preemption`)."""
+        ...
+
+    def preempt(self, cohort: Cohort) -> Any:
+        """Take ``cohort`` out between iterations and free its K/V; return what :meth:`resume` needs to resume it
+        token for token (its next call). Raises ValueError when not :meth:`preemptible`."""
+        ...
+
+    def resume(self, cohort: Cohort, call: Any) -> None:
+        """Give a preempted cohort back what :meth:`preempt` returned: the next iteration naming it runs that
+        call, as it would have without the preemption."""
+        ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a family's decoder can do, as the runtime and the API ask it (never by the family's name).
+
+    Attributes:
+        likelihood: the ELBO likelihood (``logprobs`` with ``echo``, lm-eval's loglikelihood) is served.
+        layer_split: a block-initial pass may run its layers over several iterations
+            (`service.runtime.scheduler.split_by_layers`).
+        preemption: a running request may be preempted by recompute at a block boundary.
+        plan_bounded: its forwards are the plan's groups (bounded by ``max_batched_tokens``); False: the batch
+            makes its own forwards whatever the plan.
+        cache_kind: how its K/V cache lives: ``reuse`` (the bidirectional families: a block-initial pass rewrites
+            each layer's reused K/V, later steps read it) or ``committed`` (block-causal: committed blocks' K/V
+            are appended once and never change).
+        mask_kind: its attention mask (``bidirectional`` or ``block_causal``), as error messages name it.
+    """
+
+    likelihood: bool
+    layer_split: bool
+    preemption: bool
+    plan_bounded: bool
+    cache_kind: Literal["reuse", "committed"]
+    mask_kind: str = "bidirectional"
+
+
+@dataclass(frozen=True)
+class SettingRule:
+    """How a family serves one decoding setting (a `service.engine.params.DecodeSettings` field).
+
+    Attributes:
+        how: how the family honours it, in a few words (docs, the settings walk's failure messages).
+        serves: the values it serves (None: every legal value); another value is refused with a 400 naming the
+            field (:func:`check_settings`), and at ``serve`` start when it is the server's default.
+        why: why the other values are refused (the refusal's reason).
+    """
+
+    how: str
+    serves: tuple[Any, ...] | None = None
+    why: str = ""
+
+    def refuses(self, value: Any) -> bool:
+        """Whether ``value`` is outside what the family serves."""
+        return self.serves is not None and value not in self.serves
+
+
+def honoured(how: str) -> SettingRule:
+    """A setting served at every legal value."""
+    return SettingRule(how)
+
+
+def only(values: tuple[Any, ...], why: str, how: str = "") -> SettingRule:
+    """A setting served only at ``values`` (the built-in default among them, so a request that does not name it
+    is served); any other value is refused with ``why``."""
+    return SettingRule(how or f"only {', '.join(map(repr, values))}", values, why)
+
+
+class SettingRefused(Exception):
+    """Raised by :func:`check_settings`: ``field`` has a value the family does not serve (the engine maps it to
+    `service.engine.errors.EngineInputError`, HTTP 400 naming the field; ``serve`` to its start-up refusal)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_settings(family: str, rules: Mapping[str, SettingRule], values: Mapping[str, Any]) -> None:
+    """Refuse a setting the family does not serve.
+
+    Args:
+        family: the family's name (the message names it). rules: its :attr:`FamilyDecoder.settings`.
+        values: setting name -> value (a request's resolved `DecodeParams`, or the server's defaults).
+
+    Raises:
+        SettingRefused: the first field (in ``rules`` order) whose value the family does not serve; a field with
+            no rule at all (a setting added to `DecodeSettings` that the family never declared).
+    """
+    for name, value in values.items():
+        rule = rules.get(name)
+        if rule is None:
+            raise SettingRefused(f"{name} is not declared by the {family} decoder (every decoding setting must be "
+                                 "honoured or refused by each family)", name)
+        if rule.refuses(value):
+            served = ", ".join(map(repr, rule.serves or ()))
+            raise SettingRefused(f"{name} {value!r} is not served by {family} models ({rule.why}); it serves "
+                                 f"{served}", name)
+
+
+class FamilyDecoder(Protocol):
+    """A family's decoding, declared in one object (as `service.quant.plugin.QuantMethod` declares a quantization
+    method): its batch, its cohorts, their reports, how it serves each setting and what it can do. Made once per
+    loaded model (`service.engine.Engine`).
+
+    Attributes:
+        family: the family's name (``llada``, ``dream``, ``llada2`` ...).
+        capabilities: :class:`Capabilities`.
+        settings: one :class:`SettingRule` per `DecodeSettings` field (tests/engine/test_family_settings.py walks
+            every field for every family, so a new field cannot be dropped in silence).
+    """
+
+    family: str
+    capabilities: Capabilities
+    settings: Mapping[str, SettingRule]
+
+    def batch(self, plan: Plan) -> DecodeBatch:
+        """An empty running batch; ``plan`` groups :meth:`DecodeBatch.step`'s passes into forwards."""
+        ...
+
+    def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
+               kv_store: KVStore | None, on_block: OnBlock | None, cancelled: Cancelled | None) -> Cohort:
+        """One request's decoding state (validated already), ready to join a batch."""
+        ...
+
+    def report(self, cohort: Cohort, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
+        """The report of a finished (or abandoned) cohort."""
+        ...
+
+
+class EngineLike(Protocol):
+    """What the worker and the HTTP layer need of `service.engine.Engine` (a fake engine in HTTP-shape tests,
+    tests/support/fake_engine.py, has the same)."""
+
+    spec: ModelSpec
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The loaded family's :class:`Capabilities`."""
+        ...
+
+    def decode_text(self, ids: list[int]) -> str | None: ...
+
+    def batch(self) -> DecodeBatch:
+        """An empty running batch (the worker plans each iteration itself: :meth:`DecodeBatch.passes`, then
+        :meth:`DecodeBatch.run`)."""
+        ...
+
+    def cohort(
+        self,
+        prompts: list[list[int]],
+        params: DecodeParams,
+        rows: list[RowOptions] | None = None,
+        kv_store: KVStore | None = None,
+        on_block: OnBlock | None = None,
+        cancelled: Cancelled | None = None,
+        validated: bool = False,
+    ) -> Cohort: ...
+
+    def report(self, cohort: Cohort) -> DecodeReport: ...
+
+    # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``step()``, ``scores()``).
+    def likelihood(self, ids: list[int], mc_num: int, mc_batch_size: int, seed: int, top_k: int = 0,
+                   cancelled: Callable[[], bool] | None = None) -> Any: ...
