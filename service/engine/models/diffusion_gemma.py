@@ -729,9 +729,9 @@ class DiffusionGemmaModel(DiffusionLM):
                             layouts=self._layouts(cache, new, True, canvas.device), decoder=True, cache=cache)
         for index, layer in enumerate(self.layers):
             x = layer(x, inputs, index)
-        logits = F.linear(self.norm(x), self.embed.weight).float()
-        if self.config.softcap:
-            logits = torch.tanh(logits / self.config.softcap) * self.config.softcap
+        logits = F.linear(self.norm(x), self.embed.weight).float()  # [B, T, V]
+        if self.config.softcap:  # in place: the reference's three ops without two more [B, T, V] float32 copies
+            logits.div_(self.config.softcap).tanh_().mul_(self.config.softcap)
         return logits
 
     def soft_embeddings(self, logits: torch.Tensor) -> torch.Tensor:
