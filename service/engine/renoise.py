@@ -271,21 +271,22 @@ def generate(
             for r, row in enumerate(rows):
                 row.result.encoder_passes += bool(lengths[r])
             argmax = _denoise(model, cache, rows, device, mode, chunk)
+            # Every row's committed ids and first EOS read at once (two host syncs per commit whatever the rows).
+            hits = torch.isin(argmax, eos)  # [B, C]
+            first_eos = torch.where(hits.any(dim=-1), hits.int().argmax(dim=-1), -1).tolist()
+            ids = argmax.tolist()
             for r, row in enumerate(rows):
                 if row.done:
                     continue
-                committed = argmax[r]
+                committed = ids[r]
                 row.canvases_left -= 1
-                hits = torch.isin(committed, eos)
-                if bool(hits.any()):
-                    first = int(hits.nonzero()[0, 0])
+                if first_eos[r] >= 0:
                     if pad_id is not None:
-                        committed = committed.clone()
-                        committed[first + 1:] = pad_id
+                        committed = committed[: first_eos[r] + 1] + [pad_id] * (width - first_eos[r] - 1)
                     row.done, row.result.finish_reason = True, "stop"
                 elif row.canvases_left == 0:
                     row.done = True
-                row.result.generated_ids += committed.tolist()
+                row.result.generated_ids += committed
                 pending[r] = argmax[r]
     return [row.result for row in rows]
 
@@ -313,6 +314,7 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
         live = [not row.settled for row in rows]
         logits = model.decode(canvas, cache, soft, rows=live)  # [B, C, V] float32 (rows not live: junk)
         accepted: list[torch.Tensor | None] = [None] * b
+        tests: list[tuple[_Row, torch.Tensor]] = []  # (row, its stopping test on the device)
         for r, row in enumerate(rows):
             if not live[r] and mode != "shared":
                 continue
@@ -329,8 +331,14 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
             canvas[r] = canvas_r[0]
             stable = _stable(row, new_argmax)
             argmax[r] = new_argmax[0]
-            confident = bool(torch.mean(ent, dim=-1)[0] < row.params.confidence_threshold)
-            row.settled = (stable and confident) or row.params.max_denoising_steps <= step_count
+            if row.params.max_denoising_steps <= step_count:
+                row.settled = True
+            elif stable is not False:
+                confident = torch.mean(ent, dim=-1)[0] < row.params.confidence_threshold  # 0-dim bool, on device
+                tests.append((row, confident if stable is True else stable & confident))
+        if tests:  # every row's stopping test read at once: one host sync per step whatever the rows
+            for (row, _), stop in zip(tests, torch.stack([t for _, t in tests]).tolist(), strict=True):
+                row.settled = stop
         if mode == "shared":
             noise = torch.randint(0, vocab, (b, width), generator=rows[0].generator, device=device)
         for r, row in enumerate(rows):
@@ -352,13 +360,14 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
     return argmax
 
 
-def _stable(row: _Row, new_argmax: torch.Tensor) -> bool:
+def _stable(row: _Row, new_argmax: torch.Tensor) -> bool | torch.Tensor:
     """The stability half of ``StableAndConfidentStoppingCriteria``: the last ``stability_threshold`` argmax
-    canvases all equal this one (never during the first that many steps; always when the threshold is 0)."""
+    canvases all equal this one. True when the threshold is 0, False during the first that many steps, else a 0-dim
+    bool tensor on the device (read with the step's other tests)."""
     k = row.params.stability_threshold
     if k == 0:
         return True
-    stable = len(row.history) == k and all(bool(torch.equal(h, new_argmax)) for h in row.history)
+    stable = False if len(row.history) < k else torch.stack([(h == new_argmax).all() for h in row.history]).all()
     row.history = (row.history + [new_argmax.clone()])[-k:]
     return stable
 
