@@ -17,7 +17,11 @@ largest forward the long request runs alone, over the short request's own (what 
 forward starts waits for before its first pass: no plan cuts into a running forward); ``worst`` adds it to the
 largest ``work x``: the worst case of a short request in work, to hold against the 2x target.
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/hol_work.py [--every 3] [--split 512]``.
+With ``--model`` another checkpoint (e.g. the tiny LLaDA2, tests/data/llada2/llada2-tiny): prompts are token
+ids, ``ignore_eos`` is set only where the family serves it, and the layer split only where its decoder declares
+it (`Capabilities.layer_split`; LLaDA2's does not).
+
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/hol_work.py [--every 3] [--split 512] [--model DIR]``.
 """
 
 from __future__ import annotations
@@ -40,8 +44,13 @@ from service.runtime.scheduler import Hold, first_passes_first, forward_plan
 TASK = ROOT / "service" / "assets" / "embedded" / "task" / "test.jsonl"
 
 
+#: Whether the served family decodes past an EOS (`service.engine.families.settings_rules`; set in :func:`main`).
+IGNORE_EOS = [True]
+
+
 def _params(tokens: int) -> DecodeParams:
-    return DecodeParams(gen_length=tokens, block_length=32, cache_mode="dual", threshold=0.9, ignore_eos=True)
+    return DecodeParams(gen_length=tokens, block_length=32, cache_mode="dual", threshold=0.9,
+                        ignore_eos=IGNORE_EOS[0])
 
 
 def _work(cost: ForwardCost, forwards, num_layers: int) -> float:
@@ -117,19 +126,23 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=3, help="a short request joins every this many iterations")
     parser.add_argument("--split", type=int, default=512,
                         help="the layer split's tokens of work a piece (DLLM_LAYER_SPLIT_TOKENS's default)")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     args = parser.parse_args()
     from service.engine import Engine
+    from service.engine.families import settings_rules
 
     torch.set_num_threads(1)
-    engine = Engine.load(None, threads=1)
-    ids = prompt_ids(engine)
+    engine = Engine.load(args.model, threads=1)
+    IGNORE_EOS[0] = not settings_rules(engine.spec.arch)["ignore_eos"].refuses(True)
+    ids = prompt_ids(engine) if args.model is None else [5 + i % 40 for i in range(400)]
+    split_tokens = args.split if engine.capabilities.layer_split else 0
     forwards, work, alone = alone_counts(engine, ids)
     print(f"head-of-line in counts: a 32-token request (100-token prompt) joining every {args.every} iterations of "
           f"a 256-token one (300-token prompt); alone it takes {forwards} forward(s), {work:,.0f} flops per layer")
     print(f"{'plan':>26} {'shorts':>6} {'fwd x mean':>10} {'fwd x max':>9} {'work x mean':>11} {'work x max':>10} "
           f"{'arrival wait x':>14} {'worst x':>7} {'tokens as alone':>15} {'long iterations':>15}")
     for name, rule, split in (("without the rule", False, 0), ("first passes first", True, 0),
-                              (f"+ layer split at {args.split}", True, args.split)):
+                              (f"+ layer split at {split_tokens}", True, split_tokens)):
         got, long_iterations, largest = run(engine, ids, args.every, rule, split)
         f = [g[0] / forwards for g in got]
         w = [g[1] / work for g in got]

@@ -15,7 +15,11 @@ commits its first block the small one arrives. Measured in one run:
 Prints each latency and its ratio to the solo latency and to one block of the large request; target: with
 preemption, at most 3 x solo + one block of the large request.
 
-Usage: ``python benchmarks/preemption.py [--prompt 3500] [--gen 512] [--small-gen 32] [--repeats 3]``.
+With ``--model`` another checkpoint (e.g. the tiny LLaDA2, tests/data/llada2/llada2-tiny, ``--cache-mode block``;
+prompts are then token ids, and ``ignore_eos`` is set only where the family serves it).
+
+Usage: ``python benchmarks/preemption.py [--prompt 3500] [--gen 512] [--small-gen 32] [--repeats 3]
+[--model DIR --cache-mode MODE]``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
 
 from service.engine import Engine
+from service.engine.families import settings_rules
 from service.engine.loading import EMBEDDED_DIR
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
@@ -41,8 +46,6 @@ from service.runtime.memory import MemoryModel
 from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
-
-SNAPSHOT = ConfigSnapshot(KVQuantConfig(), "dual", "request")
 
 
 def _worker(engine, memory: MemoryModel, budget: int, forward: int, max_preemptions: int) -> Worker:
@@ -80,23 +83,31 @@ def main() -> None:
     parser.add_argument("--small-gen", type=int, default=32, help="response tokens of the small request")
     parser.add_argument("--repeats", type=int, default=3, help="solo runs of the small request (median)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--cache-mode", default="dual", help="cache mode of both requests")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine.load(EMBEDDED_DIR)
+    engine = Engine.load(args.model or EMBEDDED_DIR)
     memory = MemoryModel.for_engine(engine)
     forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
-    digits = engine.tokenizer.encode(" 4 1 4 4 2 9 7 4 3 2 8 3" * (args.prompt // 12 + 1))
-    large_prompt, small_prompt = digits[: args.prompt], engine.tokenizer.encode("next: 4 1 4 4 2 9 7 4")
-    large_params = DecodeParams(gen_length=args.gen, block_length=32, threshold=0.9, ignore_eos=True,
-                                cache_mode="dual")
-    small_params = DecodeParams(gen_length=args.small_gen, block_length=32, threshold=0.9, ignore_eos=True,
-                                cache_mode="dual")
+    if args.model is None:
+        digits = engine.tokenizer.encode(" 4 1 4 4 2 9 7 4 3 2 8 3" * (args.prompt // 12 + 1))
+        large_prompt, small_prompt = digits[: args.prompt], engine.tokenizer.encode("next: 4 1 4 4 2 9 7 4")
+    else:  # token ids: a checkpoint of the tests may have no tokenizer
+        large_prompt, small_prompt = [5 + i % 40 for i in range(args.prompt)], [5 + i % 7 for i in range(9)]
+    ignore_eos = not settings_rules(engine.spec.arch)["ignore_eos"].refuses(True)
+    large_params = DecodeParams(gen_length=args.gen, block_length=32, threshold=0.9, ignore_eos=ignore_eos,
+                                cache_mode=args.cache_mode)
+    small_params = DecodeParams(gen_length=args.small_gen, block_length=32, threshold=0.9, ignore_eos=ignore_eos,
+                                cache_mode=args.cache_mode)
+    snapshot = ConfigSnapshot(KVQuantConfig(), "prefix" if args.cache_mode == "block" else args.cache_mode,
+                              "request")
 
     def large() -> Job:
-        return Job(large_prompt, large_params, RowOptions(), SNAPSHOT)
+        return Job(large_prompt, large_params, RowOptions(), snapshot)
 
     def small() -> Job:
-        return Job(small_prompt, small_params, RowOptions(), SNAPSHOT)
+        return Job(small_prompt, small_params, RowOptions(), snapshot)
 
     probe = _worker(engine, memory, 1 << 40, forward, 0)
     large_cost, small_cost = probe._cost(large()), probe._cost(small())

@@ -45,7 +45,8 @@ from service.engine.engine import check_cache_mode, validate_request
 from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
-from service.engine.params import DecodeParams, RowOptions, configured_cache_mode, response_length
+from service.engine.models import configured_cache_mode
+from service.engine.params import DecodeParams, RowOptions, response_length
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.protocol import EngineLike
 from service.engine.report import TokenLogprob

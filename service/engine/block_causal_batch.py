@@ -1,17 +1,18 @@
-"""The running batch of a block-causal family (LLaDA2.x): requests join and leave between iterations, and every
-live row of every request takes part in the iteration's one forward.
+"""The running batch of a block-causal family (LLaDA2.x): requests join and leave between iterations; each
+request's live rows make one pass per iteration, and the caller's plan groups the passes into forwards.
 
-The runtime's loop (`service.runtime.loop`) drives it through the interface of `service.engine.batch.RunningBatch`
-(``join``, ``leave``, ``passes``, ``run``, ``failed``, ``forwards``, ``rows``, ``cohorts``); `service.engine.Engine`
-hands it out for a block-causal model. Each row is a `service.engine.block_causal.Row`: the reference loop as a
+The runtime's loop (`service.runtime.loop`) drives it through the one running-batch protocol
+(`service.engine.protocol.DecodeBatch`: ``passes``, ``run``, ``leave``, ``preemptible``, ``preempt``, ``resume``,
+``failed``, ``forwards``, ``rows``); `service.engine.Engine` hands it out through the family's decoder
+(:class:`BlockCausalDecoder`). Each row is a `service.engine.block_causal.Row`: the reference loop as a
 generator that yields each forward's window and reveal rule and is sent its active block after the reveal, so a
-row decodes token for token as it would alone whatever else is in the batch. Every row's reveal runs on the device
-at once (`service.engine.block_causal.reveal_rows`) and is read back in one host read per iteration; the rows'
-sequences and their bookkeeping live on the host. K/V live in one `CommittedKV` with a slot per live row
-(grown when requests join, compacted when they leave, never per iteration).
+row decodes token for token as it would alone whatever else is in the batch. Every row's reveal in a forward runs
+on the device at once (`service.engine.block_causal.reveal_rows`) and is read back in one host read per forward;
+the rows' sequences and their bookkeeping live on the host. K/V live in `CommittedKV` caches, a slot per row of a
+forward (:class:`BlockCausalBatch`, "Caches").
 
-Departures from `RunningBatch`: the iteration is one forward whatever the plan (``run`` ignores the caller's
-grouping: the rows' windows are right-padded together). A grammar-constrained row (structured output, tool
+Departures from `RunningBatch`: a forward's rows' windows are right-padded together whatever their kinds (a
+pass is ``full`` when one of its rows commits columns); no pass is split by layers. A grammar-constrained row (structured output, tool
 calls) reveals by its grammar's chain (`service.engine.block_causal.step_rows`) and never edits; a row that asks
 for log-probabilities gets each token's as the forward that last wrote it gave it (a second host read, only
 when such a row is in the forward). A quantized row's committing-block write checks are put off
@@ -26,7 +27,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import torch
 
@@ -217,8 +219,9 @@ class BlockCausalCohort:
         return self.store.commit(slot, call.start, call.block_start, row.block, i)
 
 
-#: What the block-causal family can do today (issue 42 item 3 plans its forwards).
-CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
+#: What the block-causal family can do: its forwards are the plan's (bounded by ``max_batched_tokens``), and it is
+#: preempted by recompute at a block boundary; no likelihood, no layer split (its forward runs every layer).
+CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=True, plan_bounded=True,
                             cache_kind="committed", mask_kind="block_causal")
 
 #: How LLaDA2 serves each `DecodeSettings` field (`settings_from` maps them to `BlockCausalParams`).
@@ -248,8 +251,9 @@ class BlockCausalDecoder:
         self.model, self.spec, self.family = model, spec, spec.arch
 
     def batch(self, plan: Any = None) -> BlockCausalBatch:
-        """An empty :class:`BlockCausalBatch` (its one forward per iteration ignores ``plan``)."""
-        return BlockCausalBatch(self.model)
+        """An empty :class:`BlockCausalBatch`; ``plan`` groups :meth:`BlockCausalBatch.step`'s passes into
+        forwards."""
+        return BlockCausalBatch(self.model, plan)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
                kv_store: object | None, on_block: Callable | None,
@@ -271,23 +275,60 @@ def _generator(options: RowOptions, device: torch.device) -> torch.Generator | N
     return _row_generator(options, DecodeParams(), device)
 
 
+@dataclass
+class BlockCausalPass:
+    """One cohort's part of an iteration, as the plan reads it (`service.engine.protocol.PlannedPass`): its live
+    rows' next calls. ``kind`` is ``full`` when one of them commits columns (its window starts before its active
+    block: the first call of a block, the prompt's included, or every call of cache mode ``none``), else
+    ``window``; ``width`` the widest window, ``seq_len`` the farthest column. Never split by layers (``layers``
+    stays None: `Capabilities.layer_split` is False)."""
+
+    cohort: BlockCausalCohort
+    rows: list[int]
+    kind: Literal["full", "window"]
+    width: int
+    seq_len: int
+    layers: tuple[int, int] | None = None
+    hidden: Any = None
+
+
 class BlockCausalBatch:
     """The running batch of a block-causal model (module doc). ``failed`` lists ``(cohort, exception)`` of the last
     iteration's cohorts that failed alone; ``forwards`` and ``rows`` count its forwards and row-forwards.
 
     The caller keeps the running set, as `service.engine.batch.RunningBatch`'s (its class doc): each iteration
-    runs the cohorts :meth:`passes` names; ``cohorts`` is the set :meth:`join` keeps for a caller without one
-    (:meth:`step`; empty in the server)."""
+    runs the cohorts :meth:`passes` names, in the forwards the caller's plan groups their passes into (a pass the
+    plan leaves out waits: its rows keep their K/V); ``cohorts`` is the set :meth:`join` keeps for a caller
+    without one (:meth:`step`, which runs every pass in one forward; empty in the server).
 
-    def __init__(self, model: LLaDA2Model) -> None:
+    **Caches.** Each forward attends over one `CommittedKV` whose slots are its rows in order. A forward whose rows
+    are those of a cache already held (the usual case: the same rows as the last iteration) runs on it as is;
+    otherwise a cache is made for its rows and each full-precision row's committed K/V are copied into it from the
+    cache that held them (once per change of the grouping, as when requests join or leave). A cache no live row
+    owns any more is dropped.
+
+    **Preemption by recompute** (:meth:`preempt`): a cohort whose rows' next calls all commit (a block boundary;
+    its store not packing committed blocks, `BlockCausalCohort.packs`) gives up its slots; it resumes with the same
+    calls widened to start at column 0, which rebuild its committed K/V from its committed tokens (which never
+    change, block-causal) before the block, as the block-initial pass of the bidirectional families does.
+    """
+
+    def __init__(self, model: LLaDA2Model, plan: Any = None) -> None:
         self.model = model
+        self.plan = plan
         self.cohorts: list[BlockCausalCohort] = []
         self._live: list[BlockCausalCohort] = []  # the cohorts of the iteration :meth:`passes` started
+        self._finished: list[BlockCausalCohort] = []
         self.failed: list[tuple[BlockCausalCohort, BaseException]] = []
         self.forwards = 0
         self.rows = 0
-        self._cache: CommittedKV | None = None
-        self._slots: list[Row] = []  # the row of each cache slot
+        self._caches: list[tuple[list[Row], CommittedKV]] = []  # each cache with the row of each slot
+        self._owner: dict[int, tuple[CommittedKV, int]] = {}  # id(row) -> the cache and slot holding its K/V
+
+    @property
+    def caches(self) -> list[CommittedKV]:
+        """The caches held now (class doc, "Caches")."""
+        return [cache for _, cache in self._caches]
 
     def join(self, cohort: BlockCausalCohort) -> None:
         """Add a request's rows to ``cohorts`` (the set :meth:`step` decodes); they take part from the next
@@ -295,76 +336,74 @@ class BlockCausalBatch:
         self.cohorts.append(cohort)
 
     def leave(self, cohort: BlockCausalCohort) -> None:
-        """Drop a request (finished, failed or cancelled); its slots go at the next iteration that runs without
-        its rows."""
+        """Drop a request (finished, failed or cancelled): its rows' K/V are let go (a cache no row owns is
+        dropped)."""
         if cohort in self.cohorts:
             self.cohorts.remove(cohort)
+        self._forget(cohort)
+
+    def _forget(self, cohort: BlockCausalCohort) -> None:
+        for row in cohort.rows:
+            self._owner.pop(id(row), None)
+        held = {id(cache) for cache, _ in self._owner.values()}
+        self._caches = [(rows, cache) for rows, cache in self._caches if id(cache) in held]
 
     def preemptible(self, cohort: BlockCausalCohort) -> bool:
-        """Never (yet): the rows' committed K/V live in the batch's shared cache."""
-        return False
+        """Whether :meth:`preempt` may take ``cohort`` out now (class doc): every live row's next call commits
+        columns (a block boundary) and no row's committed blocks are held packed by its store."""
+        return bool(cohort.calls) and all(
+            call.start < call.block_start or cohort.rows[i].params.cache_mode == "none"
+            for i, call in cohort.calls.items()) and not any(cohort.packs(i) for i in cohort.calls)
 
-    def preempt(self, cohort: BlockCausalCohort) -> Any:
-        """Raises ValueError: a block-causal cohort is not :meth:`preemptible`."""
-        raise ValueError("a block-causal cohort cannot be preempted")
+    def preempt(self, cohort: BlockCausalCohort) -> dict[int, Call]:
+        """Take ``cohort`` out between iterations and let its K/V go; returns its rows' next calls widened to
+        start at column 0 (what :meth:`resume` gives back). Its host state (tokens, generators, grammar, streamed
+        blocks) stays on it.
 
-    def resume(self, cohort: BlockCausalCohort, call: Any) -> None:
-        """Raises ValueError: nothing was preempted (:meth:`preempt`)."""
-        raise ValueError("a block-causal cohort cannot be preempted")
+        Raises:
+            ValueError: not :meth:`preemptible`.
+        """
+        if not self.preemptible(cohort):
+            raise ValueError("a block-causal cohort is preempted only when every row's next call commits columns")
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
+        self._forget(cohort)
+        return {i: replace(call, start=0) for i, call in cohort.calls.items()}
 
-    def passes(self, cohorts: Sequence[BlockCausalCohort]) -> list:
-        """Start an iteration of ``cohorts`` (the caller's running set, oldest first); its calls are made in
-        :meth:`run` (one forward), so nothing for a plan to group."""
+    def resume(self, cohort: BlockCausalCohort, call: dict[int, Call]) -> None:
+        """Give a preempted cohort back the calls :meth:`preempt` returned (its rows rebuild their committed K/V
+        from column 0 in them)."""
+        cohort.calls.update(call)
+
+    def passes(self, cohorts: Sequence[BlockCausalCohort]) -> list[BlockCausalPass]:
+        """Start an iteration of ``cohorts`` (the caller's running set, oldest first): one pass per cohort that
+        still decodes (its live rows' next calls); one that is done finishes (:meth:`run` returns it)."""
+        self.failed, self.forwards, self.rows = [], 0, 0
         self._live = list(cohorts)
-        return []
+        self._finished = [c for c in cohorts if c.done]
+        out = []
+        for cohort in cohorts:
+            if cohort.done:
+                continue
+            calls = [cohort.calls[i] for i in sorted(cohort.calls)]
+            full = any(c.start < c.block_start for c in calls) or not any(c.start for c in calls)
+            out.append(BlockCausalPass(cohort, sorted(cohort.calls), "full" if full else "window",
+                                       max(c.end - c.start for c in calls), max(c.end for c in calls)))
+        return out
 
     def step(self) -> list[BlockCausalCohort]:
-        """One iteration of ``cohorts`` (`Engine.generate`, :func:`generate_batch`); returns as :meth:`run`."""
-        self.passes(self.cohorts)
-        return self.run()
+        """One iteration of ``cohorts`` (`Engine.generate`, :func:`generate_batch`), every pass in one forward
+        unless the batch was given a plan; returns as :meth:`run`."""
+        passes = self.passes(self.cohorts)
+        return self.run(self.plan(passes) if self.plan is not None else [passes] if passes else [])
 
-    def run(self, forwards: list | None = None) -> list[BlockCausalCohort]:
-        """The iteration :meth:`passes` started: one forward over every live row of its cohorts, each row sent
-        its logits. Returns the cohorts that finished (they have left: :meth:`leave`). A cohort whose host step
-        raises fails alone: it leaves and is listed in :attr:`failed`."""
-        self.failed, self.forwards, self.rows = [], 0, 0
+    def run(self, forwards: list[list[BlockCausalPass]]) -> list[BlockCausalCohort]:
+        """The iteration :meth:`passes` started, as planned: each group one forward over its passes' rows, each
+        row sent its reveal; a pass the plan left out waits. Returns the cohorts that finished (they have left:
+        :meth:`leave`). A cohort whose host step raises fails alone: it leaves and is listed in :attr:`failed`."""
         finished: list[BlockCausalCohort] = []
-        live = [(c, i) for c in self._live for i in sorted(c.calls)]
-        if live:
-            # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
-            live.sort(key=lambda ci: ci[0].packs(ci[1]))
-            rows = [c.rows[i] for c, i in live]
-            packed = sum(c.packs(i) for c, i in live)
-            cache = self._cache_for(rows, packed)
-            row_commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
-            commits = [x for x in row_commits if x is not None]
-            hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
-            cache.on_write = hook
-            banned = next((c.banned for c, _ in live), None)
-            deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
-            try:
-                revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned,
-                                     hook.take_checks if hook is not None else None)
-            finally:
-                DEFER_WRITE_CHECKS.reset(deferred)
-                cache.on_write = None
-            self.forwards, self.rows = 1, len(rows)
-            for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
-                if cohort in [f for f, _ in self.failed]:
-                    continue
-                if isinstance(row_revealed, ChecksFailed):
-                    exc = self._checked_again(cohort, i, commit, banned)
-                    if exc is not None:
-                        self.failed.append((cohort, exc))
-                        continue
-                    row_revealed = row_revealed.revealed  # a false alarm: the same K/V were written
-                if isinstance(row_revealed, BaseException):  # its grammar failed mid-decode: this request alone
-                    self.failed.append((cohort, row_revealed))
-                    continue
-                try:
-                    cohort.advance(i, row_revealed)
-                except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
-                    self.failed.append((cohort, exc))
+        for group in forwards:
+            self._run_group([(p.cohort, i) for p in group for i in p.rows if i in p.cohort.calls])
         for cohort in self._live:
             if cohort in [f for f, _ in self.failed]:
                 self.leave(cohort)
@@ -379,8 +418,48 @@ class BlockCausalBatch:
             if cohort.done:
                 self.leave(cohort)
                 finished.append(cohort)
-        self._live = []
+        self._live, self._finished = [], []
         return finished
+
+    def _run_group(self, live: list[tuple[BlockCausalCohort, int]]) -> None:
+        """One forward over the rows ``live`` ((cohort, row index) pairs), each row advanced with its reveal."""
+        if not live:
+            return
+        # Rows held packed by a quantized store take the last slots (`CommittedKV`'s packed slots).
+        live = sorted(live, key=lambda ci: ci[0].packs(ci[1]))
+        rows = [c.rows[i] for c, i in live]
+        packed = sum(c.packs(i) for c, i in live)
+        cache = self._cache_for(rows, packed)
+        row_commits = [c.commit(i, slot) for slot, (c, i) in enumerate(live)]
+        commits = [x for x in row_commits if x is not None]
+        hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+        cache.on_write = hook
+        banned = next((c.banned for c, _ in live), None)
+        deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
+        try:
+            revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned,
+                                 hook.take_checks if hook is not None else None)
+        finally:
+            DEFER_WRITE_CHECKS.reset(deferred)
+            cache.on_write = None
+        self.forwards += 1
+        self.rows += len(rows)
+        for (cohort, i), row_revealed, commit in zip(live, revealed, row_commits):
+            if cohort in [f for f, _ in self.failed]:
+                continue
+            if isinstance(row_revealed, ChecksFailed):
+                exc = self._checked_again(cohort, i, commit, banned)
+                if exc is not None:
+                    self.failed.append((cohort, exc))
+                    continue
+                row_revealed = row_revealed.revealed  # a false alarm: the same K/V were written
+            if isinstance(row_revealed, BaseException):  # its grammar failed mid-decode: this request alone
+                self.failed.append((cohort, row_revealed))
+                continue
+            try:
+                cohort.advance(i, row_revealed)
+            except Exception as exc:  # noqa: BLE001 -- this request's fault alone; the others go on
+                self.failed.append((cohort, exc))
 
     def _checked_again(self, cohort: BlockCausalCohort, i: int, commit: Any,
                        banned: torch.Tensor | None) -> BaseException | None:
@@ -389,7 +468,7 @@ class BlockCausalBatch:
         false alarm. Its generator's state is put back, so that a false alarm decodes as if nothing happened."""
         row, call = cohort.rows[i], cohort.calls[i]
         alone = commit.alone()
-        cache = BlockCausalBatch(self.model)._cache_for([row], 1)
+        cache = BlockCausalBatch(self.model)._cache_for([row], 1)  # a scratch batch: no slot of ours moves
         cache.on_write = alone.hook([alone], self.model.rotate_keys)
         state = row.generator.get_state() if row.generator is not None else None
         self.forwards += 1
@@ -404,28 +483,36 @@ class BlockCausalBatch:
 
     def _cache_for(self, rows: list[Row], packed: int) -> CommittedKV:
         """The cache with one slot per row of ``rows``, in that order, the last ``packed`` of them held packed
-        (no per-layer buffers: `CommittedKV`): the full-precision slots of rows that left are dropped and new
-        rows get zeroed slots (both only when the set of rows changes); the columns cover every window."""
+        (no per-layer buffers: `CommittedKV`; class doc, "Caches"): a cache held with exactly these rows when its
+        columns cover every window, else a new one into which each full-precision row's K/V are copied from the
+        cache that held them (rows new to the batch, or resumed, get zeroed slots)."""
         cfg, weight = self.model.config, self.model.embed.weight
         capacity = 2 * max(r.length for r in rows)
-        old = self._cache
-        if old is not None and rows == self._slots and old.k[0].shape[2] >= capacity and (
-                old.scratch is None or old.scratch[0].shape[2] >= capacity):
-            return old
-        if old is not None:
-            capacity = max(capacity, old.k[0].shape[2])
+        for held_rows, cache in self._caches:
+            if held_rows == rows and cache.k[0].shape[2] >= capacity and (
+                    cache.scratch is None or cache.scratch[0].shape[2] >= capacity):
+                return cache
+        olds = [cache for _, cache in self._caches]
+        capacity = max([capacity, *(c.k[0].shape[2] for c in olds)])
         full = len(rows) - packed
         cache = CommittedKV(cfg.num_layers, len(rows), cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype,
                             weight.device, packed)
-        held = {id(r): s for s, r in enumerate(self._slots[: old.k[0].shape[0]])} if old is not None else {}
-        kept = [(n, held[id(r)]) for n, r in enumerate(rows[:full]) if id(r) in held]
-        if kept:  # the full-precision rows that stay keep their committed K/V
+        for old in olds:  # the full-precision rows that stay keep their committed K/V
+            kept = [(n, slot) for n, r in enumerate(rows[:full])
+                    if (held := self._owner.get(id(r))) is not None and held[0] is old
+                    and (slot := held[1]) < old.k[0].shape[0]]
+            if not kept:
+                continue
             to, src = (torch.tensor(list(x), device=weight.device) for x in zip(*kept))
-            for buffers, olds in ((cache.k, old.k), (cache.v, old.v)):
+            for buffers, old_buffers in ((cache.k, old.k), (cache.v, old.v)):
                 for layer in range(len(buffers)):
-                    width = olds[layer].shape[2]
-                    buffers[layer][:, :, :width].index_copy_(0, to, olds[layer].index_select(0, src))
-        self._cache, self._slots = cache, list(rows)
+                    width = old_buffers[layer].shape[2]
+                    buffers[layer][:, :, :width].index_copy_(0, to, old_buffers[layer].index_select(0, src))
+        for slot, row in enumerate(rows):
+            self._owner[id(row)] = (cache, slot)
+        self._caches.append((list(rows), cache))
+        held = {id(c) for c, _ in self._owner.values()}
+        self._caches = [(r, c) for r, c in self._caches if id(c) in held]
         return cache
 
 

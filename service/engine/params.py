@@ -35,20 +35,9 @@ from service.engine.errors import EngineInputError
 #: append-only cache of block-causal families (LLaDA2, `service.engine.block_causal`), refused by the others.
 CacheMode = Literal["none", "prefix", "dual", "block"]
 #: The cache modes that hold an active KV configuration in the store: what ``PUT /admin/active/{cache_mode}`` takes.
-#: ``block`` (LLaDA2's) has none of its own: it serves ``prefix``'s (:func:`configured_cache_mode`).
+#: ``block`` (LLaDA2's) has none of its own: it serves ``prefix``'s (`service.engine.models.configured_cache_mode`).
 ConfiguredCacheMode = Literal["none", "prefix", "dual"]
 
-
-def configured_cache_mode(cache_mode: str, arch: str) -> str:
-    """The cache mode whose KV configuration a request in ``cache_mode`` runs with on the family named ``arch``,
-    as the family declares it (`service.engine.models.DiffusionLM.cache_modes`): its own for LLaDA and Dream;
-    LLaDA2's ``block``, its append-only cache of committed blocks (its reused prefix; it has no suffix), runs with
-    ``prefix``'s: the server's active ``prefix`` configuration, and a request's own ``kv_quant`` checked as for
-    ``prefix`` (a dLLM-KVQ policy made for ``prefix``, as ``calibrate`` makes LLaDA2's). A mode the family does
-    not declare is returned as is (the caller's `check_cache_mode` refuses it)."""
-    from service.engine.models import family_cache_modes  # the models import this module (their reveal rules)
-
-    return family_cache_modes(arch).get(cache_mode, cache_mode)
 
 #: The two fields that together choose the schedule: confidence threshold, or a fixed number of steps.
 SCHEDULE_FIELDS = ("threshold", "steps")

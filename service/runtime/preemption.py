@@ -17,8 +17,8 @@ beside the running ones, a running request may be preempted for it if
 * it has been preempted fewer than ``max_preemptions`` times: a large request is delayed at most that many times
   (each time by at most the backfill window, ``backfill_s``, plus the run of the requests it made way for, since
   it waits at the head of the queue right behind them);
-* it is a decoding request of a family whose batch can pause it (not a likelihood task; not LLaDA2's
-  block-causal batch, whose committed K/V live in a shared cache).
+* it is a decoding request of a family whose decoder can pause it (`Capabilities.preemption`; not a likelihood
+  task), at a block boundary (`DecodeBatch.preemptible`).
 
 Candidates are taken in the order they have held their memory, longest first (since they last joined), until the
 head fits; if it would not fit even with every candidate gone, nobody is preempted. Of those taken, the ones at a

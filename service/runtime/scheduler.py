@@ -30,7 +30,14 @@ class Cost:
 
 def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
     """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
-    forward ``reserve`` and the requests' own transients within ``budget`` (bytes)."""
+    forward ``reserve`` and the requests' own transients within ``budget`` (bytes).
+
+    The largest, not their sum: an iteration's forwards run one after another and each frees its activations
+    before the next (what is held across them, the hidden states between the pieces of a split pass, is counted
+    in the request's ``kv``, `service.runtime.loop.Worker._cost`), and every family's forwards are the plan's
+    (`Capabilities.plan_bounded`, issue 42): a merged forward holds at most ``max_batched_tokens`` tokens (the
+    ``reserve``), a wider pass runs in a forward alone (its own transient). Before issue 42 LLaDA2 ran all its
+    rows in one forward, whose transient was the sum of theirs."""
     transient = max([reserve, cost.transient, *(c.transient for c in running)])
     return sum(c.kv for c in running) + cost.kv + transient <= budget
 

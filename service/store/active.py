@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 from service.engine.families import capabilities_of
-from service.engine.params import CacheMode, configured_cache_mode
+from service.engine.models import configured_cache_mode
+from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
 from service.quant.accounting import configured_bits
 from service.quant.config import KVQuantConfig

@@ -15,6 +15,7 @@ from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import generate
 from service.engine.loading import load_checkpoint
 from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
+from tests.support.metrics import metric_sum, metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,11 +70,40 @@ def test_concurrent_clients_decode_as_alone(client):
     assert together == alone
 
 
+def test_under_a_small_token_budget_requests_share_planned_forwards_and_decode_as_alone(client, tmp_path):
+    """LLaDA2 under the runtime's plan (issue 42): with DLLM_MAX_BATCHED_TOKENS 64 concurrent requests' passes
+    are grouped into several forwards an iteration, each within the budget, and every answer is as alone."""
+    prompts = [" ".join(f"w{i + k}" for k in range(3 + 4 * i)) for i in range(4)]
+    model = client.models.list().data[0].id
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=32, extra_body={"cache_mode": "block"})
+             .choices[0].text for p in prompts]
+    srv = start_llada2_server(LLADA2_CHAT, tmp_path, DLLM_MAX_BATCHED_TOKENS="64", DLLM_LAYER_SPLIT_TOKENS="0")
+    try:
+        small = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        before = metrics(srv.url)
+
+        def ask(prompt: str) -> str:
+            return small.completions.create(model=model, prompt=prompt, max_tokens=32,
+                                            extra_body={"cache_mode": "block"}).choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(ask, prompts))
+        after = metrics(srv.url)
+    finally:
+        srv.stop()
+    assert together == alone
+    forwards = (metric_sum(after, "dllm_forwards_per_iteration_sum")
+                - metric_sum(before, "dllm_forwards_per_iteration_sum"))
+    iterations = (metric_sum(after, "dllm_forwards_per_iteration_count")
+                  - metric_sum(before, "dllm_forwards_per_iteration_count"))
+    assert forwards > iterations  # some iteration made more than one forward: the plan split the rows
+
+
 def test_refusals_are_400_naming_the_field(server):
     # Echo with logprobs scores the prompt (the ELBO, not implemented for the block-causal mask).
     body = {"model": "llada2-tiny-chat", "prompt": "w5 w6", "max_tokens": 32}
     for extra, field in (({"remasking": "random"}, "remasking"), ({"echo": True, "logprobs": 1}, "logprobs"),
-                         ({"dream_schedule": "block"}, "dream_schedule")):
+                         ({"dream_schedule": "block"}, "dream_schedule"), ({"ignore_eos": True}, "ignore_eos")):
         response = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field

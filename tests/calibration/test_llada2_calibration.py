@@ -15,7 +15,7 @@ from service.artifacts.policy import PolicyTable
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import generate
 from service.engine.loading import load_checkpoint
-from service.engine.params import configured_cache_mode
+from service.engine.models import configured_cache_mode
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
 from service.quant.store import make_kv_store

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import weakref
 from typing import ClassVar, get_args
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -24,11 +24,11 @@ from service.engine import Engine, EngineInputError
 from service.engine.engine import cache_modes
 from service.engine.forward_cost import ForwardCost
 from service.engine.loading import detect_arch, load_checkpoint
-from service.engine.models import MODEL_CLASSES, ModelConfig
+from service.engine.models import MODEL_CLASSES, DiffusionLM, ModelConfig, configured_cache_mode
 from service.engine.models.llada import LLaDAModel
-from service.engine.params import CacheMode, ConfiguredCacheMode, DecodeParams, configured_cache_mode
+from service.engine.params import CacheMode, ConfiguredCacheMode, DecodeParams, RowOptions
+from service.engine.reveal import LLaDARule
 from service.runtime.memory import MemoryModel
-from tests.support.fastdllm import CKPT, golden
 from tests.support.llada2 import LLADA2_CKPT
 
 
@@ -117,33 +117,79 @@ def test_each_family_declares_its_cache_modes_and_what_they_run_with():
 
 
 # ---- a fifth family, declared and registered here alone (docs/extending.md "Adding a model family") --------------
-class TinyFamModel(LLaDAModel):
-    """A family the tree does not know: LLaDA's layers and checkpoint names under its own ``model_type``, and a
-    cache-mode declaration of its own (no ``dual``), to show that detection, loading, the engine's checks and the
-    API's schema follow what the class declares."""
+@dataclasses.dataclass(frozen=True)
+class TinyFamConfig(ModelConfig):
+    """Its MLP's figures for admission (`ModelConfig.mlp_cost`): a plain GELU MLP holds ``fc1``'s output and its
+    activation (``2 M``) and multiplies ``2 C M``."""
+
+    @property
+    def mlp_cost(self) -> tuple[int, int]:
+        return 2 * self.mlp_hidden, 2 * self.width * self.mlp_hidden
+
+
+class PlainMLP(torch.nn.Module):
+    """``fc2(gelu(fc1(x)))``: a layer no family of the tree has."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, hidden, bias=True)
+        self.fc2 = torch.nn.Linear(hidden, width, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class TinyFamModel(DiffusionLM):
+    """A family the tree does not know: its own MLP layer (:class:`PlainMLP`, biased, ungated), its own
+    checkpoint names and ``config.json`` keys, LLaDA's reveal rule, and a cache-mode declaration of its own (no
+    ``dual``), to show that detection, loading, decoding, the runtime and the API follow what the class declares."""
 
     arch = "tinyfam"
+    logits_shift = 0
+    reveal_rule = LLaDARule()
     cache_modes: ClassVar[dict[str, str]] = {"none": "none", "prefix": "prefix"}
+    CHECKPOINT_NAMES: ClassVar[dict[str, str]] = {
+        "tok.weight": "embed.weight", "final_norm.weight": "norm.weight", "out.weight": "lm_head.weight",
+        **{f"h.{{i}}.{a}": f"layers.{{i}}.{b}" for a, b in (
+            ("ln1.weight", "attn_norm.weight"), ("ln2.weight", "mlp_norm.weight"),
+            ("q.weight", "attn.q_proj.weight"), ("k.weight", "attn.k_proj.weight"),
+            ("v.weight", "attn.v_proj.weight"), ("o.weight", "attn.o_proj.weight"),
+            ("fc1.weight", "mlp.fc1.weight"), ("fc1.bias", "mlp.fc1.bias"),
+            ("fc2.weight", "mlp.fc2.weight"), ("fc2.bias", "mlp.fc2.bias"))},
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        for layer in self.layers:
+            layer.mlp = PlainMLP(config.width, config.mlp_hidden)
 
     @classmethod
     def config_from_hf(cls, hf: dict) -> ModelConfig:
-        return dataclasses.replace(super().config_from_hf(hf), arch=cls.arch)
+        width, heads = hf["hidden"], hf["heads"]
+        return TinyFamConfig(arch=cls.arch, vocab_size=hf["vocab"], width=width, num_layers=hf["layers"],
+                             num_heads=heads, num_kv_heads=heads, head_dim=width // heads, mlp_hidden=hf["ffn"],
+                             eps=1e-5, rope_theta=10000.0, rope_full_precision=True, qkv_bias=False,
+                             mask_id=hf["mask"], eos_id=hf["eos"], pad_id=hf["pad"], max_length=256)
 
 
 @pytest.fixture
 def tinyfam(tmp_path, monkeypatch):
-    """The tiny LLaDA checkpoint relabelled ``model_type: tinyfam``, with the family registered for this test."""
+    """A seeded random checkpoint of the family, written in its own format, with the family registered for this
+    test."""
     monkeypatch.setitem(MODEL_CLASSES, TinyFamModel.arch, TinyFamModel)
+    hf = {"model_type": "tinyfam", "architectures": ["TinyFamModelLM"], "hidden": 32, "heads": 4, "layers": 2,
+          "ffn": 64, "vocab": 64, "mask": 63, "eos": 1, "pad": 0}
+    torch.manual_seed(0)
+    model = TinyFamModel(TinyFamModel.config_from_hf(hf))
     directory = tmp_path / "tinyfam"
-    shutil.copytree(CKPT["llada"], directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="tinyfam", architectures=["TinyFamModelLM"])
-    (directory / "config.json").write_text(json.dumps(config))
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.contiguous() for k, v in model.checkpoint_state_dict().items()},
+              str(directory / "model.safetensors"))
     return directory
 
 
-def _golden_prefix_run() -> dict:
-    return next(r for r in golden("llada_generate.json")["runs"] if r["mode"] == "prefix" and not r["fragile"])
+PROMPTS = [[5, 9, 2, 33, 17], [12, 4, 8], [7] * 11]
 
 
 def test_a_family_registered_from_the_tests_is_detected_loaded_and_decodes(tinyfam):
@@ -153,21 +199,30 @@ def test_a_family_registered_from_the_tests_is_detected_loaded_and_decodes(tinyf
         detect_arch({"model_type": "gpt2"})
     engine = Engine.load(tinyfam)
     assert type(engine.model) is TinyFamModel and engine.spec.arch == "tinyfam"
-    # Its layers are LLaDA's and so are its weights: it decodes the LLaDA golden token for token.
-    run = _golden_prefix_run()
-    p = run["params"]
-    params = DecodeParams(gen_length=p["gen_length"], block_length=p["block_length"], cache_mode="prefix",
-                          threshold=p["threshold"], steps=p["steps"] if p["threshold"] is None else None,
-                          ignore_eos=True)
-    assert engine.generate([run["prompt_ids"]], params).rows[0].generated_ids == run["generated_ids"]
+    assert all(isinstance(layer.mlp, PlainMLP) for layer in engine.model.layers)
+    # It decodes with the bidirectional decoder, under the runtime's one protocol: each prompt alone, then all of
+    # them in one continuous batch under a plan that merges their passes, token for token the same.
+    params = DecodeParams(gen_length=32, block_length=16, cache_mode="prefix", threshold=0.5, ignore_eos=True)
+    rows = [[RowOptions(temperature=0.8, seed=i)] for i in range(len(PROMPTS))]  # sampled: rows differ
+    alone = [engine.generate([p], params, r).rows[0].generated_ids for p, r in zip(PROMPTS, rows)]
+    batch = engine.batch(lambda passes: [passes] if passes else [])
+    cohorts = [engine.cohort([p], params, r) for p, r in zip(PROMPTS, rows)]
+    for cohort in cohorts:
+        batch.join(cohort)
+    with torch.inference_mode():
+        while batch.cohorts:
+            assert batch.step() is not None and batch.failed == []
+    assert [engine.report(c).rows[0].generated_ids for c in cohorts] == alone
+    assert len({tuple(ids) for ids in alone}) > 1
     # Its declared cache modes are the engine's: dual, which it does not declare, is refused naming what it takes.
     assert cache_modes(engine.spec) == ("none", "prefix")
     assert configured_cache_mode("prefix", "tinyfam") == "prefix"
     with pytest.raises(EngineInputError, match="this tinyfam model takes none or prefix") as refused:
-        engine.generate([run["prompt_ids"]], DecodeParams(**{**params.model_dump(), "cache_mode": "dual"}))
+        engine.generate([PROMPTS[0]], DecodeParams(**{**params.model_dump(), "cache_mode": "dual"}))
     assert refused.value.field == "cache_mode"
-    # Its admission figures are the dense default's (`ModelConfig.mlp_cost`), read by the memory model.
-    assert MemoryModel.for_engine(engine).forward == ForwardCost.of(engine.model)
+    # Its admission figures are its own (`TinyFamConfig.mlp_cost`), read by the memory model.
+    forward = MemoryModel.for_engine(engine).forward
+    assert forward == ForwardCost.of(engine.model) and (forward.mlp_activations, forward.mlp_macs) == (2 * 64, 2 * 32 * 64)
 
 
 def test_the_api_serves_a_family_registered_from_the_tests(tinyfam, tmp_path):
@@ -177,19 +232,19 @@ def test_the_api_serves_a_family_registered_from_the_tests(tinyfam, tmp_path):
     from service.main import create_app
 
     engine = Engine.load(tinyfam)
+    params = DecodeParams(gen_length=32, block_length=16, cache_mode="prefix", threshold=0.5, ignore_eos=True)
+    expected = engine.generate([PROMPTS[0]], params).rows[0].generated_ids
     settings = Settings(store_url=str(tmp_path / "store"), cache_mode="prefix")
     with TestClient(create_app(settings, engine=engine)) as client:
         schemas = client.get("/openapi.json").json()["components"]["schemas"]
         mode = schemas["GenerateRequest"]["properties"]["cache_mode"]
         enum = mode.get("enum") or next(b["enum"] for b in mode.get("anyOf", ()) if "enum" in b)
         assert enum == ["none", "prefix"]
-        run = _golden_prefix_run()
-        body = {"prompt": run["prompt_ids"], "max_tokens": run["params"]["gen_length"], "cache_mode": "prefix",
-                "block_length": run["params"]["block_length"], "threshold": run["params"]["threshold"],
-                "ignore_eos": True}
+        body = {"prompt": PROMPTS[0], "max_tokens": 32, "cache_mode": "prefix", "block_length": 16,
+                "threshold": 0.5, "ignore_eos": True}
         served = client.post("/generate", json=body)
         assert served.status_code == 200, served.text
-        assert served.json()["rows"][0]["generated_ids"] == run["generated_ids"]
+        assert served.json()["rows"][0]["generated_ids"] == expected
         refused = client.post("/generate", json={**body, "cache_mode": "dual"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "cache_mode", refused.text
         assert "this tinyfam model takes none or prefix" in refused.json()["error"]["message"]

@@ -172,13 +172,16 @@ def test_bytes_held_are_the_packed_bytes_the_report_and_admission_count(llada2, 
     batch = BlockCausalBatch(loaded.model)
     batch.join(BlockCausalCohort(loaded.model, [run["prompt_ids"]], [params_of(run, "block", editing=False)],
                                  spec.mask_id, spec.eos_ids, kv_store=store))
+    seen = 0
     with torch.inference_mode():
         while batch.cohorts:
             batch.step()
             assert not batch.failed
-            cache = batch._cache
-            assert all(k.shape[0] == 0 for k in cache.k + cache.v)  # no per-layer buffer for the packed row
-            assert cache.nbytes == 2 * cache.scratch[0].numel() * cache.scratch[0].element_size()
+            for cache in batch.caches:  # none once the row has left
+                seen += 1
+                assert all(k.shape[0] == 0 for k in cache.k + cache.v)  # no per-layer buffer for the packed row
+                assert cache.nbytes == 2 * cache.scratch[0].numel() * cache.scratch[0].element_size()
+    assert seen
     held = store._committed[0]
     tokens = sum(end - start for start, end, _ in held.layers[0])
     packed = sum(p.nbytes for blocks in held.layers.values() for _, _, p in blocks)

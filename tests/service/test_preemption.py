@@ -23,6 +23,7 @@ from service.runtime.scheduler import Cost
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 from tests.support.fastdllm import CKPT, four_prompts
+from tests.support.preemption import large_then_small
 
 KIVI2 = KVQuantConfig(method="kivi", bits=2, k_group_size=8)
 UNQUANTIZED = KVQuantConfig()
@@ -63,24 +64,7 @@ def _run(engine, arch: str, mode: str, config: KVQuantConfig, n: int, temperatur
     assert small_cost.kv > 0 and small_cost.kv + small_cost.transient <= budget
     assert large_cost.kv + large_cost.transient > small_cost.kv + small_cost.transient
     worker = _worker(engine, budget, telemetry, max_preemptions=max_preemptions)
-    blocks: list[tuple[int, list[list[int]]]] = []
-    submitted = threading.Event()
-
-    def on_block(block: int, ids: list[list[int]]) -> None:
-        blocks.append((block, [list(r) for r in ids]))
-        if not submitted.is_set():  # on the worker thread, between iterations: the large one is at a boundary
-            submitted.set()
-            worker.submit(small)
-
-    large.on_block = on_block
-    order: list[str] = []
-    for name, job in (("large", large), ("small", small)):
-        job.future.add_done_callback(lambda _, name=name: order.append(name))
-    worker.submit(large)
-    worker.start()
-    large_result = large.future.result(timeout=300)
-    small_result = small.future.result(timeout=300)
-    worker.stop()
+    large_result, small_result, blocks, order = large_then_small(worker, large, small)
     return large_result, small_result, blocks, large, order, _preemptions(telemetry)
 
 

@@ -25,6 +25,16 @@ def family_cache_modes(arch: str) -> dict[str, str]:
     return MODEL_CLASSES.get(arch, DiffusionLM).cache_modes
 
 
+def configured_cache_mode(cache_mode: str, arch: str) -> str:
+    """The cache mode whose KV configuration a request in ``cache_mode`` runs with on the family named ``arch``,
+    as the family declares it (`service.engine.models.DiffusionLM.cache_modes`): its own for LLaDA and Dream;
+    LLaDA2's ``block``, its append-only cache of committed blocks (its reused prefix; it has no suffix), runs with
+    ``prefix``'s: the server's active ``prefix`` configuration, and a request's own ``kv_quant`` checked as for
+    ``prefix`` (a dLLM-KVQ policy made for ``prefix``, as ``calibrate`` makes LLaDA2's). A mode the family does
+    not declare is returned as is (the caller's `check_cache_mode` refuses it)."""
+    return family_cache_modes(arch).get(cache_mode, cache_mode)
+
+
 def reveal_rule(arch: str) -> RevealRule:
     """The reveal rule of the family named ``arch``.
 
@@ -38,5 +48,5 @@ def reveal_rule(arch: str) -> RevealRule:
 
 __all__ = [
     "MODEL_CLASSES", "DiffusionGemmaModel", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV",
-    "ModelConfig", "capture_qkv", "family_cache_modes", "reveal_rule",
+    "ModelConfig", "capture_qkv", "configured_cache_mode", "family_cache_modes", "reveal_rule",
 ]
