@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -370,11 +370,6 @@ def _stable(row: _Row, new_argmax: torch.Tensor) -> bool | torch.Tensor:
     stable = False if len(row.history) < k else torch.stack([(h == new_argmax).all() for h in row.history]).all()
     row.history = (row.history + [new_argmax.clone()])[-k:]
     return stable
-
-
-def with_defaults(params: RenoiseParams, **given) -> RenoiseParams:
-    """``params`` with the non-None ``given`` values replaced (checked again)."""
-    return replace(params, **{k: v for k, v in given.items() if v is not None})
 
 
 # ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
