@@ -295,3 +295,36 @@ def test_a_masked_decoding_request_is_refused_at_admission(engines):
     with pytest.raises(EngineInputError, match="dllm-kvq generate") as refused:
         engine.generate([[1, 2, 3]], DecodeParams(gen_length=32))
     assert refused.value.field == "model" and engine.capabilities.mask_kind == "renoising"
+
+
+def test_a_canvas_of_256_sampled_in_chunks_is_the_reference(tmp_path):
+    """The public canvas length (256 positions, so the sampler works in pieces of 64) on a checkpoint written by
+    ``save_pretrained`` of a fresh seeded model (its generation config has no EOS ids: every canvas runs), a window
+    shorter than the prompt, vocabulary 2,048."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    from service.engine.renoise import stop_ids
+
+    torch.manual_seed(7)
+    text = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+            "num_global_key_value_heads": 1, "sliding_window": 64, "num_experts": 16, "top_k_experts": 4,
+            "moe_intermediate_size": 32, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+    vision = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4,
+              "position_embedding_size": 16, "pooling_kernel_size": 2}
+    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=256, image_token_id=2047,
+                                  boi_token_id=2046, eoi_token_id=2045)
+    DiffusionGemmaForBlockDiffusion(config).eval().save_pretrained(tmp_path)
+    ref = DiffusionGemmaForBlockDiffusion.from_pretrained(tmp_path).eval()
+    loaded = load_checkpoint(tmp_path)
+    eos_ids, pad_id = stop_ids(tmp_path)
+    assert (eos_ids, pad_id) == ((), None)
+    prompt, gen, steps, seed = list(range(3, 80)), 300, 2, 1
+    torch.manual_seed(seed)
+    expected = ref.generate(torch.tensor([prompt]), max_new_tokens=gen, max_denoising_steps=steps)
+    params = RenoiseParams.for_checkpoint(tmp_path, max_new_tokens=gen, max_denoising_steps=steps)
+    mine = generate(loaded.model, [prompt], params, eos_ids, pad_id, torch.Generator().manual_seed(seed),
+                    mode="shared")[0]
+    assert mine.generated_ids == expected.sequences[0, len(prompt):].tolist()
+    assert mine.nfe == 2 * steps and len(mine.generated_ids) == 512
