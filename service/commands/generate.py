@@ -11,7 +11,7 @@ import argparse
 import re
 import sys
 
-from service.commands import _block_causal, add_model_flags
+from service.commands import _block_causal, _renoising, add_model_flags
 from service.engine.params import DecodeParams, DecodeSettings
 
 
@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block; default: off)")
     _block_causal.add_arguments(parser)
+    _renoising.add_arguments(parser)
 
 
 def add_parser(subparsers) -> None:
@@ -162,11 +163,12 @@ def one_line_report(row, timings) -> str:
     )
 
 
-def _decodes_block_causally(args: argparse.Namespace) -> bool:
-    """The checkpoint's family decodes block-causally (LLaDA2.x; its own flags and decode)."""
+def _decoder(args: argparse.Namespace) -> str:
+    """The checkpoint's family's decoder (``DiffusionLM.decoder``): ``bidirectional`` (LLaDA, Dream),
+    ``block_causal`` (LLaDA2.x) or ``renoising`` (DiffusionGemma); the last two have their own flags and decode."""
     from service.engine.loading import model_class
 
-    return model_class(args.model).decoder == "block_causal"
+    return model_class(args.model).decoder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,7 +184,12 @@ def run(args: argparse.Namespace) -> int:
     from service.quant.store import make_kv_store
 
     try:
-        if _decodes_block_causally(args):
+        kind = _decoder(args)
+        if kind == "renoising":
+            engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+            prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
+            return _renoising.run(args, engine, prompt)
+        if kind == "block_causal":
             engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
             prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
             quant = kv_config(args)

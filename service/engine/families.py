@@ -17,6 +17,9 @@ from service.engine.block_causal_batch import BlockCausalDecoder
 from service.engine.errors import EngineInputError
 from service.engine.models import MODEL_CLASSES, DiffusionLM
 from service.engine.protocol import Capabilities, FamilyDecoder, SettingRefused, SettingRule, check_settings
+from service.engine.renoise import CAPABILITIES as RENOISING_CAPABILITIES
+from service.engine.renoise import SETTINGS as RENOISING_SETTINGS
+from service.engine.renoise import RenoisingDecoder
 from service.engine.spec import ModelSpec
 
 
@@ -39,6 +42,7 @@ class Family:
 DECODERS: dict[str, Family] = {
     "bidirectional": Family(BidirectionalDecoder, bidirectional_settings, BidirectionalDecoder.capabilities),
     "block_causal": Family(BlockCausalDecoder, lambda _cls: BLOCK_CAUSAL_SETTINGS, BlockCausalDecoder.capabilities),
+    "renoising": Family(RenoisingDecoder, lambda _cls: RENOISING_SETTINGS, RENOISING_CAPABILITIES),
 }
 
 

@@ -16,8 +16,10 @@ from service.engine.params import DecodeSettings
 from tests.support.cli import service_main
 from tests.support.fastdllm import CKPT
 from tests.support.llada2 import LLADA2_CKPT
+from tests.support.paths import REPO
 
-CHECKPOINTS = {**CKPT, "llada2": LLADA2_CKPT["llada2"]}
+CHECKPOINTS = {**CKPT, "llada2": LLADA2_CKPT["llada2"],
+               "diffusion_gemma": REPO / "tests" / "data" / "diffusion_gemma" / "dgemma-tiny"}
 
 
 def _values(name: str) -> list:

@@ -195,7 +195,7 @@ PROMPTS = [[5, 9, 2, 33, 17], [12, 4, 8], [7] * 11]
 def test_a_family_registered_from_the_tests_is_detected_loaded_and_decodes(tinyfam):
     hf = json.loads((tinyfam / "config.json").read_text())
     assert detect_arch(hf) == "tinyfam"
-    with pytest.raises(EngineInputError, match="llada, dream, llada2, tinyfam"):  # the refusal lists the registry
+    with pytest.raises(EngineInputError, match="llada, dream, llada2, diffusion_gemma, tinyfam"):  # the refusal lists the registry
         detect_arch({"model_type": "gpt2"})
     engine = Engine.load(tinyfam)
     assert type(engine.model) is TinyFamModel and engine.spec.arch == "tinyfam"

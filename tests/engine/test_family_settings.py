@@ -19,6 +19,10 @@ from service.engine.params import DecodeParams, DecodeSettings, RowOptions
 from service.engine.protocol import DecodeBatch, FamilyDecoder, SettingRefused, check_settings
 from tests.support.fastdllm import CKPT
 from tests.support.llada2 import LLADA2_CKPT
+from tests.support.paths import REPO
+
+#: A checkpoint of each family.
+CHECKPOINTS = {**CKPT, **LLADA2_CKPT, "diffusion_gemma": REPO / "tests" / "data" / "diffusion_gemma" / "dgemma-tiny"}
 
 
 def _values(name: str) -> list:
@@ -58,7 +62,7 @@ def _params(arch: str, **update) -> DecodeParams:
 def test_every_refused_value_is_a_400_naming_its_field(arch):
     """Each finite-domain setting walked over all its values: served ones pass the engine's checks, refused ones
     raise `EngineInputError` whose field is the setting."""
-    spec = load_checkpoint({**CKPT, **LLADA2_CKPT}[arch]).spec
+    spec = load_checkpoint(CHECKPOINTS[arch]).spec
     rules = settings_rules(arch)
     refused = 0
     for name in DecodeSettings.model_fields:
@@ -89,7 +93,7 @@ def _protocol_members(protocol: type) -> set[str]:
 
 @pytest.mark.parametrize("arch", list(MODEL_CLASSES))
 def test_every_family_batch_and_decoder_implement_the_protocol(arch):
-    loaded = load_checkpoint({**CKPT, **LLADA2_CKPT}[arch])
+    loaded = load_checkpoint(CHECKPOINTS[arch])
     engine = Engine(loaded.model, loaded.spec, None, torch.float32, torch.device("cpu"))
     batch, decoder = engine.batch(), engine.decoder
     for protocol, obj in ((DecodeBatch, batch), (FamilyDecoder, decoder)):

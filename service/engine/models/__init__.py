@@ -1,4 +1,4 @@
-"""LLaDA, Dream and LLaDA2 models built from the shared layers.
+"""LLaDA, Dream, LLaDA2 and DiffusionGemma models built from the shared layers.
 
 `MODEL_CLASSES` is the one list of supported architectures (arch name -> class); loading, the spec, the decode
 loop's reveal rule (:func:`reveal_rule`), the decoder (``DiffusionLM.decoder``, `service.engine.families`), the cache modes
@@ -7,13 +7,15 @@ declares (docs/extending.md "Adding a model family").
 """
 
 from service.engine.errors import EngineInputError
+from service.engine.models.diffusion_gemma import DiffusionGemmaModel
 from service.engine.models.dream import DreamModel
 from service.engine.models.llada import LLaDAModel
 from service.engine.models.llada2 import LLaDA2Model
 from service.engine.models.transformer import DiffusionLM, LayerQKV, ModelConfig, capture_qkv
 from service.engine.reveal import RevealRule
 
-MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model)}
+MODEL_CLASSES: dict[str, type[DiffusionLM]] = {cls.arch: cls for cls in (LLaDAModel, DreamModel, LLaDA2Model,
+                                                                           DiffusionGemmaModel)}
 
 
 def family_cache_modes(arch: str) -> dict[str, str]:
@@ -45,6 +47,6 @@ def reveal_rule(arch: str) -> RevealRule:
 
 
 __all__ = [
-    "MODEL_CLASSES", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV", "ModelConfig", "capture_qkv",
-    "configured_cache_mode", "family_cache_modes", "reveal_rule",
+    "MODEL_CLASSES", "DiffusionGemmaModel", "DiffusionLM", "DreamModel", "LLaDA2Model", "LLaDAModel", "LayerQKV",
+    "ModelConfig", "capture_qkv", "configured_cache_mode", "family_cache_modes", "reveal_rule",
 ]

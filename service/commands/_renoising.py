@@ -1,0 +1,102 @@
+"""``generate`` on a renoising model (DiffusionGemma): its flags and its decode (`service.engine.renoise`).
+
+The flags are the reference ``generate``'s settings: ``--max-denoising-steps``, ``--entropy-bound`` (its
+``sampler_config.entropy_bound``), ``--t-max``, ``--t-min``, ``--stability-threshold``, ``--confidence-threshold``;
+``--gen-length`` is its ``max_new_tokens``. A flag not given takes the checkpoint's ``generation_config.json`` value,
+else the reference's default (48, 0.1, 0.8, 0.4, 1, 0.005). ``--seed S`` draws what ``torch.manual_seed(S)`` then
+the reference's ``generate`` draws at batch 1 (same calls, same order, on a generator seeded S); without it, torch's
+global generator (unseeded) draws. The EOS and pad ids are the checkpoint's ``generation_config.json``'s, as the
+reference reads them (none there: no EOS stop).
+
+``--json`` prints one object: ``generated_ids`` (the reference's new tokens as it returns them: every committed
+canvas whole, the tokens after the first EOS replaced by the pad id; **not** cut after the EOS nor at
+``--gen-length``), ``generated_ids_to_eos`` (the same cut after the first EOS), ``nfe`` (decoder passes, the
+reference's ``decoder_forward_passes``), ``encoder_passes``, ``steps_per_canvas``, ``finish_reason``, ``text``,
+``kv_bytes`` (the row's committed K/V held at the end, per layer kind), ``params`` (the settings as run) and
+``timings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+#: Flags (argparse dests) -> `service.engine.renoise.RenoiseParams` fields.
+FLAGS = {"max_denoising_steps": "max_denoising_steps", "entropy_bound": "entropy_bound", "t_max": "t_max",
+         "t_min": "t_min", "stability_threshold": "stability_threshold",
+         "confidence_threshold": "confidence_threshold"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The renoising flags of ``generate`` (default None: the checkpoint's, else the reference's default)."""
+    group = parser.add_argument_group("renoising decoding (DiffusionGemma; service.engine.renoise)")
+    group.add_argument("--max-denoising-steps", type=int, default=None,
+                       help="decoder passes per canvas at most (default: the checkpoint's, else 48)")
+    group.add_argument("--entropy-bound", type=float, default=None,
+                       help="accepted positions' summed entropy less the largest, nats (default 0.1)")
+    group.add_argument("--t-max", type=float, default=None, help="temperature at the first step (default 0.8)")
+    group.add_argument("--t-min", type=float, default=None, help="temperature the schedule ends at (default 0.4)")
+    group.add_argument("--stability-threshold", type=int, default=None,
+                       help="steps the argmax canvas must not change before it may stop (default 1)")
+    group.add_argument("--confidence-threshold", type=float, default=None,
+                       help="mean entropy (nats) under which a stable canvas stops (default 0.005)")
+
+
+def _refuse_other_flags(args: argparse.Namespace) -> None:
+    """The masked families' settings have no meaning here: refused in one line naming the flag."""
+    from service.engine.errors import EngineInputError
+
+    others = [("--steps", args.steps), ("--threshold", args.threshold), ("--block-length", args.block_length),
+              ("--steps-per-block", args.steps_per_block)]
+    for flag, value in others:
+        if value is not None:
+            raise EngineInputError(f"{flag} is not a setting of a renoising model (DiffusionGemma); its settings "
+                                   "are --max-denoising-steps, --entropy-bound, --t-max, --t-min, "
+                                   "--stability-threshold, --confidence-threshold", flag.lstrip("-"))
+    if args.temperature:
+        raise EngineInputError("--temperature is not a setting of a renoising model: its temperature follows "
+                               "--t-max .. --t-min over the steps", "temperature")
+    if args.kv_quant != "none":
+        raise EngineInputError(f"--kv-quant {args.kv_quant}: quantized committed K/V are not implemented for "
+                               "DiffusionGemma yet", "kv_quant")
+
+
+def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
+    """Decode ``prompt`` by renoising and print (plain: the text or ids and a report line; ``--json``: see the
+    module doc). Returns 0.
+
+    Raises:
+        EngineInputError: a flag of the other families, or a value the reference refuses.
+    """
+    import torch
+
+    from service.engine.loading import resolve_checkpoint_dir
+    from service.engine.models.diffusion_gemma import CanvasCache
+    from service.engine.renoise import RenoiseParams, generate, stop_ids
+
+    _refuse_other_flags(args)
+    directory = resolve_checkpoint_dir(args.model)
+    params = RenoiseParams.for_checkpoint(directory, max_new_tokens=args.gen_length,
+                                          **{field: getattr(args, dest) for dest, field in FLAGS.items()})
+    eos_ids, pad_id = stop_ids(directory)
+    generator = torch.Generator(device=engine.device).manual_seed(args.seed) if args.seed is not None else None
+    held: list[CanvasCache] = []
+    began = time.perf_counter()
+    result = generate(engine.model, [prompt], params, eos_ids, pad_id, generator, mode="shared", caches=held)[0]
+    total = time.perf_counter() - began
+    cut = result.ids_to_eos(eos_ids)
+    text = engine.decode_text(cut)
+    if not args.json:
+        print(text if text is not None else ",".join(map(str, result.generated_ids)))
+        print(f"[finish={result.finish_reason} tokens={len(result.generated_ids)} nfe={result.nfe} "
+              f"steps/canvas={result.steps_per_canvas} time={total:.2f}s]")
+        return 0
+    print(json.dumps({
+        "generated_ids": result.generated_ids, "generated_ids_to_eos": cut, "nfe": result.nfe,
+        "encoder_passes": result.encoder_passes, "steps_per_canvas": result.steps_per_canvas,
+        "finish_reason": result.finish_reason, "text": text, "kv_bytes": held[0].row_bytes(0) if held else None,
+        "params": asdict(params), "timings": {"total_s": total},
+    }))
+    return 0
