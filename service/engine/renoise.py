@@ -44,6 +44,7 @@ import torch
 
 from service.engine.errors import EngineInputError
 from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel
+from service.engine.params import EDITING_FIELDS
 from service.engine.protocol import Capabilities, SettingRule, only
 
 #: The reference's global defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``), applied
@@ -393,6 +394,7 @@ SETTINGS: dict[str, SettingRule] = {
     "remasking": only(("low_confidence",), "there is no mask: non-accepted positions are redrawn uniformly"),
     "ignore_eos": only((False,), "the reference ends the text after the canvas holding its EOS"),
     "dream_schedule": only(("origin",), "dream_schedule is a Dream setting"),
+    **{name: only((None,), "a LLaDA2.1 setting: this family does not edit tokens") for name in EDITING_FIELDS},
 }
 
 
@@ -439,6 +441,9 @@ class RenoisingDecoder:
 
     def __init__(self, model: DiffusionGemmaModel, spec) -> None:
         self.model, self.spec, self.family = model, spec, spec.arch
+        #: Not read yet: no CUDA graphs and no prefix cache until the family is served (issues 41, 44).
+        self.later_steps = None
+        self.prefix_cache = None
 
     def batch(self, plan=None) -> RenoisingBatch:
         return RenoisingBatch()
