@@ -15,6 +15,7 @@ protected values, indices, outliers), whence its **storage** bits.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -484,6 +485,9 @@ class _Slices(Mapping):
             self._made[name] = part
         return self._made[name]
 
+    def __contains__(self, name: object) -> bool:  # (Mapping's would make the slice)
+        return name in self._ranges
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._ranges)
 
@@ -499,7 +503,7 @@ class _Slices(Mapping):
         total = 0
         for name, (start, end) in self._ranges.items():
             t = self._stacked[name]
-            total += (end - start) * (t[0].numel() if t.dim() > 1 else 1) * t.element_size()
+            total += (end - start) * math.prod(t.shape[1:]) * t.element_size()  # (t[0] would dispatch)
         return total
 
 
@@ -549,6 +553,20 @@ def joined(held: list[Mapping[str, torch.Tensor]], name: str) -> list[tuple[torc
             pieces.append((part, i, t._slot0 if name == "protected_slots" else None))
         i = j
     return pieces
+
+
+def protected_offsets(pieces: list[tuple[torch.Tensor, int, int | None]], counts: tuple[int, ...],
+                      num_slots: list[int]) -> list[int]:
+    """Per protected entry of the :func:`joined` ``protected_slots`` ``pieces`` of stores with ``counts`` protected
+    tokens and ``num_slots`` slots each: what to add to make it the slot's index among all the stores' slots (a
+    member's own slots count from its first; a stacked piece's from its write's first, ``shift``)."""
+    firsts = [sum(num_slots[:i]) for i in range(len(counts))]
+    starts: list[int] = []
+    for n, (_, first, shift) in enumerate(pieces):
+        end = pieces[n + 1][1] if n + 1 < len(pieces) else len(counts)
+        starts += [firsts[i] if shift is None else firsts[first] - shift
+                   for i in range(first, end) for _ in range(counts[i])]
+    return starts
 
 
 @dataclass(eq=False)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.quant.base import KVQuantizer, PackedLayer, device_of, joined
+from service.quant.base import KVQuantizer, PackedLayer, device_of, joined, protected_offsets
 from service.quant.base import count as held_count
 from service.quant.packing import byte_table
 
@@ -234,13 +234,7 @@ def _code_rows(index: _Index, packed: list[PackedLayer], counts: tuple[int, ...]
     pieces = joined([x.k.tensors for x in packed], "protected_slots")
     key = (counts, tuple((first, shift) for _, first, shift in pieces))
     if key not in index.offsets:
-        firsts = [sum(index.num_slots[:i]) for i in range(len(counts))]
-        starts = []
-        for n, (_, first, shift) in enumerate(pieces):
-            end = pieces[n + 1][1] if n + 1 < len(pieces) else len(counts)
-            # a stacked piece's slots count from its write's first slot: shift them to its first member's place
-            starts += [firsts[i] if shift is None else firsts[first] - shift
-                       for i in range(first, end) for _ in range(counts[i])]
+        starts = protected_offsets(pieces, counts, index.num_slots)
         index.offsets[key] = torch.tensor(starts, dtype=torch.int64).to(index.slot_map.device)
     slots = _cat([p for p, _, _ in pieces]) + index.offsets[key]
     return index.slot_map - torch.searchsorted(slots, index.slot_map), slots

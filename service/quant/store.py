@@ -44,6 +44,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.kernels.parts import forget as forget_set
+from service.quant.kernels.parts import forget_layout
 from service.quant.key_bias import attend_with_bias, key_score_bias
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, report_fields, resolve_artifact
@@ -140,7 +141,10 @@ class QuantizedKVStore(KVStore):
 
     def write_key(self):
         """`KVStore.write_key`: the quantizer's (`KVQuantizer.write_key`: KIVI's and dLLM-KVQ's uniform formats of
-        one configuration and artifact; None for KVQuant and for a side held as it is)."""
+        one configuration and artifact; None for KVQuant and for a side held as it is), or None for a subclass
+        that writes its own way (its ``write`` is what it holds)."""
+        if type(self).write is not QuantizedKVStore.write:
+            return None
         return self.quantizer.write_key()
 
     def write_batch(self, stores, layer, k, v, segments, scores=None) -> None:
@@ -296,10 +300,9 @@ class QuantizedKVStore(KVStore):
         when the stores correct); corrected stores on the PyTorch path attend together over one pooled read
         (:meth:`_attend_corrected_rows`); None for the others."""
         if self._fused(q.device):
-            from service.quant.kernels.attention import fused_reuse_attention_rows  # imports Triton
+            from service.quant.kernels.attention import fused_reuse_attention_stores  # imports Triton
 
-            return fused_reuse_attention_rows(q, k, v, [store._kernel_inputs(layer) for store in stores], widths,
-                                              key_bias=self.key_bias_correction)
+            return fused_reuse_attention_stores(q, k, v, stores, layer, widths, key_bias=self.key_bias_correction)
         if self.key_bias_correction:
             return self._attend_corrected_rows(stores, layer, q, k, v, widths, positions, rope)
         return None
@@ -392,6 +395,8 @@ class QuantizedKVStore(KVStore):
             self.pooled.forget(self._layout)
         if self._maps is not None:
             forget_set(self._maps)
+        if self._layout is not None:
+            forget_layout(self._layout)
         self._segments = None
         self._layout = None
         self._verdict = None

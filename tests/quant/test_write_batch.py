@@ -121,3 +121,40 @@ def test_a_pooled_read_of_stores_written_together_reads_what_it_reads_of_stores_
             got = together[members[0]].window_kv_batch([together[i] for i in members], layer, key_len)
             for x, y in zip(want, got):
                 assert torch.equal(x, y), (members, layer)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+def test_the_fused_kernels_operands_of_a_set_are_made_once_for_all_its_stores(method):
+    """`stores_side_by_side` (once per layer, from what the stores hold) gives the fused kernel the operands,
+    value for value, that `side_by_side` makes of each store's own `kernel_operands` and `BlockMaps`, for stores
+    written together, alone, and a mix in any order."""
+    import dataclasses
+
+    from service.quant.kernels.parts import side_by_side, stores_side_by_side
+
+    own, k, v, scores = _stacked(torch.bfloat16, seed=3)
+    together = [store(method, 4) for _ in LAYOUTS]
+    first = sum(seg.batch_size for seg in LAYOUTS[:3])
+    for layer in range(2):
+        together[0].write_batch(together[:3], layer, k[:first], v[:first], list(LAYOUTS[:3]), scores[:first])
+        together[3].write(layer, *own[3][:2], LAYOUTS[3], own[3][2])
+    h, d = SPEC.num_kv_heads, SPEC.head_dim
+    for members in ([0, 1, 2, 3], [1, 2], [3, 0, 1, 2], [2, 0]):
+        stores = [together[i] for i in members]
+        widths = [8 + i for i in members]
+        for layer in range(2):
+            want = side_by_side([s._kernel_inputs(layer) for s in stores], widths, h, d)
+            got = stores_side_by_side(stores, layer, widths, h, d)
+            for field in dataclasses.fields(want):
+                a, b = getattr(want, field.name), getattr(got, field.name)
+                if field.name == "ops":
+                    for f in dataclasses.fields(a):
+                        x, y = getattr(a, f.name), getattr(b, f.name)
+                        if isinstance(x, torch.Tensor):
+                            assert x.dtype == y.dtype and torch.equal(x, y), (members, layer, f.name)
+                        else:
+                            assert x == y, (members, layer, f.name)
+                elif isinstance(a, torch.Tensor):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (members, layer, field.name)
+                else:
+                    assert a == b, (members, layer, field.name)
