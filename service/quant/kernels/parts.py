@@ -129,6 +129,7 @@ class _StoreSet:
     num_slots: list[int]
     info: dict[tuple, torch.Tensor] = field(default_factory=dict)
     protected: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    slots: torch.Tensor | None = None  # int64 arange of the set's slots (made at the first protected layer)
 
 
 _STORE_SETS: dict[tuple, _StoreSet] = {}
@@ -220,17 +221,21 @@ def stores_side_by_side(stores: list, layer: int, widths: list[int], heads: int,
                 entry_base += [prot0] * p
                 slot_base += [slot0 - prot0] * n
                 prot0, slot0 = prot0 + p, slot0 + n
-            host = torch.tensor([offsets, entry_base], dtype=torch.int64).view(2, -1).to(device)
-            held.protected[key] = (host[0], host[1].to(torch.int32),
-                                   torch.tensor(slot_base, dtype=torch.int32).to(device) + 1)
-        offsets, entry_base, slot_base = held.protected[key]
-        slots = (pieces[0][0] if len(pieces) == 1 else torch.cat([t for t, _, _ in pieces])).long() + offsets
-        keep = torch.ones(total_slots, dtype=torch.bool, device=device)
-        keep[slots] = False
-        # `uniform_operands` of each store: cumsum(keep) - 1 counted from the store's first slot; protected
-        # slots -1 - their row among the store's protected values
-        k_row = torch.cumsum(keep, 0, dtype=torch.int32).sub_(slot_base)
-        k_row[slots] = entry_base - torch.arange(1, slots.numel() + 1, dtype=torch.int32, device=device)
+            if held.slots is None:
+                held.slots = torch.arange(slot0, device=device)
+            # `uniform_operands` of each store: an unprotected slot's code row is its index less the protected
+            # slots before it, counted from its store's first slot (its slot among all, less the searched count,
+            # less the unprotected slots of the stores before); a protected slot's -1 - its row among the store's
+            # protected values. Both constant parts made once per tuple of counts.
+            rows = [slot - base for slot, base in enumerate(slot_base)]
+            entries = [base - 1 - e for e, base in enumerate(entry_base)]
+            host = torch.tensor(offsets, dtype=torch.int64).to(device)
+            held.protected[key] = (host, torch.tensor(rows, dtype=torch.int32).to(device),
+                                   torch.tensor(entries, dtype=torch.int32).to(device))
+        offsets, rows_less, entries = held.protected[key]
+        slots = offsets + (pieces[0][0] if len(pieces) == 1 else torch.cat([t for t, _, _ in pieces]))  # int64
+        k_row = rows_less - torch.searchsorted(slots, held.slots, out_int32=True)
+        k_row[slots] = entries
         k_protected = cat(ks, "protected_values")
     ops = KernelOperands(
         fmt="uniform", bits=bits, num_slots=total_slots,
