@@ -32,17 +32,21 @@ every step), ``ignore_eos``. The KV stores: the engine's full precision (``none`
 ``kivi+kbc`` (any quantizing method) has the key-bias correction on (`service.quant.key_bias`).
 
 Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
-[--methods none,kivi,dllm_kvq,kvquant] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
+[--methods none,kivi,dllm_kvq,kvquant] [--paths torch,triton] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
 [--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32]``. On CUDA
 (``--device cuda``, e.g. ``--width 4096 --vocab 126464 --dtype bfloat16``: LLaDA-8B itself) a column adds the
 measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the
 plan's ``padding_slack`` (`service.runtime.scheduler.plan_forwards`; ``inf`` merges whenever the token budget
-allows, as a launch-bound GPU would).
+allows, as a launch-bound GPU would). ``--paths``: each quantized method's later steps on the PyTorch path
+(``torch``, the CPU's default) and on the fused kernel's (``triton``, CUDA's default; on a CPU forced, the kernel
+replaced by a stand-in that counts as one op per launch, :class:`StandInKernel`), a row each (column ``path``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
-from benchmarks.decode_speed import PRESETS, quantized_store, random_engine
+from benchmarks.decode_speed import KV_ATTENTION, PRESETS, quantized_store, random_engine
 from service.engine import Engine
 from service.engine.params import DecodeParams
 from service.runtime.scheduler import forward_plan
@@ -112,6 +116,31 @@ class Counter(TorchDispatchMode):
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         return super().__exit__(*exc)
+
+
+class StandInKernel:
+    """The fused attention kernel's stand-in on CPU tensors (``--paths triton``): each launch zeroes its output
+    (one dispatched op, where a GPU launches one kernel) and runs nothing, so the counts are the host's work around
+    the kernel, as `benchmarks/fused_rows_cost.py` counts them (its values are tested in
+    tests/quant/test_fused_attention.py and test_fused_rows.py). Triton's interpreter (``TRITON_INTERPRET=1``,
+    set here) lets CPU tensors through the kernel's checks."""
+
+    def __enter__(self):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        import triton
+
+        from service.quant.kernels import attention
+
+        triton.knobs.runtime.interpret = True
+        self._module, self._kernel = attention, attention._fused_reuse_attention
+        attention._fused_reuse_attention = self
+        return self
+
+    def __getitem__(self, grid):
+        return lambda out, *args, **kwargs: out.zero_()
+
+    def __exit__(self, *exc):
+        self._module._fused_reuse_attention = self._kernel
 
 
 class ForwardCount:
@@ -224,6 +253,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--device", default="cpu", help="on cuda a measured later-step time is added")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--paths", default="torch,triton", help="later steps of the quantized stores: torch (the "
+                        "PyTorch path, CPU's default) and/or triton (the fused kernel's path, CUDA's default; on a "
+                        "CPU forced, with the kernel's stand-in, StandInKernel)")
     args = parser.parse_args(argv)
     ARGS["slack"] = args.slack
     torch.set_num_threads(1)
@@ -238,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{args.gen_length} generated, block "
           f"{args.block_length}, {args.steps_per_block} steps per block; projected at LLaDA-8B bf16 on an H200: "
           f"{LAUNCH_S * 1e6:.0f} us per op, {SYNC_S * 1e6:.0f} us per sync, {PEAK_BYTES_PER_S / 1e12:.1f} TB/s")
-    header = (f"{'cache':<7}{'KV':<13}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
+    header = (f"{'cache':<7}{'KV':<13}{'path':<7}{'rows':>5} | {'later: ops':>11}{'ops/row':>8}{'syncs':>6}{'fwd':>4}"
               f"{'rows/fwd':>9} | {'initial: ops':>13}{'syncs':>6}{'fwd':>4}")
     if not args.no_time:
         header += f" | {'later GB':>9}{'proj ms':>8}{'roofline':>9}{'x':>7}"
@@ -248,14 +280,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for cache in args.caches.split(","):
         params = DecodeParams(cache_mode=cache, gen_length=args.gen_length, block_length=args.block_length,
                               threshold=None, steps=args.steps_per_block * blocks, ignore_eos=True)
-        for method in args.methods.split(","):
+        for method, path in ((m, p) for m in args.methods.split(",")
+                             for p in (["-"] if m == "none" else args.paths.split(","))):
             for rows in (int(r) for r in args.rows.split(",")):
-                initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length,
-                                                     args.mixed_lengths)
-                line = (f"{cache:<7}{method:<13}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}{later.syncs:>6}"
-                        f"{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}{initial.syncs:>6}"
-                        f"{initial.forwards:>4}")
-                row = {"cache": cache, "method": method, "rows": rows, "later": later, "initial": initial}
+                KV_ATTENTION["path"] = "auto" if path == "-" else path
+                with StandInKernel() if path == "triton" and engine.device.type != "cuda" else contextlib.nullcontext():
+                    initial, later, measured_s = measure(engine, rows, params, method, args.prompt_length,
+                                                         args.mixed_lengths)
+                line = (f"{cache:<7}{method:<13}{path:<7}{rows:>5} | {later.ops:>11,}{later.ops // rows:>8,}"
+                        f"{later.syncs:>6}{later.forwards:>4}{later.most_rows:>9} | {initial.ops:>13,}"
+                        f"{initial.syncs:>6}{initial.forwards:>4}")
+                row = {"cache": cache, "method": method, "path": path, "rows": rows, "later": later,
+                       "initial": initial}
                 if not args.no_time:
                     read, seconds, roof = projected(later, rows, method, reused)
                     line += f" | {read / 1e9:>9.1f}{seconds * 1e3:>8.1f}{roof * 1e3:>9.1f}{seconds / roof:>6.1f}x"
@@ -275,13 +311,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _corrected_ratios(results: list[dict]) -> None:
     """For each ``X+kbc`` row measured beside its ``X`` row (same cache and rows): the later step's ops and its
     CPU time (or CUDA time) per request, corrected over uncorrected, from this one run."""
-    plain = {(r["cache"], r["method"], r["rows"]): r for r in results}
+    plain = {(r["cache"], r["method"], r["path"], r["rows"]): r for r in results}
     for r in results:
-        base = plain.get((r["cache"], r["method"].removesuffix("+kbc"), r["rows"]))
+        base = plain.get((r["cache"], r["method"].removesuffix("+kbc"), r["path"], r["rows"]))
         if not r["method"].endswith("+kbc") or base is None:
             continue
         seconds = "measured" if "measured" in r else "cpu"
-        print(f"key-bias correction, {r['cache']} {r['method']} at {r['rows']} rows: later-step ops "
+        print(f"key-bias correction, {r['cache']} {r['method']} ({r['path']}) at {r['rows']} rows: later-step ops "
               f"{base['later'].ops:,} -> {r['later'].ops:,} ({r['later'].ops / base['later'].ops:.3f}x), "
               f"{'CUDA' if seconds == 'measured' else 'CPU'} time per request {r[seconds] / base[seconds]:.2f}x")
 

@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from service.engine.cache_hooks import WriteSet, write_together
 from service.engine.decode import Cohort, Pass
 from service.engine.grammar import constrained_reveal
 from service.engine.kv_store import DEFER_WRITE_CHECKS
@@ -125,8 +126,16 @@ class BlockWrites:
 
     def __init__(self, group: list[Pass]) -> None:
         self.parts = [(p, rows) for p, rows in zip(group, _rows(group)) if p.hook is not None]
+        # Stores of one write key take each layer in one write for all their rows (`write_together`), made at
+        # the first layer (it needs the device).
+        self._sets: list[WriteSet] | None = None
 
     def __call__(self, layer, q, k_pre, k, v):
+        if self._sets is None:
+            self._sets, alone = write_together([(p.hook, rows) for p, rows in self.parts], q)
+            self.parts = [self.parts[i] for i in alone]
+        for together in self._sets:
+            together(layer, q, k_pre, k, v)
         for p, rows in self.parts:
             t = p.seq_len
             p.hook(layer, q[rows, :, :t], k_pre[rows, :, :t], k[rows, :, :t], v[rows, :, :t])

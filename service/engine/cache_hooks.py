@@ -14,6 +14,8 @@ A store that attends itself (``KVStore.attend``, the fused kernel path) is asked
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from service.engine.kv_store import KVStore, Segments
@@ -39,6 +41,60 @@ class BlockInitialWrite:
             block = slice(self.segments.block_start, self.segments.block_end)
             scores = attention_scores(q[:, :, block], k, self.key_mask)  # float32 [B, T]
         self.store.write(layer, k_pre if self.store.pre_rope_keys else k, v, self.segments, scores)
+
+
+def write_together(parts: list[tuple[object, slice]], q: torch.Tensor) -> tuple[list[WriteSet], list[int]]:
+    """The block-initial writes of a merged forward that go together (issue 41): the parts (hook, rows of the
+    forward) whose hook is a :class:`BlockInitialWrite` of a store with a `KVStore.write_key`, grouped by that key
+    (and, for stores that need scores, by their block bounds and sequence length: the scores of a set are computed
+    in one call over its rows, which must share their block's queries and keys). Returns the sets of two or more
+    and the indices of the parts left to write alone."""
+    kinds: dict = {}
+    for i, (hook, _) in enumerate(parts):
+        if isinstance(hook, BlockInitialWrite) and (key := hook.store.write_key()) is not None:
+            seg = hook.segments
+            shape = (seg.block_start, seg.block_end, seg.seq_len) if hook.store.needs_scores else None
+            kinds.setdefault((key, shape), []).append(i)
+    sets = [WriteSet([parts[i] for i in members], q.device) for members in kinds.values() if len(members) > 1]
+    together = {i for members in kinds.values() if len(members) > 1 for i in members}
+    return sets, [i for i in range(len(parts)) if i not in together]
+
+
+class WriteSet:
+    """Block-initial writes of several stores with one `KVStore.write_key`, made in one `KVStore.write_batch` per
+    layer: their rows of the forward (a slice when they are consecutive, else an index made once), their keys up
+    to the longest sequence, and for stores that need scores one :func:`attention_scores` over all their rows."""
+
+    def __init__(self, parts: list[tuple[BlockInitialWrite, slice]], device: torch.device) -> None:
+        self.hooks = [hook for hook, _ in parts]
+        self.stores = [hook.store for hook in self.hooks]
+        self.segments = [hook.segments for hook in self.hooks]
+        self.width = max(seg.seq_len for seg in self.segments)
+        spans = [rows for _, rows in parts]
+        if all(a.stop == b.start for a, b in itertools.pairwise(spans)):
+            self.rows: slice | torch.Tensor = slice(spans[0].start, spans[-1].stop)
+        else:
+            self.rows = torch.tensor([r for rows in spans for r in range(rows.start, rows.stop)], device=device)
+        self.key_mask = None
+        if any(hook.key_mask is not None for hook in self.hooks):
+            self.key_mask = torch.cat([
+                hook.key_mask if hook.key_mask is not None
+                else torch.ones(rows.stop - rows.start, self.width, dtype=torch.bool, device=device)
+                for hook, rows in zip(self.hooks, spans)])
+
+    def _take(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[self.rows] if isinstance(self.rows, slice) else x.index_select(0, self.rows)
+        return x if x.shape[2] == self.width else x[:, :, : self.width]
+
+    def __call__(self, layer, q, k_pre, k, v) -> None:
+        store = self.stores[0]
+        keys = self._take(k)
+        scores = None
+        if store.needs_scores:
+            seg = self.segments[0]
+            scores = attention_scores(self._take(q)[:, :, seg.block_start:seg.block_end], keys, self.key_mask)
+        store.write_batch(self.stores, layer, self._take(k_pre) if store.pre_rope_keys else keys, self._take(v),
+                          self.segments, scores)
 
 
 class ReuseRead:

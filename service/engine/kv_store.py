@@ -144,6 +144,32 @@ class KVStore:
         """K/V of the reused columns of one layer: ``[B, H, T_reused, D]`` each, model dtype."""
         raise NotImplementedError
 
+    def write_key(self) -> Hashable | None:
+        """Stores whose keys are equal (and not None) take a block-initial layer of all their rows in one call
+        (:meth:`write_batch`), so a running batch pays one set of tensor operations per layer for them, not one
+        per request. None (this default): this store is written alone (:meth:`write`)."""
+        return None
+
+    def write_batch(
+        self, stores: list[KVStore], layer: int, k: torch.Tensor, v: torch.Tensor, segments: list[Segments],
+        scores: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`write` of one layer for every store of ``stores`` (this one among them, all with this one's
+        :meth:`write_key`, each with every row of its pass, in order) at once: each store then holds what its own
+        :meth:`write` would have held.
+
+        Args:
+            k, v: ``[R, H, T, D]``, the stores' rows stacked (R their rows together; each store's rows hold its
+                own sequence at columns ``[0, segments[i].seq_len)``, T the longest); model dtype; pre-RoPE keys
+                when the stores ask for them.
+            segments: per store, its block's layout.
+            scores: float32 ``[R, T]`` (``needs_scores`` only; each row's over its own sequence's columns).
+
+        Raises:
+            NotImplementedError: a store whose :meth:`write_key` is always None.
+        """
+        raise NotImplementedError
+
     def attend(
         self,
         layer: int,

@@ -14,7 +14,10 @@ protected values, indices, outliers), whence its **storage** bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -24,7 +27,14 @@ from service.engine.spec import ModelSpec
 from service.quant.errors import KVQuantError, NonFiniteKVError
 from service.quant.kernels.operands import KernelOperands, uniform_operands
 from service.quant.layout import SlotLayout
-from service.quant.packing import byte_table, decode_stream, pack_stream, unpack_stream
+from service.quant.packing import (
+    byte_table,
+    decode_stream,
+    pack_stream,
+    pack_streams,
+    stream_words,
+    unpack_stream,
+)
 from service.quant.uniform import (
     DEFERRED_CHECKS,
     GroupStats,
@@ -189,8 +199,40 @@ class KVQuantizer:
         k_slots = _finite_slots(layer, "K", k, layout, checks)
         packed_k = self.quantize_k(layer, k_slots, layout, slot_scores) if self.quantizes_k else _held(k_slots)
         v_slots = _finite_slots(layer, "V", v, layout, checks)
-        packed_v = self.quantize_v(layer, v_slots) if self.quantizes_v else _held(v_slots)
+        token = _MEMBER_SLOTS.set([m.num_slots for m in layout.members] if layout.members else None)
+        try:
+            packed_v = self.quantize_v(layer, v_slots) if self.quantizes_v else _held(v_slots)
+        finally:
+            _MEMBER_SLOTS.reset(token)
         return PackedLayer(k=packed_k, v=packed_v, dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3])
+
+    def write_key(self) -> Hashable | None:
+        """What must agree for the block-initial writes of several requests' stores to be made in one call of
+        :meth:`quantize` over their stacked rows (`service.quant.store.QuantizedKVStore.write_batch`): the
+        method, its bits, group sizes and artifact (:meth:`artifact_key`); None where this quantizer writes
+        alone: a side held as it is (``sides``), or a method that overrides :meth:`quantize` (KVQuant) or packs
+        its own way (it would not split into each member's own streams, :func:`split_members`)."""
+        own = type(self)
+        if (own.quantize is not KVQuantizer.quantize or own.quantize_k is not KVQuantizer.quantize_k
+                or own.quantize_v is not KVQuantizer.quantize_v or not (self.quantizes_k and self.quantizes_v)):
+            return None
+        return (own.__name__, self.bits, self.k_group_size, self.v_group_size, self.artifact_key())
+
+    def artifact_key(self) -> Hashable:
+        """What of the method's fitted artifact decides its writes (None: no artifact; dLLM-KVQ: its policy)."""
+        return None
+
+    def _kept(self, layer: int, member: SlotLayout, protected: torch.Tensor | None, index: int,
+              stacked: SlotLayout) -> int:
+        """Protected K tokens of member ``index`` of a stacked write: :meth:`protected_count` of its own layout,
+        or (a method that does not know it on the host) a read of its flags."""
+        if protected is None:
+            return 0
+        kept = self.protected_count(layer, member)
+        if kept is None:
+            first = sum(m.num_slots for m in stacked.members[:index])
+            kept = int(protected[first:first + member.num_slots].sum())
+        return kept
 
     def dequantize(
         self, layer: int, packed: PackedLayer, layout: SlotLayout, out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -256,7 +298,12 @@ class KVQuantizer:
             tensors["protected_slots"] = slots.to(torch.int32)
             tensors["protected_values"] = x.index_select(0, slots)
             codes = codes.index_select(0, order[: x.shape[0] - kept])  # protected tokens hold no code
-        tensors["codes"] = pack_stream(codes, self.bits)
+        if layout.members:  # a stacked write: one stream per member, its protected tokens left out of it
+            kept_of = [self._kept(layer, m, protected, i, layout) for i, m in enumerate(layout.members)]
+            # (`member_kept` finds the same counts again from what this returns)
+            tensors["codes"] = pack_streams(codes, self.bits, [m.num_slots - k for m, k in zip(layout.members, kept_of)])
+        else:
+            tensors["codes"] = pack_stream(codes, self.bits)
         per_token = x.shape[1] * x.shape[2]
         return PackedTensor(
             tensors=tensors,
@@ -320,7 +367,7 @@ class KVQuantizer:
         """Uniform V (KIVI's per-token format, dLLM-KVQ's "standard contiguous value-side QDQ path")."""
         codes, scale, mn = quantize_v(x, self.v_group_size, self.bits)
         return PackedTensor(
-            tensors={"codes": pack_stream(codes, self.bits), "scale": scale, "mn": mn},
+            tensors={"codes": _pack(codes, self.bits), "scale": scale, "mn": mn},
             elements=x.numel(),
             nominal_bitsum=float(self.bits * x.numel()),
         )
@@ -415,3 +462,168 @@ def _finite_slots(
         f"layer {layer}: {name} holds NaN or inf at row {int(layout.rows[slot])}, sequence column "
         f"{int(layout.seq_cols[slot])}; refusing to quantize it (it would poison its group's statistics)"
     )
+
+
+#: While a stacked write packs V (`KVQuantizer._quantize` with a :meth:`SlotLayout.stacked` layout): the slots of
+#: each member, whose codes go into a stream of their own (:func:`_pack`); None: one stream.
+_MEMBER_SLOTS: ContextVar[list[int] | None] = ContextVar("member_slots", default=None)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """V's codes ``[N, H, D]`` as one stream, or inside a stacked write one per member (:data:`_MEMBER_SLOTS`)."""
+    counts = _MEMBER_SLOTS.get()
+    return pack_stream(codes, bits) if counts is None else pack_streams(codes, bits, counts)
+
+
+class _Slices(Mapping):
+    """A member's tensors of a stacked write, as its own write would have held them: each a slice of the stacked
+    tensor (its streams' words, its K groups, its slots, its protected tokens with their slots made its own),
+    made at its first use and kept; ``nbytes`` from the slices' sizes without making them."""
+
+    def __init__(self, stacked: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]], slot0: int) -> None:
+        self._stacked, self._ranges, self._slot0 = stacked, ranges, slot0
+        self._made: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._made:
+            start, end = self._ranges[name]
+            part = self._stacked[name][start:end]
+            if name == "protected_slots":
+                part = part - self._slot0
+            self._made[name] = part
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would make the slice)
+        return name in self._ranges
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ranges)
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """The stacked tensor ``name`` of the write this member belongs to."""
+        return self._stacked[name]
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for name, (start, end) in self._ranges.items():
+            t = self._stacked[name]
+            total += (end - start) * math.prod(t.shape[1:]) * t.element_size()  # (t[0] would dispatch)
+        return total
+
+
+def device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    """The device of a packed side's tensors, without making a member's slice (:class:`_Slices`)."""
+    if isinstance(tensors, _Slices):
+        return tensors.stacked("codes").device
+    return tensors["codes"].device
+
+
+def count(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    """Rows of ``tensors[name]`` (0 when absent), without making a member's slice (:class:`_Slices`)."""
+    if name not in tensors:
+        return 0
+    if isinstance(tensors, _Slices):
+        start, end = tensors._ranges[name]
+        return end - start
+    return int(tensors[name].shape[0])
+
+
+def joined(held: list[Mapping[str, torch.Tensor]], name: str) -> list[tuple[torch.Tensor, int, int | None]]:
+    """Pieces whose concatenation along dim 0 is ``torch.cat([t[name] for t in held])``, for a read of many stores
+    together: consecutive members of one stacked write (:func:`split_members`) give one piece, the stacked tensor
+    itself when they are all of it (no copy) or one slice of it, instead of a slice each. Each piece: ``(tensor,
+    index in held of its first member, shift)``, ``shift`` the first member's first slot in its stacked write
+    for ``protected_slots`` read from a stacked tensor (whose slots count from the write's first slot, not the
+    member's), else None."""
+    pieces: list[tuple[torch.Tensor, int, int | None]] = []
+    i = 0
+    while i < len(held):
+        t = held[i]
+        if not isinstance(t, _Slices) or name not in t._ranges:
+            pieces.append((t[name], i, None))
+            i += 1
+            continue
+        start, end = t._ranges[name]
+        j = i + 1
+        while (j < len(held) and isinstance(held[j], _Slices) and held[j]._stacked is t._stacked
+               and name in held[j]._ranges and held[j]._ranges[name][0] == end):
+            end = held[j]._ranges[name][1]
+            j += 1
+        whole = t._stacked[name]
+        if j == i + 1 and name != "protected_slots":
+            pieces.append((t[name], i, None))
+        else:
+            part = whole if (start, end) == (0, whole.shape[0]) else whole[start:end]
+            pieces.append((part, i, t._slot0 if name == "protected_slots" else None))
+        i = j
+    return pieces
+
+
+def protected_offsets(pieces: list[tuple[torch.Tensor, int, int | None]], counts: tuple[int, ...],
+                      num_slots: list[int]) -> list[int]:
+    """Per protected entry of the :func:`joined` ``protected_slots`` ``pieces`` of stores with ``counts`` protected
+    tokens and ``num_slots`` slots each: what to add to make it the slot's index among all the stores' slots (a
+    member's own slots count from its first; a stacked piece's from its write's first, ``shift``)."""
+    firsts = [sum(num_slots[:i]) for i in range(len(counts))]
+    starts: list[int] = []
+    for n, (_, first, shift) in enumerate(pieces):
+        end = pieces[n + 1][1] if n + 1 < len(pieces) else len(counts)
+        starts += [firsts[i] if shift is None else firsts[first] - shift
+                   for i in range(first, end) for _ in range(counts[i])]
+    return starts
+
+
+@dataclass(eq=False)
+class MemberTensor(PackedTensor):
+    """One member's K or V of a stacked write (:func:`split_members`): :class:`PackedTensor` over :class:`_Slices`."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors.nbytes  # type: ignore[attr-defined]
+
+
+def member_kept(quantizer: KVQuantizer, layer: int, packed: PackedLayer, layout: SlotLayout) -> list[int]:
+    """Each member's protected K tokens in a stacked write's ``packed`` (``layout`` :meth:`SlotLayout.stacked`):
+    :meth:`KVQuantizer.protected_count` of its own layout, or for a method that does not know it on the host one
+    read of where the members' slots start among the sorted protected slots."""
+    if "protected_slots" not in packed.k.tensors:
+        return [0] * len(layout.members)
+    kept = [quantizer.protected_count(layer, member) for member in layout.members]
+    if None in kept:
+        bounds, first = [], 0
+        for member in layout.members:
+            bounds.append(first)
+            first += member.num_slots
+        slots = packed.k.tensors["protected_slots"].long()
+        starts = torch.searchsorted(slots, torch.tensor(bounds + [first], device=slots.device)).tolist()
+        kept = [b - a for a, b in itertools.pairwise(starts)]
+    return kept
+
+
+def split_members(packed: PackedLayer, layout: SlotLayout, kept: list[int], bits: int) -> list[PackedLayer]:
+    """Each member's :class:`PackedLayer` of a stacked write (``layout`` :meth:`SlotLayout.stacked`, ``packed`` what
+    :meth:`KVQuantizer.quantize` made of it; ``kept``: each member's protected K tokens): the same tensors,
+    elements and nominal bits as the member's own write (slices, made when first read; nothing here reads or
+    dispatches)."""
+    h, d = packed.num_heads, packed.head_dim
+    per_token = h * d
+    protected = "protected_slots" in packed.k.tensors
+    out, slot0, group0, prot0, kw0, vw0 = [], 0, 0, 0, 0, 0
+    for member, n_kept in zip(layout.members, kept, strict=True):
+        n, groups = member.num_slots, member.num_groups
+        kw, vw = stream_words((n - n_kept) * per_token, bits), stream_words(n * per_token, bits)
+        k_ranges = {"scale": (group0, group0 + groups), "mn": (group0, group0 + groups)}
+        if protected and n_kept:
+            k_ranges |= {"protected_slots": (prot0, prot0 + n_kept), "protected_values": (prot0, prot0 + n_kept)}
+        k_ranges["codes"] = (kw0, kw0 + kw)
+        v_ranges = {"codes": (vw0, vw0 + vw), "scale": (slot0, slot0 + n), "mn": (slot0, slot0 + n)}
+        k = MemberTensor(_Slices(packed.k.tensors, k_ranges, slot0), n * per_token,
+                         float(per_token * (bits * (n - n_kept) + 16 * n_kept)))
+        v = MemberTensor(_Slices(packed.v.tensors, v_ranges, slot0), n * per_token, float(bits * n * per_token))
+        out.append(PackedLayer(k=k, v=v, dtype=packed.dtype, num_heads=h, head_dim=d))
+        slot0, group0, prot0, kw0, vw0 = slot0 + n, group0 + groups, prot0 + n_kept, kw0 + kw, vw0 + vw
+    return out

@@ -65,6 +65,10 @@ class DLLMKVQQuantizer(KVQuantizer):
             score = normalize_per_group(scores.double(), layout) * normalize_per_group(self.qerror(x, layout), layout)
         return top_p_per_group(score, layout, entry.p)
 
+    def artifact_key(self):
+        """The policy table decides each layer's protected tokens: stores of one policy write together."""
+        return self.policy.id
+
     def protected_count(self, layer, layout):
         """``min(p, size)`` per K group (:func:`top_p_per_group`), summed, from the layout's host-side runs."""
         entry = self.policy.layers[layer]

@@ -50,6 +50,7 @@ class SlotLayout:
             whose padding is known to be zero already (filled before with this layout).
         seq_starts: per run, its first column in the full sequence (host ints, so :meth:`gather` reads no
             device value; empty when not known).
+        members: a :meth:`stacked` layout's member layouts, in row order (empty otherwise).
     """
 
     batch_size: int
@@ -63,6 +64,7 @@ class SlotLayout:
     runs: tuple[tuple[int, int, int, int, int], ...]
     zero_padding: bool = True
     seq_starts: tuple[int, ...] = ()
+    members: tuple[SlotLayout, ...] = ()
 
     @property
     def num_slots(self) -> int:
@@ -74,8 +76,45 @@ class SlotLayout:
 
     def batched(self, per_slot: int) -> bool:
         """Whole-layer operations rather than per-run ones for ``per_slot`` (H x D) entries per token (see
-        ``BATCHED_RUNS``, ``BATCHED_ELEMENTS``)."""
+        ``BATCHED_RUNS``, ``BATCHED_ELEMENTS``); always for a :meth:`stacked` layout, whose write takes the whole
+        layer of every member's rows, which the forward holds anyway."""
+        if self.members:
+            return True
         return len(self.runs) > BATCHED_RUNS and self.batch_size * self.num_reused * per_slot <= BATCHED_ELEMENTS
+
+    @classmethod
+    def stacked(cls, layouts: list[SlotLayout]) -> SlotLayout:
+        """The layouts of several requests' blocks as one, their rows stacked (member ``i``'s row ``r`` becomes
+        row ``r`` plus the rows before it; its slots and K groups likewise follow the earlier members'), for one
+        write of all of them (`service.quant.store.QuantizedKVStore.write_batch`): each slot keeps its member's
+        sequence column (the stacked K/V hold each member's sequence from column 0) and every group its
+        member's slots, so each member's statistics and codes are those its own layout gives. ``num_reused`` is
+        the longest member's. Built from the members' host runs (``seq_starts`` known), one tensor per field.
+        """
+        rows, cols, seq_cols, group_of_slot, group_slots, runs, starts = [], [], [], [], [], [], []
+        row0 = slot0 = group0 = 0
+        for layout in layouts:
+            for (row, col, slot, length, group), start in zip(layout.runs, layout.seq_starts, strict=True):
+                runs.append((row + row0, col, slot + slot0, length, group + group0))
+                starts.append(start)
+                rows.extend([row + row0] * length)
+                cols.extend(range(col, col + length))
+                seq_cols.extend(range(start, start + length))
+                first = slot + slot0
+                for g0 in range(0, length, layout.group_size):
+                    size = min(layout.group_size, length - g0)
+                    group_of_slot.extend([len(group_slots)] * size)
+                    group_slots.append(list(range(first + g0, first + g0 + size)))
+            row0 += layout.batch_size
+            slot0 += layout.num_slots
+            group0 += layout.num_groups
+        g = layouts[0].group_size
+        device = layouts[0].rows.device
+        host = torch.tensor([rows, cols, seq_cols, group_of_slot], dtype=torch.int64).view(4, slot0).to(device)
+        padded = torch.tensor([m + [slot0] * (g - len(m)) for m in group_slots], dtype=torch.int64)
+        return cls(batch_size=row0, num_reused=max(layout.num_reused for layout in layouts), rows=host[0],
+                   cols=host[1], seq_cols=host[2], group_of_slot=host[3], group_slots=padded.view(-1, g).to(device),
+                   group_size=g, runs=tuple(runs), seq_starts=tuple(starts), members=tuple(layouts))
 
     @cached_property
     def active_slots(self) -> torch.Tensor | None:

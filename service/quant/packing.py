@@ -104,6 +104,53 @@ def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.view(torch.int32)
 
 
+def stream_words(numel: int, bits: int) -> int:
+    """int32 words of a :func:`pack_stream` stream of ``numel`` codes: ``ceil(ceil(numel / (8 / b)) / 4)``."""
+    m = -(-numel // (8 // bits))
+    return -(-m // 4)
+
+
+def pack_streams(codes: torch.Tensor, bits: int, counts: list[int]) -> torch.Tensor:
+    """Several :func:`pack_stream` streams laid end to end, in one set of tensor operations (a stacked write of many
+    requests' stores, `service.quant.store.QuantizedKVStore.write_batch`).
+
+    Args:
+        codes: ``[sum(counts), ...]`` codes of every stream, stream after stream (its rows, any trailing shape).
+        bits: 2, 4 or 8.
+        counts: rows of ``codes`` per stream.
+
+    Returns:
+        int32 ``[sum(stream_words(c x row, bits))]``: ``torch.cat([pack_stream(part) for part in
+        codes.split(counts)])``, the same words (each stream whole int32 words, its tail zero), so every stream's
+        words are a contiguous range of the result.
+    """
+    codes_per_word(bits)  # validates bits
+    per_byte = 8 // bits
+    row = codes[0].numel() if codes.dim() > 1 else 1
+    flat = codes.reshape(-1).to(torch.uint8)
+    device = flat.device
+    sizes = [c * row for c in counts]
+    m = [-(-n // per_byte) for n in sizes]
+    nbytes = [4 * stream_words(n, bits) for n in sizes]
+    total = sum(nbytes)
+    # Per output byte: its stream's first code, its ``m`` and its byte within the stream; code ``q m + b`` of the
+    # stream sits in plane ``q`` of byte ``b`` (a byte past ``m`` or a code past the stream reads the zero code).
+    host = torch.tensor([[sum(sizes[:i]) for i in range(len(sizes))], m, [sum(nbytes[:i]) for i in range(len(sizes))],
+                         sizes], dtype=torch.int64).to(device)
+    stream = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(nbytes).to(device),
+                                     output_size=total)
+    first, m_t, offset, size = (x.index_select(0, stream) for x in host.unbind(0))
+    byte = torch.arange(total, device=device) - offset
+    local = byte[None, :] + torch.arange(per_byte, device=device)[:, None] * m_t[None, :]  # [planes, bytes]
+    valid = (byte[None, :] < m_t[None, :]) & (local < size[None, :])
+    index = torch.where(valid, first[None, :] + local, flat.numel())
+    planes = torch.cat([flat, flat.new_zeros(1)]).index_select(0, index.view(-1)).view(per_byte, total)
+    packed = planes[0].clone()
+    for i in range(1, per_byte):
+        packed |= planes[i] << (i * bits)
+    return packed.view(torch.int32)
+
+
 def unpack_stream(words: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_stream`: the first ``numel`` codes, uint8, 1-D."""
     codes_per_word(bits)  # validates bits

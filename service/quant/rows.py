@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.quant.base import KVQuantizer, PackedLayer
+from service.quant.base import KVQuantizer, PackedLayer, device_of, joined, protected_offsets
+from service.quant.base import count as held_count
 from service.quant.packing import byte_table
 
 #: Elements of one part's result ``R x H x key_len x D`` (each of K and V); its cached int64 indexes hold six
@@ -58,7 +59,7 @@ def batch_key(quantizer: KVQuantizer, packed: PackedLayer) -> Hashable:
     doc). Whether the layer holds protected tokens is part of it (dLLM-KVQ layers with ``p = 0`` hold none)."""
     k = packed.k.tensors
     return (type(quantizer).__name__, quantizer.bits, quantizer.k_group_size, quantizer.v_group_size, packed.dtype,
-            packed.num_heads, packed.head_dim, "protected_slots" in k, k["codes"].device)
+            packed.num_heads, packed.head_dim, "protected_slots" in k, device_of(k))
 
 
 @dataclass(eq=False)
@@ -230,13 +231,12 @@ def _code_rows(index: _Index, packed: list[PackedLayer], counts: tuple[int, ...]
     slot's code row is its index among all slots less the protected slots before it, as within one store
     (`service.quant.base._code_rows`): one sorted search. A protected slot gets the next slot's row (or the zero
     row): its value is written over afterwards, so which finite code it reads does not matter."""
-    if counts not in index.offsets:
-        starts, first = [], 0
-        for count, slots in zip(counts, index.num_slots):
-            starts += [first] * count
-            first += slots
-        index.offsets[counts] = torch.tensor(starts, dtype=torch.int64).to(index.slot_map.device)
-    slots = torch.cat([x.k.tensors["protected_slots"] for x in packed]) + index.offsets[counts]
+    pieces = joined([x.k.tensors for x in packed], "protected_slots")
+    key = (counts, tuple((first, shift) for _, first, shift in pieces))
+    if key not in index.offsets:
+        starts = protected_offsets(pieces, counts, index.num_slots)
+        index.offsets[key] = torch.tensor(starts, dtype=torch.int64).to(index.slot_map.device)
+    slots = _cat([p for p, _, _ in pieces]) + index.offsets[key]
     return index.slot_map - torch.searchsorted(slots, index.slot_map), slots
 
 
@@ -270,20 +270,20 @@ def _dequantize_part(stores: list, layer: int, key_len: int, steps: bool) -> tup
     packed: list[PackedLayer] = [store._packed[layer] for store in stores]
     first = packed[0]
     h, d, bits, dtype = first.num_heads, first.head_dim, quantizer.bits, first.dtype
-    device = first.k.tensors["codes"].device
+    device = device_of(first.k.tensors)
     table = _table(bits, device)
     per_byte = table.shape[1]
     v_groups = first.v.tensors["scale"].shape[-1]
     index = _index(stores, key_len, h, d, per_byte, v_groups)
     protected = "protected_slots" in first.k.tensors
 
-    words = torch.cat([_zero_word(device), *(x.v.tensors["codes"] for x in packed),
-                       *(x.k.tensors["codes"] for x in packed)])
+    ks, vs = [x.k.tensors for x in packed], [x.v.tensors for x in packed]
+    words = torch.cat([_zero_word(device), *_pieces(vs, "codes"), *_pieces(ks, "codes")])
     planes = table.index_select(0, words.view(torch.uint8).to(torch.int32))  # [M, 8 / b]
     if not protected:
         work = torch.take(planes, index.codes)  # [2, R, H, key_len, D]
     else:  # K's code positions at this layer's code rows, in the index's own buffer (V's part made once)
-        counts = tuple(x.k.tensors["protected_slots"].numel() for x in packed)
+        counts = tuple(held_count(t, "protected_slots") for t in ks)
         code_rows, slots = _code_rows(index, packed, counts)
         k_counts = tuple(n - p for n, p in zip(index.num_slots, counts))
         k_codes = _k_rows(index, k_counts, h * d, per_byte).index_select(0, code_rows)
@@ -292,8 +292,8 @@ def _dequantize_part(stores: list, layer: int, key_len: int, steps: bool) -> tup
         index.layer_codes[0].copy_(k_codes.view(index.rows, key_len, h, d).permute(0, 2, 1, 3))
         work = torch.take(planes, index.layer_codes)
     # The statistics of all stores in one flat table (K's scales then minima, V's likewise, then a zero).
-    k_stats = torch.cat([*(x.k.tensors["scale"] for x in packed), *(x.k.tensors["mn"] for x in packed)])
-    v_stats = torch.cat([*(x.v.tensors["scale"] for x in packed), *(x.v.tensors["mn"] for x in packed)])
+    k_stats = torch.cat([*_pieces(ks, "scale"), *_pieces(ks, "mn")])
+    v_stats = torch.cat([*_pieces(vs, "scale"), *_pieces(vs, "mn")])
     stats = torch.take(torch.cat([k_stats.view(-1), v_stats.view(-1), _zero(dtype, device)]), index.stats)
     if stats.dtype != torch.float32:  # (``to`` dispatches even when it has nothing to do)
         stats = stats.to(torch.float32)
@@ -301,10 +301,20 @@ def _dequantize_part(stores: list, layer: int, key_len: int, steps: bool) -> tup
     work.add_(stats[1])
     out = work if dtype == torch.float32 else work.to(dtype)
     if protected:
-        values = torch.cat([x.k.tensors["protected_values"] for x in packed])
+        values = _cat(_pieces(ks, "protected_values"))
         rows, cols = index.slot_row.index_select(0, slots), index.slot_col.index_select(0, slots)
         out[0][rows, :, cols] = values
         if steps:  # a protected token is held exact: no step
             stats[0, 0][rows, :, cols] = 0.0
     k, v = out.unbind(0)
     return (k, v, stats[0, 0]) if steps else (k, v)
+
+
+def _pieces(held: list, name: str) -> list[torch.Tensor]:
+    """The tensors whose concatenation is every store's ``name`` (`service.quant.base.joined`: the stores written
+    together in one stacked write give one piece)."""
+    return [t for t, _, _ in joined(held, name)]
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -29,7 +29,7 @@ subtracts the term itself. Corrected and uncorrected stores never share a batch 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -38,12 +38,13 @@ from service.engine.kv_store import DEFER_WRITE_CHECKS, FullPrecisionKVStore, KV
 from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
-from service.quant.base import KVQuantizer, PackedLayer
+from service.quant.base import KVQuantizer, PackedLayer, member_kept, split_members
 from service.quant.committed import Commit, CommittedBlocks
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
 from service.quant.kernels.parts import forget as forget_set
+from service.quant.kernels.parts import forget_layout
 from service.quant.key_bias import attend_with_bias, key_score_bias
 from service.quant.layout import SlotLayout
 from service.quant.registry import make_quantizer, method, report_fields, resolve_artifact
@@ -122,6 +123,8 @@ class QuantizedKVStore(KVStore):
         self._window_places: tuple | None = None
         # A block-causal family's committed blocks, packed, per row of the request (`commit`).
         self._committed: dict[int, CommittedBlocks] = {}
+        # The stacked write this store's block was written in with other requests' stores (`write_batch`), or None.
+        self._stack: _Stack | None = None
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -135,6 +138,46 @@ class QuantizedKVStore(KVStore):
             self._verdict = verdicts[0] if self._verdict is None else self._verdict & verdicts[0]
         self._packed[layer] = packed
         self.accounting.add(layer, packed)
+
+    def write_key(self):
+        """`KVStore.write_key`: the quantizer's (`KVQuantizer.write_key`: KIVI's and dLLM-KVQ's uniform formats of
+        one configuration and artifact; None for KVQuant and for a side held as it is), or None for a subclass
+        that writes its own way (its ``write`` is what it holds)."""
+        if type(self).write is not QuantizedKVStore.write:
+            return None
+        return self.quantizer.write_key()
+
+    def write_batch(self, stores, layer, k, v, segments, scores=None) -> None:
+        """`KVStore.write_batch`: one :meth:`KVQuantizer.quantize` of the layer over every member's rows stacked
+        (`SlotLayout.stacked` of their block layouts, built at the layer that starts their block), then each
+        member holds its own part (`service.quant.base.split_members`: the tensors its own :meth:`write` would
+        hold, sliced when first read) and counts it. The checks' verdict is one for the members together (ANDed
+        over the layers, :meth:`take_checks` gives it to each): when it fails, every member's pass runs again
+        alone (the running batch's failure path), which finds the culprit."""
+        device = k.device
+        for store, seg in zip(stores, segments, strict=True):
+            if seg != store._segments or layer in store._packed:
+                store._start_block(seg, device)
+        group = self._stack
+        if group is None or layer in group.layers or len(group.stores) != len(stores) or any(
+                a is not b or a._stack is not group for a, b in zip(group.stores, stores)):
+            group = _Stack(list(stores), SlotLayout.stacked([store._layout for store in stores]))
+            pending = [store._verdict for store in stores if store._verdict is not None]
+            if pending:  # earlier layers of this block written in another set (a pass split by layers)
+                group.verdict = torch.stack(pending).all()
+            for store in stores:
+                store._stack = group
+        group.layers.add(layer)
+        quantizer = self.quantizer
+        verdicts: list[torch.Tensor] | None = [] if DEFER_WRITE_CHECKS.get() else None
+        packed = quantizer.quantize(layer, k, v, group.layout, scores if self.needs_scores else None, verdicts)
+        if verdicts:
+            group.verdict = verdicts[0] if group.verdict is None else group.verdict & verdicts[0]
+        parts = split_members(packed, group.layout, member_kept(quantizer, layer, packed, group.layout), quantizer.bits)
+        for store, part in zip(stores, parts):
+            store._packed[layer] = part
+            store._verdict = group.verdict
+            store.accounting.add(layer, part)
 
     def take_checks(self) -> torch.Tensor | None:
         verdict, self._verdict = self._verdict, None
@@ -257,10 +300,9 @@ class QuantizedKVStore(KVStore):
         when the stores correct); corrected stores on the PyTorch path attend together over one pooled read
         (:meth:`_attend_corrected_rows`); None for the others."""
         if self._fused(q.device):
-            from service.quant.kernels.attention import fused_reuse_attention_rows  # imports Triton
+            from service.quant.kernels.attention import fused_reuse_attention_stores  # imports Triton
 
-            return fused_reuse_attention_rows(q, k, v, [store._kernel_inputs(layer) for store in stores], widths,
-                                              key_bias=self.key_bias_correction)
+            return fused_reuse_attention_stores(q, k, v, stores, layer, widths, key_bias=self.key_bias_correction)
         if self.key_bias_correction:
             return self._attend_corrected_rows(stores, layer, q, k, v, widths, positions, rope)
         return None
@@ -353,6 +395,8 @@ class QuantizedKVStore(KVStore):
             self.pooled.forget(self._layout)
         if self._maps is not None:
             forget_set(self._maps)
+        if self._layout is not None:
+            forget_layout(self._layout)
         self._segments = None
         self._layout = None
         self._verdict = None
@@ -369,6 +413,7 @@ class QuantizedKVStore(KVStore):
         self._rope_tables.clear()
         self._window_places = None
         self._committed.clear()
+        self._stack = None
 
     def _rope_for(self, key, positions: torch.Tensor, rope, start: int) -> RopeTables:
         """cos/sin of the reused prefix and suffix positions of a step's rows (``key``), made once per block and
@@ -405,6 +450,17 @@ class QuantizedKVStore(KVStore):
         self._segments = segments
         self._layout = SlotLayout.from_segments(segments, self.quantizer.k_group_size, device)
         self.accounting.start_block(self._layout.nbytes)
+
+
+@dataclass(eq=False)
+class _Stack:
+    """Stores whose block was written together (`QuantizedKVStore.write_batch`): the members in row order, their
+    stacked layout, the layers written so far and the verdict of the checks put off (ANDed over the layers)."""
+
+    stores: list
+    layout: SlotLayout
+    layers: set[int] = field(default_factory=set)
+    verdict: torch.Tensor | None = None
 
 
 #: cos/sin ``[B, 1, T, D]`` (`RotaryEmbedding.cos_sin`) of the reused prefix and of the reused suffix.

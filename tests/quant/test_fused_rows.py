@@ -147,10 +147,10 @@ def test_the_fused_key_is_apart_from_the_pytorch_paths_and_the_set_is_dropped_on
     q = torch.zeros(rows, SPEC.num_heads, max(widths), SPEC.head_dim, device=DEVICE)
     k = torch.zeros(rows, SPEC.num_kv_heads, max(widths), SPEC.head_dim, device=DEVICE)
     stores[0].attend_batch(stores, 0, q, k, k, widths)
-    maps = stores[1]._maps
-    assert any(m is maps for held in parts._SETS.values() for m in held.maps)
+    layout = stores[1]._layout  # the set's maps are made from the stores' layouts (`stores_side_by_side`)
+    assert any(x is layout for held in parts._STORE_SETS.values() for x in held.layouts)
     stores[1].clear()
-    assert not any(m is maps for held in parts._SETS.values() for m in held.maps)
+    assert not any(x is layout for held in parts._STORE_SETS.values() for x in held.layouts)
     with pytest.raises(KVQuantError, match="rows"):
         stores[0].attend_batch(stores[:1], 0, q, k, k, widths[:1])
 

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from service.quant.errors import KVQuantError
 from service.quant.kernels.operands import BlockMaps, KernelOperands
-from service.quant.kernels.parts import k_code_count, side_by_side, stream_bytes
+from service.quant.kernels.parts import k_code_count, side_by_side, stores_side_by_side, stream_bytes
 
 #: Reused or fresh tokens per tile on a GPU (16 is tl.dot's minimum); queries per tile: the window, 16 to 64.
 BLOCK_T = 64
@@ -381,6 +381,27 @@ def fused_reuse_attention_rows(
     hkv, d = k_fresh.shape[1], q.shape[3]
     widths = [k_fresh.shape[2]] * len(parts) if widths is None else widths
     set_ = side_by_side(parts, widths, hkv, d)
+    if set_.rows.shape[0] != q.shape[0]:
+        raise KVQuantError(f"q has {q.shape[0]} rows, the stores {set_.rows.shape[0]}")
+    return _launch(q, k_fresh, v_fresh, set_.ops, set_.slot_of, set_.group_of_slot, set_.rows, set_.part_of_row,
+                   set_.info, max(widths), set_.longest, 0, 0, None, None, True, key_bias)
+
+
+def fused_reuse_attention_stores(
+    q: torch.Tensor, k_fresh: torch.Tensor, v_fresh: torch.Tensor, stores: list, layer: int, widths: list[int],
+    key_bias: bool = False,
+) -> torch.Tensor:
+    """:func:`fused_reuse_attention_rows` with the operands made straight from the stores
+    (`service.quant.kernels.parts.stores_side_by_side`: once per layer for all their rows, no per-store operands
+    or maps): the same operands, so the same values. Args as there, ``stores`` the
+    `service.quant.store.QuantizedKVStore` of one uniform batch key in row order, ``layer`` the layer they attend.
+
+    Raises:
+        KVQuantError: as :func:`fused_reuse_attention_rows`.
+    """
+    _check(q)
+    hkv, d = k_fresh.shape[1], q.shape[3]
+    set_ = stores_side_by_side(stores, layer, widths, hkv, d)
     if set_.rows.shape[0] != q.shape[0]:
         raise KVQuantError(f"q has {q.shape[0]} rows, the stores {set_.rows.shape[0]}")
     return _launch(q, k_fresh, v_fresh, set_.ops, set_.slot_of, set_.group_of_slot, set_.rows, set_.part_of_row,

@@ -105,6 +105,150 @@ def _set(maps: tuple[BlockMaps, ...]) -> _Set:
     return held
 
 
+def _info(shapes: tuple, bits: int, heads: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[P, PART_INFO]`` (module doc) from each store's (window width, reused length, slots, K groups,
+    protected rows, K stream bytes held, V stream bytes held, K codes)."""
+    table, slot0, group0, prot0, k_off, v_off = [], 0, 0, 0, 0, 0
+    for width, reused, slots, groups, prot, k_bytes, v_bytes, k_codes in shapes:
+        table.append([width, reused, slot0, group0, prot0, k_off, stream_bytes(k_codes, bits), v_off,
+                      stream_bytes(slots * heads * head_dim, bits)])
+        slot0, group0, prot0, k_off, v_off = slot0 + slots, group0 + groups, prot0 + prot, k_off + k_bytes, v_off + v_bytes
+    return torch.tensor(table, dtype=torch.int32).to(device)
+
+
+@dataclass(eq=False)
+class _StoreSet:
+    """:class:`_Set` made from the stores' block layouts (:func:`stores_side_by_side`), with, per tuple of protected
+    counts, each protected entry's offset to its slot among all and what dLLM-KVQ's ``k_row`` subtracts."""
+
+    layouts: tuple  # the stores' layouts they were made from (identity)
+    slot_of: torch.Tensor
+    group_of_slot: torch.Tensor
+    rows: torch.Tensor
+    part_of_row: torch.Tensor
+    num_slots: list[int]
+    info: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    protected: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    slots: torch.Tensor | None = None  # int64 arange of the set's slots (made at the first protected layer)
+
+
+_STORE_SETS: dict[tuple, _StoreSet] = {}
+
+
+def forget_layout(layout) -> None:
+    """Drop the kept sets made from ``layout`` (its store is cleared: the block or the request ended)."""
+    for key in [key for key, held in _STORE_SETS.items() if any(x is layout for x in held.layouts)]:
+        del _STORE_SETS[key]
+
+
+def _store_set(layouts: tuple) -> _StoreSet:
+    """The set's maps, as :func:`_set` makes them from each store's `BlockMaps.from_layout`, built on the host
+    from the layouts' runs (one tensor each, no per-store operation)."""
+    key = tuple(id(x) for x in layouts)
+    held = _STORE_SETS.get(key)
+    if held is not None and all(a is b for a, b in zip(held.layouts, layouts)):
+        return held
+    longest = max(x.num_reused for x in layouts)
+    slot_of, group_of_slot, part_of_row = [], [], []
+    for p, layout in enumerate(layouts):
+        grid = [[-1] * longest for _ in range(layout.batch_size)]
+        groups = [0] * layout.num_slots
+        for row, col, slot, length, group in layout.runs:
+            grid[row][col:col + length] = range(slot, slot + length)
+            groups[slot:slot + length] = [group + t // layout.group_size for t in range(length)]
+        slot_of += grid
+        group_of_slot += groups
+        part_of_row += [p] * layout.batch_size
+    device = layouts[0].rows.device
+    held = _StoreSet(layouts, torch.tensor(slot_of, dtype=torch.int32).view(-1, longest).to(device),
+                     torch.tensor(group_of_slot, dtype=torch.int32).to(device),
+                     torch.arange(len(part_of_row), dtype=torch.int32, device=device),
+                     torch.tensor(part_of_row, dtype=torch.int32).to(device), [x.num_slots for x in layouts])
+    if len(_STORE_SETS) >= _KEPT_SETS:
+        del _STORE_SETS[next(iter(_STORE_SETS))]
+    _STORE_SETS[key] = held
+    return held
+
+
+def stores_side_by_side(stores: list, layer: int, widths: list[int], heads: int, head_dim: int) -> SetOperands:
+    """:func:`side_by_side` of the stores' layers (`service.quant.store.QuantizedKVStore`, one uniform format, as
+    their batch key says) made straight from what they hold, once per layer for all of them: the stores written
+    together in one stacked write (`service.quant.base.joined`) give their codes and statistics as one piece
+    each, the maps come from the layouts' host runs (once per set of blocks), and dLLM-KVQ's ``k_row`` is made
+    for every slot at once. The same tensors, value for value, as :func:`side_by_side` of each store's
+    ``kernel_operands`` and ``BlockMaps``; no operation per store.
+
+    Raises:
+        KVQuantError: a set with 2^31 or more code bytes or reused entries (the kernel indexes in int32).
+    """
+    from service.quant.base import count, joined, protected_offsets, stream_words
+
+    quantizer = stores[0].quantizer
+    bits = quantizer.bits
+    packed = [store._packed[layer] for store in stores]
+    ks, vs = [x.k.tensors for x in packed], [x.v.tensors for x in packed]
+    protected = "protected_slots" in ks[0]
+    held = _store_set(tuple(store._layout for store in stores))
+    per_token = heads * head_dim
+    counts = tuple(count(t, "protected_slots") for t in ks)
+    shapes = tuple((w, layout.num_reused, layout.num_slots, layout.num_groups, prot,
+                    4 * stream_words((layout.num_slots - prot) * per_token, bits),
+                    4 * stream_words(layout.num_slots * per_token, bits), (layout.num_slots - prot) * per_token)
+                   for w, layout, prot in zip(widths, held.layouts, counts))
+    total_slots = sum(x[2] for x in shapes)
+    if total_slots * per_token >= 2**31 or sum(x[5] + x[6] for x in shapes) >= 2**31:
+        raise KVQuantError("a set of stores this large exceeds the kernel's int32 indices")
+    if shapes not in held.info:
+        held.info[shapes] = _info(shapes, bits, heads, head_dim, held.slot_of.device)
+    device = held.slot_of.device
+
+    def cat(tensors: list, name: str) -> torch.Tensor:
+        pieces = [t for t, _, _ in joined(tensors, name)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    dummy = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy_index = torch.zeros(1, dtype=torch.int32, device=device)
+    k_row, k_protected = None, dummy
+    if protected:
+        pieces = joined(ks, "protected_slots")
+        key = (counts, tuple((first, shift) for _, first, shift in pieces))
+        if key not in held.protected:
+            offsets = protected_offsets(pieces, counts, held.num_slots)
+            # per protected entry: its row among its store's protected values; per slot: the unprotected slots of
+            # the stores before its own (its store's code rows count from there)
+            entry_base, slot_base, prot0, slot0 = [], [], 0, 0
+            for n, p in zip(held.num_slots, counts):
+                entry_base += [prot0] * p
+                slot_base += [slot0 - prot0] * n
+                prot0, slot0 = prot0 + p, slot0 + n
+            if held.slots is None:
+                held.slots = torch.arange(slot0, device=device)
+            # `uniform_operands` of each store: an unprotected slot's code row is its index less the protected
+            # slots before it, counted from its store's first slot (its slot among all, less the searched count,
+            # less the unprotected slots of the stores before); a protected slot's -1 - its row among the store's
+            # protected values. Both constant parts made once per tuple of counts.
+            rows = [slot - base for slot, base in enumerate(slot_base)]
+            entries = [base - 1 - e for e, base in enumerate(entry_base)]
+            host = torch.tensor(offsets, dtype=torch.int64).to(device)
+            held.protected[key] = (host, torch.tensor(rows, dtype=torch.int32).to(device),
+                                   torch.tensor(entries, dtype=torch.int32).to(device))
+        offsets, rows_less, entries = held.protected[key]
+        slots = offsets + (pieces[0][0] if len(pieces) == 1 else torch.cat([t for t, _, _ in pieces]))  # int64
+        k_row = rows_less - torch.searchsorted(slots, held.slots, out_int32=True)
+        k_row[slots] = entries
+        k_protected = cat(ks, "protected_values")
+    ops = KernelOperands(
+        fmt="uniform", bits=bits, num_slots=total_slots,
+        k_codes=cat(ks, "codes").view(torch.uint8), v_codes=cat(vs, "codes").view(torch.uint8), k_row=k_row,
+        k_scale=cat(ks, "scale"), k_mn=cat(ks, "mn"), k_protected=k_protected, k_lut=dummy,
+        k_outlier_index=dummy_index, k_outlier_values=dummy,
+        v_scale=cat(vs, "scale"), v_mn=cat(vs, "mn"), v_lut=dummy, v_outlier_index=dummy_index, v_outlier_values=dummy,
+        v_group_size=quantizer.v_group_size,
+    )
+    return SetOperands(ops, held.slot_of, held.group_of_slot, held.rows, held.part_of_row, held.info[shapes],
+                       held.slot_of.shape[1])
+
+
 def side_by_side(parts: list[tuple[KernelOperands, BlockMaps]], widths: list[int], heads: int,
                  head_dim: int) -> SetOperands:
     """One layer of ``parts`` (each store's operands and block maps, every row of each in order) side by side.
@@ -135,12 +279,7 @@ def side_by_side(parts: list[tuple[KernelOperands, BlockMaps]], widths: list[int
     if total_slots * heads * head_dim >= 2**31 or sum(s[5] + s[6] for s in shapes) >= 2**31:
         raise KVQuantError("a set of stores this large exceeds the kernel's int32 indices")
     if shapes not in held.info:
-        table, slot0, group0, prot0, k_off, v_off = [], 0, 0, 0, 0, 0
-        for width, reused, slots, groups, prot, k_bytes, v_bytes, k_codes in shapes:
-            table.append([width, reused, slot0, group0, prot0, k_off, stream_bytes(k_codes, first.bits), v_off,
-                          stream_bytes(slots * heads * head_dim, first.bits)])
-            slot0, group0, prot0, k_off, v_off = slot0 + slots, group0 + groups, prot0 + prot, k_off + k_bytes, v_off + v_bytes
-        held.info[shapes] = torch.tensor(table, dtype=torch.int32).to(held.slot_of.device)
+        held.info[shapes] = _info(shapes, first.bits, heads, head_dim, held.slot_of.device)
     opss = [ops for ops, _ in parts]
     ops = KernelOperands(
         fmt="uniform", bits=first.bits, num_slots=total_slots,

@@ -1,0 +1,160 @@
+"""Block-initial writes of several requests' stores in one call (`QuantizedKVStore.write_batch`, issue 41): each
+store holds, bit for bit, what its own `write` holds (codes, statistics, protected tokens, counts), whatever the
+rows' lengths; stores that may not write together (KVQuant, other formats) say so."""
+
+import pytest
+import torch
+
+from service.engine.kv_store import DEFER_WRITE_CHECKS
+from tests.quant.helpers import SPEC, kv
+from tests.quant.test_rows import LAYOUTS, store
+
+
+def _stacked(dtype, seed=0):
+    """Per layout its K, V and scores, and all of them stacked (each padded past its own sequence with noise,
+    which no store may read)."""
+    width = max(seg.seq_len for seg in LAYOUTS)
+    gen = torch.Generator().manual_seed(seed)
+    own, ks, vs, ss = [], [], [], []
+    for i, seg in enumerate(LAYOUTS):
+        k, v = kv(seg.batch_size, seg.seq_len, dtype, seed=20 + i)
+        scores = torch.rand(seg.batch_size, seg.seq_len, generator=gen)
+        own.append((k, v, scores))
+        pad = width - seg.seq_len
+        noise = torch.randn(seg.batch_size, SPEC.num_kv_heads, pad, SPEC.head_dim, generator=gen).to(dtype) * 50
+        ks.append(torch.cat([k, noise], 2))
+        vs.append(torch.cat([v, noise], 2))
+        ss.append(torch.cat([scores, torch.rand(seg.batch_size, pad, generator=gen)], 1))
+    return own, torch.cat(ks), torch.cat(vs), torch.cat(ss)
+
+
+def _same_layer(a, b):
+    for side in ("k", "v"):
+        x, y = getattr(a, side), getattr(b, side)
+        assert list(x.tensors) == list(y.tensors), side
+        for name in x.tensors:
+            assert x.tensors[name].dtype == y.tensors[name].dtype, (side, name)
+            assert torch.equal(x.tensors[name], y.tensors[name]), (side, name)
+        assert (x.elements, x.nominal_bitsum, x.nbytes) == (y.elements, y.nominal_bitsum, y.nbytes), side
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stacked_write_holds_what_each_store_writes_alone(method, bits, dtype):
+    if method == "dllm_kvq" and bits == 8:
+        pytest.skip("the policy helper fits 2 and 4 bits only")
+    own, k, v, scores = _stacked(dtype)
+    alone = [store(method, bits) for _ in LAYOUTS]
+    together = [store(method, bits) for _ in LAYOUTS]
+    assert len({s.write_key() for s in together}) == 1 and together[0].write_key() is not None
+    for layer in range(2):
+        for s, seg, (kk, vv, ss) in zip(alone, LAYOUTS, own):
+            s.write(layer, kk, vv, seg, ss)
+        together[0].write_batch(together, layer, k, v, list(LAYOUTS), scores)
+    protected = 0
+    for a, t in zip(alone, together):
+        for layer in range(2):
+            _same_layer(a._packed[layer], t._packed[layer])
+            protected += a._packed[layer].k.tensors.get("protected_slots", torch.zeros(0)).numel()
+            for x, y in zip(a.read(layer), t.read(layer)):
+                assert torch.equal(x, y)
+        assert a.report() == t.report()
+    assert (protected > 0) == method.startswith("dllm_kvq")
+
+
+def test_a_second_block_starts_again():
+    """A new block's stacked write (new segments) leaves nothing of the last one: the same as written alone."""
+    own, k, v, scores = _stacked(torch.float32, seed=1)
+    together = [store("dllm_kvq", 4) for _ in LAYOUTS]
+    together[0].write_batch(together, 0, k * 3, v, list(LAYOUTS), scores)
+    together[0].write_batch(together, 0, k, v, list(LAYOUTS), scores)
+    for s, seg, (kk, vv, ss) in zip(together, LAYOUTS, own):
+        a = store("dllm_kvq", 4)
+        a.write(0, kk, vv, seg, ss)
+        _same_layer(a._packed[0], s._packed[0])
+
+
+def test_the_checks_of_a_stacked_write_are_one_verdict_put_off():
+    _own, k, v, scores = _stacked(torch.float32)
+    together = [store("kivi", 4) for _ in LAYOUTS]
+    token = DEFER_WRITE_CHECKS.set(True)
+    try:
+        together[0].write_batch(together, 0, k, v, list(LAYOUTS), scores)
+        assert all(bool(s.take_checks()) for s in together)
+        bad = k.clone()
+        bad[LAYOUTS[0].batch_size, 0, LAYOUTS[1].block_start - 1, 0] = float("nan")  # a reused K of store 1
+        together[0].write_batch(together, 1, bad, v, list(LAYOUTS), scores)
+        verdicts = [s.take_checks() for s in together]
+    finally:
+        DEFER_WRITE_CHECKS.reset(token)
+    # one verdict for the set: every member's pass runs again alone, which finds the culprit
+    assert all(verdict is not None and not bool(verdict) for verdict in verdicts)
+
+
+def test_only_uniform_formats_of_one_configuration_write_together():
+    keys = {name: store(*spec).write_key() for name, spec in
+            {"kivi4": ("kivi", 4), "kivi2": ("kivi", 2), "dllm4": ("dllm_kvq", 4), "kvquant": ("kvquant", 4)}.items()}
+    assert keys["kvquant"] is None  # its own quantize (outliers sized by a host read) writes alone
+    assert len({keys["kivi4"], keys["kivi2"], keys["dllm4"]}) == 3
+    assert store("kivi", 4, sides="k").write_key() is None  # a side held as it is
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+def test_a_pooled_read_of_stores_written_together_reads_what_it_reads_of_stores_written_alone(method):
+    """Later steps read stores written together from the stacked tensors (`service.quant.base.joined`: one piece
+    per run of members, not a slice per store): the same K/V for every subset, order and mix with a store written
+    alone."""
+    own, k, v, scores = _stacked(torch.bfloat16, seed=2)
+    alone = [store(method, 4) for _ in LAYOUTS]
+    together = [store(method, 4) for _ in LAYOUTS]
+    first = sum(seg.batch_size for seg in LAYOUTS[:3])
+    for layer in range(2):
+        for s, seg, (kk, vv, ss) in zip(alone, LAYOUTS, own):
+            s.write(layer, kk, vv, seg, ss)
+        together[0].write_batch(together[:3], layer, k[:first], v[:first], list(LAYOUTS[:3]), scores[:first])
+        together[3].write(layer, *own[3][:2], LAYOUTS[3], own[3][2])
+    key_len = max(seg.seq_len for seg in LAYOUTS) + 1
+    for members in ([0, 1, 2, 3], [0, 1, 2], [1, 2, 3], [0, 2], [2, 0, 3]):
+        for layer in range(2):
+            want = alone[members[0]].window_kv_batch([alone[i] for i in members], layer, key_len)
+            got = together[members[0]].window_kv_batch([together[i] for i in members], layer, key_len)
+            for x, y in zip(want, got):
+                assert torch.equal(x, y), (members, layer)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+def test_the_fused_kernels_operands_of_a_set_are_made_once_for_all_its_stores(method):
+    """`stores_side_by_side` (once per layer, from what the stores hold) gives the fused kernel the operands,
+    value for value, that `side_by_side` makes of each store's own `kernel_operands` and `BlockMaps`, for stores
+    written together, alone, and a mix in any order."""
+    import dataclasses
+
+    from service.quant.kernels.parts import side_by_side, stores_side_by_side
+
+    own, k, v, scores = _stacked(torch.bfloat16, seed=3)
+    together = [store(method, 4) for _ in LAYOUTS]
+    first = sum(seg.batch_size for seg in LAYOUTS[:3])
+    for layer in range(2):
+        together[0].write_batch(together[:3], layer, k[:first], v[:first], list(LAYOUTS[:3]), scores[:first])
+        together[3].write(layer, *own[3][:2], LAYOUTS[3], own[3][2])
+    h, d = SPEC.num_kv_heads, SPEC.head_dim
+    for members in ([0, 1, 2, 3], [1, 2], [3, 0, 1, 2], [2, 0]):
+        stores = [together[i] for i in members]
+        widths = [8 + i for i in members]
+        for layer in range(2):
+            want = side_by_side([s._kernel_inputs(layer) for s in stores], widths, h, d)
+            got = stores_side_by_side(stores, layer, widths, h, d)
+            for field in dataclasses.fields(want):
+                a, b = getattr(want, field.name), getattr(got, field.name)
+                if field.name == "ops":
+                    for f in dataclasses.fields(a):
+                        x, y = getattr(a, f.name), getattr(b, f.name)
+                        if isinstance(x, torch.Tensor):
+                            assert x.dtype == y.dtype and torch.equal(x, y), (members, layer, f.name)
+                        else:
+                            assert x == y, (members, layer, f.name)
+                elif isinstance(a, torch.Tensor):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (members, layer, field.name)
+                else:
+                    assert a == b, (members, layer, field.name)
