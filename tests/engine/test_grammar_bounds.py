@@ -92,11 +92,16 @@ def test_every_validity_case_is_within_the_limit():
 def test_the_cache_is_bounded_in_bytes(tokenizer):
     budget = 8 << 20
     compiler = _compiler(tokenizer, cache_bytes=budget)
-    compiler.compile(GrammarSpec.regex("[a-z]", "warm"))
+    measured = [compiler.compile(GrammarSpec.regex("[a-z]", "warm")).nbytes]
     for c in "bcdef":  # ~5 MB each while compiled (16,000 literal positions)
-        compiler.compile(GrammarSpec.regex(c * 16_000, "guided_regex"))
+        measured.append(compiler.compile(GrammarSpec.regex(c * 16_000, "guided_regex")).nbytes)
         assert compiler.cached_bytes() <= budget
-    assert compiler.cached() < 6  # some were evicted by bytes, though far fewer than CACHE_SIZE entries
+    # The bytes are resident memory a compile added (a process that freed memory before may reuse it and measure
+    # less): whenever the grammars measured more than the budget together, some were evicted by bytes, though far
+    # fewer than CACHE_SIZE entries are held.
+    assert sum(measured) > budget or compiler.cached() == 6, measured
+    if sum(measured) > budget:
+        assert compiler.cached() < 6
 
 
 def test_a_tokenizer_the_grammar_engine_cannot_read_is_a_refusal_naming_the_field(tmp_path):
