@@ -111,7 +111,21 @@ def check_model_settings(settings: Settings) -> str | None:
             check(value)
         except EngineInputError as exc:
             return f"{flag}: {exc}"
-    return check_family_settings(settings)
+    return check_served(settings) or check_family_settings(settings)
+
+
+def check_served(settings: Settings) -> str | None:
+    """One line naming ``--model`` when the checkpoint's family is not served in this version
+    (`Capabilities.served`; DiffusionGemma, which ``dllm-kvq generate`` decodes), read from ``config.json`` alone,
+    else None: such a server would start, fail its readiness probe and answer nothing."""
+    from service.engine.families import capabilities_of
+    from service.engine.loading import model_class
+
+    arch = model_class(settings.model).arch
+    if capabilities_of(arch).served:
+        return None
+    return (f"--model / DLLM_MODEL: {arch} models are not served in this version; decode them with "
+            f"`{prog('service', 'generate')} --model DIR ...` (docs/diffusion_gemma.md)")
 
 
 def check_family_settings(settings: Settings) -> str | None:

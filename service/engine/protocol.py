@@ -144,6 +144,8 @@ class Capabilities:
             each layer's reused K/V, later steps read it) or ``committed`` (block-causal: committed blocks' K/V
             are appended once and never change).
         mask_kind: its attention mask (``bidirectional`` or ``block_causal``), as error messages name it.
+        served: the server decodes it; False: in this version only ``dllm-kvq generate`` does, and ``serve``
+            refuses the checkpoint at start in one line (`service.commands.serve.check_model_settings`).
     """
 
     likelihood: bool
@@ -152,6 +154,7 @@ class Capabilities:
     plan_bounded: bool
     cache_kind: Literal["reuse", "committed"]
     mask_kind: str = "bidirectional"
+    served: bool = True
 
 
 @dataclass(frozen=True)

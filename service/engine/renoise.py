@@ -382,7 +382,7 @@ def _stable(row: _Row, new_argmax: torch.Tensor) -> bool | torch.Tensor:
 _NOT_SERVED = "DiffusionGemma is decoded by `dllm-kvq generate` only in this version (no running batch yet)"
 
 CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
-                            cache_kind="committed", mask_kind="renoising")
+                            cache_kind="committed", mask_kind="renoising", served=False)
 
 #: How the family would take each `DecodeSettings` field; every request is refused at admission for now (above).
 SETTINGS: dict[str, SettingRule] = {

@@ -8,7 +8,7 @@ from typing import Literal, get_args, get_origin
 
 import pytest
 
-from service.commands.serve import check_family_settings
+from service.commands.serve import check_family_settings, check_model_settings
 from service.config import Settings
 from service.engine.families import settings_rules
 from service.engine.models import MODEL_CLASSES
@@ -65,3 +65,15 @@ def test_serve_exits_2_with_one_line_naming_the_flag(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --cache-mode / DLLM_CACHE_MODE: cache_mode 'block' is "
                                                    "not served by llada models"), done.stderr
+
+
+
+def test_a_family_not_served_yet_is_refused_at_start_in_one_line(tmp_path):
+    """DiffusionGemma decodes through ``generate`` only in this version: ``serve`` says so before the port is bound
+    (it started, failed its readiness probe and answered 500s); the line is what ``serve`` prints after ``error:``
+    with exit status 2, as for any other model setting it refuses."""
+    line = check_model_settings(Settings(model=str(CHECKPOINTS["diffusion_gemma"]), store_url=str(tmp_path)))
+    assert line is not None and line.startswith("--model / DLLM_MODEL: diffusion_gemma models are not served in "
+                                                "this version"), line
+    assert "generate --model DIR" in line
+    assert check_model_settings(Settings(model=str(CHECKPOINTS["llada2"]), store_url=str(tmp_path))) is None
