@@ -23,6 +23,7 @@ implements it, the runtime reads it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -214,9 +215,19 @@ def check_settings(family: str, rules: Mapping[str, SettingRule], values: Mappin
             raise SettingRefused(f"{name} is not declared by the {family} decoder (every decoding setting must be "
                                  "honoured or refused by each family)", name)
         if rule.refuses(value):
-            served = ", ".join(map(repr, rule.serves or ()))
-            raise SettingRefused(f"{name} {value!r} is not served by {family} models ({rule.why}); it serves "
-                                 f"{served}", name)
+            serves = rule.serves or ()
+            served = "leave it unset" if serves == (None,) else f"it serves {', '.join(map(_shown, serves))}"
+            raise SettingRefused(f"{name} {_shown(value)} is not served by {family} models ({rule.why}); {served}",
+                                 name)
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as a JSON client wrote it (``true``, ``null``, ``"block"``): the refusal is read by
+    HTTP clients and by ``serve`` users, neither of whom writes Python's ``True`` or ``None``."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 class FamilyDecoder(Protocol):

@@ -4,6 +4,7 @@ every family, and the refusal as the other start-up refusals make it (exit statu
 
 from __future__ import annotations
 
+import json
 from typing import Literal, get_args, get_origin
 
 import pytest
@@ -46,7 +47,7 @@ def test_every_decoding_setting_is_walked_against_the_family(arch, tmp_path):
             walked += 1
             if rules[name].refuses(value):
                 refused += 1
-                flag = f"--{name.replace('_', '-')} / DLLM_{name.upper()}: {name} {value!r} is not served by {arch}"
+                flag = f"--{name.replace('_', '-')} / DLLM_{name.upper()}: {name} {json.dumps(value)} is not served by {arch}"
                 assert line is not None and line.startswith(flag), (arch, name, value, line)
             else:
                 assert line is None, (arch, name, value, line)
@@ -55,7 +56,7 @@ def test_every_decoding_setting_is_walked_against_the_family(arch, tmp_path):
 
 def test_the_embedded_model_refuses_cache_mode_block(tmp_path):
     line = check_family_settings(Settings(store_url=str(tmp_path), cache_mode="block"))
-    assert line is not None and line.startswith("--cache-mode / DLLM_CACHE_MODE: cache_mode 'block' is not served")
+    assert line is not None and line.startswith("--cache-mode / DLLM_CACHE_MODE: cache_mode \"block\" is not served")
 
 
 def test_serve_exits_2_with_one_line_naming_the_flag(tmp_path):
@@ -63,7 +64,7 @@ def test_serve_exits_2_with_one_line_naming_the_flag(tmp_path):
                         "--store-url", str(tmp_path / "store"))
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --cache-mode / DLLM_CACHE_MODE: cache_mode 'block' is "
+    assert len(lines) == 1 and lines[0].startswith("error: --cache-mode / DLLM_CACHE_MODE: cache_mode \"block\" is "
                                                    "not served by llada models"), done.stderr
 
 

@@ -81,7 +81,7 @@ def test_every_refused_value_is_a_400_naming_its_field(arch):
 def test_ignore_eos_on_llada2_is_refused_not_dropped():
     loaded = load_checkpoint(LLADA2_CKPT["llada2"])
     engine = Engine(loaded.model, loaded.spec, None, torch.float32, torch.device("cpu"))
-    with pytest.raises(EngineInputError, match="ignore_eos True is not served by llada2") as refused:
+    with pytest.raises(EngineInputError, match="ignore_eos true is not served by llada2") as refused:
         engine.generate([[1, 2, 3]], _params("llada2", ignore_eos=True))
     assert refused.value.field == "ignore_eos"
 
