@@ -193,7 +193,14 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     refuse_contradictions(settings, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
     # fill it, the worker counts it in the budget and makes it give way, telemetry publishes its counts.
-    prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes else None
+    # Only a family whose committed K/V depend on the tokens before them alone reads it (cache kind "committed");
+    # a bidirectional family's prompt K/V depend on what follows, so there the setting is said to do nothing
+    # rather than published as a capacity nothing fills.
+    reads = engine.capabilities.cache_kind == "committed"
+    if settings.prefix_cache_bytes and not reads:
+        log.warning("--prefix-cache-bytes / DLLM_PREFIX_CACHE_BYTES has no effect on %s models: their prompt's K/V "
+                    "depend on what follows it (docs/prefix-cache.md); no prefix cache is kept", engine.spec.arch)
+    prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes and reads else None
     engine.prefix_cache = prefix_cache
     if prefix_cache is not None:
         telemetry.watch_prefix_cache(prefix_cache)

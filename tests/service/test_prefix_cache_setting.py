@@ -1,0 +1,30 @@
+"""``--prefix-cache-bytes`` keeps a prefix cache only where the family reads one (a block-causal family, cache kind
+``committed``); on a bidirectional model (their prompt's K/V depend on what follows) the server says in one warning
+that it does nothing and publishes no capacity (a fresh user saw the gauge show the bytes on the embedded model)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from service.config import Settings
+from service.engine import Engine
+from service.main import default_kv_store_factory, make_worker
+from service.telemetry import Telemetry
+from tests.support.llada2 import LLADA2_CKPT
+
+
+@pytest.mark.parametrize(("model", "kept"), [(None, False), ("llada2", True)])
+def test_the_prefix_cache_is_kept_only_where_the_family_reads_it(model, kept, tmp_path, caplog):
+    engine = Engine.load(None if model is None else LLADA2_CKPT[model], threads=1)
+    settings = Settings(store_url=str(tmp_path), prefix_cache_bytes=1 << 20, kv_budget_bytes=1 << 30)
+    with caplog.at_level(logging.WARNING, logger="service.main"):
+        worker = make_worker(settings, engine, default_kv_store_factory(engine.spec), Telemetry())
+    assert (engine.prefix_cache is not None) is kept
+    assert (worker.prefix_cache is not None) is kept
+    said = [r.getMessage() for r in caplog.records if "prefix-cache-bytes" in r.getMessage()]
+    assert (said == []) is kept, said
+    if not kept:
+        assert said[0].startswith(f"--prefix-cache-bytes / DLLM_PREFIX_CACHE_BYTES has no effect on "
+                                  f"{engine.spec.arch} models")
