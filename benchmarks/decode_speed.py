@@ -220,7 +220,10 @@ class KVTraffic:
             self.alive = max(self.alive, store.bytes_held)
             self.per_layer[layer] = store._packed[layer].nbytes + attention_input
             return
-        layers = getattr(store, "_sequence", None) or store._layers
+        if getattr(store, "run", None) is not None:  # held in the graphs' K/V pool (`service.engine.kv_pool`)
+            layers = {i: store.sequence_kv(i) for i in store.held_layers}
+        else:
+            layers = getattr(store, "_sequence", None) or store._layers
         held = _nbytes(t for kv in layers.values() for t in kv)
         packed = _nbytes(layers[layer])
         self.alive = max(self.alive, held + attention_input)  # the concatenation is new memory

@@ -189,6 +189,10 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     if runner is not None:
         telemetry.cuda_graph_bytes.set_function(lambda: runner.bytes_held)
     forward = memory.measure_forward(engine, settings.max_batched_tokens)
+    if runner is not None and runner.pool is not None:
+        # The graphs' K/V pool holds each running request's full-precision K/V as admission counts them; its
+        # buffers grow unasked only up to the KV bytes the budget admits beside the forward reserve.
+        runner.pool.max_tokens = max(1, (budget - forward) // memory.full_precision_bytes_per_token)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
     refuse_contradictions(settings, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
@@ -219,9 +223,9 @@ def default_request_bytes(settings: Settings, memory: MemoryModel, forward: int)
     it (`service.runtime.loop.Worker._check_size`): full-precision KV of the whole sequence and a spare column in
     the server's cache mode, the hidden states held between the pieces of a block-initial pass split by layers, and
     the larger of its own largest forward and the forward reserve ``forward`` (bytes)."""
-    spec, block = memory.spec, settings.block_length
+    block = settings.block_length
     gen = -(-settings.default_max_tokens // block) * block
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
+    per_token = memory.full_precision_bytes_per_token
     params = DecodeParams(gen_length=gen, block_length=block, cache_mode=settings.cache_mode)
     cost = memory.cost(gen, params, per_token)
     split = settings.layer_split_tokens and 2 * gen > settings.layer_split_tokens

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from service.engine.cache_hooks import WriteSet, write_together
 from service.engine.decode import Cohort, Pass
 from service.engine.grammar import constrained_reveal
+from service.engine.kv_pool import KVPool, PooledReuse, window_flat_index
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
@@ -258,9 +259,7 @@ class BatchedReuse:
             return self._gathered([(kk, vv)], slice(None), k, v)
         r, h, w, d = k.shape
         if self._flat is None or self._flat.shape[0] != r * h * w:
-            heads = torch.arange(h, device=k.device)[None, :, None]
-            rows = torch.arange(r, device=k.device)[:, None, None]
-            self._flat = ((rows * h + heads) * self.key_len + self.dest[:, :, :, 0]).reshape(-1)
+            self._flat = window_flat_index(self.dest, h, self.key_len)
         kk.view(-1, d).index_copy_(0, self._flat, k.reshape(-1, d))
         vv.view(-1, d).index_copy_(0, self._flat, v.reshape(-1, d))
         return kk, vv
@@ -276,14 +275,17 @@ class BatchedReuse:
         return kk, vv
 
 
-def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket | None = None) -> dict:
+def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket | None = None,
+            pool: KVPool | None = None) -> dict:
     """The model's keyword arguments for the forward over ``group`` (passes of one kind and one layer range):
     inputs and positions right-padded to the widest pass, the key mask, the KV hook, RoPE's table bound, and
     for a pass split by layers (`service.runtime.scheduler.split_by_layers`) its layer range and the hidden states
     its previous piece left (padded columns: zeros; no real column attends to them, the key mask says so).
     With ``bucket`` (a window group, :class:`Bucket`) the shapes are the bucket's: rows, input
     width and keys padded up to it; a padded row's input is ``pad_id`` at position 0 and it sees only the spare
-    key column."""
+    key column. With ``pool`` (a window group whose every pass reads its whole store's run in ``pool``,
+    `FullPrecisionKVStore.run`) the hook gathers the rows from the pool (`service.engine.kv_pool.PooledReuse`),
+    padded rows included."""
     device = group[0].input_ids.device
     width = max(p.width for p in group) if bucket is None else bucket.width
     one = len(group) == 1 and bucket is None
@@ -304,13 +306,18 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket |
         key_mask = ((keys >= torch.tensor(pads + [key_len - 1] * extra, device=device)[:, None])
                     & (keys < torch.tensor(lengths + [key_len] * extra, device=device)[:, None]))
     hook = None
-    if window:
-        starts = [p.input_start for p in group for _ in p.rows]
-        widths = [p.width for p in group for _ in p.rows]
+    if window:  # padded rows (width 0): every input column to the spare key column
+        starts = [p.input_start for p in group for _ in p.rows] + [0] * extra
+        widths = [p.width for p in group for _ in p.rows] + [0] * extra
         wcols = torch.arange(width, device=device)[None, :]
         dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
-                           wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)
-        hook = BatchedReuse(group, key_len, dest[:, None, :, None], key_mask[: len(lengths)], model.rope)
+                           wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)[:, None, :, None]
+        if pool is not None:
+            where = pool.rows_where([(p.cohort.store.run, len(p.rows)) for p in group], ids.shape[0], device)
+            hook = PooledReuse(pool, where, dest, key_len)
+        else:
+            n = len(lengths)
+            hook = BatchedReuse(group, key_len, dest[:n], key_mask[:n], model.rope)
     elif any(p.hook is not None for p in group):
         hook = BlockWrites(group)
     found = {"input_ids": ids, "positions": positions, "key_mask": key_mask, "kv_hook": hook,
@@ -401,6 +408,9 @@ class RunningBatch:
         model: the network; pad_id: the token id of padded input columns.
         plan: how :meth:`step` groups an iteration's passes into forwards (default :func:`alone`; the server's
             loop plans each iteration itself, :meth:`passes` then :meth:`run`).
+        forward: runs one forward (default :func:`run_forward`; `service.engine.graphs.LaterSteps` replays graphs).
+        pool: the pool the full-precision stores of the cohorts it starts keep their K/V in
+            (`FullPrecisionKVStore.use_pool`, `service.engine.kv_pool`; the graphs' ``LaterSteps.pool``), or None.
 
     **Who keeps the running set.** The caller does: each iteration starts with the cohorts it names
     (:meth:`passes`), and :meth:`run` returns the ones that finished and lists the ones that failed (both have left:
@@ -417,11 +427,14 @@ class RunningBatch:
             doc, "A failing row fails alone").
     """
 
-    def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone, forward: Forward = run_forward) -> None:
+    def __init__(self, model: DiffusionLM, pad_id: int, plan: Plan = alone, forward: Forward = run_forward,
+                 pool: KVPool | None = None) -> None:
         self.model, self.pad_id, self.plan = model, pad_id, plan
         # Runs a forward and gives its logits (issue 41: the later-step forward captured once per bucket and
         # replayed, `service.engine.graphs.LaterSteps`, wraps run_forward here).
         self.forward_call = forward
+        # Where the full-precision stores of the cohorts it starts keep their K/V (the graphs' pool), or None.
+        self.pool = pool
         self.cohorts: list[Cohort] = []
         self._next: dict[Cohort, Pass] = {}
         self.forwards = self.merged = self.rows = 0
@@ -514,6 +527,8 @@ class RunningBatch:
         self.forwards = self.merged = self.rows = 0
         for cohort in cohorts:
             if cohort not in self._next:  # new since the last iteration
+                if self.pool is not None:  # before its first call writes anything
+                    cohort.store.use_pool(self.pool)
                 self._ask(cohort, self._finished)
         return [self._next[c] for c in cohorts if c in self._next]
 

@@ -68,7 +68,7 @@ class BidirectionalDecoder:
         :attr:`later_steps` when set (CUDA graphs), else eagerly."""
         if self.later_steps is None:
             return RunningBatch(self.model, self.spec.pad_id, plan)
-        return RunningBatch(self.model, self.spec.pad_id, plan, self.later_steps)
+        return RunningBatch(self.model, self.spec.pad_id, plan, self.later_steps, self.later_steps.pool)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
                kv_store: KVStore | None, on_block: OnBlock | None, cancelled: Cancelled | None) -> Cohort:

@@ -2,51 +2,68 @@
 
 A later step of a running batch (a window pass of the dual or prefix cache, `service.engine.batch`) runs the same
 operations every time with new values: the window's tokens and positions, the key mask, where the window's K/V
-go, the columns the LM head reads. In eager mode a GPU pays a kernel launch for each of its ~2,100-2,600 tensor
-operations (issue 41 measured 46 ms per iteration against a 3.4 ms weight read at LLaDA-8B's shape); a captured
-CUDA graph launches them all at once. Fast-dLLM-style servers do the same: vLLM captures full graphs over
-persistent buffers, SGLang one graph per batch size.
+go, the rows whose reused K/V it reads, the columns the LM head reads. In eager mode a GPU pays a kernel launch
+for each of its ~2,100-2,600 tensor operations (issue 41 measured 46 ms per iteration against a 3.4 ms weight read
+at LLaDA-8B's shape); a captured CUDA graph launches them all at once. Fast-dLLM-style servers do the same: vLLM
+captures full graphs over persistent buffers (its paged KV cache), SGLang one graph per batch size.
 
 **Buckets.** A window group runs at its :class:`Bucket`'s shapes: rows rounded up to the next of
 :data:`ROW_BUCKETS`, keys (the longest sequence + its spare column) up to a multiple of ``key_step``, the window
 width up to a multiple of ``width_step`` (`service.engine.batch._inputs` pads them; a padded row's input is the
-pad id at position 0, it sees only the spare key column, its keys and values are zeros and its logits are
-dropped; padded key columns get no weight). The LM head reads the columns it would eagerly, padded rows added; in a graph their count per row is rounded up
-to a power of two (a key of its own), the extra entries listed as padding.
+pad id at position 0, it sees only the spare key column, and its logits are dropped; padded key columns get no
+weight). The LM head reads the columns it would eagerly, padded rows added; in a graph their count per row is
+rounded up to a power of two (a shape of its own), the extra entries listed as padding.
 
-**Capture (CUDA).** Graphs are captured lazily: the first forward of a shape (bucket and LM-head columns) runs
-eagerly (its warm-up: RoPE's table for the bucket's length, the allocator, the libraries' kernels for those
-shapes), the next forward of a key (the shape and the stores it reads) is captured and every later one replays
-(one eager forward per shape is the bounded warm-up; a capture is one forward recorded and run once). The graph's persistent inputs are the forward's own tensors of the capture
-(ids, positions, key mask, the window's destination columns, the LM head's columns): each replay copies the
-step's values into them; its outputs (the logits) are the graph's own buffer, read by the reveal before the next
-replay. The reused K/V are read where the stores hold them (`FullPrecisionKVStore.sequence_kv`, written in place
-from block to block), so a graph is keyed by its bucket **and** by the generation of each store it reads
-(`FullPrecisionKVStore.generation`): a steady batch replays one graph for the whole decode, a batch whose
-requests change captures anew when its set of stores changes. A group whose stores are not sequence-ordered
-(the quantized stores: their dequantization or fused kernel reads buffers that move) runs eagerly, unpadded.
-Departure from vLLM: no paged KV pool, hence the key by store; the graphs of the stores that left are dropped.
+**The pool: K/V at fixed addresses.** With capture on, the full-precision stores of a batch's cohorts keep their
+K/V in :attr:`LaterSteps.pool` (`service.engine.kv_pool`: per layer one K and one V buffer, each store a run in
+them, laid out as its own buffer was), and a graphed forward gathers its rows from those buffers by an index it
+makes from an input tensor, each row's ``(start, T + 1)`` (`service.engine.kv_pool.PooledReuse`). So nothing a
+graph reads depends on which requests run: a graph is keyed by its shape (bucket and LM-head columns) and the
+pool's :attr:`~service.engine.kv_pool.KVPool.generation` (which changes only when the pool's buffers grow), and a
+batch whose requests join and leave replays the graphs it has. Why a gather by index and not rows kept in the
+first slots: the rows of one forward are the plan's passes in the plan's order (`service.runtime.scheduler`), and
+several forwards read one pool in an iteration; an index costs one ``index_select`` per layer and tensor, the copy
+the eager path's concatenation makes, and moves nothing when a row leaves. Why runs of each store's own length and
+not slots of the longest: a slot pool holds every row at the longest length, over what admission counts.
+
+**Capture (CUDA).** Graphs are captured lazily: the first forward of a shape runs eagerly, over the same pooled
+inputs (its warm-up: RoPE's table for the bucket's length, the allocator, the libraries' kernels for those shapes),
+the next forward of a key is captured and every later one replays (one eager forward per shape is the bounded
+warm-up; a capture is one forward recorded and run once). The graph's persistent inputs are the forward's own
+tensors of the capture (ids, positions, key mask, the window's destination columns, the rows' runs, the LM head's
+columns): each replay copies the step's values into them; its outputs (the logits) are the graph's own buffer,
+read by the reveal before the next replay. A group that reads anything else (a quantized store, whose
+dequantization or fused kernel reads buffers of its own; a store of some rows only, ``Pass.selection``) runs
+eagerly, unpadded. Still eager: quantized later steps and LLaDA2's (`service.engine.block_causal_batch`). What the
+quantized ones need to be graphed: their packed codes, scales and zero points (KIVI, dLLM-KVQ: fixed-size groups
+per token or channel) in pooled buffers with runs as here, the fused kernel's per-row operands (block maps,
+offsets, scales' addresses) built from the runs' starts inside the graph (the gather's index, not host lists),
+and a residual full-precision window per row kept in the pool too.
 
 **Memory.** Each graph keeps a private memory pool (the forward's intermediates at the bucket's shapes);
 :attr:`LaterSteps.bytes_held` is their sum (CUDA's reserved bytes before and after each capture), which the
 server reserves out of its KV budget (``DLLM_CUDA_GRAPH_BYTES``) and reports. At most ``max_graphs`` graphs are
-kept (least recently used first out), and none is captured past ``max_bytes``.
+kept (least recently used first out), and none is captured past ``max_bytes``. The K/V pool holds exactly the runs
+admission counted for its requests, its buffers at most ``max_tokens`` tokens unless admission asks for more
+(`service.engine.kv_pool`, "Memory").
 
-**On the CPU** (or with capture off) :class:`LaterSteps` runs the same padding eagerly: the tests prove that the
-bucketed, padded forward gives the tokens of the unpadded one (`tests/engine/test_graphs.py`).
+**On the CPU** (or with capture off) :class:`LaterSteps` runs the same padding eagerly, with no pool: the tests
+prove that the bucketed, padded forward gives the tokens of the unpadded one (`tests/engine/test_graphs.py`), and
+:class:`EagerGraphs` runs the pooled, captured path with a stand-in for each graph, so its keys are counted on the
+CPU (`benchmarks/graph_keys.py`).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from service.engine.batch import Bucket, _inputs, run_forward
 from service.engine.decode import Pass
-from service.engine.kv_store import FullPrecisionKVStore
+from service.engine.kv_pool import KVPool
 from service.engine.models import DiffusionLM
 
 #: Row counts a later-step forward is padded up to (the largest: rows beyond it run at their own count).
@@ -68,13 +85,12 @@ def bucket_of(group: list[Pass], key_step: int = 256, width_step: int = 32) -> B
     return Bucket(rows, width, round_up(max(p.seq_len for p in group) + 1, key_step))
 
 
-def graphable(group: list[Pass]) -> bool:
-    """Whether a captured graph can run ``group``: a window group whose every pass reads a sequence-ordered
-    full-precision store, whole (its buffers stay where they are between blocks: module doc)."""
-    return group[0].kind == "window" and group[0].layers is None and all(
-        # the store itself, not a subclass: its buffers are those sequence_kv gives at every step
-        p.hook is None and p.selection is None and type(p.cohort.store) is FullPrecisionKVStore
-        for p in group)
+def graphable(group: list[Pass], pool: KVPool | None) -> bool:
+    """Whether a captured graph can run ``group``: a window group over every layer whose every pass reads all the
+    rows of a store that holds them in ``pool`` (module doc)."""
+    return pool is not None and group[0].kind == "window" and group[0].layers is None and all(
+        p.hook is None and p.selection is None and getattr(p.cohort.store, "pool", None) is pool
+        and p.cohort.store.run is not None for p in group)
 
 
 @dataclass
@@ -86,32 +102,35 @@ class _Graph:
     logits_at: torch.Tensor
     logits: torch.Tensor
     bytes: int
-    generations: tuple
     #: RoPE's table the graph reads (`RotaryEmbedding.table`): kept alive should a longer sequence replace it.
     table: tuple
 
 
 class LaterSteps:
     """The later-step forward of a running batch, bucketed and (on CUDA, with ``capture``) replayed from a graph
-    per (bucket, stores) (module doc). Called as `service.engine.batch.run_forward` is (its drop-in
+    per shape (module doc). Called as `service.engine.batch.run_forward` is (its drop-in
     `RunningBatch.forward_call`); groups that are not window groups run through ``run_forward`` unchanged.
 
     Args:
-        capture: capture and replay CUDA graphs (only on CUDA tensors); False: pad and run eagerly.
+        capture: capture and replay CUDA graphs (only on CUDA tensors), with the stores' K/V in :attr:`pool`;
+            False: pad and run eagerly, no pool.
         key_step, width_step: the buckets' key and width steps (:func:`bucket_of`).
         max_graphs: graphs kept at most; max_bytes: no capture once the graphs hold this many bytes.
+        max_tokens: the tokens the pool's buffers grow to unasked (`service.engine.kv_pool.KVPool`; None: no limit).
 
     Attributes:
+        pool: the K/V pool of the batches' full-precision stores (None without ``capture``).
         captures, replays, eager: counts of forwards captured, replayed, run eagerly (padded or not).
     """
 
     def __init__(self, capture: bool, key_step: int = 256, width_step: int = 32, max_graphs: int = 32,
-                 max_bytes: int = 4 << 30) -> None:
+                 max_bytes: int = 4 << 30, max_tokens: int | None = None) -> None:
         if key_step < 1 or width_step < 1 or max_graphs < 1 or max_bytes < 0:
             raise ValueError("key_step, width_step and max_graphs are >= 1 and max_bytes >= 0, got "
                              f"{key_step}, {width_step}, {max_graphs}, {max_bytes}")
         self.capture, self.key_step, self.width_step = capture, key_step, width_step
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
+        self.pool = KVPool(max_tokens) if capture else None
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: set[tuple] = set()
         self.captures = self.replays = self.eager = 0
@@ -127,7 +146,7 @@ class LaterSteps:
             return run_forward(model, group, pad_id, columns)
         bucket = bucket_of(group, self.key_step, self.width_step)
         capturing = self.capture and self._can_capture(group[0].input_ids.device)
-        if not (capturing and graphable(group)):
+        if not (capturing and graphable(group, self.pool)):
             self.eager += 1
             if capturing:  # not graphable: as without graphs
                 return run_forward(model, group, pad_id, columns)
@@ -139,15 +158,9 @@ class LaterSteps:
         """Whether forwards on ``device`` can be captured (CUDA)."""
         return device.type == "cuda"
 
-    def _key(self, group: list[Pass], bucket: Bucket) -> tuple:
-        # The layout the captured hook bakes in (each pass's rows, and the stores it reads) and the bucket.
-        return (bucket, tuple((len(p.rows), id(p.cohort.store), p.cohort.store.generation) for p in group))
-
     def _drop_stale(self) -> None:
-        """Forget the graphs of stores that have been written anew or cleared since (module doc)."""
-        for key in [k for k, g in self._graphs.items()
-                    if any(store().generation != gen if store() is not None else True
-                           for store, gen in g.generations)]:
+        """Forget the graphs captured over the pool's buffers before they grew (module doc)."""
+        for key in [k for k in self._graphs if k[1] != self.pool.generation]:
             del self._graphs[key]
         if len(self._seen) > 4 * self.max_graphs:
             self._seen.clear()
@@ -155,32 +168,37 @@ class LaterSteps:
     def _replayed(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket,
                   columns: list[list[int]] | None):
         self._drop_stale()
-        device = group[0].input_ids.device
-        at = self._at(group, device)
+        at = self._at(group, group[0].input_ids.device)
         head_at, listed = self._head_columns(group, at, columns)
+        rows = at.shape[0]
         shape = (bucket, head_at.shape[1])
-        key = (self._key(group, bucket), shape)
+        key = (shape, self.pool.generation)
         found = self._graphs.get(key)
         if found is None:
+            inputs = _inputs(model, group, pad_id, bucket, self.pool)
+            logits_at = F.pad(head_at, (0, 0, 0, bucket.rows - rows))
             if shape not in self._seen or self.bytes_held >= self.max_bytes:
                 self._seen.add(shape)  # a shape's first forward: the eager warm-up
                 self.eager += 1
-                return run_forward(model, group, pad_id, columns, bucket)
-            found = self._captured(model, group, pad_id, bucket, head_at,
-                                   tuple((weakref.ref(p.cohort.store), p.cohort.store.generation) for p in group))
-            self._graphs[key] = found
+                return model(**inputs, logits_at=logits_at)[:rows], inputs["input_ids"][:rows].gather(1, at), listed
+            table = model.rope.table(bucket.key_len, logits_at.device)
+            graph, logits, held = self._record(model, inputs, logits_at)
+            graph.replay()  # the capture records without running: this step's values
+            self.captures += 1
+            found = self._graphs[key] = _Graph(graph, inputs, logits_at, logits, held, table)
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
         else:
             self._graphs.move_to_end(key)
-            fresh = _inputs(model, group, pad_id, bucket)
+            fresh = _inputs(model, group, pad_id, bucket, self.pool)
             for name in ("input_ids", "positions", "key_mask"):
                 found.inputs[name].copy_(fresh[name])
-            found.inputs["kv_hook"].dest.copy_(fresh["kv_hook"].dest)
-            found.logits_at[: head_at.shape[0]].copy_(head_at)
+            hook, fresh_hook = found.inputs["kv_hook"], fresh["kv_hook"]
+            hook.dest.copy_(fresh_hook.dest)
+            hook.where.copy_(fresh_hook.where)
+            found.logits_at[:rows].copy_(head_at)
             found.graph.replay()
             self.replays += 1
-        rows = at.shape[0]
         return found.logits[:rows], found.inputs["input_ids"][:rows].gather(1, at), listed
 
     @staticmethod
@@ -209,19 +227,6 @@ class LaterSteps:
                             device=at.device)
         return both[1], both[0]
 
-    def _captured(self, model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket, head_at: torch.Tensor,
-                  generations):
-        """Capture the group's forward at its bucket, the LM head at ``head_at`` ``[R, M]`` (module doc); the
-        capture's own run gives this step's logits."""
-        device = group[0].input_ids.device
-        inputs = _inputs(model, group, pad_id, bucket)
-        logits_at = torch.nn.functional.pad(head_at, (0, 0, 0, bucket.rows - head_at.shape[0]))
-        table = model.rope.table(bucket.key_len, device)
-        graph, logits, held = self._record(model, inputs, logits_at)
-        graph.replay()  # the capture records without running: this step's values
-        self.captures += 1
-        return _Graph(graph, inputs, logits_at, logits, held, generations, table)
-
     @staticmethod
     def _record(model: DiffusionLM, inputs: dict, logits_at: torch.Tensor):
         """Capture ``model(**inputs, logits_at=logits_at)`` as a CUDA graph: (the graph, its logits, the bytes its
@@ -233,3 +238,35 @@ class LaterSteps:
         with torch.cuda.graph(graph):  # a private pool per graph: dropping the graph frees it
             logits = model(**inputs, logits_at=logits_at)
         return graph, logits, max(0, torch.cuda.memory_reserved(device) - before)
+
+
+class _StandIn:
+    """A captured graph's stand-in where none can be captured: its replay runs the captured call again over the
+    same input tensors (what a CUDA graph's replay reads) and writes the same output tensor."""
+
+    def __init__(self, model: DiffusionLM, inputs: dict, logits_at: torch.Tensor) -> None:
+        self.model, self.inputs, self.logits_at = model, inputs, logits_at
+        self.logits = model(**inputs, logits_at=logits_at)
+
+    def replay(self) -> None:
+        self.logits.copy_(self.model(**self.inputs, logits_at=self.logits_at))
+
+
+class EagerGraphs(LaterSteps):
+    """:class:`LaterSteps` with capture on, on any device, its graphs :class:`_StandIn` stand-ins: the pool, the
+    keys, the warm-ups, the persistent inputs refreshed before each replay and the graphs dropped when the pool
+    grows run on the CPU (tests; ``captures`` counts the keys a GPU would capture, `benchmarks/graph_keys.py`)."""
+
+    def __init__(self, key_step: int = 256, width_step: int = 32, max_graphs: int = 32,
+                 max_tokens: int | None = None) -> None:
+        super().__init__(capture=True, key_step=key_step, width_step=width_step, max_graphs=max_graphs,
+                         max_tokens=max_tokens)
+
+    @staticmethod
+    def _can_capture(device: torch.device) -> bool:
+        return True
+
+    @staticmethod
+    def _record(model: DiffusionLM, inputs: dict, logits_at: torch.Tensor):
+        graph = _StandIn(model, inputs, logits_at)
+        return graph, graph.logits, 0

@@ -21,7 +21,6 @@ Shapes use the fixed letters of STYLE.md: B batch, H kv heads, T tokens, D head 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Hashable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -30,11 +29,9 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
+    from service.engine.kv_pool import KVPool, PoolRun
     from service.engine.models.layers import RotaryEmbedding
     from service.engine.report import KVReport
-
-#: Store generations (`FullPrecisionKVStore.generation`): unique over the process.
-_GENERATIONS = itertools.count()
 
 #: Set by a running batch around the forwards of an iteration (`service.engine.batch`): a store's ``write`` may
 #: then leave the verdict of its checks on the device (:meth:`KVStore.take_checks`) for the iteration's one host
@@ -279,6 +276,10 @@ class KVStore:
         """
         return None
 
+    def use_pool(self, pool: KVPool | None) -> None:
+        """Keep the K/V in ``pool`` (`service.engine.kv_pool.KVPool`, whose buffers a captured later step reads)
+        from the next block-initial pass on, when this store can; this default cannot and keeps its own."""
+
     def clear(self) -> None:
         """Drop everything held (end of a request)."""
 
@@ -298,15 +299,20 @@ class FullPrecisionKVStore(KVStore):
     columns of a merged forward and is never attended), so the rows of every request attend in one call with no
     per-request concatenation. :meth:`read` gives the reused columns as the protocol says. (A subclass that
     writes or reads its own way, with ``_layers`` holding the reused columns, is read through the protocol.)
+
+    Where the K/V live: in buffers of its own, or, once :meth:`use_pool` gave it one, in a run of a
+    `service.engine.kv_pool.KVPool` (the same layout; a captured later step reads the pool, `service.engine.graphs`).
+    Either way a later block of the same shape is written in place.
     """
 
     def __init__(self) -> None:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._sequence: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._segments: Segments | None = None
-        #: Changes whenever a layer's buffer is allocated anew or freed (unique across stores): a captured later
-        #: step (`service.engine.graphs`) reads these buffers where they lie and is valid while this is unchanged.
-        self.generation = next(_GENERATIONS)
+        self.pool: KVPool | None = None
+        #: This store's vectors in :attr:`pool` (None: none held there).
+        self.run: PoolRun | None = None
+        self._zeroed: set[int] = set()  # layers written since the run was made (their spare column zeroed)
 
     @property
     def sequence_ordered(self) -> bool:  # type: ignore[override]
@@ -315,34 +321,64 @@ class FullPrecisionKVStore(KVStore):
         return (cls.write is FullPrecisionKVStore.write and cls.read is FullPrecisionKVStore.read
                 and cls.window_kv is KVStore.window_kv and not self.pre_rope_keys)
 
+    def use_pool(self, pool: KVPool | None) -> None:
+        """Hold the K/V in ``pool`` from the next block-initial pass that makes its buffers on (None: buffers of its
+        own); a store that writes or reads its own way (not :attr:`sequence_ordered`) keeps its own."""
+        if self.sequence_ordered:
+            self.pool = pool
+
     def write(self, layer, k, v, segments, scores=None) -> None:
+        b, t = k.shape[0], k.shape[2]
+        if self.pool is not None and self.pool.takes(k):
+            if self.run is None or (self.run.rows, self.run.length) != (b, t + 1):
+                self.clear()
+                self.run = self.pool.allocate(b, t + 1)
+            kk, vv = self.pool.view(self.run, layer)
+            if layer not in self._zeroed:  # the run's vectors held another request's: its spare column is zeroed
+                kk[:, :, -1].zero_()
+                vv[:, :, -1].zero_()
+                self._zeroed.add(layer)
+            kk[:, :, :-1].copy_(k)
+            vv[:, :, :-1].copy_(v)
+            self._segments = segments
+            return
         held = self._sequence.get(layer)
-        if held is not None and held[0].shape[:2] == k.shape[:2] and held[0].shape[2] == k.shape[2] + 1 \
+        if held is not None and held[0].shape[:2] == k.shape[:2] and held[0].shape[2] == t + 1 \
                 and held[0].dtype == k.dtype and held[0].device == k.device:
-            # A later block of the same sequence: written in place, so the buffers stay where a captured later
-            # step reads them (the spare column keeps whatever it held: it is never attended).
+            # A later block of the same sequence: written in place (the spare column keeps whatever it held: it is
+            # never attended).
             held[0][:, :, :-1].copy_(k)
             held[1][:, :, :-1].copy_(v)
         else:  # F.pad copies, so the store never aliases the forward's activations.
             self._sequence[layer] = (torch.nn.functional.pad(k, (0, 0, 0, 1)),
                                      torch.nn.functional.pad(v, (0, 0, 0, 1)))
-            self.generation = next(_GENERATIONS)
         self._segments = segments
 
     def read(self, layer):
-        if layer not in self._sequence:
+        if self.run is None and layer not in self._sequence:
             return self._layers[layer]
-        k, v = self._sequence[layer]
+        k, v = self.sequence_kv(layer)
         columns = self._segments.reused_columns.to(k.device)
         return k.index_select(2, columns), v.index_select(2, columns)
 
+    @property
+    def held_layers(self) -> list[int]:
+        """The layers whose K/V it holds, ascending."""
+        return sorted(self._zeroed if self.run is not None else self._sequence or self._layers)
+
     def sequence_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K (post-RoPE) and V over the whole sequence plus a spare column, ``[B, H_kv, T + 1, D]``:
-        the reused columns as written, the window's columns holding whatever the last step put there."""
+        the reused columns as written, the window's columns holding whatever the last step put there (in the pool:
+        views of its run, valid until the next block-initial write of any store, which may move it)."""
+        if self.run is not None:
+            return self.pool.view(self.run, layer)
         return self._sequence[layer]
 
     def clear(self) -> None:
         self._layers.clear()
         self._sequence.clear()
         self._segments = None
-        self.generation = next(_GENERATIONS)
+        if self.run is not None:
+            self.pool.free(self.run)
+            self.run = None
+        self._zeroed.clear()

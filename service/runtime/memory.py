@@ -64,6 +64,13 @@ class MemoryModel:
             return cls.dense(engine.spec, width, 3 * width, 4)
         return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device)
 
+    @property
+    def full_precision_bytes_per_token(self) -> int:
+        """Bytes one reused token of a full-precision store takes, every layer, K and V: ``2 x layers x kv_heads x
+        head_dim x element size`` (its run in the K/V pool too, `service.engine.kv_pool`)."""
+        s = self.spec
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.element_size
+
     def knows(self, key: object) -> bool:
         """Whether the bytes per token of configuration ``key`` are measured (asking costs no torch work)."""
         return key in self._per_token
@@ -74,8 +81,7 @@ class MemoryModel:
         if key not in self._per_token:
             store = make_store()
             if type(store) is FullPrecisionKVStore:
-                s = self.spec
-                self._per_token[key] = 2.0 * s.num_layers * s.num_kv_heads * s.head_dim * self.element_size
+                self._per_token[key] = float(self.full_precision_bytes_per_token)
             else:
                 self._per_token[key] = self._probe(store) / PROBE_TOKENS
             # One entry per distinct configuration a client names: bounded (issue 22), a dropped one is measured again.

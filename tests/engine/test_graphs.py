@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service.engine.batch import run_forward
-from service.engine.graphs import ROW_BUCKETS, Bucket, LaterSteps, bucket_of
+from service.engine.graphs import ROW_BUCKETS, Bucket, EagerGraphs, LaterSteps, bucket_of
 from service.engine.params import DecodeParams
 from service.runtime.scheduler import forward_plan
 from tests.engine.test_continuous_batch import MIXED, _store, run_mixed
@@ -122,37 +122,6 @@ def decoded(engine, prompts: list[list[int]], params: DecodeParams, runner: Late
     return [engine.report(c).rows[0].generated_ids for c in cohorts]
 
 
-class _Rerun:
-    """A stand-in for a captured graph on the CPU: its replay runs the captured call again over the same input
-    tensors (what a CUDA graph's replay reads) and writes the same output tensor; the hook's cached flat index is
-    recomputed from its destination buffer, as the captured graph recomputes it."""
-
-    def __init__(self, model, inputs, logits_at):
-        self.model, self.inputs, self.logits_at = model, inputs, logits_at
-        self.logits = model(**inputs, logits_at=logits_at)
-
-    def replay(self):
-        self.inputs["kv_hook"]._flat = None
-        self.logits.copy_(self.model(**self.inputs, logits_at=self.logits_at))
-
-
-class Rerun(LaterSteps):
-    """:class:`LaterSteps` with capture on, its graphs :class:`_Rerun` stand-ins: the keys, the warm-up, the
-    persistent inputs refreshed before each replay and the graphs dropped with their stores, on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__(capture=True, key_step=16, width_step=8)
-
-    @staticmethod
-    def _can_capture(device):
-        return True
-
-    @staticmethod
-    def _record(model, inputs, logits_at):
-        graph = _Rerun(model, inputs, logits_at)
-        return graph, graph.logits, 0
-
-
 @pytest.mark.parametrize("cache_mode", ["dual", "prefix"])
 def test_replays_over_persistent_inputs_decode_as_eager(engines, cache_mode):
     """A batch of mixed prompt lengths replays its later steps from persistent inputs refreshed each step, block
@@ -165,7 +134,7 @@ def test_replays_over_persistent_inputs_decode_as_eager(engines, cache_mode):
 
     saved = engine.later_steps
     try:
-        runner = Rerun()
+        runner = EagerGraphs(key_step=16, width_step=8)
         eager = decoded(engine, prompts, params, None)
         assert decoded(engine, prompts, params, runner) == eager
     finally:
@@ -175,8 +144,81 @@ def test_replays_over_persistent_inputs_decode_as_eager(engines, cache_mode):
     blocks = 1 if cache_mode == "dual" else 2
     assert blocks <= runner.captures <= 6 * blocks
     assert runner.replays > (runner.captures if cache_mode == "dual" else 0)
-    runner._drop_stale()  # the cohorts left: their stores were cleared
-    assert runner.bytes_held == 0 and not runner._graphs
+    assert runner.pool.live_bytes == 0 < runner.pool.bytes_held  # the cohorts left: their runs were freed
+
+
+@pytest.mark.parametrize("run", CACHED, ids=[run["id"] for run in CACHED])
+def test_golden_runs_pooled_and_replayed_give_the_golden_tokens(engines, run):
+    """Every cached Fast-dLLM golden run with its K/V in the pool and its later steps run as graphs would run
+    them (warm-up, capture, replays over refreshed inputs; padded to small buckets): the golden tokens."""
+    arch = run["id"].split("_")[0]
+    engine = engines[arch]
+    saved = engine.later_steps
+    runner = EagerGraphs(key_step=16, width_step=8)
+    try:
+        engine.use_graphs(runner)
+        assert engine.generate([run["prompt_ids"]], params_of(run)).rows[0].generated_ids == run["generated_ids"]
+    finally:
+        engine.use_graphs(saved)
+    assert runner.pool.bytes_held > 0 and runner.pool.live_bytes == 0  # held in the pool, freed at the end
+    assert runner.eager == len(runner._seen)  # every later step graphed: the eager ones were its shapes' warm-ups
+
+
+@pytest.mark.parametrize("arch", ["llada", "dream"])
+def test_a_mixed_batch_pooled_decodes_as_alone(engines, arch):
+    """Requests of every cache mode, quantized and not, joining mid-flight, the full-precision ones' K/V in the
+    pool (moved and grown as requests come and go) and their later steps graphed when no quantized store shares
+    the forward: each decodes token for token as it does alone, eagerly."""
+    engine = engines[arch]
+    prompts = four_prompts(arch)
+    saved = engine.later_steps
+    runner = EagerGraphs(key_step=16, width_step=8)
+    try:
+        engine.use_graphs(runner)
+        cohorts, _ = run_mixed(engine, engine.batch(forward_plan()), prompts)
+        engine.use_graphs(None)
+        for index, (prompt, params, row, kind, _) in enumerate(MIXED):
+            alone = engine.generate([prompts[prompt]], params, [row], kv_store=_store(engine, kind)).rows[0]
+            assert engine.report(cohorts[index]).rows[0].generated_ids == alone.generated_ids, index
+    finally:
+        engine.use_graphs(saved)
+    # full-precision K/V were held in the pool and forwards of them alone gathered from it (a shape's first forward,
+    # its warm-up, runs the pooled gather as a replay does)
+    assert runner.pool.bytes_held > 0 == runner.pool.live_bytes and runner._seen
+
+
+def test_a_new_set_of_requests_replays_the_graphs_it_has(engines):
+    """The same prompts decoded twice by new requests (new stores): the second batch captures nothing, every one
+    of its later steps replays a graph the first captured (keyed by bucket, not by the stores it reads)."""
+    engine = engines["llada"]
+    prompts = four_prompts("llada")
+    params = DecodeParams(gen_length=64, block_length=32, cache_mode="dual", threshold=None, steps=16,
+                          ignore_eos=True)
+    saved = engine.later_steps
+    try:
+        runner = EagerGraphs(key_step=16, width_step=8)
+        first = decoded(engine, prompts, params, runner)
+        captures, replays, grown = runner.captures, runner.replays, runner.pool.generation
+        assert decoded(engine, prompts[::-1], params, runner) == first[::-1]  # other stores, rows in another order
+    finally:
+        engine.use_graphs(saved)
+    assert runner.pool.generation == grown and runner.captures == captures and runner.replays > 2 * replays
+
+
+def test_requests_joining_and_leaving_capture_one_graph_per_key():
+    """Requests of mixed lengths and cache modes joining as others leave (`benchmarks/graph_keys.py`): at most one
+    capture per key (bucket, LM-head columns, pool generation), the pool's generations few (it doubles), fewer
+    captures than keys by the stores read (the key before the pool), and the tokens of plain eager forwards."""
+    from benchmarks.decode_speed import random_engine
+    from benchmarks.graph_keys import count, requests
+
+    engine = random_engine("tiny", torch.float32, "cpu", 1.0)
+    found = count(engine, requests(16, engine.spec.vocab_size, 0), 4, check=True)
+    assert found["tokens as eager"]
+    assert found["graphed forwards"] > found["shapes"] >= found["buckets"] > 1
+    assert found["captures"] <= found["keys (shape, pool generation)"]
+    assert found["pool growths"] <= 8  # doubling from the first request's run to the peak: 16 x 700 tokens at most
+    assert found["captures"] < found["keys by stores (before the pool)"]
 
 
 @CUDA
@@ -196,7 +238,10 @@ def test_cuda_graphs_replay_token_identical_to_eager(cache_mode):
     eager = decoded(engine, prompts, params, None)
     assert decoded(engine, prompts, params, graphs) == eager
     assert graphs.captures >= 1 and graphs.replays > graphs.captures
-    assert graphs.bytes_held > 0
+    assert graphs.bytes_held > 0 and graphs.pool.bytes_held > 0
+    captures = graphs.captures  # new requests, the same shapes: replayed, not captured (keyed by bucket alone)
+    assert decoded(engine, prompts[::-1], params, graphs) == eager[::-1]
+    assert graphs.captures == captures
     for run in (r for r in CACHED if r["id"].startswith("llada") and r["mode"] == cache_mode):
         engine.use_graphs(LaterSteps(capture=True))
         assert engine.generate([run["prompt_ids"]], params_of(run)).rows[0].generated_ids == run["generated_ids"]

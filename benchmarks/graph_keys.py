@@ -1,0 +1,129 @@
+"""How many CUDA graphs the later steps capture while requests join and leave (issue 41, item 4), counted on the CPU.
+
+A captured graph costs more than an eager forward (a capture records the forward and runs it once), so a server
+that captures whenever its set of requests changes pays for graphs it never replays. This benchmark runs
+``--requests`` requests of mixed prompt lengths, response lengths and cache modes (dual and prefix, full-precision
+K/V, one row each) through a running batch of at most ``--running`` requests at once, a new one joining as soon as
+one leaves (as the server admits), planned as the server plans (`service.runtime.scheduler.forward_plan`), with the
+later steps run by `service.engine.graphs.EagerGraphs`: the pool, the keys, the warm-ups and the replays of CUDA,
+each graph a stand-in that runs eagerly. Its counts are machine-independent:
+
+* **graphed forwards**: later-step forwards whose rows all live in the pool, which a GPU runs from a graph (each
+  shape's first forward is its eager warm-up, the rest captured or replayed);
+* **buckets**, **shapes** (bucket and LM-head columns) and **keys** (shape and pool generation) among them, and
+  **keys by stores**: the (shape, stores read) pairs, which keyed a graph before the pool;
+* **captures**: graphs captured (a key's first forward after its shape's warm-up), **replays**, **warm-ups**;
+* **pool growths** (each makes new buffers and drops the graphs over the old ones) and **moves** (runs moved down
+  to close gaps, graphs kept);
+* **tokens**: whether every request decoded the tokens it decodes with plain eager forwards (the same schedule,
+  ``--check``).
+
+Before the pool (commit 26d2866, graphs keyed by bucket and the stores they read, the same run): see
+docs/benchmarks.md.
+
+Usage: ``python benchmarks/graph_keys.py [--requests 64] [--running 16] [--preset tiny] [--seed 0] [--check]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
+from benchmarks.decode_speed import random_engine
+from service.engine import Engine
+from service.engine.graphs import EagerGraphs, LaterSteps, bucket_of, graphable
+from service.engine.params import DecodeParams
+from service.runtime.scheduler import forward_plan
+
+
+def requests(count: int, vocab: int, seed: int) -> list[tuple[list[int], DecodeParams]]:
+    """``count`` requests (prompt ids, settings), seeded: prompts of 8 to 600 tokens, responses of 32, 64 or 128
+    in blocks of 32, dual or prefix cache, 8 fixed steps per block (every request's later steps take part in every
+    iteration of its blocks), ``ignore_eos`` (the lengths are the requests', not the random weights')."""
+    rng = random.Random(seed)
+    made = []
+    for _ in range(count):
+        prompt = [rng.randrange(3, vocab - 1) for _ in range(rng.randrange(8, 601))]
+        gen = rng.choice((32, 64, 128))
+        params = DecodeParams(gen_length=gen, block_length=32, cache_mode=rng.choice(("dual", "prefix")),
+                              threshold=None, steps=gen // 4, ignore_eos=True)
+        made.append((prompt, params))
+    return made
+
+
+class Recording(EagerGraphs):
+    """:class:`EagerGraphs` that records, for every forward it runs from a graph (captured or replayed, or its
+    shape's warm-up), its shape (bucket, LM-head columns), the pool's generation, and the runs it read (what keyed a
+    graph before the pool, with the bucket: one run per store's buffers)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.graphed: list[tuple] = []
+
+    def __call__(self, model, group, pad_id, columns=None):
+        before = self.captures + self.replays + self.eager
+        pooled = graphable(group, self.pool)
+        out = super().__call__(model, group, pad_id, columns)
+        if pooled and self.captures + self.replays + self.eager > before:
+            runs = tuple(p.cohort.store.run for p in group)  # the runs themselves: ids stay unique
+            self.graphed.append(((bucket_of(group, self.key_step, self.width_step), out[0].shape[1]),
+                                 self.pool.generation, runs))
+        return out
+
+
+def serve(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: int,
+          runner: LaterSteps | None) -> list[list[int]]:
+    """Decode ``made`` with at most ``running`` requests at once, each joining as soon as one left, the later steps
+    run by ``runner`` (None: plain eager forwards); each request's generated ids, in order."""
+    engine.use_graphs(runner)
+    batch = engine.batch(forward_plan())
+    pending, cohorts = list(range(len(made))), {}
+    with torch.inference_mode():
+        while pending or batch.cohorts:
+            while pending and len(batch.cohorts) < running:
+                index = pending.pop(0)
+                cohorts[index] = engine.cohort([made[index][0]], made[index][1])
+                batch.join(cohorts[index])
+            batch.step()
+            if batch.failed:
+                raise batch.failed[0][1]
+    return [engine.report(cohorts[i]).rows[0].generated_ids for i in range(len(made))]
+
+
+def count(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: int, check: bool) -> dict:
+    """The counts of the module doc for one run."""
+    runner = Recording()
+    tokens = serve(engine, made, running, runner)
+    graphed = runner.graphed
+    found = {"requests": len(made), "running": running, "graphed forwards": len(graphed),
+             "buckets": len({shape[0] for shape, _, _ in graphed}), "shapes": len({s for s, _, _ in graphed}),
+             "keys (shape, pool generation)": len({(s, g) for s, g, _ in graphed}),
+             "keys by stores (before the pool)": len({(s, tuple(map(id, r))) for s, _, r in graphed}),
+             "captures": runner.captures, "replays": runner.replays, "warm-ups": len({s for s, _, _ in graphed}),
+             "pool growths": runner.pool.generation, "pool moves": runner.pool.moves}
+    if check:
+        found["tokens as eager"] = tokens == serve(engine, made, running, None)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--running", type=int, default=16)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check", action="store_true", help="decode again eagerly and compare the tokens")
+    args = parser.parse_args()
+    engine = random_engine(args.preset, torch.float32, "cpu", 1.0)
+    found = count(engine, requests(args.requests, engine.spec.vocab_size, args.seed), args.running, args.check)
+    for name, value in found.items():
+        print(f"{name:>26}: {value}")
+
+
+if __name__ == "__main__":
+    main()
