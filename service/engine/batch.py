@@ -316,8 +316,8 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket |
             where = pool.rows_where([(p.cohort.store.run, len(p.rows)) for p in group], ids.shape[0], device)
             hook = PooledReuse(pool, where, dest, key_len)
         else:
-            n = len(lengths)
-            hook = BatchedReuse(group, key_len, dest[:n], key_mask[:n], model.rope)
+            n = len(lengths)  # the hook attends the real rows only (a padded row's output is zeros)
+            hook = BatchedReuse(group, key_len, dest[:n] if extra else dest, key_mask[:n], model.rope)
     elif any(p.hook is not None for p in group):
         hook = BlockWrites(group)
     found = {"input_ids": ids, "positions": positions, "key_mask": key_mask, "kv_hook": hook,
