@@ -34,11 +34,22 @@ tensors of the capture (ids, positions, key mask, the window's destination colum
 columns): each replay copies the step's values into them; its outputs (the logits) are the graph's own buffer,
 read by the reveal before the next replay. A group that reads anything else (a quantized store, whose
 dequantization or fused kernel reads buffers of its own; a store of some rows only, ``Pass.selection``) runs
-eagerly, unpadded. Still eager: quantized later steps and LLaDA2's (`service.engine.block_causal_batch`). What the
-quantized ones need to be graphed: their packed codes, scales and zero points (KIVI, dLLM-KVQ: fixed-size groups
-per token or channel) in pooled buffers with runs as here, the fused kernel's per-row operands (block maps,
-offsets, scales' addresses) built from the runs' starts inside the graph (the gather's index, not host lists),
-and a residual full-precision window per row kept in the pool too.
+eagerly, unpadded. Still eager: quantized later steps and LLaDA2's (`service.engine.block_causal_batch`).
+
+**What graphing the quantized later steps needs** (KIVI and dLLM-KVQ on the fused path,
+`service.quant.kernels.attention.fused_reuse_attention_stores`). Today its operands are made per step on the
+host side of the graph: `service.quant.kernels.parts.stores_side_by_side` concatenates the stores' code streams
+and statistics into new tensors at every later step, and its slot maps (``slot_of``, ``group_of_slot``,
+``k_row``) and part table (``info``: each store's first slot, first K group, first protected row, byte offsets
+of its K and V streams) are kept per set of stores, so their addresses change with the set. To graph it: (1)
+one pool per packed tensor name and layer (the K and V code streams in int32 words, the K statistics per group,
+V's per slot, dLLM-KVQ's protected K rows), each store a run sized by its layout at its block-initial write (a
+run per block: the packed sizes change as the block moves); (2) the part table's offsets made from the runs'
+starts, an int32 input ``[R, PART_INFO]`` copied in before the replay (as the rows' ``where`` here), with the
+kernel reading the pools' buffers instead of the concatenation; (3) the slot maps pooled the same way (their
+lengths are the reused lengths, per row) and padded rows given an empty part (reused length 0); (4) the launch's
+``longest`` and window width from the bucket, not from the set. The kernel's indices stay local to each part,
+so the values read are the ones it reads now.
 
 **Memory.** Each graph keeps a private memory pool (the forward's intermediates at the bucket's shapes);
 :attr:`LaterSteps.bytes_held` is their sum (CUDA's reserved bytes before and after each capture), which the
