@@ -46,9 +46,9 @@ one pool per packed tensor name and layer (the K and V code streams in int32 wor
 V's per slot, dLLM-KVQ's protected K rows), each store a run sized by its layout at its block-initial write (a
 new run when its sizes change: prefix mode's reused length grows block by block); (2) the part table's offsets
 made from the runs' starts, an int32 input ``[R, PART_INFO]`` copied in before the replay (as the rows' ``where``
-here), with the kernel reading the pools' buffers instead of the concatenation; (3) the slot maps pooled the same way (their
-lengths are the reused lengths, per row) and padded rows given an empty part (reused length 0); (4) the launch's
-``longest`` and window width from the bucket, not from the set. The kernel's indices stay local to each part,
+here), with the kernel reading the pools' buffers instead of the concatenation; (3) the slot maps pooled the
+same way (their lengths are the reused lengths, per row) and padded rows given an empty part (reused length 0);
+(4) the launch's ``longest`` and window width from the bucket, not from the set. The kernel's indices stay local to each part,
 so the values read are the ones it reads now.
 
 **Memory.** Each graph keeps a private memory pool (the forward's intermediates at the bucket's shapes);
