@@ -48,8 +48,8 @@ new run when its sizes change: prefix mode's reused length grows block by block)
 made from the runs' starts, an int32 input ``[R, PART_INFO]`` copied in before the replay (as the rows' ``where``
 here), with the kernel reading the pools' buffers instead of the concatenation; (3) the slot maps pooled the
 same way (their lengths are the reused lengths, per row) and padded rows given an empty part (reused length 0);
-(4) the launch's ``longest`` and window width from the bucket, not from the set. The kernel's indices stay local to each part,
-so the values read are the ones it reads now.
+(4) the launch's ``longest`` and window width from the bucket, not from the set. The kernel's indices stay
+local to each part, so the values read are the ones it reads now.
 
 **Memory.** Each graph keeps a private memory pool (the forward's intermediates at the bucket's shapes);
 :attr:`LaterSteps.bytes_held` is their sum (CUDA's reserved bytes before and after each capture), which the
