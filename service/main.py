@@ -193,6 +193,7 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
         # The graphs' K/V pool holds each running request's full-precision K/V as admission counts them; its
         # buffers grow unasked only up to the KV bytes the budget admits beside the forward reserve.
         runner.pool.max_tokens = max(1, (budget - forward) // memory.full_precision_bytes_per_token)
+        telemetry.kv_pool_bytes.set_function(lambda: runner.pool.bytes_held)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
     refuse_contradictions(settings, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and

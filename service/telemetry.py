@@ -22,6 +22,7 @@ dllm_kv_budget_bytes                                   gauge      -
 dllm_kv_bytes_reserved                                 gauge      -
 dllm_kv_cache_usage_perc                               gauge      -
 dllm_cuda_graph_bytes                                  gauge      -
+dllm_kv_pool_bytes                                     gauge      -
 dllm_requests_waiting_memory                           gauge      -
 dllm_nfe_per_request                                   histogram  cache_mode
 dllm_prompt_tokens_total                               counter    -
@@ -139,6 +140,9 @@ class Telemetry:
                                registry=r)
         self.cuda_graph_bytes = Gauge("dllm_cuda_graph_bytes", "GPU memory held by the later steps' CUDA graphs "
                                       "(reserved out of the KV budget up to DLLM_CUDA_GRAPH_BYTES)", registry=r)
+        self.kv_pool_bytes = Gauge("dllm_kv_pool_bytes", "GPU memory of the K/V pool the CUDA graphs read (the "
+                                   "running requests' full-precision K/V, counted in dllm_kv_bytes_reserved, and "
+                                   "what the pool kept of those that left)", registry=r)
         self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",
                                  registry=r)
         # vLLM's name for the same fraction (``vllm:kv_cache_usage_perc``, 0-1 despite the suffix): what an llm-d

@@ -161,7 +161,7 @@ def test_a_run_holds_the_bytes_admission_counts():
 
 def test_the_server_caps_the_pool_at_the_budgets_kv_tokens(tmp_path):
     """`service.main.make_worker`: the graphs' pool grows unasked up to the KV bytes the budget admits beside the
-    forward reserve, in tokens of the full-precision store."""
+    forward reserve, in tokens of the full-precision store, and its bytes are published (``dllm_kv_pool_bytes``)."""
     from service.config import Settings
     from service.engine import Engine
     from service.engine.graphs import EagerGraphs
@@ -171,7 +171,10 @@ def test_the_server_caps_the_pool_at_the_budgets_kv_tokens(tmp_path):
     engine = Engine.load(None, threads=1)
     engine.use_graphs(EagerGraphs())
     settings = Settings(store_url=str(tmp_path), kv_budget_bytes=1 << 30)
-    worker = make_worker(settings, engine, default_kv_store_factory(engine.spec), Telemetry())
+    telemetry = Telemetry()
+    worker = make_worker(settings, engine, default_kv_store_factory(engine.spec), telemetry)
+    engine.generate([[engine.spec.pad_id + 10] * 3], DecodeParams(gen_length=16, block_length=8, cache_mode="dual"))
+    assert telemetry.registry.get_sample_value("dllm_kv_pool_bytes") == engine.later_steps.pool.bytes_held > 0
     per_token = worker.memory.full_precision_bytes_per_token
     assert per_token == 2 * engine.spec.num_layers * engine.spec.num_kv_heads * engine.spec.head_dim * 4
     assert engine.later_steps.pool.max_tokens == (worker.budget_bytes - worker.forward_bytes) // per_token > 0
