@@ -15,7 +15,8 @@
 # Steps (PYTHON, default python3; nothing is downloaded):
 # 1. tests on CUDA: the fused quantized-attention kernels compiled (tests/quant/test_fused_attention.py,
 #    tests/quant/test_fused_rows.py; tests/conftest.py lets Triton's ldconfig/cc through) and the CUDA-graph tests
-#    (tests/engine/test_graphs.py -k cuda: capture, replay equal to eager, the goldens token-identical);
+#    (tests/engine/test_graphs.py -k cuda: capture, replay equal to eager, new requests replaying the graphs of
+#    earlier ones from the K/V pool, the goldens token-identical);
 # 2. benchmarks/iteration_cost.py (counts per iteration, its own command line, unchanged here) at LLaDA-8B's shape;
 # 3. benchmarks/decode_speed.py at 4k reused tokens, batch 8, 8 fixed steps per block: the dual cache, KIVI and
 #    dLLM-KVQ at 4 and 2 bits, with the HBM share (PEAK_GBS, default 4800 GB/s for an H200). The model's context
