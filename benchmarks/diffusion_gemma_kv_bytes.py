@@ -49,21 +49,28 @@ def a4b_geometry() -> tuple[ModelSpec, list[tuple[int, int, int | None]]]:
     return spec, [(4, 256, 1023) if kind == SLIDING else (2, 512, None) for kind in kinds]
 
 
-def admission() -> None:
+def per_token_at_a4b() -> dict[str, dict[str, float]]:
+    """Per config (``none``, ``method-bits``), per layer kind: bytes per committed token at 26B-A4B's K/V shape."""
     spec, geometry = a4b_geometry()
-    layers = {kind: [i for i, g in enumerate(geometry) if (g[2] is None) == (kind == GLOBAL)] for kind in (SLIDING, GLOBAL)}
-    bf16 = {kind: sum(2 * h * d * 2 for i, (h, d, _) in enumerate(geometry) if i in layers[kind]) for kind in layers}
+    layers = {kind: [i for i, g in enumerate(geometry) if (g[2] is None) == (kind == GLOBAL)]
+              for kind in (SLIDING, GLOBAL)}
+    out = {"none": {kind: float(sum(2 * geometry[i][0] * geometry[i][1] * 2 for i in layers[kind]))
+                    for kind in layers}}
+    for name in CONFIGS[1:]:
+        method, bits = name.rsplit("-", 1)
+        store = store_for(method, int(bits), spec, group=32)
+        out[name] = {kind: store.canvas_bytes_per_token(geometry, layers[kind], torch.bfloat16) for kind in layers}
+    return out
+
+
+def admission() -> None:
+    figures = per_token_at_a4b()
+    bf16 = figures["none"]
     print("26B-A4B K/V shape, bf16, K groups of 32: bytes per committed token (all layers of the kind, K+V)")
     print(f"{'config':<12} {'sliding B/tok':>14} {'x bf16':>7} {'global B/tok':>13} {'x bf16':>7} "
           f"{'row @32k MiB':>13}")
-    for name in CONFIGS:
-        if name == "none":
-            per, cap = bf16, 1023
-        else:
-            method, bits = name.rsplit("-", 1)
-            store = store_for(method, int(bits), spec, group=32)
-            per = {kind: store.canvas_bytes_per_token(geometry, layers[kind], torch.bfloat16) for kind in layers}
-            cap = 1023 + 31
+    for name, per in figures.items():
+        cap = 1023 if name == "none" else 1023 + 31  # the sliding layers' positions (a K group held whole)
         row = per[SLIDING] * min(cap, 32768) + per[GLOBAL] * 32768
         print(f"{name:<12} {per[SLIDING]:>14.1f} {per[SLIDING] / bf16[SLIDING]:>7.3f} {per[GLOBAL]:>13.1f} "
               f"{per[GLOBAL] / bf16[GLOBAL]:>7.3f} {row / 2**20:>13.2f}")
