@@ -12,8 +12,8 @@ reference reads them (none there: no EOS stop).
 canvas whole, the tokens after the first EOS replaced by the pad id; **not** cut after the EOS nor at
 ``--gen-length``), ``generated_ids_to_eos`` (the same cut after the first EOS), ``nfe`` (decoder passes, the
 reference's ``decoder_forward_passes``), ``encoder_passes``, ``steps_per_canvas``, ``finish_reason``, ``text``,
-``kv_bytes`` (the row's committed K/V held at the end, per layer kind), ``params`` (the settings as run) and
-``timings``.
+``kv_bytes`` (the row's committed K/V held at the end, per layer kind), ``params`` (the settings as run),
+``timings`` and ``kv`` (with ``--kv-quant``: the store's report, effective bits and bytes; else null).
 """
 
 from __future__ import annotations
@@ -58,17 +58,18 @@ def _refuse_other_flags(args: argparse.Namespace) -> None:
     if args.temperature:
         raise EngineInputError("--temperature is not a setting of a renoising model: its temperature follows "
                                "--t-max .. --t-min over the steps", "temperature")
-    if args.kv_quant != "none":
-        raise EngineInputError(f"--kv-quant {args.kv_quant}: quantized committed K/V are not implemented for "
-                               "DiffusionGemma yet", "kv_quant")
 
 
-def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
+def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> int:
     """Decode ``prompt`` by renoising and print (plain: the text or ids and a report line; ``--json``: see the
     module doc). Returns 0.
 
+    ``kv_store``: the ``--kv-quant`` store (`service.quant.store.make_kv_store`); a quantized one holds the
+    committed K/V packed (`service.quant.canvas`) and its report (effective bits, bytes) is the JSON's ``kv``.
+
     Raises:
         EngineInputError: a flag of the other families, or a value the reference refuses.
+        KVQuantError: a KV configuration the family cannot run (`service.quant.canvas.check_geometry`).
     """
     import torch
 
@@ -84,19 +85,23 @@ def run(args: argparse.Namespace, engine, prompt: list[int]) -> int:
     generator = torch.Generator(device=engine.device).manual_seed(args.seed) if args.seed is not None else None
     held: list[CanvasCache] = []
     began = time.perf_counter()
-    result = generate(engine.model, [prompt], params, eos_ids, pad_id, generator, mode="shared", caches=held)[0]
+    result = generate(engine.model, [prompt], params, eos_ids, pad_id, generator, mode="shared", caches=held,
+                      kv_store=kv_store)[0]
     total = time.perf_counter() - began
     cut = result.ids_to_eos(eos_ids)
     text = engine.decode_text(cut)
+    kv = kv_store.report() if kv_store is not None else None
     if not args.json:
         print(text if text is not None else ",".join(map(str, result.generated_ids)))
+        bits = f" kv_bits=K{kv.k_nominal_bits:.2f}/V{kv.v_nominal_bits:.2f}" if kv is not None else ""
         print(f"[finish={result.finish_reason} tokens={len(result.generated_ids)} nfe={result.nfe} "
-              f"steps/canvas={result.steps_per_canvas} time={total:.2f}s]")
+              f"steps/canvas={result.steps_per_canvas}{bits} time={total:.2f}s]")
         return 0
     print(json.dumps({
         "generated_ids": result.generated_ids, "generated_ids_to_eos": cut, "nfe": result.nfe,
         "encoder_passes": result.encoder_passes, "steps_per_canvas": result.steps_per_canvas,
         "finish_reason": result.finish_reason, "text": text, "kv_bytes": held[0].row_bytes(0) if held else None,
         "params": asdict(params), "timings": {"total_s": total},
+        "kv": kv.model_dump(mode="json") if kv is not None else None,
     }))
     return 0

@@ -185,16 +185,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         kind = _decoder(args)
-        if kind == "renoising":
-            engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-            prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
-            return _renoising.run(args, engine, prompt)
-        if kind == "block_causal":
+        if kind in ("renoising", "block_causal"):
             engine = Engine.load(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
             prompt = args.prompt_ids if args.prompt_ids is not None else engine.encode_prompt(args.prompt, args.chat)
             quant = kv_config(args)
             store = make_kv_store(quant, engine.spec, resolve_artifact(quant, engine.spec))
-            return _block_causal.run(args, engine, prompt, store)
+            return (_renoising if kind == "renoising" else _block_causal).run(args, engine, prompt, store)
         params = decode_params(args)
         row_options = RowOptions(temperature=args.temperature, seed=args.seed, stop=tuple(args.stop))
         quant = kv_config(args)

@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 
 from service.engine.errors import EngineInputError
-from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel
+from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel, make_canvas_cache
 from service.engine.params import EDITING_FIELDS
 from service.engine.protocol import Capabilities, SettingRule, only
 
@@ -217,6 +217,7 @@ def generate(
     mode: Literal["shared", "per_row"] = "per_row",
     chunk: int = 64,
     caches: list[CanvasCache] | None = None,
+    kv_store=None,
 ) -> list[RenoiseResult]:
     """Decode ``prompts`` together by renoising (module doc), one decoder pass per step for all rows.
 
@@ -232,12 +233,17 @@ def generate(
         mode: ``shared`` or ``per_row`` (module doc).
         chunk: positions per piece of the sampler's ``[C, V]`` work.
         caches: a list the rows' :class:`CanvasCache` is appended to (to read what they held at the end).
+        kv_store: the request's KV store (`service.quant.store.make_kv_store`), or one per row: a quantized one
+            holds its rows' committed K/V packed (`make_canvas_cache`) and counts them in its report; None: the
+            unquantized cache.
 
     Returns:
         One :class:`RenoiseResult` per prompt, in order.
 
     Raises:
         EngineInputError: an empty prompt or an id outside the vocabulary; bad settings (:class:`RenoiseParams`).
+        KVQuantError: a KV configuration the family cannot run (`make_canvas_cache`); a quantizer's refusal of
+            non-finite K/V (`service.quant.errors.NonFiniteKVError`).
     """
     config = model.config
     vocab, width = config.vocab_size, config.canvas_length
@@ -257,7 +263,7 @@ def generate(
     rows = [_Row(p, g, canvases_left=math.ceil(p.max_new_tokens / width)) for p, g in zip(per_params, row_generators,
                                                                                          strict=True)]
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    cache = CanvasCache(config, b)
+    cache = make_canvas_cache(model, b, kv_store)
     if caches is not None:
         caches.append(cache)
     with torch.inference_mode():

@@ -96,6 +96,12 @@ class KVAccounting:
         if self._block_bytes > self._peak[0]:
             self._peak = (self._block_bytes, self._block_bf16)
 
+    def drop(self, packed: PackedLayer) -> None:
+        """Packed K/V no longer held (a renoising family's sliding window dropped them, `service.quant.canvas`):
+        off the bytes held now; the peak and the bits counted stay."""
+        self._block_bytes -= packed.nbytes
+        self._block_bf16 -= 2 * (packed.k.elements + packed.v.elements)
+
     def report(self, config: dict[str, Any], artifact_ref: dict[str, str | None] | None = None) -> KVReport:
         """The request's :class:`KVReport` (zeros when nothing was quantized); ``artifact_ref`` gives the applied
         artifact's id under its report field (``{"policy_id": ...}``)."""

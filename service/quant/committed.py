@@ -61,24 +61,27 @@ class CommittedBlocks:
         self.layers.setdefault(layer, []).append((start, end, packed))
 
     def read_into(self, layer: int, slot: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  rotate_keys: RotateKeys, read: dict[int, int] | None = None) -> None:
+                  rotate_keys: RotateKeys, read: dict[int, int] | None = None, offset: int = 0) -> None:
         """Write the layer's committed K/V (model dtype; keys post-RoPE) at their columns of row ``slot`` of
-        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched.
+        ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched. ``offset``: the position of the
+        buffers' column 0 (a renoising family's sliding window holds only its last positions,
+        `service.quant.canvas`); RoPE still rotates keys at their positions.
 
         ``read``: packed layers already read into another slot of the same buffers in this forward (``id`` -> that
         slot), updated here: a block shared by several rows (a prefix cache's, `service.engine.prefix_cache`,
         always at the same columns) is dequantized once per forward and layer and copied to the others."""
         for start, end, packed in self.layers.get(layer, ()):
+            a, b = start - offset, end - offset
             done = read.get(id(packed)) if read is not None else None
             if done is not None:
-                k_buf[slot, :, start:end] = k_buf[done, :, start:end]
-                v_buf[slot, :, start:end] = v_buf[done, :, start:end]
+                k_buf[slot, :, a:b] = k_buf[done, :, a:b]
+                v_buf[slot, :, a:b] = v_buf[done, :, a:b]
                 continue
             k, v = self.quantizer.dequantize(layer, packed, self._layout(end - start, k_buf.device))  # [1, H, w, D]
             if self.quantizer.pre_rope_keys:
                 k = rotate_keys(k, torch.arange(start, end, device=k.device)[None])
-            k_buf[slot, :, start:end] = k[0]
-            v_buf[slot, :, start:end] = v[0]
+            k_buf[slot, :, a:b] = k[0]
+            v_buf[slot, :, a:b] = v[0]
             if read is not None:
                 read[id(packed)] = slot
 

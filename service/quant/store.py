@@ -39,6 +39,8 @@ from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer, member_kept, split_members
+from service.quant.canvas import Geometry, LayerRotation, PackedCanvas
+from service.quant.canvas import bytes_per_token as canvas_bytes_per_token
 from service.quant.committed import Commit, CommittedBlocks
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
@@ -381,6 +383,28 @@ class QuantizedKVStore(KVStore):
         if row not in self._committed:
             self._committed[row] = CommittedBlocks(self.quantizer)
         return Commit(slot, start, end, block, self.quantizer, self.accounting, self._committed[row])
+
+    def canvas(self, batch: int, geometry: Geometry, rotate_keys: LayerRotation) -> PackedCanvas:
+        """The packed committed K/V of a renoising decode's ``batch`` rows (DiffusionGemma's
+        `service.engine.models.diffusion_gemma.make_canvas_cache`; `service.quant.canvas`): this store's
+        quantizer writes them, its accounting counts them (its :meth:`report`), its ``bytes_held`` includes them.
+        ``geometry``: per layer (KV heads, head dim, positions a sliding layer reads or None).
+
+        Raises:
+            KVQuantError: a configuration the family cannot run (`service.quant.canvas.check_geometry`).
+        """
+        rows = [self._committed.setdefault(r, CommittedBlocks(self.quantizer)) for r in range(batch)]
+        return PackedCanvas(self.quantizer, self.accounting, rows, geometry, rotate_keys, self.keep_dequantized)
+
+    def canvas_bytes_per_token(self, geometry: Geometry, layers: list[int], dtype: torch.dtype,
+                               device: torch.device | str = "cpu") -> float:
+        """Bytes this store's quantizer holds per committed token of a renoising family over ``layers`` (K and
+        V; `service.quant.canvas.bytes_per_token`: a probe at each layer's geometry).
+
+        Raises:
+            KVQuantError: see :meth:`canvas`.
+        """
+        return canvas_bytes_per_token(self.quantizer, geometry, layers, dtype, device)
 
     def committed_bytes(self, row: int) -> int:
         """Bytes of row ``row``'s committed blocks held packed (0 before its first commit)."""

@@ -106,3 +106,30 @@ def test_the_other_families_flags_are_refused_in_one_line():
     assert done.returncode == 2 and "--steps is not a setting of a renoising model" in done.stderr
     done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {"t-max": 0.3, "t-min": 0.4}))
     assert done.returncode == 2 and "t_max must be > t_min" in done.stderr
+
+
+def test_kv_quant_holds_the_committed_kv_packed_and_reports_its_bits(tmp_path):
+    """``--kv-quant`` as the other families take it: the JSON's ``kv`` is the store's report (KIVI 2-bit: 2 nominal
+    bits), ``kv_bytes`` per layer kind fall under the unquantized run's, and a dLLM-KVQ policy ranking by attention
+    is refused in one line that says why (`service.quant.canvas`)."""
+    from service.engine.loading import load_checkpoint
+    from tests.support.artifacts import policy_for
+
+    name, prompt, gen, seed, given = RUNS[0]
+    runs = {}
+    for kv in ((), ("--kv-quant", "kivi", "--kv-bits", "2", "--kv-group-size", "8")):
+        done = service_main(*argv(DATA / name, [498, *range(1, 12)], 48, seed, given), *kv)
+        assert done.returncode == 0, done.stderr
+        runs[bool(kv)] = json.loads(done.stdout)
+    plain, quant = runs[False], runs[True]
+    assert plain["kv"] is None and quant["kv"]["config"]["method"] == "kivi"
+    assert quant["kv"]["k_nominal_bits"] == quant["kv"]["v_nominal_bits"] == 2.0
+    assert 0 < quant["kv"]["bytes_held"] < quant["kv"]["bf16_bytes"]
+    for kind, held in quant["kv_bytes"].items():
+        assert 0 < held < plain["kv_bytes"][kind] / 2
+    policy = policy_for(load_checkpoint(DATA / name).spec, bits=4, p=1, score_type="attention", k_group_size=8)
+    path = tmp_path / "policy.json"
+    path.write_text(policy.to_json())
+    done = service_main(*argv(DATA / name, prompt, gen, seed, given), "--kv-quant", "dllm_kvq", "--kv-group-size",
+                        "8", "--policy", str(path))
+    assert done.returncode == 2 and "DiffusionGemma writes its committed K/V in the encoder pass" in done.stderr

@@ -10,12 +10,12 @@ import torch
 
 from service.engine.block_causal_batch import generate, generate_batch
 from service.engine.loading import load_checkpoint
-from service.quant.base import KVQuantizer
 from service.quant.config import KVQuantConfig
 from service.quant.store import QuantizedKVStore, make_kv_store
 from tests.engine.test_llada2_generate import CASES, check_run, params_of
 from tests.support.artifacts import kvquant_state_for, policy_for
 from tests.support.llada2 import LLADA2_CKPT
+from tests.support.quantizers import HeldQuantizer
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +25,6 @@ def llada2():
 
 #: 2.0 runs in block mode (2.1 editing runs write K/V the same way: after a block's last edit).
 BLOCK_RUNS = [(family, run) for family, run in CASES if run["params"]["gen_length"] <= 64][:8]
-
-
-class HeldQuantizer(KVQuantizer):
-    """KIVI's store path with both sides held in the model dtype (what ``sides`` does for the side it leaves
-    alone): the write, the accounting and the read-back run, and nothing is lost."""
-
-    def __init__(self, config, spec, pre_rope_keys: bool) -> None:
-        super().__init__(config, spec)
-        self.pre_rope_keys = pre_rope_keys  # KVQuant's path: pre-RoPE keys in, partial RoPE after the read
-
-    @property
-    def quantizes_k(self) -> bool:
-        return False
-
-    @property
-    def quantizes_v(self) -> bool:
-        return False
 
 
 def kivi_store(spec, bits: int) -> QuantizedKVStore:

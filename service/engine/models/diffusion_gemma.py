@@ -102,6 +102,12 @@ class DiffusionGemmaConfig(ModelConfig):
             return self.global_kv_heads, self.global_head_dim, True
         return self.num_kv_heads, self.head_dim, True
 
+    def kv_geometry(self) -> list[tuple[int, int, int | None]]:
+        """Per layer: (KV heads, head dim, positions a sliding layer keeps (``W - 1``) or None on a global layer):
+        what a quantized cache needs to hold each layer (`service.quant.canvas`)."""
+        return [(*self.layer_kv(i)[:2], self.sliding_window - 1 if kind == SLIDING else None)
+                for i, kind in enumerate(self.layer_types)]
+
     def kv_bytes_per_token(self, element_size: int) -> dict[str, int]:
         """Bytes of K and V that one committed token adds, per layer kind, all layers of that kind together.
 
@@ -192,15 +198,24 @@ class CanvasCache:
     start. Rows are held apart (not padded into one tensor): each row's attention reads exactly the tensors it
     would read alone, so it rounds as alone.
 
+    With ``packed`` (per row, ``(holder, its row in the holder)`` of a quantized store, `service.quant.canvas.
+    PackedCanvas`, or None; made by :func:`make_canvas_cache`) a row's committed K/V are held there, quantized, and
+    :meth:`read` gives them dequantized; its ``k``/``v`` entries stay empty. A row without one (the unquantized
+    cache) is held as the reference's cache holds it.
+
     Args:
-        config: the model's; batch: B.
+        config: the model's; batch: B; packed: per row, its quantized holder and row in it, or None; or None.
     """
 
-    def __init__(self, config: DiffusionGemmaConfig, batch: int) -> None:
+    def __init__(self, config: DiffusionGemmaConfig, batch: int, packed: list | None = None) -> None:
         self.config = config
         self.k: list[list[torch.Tensor | None]] = [[None] * batch for _ in range(config.num_layers)]
         self.v: list[list[torch.Tensor | None]] = [[None] * batch for _ in range(config.num_layers)]
         self.length = [0] * batch
+        self.packed = packed if packed is not None and any(packed) else None
+
+    def _holder(self, row: int):
+        return self.packed[row] if self.packed is not None else None
 
     def held(self, row: int, kind: str) -> int:
         """Positions row ``row`` holds on a layer of ``kind``."""
@@ -208,18 +223,82 @@ class CanvasCache:
             return 0
         return min(self.length[row], self.config.sliding_window - 1) if kind == SLIDING else self.length[row]
 
+    def read(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Row ``row``'s committed K (post-RoPE) and V at ``layer``, ``[1, H_kv, held, D]`` in the model dtype
+        (dequantized when packed), or None before its first encoder pass."""
+        entry = self._holder(row)
+        if entry is not None:
+            return entry[0].read(layer, entry[1], self.length[row]) if self.length[row] else None
+        k = self.k[layer][row]
+        return None if k is None else (k, self.v[layer][row])
+
+    def write(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, keep: int | None, new: int,
+              k_pre: torch.Tensor | None = None) -> None:
+        """After an encoder pass's layer: ``k``/``v`` ``[1, H_kv, held + new, D]`` are the held K/V and the
+        ``new`` positions after them (post-RoPE keys); the cache keeps the last ``keep`` (None: all). A packed
+        row quantizes only the new positions (``k_pre``: their pre-RoPE keys, ``[1, H_kv, new, D]``, for a
+        quantizer that stores those) and drops what falls out of the window."""
+        entry = self._holder(row)
+        if entry is not None:
+            entry[0].write(layer, entry[1], self.length[row], k[:, :, -new:], v[:, :, -new:],
+                           None if k_pre is None else k_pre[:, :, -new:])
+            return
+        self.k[layer][row] = k if keep is None else k[:, :, -keep:]
+        self.v[layer][row] = v if keep is None else v[:, :, -keep:]
+
+    @property
+    def wants_pre_rope(self) -> bool:
+        """Whether some row's :meth:`write` needs the new positions' pre-RoPE keys (KVQuant's format)."""
+        return self.packed is not None and any(e is not None and e[0].pre_rope_keys for e in self.packed)
+
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer's held K and V."""
-        return sum(t.numel() * t.element_size() for layer in (*self.k, *self.v) for t in layer if t is not None)
+        """Bytes of every layer's held K and V (packed rows: their holders', `PackedCanvas.nbytes`)."""
+        holders = {id(e[0]): e[0] for e in self.packed or () if e is not None}
+        full = sum(t.numel() * t.element_size() for layer in (*self.k, *self.v) for t in layer if t is not None)
+        return full + sum(holder.nbytes for holder in holders.values())
 
     def row_bytes(self, row: int) -> dict[str, int]:
         """Bytes row ``row`` holds, per layer kind."""
         out = {SLIDING: 0, GLOBAL: 0}
+        entry = self._holder(row)
         for index, kind in enumerate(self.config.layer_types):
+            if entry is not None:
+                out[kind] += entry[0].layer_bytes(index, entry[1])
+                continue
             for t in (self.k[index][row], self.v[index][row]):
                 out[kind] += t.numel() * t.element_size() if t is not None else 0
         return out
+
+
+def make_canvas_cache(model: DiffusionGemmaModel, batch: int, kv_store=None) -> CanvasCache:
+    """The rows' :class:`CanvasCache` for their KV stores: the one place a renoising decode (CLI, running batch)
+    builds it.
+
+    ``kv_store``: one store for every row, or a list with one per row (a running batch's rows of several
+    requests). A quantized store (one with ``canvas``, `service.quant.store.QuantizedKVStore.canvas`) holds its
+    rows' committed K/V packed (its quantizer; its accounting: the request's report); None or any other store
+    (`service.engine.kv_store.FullPrecisionKVStore`): those rows are held unquantized, as the reference's cache.
+
+    Raises:
+        ValueError: a list of stores whose length is not ``batch``.
+        KVQuantError: what the store raises for a configuration this family cannot run
+            (`service.quant.canvas.check_geometry`: dLLM-KVQ scores by attention, a V group size that does not
+            divide a layer kind's head dim, a KVQuant state of another width).
+    """
+    stores = list(kv_store) if isinstance(kv_store, list | tuple) else [kv_store] * batch
+    if len(stores) != batch:
+        raise ValueError(f"{len(stores)} KV stores for {batch} rows; give one, or one per row")
+    rows_of: dict[int, tuple[object, list[int]]] = {}
+    for row, store in enumerate(stores):
+        if callable(getattr(store, "canvas", None)):
+            rows_of.setdefault(id(store), (store, []))[1].append(row)
+    packed: list = [None] * batch
+    for store, rows in rows_of.values():
+        holder = store.canvas(len(rows), model.config.kv_geometry(), model.rotate_keys)
+        for index, row in enumerate(rows):
+            packed[row] = (holder, index)
+    return CanvasCache(model.config, batch, packed)
 
 
 class Attention(nn.Module):
@@ -241,12 +320,16 @@ class Attention(nn.Module):
         self.k_norm = GemmaNorm(self.head_dim, config.eps)
         self.v_norm = GemmaNorm(self.head_dim, config.eps, with_scale=False)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[B, T, C]`` -> post-RoPE K and V ``[B, H_kv, T, D]`` (V from the raw K on a global layer)."""
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pre: list | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[B, T, C]`` -> post-RoPE K and V ``[B, H_kv, T, D]`` (V from the raw K on a global layer);
+        ``pre``: a list the pre-RoPE K ``[B, H_kv, T, D]`` is appended to (a quantized cache that stores those)."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         raw_k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape) if self.v_proj is not None else raw_k
         k = self.k_norm(raw_k)
+        if pre is not None:
+            pre.append(k.transpose(1, 2))
         k = (k * cos[:, :, None]) + (rotate_half(k) * sin[:, :, None])
         return k.transpose(1, 2), self.v_norm(v).transpose(1, 2)
 
@@ -254,8 +337,9 @@ class Attention(nn.Module):
         """x ``[B, T, C]`` -> ``[B, T, C]``; an encoder pass writes the cache (and returns None on the last layer
         when only its K/V are wanted). Each row attends alone over its own cached K/V and its new columns."""
         cos, sin = inputs.rope[self.kind]
-        k, v = self.kv(x, cos, sin)
         cache = inputs.cache
+        pre = [] if not inputs.decoder and cache.wants_pre_rope else None
+        k, v = self.kv(x, cos, sin, pre)
         last = not inputs.decoder and inputs.last_layer_kv_only and layer == len(cache.k) - 1
         q = None
         if not last:
@@ -268,16 +352,14 @@ class Attention(nn.Module):
             if not t:
                 continue
             k_r, v_r = (k, v) if whole else (k[r:r + 1, :, :t], v[r:r + 1, :, :t])
-            held_k, held_v = cache.k[layer][r], cache.v[layer][r]
-            if held_k is not None:  # the reference's torch.cat (a fresh contiguous tensor, as its cache returns)
-                k_r, v_r = torch.cat([held_k, k_r], dim=-2), torch.cat([held_v, v_r], dim=-2)
+            held = cache.read(layer, r)
+            if held is not None:  # the reference's torch.cat (a fresh contiguous tensor, as its cache returns)
+                k_r, v_r = torch.cat([held[0], k_r], dim=-2), torch.cat([held[1], v_r], dim=-2)
             else:
                 k_r, v_r = k_r.contiguous(), v_r.contiguous()
             layout = inputs.layouts[r][self.kind]
-            if not inputs.decoder:
-                keep = layout.keep
-                cache.k[layer][r] = k_r if keep is None else k_r[:, :, -keep:]
-                cache.v[layer][r] = v_r if keep is None else v_r[:, :, -keep:]
+            if not inputs.decoder:  # the pass attends over its own new K/V as computed; the cache keeps them
+                cache.write(layer, r, k_r, v_r, layout.keep, t, None if pre is None else pre[0][r:r + 1, :, :t])
             if last:
                 continue
             out = sdpa(q if whole else q[r:r + 1, :, :t], k_r, v_r, layout.mask, layout.causal, self.groups)
@@ -660,6 +742,46 @@ class DiffusionGemmaModel(DiffusionLM):
             emb = torch.cat((freqs, freqs), dim=-1)
             out[kind] = (emb.cos().to(dtype), emb.sin().to(dtype))
         return out
+
+    def kv_bytes_per_token(self, kind: str, kv_store=None) -> float:
+        """Bytes one committed token adds to a row's cache on the layers of ``kind`` (``"sliding_attention"`` or
+        ``"full_attention"``; every layer of that kind, K and V), for admission.
+
+        ``kv_store``: the request's store (`service.quant.store.make_kv_store` of its KV configuration); a
+        quantized one answers with its quantizer's bytes on a probe at each layer's geometry
+        (`service.quant.store.QuantizedKVStore.canvas_bytes_per_token`); None or the full-precision store:
+        ``2 x H_kv x D x`` the weights' element size per layer. On a sliding layer the figure applies to at most
+        :meth:`kv_positions_held` positions (a fixed cost per row past that), on a global layer to every token.
+
+        Raises:
+            ValueError: an unknown ``kind``. KVQuantError: a store configuration the family cannot run.
+        """
+        c = self.config
+        if kind not in (SLIDING, GLOBAL):
+            raise ValueError(f"kind must be {SLIDING!r} or {GLOBAL!r}, got {kind!r}")
+        probe = getattr(kv_store, "canvas_bytes_per_token", None)
+        weight = self.embed.weight
+        if not callable(probe):
+            return float(c.kv_bytes_per_token(weight.element_size())[kind])
+        layers = [i for i, k in enumerate(c.layer_types) if k == kind]
+        return float(probe(c.kv_geometry(), layers, weight.dtype, weight.device))
+
+    def kv_positions_held(self, kind: str, kv_store=None) -> int | None:
+        """Most positions a row holds on a layer of ``kind``: None on a global layer (all of them); on a sliding
+        layer ``W - 1``, or with a quantized store ``W - 1 + k_group_size - 1`` (a K group is dropped whole,
+        `service.quant.canvas`)."""
+        if kind != SLIDING:
+            return None
+        quantizer = getattr(kv_store, "quantizer", None)
+        extra = quantizer.k_group_size - 1 if callable(getattr(kv_store, "canvas", None)) else 0
+        return self.config.sliding_window - 1 + extra
+
+    def rotate_keys(self, layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s RoPE of pre-RoPE keys ``k`` ``[1, H_kv, T, D]`` at int64 ``positions`` ``[1, T]``
+        (what :meth:`Attention.kv` applies; its layer kind's frequencies): a quantized cache holding pre-RoPE keys
+        (KVQuant) rotates what it reads with it."""
+        cos, sin = self._rope(positions, k.dtype)[self.config.layer_types[layer]]
+        return (k * cos[:, None]) + (rotate_half(k) * sin[:, None])
 
     def _layouts(self, cache: CanvasCache, new: list[int], decoder: bool,
                  device: torch.device) -> list[dict[str, KeyLayout] | None]:
