@@ -251,6 +251,53 @@ class KVQuantizer:
         kernel reads codes only, so a config with one side held (``sides``) takes the PyTorch path instead."""
         return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
 
+    #: Names of held tensors that are flat element indices into the run's ``[N, H x D]`` entries (KVQuant's
+    #: ``outlier_index``): :meth:`concat` moves each part's by the entries of the parts before it.
+    element_indices: ClassVar[tuple[str, ...]] = ()
+
+    def concat(self, parts: list[PackedLayer]) -> PackedLayer | None:
+        """One packed layer of runs packed alone, in column order, that lie end to end (a block-causal row's
+        committed blocks, `service.quant.committed`): codes re-packed as one stream (`packing.pack_stream` of
+        the parts' codes laid end to end), per-group and per-token tensors concatenated along dim 0, flat
+        element indices (:attr:`element_indices`) moved by the entries before their part; elements and nominal
+        bits summed. Where the quantizer is :meth:`block_separable` at the parts' widths, this is bit for bit what
+        :meth:`quantize` makes of the whole run at once with a layout of the run alone (tested), so reading it
+        with that layout gives the values each part gives with its own.
+
+        Args:
+            parts: at least one; one layer's packed runs of one quantizer, each of whole K groups but the last.
+
+        Returns:
+            The joined layer (``parts[0]`` itself when there is one part), or None where the format holds what
+            does not simply join: protected K tokens (their slots count from their part's first slot; dLLM-KVQ is
+            never block-separable anyway) or a side held as it is (``sides``).
+
+        Cost: per part and side one unpack of its stream; one pack per side (a few tensor operations per part,
+        made once when the runs are attached to a row, not at each read).
+        """
+        if len(parts) == 1:
+            return parts[0]
+        if not (self.quantizes_k and self.quantizes_v) or any("protected_slots" in p.k.tensors for p in parts):
+            return None
+        first = parts[0]
+        return PackedLayer(k=self._concat_side([p.k for p in parts]), v=self._concat_side([p.v for p in parts]),
+                           dtype=first.dtype, num_heads=first.num_heads, head_dim=first.head_dim)
+
+    def _concat_side(self, sides: list[PackedTensor]) -> PackedTensor:
+        """:meth:`concat` of one side (K or V) of every part."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name in sides[0].tensors:
+            if name == "codes":
+                codes = [unpack_stream(s.tensors["codes"], self.bits, s.elements) for s in sides]
+                tensors[name] = pack_stream(torch.cat(codes), self.bits)
+            elif name in self.element_indices:
+                starts = itertools.accumulate([s.elements for s in sides[:-1]], initial=0)
+                tensors[name] = torch.cat([s.tensors[name] + start for s, start in zip(sides, starts)])
+            else:
+                tensors[name] = torch.cat([s.tensors[name] for s in sides])
+        return PackedTensor(tensors=tensors, elements=sum(s.elements for s in sides),
+                            nominal_bitsum=sum(s.nominal_bitsum for s in sides))
+
     def block_separable(self, block_length: int) -> bool:
         """Whether quantizing a run of whole blocks of ``block_length`` tokens one block at a time gives the same
         codes as quantizing the run at once (a block-causal family's prefix cache, `service.engine.prefix_cache`,

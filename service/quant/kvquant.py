@@ -43,6 +43,7 @@ class KVQuantQuantizer(KVQuantizer):
     """
 
     pre_rope_keys = True
+    element_indices = ("outlier_index",)  # flat into [N, H x D] (`KVQuantizer.concat` moves them)
 
     def block_separable(self, block_length: int) -> bool:
         """Always: every statistic is per token (no token groups), so a block quantized alone is the run's."""
