@@ -210,13 +210,20 @@ class KVQuantizer:
         """What must agree for the block-initial writes of several requests' stores to be made in one call of
         :meth:`quantize` over their stacked rows (`service.quant.store.QuantizedKVStore.write_batch`): the
         method, its bits, group sizes and artifact (:meth:`artifact_key`); None where this quantizer writes
-        alone: a side held as it is (``sides``), or a method that overrides :meth:`quantize` (KVQuant) or packs
-        its own way (it would not split into each member's own streams, :func:`split_members`)."""
+        alone: a side held as it is (``sides``), or a method that overrides :meth:`quantize` or packs its own
+        way (it would not split into each member's own streams, :func:`split_members`) unless it says its own
+        key and :meth:`split` (KVQuant does)."""
         own = type(self)
         if (own.quantize is not KVQuantizer.quantize or own.quantize_k is not KVQuantizer.quantize_k
                 or own.quantize_v is not KVQuantizer.quantize_v or not (self.quantizes_k and self.quantizes_v)):
             return None
         return (own.__name__, self.bits, self.k_group_size, self.v_group_size, self.artifact_key())
+
+    def split(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> list[PackedLayer]:
+        """Each member's :class:`PackedLayer` of a stacked :meth:`quantize` (``layout`` :meth:`SlotLayout.stacked`):
+        the tensors, elements and nominal bits of the member's own write (:func:`split_members`, with each
+        member's protected K tokens, :func:`member_kept`)."""
+        return split_members(packed, layout, member_kept(self, layer, packed, layout), self.bits)
 
     def artifact_key(self) -> Hashable:
         """What of the method's fitted artifact decides its writes (None: no artifact; dLLM-KVQ: its policy)."""
@@ -527,16 +534,20 @@ class _Slices(Mapping):
     tensor (its streams' words, its K groups, its slots, its protected tokens with their slots made its own),
     made at its first use and kept; ``nbytes`` from the slices' sizes without making them."""
 
-    def __init__(self, stacked: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]], slot0: int) -> None:
+    def __init__(self, stacked: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]], slot0: int,
+                 shifts: dict[str, int] | None = None) -> None:
         self._stacked, self._ranges, self._slot0 = stacked, ranges, slot0
+        # What each index tensor's slice is less, to count from the member's start: protected slots its first
+        # slot; a method's own (KVQuant's flat outlier indices) say theirs.
+        self._shifts = shifts if shifts is not None else {"protected_slots": slot0}
         self._made: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._made:
             start, end = self._ranges[name]
             part = self._stacked[name][start:end]
-            if name == "protected_slots":
-                part = part - self._slot0
+            if name in self._shifts:
+                part = part - self._shifts[name]
             self._made[name] = part
         return self._made[name]
 
@@ -577,6 +588,12 @@ def count(tensors: Mapping[str, torch.Tensor], name: str) -> int:
         start, end = tensors._ranges[name]
         return end - start
     return int(tensors[name].shape[0])
+
+
+def member_shift(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    """What a stacked write's ``name`` (an index tensor) exceeds this member's own by (its first slot or entry
+    there, :class:`_Slices`); 0 for tensors that are not a member's."""
+    return tensors._shifts.get(name, 0) if isinstance(tensors, _Slices) else 0
 
 
 def joined(held: list[Mapping[str, torch.Tensor]], name: str) -> list[tuple[torch.Tensor, int, int | None]]:
