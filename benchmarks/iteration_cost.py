@@ -33,13 +33,16 @@ every step), ``ignore_eos``. The KV stores: the engine's full precision (``none`
 
 Usage: ``python benchmarks/iteration_cost.py [--rows 1,8,32,64] [--caches dual,prefix]
 [--methods none,kivi,dllm_kvq,kvquant] [--paths torch,triton] [--layers 32] [--prompt-length 200] [--mixed-lengths] [--gen-length 256] [--block-length 32]
-[--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32]``. On CUDA
+[--slack inf] [--no-time] [--width 128] [--vocab 4096] [--device cpu] [--dtype float32] [--cpu-chunks]``. On CUDA
 (``--device cuda``, e.g. ``--width 4096 --vocab 126464 --dtype bfloat16``: LLaDA-8B itself) a column adds the
 measured time of a later-step iteration (a third iteration, not counted, between two syncs). ``--slack`` is the
 plan's ``padding_slack`` (`service.runtime.scheduler.plan_forwards`; ``inf`` merges whenever the token budget
 allows, as a launch-bound GPU would). ``--paths``: each quantized method's later steps on the PyTorch path
 (``torch``, the CPU's default) and on the fused kernel's (``triton``, CUDA's default; on a CPU forced, the kernel
 replaced by a stand-in that counts as one op per launch, :class:`StandInKernel`), a row each (column ``path``).
+KVQuant's nearest-code search runs in chunks whose size depends on the device (`service.quant.nuq.NEAREST_CHUNK`:
+small on a CPU, for its cache; one chunk elsewhere); on a CPU the counts are of the accelerator's chunks unless
+``--cpu-chunks`` (the codes are the same either way).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.decode_speed import KV_ATTENTION, PRESETS, quantized_store, random_engine
 from service.engine import Engine
 from service.engine.params import DecodeParams
+from service.quant import nuq
 from service.runtime.scheduler import forward_plan
 
 #: Host cost of one eager kernel launch on a GPU (seconds), and the extra stall of one host read (a drained queue).
@@ -256,7 +260,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--paths", default="torch,triton", help="later steps of the quantized stores: torch (the "
                         "PyTorch path, CPU's default) and/or triton (the fused kernel's path, CUDA's default; on a "
                         "CPU forced, with the kernel's stand-in, StandInKernel)")
+    parser.add_argument("--cpu-chunks", action="store_true", help="on a CPU, count KVQuant's nearest-code search "
+                        "in the CPU's cache-sized chunks (service.quant.nuq.NEAREST_CHUNK) instead of the "
+                        "accelerator's one chunk, which is what the projection is of")
     args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.cpu_chunks:  # count the launches the projected device makes
+        nuq.NEAREST_CHUNK["cpu"] = nuq._NEAREST_CHUNK_ELSEWHERE
     ARGS["slack"] = args.slack
     torch.set_num_threads(1)
     PRESETS["8b-narrow"] = {"width": args.width, "num_layers": args.layers, "num_heads": 32,

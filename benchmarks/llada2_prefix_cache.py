@@ -17,7 +17,8 @@ configuration, in this order, and sends each the same requests in the same order
   turn the history, the model's last answer and a new 32-token user message), one client per chat.
 
 Usage: ``python benchmarks/llada2_prefix_cache.py [--requests 64] [--clients 8] [--system 768]
-[--conversations 8] [--turns 6]``.
+[--conversations 8] [--turns 6] [--parts shared,quantized,chat]`` (``--parts``: the tables to run; the bytes
+table needs ``shared`` and ``quantized``).
 """
 
 from __future__ import annotations
@@ -168,21 +169,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", type=int, default=768, help="shared prefix tokens (default 768: 3/4 of 1,024)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--parts", default="shared,quantized,chat", help="tables to run (comma-separated)")
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     prompts = shared_prompts(args.requests, args.system)
     kivi2 = '{"method": "kivi", "bits": 2}'
     print(f"llada2_prefix_cache: {CHAT.name}, 1 torch thread, cpu; max_tokens 64, block 32, greedy, cache mode block")
-    shared = [run("off", False, None, shared_phase, prompts, args.clients),
-              run("on", True, None, shared_phase, prompts, args.clients)]
-    table(f"Shared system prompt: {args.requests} requests, {args.system}-token prefix + 32-token question, "
-          f"{args.clients} clients", shared)
-    quantized = [run("KIVI 2-bit, off", False, kivi2, shared_phase, prompts, args.clients),
-                 run("KIVI 2-bit, on", True, kivi2, shared_phase, prompts, args.clients)]
-    table("Same, KIVI 2-bit committed blocks", quantized)
-    chats = [run("off", False, None, chat_phase, args.conversations, args.turns),
-             run("on", True, None, chat_phase, args.conversations, args.turns)]
-    table(f"Multi-turn: {args.conversations} chats x {args.turns} turns (32-token system prompt and user messages, "
-          "64-token answers, on token ids)", chats)
+    if "shared" in parts:
+        shared = [run("off", False, None, shared_phase, prompts, args.clients),
+                  run("on", True, None, shared_phase, prompts, args.clients)]
+        table(f"Shared system prompt: {args.requests} requests, {args.system}-token prefix + 32-token question, "
+              f"{args.clients} clients", shared)
+    if "quantized" in parts:
+        quantized = [run("KIVI 2-bit, off", False, kivi2, shared_phase, prompts, args.clients),
+                     run("KIVI 2-bit, on", True, kivi2, shared_phase, prompts, args.clients)]
+        table("Same, KIVI 2-bit committed blocks", quantized)
+    if "chat" in parts:
+        chats = [run("off", False, None, chat_phase, args.conversations, args.turns),
+                 run("on", True, None, chat_phase, args.conversations, args.turns)]
+        table(f"Multi-turn: {args.conversations} chats x {args.turns} turns (32-token system prompt and user "
+              "messages, 64-token answers, on token ids)", chats)
+    if not {"shared", "quantized"} <= parts:
+        return 0
     layers, kv_heads, head_dim = 3, 2, 16  # the tiny checkpoint's config.json
     bf16 = 2 * layers * kv_heads * head_dim * 2
     print("\nBytes per cached token (block 32)")

@@ -267,23 +267,36 @@ class BlockCausalCohort:
         if len(hit.blocks) < whole:
             self._to_insert.add(i)
 
-    def adopt_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any) -> None:
-        """Row ``i``'s cached blocks into its first forward: the packed layers into its held blocks and its
-        accounting (a quantized row: shared, read-only), or the K/V copied into its cache slot ``slot``."""
+    def adopt_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any, cache: PrefixCache | None = None,
+                     ) -> None:
+        """Row ``i``'s cached blocks into its first forward: the packed layers into its held blocks, joined into
+        one run per layer (`KVQuantizer.concat`, made once per chain for every row reading it,
+        `PrefixCache.joined`; read-only) and counted block by block in its accounting (a quantized row), or the
+        K/V copied into its cache slot ``slot``."""
         hit = self.prefix_hits.get(i)
         if hit is None or not hit.blocks or hit.released or i in self._adopted:
             return  # (a preempted row gave its hit back: it resumes from column 0)
         self._adopted.add(i)  # once: a packed row's held blocks must not take them twice
         block = self.rows[i].block
+        if commit is not None:
+            for layer in range(len(hit.blocks[0].payload)):
+                parts = [cached.payload[layer] for cached in hit.blocks]
+                for part in parts:
+                    commit.accounting.add(layer, part)
+                run = None
+                if cache is not None:
+                    run = cache.joined(hit, layer, lambda parts=parts: commit.quantizer.concat(parts))
+                if run is not None:
+                    commit.held.add(layer, 0, hit.tokens, run)
+                else:
+                    for b, part in enumerate(parts):
+                        commit.held.add(layer, b * block, (b + 1) * block, part)
+            return
         for b, cached in enumerate(hit.blocks):
             start, end = b * block, (b + 1) * block
             for layer, payload in enumerate(cached.payload):
-                if commit is not None:
-                    commit.held.add(layer, start, end, payload)
-                    commit.accounting.add(layer, payload)
-                else:
-                    kv.k[layer][slot, :, start:end] = payload[0]
-                    kv.v[layer][slot, :, start:end] = payload[1]
+                kv.k[layer][slot, :, start:end] = payload[0]
+                kv.v[layer][slot, :, start:end] = payload[1]
 
     def insert_prefix(self, i: int, slot: int, kv: CommittedKV, commit: Any, cache: PrefixCache) -> None:
         """After row ``i``'s first forward: its whole prompt blocks past its hit into the cache (per layer the
@@ -306,6 +319,9 @@ class BlockCausalCohort:
                 nbytes = sum(t.numel() * t.element_size() for pair in payload for t in pair)
             blocks.append((row.x[start:end], payload, nbytes))
         cache.insert(hit, blocks)
+        if commit is not None:  # its own blocks, packed one by one for the cache, read as one run from now on
+            for layer in commit.held.layers:
+                commit.held.merge(layer, commit.start, commit.end)
 
     def release_prefix(self, cache: PrefixCache | None) -> None:
         """Give back the cached blocks this cohort read (it left the batch)."""
@@ -578,7 +594,7 @@ class BlockCausalBatch:
         prefix = self.prefix_cache
         if prefix is not None:
             for slot, ((c, i), commit) in enumerate(zip(live, row_commits)):
-                c.adopt_prefix(i, slot, cache, commit)
+                c.adopt_prefix(i, slot, cache, commit, prefix)
         commits = [x for x in row_commits if x is not None]
         hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
         cache.on_write = hook

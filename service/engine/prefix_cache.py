@@ -38,7 +38,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,6 +167,8 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
         self.held_bytes = 0
+        # What :meth:`joined` made per (chain, part), held only while some request holds it.
+        self._joined: weakref.WeakValueDictionary[tuple[bytes, int], Any] = weakref.WeakValueDictionary()
 
     # ---- what a request does ---------------------------------------------------------------------------------
     def lookup(self, namespace: Namespace, ids: Sequence[int], max_blocks: int | None = None) -> PrefixHit:
@@ -245,6 +248,24 @@ class PrefixCache:
                 for block in pinned:
                     block.refs -= 1
         return stored
+
+    def joined(self, hit: PrefixHit, part: int, make: Callable[[], Any]) -> Any:
+        """What ``make()`` makes of part ``part`` (a family's index: LLaDA2's layer) of the hit's blocks, made once
+        for every request that reads the same chain while one of them holds it (a weak reference, keyed by the
+        hit's last block, whose key names the whole chain and its namespace): LLaDA2 joins a quantized row's
+        cached blocks into one packed run per layer (`service.quant.committed.CommittedBlocks`), and the rows of
+        a forward that read the same run dequantize it once. None from ``make`` is returned and not kept; a
+        value must accept weak references (not a tuple). Its bytes are the requests' own: the cache's
+        ``held_bytes`` counts the blocks only."""
+        key = (hit.last_key, part)
+        with self._lock:
+            held = self._joined.get(key)
+        if held is None:
+            held = make()
+            if held is not None:
+                with self._lock:
+                    self._joined[key] = held
+        return held
 
     # ---- what the runtime does -------------------------------------------------------------------------------
     def evict(self, nbytes: int) -> int:

@@ -210,13 +210,20 @@ class KVQuantizer:
         """What must agree for the block-initial writes of several requests' stores to be made in one call of
         :meth:`quantize` over their stacked rows (`service.quant.store.QuantizedKVStore.write_batch`): the
         method, its bits, group sizes and artifact (:meth:`artifact_key`); None where this quantizer writes
-        alone: a side held as it is (``sides``), or a method that overrides :meth:`quantize` (KVQuant) or packs
-        its own way (it would not split into each member's own streams, :func:`split_members`)."""
+        alone: a side held as it is (``sides``), or a method that overrides :meth:`quantize` or packs its own
+        way (it would not split into each member's own streams, :func:`split_members`) unless it says its own
+        key and :meth:`split` (KVQuant does)."""
         own = type(self)
         if (own.quantize is not KVQuantizer.quantize or own.quantize_k is not KVQuantizer.quantize_k
                 or own.quantize_v is not KVQuantizer.quantize_v or not (self.quantizes_k and self.quantizes_v)):
             return None
         return (own.__name__, self.bits, self.k_group_size, self.v_group_size, self.artifact_key())
+
+    def split(self, layer: int, packed: PackedLayer, layout: SlotLayout) -> list[PackedLayer]:
+        """Each member's :class:`PackedLayer` of a stacked :meth:`quantize` (``layout`` :meth:`SlotLayout.stacked`):
+        the tensors, elements and nominal bits of the member's own write (:func:`split_members`, with each
+        member's protected K tokens, :func:`member_kept`)."""
+        return split_members(packed, layout, member_kept(self, layer, packed, layout), self.bits)
 
     def artifact_key(self) -> Hashable:
         """What of the method's fitted artifact decides its writes (None: no artifact; dLLM-KVQ: its policy)."""
@@ -250,6 +257,53 @@ class KVQuantizer:
         """What the fused attention kernel reads of one packed layer (`service.quant.kernels.operands`); the
         kernel reads codes only, so a config with one side held (``sides``) takes the PyTorch path instead."""
         return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
+
+    #: Names of held tensors that are flat element indices into the run's ``[N, H x D]`` entries (KVQuant's
+    #: ``outlier_index``): :meth:`concat` moves each part's by the entries of the parts before it.
+    element_indices: ClassVar[tuple[str, ...]] = ()
+
+    def concat(self, parts: list[PackedLayer]) -> PackedLayer | None:
+        """One packed layer of runs packed alone, in column order, that lie end to end (a block-causal row's
+        committed blocks, `service.quant.committed`): codes re-packed as one stream (`packing.pack_stream` of
+        the parts' codes laid end to end), per-group and per-token tensors concatenated along dim 0, flat
+        element indices (:attr:`element_indices`) moved by the entries before their part; elements and nominal
+        bits summed. Where the quantizer is :meth:`block_separable` at the parts' widths, this is bit for bit what
+        :meth:`quantize` makes of the whole run at once with a layout of the run alone (tested), so reading it
+        with that layout gives the values each part gives with its own.
+
+        Args:
+            parts: at least one; one layer's packed runs of one quantizer, each of whole K groups but the last.
+
+        Returns:
+            The joined layer (``parts[0]`` itself when there is one part), or None where the format holds what
+            does not simply join: protected K tokens (their slots count from their part's first slot; dLLM-KVQ is
+            never block-separable anyway) or a side held as it is (``sides``).
+
+        Cost: per part and side one unpack of its stream; one pack per side (a few tensor operations per part,
+        made once when the runs are attached to a row, not at each read).
+        """
+        if len(parts) == 1:
+            return parts[0]
+        if not (self.quantizes_k and self.quantizes_v) or any("protected_slots" in p.k.tensors for p in parts):
+            return None
+        first = parts[0]
+        return PackedLayer(k=self._concat_side([p.k for p in parts]), v=self._concat_side([p.v for p in parts]),
+                           dtype=first.dtype, num_heads=first.num_heads, head_dim=first.head_dim)
+
+    def _concat_side(self, sides: list[PackedTensor]) -> PackedTensor:
+        """:meth:`concat` of one side (K or V) of every part."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name in sides[0].tensors:
+            if name == "codes":
+                codes = [unpack_stream(s.tensors["codes"], self.bits, s.elements) for s in sides]
+                tensors[name] = pack_stream(torch.cat(codes), self.bits)
+            elif name in self.element_indices:
+                starts = itertools.accumulate([s.elements for s in sides[:-1]], initial=0)
+                tensors[name] = torch.cat([s.tensors[name] + start for s, start in zip(sides, starts)])
+            else:
+                tensors[name] = torch.cat([s.tensors[name] for s in sides])
+        return PackedTensor(tensors=tensors, elements=sum(s.elements for s in sides),
+                            nominal_bitsum=sum(s.nominal_bitsum for s in sides))
 
     def block_separable(self, block_length: int) -> bool:
         """Whether quantizing a run of whole blocks of ``block_length`` tokens one block at a time gives the same
@@ -480,16 +534,20 @@ class _Slices(Mapping):
     tensor (its streams' words, its K groups, its slots, its protected tokens with their slots made its own),
     made at its first use and kept; ``nbytes`` from the slices' sizes without making them."""
 
-    def __init__(self, stacked: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]], slot0: int) -> None:
+    def __init__(self, stacked: dict[str, torch.Tensor], ranges: dict[str, tuple[int, int]], slot0: int,
+                 shifts: dict[str, int] | None = None) -> None:
         self._stacked, self._ranges, self._slot0 = stacked, ranges, slot0
+        # What each index tensor's slice is less, to count from the member's start: protected slots its first
+        # slot; a method's own (KVQuant's flat outlier indices) say theirs.
+        self._shifts = shifts if shifts is not None else {"protected_slots": slot0}
         self._made: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._made:
             start, end = self._ranges[name]
             part = self._stacked[name][start:end]
-            if name == "protected_slots":
-                part = part - self._slot0
+            if name in self._shifts:
+                part = part - self._shifts[name]
             self._made[name] = part
         return self._made[name]
 
@@ -530,6 +588,12 @@ def count(tensors: Mapping[str, torch.Tensor], name: str) -> int:
         start, end = tensors._ranges[name]
         return end - start
     return int(tensors[name].shape[0])
+
+
+def member_shift(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    """What a stacked write's ``name`` (an index tensor) exceeds this member's own by (its first slot or entry
+    there, :class:`_Slices`); 0 for tensors that are not a member's."""
+    return tensors._shifts.get(name, 0) if isinstance(tensors, _Slices) else 0
 
 
 def joined(held: list[Mapping[str, torch.Tensor]], name: str) -> list[tuple[torch.Tensor, int, int | None]]:

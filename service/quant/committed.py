@@ -23,8 +23,12 @@ terms. KVQuant quantizes the committing columns' pre-RoPE keys (the forward's ow
 and the dequantized keys take partial RoPE at their positions (only the rotated channels: the model's
 ``rotate_keys``) at every read.
 
-Cost: a read dequantizes each committed block of each quantized row separately (a few tensor operations per
-block, row and layer, per forward); merging a row's blocks into one packed run per layer is the next step.
+Cost: a read dequantizes each packed run of each quantized row separately (a few tensor operations per run, row
+and layer, per forward). A row's prompt is committed as one run, except where the prefix cache is involved
+(`service.engine.prefix_cache`), which stores and serves whole blocks one by one: there the runs are joined into
+one per layer when they are attached to the row (:meth:`CommittedBlocks.merge`, `KVQuantizer.concat`: once per
+request, not per forward; the cached blocks a row reads are joined once for all rows reading the same chain,
+`PrefixCache.joined`), so a row that hit 24 cached blocks reads one run per layer, not 24.
 """
 
 from __future__ import annotations
@@ -84,6 +88,20 @@ class CommittedBlocks:
             v_buf[slot, :, a:b] = v[0]
             if read is not None:
                 read[id(packed)] = slot
+
+    def merge(self, layer: int, start: int, end: int) -> None:
+        """Join the layer's runs that lie within columns ``[start, end)`` into one (`KVQuantizer.concat`), where
+        there are two or more and the quantizer joins them; otherwise leave them. The values a read gives are
+        the same (the quantizer is block-separable at the runs' widths: a row whose runs were packed alone,
+        `Commit.pieces`, is one whose quantizer is); the joined run is the row's own (the parts stay where else
+        they are held, e.g. the prefix cache)."""
+        runs = self.layers.get(layer, [])
+        inside = [i for i, (a, b, _) in enumerate(runs) if a >= start and b <= end]
+        if len(inside) < 2 or inside != list(range(inside[0], inside[-1] + 1)):
+            return
+        joined = self.quantizer.concat([runs[i][2] for i in inside])
+        if joined is not None:
+            runs[inside[0]:inside[-1] + 1] = [(runs[inside[0]][0], runs[inside[-1]][1], joined)]
 
     def before(self, start: int) -> CommittedBlocks:
         """A copy holding only the blocks that start before column ``start`` (the packed layers themselves are

@@ -27,8 +27,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-#: Elements per chunk of the nearest-codebook search: its float32 work buffers (256 KiB each) stay in cache.
-_NEAREST_CHUNK = 2**16
+#: Elements per chunk of the nearest-codebook search, per device type: on a CPU its float32 work buffers (256 KiB
+#: each) stay in cache (a chunk of 2^20 made the search 1.4x slower, one thread); elsewhere every chunk is ~40
+#: kernel launches (a block-initial write of 32 rows is millions of entries: chunks of 2^16 made it ~2,400 launches
+#: per layer, issue 41), so one chunk takes up to 2^24 entries (two 64 MiB buffers). The codes do not depend on it.
+NEAREST_CHUNK = {"cpu": 2**16}
+_NEAREST_CHUNK_ELSEWHERE = 2**24
 #: Elements per chunk of the exhaustive search (its ``[chunk, 2^b]`` distance matrix).
 _EXHAUSTIVE_CHUNK = 2**15
 #: Largest codebook searched by comparisons against its entries (one pass per entry) rather than by binary search.
@@ -63,9 +67,10 @@ def nearest_code(u: torch.Tensor, lut: torch.Tensor, increasing: bool | None = N
     inner = lut[1:-1].unbind() if n <= _COMPARE_ENTRIES else None  # 0-dim float32 entries
     # The count is kept in float32 (small integers, exact): comparisons written as float are several times faster
     # on a CPU than bool ones.
-    work = torch.empty(2, min(flat.numel(), _NEAREST_CHUNK), dtype=torch.float32, device=u.device)
-    for i in range(0, flat.numel(), _NEAREST_CHUNK):
-        part = flat[i : i + _NEAREST_CHUNK]
+    chunk = NEAREST_CHUNK.get(u.device.type, _NEAREST_CHUNK_ELSEWHERE)
+    work = torch.empty(2, min(flat.numel(), chunk), dtype=torch.float32, device=u.device)
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i : i + chunk]
         count, hit = work[0, : part.numel()], work[1, : part.numel()]
         if inner is not None:
             count.fill_(1)
@@ -78,7 +83,7 @@ def nearest_code(u: torch.Tensor, lut: torch.Tensor, increasing: bool | None = N
         d_right = (part - lut.index_select(0, index)).abs_()
         d_left = (part - lut.index_select(0, index - 1)).abs_()
         count.sub_(torch.ge(d_right, d_left, out=hit))  # the earlier entry unless the later one is strictly closer
-        code[i : i + _NEAREST_CHUNK] = count
+        code[i : i + chunk] = count
     return code.view(u.shape)
 
 

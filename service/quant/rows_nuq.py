@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from service.quant.base import PackedLayer
+from service.quant.base import PackedLayer, count, device_of, joined, member_shift
+from service.quant.packing import stream_words
 
 #: Per (state, layer, device): the K and V per-byte codebook tables side by side, ``[8 / b, 512]`` float32.
 _CODEBOOKS: dict[tuple[Hashable, int, torch.device], torch.Tensor] = {}
@@ -45,7 +46,7 @@ def batch_key(store, packed: PackedLayer) -> Hashable:
     quantizer = store.quantizer
     state = store.artifact_id if store.artifact_id is not None else id(quantizer.state)
     return ("kvquant", state, quantizer.bits, packed.dtype, packed.num_heads, packed.head_dim,
-            packed.k.tensors["codes"].device)
+            device_of(packed.k.tensors))
 
 
 @dataclass(eq=False)
@@ -61,7 +62,8 @@ class _Index:
     sin: torch.Tensor
     bases: torch.Tensor  # int64 [2S]: each store's first K element, then first V element, in the flat buffer
     slot_positions: torch.Tensor  # int64 [N_all]: each slot's RoPE position
-    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: int64 [2S] K, V outliers per store
+    # per layer: int64 [2S] K, V outliers per store, and each one's base (`bases` less its `_index_shifts`)
+    counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     angles: tuple[torch.Tensor, torch.Tensor] | None = None  # the key-bias correction's cos/sin per column
 
 
@@ -143,12 +145,13 @@ def _codebooks(store, layer: int, device: torch.device, steps: bool = False) -> 
 def _decode_into(dst: torch.Tensor, words: list[torch.Tensor], table: torch.Tensor) -> None:
     """Write the codebook values of the K streams then the V streams (all of one length; ``words`` K's first, as
     many of each; with the key steps, the K streams once more, decoded through the widths) into ``dst`` float32
-    ``[s, g, numel]``: one stack, one gather through ``table`` (the bytes of set ``i`` moved to its ``i``-th
-    256 entries), one copy (the planar layout of `packing.pack_stream`: plane ``p`` of stream ``i`` is its codes
-    ``[p m, (p + 1) m)``)."""
+    ``[s, g, numel]``: one concatenation, one gather through ``table`` (the bytes of set ``i`` moved to its
+    ``i``-th 256 entries), one copy (the planar layout of `packing.pack_stream`: plane ``p`` of stream ``i`` is its
+    codes ``[p m, (p + 1) m)``). ``words``: int32 ``[streams, stream words]`` pieces (several stores' streams laid
+    end to end in one stacked write are one piece, `_stream_pieces`)."""
     per_byte, numel = table.shape[0], dst.shape[-1]
     m = -(-numel // per_byte)
-    data = torch.stack(words).view(torch.uint8)[:, :m].to(torch.int32)
+    data = (torch.cat(words) if len(words) > 1 else words[0]).view(torch.uint8)[:, :m].to(torch.int32)
     g = dst.shape[1]
     for i in range(1, dst.shape[0]):
         data[i * g : (i + 1) * g] += 256 * i
@@ -187,15 +190,16 @@ def dequantize_rows(
     first = packed[0]
     h, d, dtype = first.num_heads, first.head_dim, first.dtype
     c = h * d
-    device = first.k.tensors["codes"].device
+    device = device_of(first.k.tensors)
     index = _index(stores, positions, rope, key_len, dtype, c)
     n_all = index.total
     planes = 3 if steps else 2  # K, V, and K's steps (bin widths)
     work = torch.empty(planes, n_all + 1, c, dtype=torch.float32, device=device)
     table = _codebooks(stores[0], layer, device, steps)
     for n, members, slot0 in index.groups:
-        words = [packed[i].k.tensors["codes"] for i in members] + [packed[i].v.tensors["codes"] for i in members]
-        words += words[: len(members)] if steps else []
+        words = (_stream_pieces([packed[i].k.tensors for i in members], n * c, quantizer.bits)
+                 + _stream_pieces([packed[i].v.tensors for i in members], n * c, quantizer.bits))
+        words += words[: len(words) // 2] if steps else []
         _decode_into(work[:, slot0 : slot0 + len(members) * n].view(planes, len(members), n * c), words, table)
     work[:, -1].zero_()
     order = [i for _, members, _ in index.groups for i in members]
@@ -204,19 +208,27 @@ def dequantize_rows(
     if steps:
         work[2, :-1].mul_(half_range)
     if n_all:
-        v_half_range = torch.cat([packed[i].v.tensors["half_range"] for i in order])
-        v_offset = torch.cat([packed[i].v.tensors["offset"] for i in order])
+        v_sides = [packed[i].v.tensors for i in order]
+        v_half_range = _cat([t for t, _, _ in joined(v_sides, "half_range")])
+        v_offset = _cat([t for t, _, _ in joined(v_sides, "offset")])
         work[1, :-1].mul_(v_half_range[:, None]).add_(v_offset[:, None])
     # Outliers after the ranges, as each store writes them (`KVQuantQuantizer._finish`).
     sides = [x.k.tensors for x in packed] + [x.v.tensors for x in packed]
-    outliers = sum(t["outlier_index"].numel() for t in sides)
+    counts = [count(t, "outlier_index") for t in sides]
+    outliers = sum(counts)
     if outliers:
+        index_pieces = joined(sides, "outlier_index")
         if layer not in index.counts:
-            index.counts[layer] = torch.tensor([t["outlier_index"].numel() for t in sides], device=device)
-        at = torch.cat([t["outlier_index"] for t in sides]) + index.bases.repeat_interleave(
-            index.counts[layer], output_size=outliers)
-        work.view(-1).index_put_((at,), torch.cat([t["outlier_values"] for t in sides]).to(torch.float32))
-        k_outliers = sum(x.k.tensors["outlier_index"].numel() for x in packed)
+            # Each store's first entry in the work buffer, less what its indices count from when they are read
+            # from a stacked write's tensor (`joined`: its first entry there), per outlier.
+            shifts = _index_shifts(sides, index_pieces)
+            index.counts[layer] = (torch.tensor(counts, device=device),
+                                   index.bases - torch.tensor(shifts, device=device) if any(shifts) else index.bases)
+        per_store, bases = index.counts[layer]
+        at = _cat([t for t, _, _ in index_pieces]) + bases.repeat_interleave(per_store, output_size=outliers)
+        values = _cat([t for t, _, _ in joined(sides, "outlier_values")])
+        work.view(-1).index_put_((at,), values.to(torch.float32))
+        k_outliers = sum(counts[: len(packed)])
         if steps and k_outliers:  # an outlier is held exact: no step (plane 2 lies two planes past K's)
             work.view(-1).index_fill_(0, at[:k_outliers] + 2 * (n_all + 1) * c, 0.0)
     # The store's scratch holds the values in the model dtype; its keys are rotated there.
@@ -230,6 +242,32 @@ def dequantize_rows(
     placed = work[2].view(n_all + 1, h, d).index_select(0, index.slot_map).view(total_rows, key_len, h, d)
     cos, sin = _column_angles(index, rope, total_rows, key_len)
     return out[0], out[1], placed.permute(0, 2, 1, 3), cos, sin
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def _stream_pieces(sides: list, numel: int, bits: int) -> list[torch.Tensor]:
+    """The code streams of ``sides`` (one side of stores with ``numel`` codes each) as int32 ``[streams, words]``
+    pieces in order: the stores written together and consecutive here are one piece, a view of their stacked
+    write's words (each member's stream is whole words, laid end to end: `packing.pack_streams`), not a slice
+    each (`service.quant.base.joined`)."""
+    words = stream_words(numel, bits)
+    return [t.view(-1, words) for t, _, _ in joined(sides, "codes")]
+
+
+def _index_shifts(sides: list, pieces: list[tuple[torch.Tensor, int, int | None]]) -> list[int]:
+    """Per store of ``sides``: what its outlier indices read from ``pieces`` (`joined`) count from beyond its own
+    (a piece of several members of one stacked write holds the write's indices, each member's from its first
+    entry there: `KVQuantQuantizer.split`); 0 for a store read on its own."""
+    shifts = [0] * len(sides)
+    for n, (tensor, first, _) in enumerate(pieces):
+        end = pieces[n + 1][1] if n + 1 < len(pieces) else len(sides)
+        if end - first > 1 or tensor is not sides[first]["outlier_index"]:
+            for i in range(first, end):
+                shifts[i] = member_shift(sides[i], "outlier_index")
+    return shifts
 
 
 def _column_angles(index: _Index, rope, rows: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:

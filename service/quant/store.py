@@ -38,7 +38,7 @@ from service.engine.kv_store import DEFER_WRITE_CHECKS, FullPrecisionKVStore, KV
 from service.engine.report import KVReport
 from service.engine.spec import ModelSpec
 from service.quant.accounting import KVAccounting
-from service.quant.base import KVQuantizer, PackedLayer, member_kept, split_members
+from service.quant.base import KVQuantizer, PackedLayer
 from service.quant.canvas import Geometry, LayerRotation, PackedCanvas
 from service.quant.canvas import bytes_per_token as canvas_bytes_per_token
 from service.quant.committed import Commit, CommittedBlocks
@@ -142,8 +142,8 @@ class QuantizedKVStore(KVStore):
         self.accounting.add(layer, packed)
 
     def write_key(self):
-        """`KVStore.write_key`: the quantizer's (`KVQuantizer.write_key`: KIVI's and dLLM-KVQ's uniform formats of
-        one configuration and artifact; None for KVQuant and for a side held as it is), or None for a subclass
+        """`KVStore.write_key`: the quantizer's (`KVQuantizer.write_key`: KIVI's and dLLM-KVQ's uniform formats, or
+        KVQuant's, of one configuration and artifact; None for a side held as it is), or None for a subclass
         that writes its own way (its ``write`` is what it holds)."""
         if type(self).write is not QuantizedKVStore.write:
             return None
@@ -152,7 +152,7 @@ class QuantizedKVStore(KVStore):
     def write_batch(self, stores, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write_batch`: one :meth:`KVQuantizer.quantize` of the layer over every member's rows stacked
         (`SlotLayout.stacked` of their block layouts, built at the layer that starts their block), then each
-        member holds its own part (`service.quant.base.split_members`: the tensors its own :meth:`write` would
+        member holds its own part (`KVQuantizer.split`: the tensors its own :meth:`write` would
         hold, sliced when first read) and counts it. The checks' verdict is one for the members together (ANDed
         over the layers, :meth:`take_checks` gives it to each): when it fails, every member's pass runs again
         alone (the running batch's failure path), which finds the culprit."""
@@ -175,7 +175,7 @@ class QuantizedKVStore(KVStore):
         packed = quantizer.quantize(layer, k, v, group.layout, scores if self.needs_scores else None, verdicts)
         if verdicts:
             group.verdict = verdicts[0] if group.verdict is None else group.verdict & verdicts[0]
-        parts = split_members(packed, group.layout, member_kept(quantizer, layer, packed, group.layout), quantizer.bits)
+        parts = quantizer.split(layer, packed, group.layout)
         for store, part in zip(stores, parts):
             store._packed[layer] = part
             store._verdict = group.verdict

@@ -216,3 +216,32 @@ def test_a_preempted_request_gives_its_blocks_back_and_resumes_as_alone(llada2):
         while batch.cohorts:
             batch.step()
     assert cohort.results[0].generated_ids == decode(loaded, prompts[1], "llada2", None).generated_ids
+
+
+@pytest.mark.parametrize("store", ["kivi2", "kvquant4"])
+def test_a_row_reads_its_cached_blocks_as_one_run_per_layer(llada2, store, monkeypatch):
+    """The cached blocks a row reads are joined into one packed run per layer when they are attached to it
+    (`CommittedBlocks`, `KVQuantizer.concat`), and so are the row's own prompt blocks packed one by one for the
+    cache: a request served from the cache dequantizes exactly as often as one decoded without it (its prompt one
+    run; the miss that filled the cache wrote its three blocks one by one, a dequantization each, once), where
+    reading block by block made it three per layer per forward for three blocks."""
+    loaded, family = llada2["llada2"], "llada2"
+    prompts = shared_prompts(2, seed=11)
+
+    def dequantizes(prompt, cache):
+        made, calls = STORES[store](loaded.spec), []
+        real = made.quantizer.dequantize
+        monkeypatch.setattr(made.quantizer, "dequantize", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+        out = decode(loaded, prompt, family, made, cache)
+        return len(calls), out.generated_ids, made
+
+    cache = PrefixCache(10**8)
+    first, first_ids, made = dequantizes(prompts[0], cache)  # a miss: its prompt blocks packed one by one
+    assert all(len(made._committed[0].layers[layer]) == 1 + 2 for layer in range(3))  # prompt, 2 generated
+    cached, cached_ids, _ = dequantizes(prompts[1], cache)
+    assert next(iter(cache.stats().values())).hit_tokens == 96
+    layers = len(loaded.model.layers)
+    for prompt, calls, ids, written in ((prompts[0], first, first_ids, 3), (prompts[1], cached, cached_ids, 1)):
+        alone, alone_ids, _ = dequantizes(prompt, None)
+        assert ids == alone_ids
+        assert calls == alone + (written - 1) * layers

@@ -119,3 +119,33 @@ def test_a_chain_is_stored_without_gaps_and_inserting_keeps_its_own_parent() -> 
     cache.release(hit)
     with pytest.raises(ValueError, match="after release"):
         cache.insert(hit, [])
+
+
+def test_what_is_joined_of_a_chain_is_made_once_while_a_request_holds_it() -> None:
+    """`PrefixCache.joined`: the same object for every hit of one chain and part while it is held, made again
+    once nobody holds it; a None from ``make`` is not kept; another chain or part makes its own."""
+    import gc
+
+    class Run:  # stands for a joined packed layer (weakly referenceable)
+        pass
+
+    cache = PrefixCache(1000)
+    store(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    made: list[Run] = []
+
+    def make() -> Run:
+        made.append(Run())
+        return made[-1]
+
+    a, b = (cache.lookup(NS, [1, 2, 3, 4, 5, 6, 7, 8]) for _ in range(2))
+    held = cache.joined(a, 0, make)
+    assert cache.joined(b, 0, make) is held and len(made) == 1
+    assert cache.joined(b, 1, make) is not held and len(made) == 2
+    shorter = cache.lookup(NS, [1, 2, 3, 4, 9])
+    assert cache.joined(shorter, 0, make) is not held and len(made) == 3
+    assert cache.joined(a, 5, lambda: None) is None and cache.joined(a, 5, make) is made[-1]
+    del held
+    made.clear()
+    gc.collect()
+    cache.joined(a, 0, make)
+    assert len(made) == 1, "made again once nobody held it"

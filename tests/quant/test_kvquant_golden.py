@@ -75,3 +75,18 @@ def test_tail_quantiles_equal_torch_quantile(channels):
     upper, lower = nuq.tail_quantiles(x, 0.995)
     expected = torch.quantile(x, torch.tensor([0.995, 0.005]), dim=-1, keepdim=True)
     assert torch.equal(upper, expected[0]) and torch.equal(lower, expected[1])
+
+
+def test_the_nearest_code_does_not_depend_on_the_chunk(monkeypatch):
+    """`nuq.NEAREST_CHUNK` (cache-sized on a CPU, one chunk on an accelerator) changes the launches, not the codes:
+    chunks of 1,000 (a last part shorter) and one chunk give the codes of the default."""
+    from service.quant import nuq
+
+    gen = torch.Generator().manual_seed(9)
+    u = torch.randn(70_123, generator=gen) * 1.5
+    lut = torch.sort(torch.randn(16, generator=gen)).values
+    want = nuq.nearest_code(u, lut, True)
+    for chunk in (1_000, 2**24):
+        monkeypatch.setitem(nuq.NEAREST_CHUNK, "cpu", chunk)
+        assert torch.equal(nuq.nearest_code(u, lut, True), want)
+    assert torch.equal(want, (u[:, None] - lut).abs().argmin(-1).to(torch.uint8))

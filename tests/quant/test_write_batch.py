@@ -2,6 +2,8 @@
 store holds, bit for bit, what its own `write` holds (codes, statistics, protected tokens, counts), whatever the
 rows' lengths; stores that may not write together (KVQuant, other formats) say so."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -38,12 +40,12 @@ def _same_layer(a, b):
         assert (x.elements, x.nominal_bitsum, x.nbytes) == (y.elements, y.nominal_bitsum, y.nbytes), side
 
 
-@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0", "kvquant"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_stacked_write_holds_what_each_store_writes_alone(method, bits, dtype):
-    if method == "dllm_kvq" and bits == 8:
-        pytest.skip("the policy helper fits 2 and 4 bits only")
+    if method in ("dllm_kvq", "kvquant") and bits == 8:
+        pytest.skip("the policy and state helpers fit 2 and 4 bits only")
     own, k, v, scores = _stacked(dtype)
     alone = [store(method, bits) for _ in LAYOUTS]
     together = [store(method, bits) for _ in LAYOUTS]
@@ -61,6 +63,9 @@ def test_a_stacked_write_holds_what_each_store_writes_alone(method, bits, dtype)
                 assert torch.equal(x, y)
         assert a.report() == t.report()
     assert (protected > 0) == method.startswith("dllm_kvq")
+    if method == "kvquant":  # outliers on both sides, in more than one member (their indices made each one's own)
+        for side in ("k", "v"):
+            assert sum(getattr(t._packed[0], side).tensors["outlier_index"].numel() > 0 for t in together) > 1
 
 
 def test_a_second_block_starts_again():
@@ -92,19 +97,81 @@ def test_the_checks_of_a_stacked_write_are_one_verdict_put_off():
     assert all(verdict is not None and not bool(verdict) for verdict in verdicts)
 
 
-def test_only_uniform_formats_of_one_configuration_write_together():
+def test_only_stores_of_one_configuration_write_together():
     keys = {name: store(*spec).write_key() for name, spec in
-            {"kivi4": ("kivi", 4), "kivi2": ("kivi", 2), "dllm4": ("dllm_kvq", 4), "kvquant": ("kvquant", 4)}.items()}
-    assert keys["kvquant"] is None  # its own quantize (outliers sized by a host read) writes alone
-    assert len({keys["kivi4"], keys["kivi2"], keys["dllm4"]}) == 3
+            {"kivi4": ("kivi", 4), "kivi2": ("kivi", 2), "dllm4": ("dllm_kvq", 4), "kvquant": ("kvquant", 4),
+             "kvquant2": ("kvquant", 2)}.items()}
+    assert None not in keys.values() and len(set(keys.values())) == len(keys)
+    assert store("kvquant", 4).write_key() == keys["kvquant"]  # another store of the same state
     assert store("kivi", 4, sides="k").write_key() is None  # a side held as it is
 
 
-@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0"])
+def test_a_stacked_kvquant_write_reads_the_device_once():
+    """Its outlier counts (each member's among them), the needed medians and the finiteness flags of every
+    member: one read per layer for all the rows, where each store's write reads once."""
+    from benchmarks.iteration_cost import Counter
+
+    _own, k, v, scores = _stacked(torch.float32, seed=3)
+    together = [store("kvquant", 4) for _ in LAYOUTS]
+    together[0].write_batch(together, 0, k, v, list(LAYOUTS), scores)  # tables made
+    with Counter() as counter:
+        together[0].write_batch(together, 1, k, v, list(LAYOUTS), scores)
+    assert counter.syncs == 1
+
+
+def test_the_device_read_counts_each_members_outliers_as_the_host_read():
+    from service.quant.kvquant import _read_counts, _read_once
+
+    gen = torch.Generator().manual_seed(6)
+    slots = [5, 0, 9, 3]
+    masks = [torch.rand(17, 12, generator=gen) < p for p in (0.1, 0.5)] + [torch.rand(17, generator=gen) < 0.3]
+    flags = torch.tensor([False, True])
+    host, device = _read_once(masks, flags, slots), _read_counts(masks, flags, slots)
+    assert host[1] == device[1] == [False, True]
+    assert host[2] == device[2] and host[2][0] != host[2][1]
+    for side in range(2):
+        starts = [0, 5, 5, 14, 17]
+        assert host[2][side] == [int(masks[side][a:b].sum()) for a, b in itertools.pairwise(starts)]
+    for a, b in zip(host[0], device[0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_stacked_kvquant_write_of_a_nan_fails_as_the_culprits_own(deferred):
+    """A NaN in one member's reused V: put off, one False verdict for the set (each member writes again alone);
+    read at once, the error its own write raises (its own row and column, not the stacked row)."""
+    from service.quant.errors import NonFiniteKVError
+
+    own, k, v, scores = _stacked(torch.float32, seed=4)
+    together = [store("kvquant", 4) for _ in LAYOUTS]
+    first = LAYOUTS[0].batch_size + LAYOUTS[1].batch_size
+    bad = v.clone()
+    bad[first, 1, LAYOUTS[2].block_start - 1, 0] = float("nan")  # store 2, its row 0
+    if deferred:
+        token = DEFER_WRITE_CHECKS.set(True)
+        try:
+            together[0].write_batch(together, 0, k, bad, list(LAYOUTS), scores)
+            assert all(not bool(s.take_checks()) for s in together)
+        finally:
+            DEFER_WRITE_CHECKS.reset(token)
+        return
+    alone = store("kvquant", 4)
+    with pytest.raises(NonFiniteKVError) as want:
+        alone.write(0, own[2][0], bad[first:first + LAYOUTS[2].batch_size, :, : LAYOUTS[2].seq_len], LAYOUTS[2])
+    with pytest.raises(NonFiniteKVError) as got:
+        together[0].write_batch(together, 0, k, bad, list(LAYOUTS), scores)
+    assert str(got.value) == str(want.value) and "row 0" in str(got.value)
+
+
+@pytest.mark.parametrize("method", ["kivi", "dllm_kvq", "dllm_kvq_p0", "kvquant"])
 def test_a_pooled_read_of_stores_written_together_reads_what_it_reads_of_stores_written_alone(method):
     """Later steps read stores written together from the stacked tensors (`service.quant.base.joined`: one piece
-    per run of members, not a slice per store): the same K/V for every subset, order and mix with a store written
-    alone."""
+    per run of members, not a slice per store; KVQuant's outlier indices moved by each member's first entry,
+    `service.quant.rows_nuq`): the same K/V for every subset, order and mix with a store written alone (KVQuant's
+    keys rotated at each row's own positions)."""
+    from service.engine.models.layers import RotaryEmbedding
+    from tests.quant.test_rows_nuq import reused_positions
+
     own, k, v, scores = _stacked(torch.bfloat16, seed=2)
     alone = [store(method, 4) for _ in LAYOUTS]
     together = [store(method, 4) for _ in LAYOUTS]
@@ -115,10 +182,13 @@ def test_a_pooled_read_of_stores_written_together_reads_what_it_reads_of_stores_
         together[0].write_batch(together[:3], layer, k[:first], v[:first], list(LAYOUTS[:3]), scores[:first])
         together[3].write(layer, *own[3][:2], LAYOUTS[3], own[3][2])
     key_len = max(seg.seq_len for seg in LAYOUTS) + 1
+    rope = RotaryEmbedding(SPEC.head_dim, 5e5, True)
+    positions = [reused_positions(seg) for seg in LAYOUTS]
     for members in ([0, 1, 2, 3], [0, 1, 2], [1, 2, 3], [0, 2], [2, 0, 3]):
+        pos = [positions[i] for i in members] if method == "kvquant" else None
         for layer in range(2):
-            want = alone[members[0]].window_kv_batch([alone[i] for i in members], layer, key_len)
-            got = together[members[0]].window_kv_batch([together[i] for i in members], layer, key_len)
+            want = alone[members[0]].window_kv_batch([alone[i] for i in members], layer, key_len, pos, rope)
+            got = together[members[0]].window_kv_batch([together[i] for i in members], layer, key_len, pos, rope)
             for x, y in zip(want, got):
                 assert torch.equal(x, y), (members, layer)
 
@@ -158,3 +228,4 @@ def test_the_fused_kernels_operands_of_a_set_are_made_once_for_all_its_stores(me
                     assert a.dtype == b.dtype and torch.equal(a, b), (members, layer, field.name)
                 else:
                     assert a == b, (members, layer, field.name)
+
