@@ -13,7 +13,7 @@ from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
 from service.runtime.loop import Job, Worker
 from service.runtime.memory import MemoryModel
-from service.runtime.scheduler import forward_tokens
+from service.runtime.scheduler import forward_tokens, kv_held
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 from tests.support.llada2 import LLADA2_CKPT, llada2_golden
@@ -90,9 +90,9 @@ def _run(engine, mode: str, n: int, temperature: float, max_preemptions: int):
     large = Job(prompts[3] * 3, large_params, rows[0], _snapshot(mode), more_rows=tuple(rows[1:]))
     small = Job(prompts[0], small_params, RowOptions(), _snapshot("block"))
     large_cost, small_cost = probe._cost(large), probe._cost(small)
-    budget = large_cost.kv + large_cost.transient  # the large one fits alone, the small one not beside it
-    assert small_cost.kv + small_cost.transient <= budget
-    assert large_cost.kv + large_cost.transient > small_cost.kv + small_cost.transient
+    budget = kv_held([large_cost]) + large_cost.transient  # the large one fits alone, the small one not beside it
+    assert kv_held([small_cost]) + small_cost.transient <= budget
+    assert kv_held([large_cost]) + large_cost.transient > kv_held([small_cost]) + small_cost.transient
     worker = _worker(engine, budget, telemetry, max_preemptions=max_preemptions)
     large_result, small_result, blocks, order = large_then_small(worker, large, small)
     return large_result, small_result, blocks, large, order
@@ -108,3 +108,42 @@ def test_a_preempted_llada2_request_decodes_and_streams_as_without_preemption(en
     assert [r.nfe for r in large.report.rows] == [r.nfe for r in without[0].report.rows]
     assert blocks == without[2]
     assert small.row.generated_ids == without[1].row.generated_ids
+
+
+def test_the_caches_llada2_holds_stay_within_the_budget_admission_counts(engine):
+    """Issue 42 (a): admission counts what a LLaDA2 batch really holds (`BlockCausalDecoder.cache_cost`): slots as
+    wide as twice the batch's longest row, and a regroup's copy. Under a budget that fits three of these requests
+    by that count, a run of mixed requests (lengths, blocks, cache modes, joining and leaving, regrouped by a small
+    token budget) never holds more cache bytes than the budget leaves beside its forward reserve, several run at
+    once, and each decodes as alone. Before, admission counted a row's own ``seq_len + 1`` columns: this budget
+    admitted all eight at once and their caches held up to 1.6 times what it leaves beside the reserve."""
+    prompts = _prompts()
+    params = [DecodeParams(gen_length=64, block_length=32, threshold=0.9, cache_mode="block"),
+              DecodeParams(gen_length=32, block_length=16, steps=8, cache_mode="block"),
+              DecodeParams(gen_length=32, block_length=32, threshold=0.9, cache_mode="none")]
+    jobs = [Job(prompts[i % 4] * (1 + i % 3), params[i % 3], RowOptions(), _snapshot(params[i % 3].cache_mode))
+            for i in range(8)]
+    alone = [engine.generate([j.prompt_ids], j.params, [j.row]).rows[0].generated_ids for j in jobs]
+    probe = _worker(engine, 1 << 30, Telemetry())
+    costs = [probe._cost(j) for j in jobs]
+    largest = sorted(costs, key=lambda c: kv_held([c]) + c.transient)[-3:]
+    budget = kv_held(largest) + max(c.transient for c in costs)  # any three fit together
+    worker = _worker(engine, budget, Telemetry(), max_batched_tokens=96)
+    running: list[int] = []
+    plan = worker._plan
+
+    def spy(passes):
+        running.append(worker.num_running)
+        return plan(passes)
+
+    worker._plan = spy
+    for job in jobs:
+        worker.submit(job)
+    worker.start()
+    served = [j.future.result(timeout=300).row.generated_ids for j in jobs]
+    peak = worker._batch.peak_bytes
+    worker.stop()
+    assert served == alone
+    assert max(running) >= 3  # not a test of one request at a time
+    reserve = max(c.transient for c in costs)
+    assert 0 < peak <= budget - reserve
