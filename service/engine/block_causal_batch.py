@@ -737,8 +737,10 @@ class BlockCausalBatch:
         for cache, held_rows, keep, _ in shrink:
             if cache.scratch is not None:  # its content is rewritten at every layer: a smaller one, zeroed
                 shape = (len(keep), *cache.scratch[0].shape[1:])
-                cache.scratch = None if len(keep) == cache.k[0].shape[0] else tuple(
+                scratch = None if len(keep) == cache.k[0].shape[0] else tuple(
                     torch.zeros(shape, dtype=t.dtype, device=t.device) for t in cache.scratch)
+                self._note_peak(new, *(scratch or ()))
+                cache.scratch = scratch
             held_rows[:] = keep
             for slot, row in enumerate(keep):
                 self._owner[id(row)] = (cache, slot)
@@ -750,10 +752,10 @@ class BlockCausalBatch:
         """Bytes of the K/V caches held now (`CommittedKV.nbytes`, every held cache)."""
         return sum(cache.nbytes for _, cache in self._caches)
 
-    def _note_peak(self, new: CommittedKV | None, spare: torch.Tensor | None = None) -> None:
-        """Record in :attr:`peak_bytes` the caches held now (``new`` among them while it is built) and a copy
-        ``spare`` being made."""
-        held = self.held_bytes + (0 if spare is None else spare.numel() * spare.element_size())
+    def _note_peak(self, new: CommittedKV | None, *spare: torch.Tensor) -> None:
+        """Record in :attr:`peak_bytes` the caches held now (``new`` among them while it is built) and the
+        copies ``spare`` being made."""
+        held = self.held_bytes + sum(t.numel() * t.element_size() for t in spare)
         if new is not None and all(c is not new for _, c in self._caches):
             held += new.nbytes
         self.peak_bytes = max(self.peak_bytes, held)
