@@ -200,7 +200,7 @@ class Engine:
 
         Args:
             validated: the caller already ran :func:`validate_request` on these prompts and params against this
-                model (the server checks each request once, where it is made: `service.api.serving`); not again.
+                model (the server checks each request once, where it is made: `service.api.planning`); not again.
 
         Raises:
             EngineInputError: see :func:`validate_request` (not raised when ``validated``).
