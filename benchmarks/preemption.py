@@ -50,7 +50,7 @@ from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
 from service.runtime.loop import Job, Worker
 from service.runtime.memory import MemoryModel
-from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, kv_held
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 
@@ -162,9 +162,11 @@ def main() -> None:
     probe = _worker(engine, memory, 1 << 40, forward, 0)
     large_cost, small_cost = probe._cost(large()), probe._cost(small())
     # Just above one large request: the small one does not fit beside it.
-    budget = large_cost.kv + max(large_cost.transient, forward) + small_cost.kv // 2
-    print(f"large: {len(large_prompt):,}-token prompt, {args.gen} tokens (KV {large_cost.kv:,} B); small: "
-          f"{len(small_prompt)}-token prompt, {args.small_gen} tokens (KV {small_cost.kv:,} B); budget {budget:,} B "
+    # (KV as the family holds it: LLaDA2's rows share caches as wide as their longest row, `scheduler.kv_held`)
+    large_kv, small_kv = kv_held([large_cost]), kv_held([large_cost, small_cost]) - kv_held([large_cost])
+    budget = large_kv + max(large_cost.transient, forward) + small_kv // 2
+    print(f"large: {len(large_prompt):,}-token prompt, {args.gen} tokens (KV {large_kv:,} B); small: "
+          f"{len(small_prompt)}-token prompt, {args.small_gen} tokens (KV {small_kv:,} B beside it); budget {budget:,} B "
           f"(forward reserve {forward:,} B)")
 
     worker = _worker(engine, memory, budget, forward, 4)

@@ -195,7 +195,7 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
         runner.pool.max_tokens = max(1, (budget - forward) // memory.full_precision_bytes_per_token)
         telemetry.kv_pool_bytes.set_function(lambda: runner.pool.bytes_held)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
-    refuse_contradictions(settings, memory, budget, forward, max_work)
+    refuse_contradictions(settings, engine, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
     # fill it, the worker counts it in the budget and makes it give way, telemetry publishes its counts.
     # Only a family whose committed K/V depend on the tokens before them alone reads it (cache kind "committed");
@@ -217,24 +217,28 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
                   layer_split_tokens=settings.layer_split_tokens, prefix_cache=prefix_cache)
 
 
-def default_request_bytes(settings: Settings, memory: MemoryModel, forward: int) -> tuple[int, int]:
+def default_request_bytes(settings: Settings, engine: EngineLike, memory: MemoryModel, forward: int) -> tuple[int, int]:
     """``(bytes, prompt tokens)``: the memory admission needs to run the server's default request alone (a request
     that leaves max_tokens out: ``default_max_tokens`` response positions rounded up to whole blocks, after a prompt
     as long as that response, e.g. the README's 61-token chat under the default 64), counted as the worker counts
     it (`service.runtime.loop.Worker._check_size`): full-precision KV of the whole sequence and a spare column in
-    the server's cache mode, the hidden states held between the pieces of a block-initial pass split by layers, and
-    the larger of its own largest forward and the forward reserve ``forward`` (bytes)."""
+    the server's cache mode as the loaded family holds it (`EngineLike.cache_cost`), the hidden states held between
+    the pieces of a block-initial pass split by layers, and the larger of its own largest forward and the forward
+    reserve ``forward`` (bytes)."""
     block = settings.block_length
     gen = -(-settings.default_max_tokens // block) * block
     per_token = memory.full_precision_bytes_per_token
     params = DecodeParams(gen_length=gen, block_length=block, cache_mode=settings.cache_mode)
     cost = memory.cost(gen, params, per_token)
+    cache = engine.cache_cost(gen, params, cost.kv, False)  # alone: its slots' own columns
+    kv = cache.kv + cache.slot_bytes * cache.slot_columns
     split = settings.layer_split_tokens and 2 * gen > settings.layer_split_tokens
-    held = memory.hidden_bytes(2 * gen) if split else 0
-    return cost.kv + held + max(cost.transient, forward), gen
+    hidden = memory.hidden_bytes(2 * gen) if split else 0
+    return kv + hidden + max(cost.transient, forward), gen
 
 
-def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, forward: int, max_work: int) -> None:
+def refuse_contradictions(settings: Settings, engine: EngineLike, memory: MemoryModel, budget: int, forward: int,
+                          max_work: int) -> None:
     """Refuse settings that cannot work together, in one line naming both (issue 36), rather than start a server
     that refuses every request and blames the prompt:
 
@@ -248,7 +252,7 @@ def refuse_contradictions(settings: Settings, memory: MemoryModel, budget: int, 
     Raises: StartupRefused.
     """
     block = settings.block_length
-    needed, prompt = default_request_bytes(settings, memory, forward)
+    needed, prompt = default_request_bytes(settings, engine, memory, forward)
     if needed > budget:
         named = ("--kv-budget-bytes / DLLM_KV_BUDGET_BYTES" if settings.kv_budget_bytes else
                  "the default memory budget (--kv-budget-fraction of free GPU memory, 1 GiB on CPU)")

@@ -10,8 +10,9 @@ import networkx as nx
 import pytest
 
 #: Packages whose modules import one another in one direction only (no circle of modules, so no import runs back
-#: up: issue 33 broke `service.quant`'s circle config -> registry -> quantizers -> config).
-ACYCLIC = ("service.quant", "service.engine")
+#: up: issue 33 broke `service.quant`'s circle config -> registry -> quantizers -> config; `service.api`'s serving
+#: reads planning, then answers or streaming, never the other way, issue 42).
+ACYCLIC = ("service.quant", "service.engine", "service.api")
 #: Lower packages that must stay free of HTTP and persistence.
 CORE = ("service.engine", "service.artifacts", "service.quant")
 
@@ -74,6 +75,9 @@ def test_the_tree_keeps_the_dependency_direction(graph):
     # The circle issue 42 removed: models -> reveal -> params -> models (params read the families' cache modes).
     ("service.engine.params", "service.engine.models", "module cycle in service.engine"),
     ("service.engine.protocol", "service.engine.families", "module cycle in service.engine"),
+    # Serving's split (issue 42): planning knows nothing of answers, streams or the coordinator.
+    ("service.api.planning", "service.api.serving", "module cycle in service.api"),
+    ("service.api.streaming", "service.api.serving", "module cycle in service.api"),
 ])
 def test_an_illegal_import_is_caught(graph, importer, imported, rule):
     broken = copy.deepcopy(graph)

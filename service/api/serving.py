@@ -1,121 +1,31 @@
 """Serving logic behind the routes: requests -> worker jobs -> OpenAI / native answers and SSE streams.
 
 Built once in the lifespan and kept on ``app.state.serving`` (vLLM's ``OpenAIServing*`` habit); testable without
-HTTP. Rules it implements (issue #5, item 3):
-
-* Decoding runs ``max_tokens`` rounded **up** to whole blocks (`service.engine.params.response_length`); the
-  response is cut once, by the engine's report (`service.engine.response.cut_response`: at ``max_tokens``, EOS
-  and the first stop string, with its one ``finish_reason`` rule), and every answer (completions, chat,
-  ``/generate``, a stream's last chunk) takes the report's ids, text and finish reason as they are (issue 34: a
-  second cut of ids already cut lost the EOS that ``max_tokens`` removed, and said ``length`` where the report
-  said ``stop``). While a stream runs, its committed blocks' ids are cut by the same rule (:meth:`Serving.cut`),
-  so what is streamed never goes past the final answer; a stop string never appears in the text, also not in
-  streamed deltas (a tail that could start one is held back); ``usage.completion_tokens`` counts the tokens
-  returned.
-* A request is admitted with one configuration snapshot: the one its ``kv_quant`` names, else the active
-  configuration of its cache mode at admission.
-* A client that disconnects, or a request older than ``request_timeout_s``, cancels its jobs.
-* Streaming: one chunk per committed block with its text delta (from the engine's ``on_block``), then a chunk
-  with ``finish_reason``, then ``data: [DONE]``. Usage as OpenAI streams it: only with
-  ``stream_options.include_usage`` true, as one last chunk with ``choices: []`` before ``[DONE]``, every earlier
-  chunk carrying ``usage: null``; otherwise chunks have no ``usage``. An error after the stream started is sent
-  as an ``{"error": ...}`` event before ``[DONE]``.
+HTTP. A coordinator: planning (`service.api.planning`: a request read into jobs), running (here: the jobs
+submitted, waited for, cancelled when the client disconnects or the request is older than ``request_timeout_s``),
+answers (`service.api.answers`) and streaming (`service.api.streaming`). Data flows one way: planning, then
+answers or streaming, then this module.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import json
-import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 
 from service.api import schemas as s
-from service.api.errors import InvalidRequest, NotFound, RequestTimeout, classify
-from service.api.logprobs import chat_logprobs, completion_logprobs, tokens_within
-from service.api.structured import CONSTRAINT_FIELDS
-from service.api.tools import ToolAnswer, ToolRequest, call_id, conversation_calls, read_answer
+from service.api.answers import Answers
+from service.api.errors import RequestTimeout
+from service.api.planning import Plan, Planner
+from service.api.streaming import OUTCOME_KEY, Streamer, held_back, mark_cancelled
 from service.config import Settings
-from service.engine.engine import check_cache_mode, validate_request
-from service.engine.errors import EngineInputError
-from service.engine.grammar import CompiledGrammar, GrammarCompiler
-from service.engine.likelihood import LikelihoodTask
-from service.engine.models import configured_cache_mode
-from service.engine.params import DecodeParams, RowOptions, response_length
-from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.protocol import EngineLike
-from service.engine.report import TokenLogprob
-from service.engine.response import Cut, cut_response
-from service.engine.token_bound import max_bytes_per_token, min_tokens
-from service.engine.tool_format import Call, Function, generic_turns, parse_calls, starts_as_call
-from service.quant.config import KVQuantConfig
-from service.quant.registry import method
+from service.engine.response import Cut
 from service.runtime.loop import Job, JobCancelled, JobResult, RequestTooLarge, Worker
-from service.store.active import ActiveConfigs, ConfigSnapshot
-from service.store.base import AmbiguousId, ArtifactNotFound, InvalidName, StoreUnavailable, ids_matching
-from service.store.config_check import ArtifactUnfit
+from service.store.active import ActiveConfigs
 from service.telemetry import Telemetry
-
-Kind = Literal["completion", "chat", "generate"]
-
-#: Texts longer than this (characters) are tokenized one at a time, in one thread of their own, which then hands
-#: the freed memory back (glibc ``malloc_trim``). Tokenizing holds about 500 bytes per token for a moment (a 1 MB
-#: prompt of 520k tokens, near the most a body may carry by default: 250 MB), and each thread's malloc arena keeps
-#: what it once held: eight such requests at once took a 640 MB server to a 2.7 GB peak, one at a time in the
-#: thread pool's threads still to 1.9 GB; in one thread with the trim, to a 1.0 GB peak and back to 0.77 GB.
-#: Shorter texts are tokenized where they are and never wait.
-LARGE_TEXT_CHARS = 64 * 1024
-
-
-@dataclass
-class Plan:
-    """A validated request: its jobs (one per prompt and choice: choice ``k`` is prompt ``k // n``) and what
-    shaping the answer needs.
-
-    Attributes (issue 25): ``prompts`` the prompts' ids; ``logprobs`` the alternatives per returned token (None: no
-    log-probabilities); ``echo`` the prompts' texts to put before each choice's text (None: no echo); ``scores``
-    the jobs scoring each prompt's tokens (echo with logprobs), and ``scored`` their results once run; ``tools``
-    whether the choices are read for tool calls (`service.api.tools`).
-    """
-
-    kind: Kind
-    endpoint: str
-    jobs: list[Job]
-    stream: bool = False
-    include_usage: bool = False
-    request_id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-    prompts: list[list[int]] = field(default_factory=list)
-    n: int = 1
-    logprobs: int | None = None
-    echo: list[str] | None = None
-    scores: list[Job] = field(default_factory=list)
-    scored: list[list[TokenLogprob]] = field(default_factory=list)
-    tools: bool = False
-    tools_forced: bool = False  # tool_choice required or a named function: the response is calls only
-    token_ids: bool = False  # each choice carries its prompt's and its own ids (``return_token_ids``)
-
-    @property
-    def all_jobs(self) -> list[Job]:
-        """Every job to admit and wait for: the choices', then the scores'."""
-        return [*self.jobs, *self.scores]
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters of a partial text to withhold while streaming: an undecodable tail (U+FFFD
-    from a split multi-byte character) and the longest tail that could be the start of a stop string."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                hold = max(hold, k)
-                break
-    return hold
 
 
 class Serving:
@@ -130,429 +40,43 @@ class Serving:
         self.telemetry = telemetry
         self.spec = engine.spec
         self.model_name = model_name
-        self._large_texts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
-        self._bytes_per_token = max_bytes_per_token(getattr(engine, "tokenizer", None))
-        tokenizer = getattr(engine, "tokenizer", None)
-        # Structured output (`service.engine.grammar`): the tokenizer's trie is built on the first grammar request.
-        self._grammars = None if tokenizer is None else GrammarCompiler(tokenizer, self.spec.vocab_size,
-                                                                        self.spec.eos_ids)
+        self.planner = Planner(engine, active, settings, model_name)
+        self.answers = Answers(engine, active, settings, model_name)
+        self.streamer = Streamer(engine, settings, model_name, self.answers.cut, self._cancel, self._observe)
 
-    def _check_fits(self, texts: list[str]) -> None:
-        """Refuse, before tokenizing, a text prompt that provably cannot fit the context
-        (`service.engine.token_bound`; no bound for this tokenizer: nothing is refused here)."""
-        for i, text in enumerate(texts):
-            least = min_tokens(text, self._bytes_per_token)
-            if least > self.spec.max_length:
-                which = "prompt" if len(texts) == 1 else f"prompt {i}"
-                raise InvalidRequest(
-                    f"{which} is {len(text):,} characters: at least {least:,} tokens for this tokenizer (a token "
-                    f"stands for at most {self._bytes_per_token} bytes of text), over the model's context of "
-                    f"{self.spec.max_length} tokens", param="prompt")
-
-    def _tokenize(self, chars: int, encode: Callable[..., list[int]], *args: Any) -> list[int]:
-        """``encode(*args)`` of a text of ``chars`` characters: a large one (`LARGE_TEXT_CHARS`) in the one thread
-        for large texts, after those before it."""
-        if chars <= LARGE_TEXT_CHARS:
-            return encode(*args)
-        return self._large_texts.submit(_trimmed, encode, *args).result()
-
-    # ---- models and tokenizer ----------------------------------------------------------------------------------------
+    # ---- models and tokenizer (`service.api.planning`) --------------------------------------------------------------
     def models(self) -> s.ModelList:
-        """``/v1/models``: the one served model."""
-        # root: the public name, never the checkpoint's path (a host detail, issue 22).
-        return s.ModelList(data=[s.ModelCard(id=self.model_name, max_model_len=self.spec.max_length,
-                                             root=self.model_name)])
+        """``/v1/models`` (`Planner.models`)."""
+        return self.planner.models()
 
     def model(self, name: str) -> s.ModelCard:
-        """``/v1/models/{name}``: the served model's card under its public name.
-
-        Raises:
-            NotFound: ``name`` is neither the served name nor the checkpoint's id.
-        """
-        self._check_model(name)
-        return self.models().data[0]
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, self.spec.model_id):
-            raise NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model")
-
-    @property
-    def tokenizer(self):
-        """The engine's tokenizer (400 when the checkpoint has none)."""
-        tok = getattr(self.engine, "tokenizer", None)
-        if tok is None:
-            raise InvalidRequest(f"{self.model_name} has no tokenizer: send token ids instead of text",
-                                 param="prompt")
-        return tok
-
-    def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True,
-                  functions: tuple[Function, ...] = ()) -> list[int]:
-        """The prompt of chat ``messages`` offering ``functions`` (the request's ``tools``): the one rendering of
-        ``/v1/chat/completions`` and ``/tokenize``."""
-        turns = [{"role": m.role, "content": m.text} for m in messages]
-        declared = None
-        if functions or any(m.tool_calls or m.role == "tool" for m in messages):
-            turns, declared = self._tool_turns(messages, turns, functions)
-        return self._tokenize(sum(len(t["content"] or "") for t in turns), encode_chat, self.engine.tokenizer,
-                              turns, self.model_name, add_generation_prompt, "messages",
-                              self.settings.allow_special_tokens_in_content, declared)
-
-    def _tool_turns(self, messages: list[s.ChatMessage], turns: list[dict[str, Any]],
-                    functions: tuple[Function, ...]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """A conversation with tools, calls or results as turns for the chat template, and the tools to hand it:
-        OpenAI's shapes for a template that knows tools, else the generic format with no tools to hand
-        (`service.engine.tool_format`)."""
-        for i, (m, turn) in enumerate(zip(messages, turns, strict=True)):
-            if m.tool_calls:
-                turn["tool_calls"] = conversation_calls(m.tool_calls, f"messages.{i}.tool_calls")
-            if m.role == "tool":
-                turn["tool_call_id"] = m.tool_call_id
-        if not knows_tools(getattr(self.engine, "tokenizer", None)):
-            return generic_turns(turns, functions), None
-        for turn in turns:  # OpenAI's call shape, arguments as an object (what the templates iterate over)
-            if "tool_calls" in turn:
-                turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
-                    "name": c["name"], "arguments": json.loads(c["arguments"])}} for c in turn["tool_calls"]]
-        return turns, [f.declared() for f in functions] or None
-
-    def _encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return self._tokenize(len(text), encode_text, self.engine.tokenizer, text, self.model_name,
-                              add_special_tokens)
+        """``/v1/models/{name}`` (`Planner.model`; NotFound)."""
+        return self.planner.model(name)
 
     def tokenize(self, req: s.TokenizeRequest) -> s.TokenizeResponse:
-        """``/tokenize``: ids of a prompt or of chat messages (``messages``, or a ``prompt`` that is a message list as
-        lm-eval's remote tokenizer sends it; through the chat template, with the ``tools`` they offer: the prompt
-        :meth:`plan_chat` makes of the same messages and tools). A text prompt that
-        provably cannot fit the context is refused as on the generation routes: no request could use its ids, and
-        tokenizing a megabyte of text takes ~200 MB for a moment."""
-        self._check_model(req.model)
-        messages = req.prompt if isinstance(req.prompt, list) else req.messages
-        if messages is not None:
-            ids = self._chat_ids(messages, req.add_generation_prompt, req.offered())
-        else:
-            self._check_fits([req.prompt])
-            ids = self._encode(req.prompt, req.add_special_tokens)
-        return s.TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.spec.max_length)
+        """``/tokenize`` (`Planner.tokenize`)."""
+        return self.planner.tokenize(req)
 
     def detokenize(self, req: s.DetokenizeRequest) -> s.DetokenizeResponse:
-        """``/detokenize``: the text of token ids."""
-        self._check_model(req.model)
-        size = self.spec.decodable_size
-        bad = [i for i in req.tokens if not 0 <= i < size]
-        if bad:
-            raise InvalidRequest(f"token ids must lie in [0, {size}) (the tokenizer's size), got {bad[:5]}",
-                                 param="tokens")
-        return s.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        """``/detokenize`` (`Planner.detokenize`)."""
+        return self.planner.detokenize(req)
 
     def tokenizer_info(self) -> dict[str, Any]:
-        """What lm-eval's ``RemoteTokenizer`` reads (vLLM's ``/tokenizer_info`` fields)."""
-        tok = self.tokenizer
-        return {
-            "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token,
-            "bos_token": tok.bos_token,
-            "pad_token": tok.pad_token,
-            "unk_token": getattr(tok, "unk_token", None),
-            "chat_template": getattr(tok, "chat_template", None),
-            "model_max_length": self.spec.max_length,
-            "vocab_size": self.spec.decodable_size,
-            "logit_width": self.spec.vocab_size,
-            "eos_token_ids": list(self.spec.eos_ids),
-            "mask_token_id": self.spec.mask_id,
-        }
+        """``/tokenizer_info`` (`Planner.tokenizer_info`)."""
+        return self.planner.tokenizer_info()
 
-    # ---- planning ------------------------------------------------------------------------------------------------
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.spec.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token ids must lie in [0, {self.spec.vocab_size}), got {bad[:5]}", param=param)
-
-    def _params(self, req: s.DiffusionKnobs, max_tokens: int | None) -> tuple[DecodeParams, int]:
-        """The request's `DecodeParams` and its ``max_tokens`` (given, else the server's default)."""
-        max_tokens = max_tokens or self.settings.default_max_tokens
-        params = req.decode_params(self.settings, response_length(max_tokens, req.block_length or
-                                                                  self.settings.block_length))
-        return params, max_tokens
-
-    def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
-        check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
-        if req.kv_quant is None:
-            return self.active.snapshot(cache_mode)
-        cache_mode = configured_cache_mode(cache_mode, self.spec.arch)  # ``block``'s kv_quant is checked as for ``prefix``
-        # These answers go to any client: they must not say where the store is (a path, a Redis URL).
-        try:
-            try:
-                return self.active.resolver.resolve(req.kv_quant, cache_mode, "request")
-            except ArtifactNotFound:
-                full = self._full_artifact_id(req.kv_quant)  # only after a miss: a full id costs no listing
-                if full is None:
-                    raise
-                return self.active.resolver.resolve(full, cache_mode, "request")
-        except ArtifactNotFound as exc:
-            raise ArtifactNotFound(exc.public, exc.field) from None
-        except ArtifactUnfit as exc:
-            if exc.field != "kv_quant.cache_mode":
-                raise
-            raise self._mode_unfit(req, cache_mode, exc) from None
-        except StoreUnavailable:
-            raise StoreUnavailable("the store of fitted artifacts cannot be reached; retry later") from None
-
-    @staticmethod
-    def _mode_unfit(req: s.DiffusionKnobs, cache_mode: str, exc: ArtifactUnfit) -> ArtifactUnfit:
-        """A request's artifact fitted for another cache mode, named in the client's fields: a request carries no
-        ``kv_quant.cache_mode`` (the resolver's name for the mode it checks), so the 422 names ``cache_mode`` when
-        the request sent it, else the artifact's id field (the mode was the server's default)."""
-        entry = method(req.kv_quant.method)
-        id_field = f"kv_quant.{entry.spelling('artifact_id')}"
-        fitted = getattr(exc.__cause__, "detail", str(exc))
-        named = f"{id_field} {req.kv_quant.artifact_id!r}"
-        if "cache_mode" in req.model_fields_set:
-            return ArtifactUnfit("cache_mode", f"cache_mode {cache_mode!r} does not fit {named}, a "
-                                 f"{entry.store_kind} fitted for another cache mode ({fitted}); send its cache "
-                                 "mode or one fitted for this one")
-        return ArtifactUnfit(id_field, f"{named} is a {entry.store_kind} fitted for another cache mode than the "
-                             f"server's default {cache_mode!r} ({fitted}); send cache_mode with its mode")
-
-    def _full_artifact_id(self, config: KVQuantConfig) -> KVQuantConfig | None:
-        """``config`` naming its policy or state in full where it names a prefix that starts one stored id (as the
-        admin routes and ``serve --kv-quant`` take one), else None; a prefix that starts several is a 400 naming
-        the field and how many it starts (a serving route lists no stored ids)."""
-        entry = method(config.method)
-        if entry.store_kind is None or config.artifact_id is None:
-            return None
-        try:
-            full_id = self.active.resolver.store.resolve_id(entry.store_kind, config.artifact_id)
-        except AmbiguousId:
-            field = f"kv_quant.{entry.spelling('artifact_id')}"
-            found = len(ids_matching(self.active.resolver.store.list(entry.store_kind), config.artifact_id))
-            ambiguous = AmbiguousId(f"{field} {config.artifact_id!r} is ambiguous: it starts {found} stored "
-                                    f"{entry.store_kind} ids; give more of it, or the whole id")
-            ambiguous.field = field  # the param of the 400
-            raise ambiguous from None
-        except (ArtifactNotFound, InvalidName):
-            return None
-        return config.model_copy(update={"artifact_id": full_id})
-
-    def _mask_param(self, req: Any, prompt_param: str, index: int, count: int) -> tuple[str, str, str]:
-        """Where the mask token of prompt ``index`` of ``count`` is (the field named in the error's ``param``, and
-        the path to it), and how the client wrote it: a content or a text prompt that spells it, or a token id."""
-        mask = self.spec.mask_id
-        tok = getattr(self.engine, "tokenizer", None)
-        to_token = getattr(tok, "convert_ids_to_tokens", None)
-        spelled = to_token(mask) if to_token is not None else None
-        if prompt_param == "messages":
-            for i, m in enumerate(req.messages):
-                if spelled and spelled in m.text:
-                    return f"messages.{i}.content", f"messages.{i}.content", f"the text {spelled!r}"
-            return "messages", "messages", f"the mask id {mask}"
-        prompt = req.prompt
-        several = isinstance(prompt, list) and isinstance(prompt[0], str | list)  # strings, or lists of ids
-        one = prompt[index] if several else prompt
-        path = f"prompt.{index}" if several else "prompt"
-        if isinstance(one, str):
-            return "prompt", path, f"the text {spelled!r}" if spelled and spelled in one else f"the mask id {mask}"
-        at = list(one).index(mask)
-        return "prompt", f"{path}.{at}", f"the token id {mask}" + (f" ({spelled!r})" if spelled else "")
-
-    def _refuse_mask(self, req: Any, prompts: list[list[int]], prompt_param: str) -> None:
-        """A prompt holding the mask token is a 400 naming the field and what the client wrote (the engine only
-        knows the id, which a text prompt never showed)."""
-        for i, ids in enumerate(prompts):
-            if self.spec.mask_id in ids:
-                param, path, what = self._mask_param(req, prompt_param, i, len(prompts))
-                raise InvalidRequest(f"{path} holds {what}, the model's mask token: a prompt must not contain it "
-                                     "(only the response is masked)", param=param)
-
-    def _jobs(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions], snapshot: ConfigSnapshot,
-              prompt_param: str = "prompt") -> list[Job]:
-        # The engine's admission rules (prompt ids, context length, schedule, the model family's limits) checked
-        # once, by the engine: a 400 naming the field now, rather than a failed batch later.
-        try:
-            validate_request(self.spec, prompts, params, [rows[0]] * len(prompts))
-        except EngineInputError as exc:
-            if exc.field == "prompt":
-                exc.field = prompt_param  # the chat route's prompt is its messages
-            raise
-        return [Job(ids, params, rows[0], snapshot, more_rows=tuple(rows[1:]), validated=True) for ids in prompts]
-
-    def _check_count(self, count: int) -> None:
-        """More prompts than the queue can ever hold is a 400 naming ``prompt``: a 429 would invite a retry that
-        cannot succeed."""
-        if count > self.settings.max_queue:
-            raise InvalidRequest(f"prompt holds {count} prompts, more than the {self.settings.max_queue} requests the "
-                                 "queue can ever hold (DLLM_MAX_QUEUE); send them in smaller requests",
-                                 param="prompt")
-
-    @staticmethod
-    def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if any(not x for x in stops):
-            raise InvalidRequest("stop strings must not be empty", param="stop")
-        return stops
-
+    # ---- planning (`service.api.planning`) --------------------------------------------------------------------------
     def plan_completion(self, req: s.CompletionRequest) -> Plan:
-        """Validate and tokenize ``/v1/completions`` (InvalidRequest/ConfigInvalid/... on bad input)."""
-        self._check_model(req.model)
-        p = req.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            self._check_count(len(p))  # before tokenizing them all
-        if isinstance(p, str):
-            self._check_fits([p])
-            prompts = [self._encode(p)]
-        elif p and all(isinstance(x, str) for x in p):
-            self._check_fits(p)
-            prompts = [self._encode(x) for x in p]
-        elif p and all(isinstance(x, int) for x in p):
-            prompts = [list(p)]
-        elif p and all(isinstance(x, list) for x in p):
-            prompts = [list(x) for x in p]
-        else:
-            raise InvalidRequest("prompt must be a string, a list of strings, token ids or lists of token ids, "
-                                 "and not empty", param="prompt")
-        if req.max_tokens == 0:  # echo only (the request's rules): nothing generated
-            self._refuse_mask(req, prompts, "prompt")
-            for i, ids in enumerate(prompts):
-                self._check_ids(ids, "prompt")
-                if not 1 <= len(ids) <= self.spec.max_length:
-                    raise InvalidRequest(f"prompt {i} has {len(ids)} tokens: echo with max_tokens 0 takes 1 to "
-                                         f"{self.spec.max_length} (the model's context)", param="prompt")
-            plan = Plan("completion", "/v1/completions", [], request_id=s.new_id("cmpl"), prompts=prompts)
-            snapshot = self.active.snapshot(req.cache_mode or self.settings.cache_mode)
-        else:
-            plan = self._plan("completion", "/v1/completions", req, prompts, req.max_tokens, req.temperature or 0.0)
-            snapshot = plan.jobs[0].snapshot
-        plan.logprobs = req.logprobs
-        # Without a tokenizer the text is empty: the ids are the answer (vLLM's return_token_ids fields), and a
-        # stream, which carries text deltas, would carry nothing.
-        plan.token_ids = bool(req.return_token_ids) or getattr(self.engine, "tokenizer", None) is None
-        if plan.stream and getattr(self.engine, "tokenizer", None) is None:
-            raise InvalidRequest(f"{self.model_name} has no tokenizer: a stream carries text deltas, which would "
-                                 "all be empty; send stream = false (the answer's token_ids are the response)",
-                                 param="stream")
-        if req.echo:
-            plan.echo = [x if isinstance(x, str) else self._prompt_text(x)
-                         for x in ([p] if isinstance(p, str) or isinstance(p[0], int) else p)]
-            if req.logprobs is not None:
-                plan.scores = self._score_jobs(req, prompts, snapshot)
-        return plan
-
-    def _prompt_text(self, ids: list[int]) -> str:
-        tok = getattr(self.engine, "tokenizer", None)
-        return tok.decode(ids) if tok is not None else ""
-
-    def _score_jobs(self, req: s.CompletionRequest, prompts: list[list[int]], snapshot: ConfigSnapshot) -> list[Job]:
-        """Jobs scoring each prompt's tokens with the Monte-Carlo ELBO (`service.engine.likelihood`); cost bounded
-        by the work ceiling and memory admission at :meth:`submit`."""
-        if not self.engine.capabilities.likelihood:  # the engine refuses it in the worker: a 400 here
-            raise InvalidRequest("echo with logprobs scores the prompt with the ELBO, which is not implemented for "
-                                 f"{self.spec.arch} models", param="logprobs")
-        mc_num = req.mc_num or self.settings.likelihood_mc_num
-        batch = min(self.settings.likelihood_mc_batch_size, mc_num)
-        if mc_num % batch:
-            raise InvalidRequest(f"mc_num {mc_num} must be a multiple of {batch} (DLLM_LIKELIHOOD_MC_BATCH_SIZE) "
-                                 "when it is larger", param="mc_num")
-        seed = req.seed if req.seed is not None else LIKELIHOOD_SEED
-        jobs = []
-        for i, ids in enumerate(prompts):
-            self._check_ids(ids, "prompt")
-            if not 1 <= len(ids) <= self.spec.max_length:
-                raise InvalidRequest(f"prompt {i} has {len(ids)} tokens: a scored prompt has 1 to "
-                                     f"{self.spec.max_length} (the model's context)", param="prompt")
-            task = LikelihoodTask(tuple(ids), mc_num, batch, seed, req.logprobs or 0)
-            params = DecodeParams(gen_length=self.settings.block_length, block_length=self.settings.block_length,
-                                  cache_mode="none", threshold=None, steps=1)
-            jobs.append(Job(ids, params, RowOptions(), snapshot, task=task))
-        return jobs
+        """``/v1/completions`` read into a plan (`Planner.plan_completion`)."""
+        return self.planner.plan_completion(req)
 
     def plan_chat(self, req: s.ChatCompletionRequest) -> Plan:
-        """Validate and apply the chat template for ``/v1/chat/completions`` (with tools: `service.api.tools`)."""
-        self._check_model(req.model)
-        constrained = next((f for f in CONSTRAINT_FIELDS if req._constrains(f)), None)
-        tools = req.tool_request(constrained)
-        functions = tools.functions if tools is not None else ()
-        ids = self._chat_ids(req.messages, functions=functions)
-        self._check_tools_fit(req.messages, ids, functions)
-        plan = self._plan("chat", "/v1/chat/completions", req, [ids], req.max_completion_tokens or req.max_tokens,
-                          req.temperature or 0.0, "messages", tools=tools)
-        plan.tools = tools is not None and tools.calls
-        plan.tools_forced = plan.tools and tools.mode in ("required", "named")
-        return plan
-
-    def _check_tools_fit(self, messages: list[s.ChatMessage], ids: list[int], functions: tuple[Function, ...]
-                         ) -> None:
-        """A chat prompt over the model's context that fits without its tools is a 400 naming ``tools``: their
-        rendered text is what puts it over (the engine's context rule would name ``messages``, which the client
-        need not shorten). Over the context without them too, the engine's refusal naming ``messages`` stands."""
-        if not functions or len(ids) < self.spec.max_length:
-            return
-        bare = len(self._chat_ids(messages))
-        if bare >= self.spec.max_length:
-            return
-        raise EngineInputError(
-            f"the tools' rendered text puts the prompt over the model's context of {self.spec.max_length} tokens: "
-            f"the messages with tools are {len(ids):,} tokens, without them {bare:,}; offer fewer tools or shorten "
-            "their descriptions and parameters", "tools")
+        """``/v1/chat/completions`` read into a plan (`Planner.plan_chat`)."""
+        return self.planner.plan_chat(req)
 
     def plan_generate(self, req: s.GenerateRequest) -> Plan:
-        """Validate ``/generate``: text (optionally through the chat template) or token ids."""
-        self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            if not req.chat:  # a chat template may trim or drop text: no bound
-                self._check_fits([req.prompt])
-            ids = self._tokenize(len(req.prompt), encode_prompt, self.engine.tokenizer, req.prompt,
-                                 self.model_name, req.chat, self.settings.allow_special_tokens_in_content)
-        else:
-            ids = list(req.prompt)  # chat with token ids is refused by the request's rules
-        return self._plan("generate", "/generate", req, [ids], req.max_tokens, req.temperature or 0.0)
-
-    def _grammar(self, req: s.OpenAISampling | s.GenerateRequest, tools: ToolRequest | None = None
-                 ) -> CompiledGrammar | None:
-        """The compiled grammar of the request's structured-output fields (`service.api.structured`) or of its
-        tool calls (`service.api.tools`), or None. Compiling blocks (bounded, cached:
-        `service.engine.grammar.GrammarCompiler`): planning runs off the event loop."""
-        spec = tools.grammar_spec() if tools is not None else None
-        if spec is None:
-            spec = req.grammar_spec() if isinstance(req, s.OpenAISampling) else None
-        if spec is None:
-            return None
-        if self._grammars is None:
-            raise InvalidRequest(f"{self.model_name} has no tokenizer: its output cannot be constrained",
-                                 param=spec.field)
-        try:
-            return self._grammars.compile(spec)
-        except EngineInputError:
-            if tools is None or spec.kind != "lark":
-                raise
-            for one in tools.parameter_specs():  # name the function whose schema is at fault, where one is
-                self._grammars.compile(one)
-            raise
-
-    def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
-              max_tokens: int | None, temperature: float, prompt_param: str = "prompt",
-              tools: ToolRequest | None = None) -> Plan:
-        params, max_tokens = self._params(req, max_tokens)
-        self._refuse_mask(req, prompts, prompt_param)
-        logprobs = _logprobs_asked(req)
-        n = getattr(req, "n", None) or 1
-        if n > self.settings.max_n:
-            raise InvalidRequest(f"n {n} is over this server's {self.settings.max_n} choices per request "
-                                 "(DLLM_MAX_N)", param="n")
-        # A response that can only be calls (required, a named function) ends where its grammar ends: a stop string
-        # could only cut a call, which is then returned as nothing at all.
-        calls_only = tools is not None and tools.mode in ("required", "named")
-        grammar = self._grammar(req, tools)
-        if grammar is not None:  # a constrained response closes within its positions, or is refused now (issue 45)
-            grammar.fits(max_tokens, params.block_length)
-        row = RowOptions(temperature=temperature, seed=req.seed, stop=() if calls_only else self._stops(req.stop),
-                         max_tokens=max_tokens, logprobs=logprobs, grammar=grammar)
-        rows = [row.model_copy(update={"seed": _choice_seed(req.seed, j)}) for j in range(n)]
-        jobs = self._jobs(prompts, params, rows, self._snapshot(req, params.cache_mode), prompt_param)
-        prefix = {"chat": "chatcmpl", "completion": "cmpl", "generate": "gen"}[kind]
-        options = getattr(req, "stream_options", None)
-        return Plan(kind, endpoint, jobs, stream=bool(getattr(req, "stream", False)),
-                    include_usage=bool(options is not None and options.include_usage), request_id=s.new_id(prefix),
-                    prompts=prompts, n=n, logprobs=logprobs)
+        """``/generate`` read into a plan (`Planner.plan_generate`)."""
+        return self.planner.plan_generate(req)
 
     # ---- running -------------------------------------------------------------------------------------------------
     def submit(self, plan: Plan) -> None:
@@ -609,308 +133,27 @@ class Serving:
             if job.first_block_at is not None:
                 self.telemetry.first_block.labels(plan.endpoint).observe(job.first_block_at - job.admitted_at)
 
+    # ---- answers (`service.api.answers`) and streaming (`service.api.streaming`) -----------------------------------
     def cut(self, job: Job, ids: list[int]) -> Cut:
-        """The response so far of a job still decoding, from its committed ids (`service.engine.response.cut_response`,
-        the rule the engine's report applies to the finished row; a finished row is never cut again)."""
-        return cut_response(ids, self.spec.eos_ids, job.params.ignore_eos, job.row.max_tokens, job.row.stop,
-                            self.engine.decode_text)
+        """The response so far of a job still decoding (`Answers.cut`)."""
+        return self.answers.cut(job, ids)
 
-    # ---- answers -----------------------------------------------------------------------------------------------------
     def completion_response(self, plan: Plan, results: list[JobResult]) -> s.CompletionResponse:
-        """The ``/v1/completions`` answer: one choice per prompt (and per ``n``), summed usage; with ``echo`` the
-        prompt's text (and scores) before each choice's (an echo with ``max_tokens`` 0: the prompts alone)."""
-        choices = []
-        prompt_tokens = sum(len(p) for p in plan.prompts)  # once per prompt, whatever n (OpenAI's count)
-        completion_tokens = 0
-        tok = getattr(self.engine, "tokenizer", None)
-        if not plan.jobs:  # echo with max_tokens 0
-            for i, ids in enumerate(plan.prompts):
-                logprobs = None
-                if plan.logprobs is not None:
-                    logprobs = completion_logprobs(tok, [], ids, plan.scored[i] if plan.scored else [])
-                choices.append(s.CompletionChoice(index=i, text=plan.echo[i], logprobs=logprobs,
-                                                  finish_reason="length", **_token_ids(plan, ids, [])))
-        for k, (_job, row) in enumerate(_choice_rows(plan, results)):
-            i = k // plan.n
-            echo = plan.echo[i] if plan.echo is not None else ""
-            logprobs = None
-            if plan.logprobs is not None:
-                scored = plan.scored[i] if plan.scored else None
-                logprobs = completion_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)],
-                                               plan.prompts[i] if scored is not None else None, scored,
-                                               offset=0 if scored is not None else len(echo))
-            choices.append(s.CompletionChoice(index=k, text=echo + (row.text or ""), logprobs=logprobs,
-                                              finish_reason=row.finish_reason,
-                                              **_token_ids(plan, plan.prompts[i], row.generated_ids)))
-            completion_tokens += len(row.generated_ids)
-        snapshot = results[0].snapshot if results else self.active.snapshot(self.settings.cache_mode)
-        return s.CompletionResponse(
-            id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
-            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens),
-            kv_config=snapshot.describe(),
-        )
+        """The ``/v1/completions`` answer (`Answers.completion_response`)."""
+        return self.answers.completion_response(plan, results)
 
     def chat_response(self, plan: Plan, results: list[JobResult]) -> s.ChatCompletionResponse:
-        """The ``/v1/chat/completions`` answer (one choice per ``n``, summed usage)."""
-        choices, completion_tokens = [], 0
-        tok = getattr(self.engine, "tokenizer", None)
-        for k, (_job, row) in enumerate(_choice_rows(plan, results)):
-            logprobs = None
-            if plan.logprobs is not None:
-                logprobs = chat_logprobs(tok, (row.logprobs or [])[:len(row.generated_ids)])
-            if plan.tools:
-                answer = read_answer(row.text or "", row.finish_reason, forced=plan.tools_forced)
-                message, reason = _tool_message(answer), answer.finish_reason
-            else:
-                message, reason = s.ChatMessageOut(content=row.text), row.finish_reason
-            choices.append(s.ChatChoice(index=k, message=message, logprobs=logprobs, finish_reason=reason))
-            completion_tokens += len(row.generated_ids)
-        prompt_tokens = len(plan.jobs[0].prompt_ids)
-        return s.ChatCompletionResponse(
-            id=plan.request_id, created=plan.created, model=self.model_name, choices=choices,
-            usage=s.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens),
-            kv_config=results[0].snapshot.describe(),
-        )
+        """The ``/v1/chat/completions`` answer (`Answers.chat_response`)."""
+        return self.answers.chat_response(plan, results)
 
     def generate_response(self, plan: Plan, result: JobResult) -> s.GenerateResponse:
-        """The ``/generate`` answer: the one-row report as the engine cut it, as the OpenAI routes answer it (the
-        ids returned never exceed ``max_tokens``)."""
-        report = result.report.model_copy(update={"rows": [result.row]})
-        return s.GenerateResponse(
-            **report.model_dump(), id=plan.request_id, model=self.model_name,
-            prompt_tokens=len(plan.jobs[0].prompt_ids), kv_config=result.snapshot.describe(),
-            queue_s=result.queue_s, batch_size=result.batch_size,
-        )
+        """The ``/generate`` answer (`Answers.generate_response`)."""
+        return self.answers.generate_response(plan, result)
 
-    # ---- streaming -----------------------------------------------------------------------------------------------
-    async def stream(self, plan: Plan, request: Request | None = None) -> AsyncIterator[str]:
-        """SSE events of a streaming completion or chat (jobs must be submitted with :meth:`submit` first, so a
-        full queue is a 429 before the stream starts). Cancels the jobs when the client goes away, and marks the
-        request cancelled (:func:`mark_cancelled`) so that the metrics count it as 499, not as the 200 its
-        headers already said."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        for i, job in enumerate(plan.jobs):
-            job.on_block = _threadsafe(loop, events, i)
-            job.future.add_done_callback(lambda _f, i=i: loop.call_soon_threadsafe(events.put_nowait, ("done", i)))
-        choices = len(plan.jobs) * plan.n  # choice k: job k // n, its row k % n
-        emitted = [""] * choices
-        sent = [0] * choices  # tokens whose log-probabilities went out (with the chunk that completed their text)
-        open_jobs = set(range(len(plan.jobs)))
-        prompt_tokens = sum(len(j.prompt_ids) for j in plan.jobs)
-        completion_tokens = 0
-        call_ids: list[list[str]] = [[] for _ in range(choices)]  # ids of the calls streamed, per choice
-        deadline = loop.time() + self.settings.request_timeout_s
-        ended = False
-        try:
-            if plan.kind == "chat":
-                for k in range(choices):
-                    yield self._chunk(plan, k, role=True)
-            while open_jobs:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=max(0.0, deadline - loop.time()))
-                except TimeoutError:
-                    raise RequestTimeout(f"the request took longer than {self.settings.request_timeout_s} s")
-                kind, i, *rest = event
-                if i not in open_jobs:
-                    continue
-                job = plan.jobs[i]
-                if kind == "block":
-                    _, rows_ids, rows_captured = rest
-                    for j, (ids, captured) in enumerate(zip(rows_ids, rows_captured, strict=True)):
-                        k = i * plan.n + j
-                        # Cut as the final answer is cut: what is streamed never goes past it.
-                        cut = self.cut(job, ids)
-                        text = cut.text or ""
-                        text = text[: len(text) - held_back(text, job.row.stop)]
-                        if plan.tools and starts_as_call(text):  # calls go out whole, never a partial one
-                            for chunk in self._call_chunks(plan, k, parse_calls(text)[0], call_ids[k]):
-                                yield chunk
-                            continue
-                        delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
-                        entries = None
-                        if plan.logprobs is not None and captured is not None:
-                            done = tokens_within(self.engine.decode_text, cut.ids, len(emitted[k]) + len(delta))
-                            entries, sent[k] = captured[sent[k]:done], max(sent[k], done)
-                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
-                        emitted[k] += delta
-                    continue
-                exc = job.future.exception()
-                if exc is not None:
-                    raise exc
-                result: JobResult = job.future.result()
-                open_jobs.discard(i)
-                for j, row in enumerate(result.report.rows):
-                    k = i * plan.n + j
-                    text = row.text or ""
-                    completion_tokens += len(row.generated_ids)
-                    entries = (row.logprobs or [])[sent[k]:len(row.generated_ids)] if plan.logprobs is not None else None
-                    finish = row.finish_reason
-                    if plan.tools:
-                        answer = read_answer(text, row.finish_reason, call_ids[k], forced=plan.tools_forced)
-                        finish = answer.finish_reason
-                        if answer.content is None:
-                            for chunk in self._call_chunks(plan, k, [c for _, c in answer.calls], call_ids[k]):
-                                yield chunk
-                            if entries:
-                                yield self._chunk(plan, k, logprobs=entries)
-                            yield self._chunk(plan, k, text="", finish_reason=finish)
-                            continue
-                    delta = text[len(emitted[k]):] if text.startswith(emitted[k]) else ""
-                    if delta or entries:  # the text held back for a stop string, before the finish chunk (no text)
-                        yield self._chunk(plan, k, text=delta, logprobs=entries, offset=len(emitted[k]))
-                    yield self._chunk(plan, k, text="", finish_reason=finish)
-                if not open_jobs:
-                    ended = True
-                    self._observe(plan, [j.future.result() for j in plan.jobs])
-                    if plan.include_usage:
-                        yield self._chunk(plan, None, usage=s.Usage(
-                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens))
-        except (Exception, asyncio.CancelledError) as exc:
-            self._cancel(plan)
-            if isinstance(exc, asyncio.CancelledError | JobCancelled):
-                raise
-            _, body, _ = classify(exc)
-            ended = True
-            yield f"data: {json.dumps(body)}\n\n"
-        finally:
-            self._cancel(plan)
-            if not ended and request is not None:
-                # Left before the end: the client went away (the generator is cancelled or closed at a yield) or
-                # its jobs were cancelled.
-                mark_cancelled(request)
-        yield "data: [DONE]\n\n"
-
-    def _call_chunks(self, plan: Plan, k: int, calls: list[Call], ids: list[str]) -> list[str]:
-        """The chunks of the calls of choice ``k`` not yet streamed (``ids``: those streamed, extended here), each
-        as OpenAI streams one: its index, id, type and name first, then its arguments."""
-        chunks = []
-        for index in range(len(ids), len(calls)):
-            ids.append(call_id())
-            call = calls[index]
-            chunks.append(self._chunk(plan, k, tool_calls=[{"index": index, "id": ids[index], "type": "function",
-                                                            "function": {"name": call.name, "arguments": ""}}]))
-            chunks.append(self._chunk(plan, k, tool_calls=[{"index": index,
-                                                            "function": {"arguments": call.arguments}}]))
-        return chunks
-
-    def _chunk(self, plan: Plan, index: int | None, text: str | None = None, role: bool = False,
-               finish_reason: str | None = None, usage: s.Usage | None = None,
-               logprobs: list[TokenLogprob] | None = None, offset: int = 0,
-               tool_calls: list[dict[str, Any]] | None = None) -> str:
-        """One SSE chunk of choice ``index``, or (``index`` None) the usage chunk with ``choices: []``;
-        ``logprobs``: the entries of the tokens whose text this chunk completes (``offset``: the characters sent
-        before it); ``tool_calls``: call pieces (chat)."""
-        exclude = {"kv_config"} | (set() if plan.include_usage else {"usage"})
-        tok = getattr(self.engine, "tokenizer", None)
-        if plan.kind == "chat":
-            delta = s.DeltaMessage(role="assistant", content="") if role else s.DeltaMessage(content=text,
-                                                                                             tool_calls=tool_calls)
-            chat = chat_logprobs(tok, logprobs) if logprobs is not None else None
-            choices = [] if index is None else [s.ChatChunkChoice(index=index, delta=delta, logprobs=chat,
-                                                                  finish_reason=finish_reason)]
-            body = s.ChatCompletionChunk(id=plan.request_id, created=plan.created, model=self.model_name,
-                                         choices=choices, usage=usage)
-        else:
-            legacy = completion_logprobs(tok, logprobs, offset=offset) if logprobs is not None else None
-            choices = [] if index is None else [s.CompletionChoice(index=index, text=text or "", logprobs=legacy,
-                                                                   finish_reason=finish_reason)]
-            body = s.CompletionResponse(id=plan.request_id, created=plan.created, model=self.model_name,
-                                        choices=choices, usage=usage)
-        return f"data: {json.dumps(body.model_dump(mode='json', exclude=exclude))}\n\n"
-
-
-#: The ASGI scope key under which the metrics middleware (`service.main.MetricsMiddleware`) leaves a dict for the
-#: request's outcome: ``{"cancelled": True}`` once :func:`mark_cancelled` ran.
-OUTCOME_KEY = "dllm.outcome"
-
-
-def mark_cancelled(request: Request) -> None:
-    """Record that the request was cancelled (client gone, jobs cancelled) after its status was sent (a stream's
-    200), so that it is counted as 499 and as a cancellation."""
-    outcome = request.scope.get(OUTCOME_KEY)
-    if outcome is not None:
-        outcome["cancelled"] = True
-
-
-#: The Monte-Carlo seed of a likelihood request that gives none (the in-process lm-eval model's default seed, and
-#: the one lm-eval's local-completions sends).
-LIKELIHOOD_SEED = 1234
-
-
-def _choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice ``index``: the request's seed + index (kept within a 64-bit generator seed), or None
-    (each choice its own fresh random seed)."""
-    if seed is None:
-        return None
-    return seed + index if seed + index < 1 << 64 else seed + index - (1 << 64)
-
-
-def _tool_message(answer: ToolAnswer) -> s.ChatMessageOut:
-    """The assistant message of a response read for calls."""
-    calls = [s.ToolCallOut(id=i, function=s.FunctionCallOut(name=c.name, arguments=c.arguments))
-             for i, c in answer.calls]
-    return s.ChatMessageOut(content=answer.content, tool_calls=calls or None)
-
-
-def _token_ids(plan: Plan, prompt: list[int], returned: list[int]) -> dict[str, list[int] | None]:
-    """A completion choice's ``prompt_token_ids`` and ``token_ids`` (vLLM's ``return_token_ids`` fields) when the
-    plan carries them, else none (they stay null)."""
-    return {"prompt_token_ids": list(prompt), "token_ids": list(returned)} if plan.token_ids else {}
-
-
-def _choice_rows(plan: Plan, results: list[JobResult]) -> list[tuple[Job, Any]]:
-    """(job, row report) of every choice in order: choice ``k`` is row ``k % n`` of job ``k // n``."""
-    return [(job, row) for job, result in zip(plan.jobs, results, strict=True) for row in result.report.rows]
-
-
-def _logprobs_asked(req: Any) -> int | None:
-    """Alternatives per returned token a request asks for (None: no log-probabilities): completions' ``logprobs``
-    (an int), chat's ``top_logprobs`` when ``logprobs`` is true."""
-    if isinstance(req, s.CompletionRequest):
-        return req.logprobs
-    if isinstance(req, s.ChatCompletionRequest) and req.logprobs:
-        return req.top_logprobs or 0
-    return None
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def _trimmed(encode: Callable[..., list[int]], *args: Any) -> list[int]:
-    """``encode(*args)``, then hand the memory the tokenizer freed back to the system: glibc keeps freed heap
-    memory for reuse, so without it the server's RSS stays at its high-water mark after each large text."""
-    try:
-        return encode(*args)
-    finally:
-        if _MALLOC_TRIM is not None:
-            _MALLOC_TRIM(0)
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int
-                ) -> Callable[[int, list[int]], None]:
-    """An ``on_block`` callback that hands (block, ids) from the worker thread to the event loop."""
-
-    def on_block(block: int, ids: list[list[int]]) -> None:
-        # One list per row of the job: `service.engine.decode.CommittedIds`, whose log-probabilities (when asked
-        # for) come along.
-        loop.call_soon_threadsafe(events.put_nowait, ("block", index, block, [list(r) for r in ids],
-                                                      [getattr(r, "logprobs", None) for r in ids]))
-
-    return on_block
+    def stream(self, plan: Plan, request: Request | None = None) -> AsyncIterator[str]:
+        """SSE events of a streaming completion or chat (`Streamer.stream`; jobs submitted with :meth:`submit`
+        first)."""
+        return self.streamer.stream(plan, request)
 
 
 def _retrieve(future: asyncio.Future) -> None:

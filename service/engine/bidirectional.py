@@ -17,7 +17,7 @@ from service.engine.graphs import LaterSteps
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.models import DiffusionLM
 from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
-from service.engine.protocol import Capabilities, Plan, SettingRule, honoured, only
+from service.engine.protocol import CacheCost, Capabilities, Plan, SettingRule, honoured, only
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
@@ -69,6 +69,10 @@ class BidirectionalDecoder:
         if self.later_steps is None:
             return RunningBatch(self.model, self.spec.pad_id, plan)
         return RunningBatch(self.model, self.spec.pad_id, plan, self.later_steps, self.later_steps.pool)
+
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """A row's K/V live in its own store (`Cohort`): what the store holds, nothing shared."""
+        return CacheCost(store_bytes)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
                kv_store: KVStore | None, on_block: OnBlock | None, cancelled: Cancelled | None) -> Cohort:

@@ -47,7 +47,7 @@ from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
 from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
-from service.engine.protocol import Capabilities, SettingRule, honoured, only
+from service.engine.protocol import CacheCost, Capabilities, SettingRule, honoured, only
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 
@@ -391,6 +391,21 @@ class BlockCausalDecoder:
         """The cohort's report (:meth:`BlockCausalCohort.report`)."""
         return cohort.report(decode_text)
 
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """One row's K/V memory in a :class:`BlockCausalBatch` (class doc, "Caches"): a slot of ``2 x`` the
+        batch's longest row in columns (``slot_columns``: twice the row's whole blocks, ``ceil((prompt_len +
+        gen_length) / block_length)`` of them), per column every layer's K and V of the slot, plus one layer for
+        the copy a regroup makes and two of the scratch that a cache holding packed rows keeps (its own and the
+        one a regroup makes beside it); a row whose store packs its committed blocks (``quantized``, cache mode
+        not ``none``: `BlockCausalCohort.packs`) has no per-layer K/V in the slot, only the scratch, and holds
+        ``store_bytes`` in its store."""
+        cfg = self.model.config
+        layer_column = 2 * cfg.num_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
+        blocks = -(-(prompt_len + params.gen_length) // params.block_length)
+        packs = quantized and params.cache_mode != "none"
+        layers = 2 if packs else cfg.num_layers + 3
+        return CacheCost(store_bytes if packs else 0, layers * layer_column, 2 * blocks * params.block_length)
+
 
 def _generator(options: RowOptions, device: torch.device) -> torch.Generator | None:
     """The row's RNG when it samples (seeded from its options), None when greedy: the other families' rule with
@@ -427,9 +442,13 @@ class BlockCausalBatch:
 
     **Caches.** Each forward attends over one `CommittedKV` whose slots are its rows in order. A forward whose rows
     are those of a cache already held (the usual case: the same rows as the last iteration) runs on it as is;
-    otherwise a cache is made for its rows and each full-precision row's committed K/V are copied into it from the
-    cache that held them (once per change of the grouping, as when requests join or leave). A cache no live row
-    owns any more is dropped.
+    otherwise a cache of twice its longest row's columns is made for its rows and each full-precision row's
+    committed K/V are moved into it from the cache that held them (once per change of the grouping, as when
+    requests join or leave), one layer at a time: each layer of the old cache is replaced by a copy of the slots
+    of its rows that stay, so no cache keeps the slot of a row that moved or left (a leaving cohort's slots go the
+    same way), and a cache left with no row is dropped. Every row then holds one slot, at most the batch's longest
+    row's twice in columns, plus one layer's copy while a regroup moves it (``peak_bytes`` records the most held;
+    `BlockCausalDecoder.cache_cost` is what admission counts).
 
     **Preemption by recompute** (:meth:`preempt`): a cohort whose rows' next calls all commit (a block boundary;
     its store not packing committed blocks, `BlockCausalCohort.packs`) gives up its slots; it resumes with the same
@@ -457,6 +476,8 @@ class BlockCausalBatch:
         self.rows = 0
         self._caches: list[tuple[list[Row], CommittedKV]] = []  # each cache with the row of each slot
         self._owner: dict[int, tuple[CommittedKV, int]] = {}  # id(row) -> the cache and slot holding its K/V
+        #: Most bytes the caches held at once, copies under way included (:meth:`_note_peak`).
+        self.peak_bytes = 0
         # Cohorts between the pieces of a pass split by layers: the layer reached and the hidden states there.
         self._pieces: dict[BlockCausalCohort, tuple[int, torch.Tensor]] = {}
 
@@ -482,8 +503,7 @@ class BlockCausalBatch:
         self._pieces.pop(cohort, None)
         for row in cohort.rows:
             self._owner.pop(id(row), None)
-        held = {id(cache) for cache, _ in self._owner.values()}
-        self._caches = [(rows, cache) for rows, cache in self._caches if id(cache) in held]
+        self._release({id(row) for row in cohort.rows})  # its slots go now, not at the next regroup
 
     def preemptible(self, cohort: BlockCausalCohort) -> bool:
         """Whether :meth:`preempt` may take ``cohort`` out now (class doc): every live row's next call commits
@@ -670,37 +690,91 @@ class BlockCausalBatch:
 
     def _cache_for(self, rows: list[Row], packed: int) -> CommittedKV:
         """The cache with one slot per row of ``rows``, in that order, the last ``packed`` of them held packed
-        (no per-layer buffers: `CommittedKV`; class doc, "Caches"): a cache held with exactly these rows when its
-        columns cover every window, else a new one into which each full-precision row's K/V are copied from the
-        cache that held them (rows new to the batch, or resumed, get zeroed slots)."""
+        (no per-layer buffers: `CommittedKV`; class doc, "Caches"): a cache held with exactly these rows, else a
+        new one of ``2 x`` their longest row's columns into which each full-precision row's K/V are moved from
+        the cache that held them (rows new to the batch, or resumed, get zeroed slots), one layer at a time
+        (:meth:`_release`)."""
         cfg, weight = self.model.config, self.model.embed.weight
         capacity = 2 * max(r.length for r in rows)
         for held_rows, cache in self._caches:
             if held_rows == rows and cache.k[0].shape[2] >= capacity and (
                     cache.scratch is None or cache.scratch[0].shape[2] >= capacity):
                 return cache
-        olds = [cache for _, cache in self._caches]
-        capacity = max([capacity, *(c.k[0].shape[2] for c in olds)])
         full = len(rows) - packed
-        cache = CommittedKV(cfg.num_layers, len(rows), cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype,
-                            weight.device, packed)
-        for old in olds:  # the full-precision rows that stay keep their committed K/V
-            kept = [(n, slot) for n, r in enumerate(rows[:full])
-                    if (held := self._owner.get(id(r))) is not None and held[0] is old
-                    and (slot := held[1]) < old.k[0].shape[0]]
-            if not kept:
-                continue
-            to, src = (torch.tensor(list(x), device=weight.device) for x in zip(*kept))
-            for buffers, old_buffers in ((cache.k, old.k), (cache.v, old.v)):
-                for layer in range(len(buffers)):
-                    width = old_buffers[layer].shape[2]
-                    buffers[layer][:, :, :width].index_copy_(0, to, old_buffers[layer].index_select(0, src))
+        cache = CommittedKV(0, len(rows), cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype, weight.device,
+                            packed)  # its layers are added one by one below
+        # (new slot, the cache holding the row, its slot there) of each full-precision row held already
+        moves = [(n, *held) for n, r in enumerate(rows[:full])
+                 if (held := self._owner.get(id(r))) is not None and held[1] < held[0].k[0].shape[0]]
+        shape = (full, cfg.num_kv_heads, capacity, cfg.head_dim)
+
+        def build(layer: int) -> None:
+            for new_buffers, name in ((cache.k, "k"), (cache.v, "v")):
+                new_buffers.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+                self._note_peak(cache)
+                for to, old, slot in moves:  # slot by slot: no copy beside the two; past a row's length it reads nothing
+                    source = getattr(old, name)[layer]
+                    width = min(capacity, source.shape[2])
+                    new_buffers[layer][to, :, :width].copy_(source[slot, :, :width])
+
+        self._caches.append((list(rows), cache))
+        self._release({id(r) for r in rows}, build, cache)
         for slot, row in enumerate(rows):
             self._owner[id(row)] = (cache, slot)
-        self._caches.append((list(rows), cache))
-        held = {id(c) for c, _ in self._owner.values()}
-        self._caches = [(r, c) for r, c in self._caches if id(c) in held]
         return cache
+
+    def _release(self, gone: set[int], build: Callable[[int], None] | None = None,
+                 new: CommittedKV | None = None) -> None:
+        """Free the slots of the rows whose ids are ``gone`` in every held cache but ``new``, one layer at a time:
+        each layer of such a cache is replaced by a copy of its other rows' slots (``build(layer)``, when given,
+        first makes that layer of ``new`` from the old slots). A cache is never held with a slot of a row that
+        moved or left, and a regroup holds at most one layer's copy more than its rows' slots (the bound
+        `BlockCausalDecoder.cache_cost` counts); a cache left with no row is dropped."""
+        shrink = []  # (cache, its rows, the rows it keeps, the full-precision slots it keeps)
+        for held_rows, cache in self._caches:
+            if cache is new or not any(id(r) in gone for r in held_rows):
+                continue
+            full = cache.k[0].shape[0]
+            keep = [r for r in held_rows if id(r) not in gone]
+            slots = torch.tensor([s for s, r in enumerate(held_rows[:full]) if id(r) not in gone], dtype=torch.long,
+                                 device=cache.device)
+            shrink.append((cache, held_rows, keep, slots))
+        for layer in range(self.model.config.num_layers):
+            if build is not None:
+                build(layer)
+            for cache, _, keep, slots in shrink:
+                if len(slots) == cache.k[layer].shape[0]:
+                    continue  # only packed rows went: their slots are in the scratch alone
+                for buffers in (cache.k, cache.v):
+                    kept = (buffers[layer].index_select(0, slots) if len(slots) else
+                            buffers[layer].new_empty((0, *buffers[layer].shape[1:])))
+                    self._note_peak(new, kept)
+                    buffers[layer] = kept
+        for cache, held_rows, keep, _ in shrink:
+            if cache.scratch is not None:  # its content is rewritten at every layer: a smaller one, zeroed
+                shape = (len(keep), *cache.scratch[0].shape[1:])
+                scratch = None if len(keep) == cache.k[0].shape[0] else tuple(
+                    torch.zeros(shape, dtype=t.dtype, device=t.device) for t in cache.scratch)
+                self._note_peak(new, *(scratch or ()))
+                cache.scratch = scratch
+            held_rows[:] = keep
+            for slot, row in enumerate(keep):
+                self._owner[id(row)] = (cache, slot)
+        self._caches = [(r, c) for r, c in self._caches if r]
+        self._note_peak(new)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the K/V caches held now (`CommittedKV.nbytes`, every held cache)."""
+        return sum(cache.nbytes for _, cache in self._caches)
+
+    def _note_peak(self, new: CommittedKV | None, *spare: torch.Tensor) -> None:
+        """Record in :attr:`peak_bytes` the caches held now (``new`` among them while it is built) and the
+        copies ``spare`` being made."""
+        held = self.held_bytes + sum(t.numel() * t.element_size() for t in spare)
+        if new is not None and all(c is not new for _, c in self._caches):
+            held += new.nbytes
+        self.peak_bytes = max(self.peak_bytes, held)
 
 
 def generate_batch(

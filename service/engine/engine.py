@@ -18,7 +18,16 @@ from service.engine.models import MODEL_CLASSES, family_cache_modes, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompts import encode_prompt
-from service.engine.protocol import Cancelled, Capabilities, Cohort, DecodeBatch, FamilyDecoder, OnBlock, Plan
+from service.engine.protocol import (
+    CacheCost,
+    Cancelled,
+    Capabilities,
+    Cohort,
+    DecodeBatch,
+    FamilyDecoder,
+    OnBlock,
+    Plan,
+)
 from service.engine.report import DecodeReport
 from service.engine.spec import ModelSpec
 
@@ -191,7 +200,7 @@ class Engine:
 
         Args:
             validated: the caller already ran :func:`validate_request` on these prompts and params against this
-                model (the server checks each request once, where it is made: `service.api.serving`); not again.
+                model (the server checks each request once, where it is made: `service.api.planning`); not again.
 
         Raises:
             EngineInputError: see :func:`validate_request` (not raised when ``validated``).
@@ -204,6 +213,10 @@ class Engine:
     def report(self, cohort: Cohort) -> DecodeReport:
         """The :class:`DecodeReport` of a finished (or abandoned) cohort (its family's decoder makes it)."""
         return self.decoder.report(cohort, self.decode_text)
+
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """One row's K/V memory as the loaded family counts it (`FamilyDecoder.cache_cost`)."""
+        return self.decoder.cache_cost(prompt_len, params, store_bytes, quantized)
 
 
 def cache_modes(spec) -> tuple[str, ...]:

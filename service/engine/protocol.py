@@ -159,6 +159,24 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class CacheCost:
+    """What one row of a request holds in its family's K/V cache, as admission counts it
+    (`service.runtime.scheduler.Cost`; a family's :meth:`FamilyDecoder.cache_cost`).
+
+    Attributes:
+        kv: bytes the row holds on its own (its store's: the reused K/V, or packed committed blocks).
+        slot_bytes: bytes per column of what the row holds in caches its batch's rows share (0: none), and
+        slot_columns: the columns a shared cache holding the row has at least. A shared cache's slots all have
+            its longest row's columns, so the rows of a batch hold ``sum(slot_bytes) x max(slot_columns)``
+            together (`service.runtime.scheduler.kv_held`).
+    """
+
+    kv: int
+    slot_bytes: int = 0
+    slot_columns: int = 0
+
+
+@dataclass(frozen=True)
 class SettingRule:
     """How a family serves one decoding setting (a `service.engine.params.DecodeSettings` field).
 
@@ -266,6 +284,13 @@ class FamilyDecoder(Protocol):
         """The report of a finished (or abandoned) cohort."""
         ...
 
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """What one row of a request of a ``prompt_len``-token prompt decoded with ``params`` holds in the K/V
+        cache at its most (bytes; `service.runtime.memory` measures the rest): ``store_bytes`` is what its K/V
+        store holds by the store's own count (``seq_len + 1`` columns at its measured bytes per token),
+        ``quantized`` whether that store quantizes (not full precision)."""
+        ...
+
 
 class EngineLike(Protocol):
     """What the worker and the HTTP layer need of `service.engine.Engine` (a fake engine in HTTP-shape tests,
@@ -300,6 +325,10 @@ class EngineLike(Protocol):
     ) -> Cohort: ...
 
     def report(self, cohort: Cohort) -> DecodeReport: ...
+
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """One row's K/V memory as its family counts it (:meth:`FamilyDecoder.cache_cost`)."""
+        ...
 
     # A prompt's per-token likelihood (`service.engine.likelihood.PromptLikelihood`: ``seq_len``,
     # ``next_call(max_rows, max_bytes)``, ``step(layers=...)``, ``scores()``).

@@ -45,7 +45,7 @@ import torch
 from service.engine.errors import EngineInputError
 from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel, make_canvas_cache
 from service.engine.params import EDITING_FIELDS
-from service.engine.protocol import Capabilities, SettingRule, only
+from service.engine.protocol import CacheCost, Capabilities, SettingRule, only
 
 #: The reference's global defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``), applied
 #: where neither the call nor the checkpoint's ``generation_config.json`` sets a value.
@@ -460,3 +460,7 @@ class RenoisingDecoder:
 
     def report(self, cohort, decode_text):
         raise EngineInputError(_NOT_SERVED, "model")
+
+    def cache_cost(self, prompt_len, params, store_bytes, quantized) -> CacheCost:
+        """Nothing is served yet: counted as a store of its own would hold."""
+        return CacheCost(store_bytes)

@@ -97,6 +97,7 @@ from service.runtime.scheduler import (
     first_passes_first,
     forward_plan,
     forward_tokens,
+    kv_held,
     likelihood_layers,
     likelihood_rows,
     piece_work,
@@ -469,27 +470,31 @@ class Worker:
             self.telemetry.waiting.set(len(self._queue))
 
     def _per_token(self, job: Job) -> float:
-        return self.memory.kv_bytes_per_token((job.snapshot.config, job.snapshot.cache_mode), lambda: self._store(job))
+        return self.memory.kv_bytes_per_token(_config_key(job), lambda: self._store(job))
 
-    def _cost(self, job: Job, rows: int | None = None) -> Cost:
-        """The memory of ``job`` (`service.runtime.scheduler.Cost`), all its rows, or ``rows`` of them."""
+    def _cost(self, job: Job, rows: int | None = None, params: DecodeParams | None = None) -> Cost:
+        """The memory of ``job`` (`service.runtime.scheduler.Cost`), all its rows, or ``rows`` of them; with
+        ``params`` in place of its own."""
         if job.task is not None:  # full passes without cache: no KV held
-            held, t = 0, len(job.task.ids)
+            hidden, t = 0, len(job.task.ids)
             per_forward = self._task_rows(t)
             if likelihood_layers(per_forward * t, 0, self.layer_split_tokens, self.engine.spec.num_layers):
                 # Its forwards run in pieces: the hidden states of a forward between pieces, and those of a batch
                 # cut over several forwards, are held across iterations beside the other requests' forwards.
-                held = (per_forward + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
-            return Cost(held, job.task.transient_bytes(self.memory.forward))
-        one = self.memory.cost(len(job.prompt_ids), job.params, self._per_token(job))
+                hidden = (per_forward + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
+            return Cost(hidden, job.task.transient_bytes(self.memory.forward))
+        params = params if params is not None else job.params
+        one = self.memory.cost(len(job.prompt_ids), params, self._per_token(job))
+        # The family says what a row holds: its own store's bytes, or a slot in caches its batch shares.
+        cache = self.engine.cache_cost(len(job.prompt_ids), params, one.kv, self.memory.quantized(_config_key(job)))
         rows = len(job.rows) if rows is None else rows
-        kv = one.kv * rows
-        seq_len = len(job.prompt_ids) + job.params.gen_length
+        kv = cache.kv * rows
+        seq_len = len(job.prompt_ids) + params.gen_length
         if self.layer_split_tokens and rows * seq_len > self.layer_split_tokens:
             # Its block-initial passes are split by layers: the hidden states between two pieces are held across
             # an iteration, beside the other requests' forwards (`service.runtime.scheduler.split_by_layers`).
             kv += rows * self.memory.hidden_bytes(seq_len)
-        return Cost(kv, one.transient * rows)  # n choices: n rows
+        return Cost(kv, one.transient * rows, cache.slot_bytes * rows, cache.slot_columns)  # n choices: n rows
 
     def _store(self, job: Job) -> KVStore:
         store = self._kv_store_factory(job.snapshot)
@@ -500,26 +505,27 @@ class Worker:
         cost on the job (``job.cost``: admission then reads it under the lock without measuring anything)."""
         job.sized = True
         cost = job.cost = self._cost(job)
+        kv = kv_held([cost])
         if job.task is not None:
-            if cost.kv + cost.transient > self.budget_bytes:
-                raise RequestTooLarge(f"this request's largest forward needs about {cost.kv + cost.transient:,} "
+            if kv + cost.transient > self.budget_bytes:
+                raise RequestTooLarge(f"this request's largest forward needs about {kv + cost.transient:,} "
                                       f"bytes, over the server's memory budget of {self.budget_bytes:,} bytes: "
                                       "shorten the prompt", "prompt")
             return
-        if cost.kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
+        if kv + max(cost.transient, self.forward_bytes) > self.budget_bytes:
             one_block = job.params.model_copy(update={"gen_length": job.params.block_length})
-            short = self.memory.cost(len(job.prompt_ids), one_block, self._per_token(job))
-            fits_short = short.kv + max(short.transient, self.forward_bytes) <= self.budget_bytes
+            short = self._cost(job, rows=1, params=one_block)
+            fits_short = kv_held([short]) + max(short.transient, self.forward_bytes) <= self.budget_bytes
             field = "max_tokens" if fits_short else "prompt"
             single = self._cost(job, rows=1)
-            if len(job.rows) > 1 and single.kv + max(single.transient, self.forward_bytes) <= self.budget_bytes:
+            if len(job.rows) > 1 and kv_held([single]) + max(single.transient, self.forward_bytes) <= self.budget_bytes:
                 field = "n"  # one choice fits: the n choices' rows are what put it over
             # The forward reserve is a server setting: named as such, never blamed on the prompt (issue 36).
             reserve = max(cost.transient, self.forward_bytes)
             forward = ("its largest forward" if cost.transient >= self.forward_bytes else
                        "the forward reserve of --max-batched-tokens")
             raise RequestTooLarge(
-                f"this request needs about {cost.kv + reserve:,} bytes (KV {cost.kv:,} + {forward} {reserve:,}), "
+                f"this request needs about {kv + reserve:,} bytes (KV {kv:,} + {forward} {reserve:,}), "
                 f"over the server's memory budget of {self.budget_bytes:,} bytes even alone: "
                 + {"n": f"its {len(job.rows)} choices do (one fits): lower n", "max_tokens": "shorten max_tokens",
                    "prompt": "shorten the prompt"}[field],
@@ -605,7 +611,7 @@ class Worker:
             return self.budget_bytes
         wanted = [*running, head] if head is not None else running
         transient = max([self.forward_bytes, *(c.transient for c in wanted)])
-        over = sum(c.kv for c in wanted) + transient + cache.held_bytes - self.budget_bytes
+        over = kv_held(wanted) + transient + cache.held_bytes - self.budget_bytes
         if over > 0:
             cache.evict(over)
         return self.budget_bytes - cache.held_bytes
@@ -825,7 +831,7 @@ class Worker:
         for job in self._running.values():
             job.peak_rows = max(job.peak_rows, len(self._running))
         self.telemetry.running.set(len(self._running))
-        reserved = sum(job.cost.kv for job in self._running.values())
+        reserved = kv_held([job.cost for job in self._running.values()])
         self.telemetry.kv_reserved.set(reserved)
         self.telemetry.kv_usage.set(min(1.0, reserved / self.budget_bytes))
 
@@ -920,3 +926,8 @@ def _set_result(job: Job, result: JobResult) -> None:
 def _set_exception(job: Job, exc: BaseException) -> None:
     if not job.future.done():
         job.future.set_exception(exc)
+
+
+def _config_key(job: Job) -> tuple:
+    """The key of ``job``'s K/V configuration in the memory model (`MemoryModel.kv_bytes_per_token`)."""
+    return job.snapshot.config, job.snapshot.cache_mode

@@ -44,7 +44,9 @@ class MemoryModel:
     def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu") -> None:
         self.spec, self.forward, self.element_size = spec, forward, forward.element_size
         self.device = torch.device(device)
-        self._per_token: dict[object, float] = {}  # insertion-ordered: the oldest is dropped past PER_TOKEN_KEEP
+        # Per configuration: its bytes per token and whether its store quantizes; insertion-ordered, the oldest
+        # dropped past PER_TOKEN_KEEP.
+        self._per_token: dict[object, tuple[float, bool]] = {}
 
     @classmethod
     def dense(cls, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
@@ -81,13 +83,18 @@ class MemoryModel:
         if key not in self._per_token:
             store = make_store()
             if type(store) is FullPrecisionKVStore:
-                self._per_token[key] = float(self.full_precision_bytes_per_token)
+                self._per_token[key] = (float(self.full_precision_bytes_per_token), False)
             else:
-                self._per_token[key] = self._probe(store) / PROBE_TOKENS
+                self._per_token[key] = (self._probe(store) / PROBE_TOKENS, True)
             # One entry per distinct configuration a client names: bounded (issue 22), a dropped one is measured again.
             while len(self._per_token) > PER_TOKEN_KEEP:
                 del self._per_token[next(iter(self._per_token))]
-        return self._per_token[key]
+        return self._per_token[key][0]
+
+    def quantized(self, key: object) -> bool:
+        """Whether configuration ``key``'s store quantizes (is not full precision); measured by
+        :meth:`kv_bytes_per_token` first (KeyError before)."""
+        return self._per_token[key][1]
 
     def _probe(self, store: KVStore) -> int:
         """Bytes ``store`` holds after a block-initial pass that reuses :data:`PROBE_TOKENS` prefix tokens."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.runtime.scheduler import Cost, fits
+from service.runtime.scheduler import Cost, fits, kv_held
 
 #: Preemptions one request may undergo (``max_preemptions``, DLLM_MAX_PREEMPTIONS); 0 turns preemption off.
 DEFAULT_MAX_PREEMPTIONS = 4
@@ -72,7 +72,7 @@ def may_preempt(holder: Holder, max_preemptions: int) -> bool:
 
 def size(cost: Cost) -> int:
     """A request's size for the rule: its KV plus transient bytes (as backfill compares requests)."""
-    return cost.kv + cost.transient
+    return kv_held([cost]) + cost.transient
 
 
 def plan_preemption(head: Cost, running: list[Holder], budget: int, reserve: int = 0,

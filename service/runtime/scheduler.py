@@ -3,8 +3,8 @@ memory (admission by a budget instead of by a count, issue #14), and how an iter
 forwards. The loop that applies them is `service.runtime.loop`; what a request costs is measured by
 `service.runtime.memory`.
 
-The scheduler admits a request while ``sum(KV bytes of running rows) + its KV bytes + the largest forward's
-transient`` fits the budget (:func:`plan_admission`). Forwards are bounded by a token budget
+The scheduler admits a request while ``what the running rows and it hold together (:func:`kv_held`) + the largest
+forward's transient`` fits the budget (:func:`plan_admission`). Forwards are bounded by a token budget
 (``max_batched_tokens``, :func:`plan_forwards`): the activation memory of a forward at that budget is measured
 once at start-up (`service.runtime.memory.MemoryModel.measure_forward`) and reserved off the budget; a request
 whose own block-initial pass is larger runs it alone and reserves its own transient. Its work
@@ -23,14 +23,28 @@ from service.engine.params import DecodeParams
 
 @dataclass(frozen=True)
 class Cost:
-    """Memory of one request: ``kv`` bytes held at its longest, ``transient`` bytes of its largest forward."""
+    """Memory of one request: ``kv`` bytes held at its longest on its own, ``transient`` bytes of its largest
+    forward; ``slot_bytes`` bytes per column of what its rows hold in caches that the batch's rows share, each
+    slot of ``slot_columns`` columns at least (0, 0: none; `service.engine.protocol.CacheCost`, as its family
+    counts it: LLaDA2's `service.engine.block_causal_batch.BlockCausalDecoder.cache_cost`)."""
 
     kv: int
     transient: int
+    slot_bytes: int = 0
+    slot_columns: int = 0
+
+
+def kv_held(costs: list[Cost]) -> int:
+    """Bytes requests of ``costs`` hold together between forwards: their own ``kv``, and their shared caches'
+    slots, every slot as wide as the widest one needs (``sum(slot_bytes) x max(slot_columns)``; a shared cache's
+    slots all have its longest row's columns)."""
+    return sum(c.kv for c in costs) + sum(c.slot_bytes for c in costs) * max((c.slot_columns for c in costs),
+                                                                          default=0)
+
 
 def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool:
-    """Whether a request of ``cost`` fits beside ``running``: every row's KV bytes plus the largest of the
-    forward ``reserve`` and the requests' own transients within ``budget`` (bytes).
+    """Whether a request of ``cost`` fits beside ``running``: what they hold together (:func:`kv_held`) plus the
+    largest of the forward ``reserve`` and the requests' own transients within ``budget`` (bytes).
 
     The largest, not their sum: an iteration's forwards run one after another and each frees its activations
     before the next (what is held across them, the hidden states between the pieces of a split pass, is counted
@@ -39,7 +53,7 @@ def fits(running: list[Cost], cost: Cost, budget: int, reserve: int = 0) -> bool
     ``reserve``), a wider pass runs in a forward alone (its own transient). Before issue 42 LLaDA2 ran all its
     rows in one forward, whose transient was the sum of theirs."""
     transient = max([reserve, cost.transient, *(c.transient for c in running)])
-    return sum(c.kv for c in running) + cost.kv + transient <= budget
+    return kv_held([*running, cost]) + transient <= budget
 
 
 def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost], budget: int, now: float,
@@ -67,7 +81,7 @@ def plan_admission(waiting: list[tuple[Cost, float | None]], running: list[Cost]
     for i, (cost, blocked_at) in enumerate(waiting):
         if max_rows is not None and len(held) >= max_rows:
             break
-        size = cost.kv + cost.transient
+        size = kv_held([cost]) + cost.transient
         if (not held or fits(held, cost, budget, reserve)) and (head_size is None or size < head_size):
             chosen.append(i)
             held.append(cost)

@@ -14,7 +14,7 @@ from service.config import Settings
 from service.engine import Engine
 from service.engine.params import DecodeParams
 from service.runtime.memory import MemoryModel
-from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS
+from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, Cost, kv_held
 from tests.support.apps import sse_events
 from tests.support.metrics import metric_sum, metrics
 from tests.support.processes import embedded_server
@@ -24,17 +24,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def _costs(engine: Engine, large: int, small: int) -> int:
     """A budget just above the large request (prompt of ``large`` tokens, 256 response tokens): the small one
-    (``small`` tokens, 32) does not fit beside it, as the server costs them (full precision, dual cache)."""
+    (``small`` tokens, 32) does not fit beside it, as the server costs them (full precision, dual cache, as the
+    family holds them: `Engine.cache_cost`, `service.runtime.scheduler.kv_held`)."""
     memory = MemoryModel.for_engine(engine)
     spec = engine.spec
     per_token = 2.0 * spec.num_layers * spec.num_kv_heads * spec.head_dim * memory.element_size
-    big = memory.cost(large, DecodeParams(gen_length=256, block_length=32, cache_mode="dual"), per_token)
-    little = memory.cost(small, DecodeParams(gen_length=32, block_length=32, cache_mode="dual"), per_token)
+
+    def cost(prompt: int, gen: int) -> Cost:
+        params = DecodeParams(gen_length=gen, block_length=32, cache_mode="dual")
+        one = memory.cost(prompt, params, per_token)
+        cache = engine.cache_cost(prompt, params, one.kv, False)
+        return Cost(cache.kv, one.transient, cache.slot_bytes, cache.slot_columns)
+
+    big, little = cost(large, 256), cost(small, 32)
     forward = memory.measure_forward(engine, DEFAULT_MAX_BATCHED_TOKENS)
     # The large request's block-initial passes are split by layers (the default DLLM_LAYER_SPLIT_TOKENS): it holds
     # its hidden states between pieces beside its KV (`Worker._cost`).
     held = memory.hidden_bytes(large + 256) if large + 256 > Settings.model_fields["layer_split_tokens"].default else 0
-    return big.kv + held + max(big.transient, forward) + little.kv // 2
+    beside = kv_held([big, little]) - kv_held([big])  # what the small one adds beside it
+    return kv_held([big]) + held + max(big.transient, forward) + beside // 2
 
 
 def _stream(url: str, prompt: list[int], on_first=None, model: str = "embedded", ignore_eos: bool = True

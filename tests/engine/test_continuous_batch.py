@@ -264,7 +264,7 @@ def test_the_lm_head_runs_only_at_the_columns_a_reveal_reads(engines):
 
 
 def test_a_request_validated_where_it_was_made_is_not_checked_again(engines):
-    """The server checks a request once, where it is made (`Serving._jobs`, `Job.validated`); the engine then makes
+    """The server checks a request once, where it is made (`service.api.planning.Planner._jobs`, `Job.validated`); the engine then makes
     its cohort without `validate_request`, which refuses the same arguments when asked."""
     engine = engines["llada"]
     prompt = [*four_prompts("llada")[0], engine.spec.mask_id]  # what validate_request refuses, cheaply

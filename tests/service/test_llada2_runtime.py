@@ -11,15 +11,17 @@ import torch
 from service.engine import Engine
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
 from service.runtime.loop import Job, Worker
 from service.runtime.memory import MemoryModel
-from service.runtime.scheduler import forward_tokens
+from service.runtime.scheduler import forward_tokens, kv_held
 from service.store.active import ConfigSnapshot
 from service.telemetry import Telemetry
 from tests.support.llada2 import LLADA2_CKPT, llada2_golden
 from tests.support.preemption import large_then_small
 
 UNQUANTIZED = KVQuantConfig()
+KIVI2 = KVQuantConfig(method="kivi", bits=2, k_group_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +36,8 @@ def _prompts() -> list[list[int]]:
     return [by_length[n] for n in (5, 12, 17, 40)]
 
 
-def _worker(engine, budget: int, telemetry: Telemetry, **kw) -> Worker:
-    return Worker(engine, lambda snap: None, telemetry, MemoryModel.for_engine(engine), budget, max_rows=8, **kw)
+def _worker(engine, budget: int, telemetry: Telemetry, kv_store_factory=lambda snap: None, **kw) -> Worker:
+    return Worker(engine, kv_store_factory, telemetry, MemoryModel.for_engine(engine), budget, max_rows=8, **kw)
 
 
 def _snapshot(mode: str) -> ConfigSnapshot:
@@ -90,9 +92,9 @@ def _run(engine, mode: str, n: int, temperature: float, max_preemptions: int):
     large = Job(prompts[3] * 3, large_params, rows[0], _snapshot(mode), more_rows=tuple(rows[1:]))
     small = Job(prompts[0], small_params, RowOptions(), _snapshot("block"))
     large_cost, small_cost = probe._cost(large), probe._cost(small)
-    budget = large_cost.kv + large_cost.transient  # the large one fits alone, the small one not beside it
-    assert small_cost.kv + small_cost.transient <= budget
-    assert large_cost.kv + large_cost.transient > small_cost.kv + small_cost.transient
+    budget = kv_held([large_cost]) + large_cost.transient  # the large one fits alone, the small one not beside it
+    assert kv_held([small_cost]) + small_cost.transient <= budget
+    assert kv_held([large_cost]) + large_cost.transient > kv_held([small_cost]) + small_cost.transient
     worker = _worker(engine, budget, telemetry, max_preemptions=max_preemptions)
     large_result, small_result, blocks, order = large_then_small(worker, large, small)
     return large_result, small_result, blocks, large, order
@@ -108,3 +110,50 @@ def test_a_preempted_llada2_request_decodes_and_streams_as_without_preemption(en
     assert [r.nfe for r in large.report.rows] == [r.nfe for r in without[0].report.rows]
     assert blocks == without[2]
     assert small.row.generated_ids == without[1].row.generated_ids
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["full-precision", "kivi-packed-beside-full"])
+def test_the_caches_llada2_holds_stay_within_the_budget_admission_counts(engine, quantized):
+    """Issue 42 (a): admission counts what a LLaDA2 batch really holds (`BlockCausalDecoder.cache_cost`): slots as
+    wide as twice the batch's longest row, and a regroup's copy. Under a budget that fits three of these requests
+    by that count, a run of mixed requests (lengths, blocks, cache modes, joining and leaving, regrouped by a small
+    token budget) never holds more cache bytes than the budget leaves beside its forward reserve, several run at
+    once, and each decodes as alone. Before, admission counted a row's own ``seq_len + 1`` columns: this budget
+    admitted all eight at once and their caches held up to 1.6 times what it leaves beside the reserve. With
+    ``quantized``, every other ``block`` request packs its committed blocks (KIVI 2-bit): caches then hold packed
+    rows' scratch beside full-precision rows' slots, and the packed blocks count in the budget too (asserted on
+    the caches, which are what the test measures)."""
+    prompts = _prompts()
+    params = [DecodeParams(gen_length=64, block_length=32, threshold=0.9, cache_mode="block"),
+              DecodeParams(gen_length=32, block_length=16, steps=8, cache_mode="block"),
+              DecodeParams(gen_length=32, block_length=32, threshold=0.9, cache_mode="none")]
+    packs = [quantized and i % 2 == 0 and params[i % 3].cache_mode == "block" for i in range(8)]
+    jobs = [Job(prompts[i % 4] * (1 + i % 3), params[i % 3], RowOptions(),
+                ConfigSnapshot(KIVI2 if packs[i] else UNQUANTIZED, params[i % 3].cache_mode, "request"))
+            for i in range(8)]
+    stores = (lambda snap: make_kv_store(snap.config, engine.spec)) if quantized else (lambda snap: None)
+    alone = [engine.generate([j.prompt_ids], j.params, [j.row], kv_store=stores(j.snapshot)).rows[0].generated_ids
+             for j in jobs]
+    probe = _worker(engine, 1 << 30, Telemetry(), kv_store_factory=stores)
+    costs = [probe._cost(j) for j in jobs]
+    largest = sorted(costs, key=lambda c: kv_held([c]) + c.transient)[-3:]
+    budget = kv_held(largest) + max(c.transient for c in costs)  # any three fit together
+    worker = _worker(engine, budget, Telemetry(), max_batched_tokens=96, kv_store_factory=stores)
+    running: list[int] = []
+    plan = worker._plan
+
+    def spy(passes):
+        running.append(worker.num_running)
+        return plan(passes)
+
+    worker._plan = spy
+    for job in jobs:
+        worker.submit(job)
+    worker.start()
+    served = [j.future.result(timeout=300).row.generated_ids for j in jobs]
+    peak = worker._batch.peak_bytes
+    worker.stop()
+    assert served == alone
+    assert max(running) >= 3  # not a test of one request at a time
+    reserve = max(c.transient for c in costs)
+    assert 0 < peak <= budget - reserve

@@ -204,7 +204,7 @@ def test_submit_and_cancel_never_wait_for_a_probe_or_a_report(engine):
 
     worker.memory._probe = held_probe
     worker.engine = types.SimpleNamespace(report=held_report, **{
-        name: getattr(engine, name) for name in ("spec", "batch", "cohort", "decode_text")})
+        name: getattr(engine, name) for name in ("spec", "batch", "cohort", "decode_text", "cache_cost")})
     first = worker.submit(Job(prompt, _params(gen_length=32), RowOptions(), _snapshot(KIVI2)))
     worker.start()
     try:

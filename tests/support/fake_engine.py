@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from service.engine.params import DecodeParams, RowOptions
-from service.engine.protocol import Capabilities
+from service.engine.protocol import CacheCost, Capabilities
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
@@ -85,6 +85,10 @@ class FakeEngine:
         if cohort.was_cancelled:
             report.rows[0].finish_reason = "cancelled"
         return report
+
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """Each row's own store, as a bidirectional family's."""
+        return CacheCost(store_bytes)
 
 
 class FakeCohort:
