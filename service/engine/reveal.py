@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.errors import EngineInputError
-from service.engine.params import EDITING_FIELDS, DecodeParams
+from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
 from service.engine.sampling import (
     _ENTROPY_EPS,
     DREAM_EPS,
@@ -79,6 +79,10 @@ class RevealRule:
             raise EngineInputError(
                 f"{given[0]} is a setting of LLaDA2.1's token editing (block-causal LLaDA2 models), and this "
                 "model's family does not edit tokens; leave it unset", given[0])
+
+    def check_rows(self, rows: list[RowOptions]) -> None:
+        """Refuse per-row options the family cannot decode (EngineInputError naming the field). Here: none; a
+        family whose sampling is its own (DiffusionGemma's renoising) refuses what it does not define."""
 
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""

@@ -17,6 +17,7 @@ A running request holds two kinds of memory:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +42,13 @@ class MemoryModel:
         MLP's as the family declares them); device: where probes run.
     """
 
-    def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu",
+                 layout: Any = None) -> None:
         self.spec, self.forward, self.element_size = spec, forward, forward.element_size
+        #: A model config whose layers hold K/V by kind (``kv_bytes``, ``sampler_bytes``, ``canvas_length``:
+        #: DiffusionGemma's sliding and global layers, `service.engine.models.diffusion_gemma`); None: every layer
+        #: holds ``num_kv_heads x head_dim`` per token.
+        self.layout = layout
         self.device = torch.device(device)
         self._per_token: dict[object, float] = {}  # insertion-ordered: the oldest is dropped past PER_TOKEN_KEEP
 
@@ -62,7 +68,8 @@ class MemoryModel:
         if model is None:
             width = engine.spec.num_heads * engine.spec.head_dim
             return cls.dense(engine.spec, width, 3 * width, 4)
-        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device)
+        layout = model.config if callable(getattr(model.config, "kv_bytes", None)) else None
+        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device, layout)
 
     def knows(self, key: object) -> bool:
         """Whether the bytes per token of configuration ``key`` are measured (asking costs no torch work)."""
@@ -103,6 +110,11 @@ class MemoryModel:
 
     def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
         """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
+        if self.layout is not None:  # K/V by layer kind; the response in whole canvases; the sampler beside
+            canvas = self.layout.canvas_length
+            tokens = prompt_len + -(-params.gen_length // canvas) * canvas
+            return Cost(self.layout.kv_bytes(tokens, self.element_size),
+                        self.transient(tokens, canvas) + self.layout.sampler_bytes())
         seq_len = prompt_len + params.gen_length
         # The full-precision store keeps the whole sequence in order plus a spare column (the window's columns are
         # written over at each later step, `FullPrecisionKVStore`); counted so for every store: a quantized one

@@ -106,3 +106,15 @@ def test_the_other_families_flags_are_refused_in_one_line():
     assert done.returncode == 2 and "--steps is not a setting of a renoising model" in done.stderr
     done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {"t-max": 0.3, "t-min": 0.4}))
     assert done.returncode == 2 and "t_max must be > t_min" in done.stderr
+
+
+def test_cache_mode_and_the_masked_families_settings_are_refused_not_ignored():
+    """``--cache-mode`` (and any masked-family decoding flag) was silently ignored on a renoising model: refused by
+    name, with what the family always does."""
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {}), "--cache-mode", "none")
+    assert done.returncode == 2 and "--cache-mode is not a setting of a renoising model" in done.stderr
+    assert "committed canvases' cache" in done.stderr
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {}), "--remasking", "random")
+    assert done.returncode == 2 and "--remasking is not a setting of a renoising model" in done.stderr
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {"entropy-bound": "-1"}))
+    assert done.returncode == 2 and "entropy_bound" in done.stderr
