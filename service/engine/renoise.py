@@ -34,6 +34,7 @@ the one tensor that grows with the rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -66,6 +67,21 @@ from service.engine.response import cut_response
 #: where neither the call nor the checkpoint's ``generation_config.json`` sets a value.
 DEFAULTS = {"max_new_tokens": 256, "max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
             "stability_threshold": 1, "confidence_threshold": 0.005}
+
+
+def generation_config(directory: Path | None) -> dict:
+    """The checkpoint's ``generation_config.json`` (``{}``: none, or no directory), read once per version of the
+    file (the server reads it for every request's defaults). Not to be modified."""
+    path = directory / "generation_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    stat = path.stat()
+    return _read_json(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_json(path: str, mtime_ns: int, size: int) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 @dataclass(frozen=True)
@@ -112,9 +128,8 @@ class RenoiseParams:
         """The settings of a call: ``given`` (None values dropped) over the checkpoint's ``generation_config.json``
         over :data:`DEFAULTS`, the reference's order of precedence (``_prepare_generation_config``)."""
         values = dict(DEFAULTS)
-        generation = directory / "generation_config.json" if directory is not None else None
-        if generation is not None and generation.is_file():
-            saved = json.loads(generation.read_text())
+        saved = generation_config(directory)
+        if saved:
             sampler = saved.get("sampler_config") or {}
             if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
                 values["entropy_bound"] = sampler["entropy_bound"]
@@ -127,8 +142,7 @@ def stop_ids(directory: Path | None) -> tuple[tuple[int, ...], int | None]:
     """The EOS ids and the pad id the reference's ``generate`` uses: its generation config's, i.e. the checkpoint's
     ``generation_config.json`` (none there, or no such file: no EOS ends the text and nothing is padded; the
     reference does not fall back on ``config.json``)."""
-    generation = directory / "generation_config.json" if directory is not None else None
-    saved = json.loads(generation.read_text()) if generation is not None and generation.is_file() else {}
+    saved = generation_config(directory)
     eos = saved.get("eos_token_id")
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
     pad = saved.get("pad_token_id")
@@ -587,6 +601,13 @@ def settings_for(params: DecodeParams, directory: Path | None) -> RenoiseParams:
                                         **{name: getattr(params, name) for name in RENOISING_FIELDS})
 
 
+def checkpoint_directory(spec) -> Path | None:
+    """The directory the model ``spec`` describes was loaded from (its ``generation_config.json`` holds the
+    renoising defaults), or None (a repo id, the embedded model: the reference's defaults apply)."""
+    directory = Path(spec.model_id)
+    return directory if (directory / "config.json").is_file() else None
+
+
 class NoStore:
     """The K/V store slot of a renoising cohort: its committed K/V live in its rows' caches (no report)."""
 
@@ -814,8 +835,7 @@ class RenoisingDecoder:
         #: Not read: no CUDA graphs and no prefix cache across requests for this family yet.
         self.later_steps = None
         self.prefix_cache = None
-        directory = Path(spec.model_id)
-        self.directory = directory if (directory / "config.json").is_file() else None
+        self.directory = checkpoint_directory(spec)
 
     def batch(self, plan: Plan | None = None) -> RenoisingBatch:
         return RenoisingBatch(self.model, plan)

@@ -16,6 +16,7 @@ Rules of NVlabs/Fast-dLLM commit 24cc59e (golden SPEC 3.1, 3.5, 3.6); the token 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -80,9 +81,11 @@ class RevealRule:
                 f"{given[0]} is a setting of LLaDA2.1's token editing (block-causal LLaDA2 models), and this "
                 "model's family does not edit tokens; leave it unset", given[0])
 
-    def check_rows(self, rows: list[RowOptions]) -> None:
-        """Refuse per-row options the family cannot decode (EngineInputError naming the field). Here: none; a
-        family whose sampling is its own (DiffusionGemma's renoising) refuses what it does not define."""
+    def check_request(self, spec: Any, params: DecodeParams, rows: list[RowOptions]) -> None:
+        """Refuse what a request asks of the model ``spec`` describes that the family cannot decode, beyond
+        :meth:`check` (EngineInputError naming the field): per-row options, settings read against the checkpoint.
+        Here: nothing; a family whose sampling is its own (DiffusionGemma's renoising) refuses what it does not
+        define."""
 
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""

@@ -187,3 +187,18 @@ def test_admission_counts_kv_by_layer_kind(engine):
     cost = memory.cost(len(prompt), params, 0.0)
     assert held <= cost.kv and cost.kv - held == config.canvas_length * per[GLOBAL]
     assert cost.transient >= config.sampler_bytes()
+
+
+def test_the_cache_mode_refusal_lists_diffusion_gemma_truly(engine):
+    """The masked families' 400 for ``block`` names the families that take it; DiffusionGemma is among them and
+    does take it (its committed canvases' cache, as prefix and dual name it: the same tokens)."""
+    from service.engine.engine import check_cache_mode
+    from tests.support.fastdllm import CKPT
+
+    with pytest.raises(EngineInputError, match=r"diffusion_gemma \(renoising\)") as refused:
+        check_cache_mode(load_checkpoint(CKPT["llada"]).spec, "block")
+    assert refused.value.field == "cache_mode"
+    prompt = _prompt(6, 9)
+    ids = {mode: engine.generate([prompt], _params(16, cache_mode=mode, max_denoising_steps=2),
+                                 [RowOptions(seed=1)]).rows[0].generated_ids for mode in ("block", "prefix", "dual")}
+    assert ids["block"] == ids["prefix"] == ids["dual"]

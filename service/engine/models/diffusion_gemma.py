@@ -485,15 +485,20 @@ class RenoisingRule(RevealRule):
 
     remasking = ("low_confidence",)
 
-    def check_rows(self, rows) -> None:
-        """Refuse ``temperature`` above 0 (its temperature is the t_max .. t_min schedule), ``logprobs`` (a
-        committed token is the argmax of a canvas whose other positions were drawn and redrawn: no one
-        distribution gave it) and a grammar (structured output, tool calls: each step redraws every position it
-        does not accept, so a constrained position would be redrawn unconstrained).
+    def check_request(self, spec, params, rows) -> None:
+        """Refuse renoising settings the reference refuses once the checkpoint's ``generation_config.json`` fills
+        the ones not given (``t_max`` not above ``t_min`` ...: `service.engine.renoise.settings_for`, here so that
+        it is a 400 before any work), ``temperature`` above 0 (its temperature is the t_max .. t_min schedule),
+        ``logprobs`` (a committed token is the argmax of a canvas whose other positions were drawn and redrawn: no
+        one distribution gave it) and a grammar (structured output, tool calls: each step redraws every position
+        it does not accept, so a constrained position would be redrawn unconstrained).
 
         Raises:
-            EngineInputError: naming ``temperature``, ``logprobs`` or ``response_format``.
+            EngineInputError: naming the renoising field, ``temperature``, ``logprobs`` or ``response_format``.
         """
+        from service.engine.renoise import checkpoint_directory, settings_for  # it imports this module
+
+        settings_for(params, checkpoint_directory(spec))
         for row in rows:
             if row.temperature:
                 raise EngineInputError(f"temperature {row.temperature} is not a setting of DiffusionGemma: its "
@@ -502,7 +507,8 @@ class RenoisingRule(RevealRule):
             if row.logprobs is not None:
                 raise EngineInputError("logprobs are not defined for DiffusionGemma: a committed token is the "
                                        "argmax of a canvas whose positions were drawn and redrawn over the steps, "
-                                       "not a draw from one distribution; leave logprobs unset", "logprobs")
+                                       "not a draw from one distribution (nor is a prompt's likelihood, echo with "
+                                       "logprobs: the family has no ELBO); leave logprobs unset", "logprobs")
             if row.grammar is not None:
                 raise EngineInputError("structured output and tool calls are not served for DiffusionGemma: each "
                                        "denoising step redraws every position it does not accept, so a constrained "
