@@ -202,3 +202,12 @@ def test_the_cache_mode_refusal_lists_diffusion_gemma_truly(engine):
     ids = {mode: engine.generate([prompt], _params(16, cache_mode=mode, max_denoising_steps=2),
                                  [RowOptions(seed=1)]).rows[0].generated_ids for mode in ("block", "prefix", "dual")}
     assert ids["block"] == ids["prefix"] == ids["dual"]
+
+
+def test_the_work_bound_counts_max_denoising_steps():
+    """A request's work (`work_tokens`, held against the server's ceiling) grows with a given
+    max_denoising_steps, and bounds the decoder passes it can make: canvases (at most the blocks) x steps."""
+    from service.runtime.scheduler import work_tokens
+
+    small, large = (work_tokens(10, _params(64, max_denoising_steps=n)) for n in (8, 8_000))
+    assert large == 4 * 8_000 * (10 + 64) > small == work_tokens(10, _params(64))  # 64 calls bound 4 blocks x 8
