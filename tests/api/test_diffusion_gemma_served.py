@@ -140,3 +140,16 @@ def test_the_server_still_answers_after_the_refusals(client):
     out = client.completions.create(model=client.models.list().data[0].id, prompt="w2", max_tokens=8,
                                     extra_body=STEPS)
     assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_published_schema_takes_the_renoising_fields(server):
+    """/openapi.json states what the served model takes: the renoising fields (refused by schema on the other
+    families, tests/api/test_openapi_document.py), and the masked families' cache mode none is not listed."""
+    import jsonschema
+
+    doc = httpx.get(server.url + "/openapi.json", timeout=60).json()
+    properties = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    for name, value in (("max_denoising_steps", 8), ("t_max", 0.5), ("entropy_bound", 0.2)):
+        jsonschema.validate(value, properties[name])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate("none", properties["cache_mode"])
