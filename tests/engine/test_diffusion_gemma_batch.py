@@ -211,3 +211,24 @@ def test_the_work_bound_counts_max_denoising_steps():
 
     small, large = (work_tokens(10, _params(64, max_denoising_steps=n)) for n in (8, 8_000))
     assert large == 4 * 8_000 * (10 + 64) > small == work_tokens(10, _params(64))  # 64 calls bound 4 blocks x 8
+
+
+def test_a_cancelled_request_leaves_and_the_other_goes_on(engine):
+    """A request whose flag is set (its client went away) leaves after the iteration, reported ``cancelled``; the
+    request beside it decodes as alone."""
+    batch = engine.batch()
+    prompt, params = _prompt(7, 10), _params(48, max_denoising_steps=3)
+    flag = {"set": False}
+    gone = engine.cohort([prompt], params, [RowOptions(seed=1)], cancelled=lambda: [flag["set"]])
+    kept = engine.cohort([prompt], params, [RowOptions(seed=2)])
+    batch.join(gone)
+    batch.join(kept)
+    finished = []
+    with torch.inference_mode():
+        finished += batch.step()
+        flag["set"] = True
+        while batch.cohorts:
+            finished += batch.step()
+    assert gone in finished and engine.report(gone).rows[0].finish_reason == "cancelled"
+    assert gone.rows[0].result.nfe == 2  # flags are polled after each iteration: it ran the one after it was set
+    assert kept.rows[0].result.generated_ids == _solo(engine, prompt, params, 2).generated_ids
