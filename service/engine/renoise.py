@@ -23,7 +23,8 @@ step ``multinomial(probs [B*C, V], 1)`` (for one sample torch draws an exponenti
   draws of ``torch.manual_seed(S)`` (CPU), so at batch 1 this *is* the reference's order (tested);
 * ``per_row`` (each row its own generator, seeded by its request's ``seed``): each row makes its own calls of the
   same shapes with one row (``(1, C)``, ``[C, V]``) while it decodes, and none after; a row's draws never depend on
-  the other rows, so it decodes as alone in any batch. At batch 1 the two modes are the same calls.
+  the other rows, so it decodes as alone in any batch. At batch 1 the two modes are the same calls. This mode is
+  the server's running batch (:class:`RenoisingBatch`, below: rows join and leave between iterations).
 
 **Memory.** The per-step ``[C, V]`` float32 work (softmax, the exponentials, the entropy's normalised logits and
 probabilities) runs one row and ``chunk`` positions at a time (the exponentials are drawn in element order, so the
@@ -624,20 +625,20 @@ class RenoisingCohort:
 
     Args:
         model: the loaded model. prompts: token ids per row. settings: one :class:`RenoiseParams` per row.
-        rows: per-row options (seed; stop strings and ``max_tokens`` for the report). eos_ids, pad_id: what ends
-        a text and what follows its EOS in the canvas holding it. params: the request's settings (the report's).
+        rows: per-row options (seed; stop strings and ``max_tokens`` for the report). eos_ids: where the report
+        cuts each text (the batch's, which end the decode). params: the request's settings (the report's).
         on_block: ``on_block(canvas, ids_per_row)`` once every live row committed one more canvas (each row's
         committed ids so far). cancelled: per-row flags, polled after each iteration. store: the request's store
         slot (nothing is held there).
     """
 
     def __init__(self, model: DiffusionGemmaModel, prompts: list[list[int]], settings: list[RenoiseParams],
-                 rows: list[RowOptions], eos_ids: tuple[int, ...], pad_id: int | None, params: DecodeParams,
+                 rows: list[RowOptions], eos_ids: tuple[int, ...], params: DecodeParams,
                  on_block: OnBlock | None = None, cancelled: Cancelled | None = None, store: Any = None) -> None:
         device = model.embed.weight.device
         self.rows = [RenoisingRow(model, prompt, s, _generator(o.seed, device))
                      for prompt, s, o in zip(prompts, settings, rows, strict=True)]
-        self.row_options, self.eos_ids, self.pad_id, self.params = rows, tuple(eos_ids), pad_id, params
+        self.row_options, self.eos_ids, self.params = rows, tuple(eos_ids), params
         self.on_block, self.cancelled = on_block, cancelled
         self.store = store if store is not None else NoStore()
         self.status = ["running"] * len(self.rows)
@@ -738,12 +739,16 @@ class RenoisingBatch:
     ``on_block``) fails alone; a forward that raises fails the iteration (the worker fails its requests).
 
     Args:
-        model: the loaded model. plan: groups :meth:`step`'s passes (None: one forward); the batch makes its own
-        two forwards whatever the groups (``plan_bounded`` False). chunk: positions per piece of the sampler.
+        model: the loaded model. eos_ids, pad_id: what ends a text and what follows its EOS in the canvas holding
+        it (the model's: every cohort of the batch has them). plan: groups :meth:`step`'s passes (None: one
+        forward); the batch makes its own forwards whatever the groups (``plan_bounded`` False). chunk: positions
+        per piece of the sampler.
     """
 
-    def __init__(self, model: DiffusionGemmaModel, plan: Plan | None = None, chunk: int = 64) -> None:
-        self.model, self.plan, self.chunk = model, plan, chunk
+    def __init__(self, model: DiffusionGemmaModel, eos_ids: tuple[int, ...], pad_id: int | None,
+                 plan: Plan | None = None, chunk: int = 64) -> None:
+        self.model, self.eos_ids, self.pad_id, self.plan, self.chunk = model, tuple(eos_ids), pad_id, plan, chunk
+        self._eos: torch.Tensor | None = None
         self.failed: list[tuple[RenoisingCohort, BaseException]] = []
         self.forwards = 0
         self.rows = 0
@@ -778,21 +783,9 @@ class RenoisingBatch:
         named = [p.cohort for group in forwards for p in group]
         rows = [row for cohort in named for row in cohort.live()]
         if rows:
-            device = self.model.embed.weight.device
-            eos = {id(c): eos_tensor(c.eos_ids, device) for c in named}
-            # Rows of cohorts with other EOS ids commit apart (one shared set is the common case: the model's).
-            by_eos: dict[tuple, list[RenoisingCohort]] = {}
-            for cohort in named:
-                by_eos.setdefault((cohort.eos_ids, cohort.pad_id), []).append(cohort)
-            if len(by_eos) == 1:
-                forwards_run, row_forwards = iterate(self.model, rows, eos[id(named[0])], named[0].pad_id,
-                                                     self.chunk)
-            else:  # not the server's case (one model, one EOS set): each set its own iteration
-                forwards_run = row_forwards = 0
-                for group in by_eos.values():
-                    f, r = iterate(self.model, [row for c in group for row in c.live()], eos[id(group[0])],
-                                   group[0].pad_id, self.chunk)
-                    forwards_run, row_forwards = forwards_run + f, row_forwards + r
+            if self._eos is None:
+                self._eos = eos_tensor(self.eos_ids, self.model.embed.weight.device)
+            forwards_run, row_forwards = iterate(self.model, rows, self._eos, self.pad_id, self.chunk)
             self.forwards += forwards_run
             self.rows += row_forwards
         finished = after_iteration(self._live, self.failed, self.leave)
@@ -838,7 +831,7 @@ class RenoisingDecoder:
         self.directory = checkpoint_directory(spec)
 
     def batch(self, plan: Plan | None = None) -> RenoisingBatch:
-        return RenoisingBatch(self.model, plan)
+        return RenoisingBatch(self.model, self.spec.eos_ids, self.spec.pad_id, plan)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions], kv_store: Any,
                on_block: OnBlock | None, cancelled: Cancelled | None) -> RenoisingCohort:
@@ -848,8 +841,8 @@ class RenoisingDecoder:
             EngineInputError: a renoising value the reference refuses (naming the field).
         """
         settings = settings_for(params, self.directory)
-        return RenoisingCohort(self.model, prompts, [settings] * len(prompts), rows, self.spec.eos_ids,
-                               self.spec.pad_id, params, on_block, cancelled, kv_store)
+        return RenoisingCohort(self.model, prompts, [settings] * len(prompts), rows, self.spec.eos_ids, params,
+                               on_block, cancelled, kv_store)
 
     def report(self, cohort: RenoisingCohort, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
         return cohort.report(decode_text)

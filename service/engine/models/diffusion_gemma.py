@@ -31,9 +31,9 @@ is, read from it (text only):
 
 Every operation runs in the reference's order and dtype, with the same SDPA call (mask or ``is_causal``, GQA in the
 kernel or repeated heads) at batch 1, so float32 logits on CPU are the reference's bit for bit (token-exact
-decoding, `service.engine.renoise`). With several rows their cached lengths differ: keys are padded per row and a
-boolean mask hides the padding, which rounds differently from the row alone (rare token changes, measured in the
-tests).
+decoding, `service.engine.renoise`). With several rows each row's attention and experts run on its own tensors
+(the cache holds rows apart, unpadded), so they round as alone; the projections, norms and MLPs run batched and
+round as alone from 4 input rows up (`service.engine.renoise.STACKABLE_TOKENS`).
 
 Shapes use STYLE.md letters: B rows, T tokens, C width, H heads, D head dim, E experts, K experts per token, V vocab.
 """
