@@ -136,7 +136,8 @@ class MemoryModel:
         cols = min(block, width)
         estimate = self.forward.bytes(rows, width, width, cols)
         model = getattr(engine, "model", None)
-        if model is None or self.device.type != "cuda":
+        # A two-pass model (DiffusionGemma: encode, decode; no one-pass forward to run here) is costed by the model.
+        if model is None or self.device.type != "cuda" or self.layout is not None:
             return estimate
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
