@@ -10,13 +10,18 @@ distort), tokens per server CPU second, the rows per forward (``dllm_row_forward
 the ratio of 8 clients' tokens per CPU second to 1 client's: what batching the rows into one forward per
 iteration saves on the host and in the kernels' fixed costs (one run; no verdict, the load moves it).
 
-Usage: ``python benchmarks/llada2_serve_load.py [--requests 32] [--model DIR] [--levels 1,8]``.
+``--extra JSON`` adds fields to every request body: the same run on the tiny DiffusionGemma (docs/diffusion_gemma.md)
+is ``--model tests/data/diffusion_gemma/dgemma-tiny --extra '{"max_denoising_steps": 8}'`` (64 tokens: four canvases
+of 16, 8 steps each at most; each request its own seed, so every row draws from its own generator).
+
+Usage: ``python benchmarks/llada2_serve_load.py [--requests 32] [--model DIR] [--levels 1,8] [--extra JSON]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import json
 import sys
 from pathlib import Path
 
@@ -33,9 +38,14 @@ def prompts(n: int) -> list[str]:
     return [" ".join(f"w{(7 * i + k) % 400}" for k in range(4 + i % 8)) for i in range(n)]
 
 
-def completion(client: httpx.Client, prompt: str) -> int:
-    """One ``/v1/completions``; its completion tokens."""
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 64, "temperature": 0})
+#: Fields every request adds (``--extra``).
+EXTRA: dict = {}
+
+
+def completion(client: httpx.Client, prompt: str, seed: int = 0) -> int:
+    """One ``/v1/completions`` (seeded: a family that samples draws the same every run); its completion tokens."""
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 64, "temperature": 0, "seed": seed,
+                                             **EXTRA})
     r.raise_for_status()
     return r.json()["usage"]["completion_tokens"]
 
@@ -44,7 +54,7 @@ def level(url: str, texts: list[str], clients: int) -> dict:
     """Send every prompt from ``clients`` threads; generated tokens and rows per forward."""
     before = batch_stats(url)
     with httpx.Client(base_url=url, timeout=600) as client, concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        tokens = sum(pool.map(lambda p: completion(client, p), texts))
+        tokens = sum(pool.map(lambda ip: completion(client, ip[1], ip[0]), enumerate(texts)))
     after = batch_stats(url)
     return {"clients": clients, "tokens": tokens,
             "rows_per_forward": (after[3] - before[3]) / max(1.0, after[2] - before[2])}
@@ -55,11 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32, help="requests per level (default 32)")
     parser.add_argument("--model", default=str(CHAT), help="checkpoint (default the tiny LLaDA2 with a tokenizer)")
     parser.add_argument("--levels", default="1,8", help="concurrent clients per level (default 1,8)")
+    parser.add_argument("--extra", default="{}", help="JSON object of fields added to every request (default {})")
     args = parser.parse_args(argv)
+    EXTRA.update(json.loads(args.extra))
     args.threads, args.device, args.kv_budget_bytes = 1, "cpu", 1 << 30  # what start_server reads
     rows = levels(args, level, prompts(args.requests))
     print(f"llada2_serve_load: {args.requests} completions per level, max_tokens 64, {Path(args.model).name}, "
-          "1 torch thread, cpu")
+          f"extra {args.extra}, 1 torch thread, cpu")
     print("| clients | tokens | server CPU s | tokens / CPU s | rows/fwd | x 1st level | load |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     base = rows[0]["tok_per_cpu_s"]

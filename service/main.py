@@ -23,6 +23,8 @@ from service.api.admin import Admin
 from service.api.routes import admin, health, native, openai
 from service.api.serving import OUTCOME_KEY, Serving
 from service.config import Settings, served_model_name
+from service.engine.engine import cache_modes
+from service.engine.families import settings_rules
 from service.engine.kv_store import KVStore
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prefix_cache import PrefixCache
@@ -145,8 +147,15 @@ class HostAllowList:
 
 
 async def probe(worker: Worker, snapshot: ConfigSnapshot, spec: ModelSpec, timeout_s: float) -> None:
-    """One denoising step of a one-token prompt and a 4-position response through the worker (readiness)."""
-    params = DecodeParams(gen_length=4, block_length=4, cache_mode="none", threshold=None, steps=1)
+    """One denoising step of a one-token prompt and a 4-position response through the worker (readiness): cache
+    mode ``none`` and one step where the family takes them, else its first cache mode and its own one step (a
+    renoising family: ``max_denoising_steps`` 1, one canvas)."""
+    rules = settings_rules(spec.arch)
+    mode = "none" if not rules["cache_mode"].refuses("none") else cache_modes(spec)[0]
+    if rules["steps"].refuses(1):
+        params = DecodeParams(gen_length=4, block_length=4, cache_mode=mode, max_denoising_steps=1)
+    else:
+        params = DecodeParams(gen_length=4, block_length=4, cache_mode=mode, threshold=None, steps=1)
     job = worker.submit(Job([spec.pad_id if spec.pad_id != spec.mask_id else 0], params, RowOptions(), snapshot,
                             internal=True))
     await asyncio.wait_for(asyncio.wrap_future(job.future), timeout=timeout_s)

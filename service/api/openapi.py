@@ -26,6 +26,7 @@ from service.api.deps import require_admin, require_api_key
 from service.api.rules import RULED
 from service.api.schemas import FROM_SERVER
 from service.engine.engine import cache_modes
+from service.engine.families import settings_rules
 from service.engine.models import reveal_rule
 from service.quant.registry import artifact_types
 from service.store.config_check import schema_constraints
@@ -119,7 +120,8 @@ def server_values(state: Any) -> dict[str, Any]:
     context less one position for the other part); ``last_token_id`` (a prompt id: below the logits' width) and
     ``mask_id`` (``{"const": id}``, never in a prompt); ``last_decodable_id`` (``/detokenize``: the tokenizer's
     size); ``model_names`` (the served name); ``fingerprint`` (the weights'); ``remasking``,
-    ``dream_schedules`` and ``token_editing`` (what the family's reveal rule takes); ``cache_modes`` (what
+    ``dream_schedules`` and ``token_editing`` (what the family's reveal rule takes); ``renoising`` (whether its
+    decoder takes the renoising fields); ``cache_modes`` (what
     the family decodes with, `service.engine.engine.cache_modes`); ``artifact_kinds`` (admin URL segments of the registered methods); ``max_prompts``
     (prompts in one completion request: the most the queue holds, ``max_queue``); ``max_n`` (choices per prompt,
     ``DLLM_MAX_N``).
@@ -140,6 +142,8 @@ def server_values(state: Any) -> dict[str, Any]:
         # JSON Schema's "not" of token editing's values: nothing ({}: every value refused) on a family that does
         # not edit, anything ({"not": {}}) on one that does.
         "token_editing": {"not": {}} if reveal_rule(spec.arch).edits_tokens else {},
+        # The same for the renoising fields: anything where the family's decoder takes them (DiffusionGemma).
+        "renoising": {"not": {}} if settings_rules(spec.arch)["max_denoising_steps"].serves is None else {},
         "cache_modes": list(cache_modes(spec)),
         "artifact_kinds": list(artifact_types()),
         "max_prompts": serving.settings.max_queue,

@@ -51,6 +51,7 @@ from service.engine.params import (
     EDITING_FIELDS,
     MAX_TOP_LOGPROBS,
     N_CEILING,
+    RENOISING_FIELDS,
     TOKENS_CEILING,
     CacheMode,
     DecodeParams,
@@ -198,12 +199,14 @@ class StreamOptions(StrictModel):
 #: Schedule fields and response lengths are bounded by the model's context (a block, the steps and the response
 #: all fit in it beside a prompt of at least one token); ``remasking`` and ``dream_schedule`` by the model family's
 #: reveal rule (``block`` schedule: Dream only), ``cache_mode`` by the family (``block``: block-causal ones only),
-#: token editing's fields by whether the family edits (null only where it does not).
+#: token editing's fields by whether the family edits (null only where it does not), the renoising fields by
+#: whether the family renoises (DiffusionGemma; null only elsewhere).
 _KNOB_BOUNDS = {"block_length": from_server(maximum="longest_response"),
                 "steps": from_server(maximum="longest_response"),
                 "remasking": from_server(enum="remasking"), "cache_mode": from_server(enum="cache_modes"),
                 "dream_schedule": from_server(enum="dream_schedules"),
-                **{name: from_server(**{"not": "token_editing"}) for name in EDITING_FIELDS}}
+                **{name: from_server(**{"not": "token_editing"}) for name in EDITING_FIELDS},
+                **{name: from_server(**{"not": "renoising"}) for name in RENOISING_FIELDS}}
 
 
 class DiffusionKnobs(create_model("DecodingFields", __base__=RuledModel, **optional_fields(_KNOB_BOUNDS))):

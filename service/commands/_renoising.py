@@ -23,38 +23,42 @@ import json
 import time
 from dataclasses import asdict
 
-#: Flags (argparse dests) -> `service.engine.renoise.RenoiseParams` fields.
+#: Flags (argparse dests: `service.engine.params.RENOISING_FIELDS`, declared with the other decoding settings in
+#: `DecodeSettings`, so ``serve`` and the request fields take the same names) -> `RenoiseParams` fields.
 FLAGS = {"max_denoising_steps": "max_denoising_steps", "entropy_bound": "entropy_bound", "t_max": "t_max",
          "t_min": "t_min", "stability_threshold": "stability_threshold",
          "confidence_threshold": "confidence_threshold"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The renoising flags of ``generate`` (default None: the checkpoint's, else the reference's default)."""
-    group = parser.add_argument_group("renoising decoding (DiffusionGemma; service.engine.renoise)")
-    group.add_argument("--max-denoising-steps", type=int, default=None,
-                       help="decoder passes per canvas at most (default: the checkpoint's, else 48)")
-    group.add_argument("--entropy-bound", type=float, default=None,
-                       help="accepted positions' summed entropy less the largest, nats (default 0.1)")
-    group.add_argument("--t-max", type=float, default=None, help="temperature at the first step (default 0.8)")
-    group.add_argument("--t-min", type=float, default=None, help="temperature the schedule ends at (default 0.4)")
-    group.add_argument("--stability-threshold", type=int, default=None,
-                       help="steps the argmax canvas must not change before it may stop (default 1)")
-    group.add_argument("--confidence-threshold", type=float, default=None,
-                       help="mean entropy (nats) under which a stable canvas stops (default 0.005)")
+def given_settings(args: argparse.Namespace) -> dict:
+    """The renoising flags given, parsed and bounded as `DecodeSettings` fields (a flag's value is text).
+
+    Raises:
+        pydantic.ValidationError: a value outside a field's bounds.
+    """
+    from service.engine.params import DecodeSettings
+
+    given = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    settings = DecodeSettings(**given)
+    return {name: getattr(settings, name) for name in given}
 
 
 def _refuse_other_flags(args: argparse.Namespace) -> None:
     """The masked families' settings have no meaning here: refused in one line naming the flag."""
     from service.engine.errors import EngineInputError
+    from service.engine.params import RENOISING_FIELDS, DecodeSettings
 
-    others = [("--steps", args.steps), ("--threshold", args.threshold), ("--block-length", args.block_length),
-              ("--steps-per-block", args.steps_per_block)]
-    for flag, value in others:
-        if value is not None:
-            raise EngineInputError(f"{flag} is not a setting of a renoising model (DiffusionGemma); its settings "
-                                   "are --max-denoising-steps, --entropy-bound, --t-max, --t-min, "
-                                   "--stability-threshold, --confidence-threshold", flag.lstrip("-"))
+    # Every decoding flag of the masked families (generated from DecodeSettings) and LLaDA2's own: none has a
+    # meaning here, and one given was silently ignored (--cache-mode was, found by a review).
+    names = [n for n in DecodeSettings.model_fields if n not in RENOISING_FIELDS] + ["steps_per_block"]
+    for name in names:
+        if getattr(args, name, None) is not None:
+            flag = "--" + name.replace("_", "-")
+            why = ("its decoder always reads the committed canvases' cache (there is no recompute mode)"
+                   if name == "cache_mode" else "it is a setting of the masked families")
+            raise EngineInputError(f"{flag} is not a setting of a renoising model (DiffusionGemma): {why}; its "
+                                   "settings are --max-denoising-steps, --entropy-bound, --t-max, --t-min, "
+                                   "--stability-threshold, --confidence-threshold", name)
     if args.temperature:
         raise EngineInputError("--temperature is not a setting of a renoising model: its temperature follows "
                                "--t-max .. --t-min over the steps", "temperature")
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> i
     _refuse_other_flags(args)
     directory = resolve_checkpoint_dir(args.model)
     params = RenoiseParams.for_checkpoint(directory, max_new_tokens=args.gen_length,
-                                          **{field: getattr(args, dest) for dest, field in FLAGS.items()})
+                                          **{FLAGS[dest]: value for dest, value in given_settings(args).items()})
     eos_ids, pad_id = stop_ids(directory)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed) if args.seed is not None else None
     held: list[CanvasCache] = []

@@ -61,7 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-keep-dequantized", action="store_true",
                     help="keep each layer's dequantized K/V for the whole block (faster, no memory saved in a block; default: off)")
     _block_causal.add_arguments(parser)
-    _renoising.add_arguments(parser)
 
 
 def add_parser(subparsers) -> None:

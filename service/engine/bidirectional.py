@@ -16,8 +16,8 @@ from service.engine.decode import Cancelled, Cohort, OnBlock
 from service.engine.graphs import LaterSteps
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.models import DiffusionLM
-from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
-from service.engine.protocol import CacheCost, Capabilities, Plan, SettingRule, honoured, only
+from service.engine.params import EDITING_FIELDS, RENOISING_FIELDS, DecodeParams, RowOptions
+from service.engine.protocol import CacheCost, Capabilities, Plan, SettingRule, honoured, only, refused_all
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 from service.engine.spec import ModelSpec
@@ -42,7 +42,8 @@ def bidirectional_settings(model_class: type[DiffusionLM]) -> dict[str, SettingR
         "ignore_eos": honoured("every block decoded; the response is not cut at an EOS"),
         "dream_schedule": only(rule.dream_schedules, "dream_schedule is a Dream setting (its schedule with cache "
                                "mode none)" if rule.dream_schedules == ("origin",) else "Dream's schedules"),
-        **{name: only((None,), "a LLaDA2.1 setting: this family does not edit tokens") for name in EDITING_FIELDS},
+        **refused_all(EDITING_FIELDS, "a LLaDA2.1 setting: this family does not edit tokens"),
+        **refused_all(RENOISING_FIELDS, "a DiffusionGemma setting: this family unmasks, it does not renoise"),
     }
 
 

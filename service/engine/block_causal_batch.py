@@ -45,9 +45,17 @@ from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
-from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
+from service.engine.params import EDITING_FIELDS, RENOISING_FIELDS, DecodeParams, RowOptions
 from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
-from service.engine.protocol import CacheCost, Capabilities, SettingRule, honoured, only
+from service.engine.protocol import (
+    CacheCost,
+    Capabilities,
+    SettingRule,
+    after_iteration,
+    honoured,
+    only,
+    refused_all,
+)
 from service.engine.report import DecodeReport, RowReport, Timings
 from service.engine.response import cut_response
 
@@ -352,6 +360,7 @@ SETTINGS: dict[str, SettingRule] = {
                                   "confident; given on a 2.0 checkpoint, it turns editing on"),
     "max_post_steps": honoured("LLaDA2.1's token editing: most editing steps after a block is fully revealed"),
     "min_transfer": honoured("LLaDA2.1's token editing: fewest tokens revealed or edited a step"),
+    **refused_all(RENOISING_FIELDS, "a DiffusionGemma setting: this family unmasks, it does not renoise"),
 }
 
 
@@ -564,7 +573,6 @@ class BlockCausalBatch:
         """The iteration :meth:`passes` started, as planned: each group one forward over its passes' rows, each
         row sent its reveal; a pass the plan left out waits. Returns the cohorts that finished (they have left:
         :meth:`leave`). A cohort whose host step raises fails alone: it leaves and is listed in :attr:`failed`."""
-        finished: list[BlockCausalCohort] = []
         for group in forwards:
             layers = group[0].layers
             if layers is not None and any(p.cohort.packs(i) for p in group for i in p.rows):
@@ -572,20 +580,7 @@ class BlockCausalBatch:
             if layers is not None and layers == (0, len(self.model.layers)):
                 layers = None
             self._run_group([(p.cohort, i) for p in group for i in p.rows if i in p.cohort.calls], group, layers)
-        for cohort in self._live:
-            if cohort in [f for f, _ in self.failed]:
-                self.leave(cohort)
-                continue
-            try:
-                cohort.poll_cancelled()
-                cohort.emit_blocks()
-            except Exception as exc:  # noqa: BLE001 -- a callback of this request failed: it fails alone
-                self.failed.append((cohort, exc))
-                self.leave(cohort)
-                continue
-            if cohort.done:
-                self.leave(cohort)
-                finished.append(cohort)
+        finished = after_iteration(self._live, self.failed, self.leave)
         self._live, self._finished = [], []
         return finished
 

@@ -297,6 +297,7 @@ def validate_request(spec: ModelSpec, prompts: list[list[int]], params: DecodePa
         )
     params.check_bounds(spec.max_length)
     reveal_rule(spec.arch).check(params)
+    reveal_rule(spec.arch).check_request(spec, params, rows)
     check_family_settings(spec.arch, params.decode_settings())
     longest = max(len(p) for p in prompts)
     if longest + params.gen_length > spec.max_length:

@@ -44,6 +44,10 @@ SCHEDULE_FIELDS = ("threshold", "steps")
 #: LLaDA2.1's token editing (`service.engine.block_causal`): any of them given decodes with 2.1's algorithm on a
 #: block-causal model; a family whose reveal rule does not edit refuses each by name (`service.engine.reveal`).
 EDITING_FIELDS = ("editing_threshold", "max_post_steps", "min_transfer")
+#: DiffusionGemma's renoising (`service.engine.renoise`): unset is the checkpoint's ``generation_config.json`` value,
+#: else the reference's default; a family that does not renoise refuses each by name (its decoder's settings rules).
+RENOISING_FIELDS = ("max_denoising_steps", "entropy_bound", "t_min", "t_max", "stability_threshold",
+                    "confidence_threshold")
 
 # ---- bounds (issue 13: the cost of a request is bounded before it is admitted) -------------------------------------
 #: A static ceiling on every token count (block length, steps, max_tokens, group sizes), so the published schema
@@ -165,6 +169,29 @@ class DecodeSettings(BaseModel):
         None, ge=1, le=TOKENS_CEILING, description="LLaDA2 token editing: reveals per forward at least (the "
         "reference's num_to_transfer; unset: 1; LLaDA2 only)"
     )
+
+    # DiffusionGemma's renoising (docs/diffusion_gemma.md): unset is the checkpoint's generation_config.json value,
+    # else the reference's default; the other families refuse them by name. The reference's own checks (t_max >
+    # t_min) are `service.engine.renoise.RenoiseParams`'s.
+    max_denoising_steps: int | None = Field(
+        None, gt=0, le=TOKENS_CEILING, description="DiffusionGemma: decoder passes per canvas at most (unset: the "
+        "checkpoint's, else 48; DiffusionGemma only)")
+    entropy_bound: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="DiffusionGemma: a step keeps the positions of lowest "
+        "entropy while their summed entropy less the largest is at most this, in nats (unset: the checkpoint's, "
+        "else 0.1; DiffusionGemma only)")
+    t_min: float | None = Field(
+        None, ge=0.0, allow_inf_nan=False, description="DiffusionGemma: the temperature the linear schedule ends "
+        "at, below t_max (unset: the checkpoint's, else 0.4; DiffusionGemma only)")
+    t_max: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="DiffusionGemma: the temperature at a canvas's first step "
+        "(unset: the checkpoint's, else 0.8; DiffusionGemma only)")
+    stability_threshold: int | None = Field(
+        None, ge=0, le=TOKENS_CEILING, description="DiffusionGemma: steps the argmax canvas must not change before "
+        "it may stop (0: no stability condition; unset: the checkpoint's, else 1; DiffusionGemma only)")
+    confidence_threshold: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False, description="DiffusionGemma: mean entropy (nats) under which a stable "
+        "canvas stops (unset: the checkpoint's, else 0.005; DiffusionGemma only)")
 
     @model_validator(mode="before")
     @classmethod

@@ -130,6 +130,30 @@ class DecodeBatch(Protocol):
         ...
 
 
+def after_iteration(live: Sequence[Any], failed: list[tuple[Any, BaseException]],
+                    leave: Callable[[Any], None]) -> list[Any]:
+    """The end of a running batch's iteration, every family's: each cohort of ``live`` (its ``poll_cancelled``,
+    ``emit_blocks``, ``done``) polls its cancellations and streams what it committed; one already in ``failed``, or
+    whose callback raises (it is added to ``failed``), fails alone; each leaves (``leave``) when it is done or
+    failed. Returns the cohorts that finished."""
+    finished = []
+    for cohort in live:
+        if any(cohort is f for f, _ in failed):
+            leave(cohort)
+            continue
+        try:
+            cohort.poll_cancelled()
+            cohort.emit_blocks()
+        except Exception as exc:  # noqa: BLE001 -- a callback of this request failed: it fails alone
+            failed.append((cohort, exc))
+            leave(cohort)
+            continue
+        if cohort.done:
+            leave(cohort)
+            finished.append(cohort)
+    return finished
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a family's decoder can do, as the runtime and the API ask it (never by the family's name).
@@ -205,6 +229,11 @@ def only(values: tuple[Any, ...], why: str, how: str = "") -> SettingRule:
     """A setting served only at ``values`` (the built-in default among them, so a request that does not name it
     is served); any other value is refused with ``why``."""
     return SettingRule(how or f"only {', '.join(map(repr, values))}", values, why)
+
+
+def refused_all(names: Sequence[str], why: str) -> dict[str, SettingRule]:
+    """Rules for settings another family owns (each unset only): ``{name: only((None,), why)}``."""
+    return {name: only((None,), why) for name in names}
 
 
 class SettingRefused(Exception):

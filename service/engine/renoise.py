@@ -23,7 +23,8 @@ step ``multinomial(probs [B*C, V], 1)`` (for one sample torch draws an exponenti
   draws of ``torch.manual_seed(S)`` (CPU), so at batch 1 this *is* the reference's order (tested);
 * ``per_row`` (each row its own generator, seeded by its request's ``seed``): each row makes its own calls of the
   same shapes with one row (``(1, C)``, ``[C, V]``) while it decodes, and none after; a row's draws never depend on
-  the other rows, so it decodes as alone in any batch. At batch 1 the two modes are the same calls.
+  the other rows, so it decodes as alone in any batch. At batch 1 the two modes are the same calls. This mode is
+  the server's running batch (:class:`RenoisingBatch`, below: rows join and leave between iterations).
 
 **Memory.** The per-step ``[C, V]`` float32 work (softmax, the exponentials, the entropy's normalised logits and
 probabilities) runs one row and ``chunk`` positions at a time (the exponentials are drawn in element order, so the
@@ -34,23 +35,55 @@ the one tensor that grows with the rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
+from service.engine.decode import CommittedIds
 from service.engine.errors import EngineInputError
 from service.engine.models.diffusion_gemma import CanvasCache, DiffusionGemmaModel, make_canvas_cache
-from service.engine.params import EDITING_FIELDS
-from service.engine.protocol import CacheCost, Capabilities, SettingRule, only
+from service.engine.params import EDITING_FIELDS, RENOISING_FIELDS, DecodeParams, RowOptions
+from service.engine.protocol import (
+    CacheCost,
+    Cancelled,
+    Capabilities,
+    OnBlock,
+    Plan,
+    SettingRule,
+    after_iteration,
+    honoured,
+    only,
+    refused_all,
+)
+from service.engine.report import DecodeReport, RowReport, Timings
+from service.engine.response import cut_response
 
 #: The reference's global defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``), applied
 #: where neither the call nor the checkpoint's ``generation_config.json`` sets a value.
 DEFAULTS = {"max_new_tokens": 256, "max_denoising_steps": 48, "entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8,
             "stability_threshold": 1, "confidence_threshold": 0.005}
+
+
+def generation_config(directory: Path | None) -> dict:
+    """The checkpoint's ``generation_config.json`` (``{}``: none, or no directory), read once per version of the
+    file (the server reads it for every request's defaults). Not to be modified."""
+    path = directory / "generation_config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return {}
+    stat = path.stat()
+    return _read_json(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_json(path: str, mtime_ns: int, size: int) -> dict:
+    return json.loads(Path(path).read_text())
 
 
 @dataclass(frozen=True)
@@ -97,9 +130,8 @@ class RenoiseParams:
         """The settings of a call: ``given`` (None values dropped) over the checkpoint's ``generation_config.json``
         over :data:`DEFAULTS`, the reference's order of precedence (``_prepare_generation_config``)."""
         values = dict(DEFAULTS)
-        generation = directory / "generation_config.json" if directory is not None else None
-        if generation is not None and generation.is_file():
-            saved = json.loads(generation.read_text())
+        saved = generation_config(directory)
+        if saved:
             sampler = saved.get("sampler_config") or {}
             if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
                 values["entropy_bound"] = sampler["entropy_bound"]
@@ -112,8 +144,7 @@ def stop_ids(directory: Path | None) -> tuple[tuple[int, ...], int | None]:
     """The EOS ids and the pad id the reference's ``generate`` uses: its generation config's, i.e. the checkpoint's
     ``generation_config.json`` (none there, or no such file: no EOS ends the text and nothing is padded; the
     reference does not fall back on ``config.json``)."""
-    generation = directory / "generation_config.json" if directory is not None else None
-    saved = json.loads(generation.read_text()) if generation is not None and generation.is_file() else {}
+    saved = generation_config(directory)
     eos = saved.get("eos_token_id")
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
     pad = saved.get("pad_token_id")
@@ -260,9 +291,18 @@ def generate(
     else:
         row_generators = list(generators)
     device = model.embed.weight.device
+    eos = eos_tensor(eos_ids, device)
+    if mode == "per_row":  # the running batch's iterations (rows apart: each as alone)
+        with torch.inference_mode():
+            batch = [RenoisingRow(model, p, q, g, c) for p, q, g, c in zip(
+                prompts, per_params, row_generators, new_caches(model, b, kv_store), strict=True)]
+            while any(not row.done for row in batch):
+                iterate(model, [row for row in batch if not row.done], eos, pad_id, chunk)
+        if caches is not None:
+            caches.append(CanvasCache.of_rows([row.cache for row in batch]))
+        return [row.result for row in batch]
     rows = [_Row(p, g, canvases_left=math.ceil(p.max_new_tokens / width)) for p, g in zip(per_params, row_generators,
                                                                                          strict=True)]
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     cache = make_canvas_cache(model, b, kv_store)
     if caches is not None:
         caches.append(cache)
@@ -277,7 +317,7 @@ def generate(
             model.encode(batch_ids, lengths, cache)
             for r, row in enumerate(rows):
                 row.result.encoder_passes += bool(lengths[r])
-            argmax = _denoise(model, cache, rows, device, mode, chunk)
+            argmax = _denoise(model, cache, rows, device, chunk)
             # Every row's committed ids and first EOS read at once (two host syncs per commit whatever the rows).
             hits = torch.isin(argmax, eos)  # [B, C]
             first_eos = torch.where(hits.any(dim=-1), hits.int().argmax(dim=-1), -1).tolist()
@@ -298,17 +338,12 @@ def generate(
     return [row.result for row in rows]
 
 
-def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], device: torch.device, mode: str,
+def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], device: torch.device,
              chunk: int) -> torch.Tensor:
-    """One canvas for every row not done: returns its last argmax int64 ``[B, C]`` (rows done: junk)."""
+    """One canvas for every row not done, in ``shared`` mode (the reference's draws on one generator, the rows in
+    step): returns its last argmax int64 ``[B, C]`` (rows done: junk)."""
     b, width, vocab = len(rows), model.config.canvas_length, model.config.vocab_size
-    if mode == "shared":
-        canvas = torch.randint(0, vocab, (b, width), generator=rows[0].generator, device=device)
-    else:
-        canvas = torch.zeros(b, width, dtype=torch.long, device=device)
-        for r, row in enumerate(rows):
-            if not row.done:
-                canvas[r] = torch.randint(0, vocab, (1, width), generator=row.generator, device=device)[0]
+    canvas = torch.randint(0, vocab, (b, width), generator=rows[0].generator, device=device)
     argmax = canvas.clone()
     for row in rows:
         row.settled, row.history = row.done, []
@@ -323,14 +358,12 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
         accepted: list[torch.Tensor | None] = [None] * b
         tests: list[tuple[_Row, torch.Tensor]] = []  # (row, its stopping test on the device)
         for r, row in enumerate(rows):
-            if not live[r] and mode != "shared":
-                continue
             step = row.params.max_denoising_steps - step_count + 1
             if step >= 1:
                 logits[r].div_(temperature(step, row.params))
             drawn, new_argmax, ent = sample_row(logits[r:r + 1], row.generator, chunk)
             if not live[r]:
-                continue  # shared mode: the reference draws for finished rows too, and discards them
+                continue  # the reference draws for finished rows too, and discards them
             row.result.nfe += 1
             keep = accept_mask(ent, row.params.entropy_bound)
             accepted[r] = keep
@@ -346,14 +379,10 @@ def _denoise(model: DiffusionGemmaModel, cache: CanvasCache, rows: list[_Row], d
         if tests:  # every row's stopping test read at once: one host sync per step whatever the rows
             for (row, _), stop in zip(tests, torch.stack([t for _, t in tests]).tolist(), strict=True):
                 row.settled = stop
-        if mode == "shared":
-            noise = torch.randint(0, vocab, (b, width), generator=rows[0].generator, device=device)
-        for r, row in enumerate(rows):
-            if accepted[r] is None:
-                continue
-            fresh = noise[r:r + 1] if mode == "shared" else torch.randint(
-                0, vocab, (1, width), generator=row.generator, device=device)
-            canvas[r] = torch.where(~accepted[r], fresh, canvas[r:r + 1])[0]
+        noise = torch.randint(0, vocab, (b, width), generator=rows[0].generator, device=device)
+        for r in range(b):
+            if accepted[r] is not None:
+                canvas[r] = torch.where(~accepted[r], noise[r:r + 1], canvas[r:r + 1])[0]
         sc = logits.to(model.embed.weight.dtype)
         # One row at a time: the softmax's [C, V] float32 copy does not multiply with the rows (and a row's matmul
         # is the one it makes alone).
@@ -379,88 +408,462 @@ def _stable(row: _Row, new_argmax: torch.Tensor) -> bool | torch.Tensor:
     return stable
 
 
-# ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
-# Serving a renoising family through the runtime (a running batch whose iterations are encoder passes, denoising
-# steps and commits of many requests' canvases) is not built yet: the decoder declares the family and refuses each
-# request at admission with a 400 that says what decodes it (`dllm-kvq generate`), so no masked-decoding path ever
-# runs on these weights.
+# ---- the running batch (service.engine.protocol.DecodeBatch) --------------------------------------------------------
+# Requests join and leave between iterations. Each request row keeps its own generator (``per_row``: seeded by its
+# request's seed), its own committed K/V (one-row `CanvasCache`, made by `new_caches`) and its own place in its
+# canvas, so rows need not move together: an iteration runs one encoder pass over every row whose prompt or last
+# committed canvas is not encoded yet (after which that row starts a canvas), then one decoder pass (one denoising
+# step) over every row that is denoising, then commits the canvases that stopped. A row's tokens and passes are its
+# solo run's (tested: rows joining mid-run, other lengths and settings).
 
-_NOT_SERVED = "DiffusionGemma is decoded by `dllm-kvq generate` only in this version (no running batch yet)"
+
+def new_caches(model: DiffusionGemmaModel, rows: int, kv_store: Any = None) -> list[CanvasCache]:
+    """One one-row `CanvasCache` per row of a request (the one place the running batch makes caches):
+    ``kv_store`` is the request's store (or one per row), a quantized one holding the rows' committed K/V packed,
+    one holder for the request's rows (`service.engine.models.diffusion_gemma.make_canvas_cache`), each row its
+    own entry in it.
+
+    Raises:
+        KVQuantError: a store configuration this family cannot run (see ``make_canvas_cache``).
+    """
+    whole = make_canvas_cache(model, rows, kv_store)
+    return [CanvasCache(model.config, 1, None if whole.packed is None else [whole.packed[r]]) for r in range(rows)]
+
+
+class RenoisingRow:
+    """One row's renoising state between iterations (the solo run of :func:`generate` in ``per_row`` mode, cut
+    at its iterations).
+
+    Args:
+        model: the loaded model. prompt: its token ids (non-empty, in the vocabulary). params: its settings.
+        generator: its own generator (None: torch's global one). cache: its committed K/V (`new_caches`;
+        None: an unquantized one-row cache).
+    """
+
+    def __init__(self, model: DiffusionGemmaModel, prompt: list[int], params: RenoiseParams,
+                 generator: torch.Generator | None, cache: CanvasCache | None = None) -> None:
+        device = model.embed.weight.device
+        self.params, self.generator = params, generator
+        self.result = RenoiseResult()
+        self.canvases_left = math.ceil(params.max_new_tokens / model.config.canvas_length)
+        self.cache = cache if cache is not None else CanvasCache(model.config, 1)
+        #: What its next encoder pass runs (the prompt, then each committed canvas); None while it denoises.
+        self.pending: torch.Tensor | None = torch.tensor(prompt, device=device)
+        self.canvas: torch.Tensor | None = None  # int64 [C]
+        self.argmax: torch.Tensor | None = None  # int64 [C], the last step's clean prediction
+        self.soft: torch.Tensor | None = None  # [C, width], the next step's self-conditioning input
+        self.keep: torch.Tensor | None = None  # bool [1, C], the last step's accepted positions
+        self.history: list[torch.Tensor] = []
+        self.step_count = 0
+        self.settled = False
+        self.done = False
+
+    @property
+    def denoising(self) -> bool:
+        """Its next pass is a denoising step (its text goes on and its context is encoded)."""
+        return not self.done and self.pending is None
+
+    def start_canvas(self, vocab: int, width: int) -> None:
+        """A fresh canvas: uniform random ids (the reference's ``randint(0, V, (1, C))``, on its generator)."""
+        self.canvas = torch.randint(0, vocab, (1, width), generator=self.generator, device=self.pending.device)[0]
+        self.argmax = self.canvas.clone()
+        self.pending, self.soft, self.history, self.step_count, self.settled = None, None, [], 0, False
+
+
+#: Fewest tokens of a row's pass that may share a forward with other rows. torch's CPU matmul takes another kernel
+#: below 4 rows of input (measured: ``linear(x[:m])`` is not ``linear(x)[:m]`` bit for bit for m = 1, 2, 3, and is
+#: for m >= 4), so a row whose solo pass has fewer tokens (a prompt of 1 to 3 tokens) rounds as alone only alone.
+STACKABLE_TOKENS = 4
+
+
+def encode_groups(rows: list[RenoisingRow]) -> list[list[RenoisingRow]]:
+    """The encoder forwards of ``rows``: every row of at least :data:`STACKABLE_TOKENS` pending tokens in one, each
+    shorter row in one of its own (so each row's K/V are its solo run's bit for bit)."""
+    stacked = [row for row in rows if len(row.pending) >= STACKABLE_TOKENS]
+    return ([stacked] if stacked else []) + [[row] for row in rows if len(row.pending) < STACKABLE_TOKENS]
+
+
+def encode_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow]) -> None:
+    """One encoder pass over ``rows``' pending tokens (right-padded together; :func:`encode_groups` says which
+    rows may share one), written into each row's cache; each row then starts a canvas."""
+    config = model.config
+    lengths = [len(row.pending) for row in rows]
+    ids = torch.full((len(rows), max(lengths)), config.pad_id, dtype=torch.long, device=rows[0].pending.device)
+    for r, row in enumerate(rows):
+        ids[r, : lengths[r]] = row.pending
+    caches = [row.cache for row in rows]
+    view = CanvasCache.of_rows(caches)
+    model.encode(ids, lengths, view)
+    view.write_back(caches)
+    for row in rows:
+        row.result.encoder_passes += 1
+        row.start_canvas(config.vocab_size, config.canvas_length)
+
+
+def denoise_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow], chunk: int) -> list[RenoisingRow]:
+    """One denoising step of ``rows`` (one decoder pass): each row's draws from its own generator in its solo
+    order (the sample, then the renoise draw), its stopping test read with the others' at once (one host sync).
+    Returns the rows whose canvas stopped."""
+    canvas = torch.stack([row.canvas for row in rows])
+    soft = None
+    if any(row.soft is not None for row in rows):
+        # A row at its canvas's first step takes zeros: the self-conditioning MLP of zeros is exactly zero, so it
+        # reads what it reads alone (no input, the reference's zero signal).
+        like = next(row.soft for row in rows if row.soft is not None)
+        soft = torch.stack([row.soft if row.soft is not None else torch.zeros_like(like) for row in rows])
+    logits = model.decode(canvas, CanvasCache.of_rows([row.cache for row in rows]), soft)  # [B, C, V] float32
+    tests: list[tuple[RenoisingRow, torch.Tensor]] = []
+    for r, row in enumerate(rows):
+        row.step_count += 1
+        steps = row.params.max_denoising_steps
+        logits[r].div_(temperature(steps - row.step_count + 1, row.params))
+        drawn, new_argmax, ent = sample_row(logits[r:r + 1], row.generator, chunk)
+        row.result.nfe += 1
+        row.keep = accept_mask(ent, row.params.entropy_bound)
+        row.canvas = torch.where(row.keep, drawn, row.canvas[None])[0]
+        stable = _stable(row, new_argmax)
+        row.argmax = new_argmax[0]
+        if steps <= row.step_count:
+            row.settled = True
+        elif stable is not False:
+            confident = torch.mean(ent, dim=-1)[0] < row.params.confidence_threshold
+            tests.append((row, confident if stable is True else stable & confident))
+    if tests:
+        for (row, _), stop in zip(tests, torch.stack([t for _, t in tests]).tolist(), strict=True):
+            row.settled = stop
+    vocab, dtype = model.config.vocab_size, model.embed.weight.dtype
+    for r, row in enumerate(rows):
+        fresh = torch.randint(0, vocab, row.keep.shape, generator=row.generator, device=canvas.device)
+        row.canvas = torch.where(~row.keep, fresh, row.canvas[None])[0]
+        row.soft = None if row.settled else model.soft_embeddings(logits[r:r + 1].to(dtype))[0]
+    return [row for row in rows if row.settled]
+
+
+def commit_rows(rows: list[RenoisingRow], eos: torch.Tensor, pad_id: int | None, width: int) -> None:
+    """Commit each row's canvas (its last argmax): every row's ids and first EOS read at once (two host syncs
+    whatever the rows); the text ends at the canvas holding an EOS (pad after it) or at its last canvas; a row that
+    goes on encodes the canvas next."""
+    argmax = torch.stack([row.argmax for row in rows])  # [B, C]
+    hits = torch.isin(argmax, eos)
+    first_eos = torch.where(hits.any(dim=-1), hits.int().argmax(dim=-1), -1).tolist()
+    for row, committed, first in zip(rows, argmax.tolist(), first_eos, strict=True):
+        row.canvases_left -= 1
+        if first >= 0:
+            if pad_id is not None:
+                committed = committed[: first + 1] + [pad_id] * (width - first - 1)
+            row.done, row.result.finish_reason = True, "stop"
+        elif row.canvases_left == 0:
+            row.done = True
+        row.result.generated_ids += committed
+        row.result.steps_per_canvas.append(row.step_count)
+        row.pending = None if row.done else row.argmax
+        row.canvas = row.soft = row.keep = None
+
+
+def iterate(model: DiffusionGemmaModel, rows: list[RenoisingRow], eos: torch.Tensor, pad_id: int | None,
+            chunk: int) -> tuple[int, int]:
+    """One iteration of ``rows`` (none done): the encoder pass, the denoising step, the commits (section doc).
+    Returns (forwards, row-forwards) run."""
+    forwards = row_forwards = 0
+    for group in encode_groups([row for row in rows if row.pending is not None]):
+        encode_rows(model, group)
+        forwards, row_forwards = forwards + 1, row_forwards + len(group)
+    # A canvas shorter than STACKABLE_TOKENS (no real checkpoint's: 256) denoises each row alone.
+    steps = [rows] if model.config.canvas_length >= STACKABLE_TOKENS else [[row] for row in rows]
+    settled = [row for group in steps for row in denoise_rows(model, group, chunk)]
+    if settled:
+        commit_rows(settled, eos, pad_id, model.config.canvas_length)
+    return forwards + len(steps), row_forwards + len(rows)
+
+
+def eos_tensor(eos_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The EOS ids as an int64 tensor on ``device`` (what the commits test the canvases against)."""
+    return torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
+
+
+# ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
 
 CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
-                            cache_kind="committed", mask_kind="renoising", served=False)
+                            cache_kind="committed", mask_kind="renoising", served=True)
 
-#: How the family would take each `DecodeSettings` field; every request is refused at admission for now (above).
+_NOT_RENOISING = "a setting of the masked families: DiffusionGemma renoises"
+
+#: How DiffusionGemma serves each `DecodeSettings` field (`settings_for` maps them to `RenoiseParams`).
 SETTINGS: dict[str, SettingRule] = {
     "cache_mode": only(("prefix", "dual", "block"), "its decoder always reads the committed canvases' cache (no "
                        "recompute mode)", "the committed canvases' cache (prefix, dual and block name it)"),
-    "block_length": SettingRule("not read: a canvas is the checkpoint's canvas_length"),
-    "threshold": SettingRule("not read: acceptance is entropy-bounded (entropy_bound)"),
-    "steps": SettingRule("would be max_denoising_steps per canvas"),
+    "block_length": honoured("rounds max_tokens up to whole blocks before the canvases are counted (a canvas is "
+                             "the checkpoint's canvas_length; the response is cut at max_tokens)"),
+    "threshold": only((0.9, None), f"{_NOT_RENOISING}: acceptance is entropy-bounded, send entropy_bound",
+                      "not read (the default 0.9 only): acceptance is entropy_bound's"),
+    "steps": only((None,), f"{_NOT_RENOISING}: send max_denoising_steps (decoder passes per canvas)"),
     "remasking": only(("low_confidence",), "there is no mask: non-accepted positions are redrawn uniformly"),
     "ignore_eos": only((False,), "the reference ends the text after the canvas holding its EOS"),
     "dream_schedule": only(("origin",), "dream_schedule is a Dream setting"),
-    **{name: only((None,), "a LLaDA2.1 setting: this family does not edit tokens") for name in EDITING_FIELDS},
+    **refused_all(EDITING_FIELDS, "a LLaDA2.1 setting: this family does not edit tokens"),
+    **{name: honoured(f"the reference's {name} (unset: the checkpoint's generation_config.json, else "
+                      f"{DEFAULTS[name]})") for name in RENOISING_FIELDS},
 }
 
 
-class RenoisingBatch:
-    """The family's running batch (`service.engine.protocol.DecodeBatch`): empty, since no cohort is admitted."""
+def settings_for(params: DecodeParams, directory: Path | None) -> RenoiseParams:
+    """The renoising settings of a request: ``max_new_tokens`` its decode window (``gen_length``), the renoising
+    fields it (or the server) gives over the checkpoint's ``generation_config.json`` over the reference's defaults.
 
-    def __init__(self) -> None:
-        self.failed: list = []
+    Raises:
+        EngineInputError: a value the reference refuses (``t_max`` not above ``t_min`` ...), naming the field.
+    """
+    return RenoiseParams.for_checkpoint(directory, max_new_tokens=params.gen_length,
+                                        **{name: getattr(params, name) for name in RENOISING_FIELDS})
+
+
+def checkpoint_directory(spec) -> Path | None:
+    """The directory the model ``spec`` describes was loaded from (its ``generation_config.json`` holds the
+    renoising defaults), or None (a repo id, the embedded model: the reference's defaults apply)."""
+    directory = Path(spec.model_id)
+    return directory if (directory / "config.json").is_file() else None
+
+
+class NoStore:
+    """The K/V store slot of a renoising cohort: its committed K/V live in its rows' caches (no report)."""
+
+    def clear(self) -> None:
+        """Nothing held outside the rows."""
+
+    def report(self) -> None:
+        """No quantized store: no KV report."""
+
+
+class RenoisingCohort:
+    """One request's rows (its ``n`` choices), each decoding as alone (per-row generators seeded by the row's
+    seed; a row without one draws a fresh seed).
+
+    Args:
+        model: the loaded model. prompts: token ids per row. settings: one :class:`RenoiseParams` per row.
+        rows: per-row options (seed; stop strings and ``max_tokens`` for the report). eos_ids: where the report
+        cuts each text (the batch's, which end the decode). params: the request's settings (the report's).
+        on_block: ``on_block(canvas, ids_per_row)`` once every live row committed one more canvas (each row's
+        committed ids so far). cancelled: per-row flags, polled after each iteration. store: the request's store
+        (a quantized one holds the rows' committed K/V packed, `new_caches`, and gives the report's ``kv``).
+    """
+
+    def __init__(self, model: DiffusionGemmaModel, prompts: list[list[int]], settings: list[RenoiseParams],
+                 rows: list[RowOptions], eos_ids: tuple[int, ...], params: DecodeParams,
+                 on_block: OnBlock | None = None, cancelled: Cancelled | None = None, store: Any = None) -> None:
+        device = model.embed.weight.device
+        caches = new_caches(model, len(prompts), store)
+        self.rows = [RenoisingRow(model, prompt, s, _generator(o.seed, device), cache)
+                     for prompt, s, o, cache in zip(prompts, settings, rows, caches, strict=True)]
+        self.row_options, self.eos_ids, self.params = rows, tuple(eos_ids), params
+        self.on_block, self.cancelled = on_block, cancelled
+        self.store = store if store is not None else NoStore()
+        self.status = ["running"] * len(self.rows)
+        self.width = model.config.canvas_length
+        self.started_s = time.perf_counter()
+        self.finished_s: float | None = None
+        self.first_block_s = 0.0
+        self._emitted = 0
+
+    def live(self) -> list[RenoisingRow]:
+        """The rows still decoding (not done, not cancelled)."""
+        return [row for row, status in zip(self.rows, self.status, strict=True)
+                if status == "running" and not row.done]
+
+    @property
+    def done(self) -> bool:
+        """No row decodes any more."""
+        return not self.live()
+
+    def poll_cancelled(self) -> None:
+        """Rows whose flag is set stop now (status ``cancelled``)."""
+        flags = self.cancelled() if self.cancelled is not None else []
+        for i, flag in enumerate(flags):
+            if flag and self.status[i] == "running" and not self.rows[i].done:
+                self.status[i] = "cancelled"
+
+    def emit_blocks(self) -> None:
+        """Call ``on_block`` for each canvas every row not cancelled has now committed (streaming per canvas)."""
+        kept = [row for row, status in zip(self.rows, self.status, strict=True) if status != "cancelled"]
+        counts = [len(row.result.steps_per_canvas) for row in kept]
+        going = [n for row, n in zip(kept, counts, strict=True) if not row.done]
+        count = min(going) if going else max(counts, default=0)
+        if count > self._emitted and self._emitted == 0:
+            self.first_block_s = time.perf_counter() - self.started_s
+        if self.on_block is not None:
+            for canvas in range(self._emitted, count):
+                end = (canvas + 1) * self.width
+                self.on_block(canvas, [CommittedIds(row.result.generated_ids[:end]) for row in self.rows])
+        self._emitted = max(self._emitted, count)
+        if self.done and self.finished_s is None:
+            self.finished_s = time.perf_counter()
+
+    def release(self) -> None:
+        """Free the rows' committed K/V (the cohort left the batch)."""
+        for row in self.rows:
+            row.cache = CanvasCache(row.cache.config, 1)
+
+    def report(self, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
+        """The :class:`DecodeReport` of this cohort: each row's committed ids cut by
+        `service.engine.response.cut_response` (``max_tokens``, the first EOS, stop strings)."""
+        total = (self.finished_s or time.perf_counter()) - self.started_s
+        reports = []
+        for row, status, options in zip(self.rows, self.status, self.row_options, strict=True):
+            cut = cut_response(row.result.generated_ids, self.eos_ids, False, options.max_tokens, options.stop,
+                               decode_text)
+            reports.append(RowReport(
+                generated_ids=cut.ids, text=cut.text,
+                finish_reason="cancelled" if status == "cancelled" else cut.finish_reason,
+                nfe=row.result.nfe, steps_per_block=list(row.result.steps_per_canvas), reveals_per_step=[],
+                tokens_per_second=len(cut.ids) / total if total > 0 else 0.0))
+        return DecodeReport(rows=reports, params=self.params,
+                            timings=Timings(total_s=total, first_block_s=self.first_block_s), kv=self.store.report())
+
+
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A row's generator: seeded by its request's seed, else a fresh random seed."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class RenoisingPass:
+    """A cohort's next iteration as the plan reads it (`service.engine.protocol.PlannedPass`): ``full`` when one of
+    its rows encodes (its prompt or a committed canvas) this iteration, else ``window`` (a denoising step over the
+    canvas next to the committed K/V). ``seq_len``: keys its longest row attends over; width: the canvas."""
+
+    cohort: RenoisingCohort
+    rows: list[int]
+    kind: Literal["full", "window"]
+    seq_len: int
+    canvas: int
+    layers: tuple[int, int] | None = None
+    hidden: Any = None
+
+    @property
+    def width(self) -> int:
+        return self.canvas
+
+
+class RenoisingBatch:
+    """The family's running batch (`service.engine.protocol.DecodeBatch`): requests join and leave between
+    iterations; each iteration is one encoder pass and one decoder pass over the rows of every cohort the plan
+    names (section doc). Not preemptible (:data:`CAPABILITIES`). A cohort whose host step raises (its
+    ``on_block``) fails alone; a forward that raises fails the iteration (the worker fails its requests).
+
+    Args:
+        model: the loaded model. eos_ids, pad_id: what ends a text and what follows its EOS in the canvas holding
+        it (the model's: every cohort of the batch has them). plan: groups :meth:`step`'s passes (None: one
+        forward); the batch makes its own forwards whatever the groups (``plan_bounded`` False). chunk: positions
+        per piece of the sampler.
+    """
+
+    def __init__(self, model: DiffusionGemmaModel, eos_ids: tuple[int, ...], pad_id: int | None,
+                 plan: Plan | None = None, chunk: int = 64) -> None:
+        self.model, self.eos_ids, self.pad_id, self.plan, self.chunk = model, tuple(eos_ids), pad_id, plan, chunk
+        self._eos: torch.Tensor | None = None
+        self.failed: list[tuple[RenoisingCohort, BaseException]] = []
         self.forwards = 0
         self.rows = 0
-        self.cohorts: list = []
+        self.cohorts: list[RenoisingCohort] = []
+        self._live: list[RenoisingCohort] = []
 
-    def passes(self, cohorts):
-        return []
+    def passes(self, cohorts: Sequence[RenoisingCohort]) -> list[RenoisingPass]:
+        """One pass per cohort that still decodes; a done one finishes (:meth:`run` returns it)."""
+        self.failed, self.forwards, self.rows = [], 0, 0
+        self._live = list(cohorts)
+        width = self.model.config.canvas_length
+        out = []
+        for cohort in cohorts:
+            live = [i for i, row in enumerate(cohort.rows) if row in cohort.live()]
+            if not live:
+                continue
+            rows = [cohort.rows[i] for i in live]
+            encodes = any(row.pending is not None for row in rows)
+            seq_len = max(row.cache.length[0] + (len(row.pending) if row.pending is not None else 0) + width
+                          for row in rows)
+            out.append(RenoisingPass(cohort, live, "full" if encodes else "window", seq_len, width))
+        return out
 
-    def run(self, forwards):
-        return []
+    def step(self) -> list[RenoisingCohort]:
+        """One iteration of :attr:`cohorts` (callers without a running set of their own)."""
+        passes = self.passes(self.cohorts)
+        return self.run(self.plan(passes) if self.plan is not None else [passes] if passes else [])
 
-    def step(self):
-        return []
+    def run(self, forwards: list[list[RenoisingPass]]) -> list[RenoisingCohort]:
+        """The iteration :meth:`passes` started, for the cohorts the plan named (a pass left out waits); returns
+        the cohorts that finished (they have left)."""
+        named = [p.cohort for group in forwards for p in group]
+        rows = [row for cohort in named for row in cohort.live()]
+        if rows:
+            if self._eos is None:
+                self._eos = eos_tensor(self.eos_ids, self.model.embed.weight.device)
+            forwards_run, row_forwards = iterate(self.model, rows, self._eos, self.pad_id, self.chunk)
+            self.forwards += forwards_run
+            self.rows += row_forwards
+        finished = after_iteration(self._live, self.failed, self.leave)
+        self._live = []
+        return finished
 
-    def join(self, cohort) -> None:
-        raise EngineInputError(_NOT_SERVED, "model")
+    def join(self, cohort: RenoisingCohort) -> None:
+        """Add ``cohort`` to :attr:`cohorts` (for :meth:`step`)."""
+        self.cohorts.append(cohort)
 
-    def leave(self, cohort) -> None:
-        return None
+    def leave(self, cohort: RenoisingCohort) -> None:
+        """Let ``cohort`` go now: its rows' committed K/V are freed."""
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
+        cohort.release()
 
-    def preemptible(self, cohort) -> bool:
+    def preemptible(self, cohort: RenoisingCohort) -> bool:
+        """Never (:data:`CAPABILITIES`: a renoising cohort is not preempted)."""
         return False
 
-    def preempt(self, cohort):
+    def preempt(self, cohort: RenoisingCohort) -> Any:
         raise ValueError("a renoising cohort cannot be preempted")
 
-    def resume(self, cohort, call) -> None:
+    def resume(self, cohort: RenoisingCohort, call: Any) -> None:
         raise ValueError("a renoising cohort cannot be preempted")
 
 
 class RenoisingDecoder:
-    """The `service.engine.protocol.FamilyDecoder` of DiffusionGemma: declared, refusing requests (module part
-    above). Args: model, spec: the loaded model and its spec."""
+    """The `service.engine.protocol.FamilyDecoder` of DiffusionGemma.
+
+    Args: model, spec: the loaded model and its spec (its checkpoint directory's ``generation_config.json`` gives
+    the renoising defaults; the text ends at any of ``spec.eos_ids``, pad ``spec.pad_id`` after it).
+    """
 
     capabilities = CAPABILITIES
     settings = SETTINGS
 
     def __init__(self, model: DiffusionGemmaModel, spec) -> None:
         self.model, self.spec, self.family = model, spec, spec.arch
-        #: Not read yet: no CUDA graphs and no prefix cache until the family is served (issues 41, 44).
+        #: Not read: no CUDA graphs and no prefix cache across requests for this family yet.
         self.later_steps = None
         self.prefix_cache = None
+        self.directory = checkpoint_directory(spec)
 
-    def batch(self, plan=None) -> RenoisingBatch:
-        return RenoisingBatch()
+    def batch(self, plan: Plan | None = None) -> RenoisingBatch:
+        return RenoisingBatch(self.model, self.spec.eos_ids, self.spec.pad_id, plan)
 
-    def cohort(self, prompts, params, rows, kv_store, on_block, cancelled):
-        """Raises EngineInputError (HTTP 400, field ``model``): not served yet."""
-        raise EngineInputError(_NOT_SERVED, "model")
+    def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions], kv_store: Any,
+               on_block: OnBlock | None, cancelled: Cancelled | None) -> RenoisingCohort:
+        """One request's rows (validated already).
 
-    def report(self, cohort, decode_text):
-        raise EngineInputError(_NOT_SERVED, "model")
+        Raises:
+            EngineInputError: a renoising value the reference refuses (naming the field).
+        """
+        settings = settings_for(params, self.directory)
+        return RenoisingCohort(self.model, prompts, [settings] * len(prompts), rows, self.spec.eos_ids, params,
+                               on_block, cancelled, kv_store)
 
-    def cache_cost(self, prompt_len, params, store_bytes, quantized) -> CacheCost:
-        """Nothing is served yet: counted as a store of its own would hold."""
+    def report(self, cohort: RenoisingCohort, decode_text: Callable[[list[int]], str | None]) -> DecodeReport:
+        return cohort.report(decode_text)
+
+    def cache_cost(self, prompt_len: int, params: DecodeParams, store_bytes: int, quantized: bool) -> CacheCost:
+        """A request's rows hold their own caches (`service.engine.models.diffusion_gemma.CanvasCache`): its
+        store's bytes, counted by layer kind in `service.runtime.memory.MemoryModel.cost`."""
         return CacheCost(store_bytes)

@@ -16,11 +16,12 @@ Rules of NVlabs/Fast-dLLM commit 24cc59e (golden SPEC 3.1, 3.5, 3.6); the token 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from service.engine.errors import EngineInputError
-from service.engine.params import EDITING_FIELDS, DecodeParams
+from service.engine.params import EDITING_FIELDS, DecodeParams, RowOptions
 from service.engine.sampling import (
     _ENTROPY_EPS,
     DREAM_EPS,
@@ -79,6 +80,12 @@ class RevealRule:
             raise EngineInputError(
                 f"{given[0]} is a setting of LLaDA2.1's token editing (block-causal LLaDA2 models), and this "
                 "model's family does not edit tokens; leave it unset", given[0])
+
+    def check_request(self, spec: Any, params: DecodeParams, rows: list[RowOptions]) -> None:
+        """Refuse what a request asks of the model ``spec`` describes that the family cannot decode, beyond
+        :meth:`check` (EngineInputError naming the field): per-row options, settings read against the checkpoint.
+        Here: nothing; a family whose sampling is its own (DiffusionGemma's renoising) refuses what it does not
+        define."""
 
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""

@@ -422,6 +422,9 @@ class Worker:
         else:
             work = work_tokens(len(job.prompt_ids), job.params) * len(job.rows)
             field = lower = "steps" if job.params.steps is not None else "max_tokens"
+            if job.params.max_denoising_steps is not None and work > work_tokens(
+                    len(job.prompt_ids), job.params.model_copy(update={"max_denoising_steps": None})) * len(job.rows):
+                field = lower = "max_denoising_steps"  # a renoising request's own step count makes its work
         if self.max_work is not None and work > self.max_work:
             raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
                                   f"the server's ceiling of {self.max_work:,}: lower {lower} or shorten the prompt",

@@ -17,6 +17,7 @@ A running request holds two kinds of memory:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +42,13 @@ class MemoryModel:
         MLP's as the family declares them); device: where probes run.
     """
 
-    def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu",
+                 layout: Any = None) -> None:
         self.spec, self.forward, self.element_size = spec, forward, forward.element_size
+        #: A model config whose layers hold K/V by kind (``kv_bytes``, ``sampler_bytes``, ``canvas_length``:
+        #: DiffusionGemma's sliding and global layers, `service.engine.models.diffusion_gemma`); None: every layer
+        #: holds ``num_kv_heads x head_dim`` per token.
+        self.layout = layout
         self.device = torch.device(device)
         # Per configuration: its bytes per token and whether its store quantizes; insertion-ordered, the oldest
         # dropped past PER_TOKEN_KEEP.
@@ -64,7 +70,8 @@ class MemoryModel:
         if model is None:
             width = engine.spec.num_heads * engine.spec.head_dim
             return cls.dense(engine.spec, width, 3 * width, 4)
-        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device)
+        layout = model.config if callable(getattr(model.config, "kv_bytes", None)) else None
+        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device, layout)
 
     @property
     def full_precision_bytes_per_token(self) -> int:
@@ -116,6 +123,11 @@ class MemoryModel:
 
     def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
         """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
+        if self.layout is not None:  # K/V by layer kind; the response in whole canvases; the sampler beside
+            canvas = self.layout.canvas_length
+            tokens = prompt_len + -(-params.gen_length // canvas) * canvas
+            return Cost(self.layout.kv_bytes(tokens, self.element_size),
+                        self.transient(tokens, canvas) + self.layout.sampler_bytes())
         seq_len = prompt_len + params.gen_length
         # The full-precision store keeps the whole sequence in order plus a spare column (the window's columns are
         # written over at each later step, `FullPrecisionKVStore`); counted so for every store: a quantized one
@@ -137,7 +149,8 @@ class MemoryModel:
         cols = min(block, width)
         estimate = self.forward.bytes(rows, width, width, cols)
         model = getattr(engine, "model", None)
-        if model is None or self.device.type != "cuda":
+        # A two-pass model (DiffusionGemma: encode, decode; no one-pass forward to run here) is costed by the model.
+        if model is None or self.device.type != "cuda" or self.layout is not None:
             return estimate
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)

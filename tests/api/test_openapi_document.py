@@ -100,6 +100,8 @@ CASES = [
         {**PROMPT, "model": "fake-llada"}, {**PROMPT, "model": "gpt-4"},
         # LLaDA2.1's token editing: refused by a family that does not edit, null only in its document (issue 45).
         {**PROMPT, "editing_threshold": 0.5}, {**PROMPT, "min_transfer": 2}, {**PROMPT, "max_post_steps": None},
+        # DiffusionGemma's renoising fields: likewise, refused by a family that does not renoise.
+        {**PROMPT, "max_denoising_steps": 4}, {**PROMPT, "t_max": 0.5}, {**PROMPT, "entropy_bound": None},
         {**PROMPT, "return_token_ids": True}, {**PROMPT, "return_token_ids": True, "stream": True},
     ]
 ] + [

@@ -133,3 +133,15 @@ def test_kv_quant_holds_the_committed_kv_packed_and_reports_its_bits(tmp_path):
     done = service_main(*argv(DATA / name, prompt, gen, seed, given), "--kv-quant", "dllm_kvq", "--kv-group-size",
                         "8", "--policy", str(path))
     assert done.returncode == 2 and "DiffusionGemma writes its committed K/V in the encoder pass" in done.stderr
+
+
+def test_cache_mode_and_the_masked_families_settings_are_refused_not_ignored():
+    """``--cache-mode`` (and any masked-family decoding flag) was silently ignored on a renoising model: refused by
+    name, with what the family always does."""
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {}), "--cache-mode", "none")
+    assert done.returncode == 2 and "--cache-mode is not a setting of a renoising model" in done.stderr
+    assert "committed canvases' cache" in done.stderr
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {}), "--remasking", "random")
+    assert done.returncode == 2 and "--remasking is not a setting of a renoising model" in done.stderr
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {"entropy-bound": "-1"}))
+    assert done.returncode == 2 and "entropy_bound" in done.stderr

@@ -68,13 +68,18 @@ def test_serve_exits_2_with_one_line_naming_the_flag(tmp_path):
                                                    "not served by llada models"), done.stderr
 
 
-
-def test_a_family_not_served_yet_is_refused_at_start_in_one_line(tmp_path):
-    """DiffusionGemma decodes through ``generate`` only in this version: ``serve`` says so before the port is bound
-    (it started, failed its readiness probe and answered 500s); the line is what ``serve`` prints after ``error:``
-    with exit status 2, as for any other model setting it refuses."""
-    line = check_model_settings(Settings(model=str(CHECKPOINTS["diffusion_gemma"]), store_url=str(tmp_path)))
-    assert line is not None and line.startswith("--model / DLLM_MODEL: diffusion_gemma models are not served in "
-                                                "this version"), line
-    assert "generate --model DIR" in line
-    assert check_model_settings(Settings(model=str(CHECKPOINTS["llada2"]), store_url=str(tmp_path))) is None
+def test_diffusion_gemma_is_served_and_the_renoising_settings_are_its_own(tmp_path):
+    """DiffusionGemma is served in this version (its running batch: `service.engine.renoise.RenoisingBatch`): no
+    start-up refusal of the model; a masked family's schedule on it, and its renoising settings on another family,
+    are refused in one line naming the flag."""
+    dgemma = str(CHECKPOINTS["diffusion_gemma"])
+    assert check_model_settings(Settings(model=dgemma, store_url=str(tmp_path))) is None
+    line = check_model_settings(Settings(model=dgemma, store_url=str(tmp_path), steps=32))
+    assert line is not None and line.startswith("--steps / DLLM_STEPS: steps 32 is not served by diffusion_gemma"), \
+        line
+    assert check_model_settings(Settings(model=dgemma, store_url=str(tmp_path), max_denoising_steps=8,
+                                         t_max=0.5, t_min=0.1)) is None
+    line = check_model_settings(Settings(model=str(CHECKPOINTS["llada"]), store_url=str(tmp_path),
+                                         max_denoising_steps=8))
+    assert line is not None and line.startswith("--max-denoising-steps / DLLM_MAX_DENOISING_STEPS: "
+                                                "max_denoising_steps 8 is not served by llada"), line

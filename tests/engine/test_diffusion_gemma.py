@@ -284,17 +284,17 @@ def test_canvases_follow_max_new_tokens(engines):
     assert entropy(torch.zeros(1, 4)).item() == pytest.approx(math.log(4))
 
 
-def test_a_masked_decoding_request_is_refused_at_admission(engines):
-    """Not served through the runtime yet: the engine's decoder refuses each request with a 400 naming ``model``
-    (no masked-decoding path runs on these weights)."""
+def test_a_masked_decoding_setting_is_refused_at_admission(engines):
+    """Served through the runtime now: a request with a masked family's setting is refused by the engine with a
+    400 naming the field (no masked-decoding path runs on these weights)."""
     from service.engine import Engine
     from service.engine.params import DecodeParams
 
     loaded = engines[TINY]
     engine = Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
-    with pytest.raises(EngineInputError, match="dllm-kvq generate") as refused:
-        engine.generate([[1, 2, 3]], DecodeParams(gen_length=32))
-    assert refused.value.field == "model" and engine.capabilities.mask_kind == "renoising"
+    with pytest.raises(EngineInputError, match="send max_denoising_steps") as refused:
+        engine.generate([[1, 2, 3]], DecodeParams(gen_length=32, steps=32))
+    assert refused.value.field == "steps" and engine.capabilities.mask_kind == "renoising"
 
 
 def test_a_canvas_of_256_sampled_in_chunks_is_the_reference(tmp_path):

@@ -64,3 +64,42 @@ def direct_answers(engine, cache_mode: str = "dual") -> list[str]:
                               ).rows[0]
         out.append(row.text)
     return out
+
+
+def write_choice_task(folder: Path, name: str = "tiny_choice") -> Path:
+    """A multiple_choice task over PROMPTS (loglikelihood requests) in ``folder``, beside the echo task."""
+    data = folder / f"{name}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "label": 0}) + "\n" for p in PROMPTS))
+    cfg = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+           "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{prompt}}",
+           "doc_to_choice": ["w5", "w6"], "doc_to_target": "{{label}}",
+           "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+           "metadata": {"version": 1.0}}
+    (folder / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return folder
+
+
+def run_lm_eval_http(url: str, model: str, task_dir: Path, task: str, out: Path, limit: int):
+    """``lm_eval --model local-completions`` on ``task`` (``limit`` documents) against the server at ``url``
+    serving ``model`` (the command of docs/llada2.md and docs/diffusion_gemma.md); the finished process."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    max_len = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    args = f"model={model},base_url={url}/v1/completions,tokenizer_backend=remote,max_length={max_len},max_retries=1"
+    return subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
+                           "--include_path", str(task_dir), "--tasks", task, "--limit", str(limit),
+                           "--output_path", str(out), "--log_samples"],
+                          capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"})
+
+
+def http_echo_answers(out: Path, task: str = "tiny_echo") -> tuple[float, dict[int, str]]:
+    """What a ``local-completions`` run wrote under ``out``: the task's exact match and each document's answer."""
+    (results,) = out.glob("*/results_*.json")
+    exact = json.loads(results.read_text())["results"][task]["exact_match,none"]
+    (samples,) = out.glob(f"*/samples_{task}_*.jsonl")
+    return exact, {s["doc_id"]: s["resps"][0][0] for s in map(json.loads, samples.read_text().splitlines())}

@@ -6,24 +6,26 @@ ELBO over its block-causal mask is not implemented), the server's as a 400."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import lm_eval
 import pytest
-import yaml
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from evaluation.lm import DllmKvqLM
 from service.engine.errors import EngineInputError
 from service.engine.params import DecodeParams, RowOptions
-from tests.evaluation.conftest import MAX_GEN_TOKS, PROMPTS, STOP, write_echo_task
+from tests.evaluation.conftest import (
+    MAX_GEN_TOKS,
+    PROMPTS,
+    STOP,
+    http_echo_answers,
+    run_lm_eval_http,
+    write_choice_task,
+    write_echo_task,
+)
 from tests.support.llada2 import LLADA2_CHAT, start_llada2_server
 
 #: What the refusal of likelihood on a block-causal model says in process (`Engine.check_likelihood`) and in the
@@ -75,15 +77,7 @@ def task_dir(tmp_path_factory, lm):
     """``tiny_echo`` (generate_until; references: the engine's own answers, so exact match is 1) and
     ``tiny_choice`` (multiple_choice: loglikelihood requests)."""
     folder = write_echo_task(tmp_path_factory.mktemp("llada2-tasks"), [_alone(lm.engine, p, "block") for p in PROMPTS])
-    data = folder / "tiny_choice.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "label": 0}) + "\n" for p in PROMPTS))
-    cfg = {"task": "tiny_choice", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-           "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{prompt}}",
-           "doc_to_choice": ["w5", "w6"], "doc_to_target": "{{label}}",
-           "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-           "metadata": {"version": 1.0}}
-    (folder / "tiny_choice.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return folder
+    return write_choice_task(folder)
 
 
 @pytest.mark.integration  # lm-eval's evaluate reports its environment: torch's collect_env runs pip as a process
@@ -106,16 +100,8 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def _lm_eval(server, task_dir: Path, task: str, out: Path) -> subprocess.CompletedProcess:
-    """``lm_eval --model local-completions`` on ``task`` against ``server`` (the command of docs/llada2.md)."""
-    max_len = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
-    args = (f"model=llada2-tiny-chat,base_url={server.url}/v1/completions,tokenizer_backend=remote,"
-            f"max_length={max_len},max_retries=1")
-    return subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-                           "--include_path", str(task_dir), "--tasks", task, "--limit", str(LIMIT),
-                           "--output_path", str(out), "--log_samples"],
-                          capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1"})
+def _lm_eval(server, task_dir: Path, task: str, out: Path):
+    return run_lm_eval_http(server.url, "llada2-tiny-chat", task_dir, task, out, LIMIT)
 
 
 @pytest.mark.integration
@@ -123,10 +109,8 @@ def _lm_eval(server, task_dir: Path, task: str, out: Path) -> subprocess.Complet
 def test_local_completions_over_http_answers_as_in_process(server, lm, task_dir, tmp_path):
     done = _lm_eval(server, task_dir, "tiny_echo", tmp_path / "out")
     assert done.returncode == 0, done.stderr[-3000:]
-    (results,) = (tmp_path / "out").glob("*/results_*.json")
-    assert json.loads(results.read_text())["results"]["tiny_echo"]["exact_match,none"] == 1.0
-    (samples,) = (tmp_path / "out").glob("*/samples_tiny_echo_*.jsonl")
-    http = {s["doc_id"]: s["resps"][0][0] for s in map(json.loads, samples.read_text().splitlines())}
+    exact, http = http_echo_answers(tmp_path / "out")
+    assert exact == 1.0
     assert http == dict(enumerate(lm.generate_until(_requests(), disable_tqdm=True)))
 
 

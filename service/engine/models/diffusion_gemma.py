@@ -31,9 +31,9 @@ is, read from it (text only):
 
 Every operation runs in the reference's order and dtype, with the same SDPA call (mask or ``is_causal``, GQA in the
 kernel or repeated heads) at batch 1, so float32 logits on CPU are the reference's bit for bit (token-exact
-decoding, `service.engine.renoise`). With several rows their cached lengths differ: keys are padded per row and a
-boolean mask hides the padding, which rounds differently from the row alone (rare token changes, measured in the
-tests).
+decoding, `service.engine.renoise`). With several rows each row's attention and experts run on its own tensors
+(the cache holds rows apart, unpadded), so they round as alone; the projections, norms and MLPs run batched and
+round as alone from 4 input rows up (`service.engine.renoise.STACKABLE_TOKENS`).
 
 Shapes use STYLE.md letters: B rows, T tokens, C width, H heads, D head dim, E experts, K experts per token, V vocab.
 """
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.engine.errors import EngineInputError
 from service.engine.models import layers
 from service.engine.models.transformer import DiffusionLM, ModelConfig
 from service.engine.reveal import RevealRule
@@ -119,6 +120,20 @@ class DiffusionGemmaConfig(ModelConfig):
             heads, dim, _ = self.layer_kv(layer)
             out[kind] += 2 * heads * dim * element_size
         return out
+
+
+    def kv_bytes(self, tokens: int, element_size: int) -> int:
+        """Bytes of K and V one row holds with ``tokens`` committed tokens (prompt and canvases), every layer: a
+        sliding layer at most ``sliding_window - 1`` positions, a global layer all of them (admission's KV cost,
+        `service.runtime.memory.MemoryModel.cost`)."""
+        per = self.kv_bytes_per_token(element_size)
+        return per[SLIDING] * min(tokens, self.sliding_window - 1) + per[GLOBAL] * tokens
+
+    def sampler_bytes(self, chunk: int = 64) -> int:
+        """Transient bytes of one row's denoising step beside its forward: its float32 logits ``[C, V]`` (kept
+        as the next step's self-conditioning input) and the sampler's pieces (``~4 x chunk x V`` float32,
+        `service.engine.renoise.sample_row`)."""
+        return 4 * self.vocab_size * (self.canvas_length + 4 * min(chunk, self.canvas_length))
 
 
 class GemmaNorm(nn.Module):
@@ -216,6 +231,26 @@ class CanvasCache:
 
     def _holder(self, row: int):
         return self.packed[row] if self.packed is not None else None
+
+    @classmethod
+    def of_rows(cls, rows: list[CanvasCache]) -> CanvasCache:
+        """One cache over the first row of each of ``rows`` (a running batch keeps a cache per request row and
+        runs a forward over some of them): the same tensors (or packed holders), nothing copied. An encoder
+        pass's writes go back with :meth:`write_back` (a packed row's go to its holder: only its length)."""
+        packed = [c.packed[0] if c.packed is not None else None for c in rows]
+        out = cls(rows[0].config, len(rows), packed)
+        for layer in range(len(out.k)):
+            out.k[layer] = [c.k[layer][0] for c in rows]
+            out.v[layer] = [c.v[layer][0] for c in rows]
+        out.length = [c.length[0] for c in rows]
+        return out
+
+    def write_back(self, rows: list[CanvasCache]) -> None:
+        """Hand the K/V and lengths an encoder pass wrote into this :meth:`of_rows` cache back to ``rows``."""
+        for r, cache in enumerate(rows):
+            for layer in range(len(self.k)):
+                cache.k[layer][0], cache.v[layer][0] = self.k[layer][r], self.v[layer][r]
+            cache.length[0] = self.length[r]
 
     def held(self, row: int, kind: str) -> int:
         """Positions row ``row`` holds on a layer of ``kind``."""
@@ -528,10 +563,40 @@ class SelfConditioning(nn.Module):
 
 class RenoisingRule(RevealRule):
     """DiffusionGemma decodes by renoising (`service.engine.renoise`), not by revealing masks: the settings are
-    checked by its decoder's rules (`service.engine.renoise.SETTINGS`) and a request is refused at admission
-    (`service.engine.renoise.RenoisingDecoder.cohort`) until its running batch exists."""
+    checked by its decoder's rules (`service.engine.renoise.SETTINGS`); the per-row options its sampling does not
+    define are refused here, before any work (a 400 naming the field)."""
 
     remasking = ("low_confidence",)
+
+    def check_request(self, spec, params, rows) -> None:
+        """Refuse renoising settings the reference refuses once the checkpoint's ``generation_config.json`` fills
+        the ones not given (``t_max`` not above ``t_min`` ...: `service.engine.renoise.settings_for`, here so that
+        it is a 400 before any work), ``temperature`` above 0 (its temperature is the t_max .. t_min schedule),
+        ``logprobs`` (a committed token is the argmax of a canvas whose other positions were drawn and redrawn: no
+        one distribution gave it) and a grammar (structured output, tool calls: each step redraws every position
+        it does not accept, so a constrained position would be redrawn unconstrained).
+
+        Raises:
+            EngineInputError: naming the renoising field, ``temperature``, ``logprobs`` or ``response_format``.
+        """
+        from service.engine.renoise import checkpoint_directory, settings_for  # it imports this module
+
+        settings_for(params, checkpoint_directory(spec))
+        for row in rows:
+            if row.temperature:
+                raise EngineInputError(f"temperature {row.temperature} is not a setting of DiffusionGemma: its "
+                                       "temperature follows the t_max .. t_min schedule over each canvas's steps; "
+                                       "send t_max and t_min, or leave temperature unset (or 0)", "temperature")
+            if row.logprobs is not None:
+                raise EngineInputError("logprobs are not defined for DiffusionGemma: a committed token is the "
+                                       "argmax of a canvas whose positions were drawn and redrawn over the steps, "
+                                       "not a draw from one distribution (nor is a prompt's likelihood, echo with "
+                                       "logprobs: the family has no ELBO); leave logprobs unset", "logprobs")
+            if row.grammar is not None:
+                raise EngineInputError("structured output and tool calls are not served for DiffusionGemma: each "
+                                       "denoising step redraws every position it does not accept, so a constrained "
+                                       "position would be redrawn unconstrained; leave response_format and "
+                                       "tool_choice unset", "response_format")
 
 
 #: Checkpoint names of one layer's text tensors under ``model.decoder.layers.{i}.`` (or the encoder's
