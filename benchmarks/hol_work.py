@@ -23,9 +23,10 @@ one or four likelihood requests of a 2,200-token prompt (``mc_num`` 5, ``logprob
 choice sends them) run, and a 32-token request (100-token prompt) arrives ``--repeats`` times, each after the one
 before finished. Two plans in one run: before issue 45 (the likelihood ran after the decoding forwards, each task
 one whole forward of at least one batch per iteration, outside the head-of-line rule: `_BeforeWorker`, the loop's
-``_step_tasks`` of issue 34) and now (rows fixed per task, pieces of layers, the head-of-line rule, turns). For
-each: the likelihood calls and work that ran while the short request was in the server (tokens' worth: rows x
-tokens x the share of the layers; and arithmetic, `ForwardCost.flops`, over the short request's own), the
+``_step_tasks`` of issue 34) and now (rows fixed per task, pieces of layers or of a layer, the head-of-line rule, turns). For
+each: the likelihood calls and work that ran while the short request was in the server (tokens' worth, the unit
+of the layer split: one token through every layer's projections and MLP, a piece's attention counted in it,
+`ForwardCost.layer_stages`; and arithmetic, over the short request's own), the
 largest single likelihood call, and the short request's wall time over its time alone (same run, same worker
 settings, the median of ``--repeats``).
 
@@ -164,17 +165,17 @@ def _before_worker():
 
 
 def _watch_calls(task, calls: list[tuple[float, float]], cost: ForwardCost, num_layers: int) -> None:
-    """Record each call of ``task`` as (tokens' worth, flops) in ``calls`` (its ``step`` wrapped)."""
+    """Record each call of ``task`` as (tokens' worth, flops per layer) in ``calls`` (its ``step`` wrapped). A
+    token's worth is one token through every layer's projections and MLP
+    (`service.engine.forward_cost.ForwardCost.layer_stages`), so a call's arithmetic, a layer's worth as the
+    short request's is counted, is its tokens' worth times ``flops(1, 1, 0)``."""
     step = task.step
 
     def watched(*args, **kwargs):
-        work, pending = task.work, task._flight
+        work = task.work
         more = step(*args, **kwargs)
         if task.work > work:
-            flight = task._flight or pending  # the forward this call ran a piece of (None: a whole one)
-            rows = flight.ids.shape[0] if flight is not None else task.last_rows
-            share = (task.work - work) / (rows * task.seq_len)  # the share of the layers it ran
-            calls.append((task.work - work, cost.flops(rows, task.seq_len, task.seq_len) * share))
+            calls.append((task.work - work, (task.work - work) * cost.flops(1, 1, 0)))
         return more
 
     task.step = watched
@@ -241,15 +242,21 @@ def likelihood_beside(engine, before: bool, tasks: int, repeats: int, split: int
 def shape_counts(cost: ForwardCost, layers: int, split: int, nfe: int) -> tuple[float, float, float]:
     """At a model shape, from the plans' rules (no run): the short request's arithmetic (a full pass over its 132
     tokens, then ``nfe - 1`` window passes over its 32-token block), the largest likelihood call of the plan before
-    (one whole forward of a 5-row batch of the 2,200-token prompt) and of the plan now (one piece of
-    `likelihood_rows` rows, `likelihood_layers`)."""
-    from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, likelihood_layers, likelihood_rows
+    (one whole forward of a 5-row batch of the 2,200-token prompt) and of the plan now (the largest piece of a
+    forward of `likelihood_rows` rows, `likelihood_piece`), each a layer's worth."""
+    from service.engine.forward_cost import likelihood_work
+    from service.runtime.scheduler import DEFAULT_MAX_BATCHED_TOKENS, likelihood_piece, likelihood_rows
 
     own = layers * (cost.flops(1, 132, 132) + (nfe - 1) * cost.flops(1, 32, 133))
     before = layers * cost.flops(5, 2200, 2200)
     rows = likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, split, layers)
-    start, stop = likelihood_layers(rows * 2200, 0, split, layers) or (0, layers)
-    return own, before, (stop - start) * cost.flops(rows, 2200, 2200)
+    stages = cost.layer_stages(2200, layers)
+    at, end, largest = 0, 2 * rows * 2200 * layers, 0.0
+    while at < end:
+        piece = likelihood_piece(rows, 2200, at, split, layers, stages) or (at, end)
+        largest = max(largest, likelihood_work(rows * 2200, piece, stages))
+        at = piece[1]
+    return own, before, largest * cost.flops(1, 1, 0) * layers
 
 
 def small_alone(engine, repeats: int, split: int) -> tuple[float, float, float]:
@@ -302,7 +309,8 @@ def likelihood_main(engine, repeats: int, split: int) -> None:
                   f"{got['largest']:12,.0f} {got['largest_flops'] / own_flops:6.1f} "
                   f"{statistics.median(got['latency']) / solo:12.1f}")
     # The embedded model is 128 wide: attention over 2,200 keys outweighs its projections, so one row of one layer
-    # (the smallest piece) is many times a short request's arithmetic; at a real model's shape it is not.
+    # is many times a short request's arithmetic: its pieces are parts of a layer (a row's projections, stretches
+    # of query columns), each within the split counted with its attention.
     llada8b = ForwardCost.dense(4096, 12288, 32, 128, 126464, 2)
     for name, cost, layers in (("embedded (4 layers, width 128)", ForwardCost.of(engine.model), engine.spec.num_layers),
                                ("LLaDA-8B shape (32 layers, width 4096)", llada8b, 32)):

@@ -9,12 +9,12 @@ import torch
 
 from service.engine.batch import alone
 from service.engine.errors import EngineInputError
-from service.engine.families import check_family_settings, decoder_for
+from service.engine.families import check_family_settings, decoder_for, families_serving
 from service.engine.graphs import LaterSteps
 from service.engine.kv_store import KVStore
 from service.engine.likelihood import PromptLikelihood
 from service.engine.loading import load_checkpoint
-from service.engine.models import MODEL_CLASSES, family_cache_modes, reveal_rule
+from service.engine.models import family_cache_modes, reveal_rule
 from service.engine.params import DecodeParams, RowOptions
 from service.engine.prefix_cache import PrefixCache
 from service.engine.prompts import encode_prompt
@@ -237,8 +237,8 @@ def check_cache_mode(spec, cache_mode: str) -> None:
     API checks it before it resolves a request's KV configuration for that mode."""
     if cache_mode in cache_modes(spec):
         return
-    others = [f"{arch} ({cls.mask_kind.replace('_', '-')})"
-              for arch, cls in MODEL_CLASSES.items() if cache_mode in cls.cache_modes]
+    # The families that take it, from their declarations (a family not served in this version takes none).
+    others = families_serving("cache_mode", cache_mode)
     if others:
         raise EngineInputError(f"cache mode {cache_mode!r} is a cache mode of {', '.join(others)} models, not of this "
                                f"one; {legal_cache_modes(spec)}", "cache_mode")

@@ -79,6 +79,19 @@ def capabilities_of(arch: str) -> Capabilities:
     return _family(arch).capabilities
 
 
+def families_serving(name: str, value: object) -> list[str]:
+    """The families that serve ``value`` of the decoding setting ``name``, as their declarations say: the served
+    ones (``Capabilities.served``) whose rule for it (:func:`settings_rules`) does not refuse it, each as
+    ``arch (mask kind)`` (``llada2 (block-causal)``), in `MODEL_CLASSES` order. What a refusal names as the
+    families that take the value (a family declared but not served in this version takes none)."""
+    out = []
+    for arch, cls in MODEL_CLASSES.items():
+        family = DECODERS[cls.decoder]
+        if family.capabilities.served and not family.settings(cls)[name].refuses(value):
+            out.append(f"{arch} ({cls.mask_kind.replace('_', '-')})")
+    return out
+
+
 def check_family_settings(arch: str, values: Mapping[str, object]) -> None:
     """Refuse a decoding setting the family named ``arch`` does not serve (`protocol.check_settings`).
 

@@ -75,3 +75,43 @@ class ForwardCost:
         hd = self.num_heads * self.head_dim
         per_column = 2 * (4 * self.width * hd + self.mlp_macs) + 4 * hd * keys
         return rows * tokens * per_column
+
+    def layer_stages(self, keys: int, num_layers: int, sublayer: bool = True) -> LayerStages:
+        """A likelihood forward's work per column of one layer, in tokens' worth (the unit of
+        ``layer_split_tokens``: one token through every layer's projections and MLP, its attention left out, as a
+        decoding pass's piece counts it): (the q/k/v projections of a column, the rest of a query column: its
+        attention over ``keys`` keys, the output projection and the MLP). They add up to :meth:`flops` of one
+        column over ``flops(1, 1, 0) x num_layers`` (`service.runtime.scheduler.likelihood_piece`); ``sublayer`` as
+        :class:`LayerStages` says."""
+        hd = self.num_heads * self.head_dim
+        token = self.flops(1, 1, 0) * num_layers
+        project = 2 * 3 * self.width * hd
+        return LayerStages(project / token, (self.flops(1, 1, keys) - project) / token, sublayer)
+
+
+@dataclass(frozen=True)
+class LayerStages:
+    """A likelihood forward's work per column of one layer, in tokens' worth (the unit of ``layer_split_tokens``,
+    :meth:`ForwardCost.layer_stages`): ``project`` a column's q/k/v projections, ``rest`` a
+    query column's attention over every key, output projection and MLP. ``sublayer``: the model runs a layer in
+    these two parts (`service.engine.models.DiffusionLM.project_layer` / ``finish_layer``); else only whole
+    layers."""
+
+    project: float
+    rest: float
+    sublayer: bool = True
+
+
+def likelihood_work(tokens: int, units: tuple[int, int], stages: LayerStages) -> float:
+    """Tokens' worth of work of the units ``(a, b)`` of a likelihood forward of ``tokens`` columns (rows x width).
+
+    A forward's work is a line of units, ``2 x tokens`` per layer in layer order: first each column's projections
+    (``tokens`` units of ``stages.project``), then each query column's rest (``tokens`` units of ``stages.rest``);
+    a piece (`service.runtime.scheduler.likelihood_piece`) is a stretch of it."""
+
+    def done(u: int) -> float:
+        layers, offset = divmod(u, 2 * tokens)
+        return (layers * tokens * (stages.project + stages.rest) + min(offset, tokens) * stages.project
+                + max(0, offset - tokens) * stages.rest)
+
+    return done(units[1]) - done(units[0])

@@ -108,7 +108,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from service.engine.errors import EngineInputError, GrammarLaneFull
-from service.engine.grammar_size import grammar_positions
+from service.engine.grammar_size import first_row_items, grammar_positions
 from service.engine.params import response_length
 from service.engine.schema_values import has_finite_value
 
@@ -469,6 +469,7 @@ class GrammarCompiler:
                 raise self._too_large(part)
         if positions > self.max_positions:
             raise self._too_large(spec)
+        self._check_rows(spec)
         small = positions <= SMALL_POSITIONS and len(spec.source.encode()) <= SMALL_SOURCE_BYTES
         with self._lock:
             if not small and self._large_waiting >= LARGE_LANE_QUEUE:
@@ -504,6 +505,25 @@ class GrammarCompiler:
                 while len(self._cache) > self.cache_size or self.cached_bytes() > self.cache_bytes:
                     self._cache.popitem(last=False)
         return compiled
+
+    def _check_rows(self, spec: GrammarSpec) -> None:
+        """Refuse, before it takes a compile lane, a JSON schema the engine is known to fail on at its first token
+        (issue 45, N3): a plain object of more optional properties than llguidance's Earley row holds
+        (`service.engine.grammar_size.first_row_items`; 499 without ``additionalProperties: false``). The compile
+        would refuse it too, with the same reason (:meth:`_compile`'s walk), after its place in the lane.
+
+        Raises:
+            EngineInputError: naming ``spec.field``, the properties and the engine's row limit.
+        """
+        if spec.kind != "json_schema":
+            return
+        found = first_row_items(spec.source)
+        limit = self.limits.max_items_in_row
+        if found is not None and found[0] > limit:
+            raise EngineInputError(
+                f"{spec.field} is more than the grammar engine can decode: its {found[1]:,} optional properties "
+                f"open {found[0]:,} items at the first token, where the engine's row holds {limit:,} (checked "
+                f"before compiling); {_advice('items')}", spec.field)
 
     def _too_large(self, spec: GrammarSpec) -> EngineInputError:
         return EngineInputError(f"{spec.field} spells out more than {self.max_positions:,} positions (characters "

@@ -156,3 +156,31 @@ def _class_end(pattern: str, start: int) -> int:
 
 
 __all__ = ["grammar_positions", "regex_positions"]
+
+
+# ---- schemas the grammar engine is known to refuse, judged before they compile (issue 45, N3) --------------------
+#: The keywords of a root object whose first token's Earley row llguidance's sizes are known for (measured on
+#: llguidance 1.x: `tests/engine/test_grammar_precheck.py` compiles each case on both sides of the bound).
+_PLAIN_OBJECT_KEYS = frozenset({"type", "properties", "additionalProperties", "required", "title", "description"})
+
+
+def first_row_items(source: str) -> tuple[int, int] | None:
+    """The items llguidance's Earley parser opens at a JSON schema's first token when the schema is a plain
+    object of optional properties (its root ``type: object`` with ``properties``, no ``required``, and
+    ``additionalProperties`` absent, true or false; no other keyword that shapes the value), with the count of
+    those properties: every optional property is an open alternative at once, 4 items each (and 7 more for the
+    extra properties ``additionalProperties`` allows, 1 fewer without them). None for any other schema (or one
+    that is not JSON): only a compile can tell its rows.
+
+    Returns: (items, optional properties) or None."""
+    try:
+        schema = json.loads(source)
+    except ValueError:
+        return None
+    if not isinstance(schema, dict) or schema.get("type") != "object" or not set(schema) <= _PLAIN_OBJECT_KEYS:
+        return None
+    properties, extra = schema.get("properties"), schema.get("additionalProperties", True)
+    if not isinstance(properties, dict) or schema.get("required") or extra not in (True, False):
+        return None
+    count = len(properties)
+    return 4 * count + (7 if extra else -1), count

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from service.engine.forward_cost import ForwardCost
+from service.engine.forward_cost import ForwardCost, likelihood_work
 from service.engine.report import TokenLogprob
 
 #: ``logits_fn(ids)``: ids ``[B, T]`` int64 -> logits ``[B, T, V]`` float where ``logits[:, i]`` scores the token
@@ -144,10 +144,13 @@ def greedy_check(logits_fn: LogitsFn, context: list[int], continuation: list[int
 @dataclass(frozen=True)
 class Call:
     """A likelihood's next model call (:meth:`PromptLikelihood.next_call`): ``rows`` rows of the prompt, from
-    layer ``start`` on (0: a new forward; more: the rest of a forward split by layers)."""
+    layer ``start`` on (0: a new forward; more: the rest of a forward split by layers), at unit ``at`` of the
+    forward's work (`service.engine.forward_cost.likelihood_work`: ``2 x rows x T`` units a layer; 0: a new
+    forward)."""
 
     rows: int
     start: int
+    at: int = 0
 
 
 @dataclass(eq=False)
@@ -167,13 +170,25 @@ class _Batch:
 
 @dataclass(eq=False)
 class _Flight:
-    """A forward in flight: its input ``[rows, T]``, its rows as (batch, first row, count), the first layer it has
-    not run and the hidden states ``[rows, T, C]`` it reached."""
+    """A forward in flight: its input ``[rows, T]``, its rows as (batch, first row, count), the units of its work
+    done (``at``, `service.engine.forward_cost.likelihood_work`) and the hidden states ``[rows, T, C]`` it reached
+    (in a layer begun: its input, its query columns done updated in place), and in a layer begun its q
+    ``[rows, H, T, D]``, k, v ``[rows, H_kv, T, D]`` (``qkv``)."""
 
     ids: torch.Tensor
     parts: list
-    start: int = 0
+    at: int = 0
     hidden: torch.Tensor | None = None
+    qkv: tuple | None = None
+
+    @property
+    def columns(self) -> int:
+        return self.ids.shape[0] * self.ids.shape[1]
+
+    @property
+    def start(self) -> int:
+        """The first layer not yet run to its end."""
+        return self.at // (2 * self.columns)
 
 
 class PromptLikelihood:
@@ -193,10 +208,11 @@ class PromptLikelihood:
 
     In the server (issue 45 items 7-8) a forward is planned as decoding passes are: the worker asks for the next
     call (:meth:`next_call`: its rows, fixed by the task's bounds, `service.runtime.scheduler.likelihood_rows`) and
-    runs a piece of its layers per iteration (``step(layers=...)``, `service.runtime.scheduler.likelihood_layers`), so
-    an iteration holds about ``layer_split_tokens`` tokens' worth of likelihood work; the hidden states between
+    runs a piece of it per iteration (``step(units=...)``, `service.runtime.scheduler.likelihood_piece`: whole
+    layers, or parts of a layer: a row's projections, stretches of query columns), so an iteration holds about
+    ``layer_split_tokens`` tokens' worth of likelihood work; the hidden states (and a layer's q/k/v) between
     pieces are held on the task (and counted with its memory, `service.runtime.loop.Worker._cost`). The values
-    are those of the same forwards run whole, bit for bit.
+    are those of the same forwards run whole, bit for bit (:meth:`step`).
 
     Args:
         model: the network; mask_id: its mask id; ids: the prompt's token ids (none the mask id).
@@ -224,10 +240,13 @@ class PromptLikelihood:
         self._next: _Batch | None = None  # the batch the next forward takes rows of
         self._flight: _Flight | None = None  # a forward whose layers have not all run yet
         self.cost = ForwardCost.of(model)
+        # A layer in two parts where the model has them (the fakes of the runtime tests run whole layers only).
+        self.stages = self.cost.layer_stages(self.seq_len, model.config.num_layers,
+                                             sublayer=hasattr(model, "finish_layer"))
         self.done = self.cancelled = False
         self.forwards = 0  # forwards through every layer
         self.calls = 0  # model calls (a forward split by layers is one call per piece)
-        self.work = 0.0  # tokens' worth of work of every call: rows x T x the share of the layers it ran
+        self.work = 0.0  # tokens' worth of work of every call (`likelihood_work`)
         self.last_rows = 0  # rows of the last forward
 
     @staticmethod
@@ -289,7 +308,7 @@ class PromptLikelihood:
             self.cancelled, self._flight = True, None
             return None
         if self._flight is not None:
-            return Call(self._flight.ids.shape[0], self._flight.start)
+            return Call(self._flight.ids.shape[0], self._flight.start, self._flight.at)
         parts: list[tuple[_Batch, int, int]] = []
         rows = 0
         while (batch := self._take()) is not None:
@@ -315,16 +334,23 @@ class PromptLikelihood:
 
     @torch.inference_mode()
     def step(self, max_rows: int | None = None, max_bytes: int | None = None,
-             layers: tuple[int, int] | None = None) -> bool:
-        """Run the next call (:meth:`next_call` with these bounds): the layers ``layers`` of the forward in flight
-        (None: all it has left), keeping its hidden states ``[rows, T, C]`` for the next call until its last
-        layer, where the LM head runs for every batch whose rows are all through (``[b, T, V]``, one batch at a
-        time). A forward run in pieces gives the values of the same forward run at once bit for bit: each layer
-        runs the same operations on the same inputs (`service.engine.models.transformer.DiffusionLM.forward`).
+             layers: tuple[int, int] | None = None, units: tuple[int, int] | None = None) -> bool:
+        """Run the next call (:meth:`next_call` with these bounds): the units ``units`` of the forward in flight
+        (`service.engine.forward_cost.likelihood_work`; `service.runtime.scheduler.likelihood_piece` chooses them),
+        or its layers ``layers``, or (neither) all it has left; its hidden states ``[rows, T, C]`` are kept for
+        the next call until its last layer, where the LM head runs for every batch whose rows are all through
+        (``[b, T, V]``, one batch at a time).
+
+        Whole layers run as the model's forward over those layers; a piece smaller than a layer runs the layer in
+        its two parts (`service.engine.models.DiffusionLM.project_layer` over its columns, then ``finish_layer``
+        over its query columns, each over whole rows or a stretch of one row), the layer's q/k/v held between
+        calls. A forward run in pieces gives the values of the same forward run at once bit for bit: each part
+        runs the same operations on the same values, per column (`tests/engine/test_likelihood_rows.py`).
         False once there is nothing left (or the work was cancelled): then ``done``.
 
         Raises:
-            ValueError: ``layers`` does not start where the forward in flight stopped.
+            ValueError: ``units`` (or ``layers``) do not start where the forward in flight stopped, or split a
+                layer on a model without its two parts.
         """
         call = self.next_call(max_rows, max_bytes)
         if call is None:
@@ -332,17 +358,30 @@ class PromptLikelihood:
             return False
         flight = self._flight
         num_layers = self.model.config.num_layers
-        start, stop = layers if layers is not None else (flight.start, num_layers)
-        if start != flight.start:
-            raise ValueError(f"the forward in flight continues at layer {flight.start}, not {start}")
-        whole = start == 0 and stop == num_layers
-        kwargs = {} if whole else {"layers": (start, stop), "hidden": flight.hidden}
-        hidden = self.model(flight.ids.to(self.device), head=False, **kwargs)    # [rows, T, C]
+        per_layer = 2 * flight.columns
+        if units is None:
+            units = (layers[0] * per_layer, layers[1] * per_layer) if layers is not None else \
+                (flight.at, num_layers * per_layer)
+        start, stop = units
+        if start != flight.at:
+            raise ValueError(f"the forward in flight continues at unit {flight.at}, not {start}")
+        if start == 0 and stop == num_layers * per_layer:
+            flight.hidden = self.model(flight.ids.to(self.device), head=False)    # [rows, T, C]
+            flight.at = stop
+        while flight.at < stop:
+            layer, offset = divmod(flight.at, per_layer)
+            if offset == 0 and stop >= (layer + 1) * per_layer:  # whole layers
+                last = min(stop // per_layer, num_layers)
+                flight.hidden = self.model(flight.ids.to(self.device), head=False, layers=(layer, last),
+                                           hidden=flight.hidden)
+                flight.at = last * per_layer
+            else:
+                self._part(flight, layer, offset, min(stop, (layer + 1) * per_layer) - layer * per_layer)
         self.calls += 1
-        self.work += call.rows * self.seq_len * (stop - start) / num_layers
-        if stop < num_layers:
-            flight.hidden, flight.start = hidden, stop
+        self.work += likelihood_work(flight.columns, units, self.stages)
+        if stop < num_layers * per_layer:
             return True
+        hidden = flight.hidden
         self._flight = None
         offset = 0
         for batch, _, n in flight.parts:
@@ -356,6 +395,41 @@ class PromptLikelihood:
         self.last_rows = call.rows
         return True
 
+    def _qkv(self, rows: int, t: int, x: torch.Tensor) -> tuple:
+        """Empty q ``[rows, H, T, D]``, k, v ``[rows, H_kv, T, D]`` for a layer's projections, with the RoPE
+        tables of its columns (`service.engine.models.DiffusionLM.rope_columns`)."""
+        c = self.model.config
+        q = x.new_empty(rows, c.num_heads, t, c.head_dim)
+        k, v = (x.new_empty(rows, c.num_kv_heads, t, c.head_dim) for _ in range(2))
+        return (q, k, v, *self.model.rope_columns(t, x.device))
+
+    def _part(self, flight: _Flight, layer: int, offset: int, end: int) -> None:
+        """Units ``offset .. end`` of ``layer`` (offsets within the layer: its ``rows x T`` columns' projections,
+        then as many query columns' rest) of the forward in flight, its state updated."""
+        if not self.stages.sublayer:
+            raise ValueError("this model runs whole layers only")
+        rows, t = flight.ids.shape
+        columns = rows * t
+        if flight.hidden is None:  # the forward's first piece: the embedding (layers 0..0)
+            flight.hidden = self.model(flight.ids.to(self.device), head=False, layers=(0, 0))
+        x = flight.hidden
+        if offset < columns:  # projections of columns offset .. : every column's before any query's attention
+            if flight.qkv is None:
+                flight.qkv = self._qkv(rows, t, x)
+            q, k, v, cos, sin = flight.qkv
+            for r0, r1, c0, c1 in _blocks(offset, min(end, columns), t):
+                q[r0:r1, :, c0:c1], k[r0:r1, :, c0:c1], v[r0:r1, :, c0:c1] = self.model.project_layer(
+                    layer, x[r0:r1, c0:c1], cos[:, :, c0:c1], sin[:, :, c0:c1])
+            offset = min(end, columns)
+        if end > columns:  # the rest of query columns offset - columns .. (in place: their input is read once)
+            q, k, v, _, _ = flight.qkv
+            for r0, r1, c0, c1 in _blocks(offset - columns, end - columns, t):
+                x[r0:r1, c0:c1] = self.model.finish_layer(layer, x[r0:r1, c0:c1], q[r0:r1, :, c0:c1], k[r0:r1],
+                                                          v[r0:r1])
+        flight.at = layer * 2 * columns + end
+        if end == 2 * columns:
+            flight.qkv = None  # the layer is done: its q/k/v are not needed again
+
     def scores(self) -> list[TokenLogprob]:
         """The values of tokens ``1..T-1`` (token 0 has none: nothing precedes it), once done: ``logprob`` the ELBO
         increment, ``top`` the first reveal step's alternatives (module docstring)."""
@@ -363,6 +437,21 @@ class PromptLikelihood:
         elbo[self.seq_len] = 0.0
         return [TokenLogprob(token=self.ids[i], logprob=elbo[i] - elbo[i + 1], top=list(self._top.get(i, ())))
                 for i in range(1, self.seq_len)]
+
+
+def _blocks(a: int, b: int, width: int) -> Iterator[tuple[int, int, int, int]]:
+    """Columns ``a .. b`` of rows of ``width`` columns laid end to end, as blocks ``(r0, r1, c0, c1)``: whole rows
+    ``r0 .. r1`` (all columns), or a stretch ``c0 .. c1`` of row ``r0`` (``r1 = r0 + 1``)."""
+    while a < b:
+        r, c = divmod(a, width)
+        if c == 0 and b - a >= width:
+            r1 = r + (b - a) // width
+            yield r, r1, 0, width
+            a = r1 * width
+        else:
+            c1 = min(width, c + b - a)
+            yield r, r + 1, c, c1
+            a += c1 - c
 
 
 @dataclass(frozen=True)

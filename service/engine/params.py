@@ -157,8 +157,9 @@ class DecodeSettings(BaseModel):
     # LLaDA2.1's token editing (docs/llada2.md): unset is the family's default (on with 0.9 / 16 / 1 on a 2.1
     # checkpoint, off on 2.0); any of them given turns it on. Another family refuses them by name.
     editing_threshold: float | None = Field(
-        None, ge=0.0, allow_inf_nan=False, description="LLaDA2 token editing: replace a revealed token the model "
-        "predicts as another above this probability (above 1: never); giving any editing setting turns editing on "
+        None, ge=0.0, le=1.0, allow_inf_nan=False, description="LLaDA2 token editing: replace a revealed token the "
+        "model predicts as another above this probability (a probability, 0 to 1; 1: never, no probability is "
+        "above it); giving any editing setting turns editing on "
         "(unset: 0.9 on a LLaDA2.1 checkpoint, no editing on 2.0; LLaDA2 only)"
     )
     max_post_steps: int | None = Field(

@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.engine.agreement import exact_match, token_agreement
+from service.engine.forward_cost import likelihood_work
 from service.engine.grammar import GrammarViolation
 from service.engine.kv_store import FullPrecisionKVStore, KVStore
 from service.engine.params import DecodeParams, RowOptions
@@ -98,9 +99,8 @@ from service.runtime.scheduler import (
     forward_plan,
     forward_tokens,
     kv_held,
-    likelihood_layers,
+    likelihood_piece,
     likelihood_rows,
-    piece_work,
     plan_admission,
     take_turns,
     work_tokens,
@@ -481,10 +481,14 @@ class Worker:
         if job.task is not None:  # full passes without cache: no KV held
             hidden, t = 0, len(job.task.ids)
             per_forward = self._task_rows(t)
-            if likelihood_layers(per_forward * t, 0, self.layer_split_tokens, self.engine.spec.num_layers):
-                # Its forwards run in pieces: the hidden states of a forward between pieces, and those of a batch
-                # cut over several forwards, are held across iterations beside the other requests' forwards.
-                hidden = (per_forward + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
+            layers = self.engine.spec.num_layers
+            if likelihood_piece(per_forward, t, 0, self.layer_split_tokens, layers,
+                                self.memory.forward.layer_stages(t, layers)):
+                # Its forwards run in pieces: the hidden states of a forward between pieces (and in a layer split
+                # in parts its q/k/v), and those of a batch cut over several forwards, are held across iterations
+                # beside the other requests' forwards.
+                hidden = ((per_forward + job.task.mc_batch_size) * self.memory.hidden_bytes(t)
+                          + per_forward * self.memory.qkv_bytes(t))
             return Cost(hidden, job.task.transient_bytes(self.memory.forward))
         params = params if params is not None else job.params
         one = self.memory.cost(len(job.prompt_ids), params, self._per_token(job))
@@ -758,10 +762,11 @@ class Worker:
         their turns (`service.runtime.scheduler.take_turns`) while their calls stay within the iteration's
         allowance (``layer_split_tokens`` with a split, else ``tokens_left`` of ``max_batched_tokens`` after the
         decoding forwards; the first always runs, so each advances). A call is the next piece of the task's
-        forward (`service.runtime.scheduler.likelihood_layers`): its rows fixed for the task
-        (`service.runtime.scheduler.likelihood_rows`) within the memory reserved for one forward (the larger of
-        the task's own transient and the forward reserve, `PromptLikelihood.bytes`), its layers split as a
-        decoding pass's are. A finished task leaves at once, a failing one fails alone. Returns the model calls
+        forward (`service.runtime.scheduler.likelihood_piece`: whole layers, or parts of a layer when one is
+        over the split): its rows fixed for the task (`service.runtime.scheduler.likelihood_rows`) within the
+        memory reserved for one forward (the larger of the task's own transient and the forward reserve,
+        `PromptLikelihood.bytes`), its work counted as a decoding pass's piece is, its attention included
+        (`service.engine.forward_cost.likelihood_work`). A finished task leaves at once, a failing one fails alone. Returns the model calls
         made and their rows (counted in ``dllm_forwards_per_iteration``)."""
         jobs = sorted((j for j in self._running.values() if j.task is not None and j.cohort in due),
                       key=lambda j: j.turn)
@@ -775,15 +780,18 @@ class Worker:
                 self._task_failed(job, exc)
                 continue
             tokens = 0 if call is None else call.rows * task.seq_len
-            piece = None if call is None else likelihood_layers(tokens, call.start, split, layers)
-            planned.append((job, call, piece, piece_work(tokens, piece, layers)))
+            piece = None if call is None else likelihood_piece(call.rows, task.seq_len, call.at, split, layers,
+                                                               task.stages)
+            work = 0.0 if call is None else likelihood_work(tokens, piece or (call.at, 2 * tokens * layers),
+                                                            task.stages)
+            planned.append((job, call, piece, work))
         chosen = take_turns([w for _, _, _, w in planned], split if split else tokens_left)
         calls = rows = 0
         for job, call, piece, _ in (planned[i] for i in chosen):
             self._turns += 1
             job.turn = self._turns
             try:
-                more = job.cohort.step(layers=piece)
+                more = job.cohort.step(units=piece)
             except Exception as exc:  # noqa: BLE001 -- this request's fault alone (a device fault is raised on)
                 self._task_failed(job, exc)
                 continue

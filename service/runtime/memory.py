@@ -167,6 +167,12 @@ class MemoryModel:
         block-initial pass split by layers holds between its pieces (`service.runtime.scheduler.split_by_layers`)."""
         return seq_len * self.forward.width * self.element_size
 
+    def qkv_bytes(self, seq_len: int) -> int:
+        """Bytes of one row's q, k and v of one layer over ``seq_len`` columns (GQA counted as full heads): what a
+        likelihood forward split inside a layer holds between its pieces
+        (`service.engine.likelihood.PromptLikelihood.step`)."""
+        return 3 * seq_len * self.forward.num_heads * self.forward.head_dim * self.element_size
+
     def transient(self, seq_len: int, logits_cols: int) -> int:
         """Bytes of one row's full forward over ``seq_len`` columns with logits at ``logits_cols`` columns
         (`service.engine.forward_cost.ForwardCost.bytes`)."""

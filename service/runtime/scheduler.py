@@ -18,6 +18,7 @@ from functools import partial
 
 from service.engine.batch import Plan
 from service.engine.decode import Pass
+from service.engine.forward_cost import LayerStages
 from service.engine.params import DecodeParams
 
 
@@ -178,13 +179,6 @@ def split_by_layers(passes: list[Pass], split_tokens: int, num_layers: int) -> l
     return out
 
 
-def piece_work(tokens: int, layers: tuple[int, int] | None, num_layers: int) -> float:
-    """Tokens' worth of work of a piece (the unit of ``layer_split_tokens``): its input tokens times the share of
-    the layers it runs (``layers`` None: all)."""
-    start, stop = layers if layers is not None else (0, num_layers)
-    return tokens * (stop - start) / num_layers
-
-
 def plan_forwards(passes: list[Pass], max_tokens: int, padding_slack: float = PADDING_SLACK, split_tokens: int = 0,
                   num_layers: int = 0) -> list[list[Pass]]:
     """Group one iteration's passes into forwards: window passes, then full passes, each sorted by width and
@@ -272,24 +266,57 @@ class TaskTurn:
     cohort: object
 
 
-def likelihood_layers(tokens: int, start: int, split_tokens: int, num_layers: int) -> tuple[int, int] | None:
-    """The layers ``(a, b)`` the next piece of a likelihood forward of ``tokens`` input tokens (rows x width) runs,
-    from layer ``start`` on: as many whole layers as keep it within ``split_tokens`` tokens' worth of work
-    (:func:`piece_work`), one at the least; None when the forward is not split (``split_tokens`` 0, or ``tokens``
-    within it). The bound of :func:`split_by_layers`, held per piece: its equal pieces of ``ceil(L / k)`` layers
-    can reach twice ``split_tokens`` (a 15,400-token forward on 32 layers: 16 pieces of 2 layers, 962 tokens'
-    worth each, where this gives 32 of 481)."""
-    if split_tokens <= 0 or tokens <= split_tokens:
+#: Query columns of a piece smaller than a layer come in stretches of this many (a row's last stretch up to 2x
+#: less one): a kernel's arithmetic per row can depend on how many rows it is handed (a matrix product of 1-3 rows
+#: on the CPU takes another path), and stretches of 32 or more keep the values those of the whole layer's.
+CHUNK_COLUMNS = 32
+
+
+def likelihood_piece(rows: int, width: int, at: int, split_tokens: int, num_layers: int,
+                     stages: LayerStages) -> tuple[int, int] | None:
+    """The units ``(at, b)`` (`service.engine.forward_cost.likelihood_work`) the next piece of a likelihood forward
+    of ``rows`` rows of ``width`` columns runs, from unit ``at`` on: within ``split_tokens`` tokens' worth of work
+    (more only when its smallest piece is); None when the forward is not split (``split_tokens`` 0, or all of it
+    within ``split_tokens`` from its start).
+
+    As many whole layers as fit when one does (the layer split of decoding passes, held per piece: the equal
+    pieces of :func:`split_by_layers` can reach twice ``split_tokens``); else, where ``stages.sublayer``, a piece
+    smaller than a layer (issue 45 item 8: one layer of one 2,200-token row was 13.6x a short request's
+    arithmetic on the embedded model). In a bidirectional layer every query needs every column's K/V, so a
+    layer's projections come first, whole rows at a time (one at the least), then the rest of its query columns:
+    whole rows where one fits, else a stretch of one row in :data:`CHUNK_COLUMNS` (ending at a multiple of it,
+    or at the row's end when less than that would be left). A piece never runs past its layer's end. The pieces
+    depend only on the forward's size and these bounds, never on what runs beside it."""
+    tokens = rows * width
+    per_layer = 2 * tokens
+    layer_work = tokens * (stages.project + stages.rest)
+    if split_tokens <= 0 or (at == 0 and layer_work * num_layers <= split_tokens):
         return None
-    per_piece = max(1, split_tokens * num_layers // tokens)
-    return start, min(start + per_piece, num_layers)
+    layer, offset = divmod(at, per_layer)
+    if offset == 0 and (layer_work <= split_tokens or not stages.sublayer):
+        whole = max(1, int(split_tokens // layer_work))
+        return at, min(layer + whole, num_layers) * per_layer
+    end, budget = at, float(split_tokens)
+    if offset < tokens:  # the layer's projections, whole rows
+        take = min(rows - offset // width, max(1, int(budget // (width * stages.project))))
+        end, budget = end + take * width, budget - take * width * stages.project
+        if end - layer * per_layer < tokens or budget < CHUNK_COLUMNS * stages.rest:
+            return at, end
+    row, column = divmod(end - layer * per_layer - tokens, width)
+    columns = int(budget // stages.rest)
+    if column == 0 and columns >= width:  # whole rows of queries
+        return at, end + min(rows - row, columns // width) * width
+    stop = column + max(CHUNK_COLUMNS, columns // CHUNK_COLUMNS * CHUNK_COLUMNS)
+    if width - stop < CHUNK_COLUMNS:
+        stop = width
+    return at, end + stop - column
 
 
 def likelihood_rows(seq_len: int, max_tokens: int, split_tokens: int, num_layers: int) -> int:
     """Rows of one likelihood forward over a ``seq_len``-token prompt (at least 1): as many as ``max_tokens`` holds,
-    and with a layer split (``split_tokens`` > 0) no more than ``split_tokens x num_layers`` tokens, so that each
-    of its layer pieces (:func:`likelihood_layers`, one layer at the least) is at most ``split_tokens`` tokens'
-    worth of work (more only when one layer of one row is), as a decoding pass's piece is meant to be. The same number every forward of the task, whatever runs beside it: the
+    and with a layer split (``split_tokens`` > 0) no more than ``split_tokens x num_layers`` tokens (a layer of
+    them about ``split_tokens`` tokens' worth, its attention left out); its pieces (:func:`likelihood_piece`) are
+    then layers or parts of a layer within ``split_tokens``. The same number every forward of the task, whatever runs beside it: the
     values do not depend on the traffic (`service.engine.likelihood.PromptLikelihood.next_call`)."""
     tokens = min(max_tokens, split_tokens * num_layers) if split_tokens > 0 else max_tokens
     return max(1, tokens // seq_len)
@@ -297,7 +324,7 @@ def likelihood_rows(seq_len: int, max_tokens: int, split_tokens: int, num_layers
 
 def take_turns(works: list[float], allowance: float) -> list[int]:
     """Which likelihood tasks run their next call in this iteration: ``works`` their calls' tokens' worth of work
-    (:func:`piece_work`) in turn order (the one that ran longest ago first); taken in that order while their sum
+    (`service.engine.forward_cost.likelihood_work`) in turn order (the one that ran longest ago first); taken in that order while their sum
     stays within ``allowance`` (``layer_split_tokens`` with a split, else what the decoding forwards left of
     ``max_batched_tokens``), the first with work always (a task with no call left, work 0, takes its turn to
     finish), so every task advances and an iteration holds about one piece of likelihood work whatever the

@@ -3,6 +3,8 @@
 
 * N2: a ``json_schema`` of 800 optional string properties compiled, then failed at its first token with
   ``structured_output_failed`` and advice about nesting; it is refused while compiling, with the real reason.
+* N3: a schema the engine cannot serve took a place in the large compile lane (4 may wait) before it was refused;
+  it is refused before, with the engine's reason (eight at once: eight 400s, no 429).
 * N4: a tool's parameter schema bypassed the grammar size limit (``"pattern": "(b{1000}){1000}"`` ran to
   ``max_tokens`` with no call; in ``response_format`` it was a 400): a 400 naming the tool's ``parameters``.
 * N5: a call nested deeper than the JSON depth the server parses (64) was silently dropped (no ``tool_calls``,
@@ -13,6 +15,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import httpx
@@ -49,6 +52,23 @@ def test_n2_800_optional_properties_refused_while_compiling_with_the_real_reason
     fewer = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}}
     r = _chat(http, max_tokens=32, response_format=_schema_format(fewer))
     assert r.status_code == 200 and isinstance(json.loads(r.json()["choices"][0]["message"]["content"]), dict)
+
+
+def test_n3_schemas_the_engine_cannot_serve_never_take_the_large_lane(http):
+    """Eight concurrent 800-property schemas (each a large grammar: before, each took a place in the large lane,
+    whose queue holds 4, and the others were 429 "retry shortly", to be refused after their compile anyway): each
+    is a 400 with the engine's reason, found before compiling; none is a 429."""
+    def send(i: int) -> httpx.Response:
+        schema = {"type": "object", "properties": {f"k{i}_{j}": {"type": "string"} for j in range(800)}}
+        return _chat(http, max_tokens=32, response_format=_schema_format(schema))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, range(8)))
+    for r in answers:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "response_format.json_schema.schema", error
+        assert "800 optional properties" in error["message"] and "before compiling" in error["message"], error
 
 
 def test_n4_a_tool_parameter_is_held_to_the_grammar_size_limit(http):

@@ -24,7 +24,9 @@ RUNS = [r for r in llada2_golden("llada21_generate.json")["runs"]
 
 
 def editing_fields(params: dict) -> dict:
-    return {"editing_threshold": params["editing_threshold"], "max_post_steps": params["max_post_steps"],
+    """A golden run's editing settings as request fields: the reference's "never edit" (threshold 2.0) is 1.0 as
+    a field (a probability, at most 1; no probability is above 1, so it edits nothing either)."""
+    return {"editing_threshold": min(params["editing_threshold"], 1.0), "max_post_steps": params["max_post_steps"],
             "min_transfer": params.get("num_to_transfer", 1)}
 
 
@@ -70,6 +72,19 @@ def test_a_completion_with_editing_fields_decodes_as_generate_with_the_same_flag
     assert choice.text == "" and choice.model_extra["token_ids"] == expected
     assert choice.model_extra["prompt_token_ids"] == run["prompt_ids"]
     assert out.usage.completion_tokens == len(expected)
+
+
+def test_an_editing_threshold_above_1_is_a_400_naming_it_and_1_is_served(server):
+    """``editing_threshold`` is a probability (issue 45 review: 1.5 was accepted): above 1 is a 400 naming the
+    field; 1 (no probability is above it: no edit) is served, as the reference's never-edit runs decode."""
+    body = {"model": "llada21-tiny", "prompt": [481, 67, 379, 219, 481], "max_tokens": 32, "cache_mode": "block"}
+    for value in (1.5, 2.0, -0.1):
+        r = httpx.post(server.url + "/v1/completions", json={**body, "editing_threshold": value}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "editing_threshold" and error["type"] == "invalid_request_error", error
+    r = httpx.post(server.url + "/v1/completions", json={**body, "editing_threshold": 1.0}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_a_tokenizerless_checkpoint_refuses_text_and_chat_naming_no_host_path(server):

@@ -29,7 +29,8 @@ def flags(family: str, run: dict, cache_mode: str) -> list[str]:
     if p.get("eos_early_stop"):
         args.append("--eos-early-stop")
     if family == "llada21":
-        args += ["--editing-threshold", str(p["editing_threshold"]), "--max-post-steps", str(p["max_post_steps"]),
+        # The reference's "never edit" (2.0) is 1.0 as a setting (a probability; none is above 1).
+        args += ["--editing-threshold", str(min(p["editing_threshold"], 1.0)), "--max-post-steps", str(p["max_post_steps"]),
                  "--min-transfer", str(p.get("num_to_transfer", 1))]
     return [*args, "--dtype", "float32", "--device", "cpu", "--json"]
 

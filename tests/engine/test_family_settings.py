@@ -107,3 +107,22 @@ def test_every_family_batch_and_decoder_implement_the_protocol(arch):
                     arch, name)
     assert decoder.capabilities == capabilities_of(arch)
     assert type(loaded.model).decoder in DECODERS
+
+
+def test_a_refused_cache_mode_names_only_the_served_families_that_take_it():
+    """The cache-mode refusal on a bidirectional model names the families that take the mode as their
+    declarations say (issue 45 review): ``block`` on the embedded model named DiffusionGemma, which declares it
+    but is not served in this version. A family is named exactly when it is served and its ``cache_mode`` rule
+    serves the mode."""
+    from service.engine.engine import check_cache_mode
+
+    spec = Engine.load(None).spec  # the embedded (LLaDA-layout) model
+    with pytest.raises(EngineInputError) as refused:
+        check_cache_mode(spec, "block")
+    message = str(refused.value)
+    assert refused.value.field == "cache_mode" and "llada2 (block-causal)" in message, message
+    for arch in MODEL_CLASSES:
+        takes = capabilities_of(arch).served and not settings_rules(arch)["cache_mode"].refuses("block")
+        assert (f"{arch} (" in message) == takes, (arch, message)
+    if not capabilities_of("diffusion_gemma").served:
+        assert "diffusion_gemma" not in message, message

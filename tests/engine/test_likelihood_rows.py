@@ -94,26 +94,37 @@ def test_the_server_runs_the_109_token_request_in_at_most_4_forwards_with_the_sa
         assert a.top == b.top or [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-6)
 
 
+@pytest.mark.parametrize("split", [150, 10, 1], ids=["layers", "parts-of-a-layer", "smallest-parts"])
 @pytest.mark.parametrize("rows", [MC, 2], ids=["whole-batches", "batches-cut-in-two"])
-def test_a_forward_run_in_layer_pieces_gives_the_values_of_the_same_forward_run_whole_bit_for_bit(engine, rows):
-    """The server's plan of likelihood work (issue 45 items 7-8, `service.runtime.scheduler.likelihood_layers`): each
-    forward of ``rows`` rows runs a piece of its layers per call, its hidden states kept between calls, and a batch
-    larger than ``rows`` is cut over several forwards (its LM head once all its rows are through). The values are
-    those of the same forwards run whole, bit for bit (a piece runs the same operations on the same inputs), and
-    those of one forward per batch within 1e-6."""
-    from service.runtime.scheduler import likelihood_layers
+def test_a_forward_run_in_pieces_gives_the_values_of_the_same_forward_run_whole_bit_for_bit(engine, rows, split):
+    """The server's plan of likelihood work (issue 45 items 7-8, `service.runtime.scheduler.likelihood_piece`): each
+    forward of ``rows`` rows runs a piece per call, its hidden states (and in a layer begun its q/k/v) kept between
+    calls, and a batch larger than ``rows`` is cut over several forwards (its LM head once all its rows are
+    through). Pieces of whole layers (``split`` 150 tokens' worth) or of parts of a layer (10: a row's projections,
+    stretches of 32 query columns; 1: the smallest, one stretch a call) give the values of the same forwards run
+    whole, bit for bit, and those of one forward per batch within 1e-6. The prompt (97 tokens) is no multiple of
+    32, so a row's last stretch is longer."""
+    from service.engine.forward_cost import likelihood_work
+    from service.runtime.scheduler import likelihood_piece
 
-    ids = _prompt(engine, 40)
+    ids = _prompt(engine, 97)
     whole = engine.likelihood(ids, MC, MC, 1234, top_k=2)
     while whole.step(rows):
         pass
     pieces = engine.likelihood(ids, MC, MC, 1234, top_k=2)
-    layers = engine.spec.num_layers
+    layers, largest = engine.spec.num_layers, 0.0
     while (call := pieces.next_call(rows)) is not None:
-        # 10 tokens' worth a piece: one layer per call (a forward holds 40 tokens or more)
-        assert pieces.step(rows, layers=likelihood_layers(call.rows * len(ids), call.start, 10, layers))
+        piece = likelihood_piece(call.rows, len(ids), call.at, split, layers, pieces.stages)
+        largest = max(largest, likelihood_work(call.rows * len(ids), piece, pieces.stages))
+        assert pieces.step(rows, units=piece)
     assert not pieces.step(rows)
-    assert pieces.calls == layers * whole.forwards and pieces.forwards == whole.forwards
+    per_forward = 2 * rows * len(ids) * layers  # units of a forward
+    if split == 150:
+        layer = rows * len(ids) * (pieces.stages.project + pieces.stages.rest)  # a layer's tokens' worth
+        assert pieces.calls == whole.forwards * -(-layers // int(split // layer)) and largest <= split
+    else:
+        assert pieces.calls > 2 * layers * whole.forwards and largest <= max(split, 32 * pieces.stages.rest * 2)
+    assert pieces.forwards == whole.forwards and per_forward > 0
     assert pieces.work == pytest.approx(whole.work)
     assert [(v.token, v.logprob, v.top) for v in pieces.scores()] == [(v.token, v.logprob, v.top)
                                                                       for v in whole.scores()]
@@ -122,3 +133,28 @@ def test_a_forward_run_in_layer_pieces_gives_the_values_of_the_same_forward_run_
         pass
     for a, b in zip(alone.scores(), pieces.scores(), strict=True):
         assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-6)
+
+
+def test_the_parts_of_a_layer_give_its_output_bit_for_bit_at_2200_columns(engine):
+    """At the issue's prompt length (2,200 columns, two rows): a layer run as its parts the way the plan cuts it
+    (every row's projections, then query stretches of multiples of 32 columns, a row's last one to its end) gives
+    the layer's output of the model's forward bit for bit."""
+    from service.runtime.scheduler import CHUNK_COLUMNS
+
+    model, t = engine.model, 2200
+    ids = torch.tensor([_prompt(engine, t), _prompt(engine, t + 7)[7:]])
+    with torch.inference_mode():
+        x = model(ids, head=False, layers=(0, 0))
+        expected = model(ids, head=False, layers=(0, 1), hidden=x)
+        cos, sin = model.rope_columns(t, x.device)
+        q, k, v = (torch.cat(parts) for parts in zip(*(model.project_layer(0, x[r:r + 1], cos, sin)
+                                                       for r in range(2)), strict=True))
+        out = x.clone()
+        for r, size in ((0, 544), (1, 416)):
+            c0 = 0
+            while c0 < t:
+                c1 = c0 + size if t - (c0 + size) >= CHUNK_COLUMNS else t
+                out[r:r + 1, c0:c1] = model.finish_layer(0, x[r:r + 1, c0:c1], q[r:r + 1, :, c0:c1], k[r:r + 1],
+                                                         v[r:r + 1])
+                c0 = c1
+    assert torch.equal(out, expected)

@@ -1,6 +1,7 @@
 """Likelihood work in the iteration's plan (issue 45 items 7-8): a likelihood task's forwards have rows fixed for
 the task (`service.runtime.scheduler.likelihood_rows`) and run piece by piece of their layers under the same
-split and head-of-line rule as decoding passes (`likelihood_layers`, `first_passes_first`), the tasks taking turns
+split and head-of-line rule as decoding passes (`likelihood_piece`: layers, or parts of a layer when one is over
+the split; `first_passes_first`), the tasks taking turns
 within one piece's allowance (`take_turns`). Counted, never timed: the likelihood work a small decoding request
 waits on beside one or four 2,200-token likelihood requests (the reproduction of item 8), the calls counted in
 ``dllm_forwards_per_iteration``, and the values served beside decoding equal, bit for bit, to the same forwards
@@ -16,6 +17,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.engine import Engine
+from service.engine.forward_cost import ForwardCost, likelihood_work
 from service.engine.likelihood import LikelihoodTask
 from service.engine.params import DecodeParams, RowOptions
 from service.quant.config import KVQuantConfig
@@ -23,9 +25,8 @@ from service.runtime.loop import Job, Worker
 from service.runtime.memory import MemoryModel
 from service.runtime.scheduler import (
     DEFAULT_MAX_BATCHED_TOKENS,
-    likelihood_layers,
+    likelihood_piece,
     likelihood_rows,
-    piece_work,
     take_turns,
 )
 from service.store.active import ConfigSnapshot
@@ -73,21 +74,48 @@ def _histogram_sum(telemetry: Telemetry, name: str) -> float:
 
 
 # ---- the rule's arithmetic --------------------------------------------------------------------------------------
-def test_a_likelihood_forward_holds_about_one_piece_per_layer_and_the_tasks_take_turns():
-    # 4 layers, pieces of 512 tokens' worth: a 2,200-token prompt runs one row a forward, one layer a piece
+def _pieces(rows: int, width: int, layers: int, stages) -> list[tuple[int, int]]:
+    """Every piece of one forward (`likelihood_piece`, in turn)."""
+    at, end, pieces = 0, 2 * rows * width * layers, []
+    while at < end:
+        piece = likelihood_piece(rows, width, at, SPLIT, layers, stages) or (at, end)
+        pieces.append(piece)
+        at = piece[1]
+    return pieces
+
+
+def test_a_likelihood_forward_runs_in_pieces_within_the_split_and_the_tasks_take_turns(engine):
+    # 4 layers, pieces of 512 tokens' worth: a 2,200-token prompt runs one row a forward
     assert likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 4) == 1
-    assert likelihood_layers(2200, 0, SPLIT, 4) == (0, 1) and likelihood_layers(2200, 3, SPLIT, 4) == (3, 4)
-    assert piece_work(2200, (0, 1), 4) == 550
-    # a 109-token one: 18 rows (1,962 tokens, four pieces of ~490); without a split, the whole token budget
+    # a 109-token one: 18 rows (1,962 tokens); without a split, the whole token budget
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 4) == 18
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, 0, 4) == DEFAULT_MAX_BATCHED_TOKENS // 109
     # deep models: the split's bound is the token budget itself (32 layers x 512 = 16,384): 7 rows of 2,200
-    # tokens, one layer a piece (481 tokens' worth; not 16 pieces of two layers, 962, as equal pieces would be)
     assert likelihood_rows(109, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 32) == DEFAULT_MAX_BATCHED_TOKENS // 109
     assert likelihood_rows(2200, DEFAULT_MAX_BATCHED_TOKENS, SPLIT, 32) == 7
-    assert likelihood_layers(7 * 2200, 5, SPLIT, 32) == (5, 6)
-    assert likelihood_layers(1962, 0, SPLIT, 4) == (0, 1) and likelihood_layers(600, 0, SPLIT, 4) == (0, 3)
-    assert likelihood_layers(512, 0, SPLIT, 4) is None and likelihood_layers(600, 0, 0, 4) is None
+    # One layer of the 2,200-token row is 2,093 tokens' worth on the embedded model (its attention over 2,200 keys
+    # outweighs its projections and MLP 3.8 to 1): it runs in 5 pieces, the row's projections and 416 query
+    # columns, then stretches of 544 (17 x 32), the last to the row's end. Every piece is within the split and the
+    # pieces cover the forward, none across a layer's end.
+    cost = ForwardCost.of(engine.model)
+    stages = cost.layer_stages(2200, 4)
+    assert 2093 < 2200 * (stages.project + stages.rest) < 2094
+    pieces = _pieces(1, 2200, 4, stages)
+    assert pieces[:3] == [(0, 2200 + 416), (2616, 2616 + 544), (3160, 3704)] and len(pieces) == 20
+    assert all(likelihood_work(2200, p, stages) <= SPLIT for p in pieces)
+    assert all(a // 4400 == (b - 1) // 4400 for a, b in pieces)
+    assert [b for _, b in pieces[:-1]] == [a for a, _ in pieces[1:]] and pieces[-1][1] == 4 * 4400
+    # the query stretches are multiples of 32 columns, a row's last one at least 32
+    for a, b in pieces:
+        start, stop = max(a % 4400, 2200) - 2200, b % 4400 - 2200 if b % 4400 else 2200
+        assert (stop - start) % 32 == 0 or (stop == 2200 and stop - start >= 32)
+    # a forward whose layer fits runs whole layers (the layer split of decoding passes); a small one is not split
+    short = cost.layer_stages(109, 4)
+    assert _pieces(8, 109, 4, short) == [(0, 2 * 1744), (2 * 1744, 4 * 1744)]  # 2 layers of 248 tokens' worth
+    assert likelihood_piece(4, 109, 0, SPLIT, 4, short) is None and likelihood_piece(18, 109, 0, 0, 4, short) is None
+    # at LLaDA-8B's shape (32 layers, width 4096) 7 rows of 2,200 tokens: a layer is 521 tokens' worth, so parts
+    llada8b = ForwardCost.dense(4096, 12288, 32, 128, 126464, 2).layer_stages(2200, 32)
+    assert all(likelihood_work(7 * 2200, p, llada8b) <= SPLIT for p in _pieces(7, 2200, 32, llada8b))
     # turns: the first always runs, the others while the allowance lasts
     assert take_turns([550, 550, 550, 550], SPLIT) == [0]
     assert take_turns([200, 550, 200], SPLIT) == [0, 2]
@@ -98,11 +126,12 @@ def test_a_likelihood_forward_holds_about_one_piece_per_layer_and_the_tasks_take
 @pytest.mark.parametrize("tasks", [1, 4])
 def test_a_small_request_beside_2200_token_likelihoods_waits_on_one_piece_per_forward_of_its_own(engine, tasks):
     """The reproduction of item 8 (2,200-token prompts, ``mc_num`` 5, ``logprobs`` 5) in counts: while a 32-token
-    request is in the server, the likelihood work that runs is at most one piece (one row of one layer: 550
-    tokens' worth) per forward of the small request (the one in flight when it arrived; none beside its first
-    pass, which the head-of-line rule runs alone), whether one or four likelihood requests run. Before issue 45
-    each iteration ran every task's whole forward of a batch (5 rows x 2,200 tokens x 4 layers: 11,000 tokens'
-    worth, 20 pieces). The small request decodes as alone; the likelihood calls are in
+    request is in the server, the likelihood work that runs is at most one piece (at most 512 tokens' worth, its
+    attention counted: a part of one layer of one row) per forward of the small request (the one in flight when
+    it arrived; none beside its first pass, which the head-of-line rule runs alone), whether one or four
+    likelihood requests run. Before issue 45 each iteration ran every task's whole forward of a batch (5 rows x
+    2,200 tokens x 4 layers: 41,800 tokens' worth with its attention, 80 pieces); before the parts of a layer a
+    piece was a whole layer of the row (2,093). The small request decodes as alone; the likelihood calls are in
     ``dllm_forwards_per_iteration``."""
     telemetry = Telemetry()
     worker = _worker(engine, telemetry)
@@ -127,9 +156,8 @@ def test_a_small_request_beside_2200_token_likelihoods_waits_on_one_piece_per_fo
     finally:
         worker.stop()
     work, calls = done[0]
-    piece = piece_work(2200, (0, 1), engine.spec.num_layers)
     assert calls - calls_before <= result.row.nfe
-    assert work - sum(before) <= result.row.nfe * piece
+    assert work - sum(before) <= result.row.nfe * SPLIT  # one piece (at most SPLIT tokens' worth) an iteration
     assert result.row.generated_ids == engine.generate([_ids(engine, 100)], SMALL).rows[0].generated_ids
     assert _histogram_sum(telemetry, "dllm_forwards_per_iteration") >= sum(j.cohort.calls for j in likelihoods)
 

@@ -222,7 +222,8 @@ def _tiny_lm(vocab: int):
 
         def forward(self, ids, head=True, layers=None, hidden=None):
             # Two "layers" that keep the embedding as it is: a forward split by layers (the server's plan of
-            # likelihood work, `service.runtime.scheduler.likelihood_layers`) gives the same values.
+            # likelihood work, `service.runtime.scheduler.likelihood_piece`; no parts of a layer here: it has no
+            # `finish_layer`) gives the same values.
             start, stop = layers if layers is not None else (0, 2)
             hidden = self.embed(ids) if start == 0 else hidden
             return self.head_logits(hidden) if head and stop == 2 else hidden

@@ -219,12 +219,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         """x: ``[B, T, C]`` -> ``[B, T, C]``."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k_pre = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = ctx.rope.rotate_with(q, ctx.cos, ctx.sin)
-        k = ctx.rope.rotate_with(k_pre, ctx.cos, ctx.sin)
+        q, k_pre, k, v = self.project(x, ctx.rope, ctx.cos, ctx.sin)
         replaced = None if ctx.kv_hook is None else ctx.kv_hook(layer, q, k_pre, k, v)
         if isinstance(replaced, torch.Tensor):  # the hook attended itself (fused kernel over a packed cache)
             out = replaced
@@ -232,6 +227,23 @@ class Attention(nn.Module):
             if replaced is not None:
                 k, v = replaced
             out = attend(q, k, v, ctx.key_mask)  # [B, H, T, D]
+        return self.output(out)
+
+    def project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries and keys of ``x`` ``[B, T, C]`` (already normed): q ``[B, H, T, D]`` after RoPE, k before
+        and after RoPE and v ``[B, H_kv, T, D]``, with ``cos, sin`` float32 ``[B or 1, 1, T, D]`` of its columns.
+        Per column: a run over some columns gives those columns' values of a run over all of them (a likelihood
+        forward in pieces smaller than a layer, `service.engine.likelihood.PromptLikelihood.step`)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k_pre = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return rope.rotate_with(q, cos, sin), k_pre, rope.rotate_with(k_pre, cos, sin), v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention's result ``[B, H, T, D]``: ``[B, T, C]``."""
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -263,4 +275,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, layer: int) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), ctx, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+    # The layer in two parts, for a forward run in pieces smaller than a layer (a likelihood forward,
+    # `service.engine.likelihood.PromptLikelihood.step`): in a bidirectional layer every query needs the K/V of
+    # every column, so the projections of all columns come first (:meth:`project`, per column), then the rest per
+    # query column (:meth:`finish`: attention of those queries over all keys, output projection, MLP). Each part
+    # runs the operations of :meth:`forward` on the same values.
+    def project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, H, T, D]``, k, v ``[B, H_kv, T, D]`` (after RoPE) of the layer's input ``x`` ``[B, T, C]``, with
+        ``cos, sin`` float32 ``[B or 1, 1, T, D]`` of its columns (:meth:`Attention.project`)."""
+        q, _, k, v = self.attn.project(self.attn_norm(x), rope, cos, sin)
+        return q, k, v
+
+    def finish(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output ``[B, t, C]`` at ``t`` query columns: ``x`` ``[B, t, C]`` their input, ``q``
+        ``[B, H, t, D]`` their queries, ``k, v`` ``[B, H_kv, T, D]`` every column's (:meth:`project`)."""
+        x = x + self.attn.output(attend(q, k, v, key_mask))
         return x + self.mlp(self.mlp_norm(x))

@@ -190,6 +190,27 @@ class DiffusionLM(nn.Module):
             return self.lm_head(self.norm(x.gather(1, rows[..., None].expand(-1, -1, x.shape[-1]))))
         return self.head_logits(x, logits_range)
 
+    # ---- a layer in two parts (a likelihood forward in pieces smaller than a layer) ---------------------------
+    def rope_columns(self, seq_len: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin ``[1, 1, T, D]`` of columns ``0 .. T-1`` (a plain call's positions, no padding), as
+        :meth:`forward` computes them for each row."""
+        return self.rope.cos_sin(torch.arange(seq_len, device=device)[None])
+
+    def project_layer(self, index: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s q ``[B, H, t, D]``, k, v ``[B, H_kv, t, D]`` (after RoPE) at ``t`` columns: ``hidden``
+        ``[B, t, C]`` their input (the hidden states after layer ``index - 1``, or the embedding), ``cos, sin``
+        their :meth:`rope_columns` (`service.engine.models.layers.DecoderLayer.project`)."""
+        return self.layers[index].project(hidden, self.rope, cos, sin)
+
+    def finish_layer(self, index: int, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> torch.Tensor:
+        """Layer ``index``'s output ``[B, t, C]`` at ``t`` query columns, from their input ``hidden`` ``[B, t, C]``
+        and queries ``q`` ``[B, H, t, D]`` and every column's ``k, v`` ``[B, H_kv, T, D]`` (no padding). With
+        :meth:`project_layer` over every column first, the layer's output of :meth:`forward` bit for bit
+        (`tests/engine/test_likelihood_rows.py`)."""
+        return self.layers[index].finish(hidden, q, k, v)
+
     def head_logits(self, hidden: torch.Tensor, logits_range: tuple[int, int] | None = None) -> torch.Tensor:
         """The LM head over hidden states ``[B, T, C]`` (:meth:`forward` with ``head=False``): position-aligned
         logits ``[B, b - a, V]`` at ``logits_range`` (default: every column), as :meth:`forward` returns them."""
