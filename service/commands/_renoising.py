@@ -79,7 +79,8 @@ def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> i
 
     from service.engine.loading import resolve_checkpoint_dir
     from service.engine.models.diffusion_gemma import CanvasCache
-    from service.engine.renoise import RenoiseParams, generate, stop_ids
+    from service.engine.renoise import RenoiseParams, generate
+    from service.engine.renoise_settings import stop_ids
 
     _refuse_other_flags(args)
     directory = resolve_checkpoint_dir(args.model)

@@ -303,7 +303,7 @@ def test_a_canvas_of_256_sampled_in_chunks_is_the_reference(tmp_path):
     shorter than the prompt, vocabulary 2,048."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    from service.engine.renoise import stop_ids
+    from service.engine.renoise_settings import stop_ids
 
     torch.manual_seed(7)
     text = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,

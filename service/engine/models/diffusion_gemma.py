@@ -51,6 +51,7 @@ from torch import nn
 from service.engine.errors import EngineInputError
 from service.engine.models import layers
 from service.engine.models.transformer import DiffusionLM, ModelConfig
+from service.engine.renoise_settings import checkpoint_directory, settings_for
 from service.engine.reveal import RevealRule
 
 log = logging.getLogger(__name__)
@@ -570,7 +571,7 @@ class RenoisingRule(RevealRule):
 
     def check_request(self, spec, params, rows) -> None:
         """Refuse renoising settings the reference refuses once the checkpoint's ``generation_config.json`` fills
-        the ones not given (``t_max`` not above ``t_min`` ...: `service.engine.renoise.settings_for`, here so that
+        the ones not given (``t_max`` not above ``t_min`` ...: `service.engine.renoise_settings.settings_for`, here so that
         it is a 400 before any work), ``temperature`` above 0 (its temperature is the t_max .. t_min schedule),
         ``logprobs`` (a committed token is the argmax of a canvas whose other positions were drawn and redrawn: no
         one distribution gave it) and a grammar (structured output, tool calls: each step redraws every position
@@ -579,8 +580,6 @@ class RenoisingRule(RevealRule):
         Raises:
             EngineInputError: naming the renoising field, ``temperature``, ``logprobs`` or ``response_format``.
         """
-        from service.engine.renoise import checkpoint_directory, settings_for  # it imports this module
-
         settings_for(params, checkpoint_directory(spec))
         for row in rows:
             if row.temperature:
