@@ -196,3 +196,42 @@ def test_admission_counts_a_quantized_row_by_layer_kind(spec, method, prompt_len
     held = report.kv.bytes_held
     assert 0 < held <= counted < 0.75 * full, (held, counted, full)
     assert counted <= 2 * held + 4096, (held, counted)  # an upper bound, not a blanket one
+
+
+def test_a_configuration_the_cache_refuses_fails_its_request_alone_as_a_400(spec, artifacts):
+    """A configuration that reached the worker unchecked (the configuration check refuses it first, above; a
+    store entry written by an older replica need not have been): the worker's probe of it raises, and the request
+    fails alone with the 400 naming the policy, the worker still serving the next request."""
+    from service.api.errors import MAPPING
+    from service.quant.config import KVQuantConfig
+    from service.quant.store import make_kv_store
+    from service.runtime.loop import Job, Worker
+    from service.store.active import ConfigSnapshot
+    from service.telemetry import Telemetry
+
+    torch.set_num_threads(1)
+    loaded = load_checkpoint(TINY)
+    engine = Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
+    policy = artifacts["attention"]
+    bad = KVQuantConfig(method="dllm_kvq", bits=4, k_group_size=8, artifact_id=policy.id)
+
+    def factory(snapshot):
+        if snapshot.config.method == "none":
+            return None
+        return make_kv_store(snapshot.config, spec, policy, attention="torch")
+
+    worker = Worker(engine, factory, Telemetry(), MemoryModel.for_engine(engine), 1 << 30, max_rows=4)
+    params = DecodeParams(gen_length=32, max_denoising_steps=2)
+    refused = Job(PROMPT, params, RowOptions(seed=1), ConfigSnapshot(bad, "dual", "request", artifact=policy))
+    fine = Job(PROMPT, params, RowOptions(seed=1), ConfigSnapshot(KVQuantConfig(method="none"), "dual", "request"))
+    worker.submit(refused)
+    worker.submit(fine)
+    worker.start()
+    try:
+        with pytest.raises(Exception) as raised:
+            refused.future.result(timeout=300)
+        assert fine.future.result(timeout=300).row.generated_ids
+    finally:
+        worker.stop()
+    status = next(s for kind, s, _, _ in MAPPING if isinstance(raised.value, kind))
+    assert status == 400 and raised.value.field == "kv_quant.policy_id", raised.value
