@@ -905,6 +905,10 @@ class Worker:
     def _maybe_shadow(self, job: Job, row: RowReport) -> None:
         if job.snapshot.config.method == "none" or self.shadow_rate == 0.0:
             return
+        if job.row.seed is None and self.engine.capabilities.mask_kind == "renoising":
+            # A renoising row always samples (its canvas starts random) and, without a seed, draws a fresh one:
+            # a re-decode would draw other canvases, so its agreement would measure sampling, not the cache.
+            return
         if self._rng.random() >= self.shadow_rate:
             return
         shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(),

@@ -8,7 +8,8 @@ re-decode on every quantized request, and the artifacts of dLLM-KVQ and KVQuant 
   what it ran with;
 - a dLLM-KVQ policy ranking by attention (which this family cannot give, `service.quant.canvas`) is a 400 naming
   the policy, in a request and at a swap to it (which changes nothing), and the server answers afterwards;
-- the shadow re-decode measures this family's agreement with its unquantized cache;
+- the shadow re-decode measures a seeded request's agreement with the unquantized cache (an unseeded one is
+  skipped: its re-decode would draw other canvases);
 - admission (`service.runtime.memory.MemoryModel`) counts a quantized row's packed bytes per layer kind: at least
   what the row holds after its decode, well under full precision."""
 
@@ -84,6 +85,26 @@ def configs(artifacts) -> dict[str, dict]:
                         "kvquant_state_id": artifacts["kvquant"].id}}
 
 
+def test_the_shadow_re_decode_measures_seeded_requests_of_this_family(server):
+    """Runs first (the server has shadowed nothing yet). A seeded quantized request is re-decoded with the
+    unquantized cache and the same seed; one without a seed is not (its re-decode would draw other canvases)."""
+
+    def shadowed() -> float:
+        return metric_sum(metrics(server.url), "dllm_shadow_requests_total", method="kivi", cache_mode="dual")
+
+    unseeded = {k: v for k, v in REQUEST.items() if k != "seed"}
+    assert httpx.post(server.url + "/generate", json=unseeded, timeout=180).status_code == 200
+    assert generate(server).status_code == 200  # the default KIVI 4-bit, seeded
+    until(lambda: shadowed() >= 1, "the seeded request's shadow re-decode recorded", timeout_s=120)
+    # Shadows run in order: had the unseeded request been queued, it would be done before this one's.
+    assert generate(server, seed=4).status_code == 200
+    until(lambda: shadowed() >= 2, "the second seeded request's shadow re-decode recorded", timeout_s=120)
+    m = metrics(server.url)
+    assert shadowed() == 2
+    agreement = metric_sum(m, "dllm_shadow_token_agreement_sum", method="kivi")
+    assert 0 <= agreement <= 2 and metric_sum(m, "dllm_shadow_token_agreement_count", method="kivi") == 2
+
+
 def test_each_method_holds_the_committed_kv_packed_and_the_metrics_show_it(server, artifacts):
     plain = generate(server, kv_quant={"method": "none"})
     assert plain.status_code == 200, plain.text
@@ -114,20 +135,6 @@ def test_each_method_holds_the_committed_kv_packed_and_the_metrics_show_it(serve
         assert metric_sum(m, "dllm_kv_bf16_bytes", **labels) == kv["bf16_bytes"]
     for method in ("dllm_kvq", "kvquant"):
         assert metric_sum(m, "dllm_kv_bytes_held", method=method, cache_mode="dual") > 0, method
-
-
-def test_the_shadow_re_decode_measures_this_family(server):
-    assert generate(server).status_code == 200  # a quantized request (the default KIVI 4-bit)
-
-    def shadowed():
-        m = metrics(server.url)
-        return metric_sum(m, "dllm_shadow_requests_total", method="kivi", cache_mode="dual")
-
-    until(shadowed, "a shadow re-decode of a KIVI request recorded", timeout_s=120)
-    m = metrics(server.url)
-    count = metric_sum(m, "dllm_shadow_token_agreement_count", method="kivi")
-    agreement = metric_sum(m, "dllm_shadow_token_agreement_sum", method="kivi") / count
-    assert 0 <= agreement <= 1
 
 
 def test_an_attention_ranked_policy_is_a_400_in_a_request_and_at_a_swap(server, artifacts):
