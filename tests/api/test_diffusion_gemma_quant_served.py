@@ -74,6 +74,12 @@ def server(tmp_path_factory, artifacts):
     srv.stop()
 
 
+def tiny_engine() -> Engine:
+    torch.set_num_threads(1)
+    loaded = load_checkpoint(TINY)
+    return Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
+
+
 def generate(server, **extra) -> httpx.Response:
     return httpx.post(server.url + "/generate", json={**REQUEST, **extra}, timeout=180)
 
@@ -123,6 +129,17 @@ def test_each_method_holds_the_committed_kv_packed_and_the_metrics_show_it(serve
         assert kv["config"]["bits"] == config["bits"] and 0 < kv["bytes_held"] < kv["bf16_bytes"], (name, kv)
         assert kv["k_nominal_bits"] >= config["bits"] and config["bits"] < kv["v_storage_bits"] < 16, (name, kv)
     assert reports["kivi2"]["kv"]["bytes_held"] < reports["kivi4"]["kv"]["bytes_held"]
+    # Each served answer is the engine's decode alone with the same store (tests/support/dgemma_kv.py builds the
+    # same configurations and artifacts), and the quantized caches change some of them: the store was used.
+    engine = tiny_engine()
+    params = DecodeParams(gen_length=64, max_denoising_steps=3)  # max_tokens 40 in whole blocks of 32
+    row = [RowOptions(seed=REQUEST["seed"], max_tokens=REQUEST["max_tokens"])]
+    assert plain["rows"][0]["generated_ids"] == engine.generate([PROMPT], params, row).rows[0].generated_ids
+    for name, (method, bits) in {"kivi4": ("kivi", 4), "kivi2": ("kivi", 2), "dllm_kvq": ("dllm_kvq", 4),
+                                 "kvquant": ("kvquant", 4)}.items():
+        alone = engine.generate([PROMPT], params, row, kv_store=store_for(method, bits, engine.spec))
+        assert reports[name]["rows"][0]["generated_ids"] == alone.rows[0].generated_ids, name
+    assert any(r["rows"][0]["generated_ids"] != plain["rows"][0]["generated_ids"] for r in reports.values())
     m = metrics(server.url)
     for name in ("kivi4", "kivi2"):
         kv = reports[name]["kv"]
@@ -188,9 +205,7 @@ def test_a_hot_swap_between_none_and_kivi_while_clients_decode(server):
 def test_admission_counts_a_quantized_row_by_layer_kind(spec, method, prompt_len):
     """The bytes admission counts for a quantized request (per kind, its store's packed bytes per token; sliding
     layers bounded) are at least what its row holds after the decode, and well under full precision."""
-    torch.set_num_threads(1)
-    loaded = load_checkpoint(TINY)
-    engine = Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
+    engine = tiny_engine()
     memory = MemoryModel.for_engine(engine)
     params = DecodeParams(gen_length=64, max_denoising_steps=2)
     prompt = [5 + i % 400 for i in range(prompt_len)]
@@ -216,9 +231,7 @@ def test_a_configuration_the_cache_refuses_fails_its_request_alone_as_a_400(spec
     from service.store.active import ConfigSnapshot
     from service.telemetry import Telemetry
 
-    torch.set_num_threads(1)
-    loaded = load_checkpoint(TINY)
-    engine = Engine(loaded.model, loaded.spec, loaded.tokenizer, torch.float32, torch.device("cpu"))
+    engine = tiny_engine()
     policy = artifacts["attention"]
     bad = KVQuantConfig(method="dllm_kvq", bits=4, k_group_size=8, artifact_id=policy.id)
 
