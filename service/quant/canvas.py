@@ -64,11 +64,7 @@ def check_geometry(quantizer: KVQuantizer, geometry: Geometry) -> None:
             layer's head dim; a KVQuant state whose channel count is not ``heads x head_dim`` of every layer.
     """
     method = quantizer.config.method
-    if quantizer.needs_scores:
-        raise KVQuantError(f"--kv-quant {method}: the policy ranks K tokens by attention scores (score type "
-                           "attention or hybrid with p > 0), which the active canvas's queries give; DiffusionGemma "
-                           "writes its committed K/V in the encoder pass, before that canvas exists: use a policy "
-                           "whose layers with p > 0 score by qerror", "policy_file")
+    check_scores(quantizer)
     for layer, (heads, dim, _) in enumerate(geometry):
         if dim % quantizer.v_group_size:
             legal = [g for g in range(1, dim + 1) if dim % g == 0 and all(d % g == 0 for _, d, _ in geometry)]
@@ -80,6 +76,21 @@ def check_geometry(quantizer: KVQuantizer, geometry: Geometry) -> None:
             raise KVQuantError(f"--kv-quant {method}: the state has {channels} channels per layer, layer {layer} "
                                f"has {heads} x {dim} = {heads * dim} (its state holds one width for every layer)",
                                "kvquant_state_file")
+
+
+def check_scores(quantizer: KVQuantizer) -> None:
+    """Refuse a quantizer that ranks K tokens by attention scores (a dLLM-KVQ policy with ``p > 0`` layers of score
+    type ``attention`` or ``hybrid``): the geometry-free part of :func:`check_geometry`, which the server's one
+    configuration check (`service.store.config_check.check_config`) runs at a swap and on a request naming its own.
+
+    Raises:
+        KVQuantError: ``field`` ``policy_file`` (the server names its ``policy_id``).
+    """
+    if quantizer.needs_scores:
+        raise KVQuantError(f"--kv-quant {quantizer.config.method}: the policy ranks K tokens by attention scores "
+                           "(score type attention or hybrid with p > 0), which the active canvas's queries give; "
+                           "DiffusionGemma writes its committed K/V in the encoder pass, before that canvas exists: "
+                           "use a policy whose layers with p > 0 score by qerror", "policy_file")
 
 
 class PackedCanvas:

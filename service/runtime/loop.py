@@ -88,6 +88,8 @@ from service.engine.params import DecodeParams, RowOptions
 from service.engine.prefix_cache import PrefixCache
 from service.engine.protocol import DecodeBatch, EngineLike
 from service.engine.report import DecodeReport, RowReport
+from service.quant.errors import KVQuantError
+from service.quant.registry import method
 from service.runtime.memory import MemoryModel
 from service.runtime.preemption import DEFAULT_MAX_PREEMPTIONS, Holder, plan_preemption
 from service.runtime.scheduler import (
@@ -106,6 +108,7 @@ from service.runtime.scheduler import (
     work_tokens,
 )
 from service.store.active import ConfigSnapshot
+from service.store.config_check import ConfigInvalid
 from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -491,7 +494,7 @@ class Worker:
                           + per_forward * self.memory.qkv_bytes(t))
             return Cost(hidden, job.task.transient_bytes(self.memory.forward))
         params = params if params is not None else job.params
-        one = self.memory.cost(len(job.prompt_ids), params, self._per_token(job))
+        one = self.memory.cost(len(job.prompt_ids), params, self._per_token(job), _config_key(job))
         # The family says what a row holds: its own store's bytes, or a slot in caches its batch shares.
         cache = self.engine.cache_cost(len(job.prompt_ids), params, one.kv, self.memory.quantized(_config_key(job)))
         rows = len(job.rows) if rows is None else rows
@@ -570,7 +573,10 @@ class Worker:
         for job in unsized:
             try:
                 self._check_size(job)
-            except RequestTooLarge as exc:
+            except (RequestTooLarge, KVQuantError) as exc:
+                # A configuration the loaded family cannot run is found by its probe (DiffusionGemma's packed
+                # canvases, `service.quant.canvas.check_geometry`): the request's fault (400), not the worker's.
+                exc = _refused(job, exc) if isinstance(exc, KVQuantError) else exc
                 with self._cond:
                     for queue in (self._queue, self._shadow):
                         if job in queue:
@@ -671,6 +677,8 @@ class Worker:
                 continue
             try:
                 made.append((job, self._cohort(job)))
+            except KVQuantError as exc:  # a configuration the family's cache refuses: bad input (400), alone
+                _set_exception(job, _refused(job, exc))
             except Exception as exc:  # noqa: BLE001 -- a request the engine refuses fails alone (validated before)
                 _set_exception(job, BatchFailed(f"decoding failed: {type(exc).__name__}: {exc}"))
         now = time.monotonic()
@@ -905,6 +913,10 @@ class Worker:
     def _maybe_shadow(self, job: Job, row: RowReport) -> None:
         if job.snapshot.config.method == "none" or self.shadow_rate == 0.0:
             return
+        if job.row.seed is None and self.engine.capabilities.mask_kind == "renoising":
+            # A renoising row always samples (its canvas starts random) and, without a seed, draws a fresh one:
+            # a re-decode would draw other canvases, so its agreement would measure sampling, not the cache.
+            return
         if self._rng.random() >= self.shadow_rate:
             return
         shadow = Job(job.prompt_ids, job.params, job.row, job.snapshot.unquantized(),
@@ -937,6 +949,15 @@ def _set_result(job: Job, result: JobResult) -> None:
 def _set_exception(job: Job, exc: BaseException) -> None:
     if not job.future.done():
         job.future.set_exception(exc)
+
+
+def _refused(job: Job, exc: KVQuantError) -> ConfigInvalid:
+    """The 400 of a K/V configuration the loaded family cannot run (``exc`` from its cache or the admission probe),
+    naming the ``kv_quant`` field: a file flag of the CLI's message is the artifact's id on the server."""
+    field = exc.field or "method"
+    if field.endswith("_file"):
+        field = method(job.snapshot.config.method).spelling("artifact_id")
+    return ConfigInvalid(f"kv_quant.{field}", f"{exc} (the loaded model's family cannot run this configuration)")
 
 
 def _config_key(job: Job) -> tuple:

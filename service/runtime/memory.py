@@ -43,16 +43,21 @@ class MemoryModel:
     """
 
     def __init__(self, spec: ModelSpec, forward: ForwardCost, device: torch.device | str = "cpu",
-                 layout: Any = None) -> None:
+                 layout: Any = None, kinds: Any = None) -> None:
         self.spec, self.forward, self.element_size = spec, forward, forward.element_size
-        #: A model config whose layers hold K/V by kind (``kv_bytes``, ``sampler_bytes``, ``canvas_length``:
-        #: DiffusionGemma's sliding and global layers, `service.engine.models.diffusion_gemma`); None: every layer
-        #: holds ``num_kv_heads x head_dim`` per token.
+        #: A model config whose layers hold K/V by kind (``kv_bytes``, ``sampler_bytes``, ``canvas_length``,
+        #: ``layer_types``: DiffusionGemma's sliding and global layers, `service.engine.models.diffusion_gemma`);
+        #: None: every layer holds ``num_kv_heads x head_dim`` per token.
         self.layout = layout
+        #: With ``layout``: the model that measures a store's bytes per token per layer kind and the positions a
+        #: kind holds (``kv_bytes_per_token(kind, store)``, ``kv_positions_held(kind, store)``), so a quantized
+        #: request is counted at its packed bytes; None: every store of such a model is counted at full precision.
+        self.kinds = kinds
         self.device = torch.device(device)
-        # Per configuration: its bytes per token and whether its store quantizes; insertion-ordered, the oldest
-        # dropped past PER_TOKEN_KEEP.
-        self._per_token: dict[object, tuple[float, bool]] = {}
+        # Per configuration: its bytes per token, whether its store quantizes, and (a model holding K/V by layer
+        # kind, quantized) per kind its bytes per token, positions held (None: all) and K group; insertion-ordered,
+        # the oldest dropped past PER_TOKEN_KEEP.
+        self._per_token: dict[object, tuple[float, bool, dict[str, tuple[float, int | None, int]] | None]] = {}
 
     @classmethod
     def dense(cls, spec: ModelSpec, width: int, mlp_hidden: int, element_size: int,
@@ -71,7 +76,8 @@ class MemoryModel:
             width = engine.spec.num_heads * engine.spec.head_dim
             return cls.dense(engine.spec, width, 3 * width, 4)
         layout = model.config if callable(getattr(model.config, "kv_bytes", None)) else None
-        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device, layout)
+        kinds = model if layout is not None and callable(getattr(model, "kv_positions_held", None)) else None
+        return cls(engine.spec, ForwardCost.of(model), model.embed.weight.device, layout, kinds)
 
     @property
     def full_precision_bytes_per_token(self) -> int:
@@ -86,13 +92,24 @@ class MemoryModel:
 
     def kv_bytes_per_token(self, key: object, make_store: Callable[[], KVStore]) -> float:
         """Bytes held per reused token (all layers, K and V) by the stores ``make_store`` builds; measured once
-        per ``key`` (the configuration)."""
+        per ``key`` (the configuration). A model holding K/V by layer kind (``kinds``) measures a quantized store
+        per kind at each layer's own geometry (`service.quant.canvas.bytes_per_token`), kept for :meth:`cost`;
+        the figure returned is then the sum over kinds.
+
+        Raises:
+            KVQuantError: a configuration the model's family cannot run (the probe builds its packed cache).
+        """
         if key not in self._per_token:
             store = make_store()
             if type(store) is FullPrecisionKVStore:
-                self._per_token[key] = (float(self.full_precision_bytes_per_token), False)
+                self._per_token[key] = (float(self.full_precision_bytes_per_token), False, None)
+            elif self.kinds is not None:
+                group = store.quantizer.k_group_size
+                by_kind = {kind: (self.kinds.kv_bytes_per_token(kind, store), self.kinds.kv_positions_held(kind, store),
+                                  group) for kind in dict.fromkeys(self.layout.layer_types)}
+                self._per_token[key] = (sum(b for b, _, _ in by_kind.values()), True, by_kind)
             else:
-                self._per_token[key] = (self._probe(store) / PROBE_TOKENS, True)
+                self._per_token[key] = (self._probe(store) / PROBE_TOKENS, True, None)
             # One entry per distinct configuration a client names: bounded (issue 22), a dropped one is measured again.
             while len(self._per_token) > PER_TOKEN_KEEP:
                 del self._per_token[next(iter(self._per_token))]
@@ -121,13 +138,19 @@ class MemoryModel:
         store.clear()
         return held
 
-    def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float) -> Cost:
-        """The request's KV bytes at its longest, and the transient bytes of its largest forward."""
+    def cost(self, prompt_len: int, params: DecodeParams, bytes_per_token: float, key: object = None) -> Cost:
+        """The request's KV bytes at its longest, and the transient bytes of its largest forward.
+
+        ``key``: the request's configuration (measured by :meth:`kv_bytes_per_token`); on a model holding K/V by
+        layer kind a quantized one is counted by :meth:`quantized_kv_bytes`, anything else at full precision."""
         if self.layout is not None:  # K/V by layer kind; the response in whole canvases; the sampler beside
             canvas = self.layout.canvas_length
-            tokens = prompt_len + -(-params.gen_length // canvas) * canvas
-            return Cost(self.layout.kv_bytes(tokens, self.element_size),
-                        self.transient(tokens, canvas) + self.layout.sampler_bytes())
+            canvases = -(-params.gen_length // canvas)
+            tokens = prompt_len + canvases * canvas
+            by_kind = self._per_token[key][2] if key in self._per_token else None
+            kv = (self.layout.kv_bytes(tokens, self.element_size) if by_kind is None
+                  else self.quantized_kv_bytes(by_kind, prompt_len, canvases))
+            return Cost(kv, self.transient(tokens, canvas) + self.layout.sampler_bytes())
         seq_len = prompt_len + params.gen_length
         # The full-precision store keeps the whole sequence in order plus a spare column (the window's columns are
         # written over at each later step, `FullPrecisionKVStore`); counted so for every store: a quantized one
@@ -136,6 +159,24 @@ class MemoryModel:
         # The whole-response schedule (cache mode none) takes logits over the whole response at every call.
         cols = params.gen_length if params.cache_mode == "none" else params.block_length
         return Cost(int(bytes_per_token * reused), self.transient(seq_len, cols))
+
+    def quantized_kv_bytes(self, by_kind: dict[str, tuple[float, int | None, int]], prompt_len: int,
+                           canvases: int) -> int:
+        """Bytes one row of a model holding K/V by layer kind holds packed after its prompt and ``canvases``
+        canvases of ``layout.canvas_length`` tokens: per kind, its measured bytes per token (whole K groups)
+        times its tokens, each run (the prompt, each canvas: what one encoder pass writes, `service.quant.canvas`)
+        rounded up to whole K groups (a partial group keeps a whole group's statistics); a kind holding at most
+        ``held`` positions (sliding layers: ``W - 1`` and the rest of the oldest K group) counts at most
+        ``held`` rounded up to groups and one group more (the newest run's partial piece). Bytes, an upper bound
+        of what `service.quant.canvas.PackedCanvas` holds (tested: tests/api/test_diffusion_gemma_quant_served.py)."""
+        total = 0.0
+        for per_token, held, group in by_kind.values():
+            whole = lambda n, g=group: -(-n // g) * g
+            tokens = whole(prompt_len) + canvases * whole(self.layout.canvas_length)
+            if held is not None:
+                tokens = min(tokens, whole(held) + group)
+            total += per_token * tokens
+        return int(-(-total // 1))
 
     def measure_forward(self, engine, tokens: int, block: int = 32) -> int:
         """Activation bytes of one forward at the token budget (``max_batched_tokens``), measured once at

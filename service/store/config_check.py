@@ -12,11 +12,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from service.artifacts.base import ArtifactMismatch, legal_v_group_sizes
+from service.engine.families import MODEL_CLASSES, capabilities_of
 from service.engine.params import CacheMode
 from service.engine.spec import ModelSpec
+from service.quant.canvas import check_scores
 from service.quant.config import KVQuantConfig
 from service.quant.errors import KVQuantError
-from service.quant.registry import method, resolve_artifact, spellings
+from service.quant.registry import make_quantizer, method, resolve_artifact, spellings
 
 
 class ConfigInvalid(ValueError):
@@ -82,7 +84,7 @@ def check_config(
     except KVQuantError as exc:
         raise ConfigInvalid(exc.field or "cache_mode", str(exc)) from exc
     try:
-        return resolve_artifact(config, spec, fetch, cache_mode, cache)
+        artifact = resolve_artifact(config, spec, fetch, cache_mode, cache)
     except ArtifactMismatch as exc:
         raise ArtifactUnfit(f"kv_quant.{exc.field}", exc.detail) from exc
     except ArtifactNotFound as exc:
@@ -95,6 +97,14 @@ def check_config(
                             f"{entry.store_kind} ({describe_invalid(exc)})") from exc
     except ValueError as exc:
         raise ArtifactUnfit(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+    if spec.arch in MODEL_CLASSES and capabilities_of(spec.arch).mask_kind == "renoising":
+        # A renoising family's committed K/V are written before the queries that would rank them exist
+        # (`service.quant.canvas`): refused here, at a swap or on the request, rather than by each request's cache.
+        try:
+            check_scores(make_quantizer(config, spec, artifact))
+        except KVQuantError as exc:
+            raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+    return artifact
 
 
 def schema_constraints(spec: ModelSpec) -> dict[str, Any]:
