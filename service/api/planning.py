@@ -4,7 +4,8 @@ jobs (`Plan`); the model and tokenizer routes, which read the same way. `service
 
 Rules it implements (issue #5, item 3):
 
-* Decoding runs ``max_tokens`` rounded **up** to whole blocks (`service.engine.params.response_length`); the
+* Decoding runs ``max_tokens`` rounded **up** to whole blocks, a family with a canvas to whole canvases whatever
+  ``block_length`` (`service.engine.params.decode_window`); the
   response is cut once, by the engine's report (`service.engine.response.cut_response`).
 * A request is admitted with one configuration snapshot: the one its ``kv_quant`` names, else the active
   configuration of its cache mode at admission.
@@ -32,7 +33,7 @@ from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
 from service.engine.models import configured_cache_mode
-from service.engine.params import DecodeParams, RowOptions, response_length
+from service.engine.params import DecodeParams, RowOptions, decode_window
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.protocol import EngineLike
 from service.engine.report import TokenLogprob
@@ -240,22 +241,14 @@ class Planner:
     def _params(self, req: s.DiffusionKnobs, max_tokens: int | None) -> tuple[DecodeParams, int]:
         """The request's `DecodeParams` and its ``max_tokens`` (given, else the server's default)."""
         max_tokens = max_tokens or self.settings.default_max_tokens
-        canvas = self.spec.canvas_length
-        if canvas is None:
-            params = req.decode_params(self.settings, response_length(max_tokens, req.block_length or
-                                                                      self.settings.block_length))
-            return params, max_tokens
         # A family whose block is the checkpoint's canvas (DiffusionGemma) decodes ceil(max_tokens / canvas)
-        # canvases, the reference's rule for max_new_tokens: a block_length sized the window once (32 rounded
-        # max_tokens 1 up to two canvases of 16, 512 to 32 of them). A client's other value is refused by name; the
-        # server's default is not used (`service.commands.serve` refuses one the operator set to another value).
-        if req.block_length is not None and req.block_length != canvas:
-            raise InvalidRequest(f"block_length {req.block_length} is not served by this model: its block is the "
-                                 f"checkpoint's canvas of {canvas} tokens (canvas_length), and max_tokens is "
-                                 f"decoded in whole canvases; send {canvas} or leave block_length unset",
-                                 param="block_length")
-        params = req.decode_params(self.settings, response_length(max_tokens, canvas))
-        return params.model_copy(update={"block_length": canvas}), max_tokens
+        # canvases: a block_length sized the window once (32 rounded max_tokens 1 up to two canvases of 16, 512 to
+        # 32 of them). A client's other value is refused by name; the server's default is not used
+        # (`service.commands.serve` refuses one the operator set to another value).
+        gen_length, block = decode_window(max_tokens, req.block_length, self.spec.canvas_length,
+                                          self.settings.block_length)
+        params = req.decode_params(self.settings, gen_length)
+        return params.model_copy(update={"block_length": block}), max_tokens
 
     def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
         check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
