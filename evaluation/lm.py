@@ -8,8 +8,9 @@ imports it before handing the arguments to lm-eval's CLI)::
         --tasks gsm8k --num_fewshot 5 --gen_kwargs max_gen_toks=256
 
 - ``generate_until``: block diffusion with the model_args' cache mode, block length, threshold or steps and KV
-  quantization. The response window is ``response_length(max_gen_toks, block_length)`` tokens
-  (`service.engine.params.response_length`, the rule the server applies to ``max_tokens``), where
+  quantization. The response window is ``max_gen_toks`` rounded up to whole blocks, on a canvas model
+  (DiffusionGemma) to whole canvases (`service.engine.params.decode_window`, the rule the server applies to
+  ``max_tokens``), where
   ``max_gen_toks`` is the task's (or ``--gen_kwargs max_gen_toks=N``, which overrides it on both the in-process
   and the HTTP path) and otherwise the ``max_gen_toks`` model_arg. The text is cut at EOS (by the engine) and at
   the first of the request's ``until`` strings, which never appear in it. Requests may carry the server's
@@ -47,7 +48,7 @@ from evaluation.artifacts import load_artifact
 from evaluation.likelihood import greedy_check, mc_loglikelihood
 from evaluation.model_args import EvalModelArgs
 from service.engine import Engine
-from service.engine.params import DecodeParams, DecodeSettings, RowOptions, resolve, response_length
+from service.engine.params import DecodeParams, DecodeSettings, RowOptions, decode_window, resolve
 from service.engine.report import KVReport
 from service.quant.config import KVQuantConfig
 from service.quant.store import make_kv_store
@@ -137,8 +138,9 @@ class DllmKvqLM(TemplateLM):
         self._artifacts: dict[tuple[KVQuantConfig, str], Any] = {}
         self._chat_rendered: set[str] = set()
         self._artifacts_for(a.kv_config, a.cache_mode)  # load and validate the artifact now, not at the first batch
-        self.base_params = DecodeParams(gen_length=response_length(a.max_gen_toks, a.block_length),
-                                        **a.decode_settings())
+        # The model_args' block length is the default here, as the server's is: a canvas model ignores it.
+        gen_length, block = decode_window(a.max_gen_toks, None, self.spec.canvas_length, a.block_length)
+        self.base_params = DecodeParams(**{**a.decode_settings(), "gen_length": gen_length, "block_length": block})
 
     # ---- lm-eval plumbing -------------------------------------------------------------------------------------
     @classmethod
@@ -241,9 +243,12 @@ class DllmKvqLM(TemplateLM):
         # A task's decoding settings, else the model_args', as a server request resolves against its defaults.
         overrides = DecodeSettings(**{k: gen_kwargs[k] for k in _DECODE_KEYS if k in gen_kwargs})
         given = {k: getattr(overrides, k) for k in overrides.model_fields_set}
-        block_length = given.get("block_length") or self.args.block_length
         max_gen_toks = int(gen_kwargs.get("max_gen_toks") or self.args.max_gen_toks)
-        params = resolve(given, self.args, response_length(max_gen_toks, block_length))
+        # The server's rule (`decode_window`): a canvas model (DiffusionGemma) decodes whole canvases, and refuses a
+        # task's block_length other than its canvas as the server's 400 does.
+        gen_length, block = decode_window(max_gen_toks, given.get("block_length"), self.spec.canvas_length,
+                                          self.args.block_length)
+        params = resolve(given, self.args, gen_length).model_copy(update={"block_length": block})
         kv_config = self.args.kv_config
         if gen_kwargs.get("kv_quant") is not None:
             kv_config = KVQuantConfig(**gen_kwargs["kv_quant"])

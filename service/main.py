@@ -207,13 +207,15 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     refuse_contradictions(settings, engine, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
     # fill it, the worker counts it in the budget and makes it give way, telemetry publishes its counts.
-    # Only a family whose committed K/V depend on the tokens before them alone reads it (cache kind "committed");
-    # a bidirectional family's prompt K/V depend on what follows, so there the setting is said to do nothing
-    # rather than published as a capacity nothing fills.
-    reads = engine.capabilities.cache_kind == "committed"
+    # Only a decoder that reads it keeps one (`Capabilities.prefix_cache` empty: the block-causal family's); on
+    # another (a bidirectional family's prompt K/V depend on what follows; DiffusionGemma's decoder encodes each
+    # prompt itself) the setting is said to do nothing rather than published as a capacity nothing fills. The
+    # cache kind was asked once, and DiffusionGemma's committed cache kind published 1e+06 bytes nothing used.
+    why_not = engine.capabilities.prefix_cache
+    reads = not why_not
     if settings.prefix_cache_bytes and not reads:
-        log.warning("--prefix-cache-bytes / DLLM_PREFIX_CACHE_BYTES has no effect on %s models: their prompt's K/V "
-                    "depend on what follows it (docs/prefix-cache.md); no prefix cache is kept", engine.spec.arch)
+        log.warning("--prefix-cache-bytes / DLLM_PREFIX_CACHE_BYTES has no effect on %s models: %s; no prefix "
+                    "cache is kept", engine.spec.arch, why_not)
     prefix_cache = PrefixCache(settings.prefix_cache_bytes) if settings.prefix_cache_bytes and reads else None
     engine.prefix_cache = prefix_cache
     if prefix_cache is not None:

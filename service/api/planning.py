@@ -4,7 +4,8 @@ jobs (`Plan`); the model and tokenizer routes, which read the same way. `service
 
 Rules it implements (issue #5, item 3):
 
-* Decoding runs ``max_tokens`` rounded **up** to whole blocks (`service.engine.params.response_length`); the
+* Decoding runs ``max_tokens`` rounded **up** to whole blocks, a family with a canvas to whole canvases whatever
+  ``block_length`` (`service.engine.params.decode_window`); the
   response is cut once, by the engine's report (`service.engine.response.cut_response`).
 * A request is admitted with one configuration snapshot: the one its ``kv_quant`` names, else the active
   configuration of its cache mode at admission.
@@ -32,7 +33,7 @@ from service.engine.errors import EngineInputError
 from service.engine.grammar import CompiledGrammar, GrammarCompiler
 from service.engine.likelihood import LikelihoodTask
 from service.engine.models import configured_cache_mode
-from service.engine.params import DecodeParams, RowOptions, response_length
+from service.engine.params import DecodeParams, RowOptions, decode_window
 from service.engine.prompts import encode_chat, encode_prompt, encode_text, knows_tools
 from service.engine.protocol import EngineLike
 from service.engine.report import TokenLogprob
@@ -240,9 +241,14 @@ class Planner:
     def _params(self, req: s.DiffusionKnobs, max_tokens: int | None) -> tuple[DecodeParams, int]:
         """The request's `DecodeParams` and its ``max_tokens`` (given, else the server's default)."""
         max_tokens = max_tokens or self.settings.default_max_tokens
-        params = req.decode_params(self.settings, response_length(max_tokens, req.block_length or
-                                                                  self.settings.block_length))
-        return params, max_tokens
+        # A family whose block is the checkpoint's canvas (DiffusionGemma) decodes ceil(max_tokens / canvas)
+        # canvases: a block_length sized the window once (32 rounded max_tokens 1 up to two canvases of 16, 512 to
+        # 32 of them). A client's other value is refused by name; the server's default is not used
+        # (`service.commands.serve` refuses one the operator set to another value).
+        gen_length, block = decode_window(max_tokens, req.block_length, self.spec.canvas_length,
+                                          self.settings.block_length)
+        params = req.decode_params(self.settings, gen_length)
+        return params.model_copy(update={"block_length": block}), max_tokens
 
     def _snapshot(self, req: s.DiffusionKnobs, cache_mode: str) -> ConfigSnapshot:
         check_cache_mode(self.spec, cache_mode)  # before a store lookup for a mode this model does not have
@@ -326,7 +332,10 @@ class Planner:
 
     def _refuse_mask(self, req: Any, prompts: list[list[int]], prompt_param: str) -> None:
         """A prompt holding the mask token is a 400 naming the field and what the client wrote (the engine only
-        knows the id, which a text prompt never showed)."""
+        knows the id, which a text prompt never showed). A family with no mask token is asked nothing here: its
+        ``mask_id`` is outside the vocabulary, which the engine's id check refuses as that (the true reason)."""
+        if not self.spec.has_mask_token:
+            return
         for i, ids in enumerate(prompts):
             if self.spec.mask_id in ids:
                 param, path, what = self._mask_param(req, prompt_param, i, len(prompts))
@@ -497,6 +506,26 @@ class Planner:
                 self._grammars.compile(one)
             raise
 
+    def _refuse_constraint(self, req: s.OpenAISampling | s.GenerateRequest, tools: ToolRequest | None) -> None:
+        """A family whose decoder cannot constrain a response (`Capabilities.unconstrained`: DiffusionGemma) refuses
+        a grammar first, naming the field the client sent: ``tool_choice`` when it sent one, else ``tools`` (auto
+        calls are constrained too: to text or well-formed calls), else the structured-output field. Later, the
+        grammar's own checks (a max_tokens too short for a call) named a field whose fix then met this refusal."""
+        why = self.engine.capabilities.unconstrained
+        if not why:
+            return
+        if tools is not None and tools.calls:
+            field = "tool_choice" if getattr(req, "tool_choice", None) is not None else "tools"
+            raise InvalidRequest(f"tool calls are not served for {self.spec.arch} models: {why}; their calls are "
+                                 "constrained to the functions' schemas (auto too: text or well-formed calls), so "
+                                 "send tool_choice \"none\" to list the tools in the prompt unconstrained, or leave "
+                                 "tools unset", param=field)
+        field = next((f for f in CONSTRAINT_FIELDS if isinstance(req, s.OpenAISampling) and req._constrains(f)),
+                     None)
+        if field is not None:
+            raise InvalidRequest(f"{field} (structured output) is not served for {self.spec.arch} models: {why}; "
+                                 "leave it unset", param=field)
+
     def _plan(self, kind: Kind, endpoint: str, req: s.OpenAISampling | s.GenerateRequest, prompts: list[list[int]],
               max_tokens: int | None, temperature: float, prompt_param: str = "prompt",
               tools: ToolRequest | None = None) -> Plan:
@@ -510,6 +539,7 @@ class Planner:
         # A response that can only be calls (required, a named function) ends where its grammar ends: a stop string
         # could only cut a call, which is then returned as nothing at all.
         calls_only = tools is not None and tools.mode in ("required", "named")
+        self._refuse_constraint(req, tools)
         grammar = self._grammar(req, tools)
         if grammar is not None:  # a constrained response closes within its positions, or is refused now (issue 45)
             grammar.fits(max_tokens, params.block_length)

@@ -64,6 +64,21 @@ def _refuse_other_flags(args: argparse.Namespace) -> None:
                                "--t-max .. --t-min over the steps", "temperature")
 
 
+def _as_flag(exc):
+    """``exc`` (`RenoiseParams`'s refusal, which names the reference's field) naming the flag the user typed
+    instead: ``max_new_tokens`` is ``--gen-length`` here, ``t_max`` is ``--t-max`` (a value from the checkpoint's
+    ``generation_config.json`` is named the same way: the flag is how the user overrides it)."""
+    from service.engine.errors import EngineInputError
+
+    field = exc.field or ""
+    dest = "gen_length" if field == "max_new_tokens" else field
+    flag = "--" + dest.replace("_", "-")
+    message = str(exc)
+    if field and message.startswith(field):
+        message = flag + message[len(field):]
+    return EngineInputError(message, dest)
+
+
 def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> int:
     """Decode ``prompt`` by renoising and print (plain: the text or ids and a report line; ``--json``: see the
     module doc). Returns 0.
@@ -77,6 +92,7 @@ def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> i
     """
     import torch
 
+    from service.engine.errors import EngineInputError
     from service.engine.loading import resolve_checkpoint_dir
     from service.engine.models.diffusion_gemma import CanvasCache
     from service.engine.renoise import RenoiseParams, generate
@@ -84,8 +100,11 @@ def run(args: argparse.Namespace, engine, prompt: list[int], kv_store=None) -> i
 
     _refuse_other_flags(args)
     directory = resolve_checkpoint_dir(args.model)
-    params = RenoiseParams.for_checkpoint(directory, max_new_tokens=args.gen_length,
-                                          **{FLAGS[dest]: value for dest, value in given_settings(args).items()})
+    try:
+        params = RenoiseParams.for_checkpoint(directory, max_new_tokens=args.gen_length,
+                                              **{FLAGS[dest]: value for dest, value in given_settings(args).items()})
+    except EngineInputError as exc:
+        raise _as_flag(exc) from None
     eos_ids, pad_id = stop_ids(directory)
     generator = torch.Generator(device=engine.device).manual_seed(args.seed) if args.seed is not None else None
     held: list[CanvasCache] = []

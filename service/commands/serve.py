@@ -131,15 +131,20 @@ def check_served(settings: Settings) -> str | None:
 def check_family_settings(settings: Settings) -> str | None:
     """The decoding setting the model's family does not serve, as one line naming its flag, or None: each
     default decoding setting (``DecodeSettings``, which every request falls back on) against the family's
-    declaration (`service.engine.families.check_family_settings`, from ``config.json`` alone: no weights read),
-    so that ``serve --cache-mode block`` on LLaDA does not start "ready" and refuse every request for a field the
-    client never sent (issue 45 item 3)."""
+    declaration (`service.engine.families.check_family_settings`, from ``config.json`` alone: no weights read)
+    and the family's check of them against the checkpoint (`RevealRule.check_defaults`: DiffusionGemma's
+    ``generation_config.json`` and canvas), so that ``serve --cache-mode block`` on LLaDA does not start "ready"
+    and refuse every request for a field the client never sent (issue 45 item 3)."""
     from service.engine.errors import EngineInputError
     from service.engine.families import check_family_settings as check
-    from service.engine.loading import model_class
+    from service.engine.loading import checkpoint_config
 
     try:
-        check(model_class(settings.model).arch, settings.decode_settings())
+        cls, config, directory = checkpoint_config(settings.model)
+        check(cls.arch, settings.decode_settings())
+        # Then the values read against the checkpoint (DiffusionGemma's generation_config.json, its canvas):
+        # `--t-max 0.3` under the checkpoint's t_min 0.4 started "ready" and refused every request.
+        cls.reveal_rule.check_defaults(directory, config, settings.decode_settings(), settings.model_fields_set)
     except EngineInputError as exc:
         name = exc.field or ""
         return f"--{name.replace('_', '-')} / DLLM_{name.upper()}: {exc}"

@@ -24,7 +24,8 @@ from service.engine.spec import ModelSpec
 
 #: What a bidirectional family can do: every runtime feature (issue 42).
 CAPABILITIES = Capabilities(likelihood=True, layer_split=True, preemption=True, plan_bounded=True,
-                            cache_kind="reuse", mask_kind="bidirectional")
+                            cache_kind="reuse", mask_kind="bidirectional",
+                            prefix_cache="their prompt's K/V depend on what follows it (docs/prefix-cache.md)")
 
 
 def bidirectional_settings(model_class: type[DiffusionLM]) -> dict[str, SettingRule]:

@@ -256,6 +256,17 @@ def _config_of(directory: Path) -> tuple[type[DiffusionLM], Any]:
         raise EngineInputError(f"{directory}/config.json: {err}") from err
 
 
+def checkpoint_config(model: str | Path | None) -> tuple[type[DiffusionLM], Any, Path]:
+    """The model class, its parsed config and the checkpoint's directory, from ``config.json`` alone (no weights
+    read): what a start-up check of the server's settings against the checkpoint reads.
+
+    Raises:
+        EngineInputError: no checkpoint there, or an unsupported or malformed config.
+    """
+    directory = resolve_checkpoint_dir(model)
+    return (*_config_of(directory), directory)
+
+
 def model_class(model: str | Path | None) -> type[DiffusionLM]:
     """The model class (family) of a checkpoint, from its ``config.json`` alone (no weights read).
 
@@ -282,6 +293,7 @@ def _spec(model: str | Path | None, directory: Path, config: Any, fingerprint: s
         pad_id=config.pad_id,
         max_length=config.max_length,
         tokenizer_size=len(tokenizer) if tokenizer is not None else None,
+        canvas_length=getattr(config, "canvas_length", None),
     )
 
 

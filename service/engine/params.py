@@ -295,6 +295,38 @@ class RowOptions(BaseModel):
                                  "log-probability and this many alternatives (None: capture nothing)")
 
 
+def decode_window(max_new_tokens: int, block_length: int | None, canvas_length: int | None,
+                  default_block_length: int) -> tuple[int, int]:
+    """The decode window and block of a request for ``max_new_tokens`` tokens: ``(gen_length, block_length)``, both
+    in tokens. One rule for the server (`service.api.planning`) and the in-process lm-eval model (`evaluation.lm`).
+
+    Args:
+        max_new_tokens: requested response tokens, >= 1.
+        block_length: the block length the caller gave, or None (not given).
+        canvas_length: the model's canvas (`ModelSpec.canvas_length`, DiffusionGemma), or None: the block is then
+            ``block_length``, else ``default_block_length`` (the server's default).
+        default_block_length: the block length used when none is given (and the model has no canvas), >= 1.
+
+    Returns:
+        With a canvas: ``(ceil(max_new_tokens / canvas_length) * canvas_length, canvas_length)``, the reference's
+        rule for ``max_new_tokens`` (the default block length does not size it: 32 once rounded max_tokens 1 up to
+        two canvases of 16). Without: ``(response_length(max_new_tokens, block), block)``.
+
+    Raises:
+        EngineInputError: a given ``block_length`` other than the canvas (naming ``block_length``).
+        ValueError: as :func:`response_length`.
+    """
+    if canvas_length is None:
+        block = block_length or default_block_length
+        return response_length(max_new_tokens, block), block
+    if block_length is not None and block_length != canvas_length:
+        raise EngineInputError(f"block_length {block_length} is not served by this model: its block is the "
+                               f"checkpoint's canvas of {canvas_length} tokens (canvas_length), and max_tokens is "
+                               f"decoded in whole canvases; send {canvas_length} or leave block_length unset",
+                               "block_length")
+    return response_length(max_new_tokens, canvas_length), canvas_length
+
+
 def response_length(max_new_tokens: int, block_length: int) -> int:
     """The number of response positions decoded for a request asking for ``max_new_tokens`` tokens.
 

@@ -171,6 +171,12 @@ class Capabilities:
         mask_kind: its attention mask (``bidirectional`` or ``block_causal``), as error messages name it.
         served: the server decodes it; False: in this version only ``dllm-kvq generate`` does, and ``serve``
             refuses the checkpoint at start in one line (`service.commands.serve.check_model_settings`).
+        prefix_cache: why its decoder reads no cross-request prefix cache (`service.engine.prefix_cache`), or
+            empty: its batches read and fill one. ``serve --prefix-cache-bytes`` on such a family warns once with
+            this reason and keeps none (`service.main.make_worker`), rather than publish a capacity nothing fills.
+        unconstrained: why its decoder cannot constrain a response to a grammar (structured output, tool calls),
+            or empty: it can. The API refuses such a request first, naming the field the client sent
+            (`service.api.planning`), before it compiles the grammar or sizes the response to it.
     """
 
     likelihood: bool
@@ -180,6 +186,8 @@ class Capabilities:
     cache_kind: Literal["reuse", "committed"]
     mask_kind: str = "bidirectional"
     served: bool = True
+    prefix_cache: str = ""
+    unconstrained: str = ""
 
 
 @dataclass(frozen=True)

@@ -502,7 +502,11 @@ def eos_tensor(eos_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
 # ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
 
 CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
-                            cache_kind="committed", mask_kind="renoising", served=True)
+                            cache_kind="committed", mask_kind="renoising", served=True,
+                            prefix_cache="its decoder encodes each request's prompt in its own cache and reads no "
+                            "prefix cache (docs/diffusion_gemma.md)",
+                            unconstrained="each denoising step redraws every position it does not accept, so a "
+                            "constrained position would be redrawn unconstrained")
 
 _NOT_RENOISING = "a setting of the masked families: DiffusionGemma renoises"
 
@@ -510,8 +514,11 @@ _NOT_RENOISING = "a setting of the masked families: DiffusionGemma renoises"
 SETTINGS: dict[str, SettingRule] = {
     "cache_mode": only(("prefix", "dual", "block"), "its decoder always reads the committed canvases' cache (no "
                        "recompute mode)", "the committed canvases' cache (prefix, dual and block name it)"),
-    "block_length": honoured("rounds max_tokens up to whole blocks before the canvases are counted (a canvas is "
-                             "the checkpoint's canvas_length; the response is cut at max_tokens)"),
+    # Honoured as "the canvas": its legal value is the checkpoint's canvas_length, which a static rule cannot
+    # state; a client's other value is refused by the API (`service.api.planning`), the server's at start
+    # (`RenoisingRule.check_defaults`), and the decode window is max_tokens rounded up to whole canvases.
+    "block_length": honoured("the checkpoint's canvas (canvas_length) only: max_tokens is decoded in "
+                             "ceil(max_tokens / canvas_length) canvases, cut at max_tokens"),
     "threshold": only((0.9, None), f"{_NOT_RENOISING}: acceptance is entropy-bounded, send entropy_bound",
                       "not read (the default 0.9 only): acceptance is entropy_bound's"),
     "steps": only((None,), f"{_NOT_RENOISING}: send max_denoising_steps (decoder passes per canvas)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def _read_json(path: str, mtime_ns: int, size: int) -> dict:
     return json.loads(Path(path).read_text())
 
 
+#: The temperatures the float32 schedule (`service.engine.renoise.temperature`, computed in float32 as the
+#: reference computes it) can run: ``t_max`` at most :data:`T_MAX_CEILING` (the soft-capped logits, |x| <= 30 on
+#: the public config, divided by it are already uniform to float32's precision; a float64 ``1e308`` is infinite in
+#: float32 and gave NaN probabilities, a canvas of id 0), and the schedule's smallest temperature, at the last
+#: step ``t_min + (t_max - t_min) / max_denoising_steps``, at least :data:`T_FLOOR` (a float32 ``1e-300`` is 0,
+#: and the logits divided by it are infinite: NaN again). ``t_min`` is 0 or at least the floor.
+T_MAX_CEILING = 1e4
+T_FLOOR = 1e-6
+
+
 @dataclass(frozen=True)
 class RenoiseParams:
     """One request's renoising settings (the reference's ``generate`` arguments), checked as the reference checks
@@ -45,10 +56,12 @@ class RenoiseParams:
     Attributes:
         max_new_tokens: G; ``ceil(G / canvas_length)`` canvases at most (each whole: the reference returns them).
         max_denoising_steps: N > 0, decoder passes per canvas at most.
-        entropy_bound: > 0, the accepted positions' summed entropy less the largest, in nats.
-        t_min, t_max: the temperature schedule's ends, ``0 <= t_min < t_max``.
+        entropy_bound: > 0 and finite, the accepted positions' summed entropy less the largest, in nats.
+        t_min, t_max: the temperature schedule's ends, ``0 <= t_min < t_max <= 1e4`` (:data:`T_MAX_CEILING`), finite,
+            ``t_min`` 0 or at least ``1e-6`` (:data:`T_FLOOR`), and so is the schedule's smallest temperature
+            ``t_min + (t_max - t_min) / max_denoising_steps`` (float32 must hold them and the logits divided by them).
         stability_threshold: >= 0 steps the argmax must have been the same (0: no stability condition).
-        confidence_threshold: > 0, mean entropy (nats) under which a stable canvas stops.
+        confidence_threshold: > 0 and finite, mean entropy (nats) under which a stable canvas stops.
 
     Raises:
         EngineInputError: a value the reference refuses (the message names the field).
@@ -63,18 +76,33 @@ class RenoiseParams:
     confidence_threshold: float = DEFAULTS["confidence_threshold"]
 
     def __post_init__(self) -> None:
+        # Lazily ordered: a later check may divide by a value an earlier one bounds (the smallest temperature).
         checks = [
-            ("max_new_tokens", self.max_new_tokens > 0, "a positive integer"),
-            ("max_denoising_steps", self.max_denoising_steps > 0, "a positive integer"),
-            ("entropy_bound", self.entropy_bound > 0, "a float > 0"),
-            ("t_min", self.t_min >= 0, ">= 0"),
-            ("t_max", self.t_max > self.t_min, f"> t_min ({self.t_min})"),
-            ("stability_threshold", self.stability_threshold >= 0, "an integer >= 0"),
-            ("confidence_threshold", self.confidence_threshold > 0, "a float > 0"),
+            ("max_new_tokens", lambda: self.max_new_tokens > 0, "a positive integer"),
+            ("max_denoising_steps", lambda: self.max_denoising_steps > 0, "a positive integer"),
+            ("entropy_bound", lambda: 0 < self.entropy_bound < math.inf, "a finite float > 0"),
+            ("t_min", lambda: 0 <= self.t_min < math.inf, "a finite float >= 0"),
+            ("t_max", lambda: self.t_max > self.t_min, f"> t_min ({self.t_min})"),
+            ("t_max", lambda: self.t_max <= T_MAX_CEILING,
+             (f"at most {T_MAX_CEILING:g} (float32 temperatures: above it the schedule overflows float32 or "
+             "already draws uniformly)")),
+            ("t_min", lambda: self.t_min == 0 or self.t_min >= T_FLOOR,
+             f"0 or at least {T_FLOOR:g} (below it float32 holds 0 and the logits divided by it are infinite)"),
+            ("t_max", lambda: self._smallest_temperature() >= T_FLOOR,
+             (f"such that the schedule's smallest temperature, t_min + (t_max - t_min) / max_denoising_steps "
+             f"(here {self._smallest_temperature():g}), is at least {T_FLOOR:g}; raise t_max (or t_min)")),
+            ("stability_threshold", lambda: self.stability_threshold >= 0, "an integer >= 0"),
+            ("confidence_threshold", lambda: 0 < self.confidence_threshold < math.inf, "a finite float > 0"),
         ]
         for name, ok, legal in checks:
-            if not ok:
+            if not ok():
                 raise EngineInputError(f"{name} must be {legal}, got {getattr(self, name)!r}", name)
+
+    def _smallest_temperature(self) -> float:
+        """The schedule's temperature at its last step (the step fraction ``1 / max_denoising_steps``)."""
+        if self.max_denoising_steps <= 0:  # refused first; the message is built before the checks run
+            return math.nan
+        return self.t_min + (self.t_max - self.t_min) / self.max_denoising_steps
 
     @classmethod
     def for_checkpoint(cls, directory: Path | None, **given) -> RenoiseParams:

@@ -87,6 +87,20 @@ class RevealRule:
         Here: nothing; a family whose sampling is its own (DiffusionGemma's renoising) refuses what it does not
         define."""
 
+    def check_defaults(self, directory: Any, config: Any, values: dict[str, Any], given: Any) -> None:
+        """Refuse the server's default decoding settings read against the checkpoint, at ``serve`` start (a
+        request naming none of them would be refused for a field its client never sent).
+
+        Args:
+            directory: the checkpoint's directory (`pathlib.Path`). config: its parsed ``config.json`` (the
+                family's config class). values: the server's decoding settings (`DecodeSettings` fields).
+            given: the names among them the operator set (flag or environment), the others being built-in.
+
+        Raises:
+            EngineInputError: naming the field. Here: nothing (a static rule, `protocol.SettingRule`, says it all
+                for the masked families).
+        """
+
     def block_plan(self, masked: int, params: DecodeParams) -> list[int] | None:
         """Reveal counts of each step of a block with ``masked`` masks, or None when counts are not fixed."""
         return None

@@ -22,6 +22,9 @@ class ModelSpec:
         max_length: longest prompt + response the engine accepts, in tokens.
         tokenizer_size: ids the loaded tokenizer can decode (``len(tokenizer)``), or None without a tokenizer;
             the logit rows may be wider (``vocab_size``), and ids at or beyond it are never sampled.
+        canvas_length: tokens per canvas of a family whose block is fixed by the checkpoint (DiffusionGemma's
+            ``canvas_length``): its decode window is ``max_tokens`` rounded up to whole canvases, whatever
+            ``block_length`` says (`service.api.planning`); None: the block is the ``block_length`` setting.
     """
 
     arch: str
@@ -37,12 +40,19 @@ class ModelSpec:
     pad_id: int
     max_length: int
     tokenizer_size: int | None = None
+    canvas_length: int | None = None
 
     @property
     def decodable_size(self) -> int:
         """Ids below this can be decoded: the tokenizer's size, at most the logit width (the logit width without a
         tokenizer)."""
         return self.vocab_size if self.tokenizer_size is None else min(self.tokenizer_size, self.vocab_size)
+
+    @property
+    def has_mask_token(self) -> bool:
+        """Whether ``mask_id`` is a token a prompt could hold: a family with no mask token (DiffusionGemma, which
+        renoises) gives ``vocab_size``, an id outside the vocabulary, which the vocabulary check refuses as such."""
+        return 0 <= self.mask_id < self.vocab_size
 
     @property
     def banned_ids(self) -> list[int]:

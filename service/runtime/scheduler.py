@@ -110,9 +110,9 @@ def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     # LLaDA2.1's token editing may run max_post_steps more forwards after each block's last mask (given by the
     # request or the server: a client may ask for many; the family's default, 16, is not counted).
     calls += (params.gen_length // params.block_length) * (params.max_post_steps or 0)
-    # DiffusionGemma's renoising: at most max_denoising_steps decoder passes per canvas. A canvas is at least a
-    # block here (256 against 32), so the blocks bound the canvases; unset (the checkpoint's, 48 by default)
-    # the gen_length calls above bound it (a canvas of 256 takes at most 48 passes, not 256).
+    # DiffusionGemma's renoising: at most max_denoising_steps decoder passes per canvas, and its block is the canvas
+    # (`service.api.planning` sets block_length to canvas_length), so the blocks count the canvases; unset (the
+    # checkpoint's, 48 by default) the gen_length calls above bound it (a canvas of 256 takes at most 48 passes).
     calls = max(calls, -(-params.gen_length // params.block_length) * (params.max_denoising_steps or 0))
     return calls * (prompt_len + params.gen_length)
 

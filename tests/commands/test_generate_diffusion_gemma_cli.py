@@ -105,7 +105,14 @@ def test_the_other_families_flags_are_refused_in_one_line():
     done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {}), "--steps", "4")
     assert done.returncode == 2 and "--steps is not a setting of a renoising model" in done.stderr
     done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 8, 0, {"t-max": 0.3, "t-min": 0.4}))
-    assert done.returncode == 2 and "t_max must be > t_min" in done.stderr
+    assert done.returncode == 2 and "--t-max must be > t_min" in done.stderr
+
+
+def test_a_zero_gen_length_is_refused_naming_its_flag():
+    """The reference calls it max_new_tokens; the user typed --gen-length, so the refusal names that."""
+    done = service_main(*argv(DATA / "dgemma-tiny-w8", [1, 2], 0, 0, {}))
+    assert done.returncode == 2 and "--gen-length must be a positive integer" in done.stderr, done.stderr
+    assert "max_new_tokens" not in done.stderr
 
 
 def test_kv_quant_holds_the_committed_kv_packed_and_reports_its_bits(tmp_path):

@@ -83,3 +83,23 @@ def test_diffusion_gemma_is_served_and_the_renoising_settings_are_its_own(tmp_pa
                                          max_denoising_steps=8))
     assert line is not None and line.startswith("--max-denoising-steps / DLLM_MAX_DENOISING_STEPS: "
                                                 "max_denoising_steps 8 is not served by llada"), line
+
+
+def test_diffusion_gemma_renoising_defaults_are_checked_against_the_checkpoint_at_start(tmp_path):
+    """``--t-max 0.3`` under the reference's t_min 0.4 started "ready" and refused every request naming a field
+    the client never sent: exit 2 in one line, as ``--steps 4`` is; so is a temperature float32 cannot hold, and a
+    block length the operator set to another value than the checkpoint's canvas (16). The built-in block length
+    (32, not set) starts."""
+    dgemma = str(CHECKPOINTS["diffusion_gemma"])
+    done = service_main("serve", "--model", dgemma, "--port", "0", "--t-max", "0.3",
+                        "--store-url", str(tmp_path / "store"))
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --t-max / DLLM_T_MAX: t_max must be > t_min (0.4), got "
+                                                   "0.3"), done.stderr
+    line = check_model_settings(Settings(model=dgemma, store_url=str(tmp_path), t_max=1e308))
+    assert line is not None and line.startswith("--t-max / DLLM_T_MAX: t_max must be at most 10000"), line
+    line = check_model_settings(Settings(model=dgemma, store_url=str(tmp_path), block_length=64))
+    assert line is not None and line.startswith("--block-length / DLLM_BLOCK_LENGTH: block_length 64 is not served "
+                                                "by this model: its block is the checkpoint's canvas of 16"), line
+    assert check_model_settings(Settings(model=dgemma, store_url=str(tmp_path), block_length=16)) is None

@@ -48,7 +48,8 @@ class FakeEngine:
     #: Its passes are planned like a bidirectional family's (each runs whole, a piece of a split one included);
     #: it cannot be preempted (`FakeBatch.preemptible`).
     capabilities = Capabilities(likelihood=True, layer_split=True, preemption=False, plan_bounded=True,
-                                cache_kind="reuse")
+                                cache_kind="reuse", prefix_cache="a fake bidirectional family's prompt K/V depend on "
+                                "what follows it")
 
     def __init__(self, block_delay_s: float = 0.0, max_length: int = 512) -> None:
         self.block_delay_s = block_delay_s

@@ -51,7 +51,8 @@ from torch import nn
 from service.engine.errors import EngineInputError
 from service.engine.models import layers
 from service.engine.models.transformer import DiffusionLM, ModelConfig
-from service.engine.renoise_settings import checkpoint_directory, settings_for
+from service.engine.params import RENOISING_FIELDS
+from service.engine.renoise_settings import RenoiseParams, checkpoint_directory, settings_for
 from service.engine.reveal import RevealRule
 
 log = logging.getLogger(__name__)
@@ -596,6 +597,25 @@ class RenoisingRule(RevealRule):
                                        "denoising step redraws every position it does not accept, so a constrained "
                                        "position would be redrawn unconstrained; leave response_format and "
                                        "tool_choice unset", "response_format")
+
+
+    def check_defaults(self, directory, config, values, given) -> None:
+        """Refuse, at ``serve`` start, a server whose defaults every request would be refused for: renoising
+        settings the reference refuses once the checkpoint's ``generation_config.json`` fills the ones not set
+        (``--t-max 0.3`` under its t_min 0.4), and a ``block_length`` the operator set to another value than the
+        checkpoint's ``canvas_length`` (the built-in 32 is not used: the canvas is the block).
+
+        Raises:
+            EngineInputError: naming the field (``block_length``, a renoising field).
+        """
+        canvas = config.canvas_length
+        if "block_length" in given and values["block_length"] != canvas:
+            raise EngineInputError(f"block_length {values['block_length']} is not served by this model: its block "
+                                   f"is the checkpoint's canvas of {canvas} tokens (canvas_length); leave it "
+                                   f"unset or set {canvas}", "block_length")
+        where = directory if (directory / "config.json").is_file() else None
+        RenoiseParams.for_checkpoint(where, max_new_tokens=canvas,
+                                     **{name: values.get(name) for name in RENOISING_FIELDS})
 
 
 #: Checkpoint names of one layer's text tensors under ``model.decoder.layers.{i}.`` (or the encoder's
