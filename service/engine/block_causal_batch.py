@@ -46,7 +46,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import EDITING_FIELDS, RENOISING_FIELDS, DecodeParams, RowOptions
-from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
+from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit, prefix_label
 from service.engine.protocol import (
     CacheCost,
     Capabilities,
@@ -250,13 +250,13 @@ class BlockCausalCohort:
             return None
         dtype = f"{self.banned.device.type}:{self.kv_dtype}"
         if not self.packs(i):
-            return Namespace(model, dtype, row.block, "none", ("none", "", "block", ""))
+            return Namespace(model, dtype, row.block, "none", prefix_label(None))
         quantizer = self.store.quantizer
         if not quantizer.block_separable(row.block):
             return None
         config = quantizer.config
         return Namespace(model, dtype, row.block, f"{config.model_dump_json()}|{self.store.artifact_id}",
-                         (config.method, str(config.bits), "block", config.artifact_id or ""))
+                         prefix_label(config))
 
     def look_up_prefix(self, i: int, cache: PrefixCache, model: str) -> None:
         """Before row ``i``'s first forward (once): its longest cached run of whole prompt blocks; its first call
