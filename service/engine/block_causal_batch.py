@@ -611,7 +611,7 @@ class BlockCausalBatch:
             for slot, ((c, i), commit) in enumerate(zip(live, row_commits)):
                 c.adopt_prefix(i, slot, cache, commit, prefix)
         commits = [x for x in row_commits if x is not None]
-        hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+        hook = commits[0].hook(commits, self.model.rotate_keys, self.model.key_rotation) if commits else None
         cache.on_write = hook
         banned = next((c.banned for c, _ in live), None)
         deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
@@ -671,7 +671,7 @@ class BlockCausalBatch:
         row, call = cohort.rows[i], cohort.calls[i]
         alone = commit.alone()
         cache = BlockCausalBatch(self.model)._cache_for([row], 1)  # a scratch batch: no slot of ours moves
-        cache.on_write = alone.hook([alone], self.model.rotate_keys)
+        cache.on_write = alone.hook([alone], self.model.rotate_keys, self.model.key_rotation)
         state = row.generator.get_state() if row.generator is not None else None
         self.forwards += 1
         try:
