@@ -90,3 +90,39 @@ def test_pre_rope_bias_with_partial_rope_equals_the_direct_term():
         s = steps[:, :, j].repeat_interleave(h // h_kv, dim=1)[:, :, None]  # [B, H, 1, D]
         want[..., j] = -(a.square() * s.square()).sum(-1) / (24 * d)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_running_batch_of_corrected_and_uncorrected_rows_decodes_each_as_alone(loaded):
+    """One forward holds rows of several requests: a corrected KIVI row, an uncorrected one, a KVQuant corrected one
+    (pre-RoPE) and a full-precision one; the bias is each corrected row's own (0 elsewhere), so each decodes token
+    for token as alone."""
+    from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(5, 490) for _ in range(70)] for _ in range(4)]
+    stores = [lambda: store(loaded.spec, "kivi", True), lambda: store(loaded.spec, "kivi", False),
+              lambda: store(loaded.spec, "kvquant", True), lambda: None]
+    alone = [generate(loaded.model, p, PARAMS, loaded.spec.mask_id, loaded.spec.eos_ids, kv_store=make()).generated_ids
+             for p, make in zip(prompts, stores)]
+    batch = BlockCausalBatch(loaded.model)
+    cohorts = [BlockCausalCohort(loaded.model, [p], [PARAMS], loaded.spec.mask_id, loaded.spec.eos_ids,
+                                 kv_store=make()) for p, make in zip(prompts, stores)]
+    widths = []
+    forward = loaded.model.forward
+
+    def spy(input_ids, *args, **kwargs):
+        widths.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+
+    loaded.model.forward = spy
+    try:
+        with torch.inference_mode():
+            for cohort in cohorts:
+                batch.join(cohort)
+            while batch.cohorts:
+                batch.step()
+                assert not batch.failed
+    finally:
+        del loaded.model.forward
+    assert max(widths) == 4  # the four rows shared forwards
+    assert [c.results[0].generated_ids for c in cohorts] == alone
