@@ -76,6 +76,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from service.engine.prefix_cache import LABELS as PREFIX_LABELS
 from service.engine.prefix_cache import PrefixCache
 from service.engine.report import DecodeReport
 from service.quant.config import KVQuantConfig
@@ -333,7 +334,8 @@ class Telemetry:
 
 class PrefixCacheCollector:
     """The prefix cache's series (`service.engine.prefix_cache`), read from its counts at each scrape, per KV
-    configuration (the labels of `dllm_active_config_info`, cache mode ``block``): queried and hit prompt tokens
+    configuration (`service.engine.prefix_cache.LABELS`: those of `dllm_active_config_info` that change the blocks,
+    and ``sides``; cache mode ``block``): queried and hit prompt tokens
     (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` under this server's ``dllm_`` prefix), bytes held and
     evicted, and the capacity."""
 
@@ -356,9 +358,10 @@ class PrefixCacheCollector:
             (GaugeMetricFamily, "dllm_prefix_cache_blocks", "blocks held in the prefix cache", "blocks"),
         )
         for kind, name, text, attr in families:
-            family = kind(name, text, labels=list(CONFIG_LABELS))
+            family = kind(name, text, labels=list(PREFIX_LABELS))
             for label, counts in stats.items():
-                values = list(label) if isinstance(label, tuple) else [label, "", "block", ""]
+                # A bare string label (a namespace made without one, as in unit tests) reads as the method.
+                values = list(label) if isinstance(label, tuple) else [label, "", "block", *[""] * 5]
                 family.add_metric(values, getattr(counts, attr))
             yield family
         yield GaugeMetricFamily("dllm_prefix_cache_capacity_bytes", "most bytes the prefix cache may hold "

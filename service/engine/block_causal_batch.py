@@ -46,7 +46,7 @@ from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
 from service.engine.params import EDITING_FIELDS, RENOISING_FIELDS, DecodeParams, RowOptions
-from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit
+from service.engine.prefix_cache import Namespace, PrefixCache, PrefixHit, prefix_label
 from service.engine.protocol import (
     CacheCost,
     Capabilities,
@@ -250,13 +250,13 @@ class BlockCausalCohort:
             return None
         dtype = f"{self.banned.device.type}:{self.kv_dtype}"
         if not self.packs(i):
-            return Namespace(model, dtype, row.block, "none", ("none", "", "block", ""))
+            return Namespace(model, dtype, row.block, "none", prefix_label(None))
         quantizer = self.store.quantizer
         if not quantizer.block_separable(row.block):
             return None
         config = quantizer.config
         return Namespace(model, dtype, row.block, f"{config.model_dump_json()}|{self.store.artifact_id}",
-                         (config.method, str(config.bits), "block", config.artifact_id or ""))
+                         prefix_label(config))
 
     def look_up_prefix(self, i: int, cache: PrefixCache, model: str) -> None:
         """Before row ``i``'s first forward (once): its longest cached run of whole prompt blocks; its first call
@@ -611,7 +611,7 @@ class BlockCausalBatch:
             for slot, ((c, i), commit) in enumerate(zip(live, row_commits)):
                 c.adopt_prefix(i, slot, cache, commit, prefix)
         commits = [x for x in row_commits if x is not None]
-        hook = commits[0].hook(commits, self.model.rotate_keys) if commits else None
+        hook = commits[0].hook(commits, self.model.rotate_keys, self.model.key_rotation) if commits else None
         cache.on_write = hook
         banned = next((c.banned for c, _ in live), None)
         deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
@@ -671,7 +671,7 @@ class BlockCausalBatch:
         row, call = cohort.rows[i], cohort.calls[i]
         alone = commit.alone()
         cache = BlockCausalBatch(self.model)._cache_for([row], 1)  # a scratch batch: no slot of ours moves
-        cache.on_write = alone.hook([alone], self.model.rotate_keys)
+        cache.on_write = alone.hook([alone], self.model.rotate_keys, self.model.key_rotation)
         state = row.generator.get_state() if row.generator is not None else None
         self.forwards += 1
         try:

@@ -43,6 +43,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+#: The labels of the ``dllm_prefix_cache_*`` series (`service.telemetry.PrefixCacheCollector`): the configuration
+#: fields that change the blocks held (their codes, or which side is held as it is) or how they are read, so two
+#: configurations the namespace keeps apart (KIVI 2-bit at K groups 16 and 32, say) count into two series. Not
+#: ``keep_dequantized`` (the blocks are the same codes either way).
+LABELS = ("method", "bits", "cache_mode", "policy", "k_group_size", "v_group_size", "sides", "key_bias_correction")
+
+
+def prefix_label(config: Any | None) -> tuple[str, ...]:
+    """The :data:`LABELS` values of a block-cache-mode row's KV configuration (a `service.quant.config.KVQuantConfig`;
+    None or method ``none``: the unquantized cache, every field after ``cache_mode`` empty), as
+    ``dllm_active_config_info`` writes them (``v_group_size`` empty when the config leaves it to the head dim;
+    ``key_bias_correction`` ``on`` or ``off``)."""
+    if config is None or config.method == "none":
+        return ("none", "", "block", "", "", "", "", "")
+    v_group = "" if config.v_group_size is None else str(config.v_group_size)
+    return (config.method, str(config.bits), "block", config.artifact_id or "", str(config.k_group_size), v_group,
+            config.sides, "on" if config.key_bias_correction else "off")
+
 
 @dataclass(frozen=True)
 class Namespace:
@@ -54,8 +72,8 @@ class Namespace:
         block_length: tokens per block (a block's key covers exactly this many ids).
         kv_config: the KV configuration the blocks are held under, as text (``none``: unquantized; else the
             configuration's JSON and its artifact id): part of the key, so a swap never serves the old one's codes.
-        label: how telemetry names the configuration (LLaDA2: the label values ``method, bits, cache_mode,
-            policy`` of `service.telemetry.CONFIG_LABELS`); not part of the key.
+        label: how telemetry names the configuration (LLaDA2: :func:`prefix_label`, the values of
+            :data:`LABELS`); not part of the key.
     """
 
     model: str

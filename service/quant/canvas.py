@@ -60,8 +60,9 @@ def check_geometry(quantizer: KVQuantizer, geometry: Geometry) -> None:
     """Refuse a configuration a renoising family's committed K/V cannot run (module doc).
 
     Raises:
-        KVQuantError: dLLM-KVQ policy layers that rank by attention scores; a V group size that does not divide a
-            layer's head dim; a KVQuant state whose channel count is not ``heads x head_dim`` of every layer.
+        KVQuantError: ``key_bias_correction`` on; dLLM-KVQ policy layers that rank by attention scores; a V group
+            size that does not divide a layer's head dim; a KVQuant state whose channel count is not ``heads x
+            head_dim`` of every layer.
     """
     method = quantizer.config.method
     check_scores(quantizer)
@@ -79,13 +80,21 @@ def check_geometry(quantizer: KVQuantizer, geometry: Geometry) -> None:
 
 
 def check_scores(quantizer: KVQuantizer) -> None:
-    """Refuse a quantizer that ranks K tokens by attention scores (a dLLM-KVQ policy with ``p > 0`` layers of score
-    type ``attention`` or ``hybrid``): the geometry-free part of :func:`check_geometry`, which the server's one
-    configuration check (`service.store.config_check.check_config`) runs at a swap and on a request naming its own.
+    """Refuse what the committed K/V's attention here does not apply: the key-bias correction (``field``
+    ``key_bias_correction``), and a quantizer that ranks K tokens by attention scores (a dLLM-KVQ policy with ``p >
+    0`` layers of score type ``attention`` or ``hybrid``): the geometry-free part of :func:`check_geometry`, which
+    the server's one configuration check (`service.store.config_check.check_config`) runs at a swap and on a
+    request naming its own.
 
     Raises:
-        KVQuantError: ``field`` ``policy_file`` (the server names its ``policy_id``).
+        KVQuantError: ``field`` ``key_bias_correction``, or ``policy_file`` (the server names its ``policy_id``).
     """
+    if quantizer.config.key_bias_correction:
+        # The decoder's attention reads the dequantized committed K/V as plain tensors (`PackedCanvas.read`), with
+        # no per-key steps and no additive bias: accepting the flag would echo a correction never applied.
+        raise KVQuantError(f"--kv-quant {quantizer.config.method}: key_bias_correction is not applied to "
+                           "DiffusionGemma's committed K/V (its attention adds no per-key bias yet); leave it off",
+                           "key_bias_correction")
     if quantizer.needs_scores:
         raise KVQuantError(f"--kv-quant {quantizer.config.method}: the policy ranks K tokens by attention scores "
                            "(score type attention or hybrid with p > 0), which the active canvas's queries give; "

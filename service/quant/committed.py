@@ -42,10 +42,15 @@ from service.engine.kv_store import DEFER_WRITE_CHECKS, Segments
 from service.engine.scores import attention_scores
 from service.quant.accounting import KVAccounting
 from service.quant.base import KVQuantizer, PackedLayer
+from service.quant.errors import KVQuantError
+from service.quant.key_bias import key_score_bias
 from service.quant.layout import SlotLayout
 
 #: ``rotate_keys(k, positions)``: the model's RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64 ``[B, T]``.
 RotateKeys = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``key_rotation(positions)``: float32 cos, sin ``[B, 1, T, R]`` of the model's RoPE at int64 ``[B, T]``
+#: (rotate-half layout over the first ``R`` channels, the rest unrotated: LLaDA2's partial RoPE).
+KeyRotation = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -65,7 +70,8 @@ class CommittedBlocks:
         self.layers.setdefault(layer, []).append((start, end, packed))
 
     def read_into(self, layer: int, slot: int, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  rotate_keys: RotateKeys, read: dict[int, int] | None = None, offset: int = 0) -> None:
+                  rotate_keys: RotateKeys, read: dict[int, int] | None = None, offset: int = 0,
+                  steps: torch.Tensor | None = None) -> None:
         """Write the layer's committed K/V (model dtype; keys post-RoPE) at their columns of row ``slot`` of
         ``k_buf``/``v_buf`` ``[B, H_kv, capacity, D]``; other columns untouched. ``offset``: the position of the
         buffers' column 0 (a renoising family's sliding window holds only its last positions,
@@ -73,15 +79,24 @@ class CommittedBlocks:
 
         ``read``: packed layers already read into another slot of the same buffers in this forward (``id`` -> that
         slot), updated here: a block shared by several rows (a prefix cache's, `service.engine.prefix_cache`,
-        always at the same columns) is dequantized once per forward and layer and copied to the others."""
+        always at the same columns) is dequantized once per forward and layer and copied to the others.
+
+        ``steps``: float32 ``[B, H_kv, capacity, D]`` or None: each read key's rounding steps go to the same
+        columns (`KVQuantizer.key_steps`, in the basis the keys were rounded in: pre-RoPE for KVQuant), for the
+        key-bias correction (:class:`CommitWriter`)."""
         for start, end, packed in self.layers.get(layer, ()):
             a, b = start - offset, end - offset
             done = read.get(id(packed)) if read is not None else None
             if done is not None:
                 k_buf[slot, :, a:b] = k_buf[done, :, a:b]
                 v_buf[slot, :, a:b] = v_buf[done, :, a:b]
+                if steps is not None:
+                    steps[slot, :, a:b] = steps[done, :, a:b]
                 continue
-            k, v = self.quantizer.dequantize(layer, packed, self._layout(end - start, k_buf.device))  # [1, H, w, D]
+            layout = self._layout(end - start, k_buf.device)
+            k, v = self.quantizer.dequantize(layer, packed, layout)  # [1, H, w, D]
+            if steps is not None:
+                steps[slot, :, a:b] = self.quantizer.key_steps(layer, packed, layout).transpose(0, 1)
             if self.quantizer.pre_rope_keys:
                 k = rotate_keys(k, torch.arange(start, end, device=k.device)[None])
             k_buf[slot, :, a:b] = k[0]
@@ -150,10 +165,11 @@ class Commit:
         return [(a, min(a + self.pieces, self.end)) for a in range(self.start, self.end, self.pieces)]
 
     @staticmethod
-    def hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
+    def hook(commits: list[Commit], rotate_keys: RotateKeys,
+             key_rotation: KeyRotation | None = None) -> CommitWriter | None:
         """`commit_hook`, reached through a commit so that the engine, which gets its commits from the requests'
         stores, needs no import of this package."""
-        return commit_hook(commits, rotate_keys)
+        return commit_hook(commits, rotate_keys, key_rotation)
 
     def alone(self) -> Commit:
         """This row in slot 0 of a forward of its own, its committed blocks as before this commit's forward and a
@@ -164,14 +180,19 @@ class Commit:
                       self.held.before(self.start), self.pieces)
 
 
-def commit_hook(commits: list[Commit], rotate_keys: RotateKeys) -> CommitWriter | None:
+def commit_hook(commits: list[Commit], rotate_keys: RotateKeys,
+                key_rotation: KeyRotation | None = None) -> CommitWriter | None:
     """The ``on_write`` hook of one forward (:class:`CommitWriter`), or None when there is no quantized row.
 
     Args:
         commits: this forward's quantized rows (one per slot); ``end < capacity`` for each.
         rotate_keys: the model's RoPE of pre-RoPE keys (for a quantizer with ``pre_rope_keys``).
+        key_rotation: the model's RoPE cos/sin, for the key-bias correction of pre-RoPE keys (KVQuant's).
+
+    Raises:
+        KVQuantError: ``key_bias_correction`` on a pre-RoPE quantizer with no ``key_rotation``.
     """
-    return CommitWriter(commits, rotate_keys) if commits else None
+    return CommitWriter(commits, rotate_keys, key_rotation) if commits else None
 
 
 class CommitWriter:
@@ -188,11 +209,26 @@ class CommitWriter:
     holds packed layers that must not be used (its K/V, hence its logits, may be NaN; no other row attends over
     them): its forward is run again alone with each check read at once (`Commit.alone`), which raises what the
     write raised, or, for a false alarm, writes the same K/V.
+
+    **Key-bias correction** (`service.quant.key_bias`; a commit whose quantizer's config has
+    ``key_bias_correction``): the hook returns the additive bias on the scaled scores, float32 ``[B, H, T_w,
+    capacity]`` (`key_score_bias` of the window's queries and each committed key's rounding steps, written beside
+    the dequantized keys by the reads and writes; 0 for the active block, the other rows and the uncorrected ones),
+    which the model adds to its block-causal mask; None when no row corrects (the attention is exactly the
+    uncorrected one). KVQuant's keys are rounded before RoPE: the rotated channels take the query rotated back by
+    each key's angle (``key_rotation``), the unrotated ones (LLaDA2's partial RoPE) the query as it is, each part
+    weighted by its share of the head dim (the term is ``/ (24 d)`` over the whole head).
     """
 
-    def __init__(self, commits: list[Commit], rotate_keys: RotateKeys) -> None:
-        self.commits, self.rotate_keys = commits, rotate_keys
+    def __init__(self, commits: list[Commit], rotate_keys: RotateKeys,
+                 key_rotation: KeyRotation | None = None) -> None:
+        self.commits, self.rotate_keys, self.key_rotation = commits, rotate_keys, key_rotation
         self.committing = [c for c in commits if c.end > c.start]
+        self.corrected = [c for c in commits if c.quantizer.config.key_bias_correction]
+        if key_rotation is None and any(c.quantizer.pre_rope_keys for c in self.corrected):
+            raise KVQuantError("key_bias_correction of pre-RoPE keys needs the model's RoPE (key_rotation)",
+                               "key_bias_correction")
+        self._steps: torch.Tensor | None = None  # float32 [B, H_kv, capacity, D], zeroed once per forward
         self._layouts: list[list[SlotLayout]] = []  # per commit, per run: made at the first layer, on the device
         self._verdicts: dict[int, torch.Tensor] = {}  # slot -> bool 0-dim, the checks put off
 
@@ -215,11 +251,25 @@ class CommitWriter:
                                         commit.quantizer.k_group_size, device)
 
     def __call__(self, layer: int, q: torch.Tensor, k_pre: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                 ) -> None:
+                 columns: int | None = None) -> torch.Tensor | None:
+        """Read and write the layer's packed rows (class doc); the key-bias correction's float32 ``[B, H, T_w,
+        columns]`` (``columns``: the keys attention reads, default the capacity), or None when no row corrects."""
         rotate_keys, committing, layouts = self.rotate_keys, self.committing, self._layouts
         read: dict[int, int] = {}  # the packed blocks read into a slot in this layer: shared ones are copied
+        steps = None
+        if self.corrected:
+            # Zeroed once per forward: every layer writes the same columns of the same corrected rows, so the
+            # zeros left are the active block's, the full-precision rows' and the uncorrected rows' (step 0).
+            if self._steps is None:
+                self._steps = torch.zeros(k_buf.shape, dtype=torch.float32, device=k_buf.device)
+            steps = self._steps
+        corrected = {id(c) for c in self.corrected}
         for commit in self.commits:
-            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys, read)
+            own = steps if id(commit) in corrected else None
+            # A shared block read by an uncorrected row must not be copied into a corrected row's steps (they
+            # were not written): a corrected row reads its blocks itself.
+            commit.held.read_into(layer, commit.slot, k_buf, v_buf, rotate_keys,
+                                  read if own is None else None, steps=own)
         if len(layouts) < len(committing):
             layouts.extend([self._layout_of(c, a, b, k_buf.device) for a, b in c.runs()] for c in committing)
         deferred = DEFER_WRITE_CHECKS.get()
@@ -231,12 +281,36 @@ class CommitWriter:
                 keys = k_buf[slot:slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
             for (start, end), layout in zip(commit.runs(), run_layouts):
-                self._write_run(layer, commit, start, end, layout, k_pre, k_buf, v_buf, scores, deferred)
+                self._write_run(layer, commit, start, end, layout, k_pre, k_buf, v_buf, scores, deferred,
+                                steps if id(commit) in corrected else None)
+        if steps is None:
+            return None
+        return self._score_bias(q, steps[:, :, : k_buf.shape[2] if columns is None else columns])
+
+    def _score_bias(self, q: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """float32 ``[B, H, T_w, K]``: `key_score_bias` of the window's post-RoPE queries ``q`` ``[B, H, T_w, D]``
+        and the keys' steps ``[B, H_kv, K, D]`` (column = position), each row in its quantizer's basis."""
+        pre = [c.slot for c in self.corrected if c.quantizer.pre_rope_keys]
+        bias = key_score_bias(q, steps) if len(pre) < len(self.corrected) else None
+        if pre:
+            b, d, keys = q.shape[0], q.shape[-1], steps.shape[2]
+            cos, sin = self.key_rotation(torch.arange(keys, device=q.device).expand(b, keys))
+            r = cos.shape[-1]
+            rotated = key_score_bias(q[..., :r], steps[..., :r], cos, sin).mul_(r / d)
+            if r < d:
+                rotated += key_score_bias(q[..., r:], steps[..., r:]).mul_((d - r) / d)
+            if bias is None:
+                bias = rotated
+            else:
+                bias[pre] = rotated[pre]
+        return bias
 
     def _write_run(self, layer: int, commit: Commit, start: int, end: int, layout: SlotLayout, k_pre: torch.Tensor,
-                   k_buf: torch.Tensor, v_buf: torch.Tensor, scores: torch.Tensor | None, deferred: bool) -> None:
+                   k_buf: torch.Tensor, v_buf: torch.Tensor, scores: torch.Tensor | None, deferred: bool,
+                   steps: torch.Tensor | None = None) -> None:
         """Quantize the committing columns ``[start, end)`` of ``commit`` as one packed run, keep it and write it
-        back dequantized (the window starts at ``commit.start``)."""
+        back dequantized (the window starts at ``commit.start``), and its keys' rounding steps into ``steps``
+        (float32 ``[B, H_kv, capacity, D]``) when given."""
         quantizer, slot, rotate_keys = commit.quantizer, commit.slot, self.rotate_keys
         k = k_buf[slot:slot + 1, :, : end + 1]
         if quantizer.pre_rope_keys:  # the run's pre-RoPE keys at their columns (others unread)
@@ -257,3 +331,5 @@ class CommitWriter:
             k_dq = rotate_keys(k_dq, positions)
         k_buf[slot, :, start:end] = k_dq[0]
         v_buf[slot, :, start:end] = v_dq[0, :, start:end]
+        if steps is not None:
+            steps[slot, :, start:end] = quantizer.key_steps(layer, packed, layout).transpose(0, 1)

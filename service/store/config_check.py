@@ -103,7 +103,8 @@ def check_config(
         try:
             check_scores(make_quantizer(config, spec, artifact))
         except KVQuantError as exc:
-            raise ConfigInvalid(f"kv_quant.{entry.spelling('artifact_id')}", str(exc)) from exc
+            field = exc.field if exc.field == "key_bias_correction" else entry.spelling("artifact_id")
+            raise ConfigInvalid(f"kv_quant.{field}", str(exc)) from exc
     return artifact
 
 

@@ -13,7 +13,9 @@ import torch
 from service.engine.block_causal import BlockCausalParams
 from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort, generate, generate_batch
 from service.engine.loading import load_checkpoint
-from service.engine.prefix_cache import PrefixCache
+from service.engine.prefix_cache import PrefixCache, prefix_label
+from service.quant.config import KVQuantConfig
+from service.quant.store import make_kv_store
 from service.runtime.scheduler import forward_plan
 from tests.engine.test_llada2_quant import dllm_kvq_store, kivi_store, kvquant_store
 from tests.support.llada2 import LLADA2_CKPT
@@ -25,6 +27,10 @@ STORES = {
     "kivi2": lambda spec: kivi_store(spec, 2),
     "kvquant4": lambda spec: kvquant_store(spec, 4),
 }
+
+
+#: The prefix cache's labels of KIVI 2- and 4-bit at the default groups (`prefix_label`).
+KIVI2, KIVI4 = (prefix_label(KVQuantConfig(method="kivi", bits=b)) for b in (2, 4))
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +107,15 @@ def test_a_hot_swap_never_serves_blocks_of_the_old_configuration(llada2):
     decode(loaded, prompt, family, kivi_store(loaded.spec, 4), cache)
     swapped = decode(loaded, prompt, family, kivi_store(loaded.spec, 2), cache)
     stats = cache.stats()
-    assert stats[("kivi", "2", "block", "")].hit_tokens == 0, "2-bit must not read the 4-bit blocks"
+    assert stats[KIVI2].hit_tokens == 0, "2-bit must not read the 4-bit blocks"
     assert swapped.generated_ids == decode(loaded, prompt, family, kivi_store(loaded.spec, 2)).generated_ids
     again = decode(loaded, prompt, family, kivi_store(loaded.spec, 2), cache)
-    assert again.generated_ids == swapped.generated_ids and cache.stats()[("kivi", "2", "block", "")].hit_tokens == 96
+    assert again.generated_ids == swapped.generated_ids and cache.stats()[KIVI2].hit_tokens == 96
     # The old configuration's blocks age out first: they are the least recently used.
-    old = cache.stats()[("kivi", "4", "block", "")].held_bytes
+    old = cache.stats()[KIVI4].held_bytes
     cache.evict(old)
-    assert cache.stats()[("kivi", "4", "block", "")].held_bytes == 0
-    assert cache.stats()[("kivi", "2", "block", "")].held_bytes > 0
+    assert cache.stats()[KIVI4].held_bytes == 0
+    assert cache.stats()[KIVI2].held_bytes > 0
 
 
 def test_dllm_kvq_does_not_use_the_cache(llada2):
@@ -245,3 +251,31 @@ def test_a_row_reads_its_cached_blocks_as_one_run_per_layer(llada2, store, monke
         alone, alone_ids, _ = dequantizes(prompt, None)
         assert ids == alone_ids
         assert calls == alone + (written - 1) * layers
+
+
+def test_metric_labels_keep_k_group_sizes_apart(llada2):
+    """KIVI 2-bit at K groups 16 and 32 are two namespaces (their codes differ), so /metrics shows them as two series
+    (read with prometheus-client's parser); before the fix both counted into one ``method, bits, cache_mode,
+    policy`` series. The labels are those of ``dllm_active_config_info`` that change the blocks, and ``sides``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.telemetry import PrefixCacheCollector
+
+    loaded, family = llada2["llada2"], "llada2"
+    prompt = shared_prompts(1, seed=5)[0]
+    cache = PrefixCache(10**8)
+    for group in (16, 32, 32):
+        store = make_kv_store(KVQuantConfig(method="kivi", bits=2, k_group_size=group), loaded.spec, attention="torch")
+        decode(loaded, prompt, family, store, cache)
+    registry = CollectorRegistry()
+    registry.register(PrefixCacheCollector(cache))
+    hits = {}
+    for metric in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in metric.samples:
+            if sample.name == "dllm_prefix_cache_hits_total":
+                hits[sample.labels["k_group_size"]] = (sample.value, sample.labels)
+    assert sorted(hits) == ["16", "32"], hits
+    assert hits["16"][0] == 0 and hits["32"][0] == 96  # only the second group-32 request hit (3 blocks of 32)
+    assert hits["32"][1] == {"method": "kivi", "bits": "2", "cache_mode": "block", "policy": "",
+                             "k_group_size": "32", "v_group_size": "", "sides": "kv", "key_bias_correction": "off"}

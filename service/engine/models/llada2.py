@@ -149,10 +149,12 @@ class CommittedKV:
         #: Columns the next forward attends over (set by the caller: its rows' last window position + 1).
         self.columns = 0
         #: Called with the layer index, the window's post-RoPE queries ``[B, H, T, D]``, its pre-RoPE keys
-        #: ``[B, H_kv, T, D]`` and the layer's K and V of every slot ``[B, H_kv, capacity, D]`` after the window's
-        #: K/V are written and before attention reads them (set by the caller for one forward;
-        #: `service.quant.committed` reads and quantizes the packed slots' committed blocks with it).
-        self.on_write: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        #: ``[B, H_kv, T, D]``, the layer's K and V of every slot ``[B, H_kv, capacity, D]`` (after the window's
+        #: K/V are written and before attention reads them) and ``columns`` (set by the caller for one forward;
+        #: `service.quant.committed` reads and quantizes the packed slots' committed blocks with it). It returns
+        #: None, or a float32 ``[B, H, T, columns]`` bias that attention adds to its scaled scores (the key-bias
+        #: correction of quantized committed keys, `service.quant.committed.CommitWriter`).
+        self.on_write: Callable[..., torch.Tensor | None] | None = None
 
     @property
     def bytes_per_column(self) -> int:
@@ -167,10 +169,11 @@ class CommittedKV:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def layer_kv(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor,
-                 index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Write the window's K/V ``[B, H_kv, T, D]`` (post-RoPE keys) at the columns of ``index`` (the scatter
         index ``[B, H_kv, T, D]``), run ``on_write``, and return the layer's K/V of every slot over the first
-        ``columns`` columns ``[B, H_kv, columns, D]`` (q, k_pre: for ``on_write``)."""
+        ``columns`` columns ``[B, H_kv, columns, D]`` and the score bias ``on_write`` returned (float32 ``[B, H,
+        T, columns]``, or None) (q, k_pre: for ``on_write``)."""
         if self.scratch is None:
             k_buf, v_buf = self.k[layer], self.v[layer]
             k_buf.scatter_(2, index, k)
@@ -185,9 +188,10 @@ class CommittedKV:
                 v_buf[:n, :, :cols] = self.v[layer][:, :, :cols]
             k_buf[n:].scatter_(2, index[n:], k[n:])
             v_buf[n:].scatter_(2, index[n:], v[n:])
+        bias = None
         if self.on_write is not None:
-            self.on_write(layer, q, k_pre, k_buf, v_buf)
-        return k_buf[:, :, : self.columns], v_buf[:, :, : self.columns]
+            bias = self.on_write(layer, q, k_pre, k_buf, v_buf, columns=self.columns)
+        return k_buf[:, :, : self.columns], v_buf[:, :, : self.columns], bias
 
 
 @dataclass
@@ -236,12 +240,15 @@ class LLaDA2Attention(nn.Module):
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         k_pre = k
         q, k = self._rotate(q, step), self._rotate(k, step)
+        mask = step.mask
         if step.cache is not None:
-            k, v = step.cache.layer_kv(layer, q, k, v, k_pre, step.index)
+            k, v, bias = step.cache.layer_kv(layer, q, k, v, k_pre, step.index)
+            if bias is not None:  # the key-bias correction: an additive mask, -inf where the block-causal hides
+                mask = bias.masked_fill_(~step.mask, float("-inf")).to(q.dtype)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)  # [B, H, T, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, T, D]
         return self.dense(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -535,6 +542,12 @@ class LLaDA2Model(DiffusionLM):
             lo, hi = logits_range if logits_range is not None else (0, t)
             x = x[:, lo:hi]
         return self.lm_head(self.norm(x)).float()
+
+    def key_rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, sin ``[B, 1, T, rotary_dim]`` of the RoPE at int64 ``positions`` ``[B, T]`` (rotate-half
+        over the first ``rotary_dim`` channels): what the key-bias correction of pre-RoPE keys rotates the
+        queries back by (`service.quant.committed.CommitWriter`)."""
+        return self.rope.cos_sin(positions)
 
     def rotate_keys(self, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Partial RoPE of pre-RoPE keys ``[B, H_kv, T, D]`` at int64 ``positions`` ``[B, T]``, as a forward
