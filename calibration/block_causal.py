@@ -54,7 +54,7 @@ def capture(model: LLaDA2Model, ids: torch.Tensor, block_length: int,
     cache = CommittedKV(c.num_layers, 1, c.num_kv_heads, t, c.head_dim, weight.dtype, weight.device)
     cache.columns = t
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    cache.on_write = lambda layer, q, k_pre, k_buf, v_buf: seen.append((q, k_pre))
+    cache.on_write = lambda layer, q, k_pre, k_buf, v_buf, columns: seen.append((q, k_pre))  # no score bias
     with torch.inference_mode():
         model(ids[None].to(weight.device), positions=torch.arange(t, device=weight.device)[None],
               block_length=block_length, cache=cache, logits_range=(t - 1, t))
