@@ -208,8 +208,8 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
     # fill it, the worker counts it in the budget and makes it give way, telemetry publishes its counts.
     # Only a decoder that reads it keeps one (`Capabilities.prefix_cache` empty: the block-causal family's); on
-    # another (a bidirectional family's prompt K/V depend on what follows; DiffusionGemma's decoder encodes each
-    # prompt itself) the setting is said to do nothing rather than published as a capacity nothing fills. The
+    # another (a bidirectional family's prompt K/V depend on what follows; DiffusionGemma's depend, bit for bit, on
+    # the pass that encodes them) the setting is said to do nothing rather than published as a capacity nothing fills. The
     # cache kind was asked once, and DiffusionGemma's committed cache kind published 1e+06 bytes nothing used.
     why_not = engine.capabilities.prefix_cache
     reads = not why_not

@@ -367,6 +367,11 @@ class RenoisingRow:
         self.cache = cache if cache is not None else CanvasCache(model.config, 1)
         #: What its next encoder pass runs (the prompt, then each committed canvas); None while it denoises.
         self.pending: torch.Tensor | None = torch.tensor(prompt, device=device)
+        #: The runs its encoder passes wrote into its cache so far (the prompt, then each committed canvas), one
+        #: per pass: what a preempted row re-encodes, pass for pass, before :attr:`pending`.
+        self.encoded: list[torch.Tensor] = []
+        #: Runs still to re-encode after a preemption (:meth:`RenoisingBatch.resume`), oldest first.
+        self.replay: list[torch.Tensor] = []
         self.canvas: torch.Tensor | None = None  # int64 [C]
         self.argmax: torch.Tensor | None = None  # int64 [C], the last step's clean prediction
         self.soft: torch.Tensor | None = None  # [C, width], the next step's self-conditioning input
@@ -394,28 +399,55 @@ class RenoisingRow:
 STACKABLE_TOKENS = 4
 
 
-def encode_groups(rows: list[RenoisingRow]) -> list[list[RenoisingRow]]:
-    """The encoder forwards of ``rows``: every row of at least :data:`STACKABLE_TOKENS` pending tokens in one, each
-    shorter row in one of its own (so each row's K/V are its solo run's bit for bit)."""
-    stacked = [row for row in rows if len(row.pending) >= STACKABLE_TOKENS]
-    return ([stacked] if stacked else []) + [[row] for row in rows if len(row.pending) < STACKABLE_TOKENS]
+def encode_groups(rows: list[RenoisingRow], runs: list[torch.Tensor] | None = None) -> list[list[int]]:
+    """The encoder forwards of ``rows`` (indices into it), each row encoding its run (``runs[r]``; default its
+    pending tokens): every row of at least :data:`STACKABLE_TOKENS` tokens in one, each shorter row in one of its
+    own (so each row's K/V are its solo run's bit for bit)."""
+    runs = [row.pending for row in rows] if runs is None else runs
+    stacked = [r for r, run in enumerate(runs) if len(run) >= STACKABLE_TOKENS]
+    return ([stacked] if stacked else []) + [[r] for r, run in enumerate(runs) if len(run) < STACKABLE_TOKENS]
 
 
-def encode_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow]) -> None:
-    """One encoder pass over ``rows``' pending tokens (right-padded together; :func:`encode_groups` says which
-    rows may share one), written into each row's cache; each row then starts a canvas."""
-    config = model.config
-    lengths = [len(row.pending) for row in rows]
-    ids = torch.full((len(rows), max(lengths)), config.pad_id, dtype=torch.long, device=rows[0].pending.device)
-    for r, row in enumerate(rows):
-        ids[r, : lengths[r]] = row.pending
+def _encode(model: DiffusionGemmaModel, rows: list[RenoisingRow], runs: list[torch.Tensor]) -> None:
+    """One encoder pass of ``runs[r]`` after row r's committed text (right-padded together), written into each
+    row's cache and recorded as encoded."""
+    lengths = [len(run) for run in runs]
+    ids = torch.full((len(rows), max(lengths)), model.config.pad_id, dtype=torch.long, device=runs[0].device)
+    for r, run in enumerate(runs):
+        ids[r, : lengths[r]] = run
     caches = [row.cache for row in rows]
     view = CanvasCache.of_rows(caches)
     model.encode(ids, lengths, view)
     view.write_back(caches)
+    for row, run in zip(rows, runs, strict=True):
+        row.encoded.append(run)
+
+
+def encode_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow]) -> None:
+    """One encoder pass over ``rows``' pending tokens (:func:`encode_groups` says which rows may share one),
+    written into each row's cache; each row then starts a canvas."""
+    _encode(model, rows, [row.pending for row in rows])
     for row in rows:
         row.result.encoder_passes += 1
-        row.start_canvas(config.vocab_size, config.canvas_length)
+        row.start_canvas(model.config.vocab_size, model.config.canvas_length)
+
+
+def replay_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow]) -> tuple[int, int]:
+    """Rebuild preempted rows' committed K/V: each row's :attr:`RenoisingRow.replay` runs re-encoded one pass per
+    run, in their order, grouped as :func:`encode_groups` groups them: each pass has the inputs, positions and
+    shapes of the pass that first wrote them (the prompt's, then each canvas's), so the K/V are the same bit for
+    bit (one pass over the whole text would not be: the experts' ``grouped_mm`` rounds an expert's group by its
+    size, docs/diffusion_gemma.md). No draw, no canvas: the row then encodes its pending run as it would have.
+    Returns (forwards, row-forwards) run."""
+    forwards = row_forwards = 0
+    while waiting := [row for row in rows if row.replay]:
+        runs = [row.replay[0] for row in waiting]
+        for group in encode_groups(waiting, runs):
+            _encode(model, [waiting[r] for r in group], [runs[r] for r in group])
+            forwards, row_forwards = forwards + 1, row_forwards + len(group)
+        for row in waiting:
+            row.replay.pop(0)
+    return forwards, row_forwards
 
 
 def denoise_rows(model: DiffusionGemmaModel, rows: list[RenoisingRow], chunk: int) -> list[RenoisingRow]:
@@ -482,9 +514,10 @@ def iterate(model: DiffusionGemmaModel, rows: list[RenoisingRow], eos: torch.Ten
             chunk: int) -> tuple[int, int]:
     """One iteration of ``rows`` (none done): the encoder pass, the denoising step, the commits (section doc).
     Returns (forwards, row-forwards) run."""
-    forwards = row_forwards = 0
-    for group in encode_groups([row for row in rows if row.pending is not None]):
-        encode_rows(model, group)
+    forwards, row_forwards = replay_rows(model, [row for row in rows if row.replay])
+    encoding = [row for row in rows if row.pending is not None]
+    for group in encode_groups(encoding):
+        encode_rows(model, [encoding[r] for r in group])
         forwards, row_forwards = forwards + 1, row_forwards + len(group)
     # A canvas shorter than STACKABLE_TOKENS (no real checkpoint's: 256) denoises each row alone.
     steps = [rows] if model.config.canvas_length >= STACKABLE_TOKENS else [[row] for row in rows]
@@ -501,10 +534,12 @@ def eos_tensor(eos_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 # ---- the family's decoder (service.engine.protocol.FamilyDecoder) ---------------------------------------------------
 
-CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=False, plan_bounded=False,
+CAPABILITIES = Capabilities(likelihood=False, layer_split=False, preemption=True, plan_bounded=False,
                             cache_kind="committed", mask_kind="renoising", served=True,
-                            prefix_cache="its decoder encodes each request's prompt in its own cache and reads no "
-                            "prefix cache (docs/diffusion_gemma.md)",
+                            prefix_cache="its encoder's K/V of a prompt's leading tokens are not the same bit for "
+                            "bit when those tokens are encoded in a pass of their own (its attention and experts "
+                            "round by the pass's length), so a request reading them from a cache would not decode "
+                            "as with the cache off (docs/diffusion_gemma.md, 'Prefix cache')",
                             unconstrained="each denoising step redraws every position it does not accept, so a "
                             "constrained position would be redrawn unconstrained")
 
@@ -658,8 +693,9 @@ class RenoisingPass:
 class RenoisingBatch:
     """The family's running batch (`service.engine.protocol.DecodeBatch`): requests join and leave between
     iterations; each iteration is one encoder pass and one decoder pass over the rows of every cohort the plan
-    names (section doc). Not preemptible (:data:`CAPABILITIES`). A cohort whose host step raises (its
-    ``on_block``) fails alone; a forward that raises fails the iteration (the worker fails its requests).
+    names (section doc). A cohort is preempted at a canvas boundary (:meth:`preempt`: its K/V go, the runs its
+    encoder passes wrote stay and are re-encoded pass for pass when it resumes). A cohort whose host step raises
+    (its ``on_block``) fails alone; a forward that raises fails the iteration (the worker fails its requests).
 
     Args:
         model: the loaded model. eos_ids, pad_id: what ends a text and what follows its EOS in the canvas holding
@@ -690,8 +726,8 @@ class RenoisingBatch:
                 continue
             rows = [cohort.rows[i] for i in live]
             encodes = any(row.pending is not None for row in rows)
-            seq_len = max(row.cache.length[0] + (len(row.pending) if row.pending is not None else 0) + width
-                          for row in rows)
+            seq_len = max(row.cache.length[0] + sum(map(len, row.replay))
+                          + (len(row.pending) if row.pending is not None else 0) + width for row in rows)
             out.append(RenoisingPass(cohort, live, "full" if encodes else "window", seq_len, width))
         return out
 
@@ -726,14 +762,41 @@ class RenoisingBatch:
         cohort.release()
 
     def preemptible(self, cohort: RenoisingCohort) -> bool:
-        """Never (:data:`CAPABILITIES`: a renoising cohort is not preempted)."""
-        return False
+        """Whether :meth:`preempt` may take ``cohort`` out now: every live row is at a canvas boundary (its next
+        pass encodes: its prompt, or the canvas it just committed; no canvas, self-conditioning input or
+        stopping history in flight, and its generator has drawn nothing of the next canvas), and no row's
+        committed K/V are held packed by a quantized store (its accounting counts each write: a replay would
+        count them twice)."""
+        live = cohort.live()
+        return bool(live) and all(row.pending is not None and row.canvas is None and row.cache.packed is None
+                                  for row in live)
 
-    def preempt(self, cohort: RenoisingCohort) -> Any:
-        raise ValueError("a renoising cohort cannot be preempted")
+    def preempt(self, cohort: RenoisingCohort) -> dict[int, list[torch.Tensor]]:
+        """Take ``cohort`` out between iterations and let its rows' committed K/V go; returns, per live row, the
+        runs its encoder passes had written (what :meth:`resume` gives back to re-encode). Everything else (its
+        committed ids, counts, generator, place in its canvases, streamed canvases) stays on it.
 
-    def resume(self, cohort: RenoisingCohort, call: Any) -> None:
-        raise ValueError("a renoising cohort cannot be preempted")
+        Raises:
+            ValueError: not :meth:`preemptible`.
+        """
+        if not self.preemptible(cohort):
+            raise ValueError("a renoising cohort is preempted only at a canvas boundary (every live row's next "
+                             "pass encodes) and with its committed K/V unquantized")
+        if cohort in self.cohorts:
+            self.cohorts.remove(cohort)
+        runs = {}
+        for i, row in enumerate(cohort.rows):
+            if row in cohort.live():
+                runs[i] = row.encoded + row.replay  # (preempted again before its replay ran: the same runs)
+            row.encoded, row.replay = [], []
+        cohort.release()
+        return runs
+
+    def resume(self, cohort: RenoisingCohort, call: dict[int, list[torch.Tensor]]) -> None:
+        """Give a preempted cohort back the runs :meth:`preempt` returned: its next iteration re-encodes them, one
+        pass per run (`replay_rows`), before the pass it was about to make."""
+        for i, runs in call.items():
+            cohort.rows[i].replay = list(runs)
 
 
 class RenoisingDecoder:

@@ -20,8 +20,9 @@ DGEMMA = REPO / "tests" / "data" / "diffusion_gemma" / "dgemma-tiny"
 
 @pytest.mark.parametrize(("model", "kept"), [(None, False), ("llada2", True), (DGEMMA, False)])
 def test_the_prefix_cache_is_kept_only_where_the_family_reads_it(model, kept, tmp_path, caplog):
-    """DiffusionGemma's cache kind is "committed" as LLaDA2's, but its decoder reads no prefix cache: the decoder
-    is asked (`Capabilities.prefix_cache`), and the series is not published."""
+    """DiffusionGemma's cache kind is "committed" as LLaDA2's, but its decoder reads no prefix cache (its prompt
+    K/V are not bit for bit the same when a leading part is encoded apart: benchmarks/diffusion_gemma_prefix_split.py):
+    the decoder is asked (`Capabilities.prefix_cache`), the warning says why, and the series is not published."""
     engine = Engine.load(None if model is None else LLADA2_CKPT.get(model, model), threads=1)
     settings = Settings(store_url=str(tmp_path), prefix_cache_bytes=1 << 20, kv_budget_bytes=1 << 30)
     telemetry = Telemetry()
@@ -35,3 +36,6 @@ def test_the_prefix_cache_is_kept_only_where_the_family_reads_it(model, kept, tm
     if not kept:
         assert said[0].startswith(f"--prefix-cache-bytes / DLLM_PREFIX_CACHE_BYTES has no effect on "
                                   f"{engine.spec.arch} models")
+        assert engine.capabilities.prefix_cache in said[0]
+    if model == DGEMMA:
+        assert "bit for bit" in said[0] and "pass of their own" in said[0]
