@@ -12,8 +12,9 @@ tokens encoded:
 
 Printed: the cases whose held K/V (every layer, sliding and global) are equal bit for bit; the first operation of
 the first layer whose output at the prefix positions differs between the one-pass and the prefix-only pass (module
-hooks: attention, dense MLP, experts); and, over seeded decodes of ``dgemma-tiny``, how many give other tokens
-when the prompt is encoded in those two passes (the rest of the decode as usual: `RenoisingRow.replay`).
+hooks: attention, dense MLP, experts); and, over seeded decodes of ``dgemma-tiny`` and of the 26B-A4B layout (in
+float32 and bfloat16), how many give other tokens when the prompt is encoded in those two passes (the rest of the
+decode as usual: `RenoisingRow.replay`).
 
 Checkpoints: the three tiny ones of tests/data/diffusion_gemma and a random model with 26B-A4B's layout
 (`benchmarks.diffusion_gemma_iteration_cost.a4b_layout`: 30 layers, 128 experts top 8, canvas 256), prompts split
@@ -45,7 +46,8 @@ def _ids(length: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(0, min(vocab, 496)) for _ in range(length)]
 
 
-def _held(model: DiffusionGemmaModel, runs: list[list[int]]) -> CanvasCache:
+def encoded_cache(model: DiffusionGemmaModel, runs: list[list[int]]) -> CanvasCache:
+    """A one-row cache after one encoder pass per run of ``runs`` (ids), in order."""
     cache = CanvasCache(model.config, 1)
     for run in runs:
         model.encode(torch.tensor([run]), [len(run)], cache)
@@ -57,7 +59,7 @@ def split_cases(model: DiffusionGemmaModel, cases: list[tuple[int, int]]) -> tup
     equal = 0
     for length, prefix in cases:
         ids = _ids(length, length * 7 + prefix, model.config.vocab_size)
-        one, two = _held(model, [ids]), _held(model, [ids[:prefix], ids[prefix:]])
+        one, two = encoded_cache(model, [ids]), encoded_cache(model, [ids[:prefix], ids[prefix:]])
         equal += all(torch.equal(a[0], b[0]) for layer in range(model.config.num_layers)
                      for a, b in ((one.k[layer], two.k[layer]), (one.v[layer], two.v[layer])))
     return equal, len(cases)
@@ -76,8 +78,8 @@ def first_difference(model: DiffusionGemmaModel, length: int, prefix: int) -> st
             hooks.append(module.register_forward_hook(keep))
     ids = _ids(length, 3, model.config.vocab_size)
     try:
-        _held(model, [ids])
-        _held(model, [ids[:prefix]])
+        encoded_cache(model, [ids])
+        encoded_cache(model, [ids[:prefix]])
     finally:
         for hook in hooks:
             hook.remove()
