@@ -127,7 +127,7 @@ def after_cap(engine, memory: MemoryModel, budget: int, forward: int, large, sma
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt", type=int, default=3500, help="prompt tokens of the large request")
-    parser.add_argument("--gen", type=int, default=512, help="response tokens of the large request (blocks of 32)")
+    parser.add_argument("--gen", type=int, default=512, help="response tokens of the large request (blocks of 32; a canvas for DiffusionGemma)")
     parser.add_argument("--small-gen", type=int, default=32, help="response tokens of the small request")
     parser.add_argument("--repeats", type=int, default=3, help="solo runs of the small request (median)")
     parser.add_argument("--threads", type=int, default=1)
@@ -135,6 +135,8 @@ def main() -> None:
                         help="small requests in turn past the preemption cap (issue 45 item 9); 0: not run")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     parser.add_argument("--cache-mode", default="dual", help="cache mode of both requests")
+    parser.add_argument("--max-denoising-steps", type=int, default=None,
+                        help="a renoising family's (DiffusionGemma) decoder passes per canvas at most")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.load(args.model or EMBEDDED_DIR)
@@ -146,18 +148,22 @@ def main() -> None:
     else:  # token ids: a checkpoint of the tests may have no tokenizer
         large_prompt, small_prompt = [5 + i % 40 for i in range(args.prompt)], [5 + i % 7 for i in range(9)]
     ignore_eos = not settings_rules(engine.spec.arch)["ignore_eos"].refuses(True)
-    large_params = DecodeParams(gen_length=args.gen, block_length=32, threshold=0.9, ignore_eos=ignore_eos,
-                                cache_mode=args.cache_mode)
-    small_params = DecodeParams(gen_length=args.small_gen, block_length=32, threshold=0.9, ignore_eos=ignore_eos,
-                                cache_mode=args.cache_mode)
+    # A renoising family's block is its canvas (docs/diffusion_gemma.md), and its rows sample: seeded, so that
+    # "output identical" compares one draw with itself.
+    width = getattr(engine.model.config, "canvas_length", 32)
+    renoising = {"max_denoising_steps": args.max_denoising_steps} if args.max_denoising_steps else {}
+    large_params = DecodeParams(gen_length=args.gen, block_length=width, threshold=0.9, ignore_eos=ignore_eos,
+                                cache_mode=args.cache_mode, **renoising)
+    small_params = DecodeParams(gen_length=args.small_gen, block_length=width, threshold=0.9, ignore_eos=ignore_eos,
+                                cache_mode=args.cache_mode, **renoising)
     snapshot = ConfigSnapshot(KVQuantConfig(), "prefix" if args.cache_mode == "block" else args.cache_mode,
                               "request")
 
     def large() -> Job:
-        return Job(large_prompt, large_params, RowOptions(), snapshot)
+        return Job(large_prompt, large_params, RowOptions(seed=1), snapshot)
 
     def small() -> Job:
-        return Job(small_prompt, small_params, RowOptions(), snapshot)
+        return Job(small_prompt, small_params, RowOptions(seed=2), snapshot)
 
     probe = _worker(engine, memory, 1 << 40, forward, 0)
     large_cost, small_cost = probe._cost(large()), probe._cost(small())
@@ -175,7 +181,7 @@ def main() -> None:
     solo = statistics.median(_alone(worker, small()) for _ in range(args.repeats))
     alone_job = large()
     large_s = _alone(worker, alone_job)
-    blocks = args.gen // 32
+    blocks = args.gen // width
     block = large_s / blocks
     alone_ids = alone_job.future.result().row.generated_ids
     delay = block / 2
