@@ -140,11 +140,14 @@ def llada2_syncs(rows: int = 3, layers: int = 2) -> dict:
 
 
 def serve(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: int,
-          runner: LaterSteps | None) -> list[list[int]]:
+          runner: LaterSteps | None, held: list | None = None) -> list[list[int]]:
     """Decode ``made`` with at most ``running`` requests at once, each joining as soon as one left, the later steps
-    run by ``runner`` (None: plain eager forwards); each request's generated ids, in order."""
+    run by ``runner`` (None: plain eager forwards); each request's generated ids, in order. ``held``: the batch is
+    appended to it (its counts read after)."""
     engine.use_graphs(runner)
     batch = engine.batch(forward_plan())
+    if held is not None:
+        held.append(batch)
     pending, cohorts = list(range(len(made))), {}
     with torch.inference_mode():
         while pending or batch.cohorts:
@@ -170,7 +173,11 @@ def count(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: i
              "captures": runner.captures, "replays": runner.replays, "warm-ups": len({s for s, _, _ in graphed}),
              "pool growths": runner.pool.generation, "pool moves": runner.pool.moves}
     if check:
-        found["tokens as eager"] = tokens == serve(engine, made, running, None)
+        held: list = []
+        found["tokens as eager"] = tokens == serve(engine, made, running, None, held)
+        if hasattr(held[0], "peak_bytes"):  # LLaDA2: the pool's buffers against the eager caches' peak
+            found["K/V pool bytes"] = runner.pool.bytes_held
+            found["eager caches' peak bytes"] = held[0].peak_bytes
     return found
 
 

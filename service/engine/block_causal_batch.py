@@ -409,12 +409,16 @@ class BlockCausalDecoder:
         the copy a regroup makes and two of the scratch that a cache holding packed rows keeps (its own and the
         one a regroup makes beside it); a row whose store packs its committed blocks (``quantized``, cache mode
         not ``none``: `BlockCausalCohort.packs`) has no per-layer K/V in the slot, only the scratch, and holds
-        ``store_bytes`` in its store."""
+        ``store_bytes`` in its store. With CUDA graphs' K/V pool (:attr:`later_steps`), a full-precision row counts
+        its layers twice: a regroup makes the new cache's run in the pool beside the old caches' runs, whole, before
+        they shrink (`service.engine.block_causal_graphs`, "Memory"), where the eager regroup copies layer by
+        layer."""
         cfg = self.model.config
         layer_column = 2 * cfg.num_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
         blocks = -(-(prompt_len + params.gen_length) // params.block_length)
         packs = quantized and params.cache_mode != "none"
-        layers = 2 if packs else cfg.num_layers + 3
+        pooled = getattr(self.later_steps, "pool", None) is not None
+        layers = 2 if packs else (2 if pooled else 1) * cfg.num_layers + 3
         return CacheCost(store_bytes if packs else 0, layers * layer_column, 2 * blocks * params.block_length)
 
 

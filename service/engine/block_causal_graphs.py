@@ -24,6 +24,15 @@ reads and writes them as before), and a later step reads the pool's buffers, whi
 cache holding packed rows (a quantized store, `service.quant.committed`) keeps its own buffers and its later steps
 run eagerly, unpadded (pooling the packed codes is not done here).
 
+**Memory.** The graphs' private memory pools are `LaterSteps.bytes_held`, reserved and reported as the other
+families' (the engine's one runner serves every family). The K/V pool holds each cache's slots exactly, but a
+regroup (`BlockCausalBatch._cache_for`: rows that were not together in the last forward) makes the new cache's run
+whole, every layer, beside the old caches' runs before they shrink, where the eager regroup copies one layer at a
+time: for that moment the moved rows are held twice. `BlockCausalDecoder.cache_cost` counts a full-precision row's
+layers twice when its decoder has the pool, so admission's bound holds (measured against the eager caches' peak:
+`benchmarks/graph_keys.py --model llada2 --check`). A leaving request's slots are compacted in place (one layer's
+copy at a time) and its run shrinks.
+
 **On the CPU** (capture off) the same gather runs eagerly at the bucket's shapes over each cache's own buffers
 (tests prove its tokens are the unpadded forward's); `service.engine.graphs.EagerGraphs` runs the pooled,
 captured path with a stand-in per graph (`benchmarks/graph_keys.py --model llada2`).

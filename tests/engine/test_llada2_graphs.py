@@ -197,3 +197,20 @@ def test_cuda_graphs_replay_llada2_token_identical_to_eager(llada2):
     results = generate_batch(loaded.model, [run["prompt_ids"] for _, run in CASES], settings, loaded.spec.mask_id,
                              loaded.spec.eos_ids, later_steps=graphs)
     assert all(run["fragile"] for _, run in CASES if run["id"] in _soft(results, CASES))
+
+
+def test_admission_counts_the_pooled_regroup(llada2):
+    """With the K/V pool (graphs on), a full-precision row's slot counts its layers twice (a regroup's new run
+    beside the old ones), a packed row's nothing more; without it, as before."""
+    from service.engine.block_causal_batch import BlockCausalDecoder
+    from service.engine.params import DecodeParams
+
+    loaded = llada2["llada2"]
+    decoder = BlockCausalDecoder(loaded.model, loaded.spec)
+    params = DecodeParams(gen_length=64, block_length=32, cache_mode="block")
+    eager, eager_packed = decoder.cache_cost(40, params, 0, False), decoder.cache_cost(40, params, 7, True)
+    decoder.later_steps = EagerGraphs()
+    pooled, pooled_packed = decoder.cache_cost(40, params, 0, False), decoder.cache_cost(40, params, 7, True)
+    layers = loaded.model.config.num_layers
+    assert pooled.slot_bytes * (layers + 3) == eager.slot_bytes * (2 * layers + 3)
+    assert pooled_packed == eager_packed and pooled.slot_columns == eager.slot_columns
