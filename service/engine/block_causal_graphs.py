@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from service.engine.batch import Bucket
+from service.engine.graphs import ROW_BUCKETS, round_up
 from service.engine.kv_pool import KVPool, PoolRun, window_flat_index
 
 
@@ -123,8 +124,6 @@ def later_step(runner, model, ids: torch.Tensor, starts: list[int], blocks: torc
         ids: int64 ``[B, W]``, each row's window (its active block, right-padded); starts: each row's first
             column; blocks: int64 ``[B]``, block lengths; cache: the rows' `CommittedKV`, slot ``i`` row ``i``.
     """
-    from service.engine.graphs import ROW_BUCKETS, round_up  # graphs imports batch, as this module does
-
     b, w = ids.shape
     device = ids.device
     rows = next((n for n in ROW_BUCKETS if n >= b), b)
