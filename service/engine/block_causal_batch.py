@@ -41,7 +41,7 @@ from service.engine.block_causal import (
     Row,
     step_rows,
 )
-from service.engine.block_causal_graphs import RunLayers
+from service.engine.block_causal_graphs import RunLayers, can_graph
 from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
@@ -417,7 +417,7 @@ class BlockCausalDecoder:
         layer_column = 2 * cfg.num_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
         blocks = -(-(prompt_len + params.gen_length) // params.block_length)
         packs = quantized and params.cache_mode != "none"
-        pooled = getattr(self.later_steps, "pool", None) is not None
+        pooled = can_graph(self.model, self.later_steps)
         layers = 2 if packs else (2 if pooled else 1) * cfg.num_layers + 3
         return CacheCost(store_bytes if packs else 0, layers * layer_column, 2 * blocks * params.block_length)
 
@@ -481,9 +481,11 @@ class BlockCausalBatch:
         self.model = model
         self.plan = plan
         #: The later steps' runner (`service.engine.graphs.LaterSteps`; None: eager, unpadded): with capture on,
-        #: the full-precision caches live in its K/V pool (class doc, "CUDA graphs").
-        self.later_steps = later_steps
-        self.pool = later_steps.pool if later_steps is not None else None
+        #: the full-precision caches live in its K/V pool (`service.engine.block_causal_graphs`); a runner that
+        #: captures where this model's forward cannot be captured (`can_graph`) is not used.
+        graphed = can_graph(model, later_steps)
+        self.later_steps = later_steps if graphed or (later_steps is not None and not later_steps.capture) else None
+        self.pool = later_steps.pool if graphed else None
         #: Content-keyed committed K/V of prompts' whole blocks shared across requests (None: every request computes
         #: its whole prompt), keyed under ``model_key`` (the weights' fingerprint).
         self.prefix_cache, self.model_key = prefix_cache, model_key

@@ -24,6 +24,10 @@ reads and writes them as before), and a later step reads the pool's buffers, whi
 cache holding packed rows (a quantized store, `service.quant.committed`) keeps its own buffers and its later steps
 run eagerly, unpadded (pooling the packed codes is not done here).
 
+**Which models.** On CUDA only where every MoE layer's ``grouped_mm`` runs CUDA's grouped kernel (:func:`can_graph`:
+bfloat16 on compute capability 9 or 10); torch's fallback elsewhere reads its offsets on the host inside the op, so
+those later steps run eagerly.
+
 **Memory.** The graphs' private memory pools are `LaterSteps.bytes_held`, reserved and reported as the other
 families' (the engine's one runner serves every family). The K/V pool holds each cache's slots exactly, but a
 regroup (`BlockCausalBatch._cache_for`: rows that were not together in the last forward) makes the new cache's run
@@ -105,6 +109,26 @@ class GatheredCommitted:
         kk.index_copy_(0, self._flat, k.reshape(-1, d))
         vv.index_copy_(0, self._flat, v.reshape(-1, d))
         return kk.view(r, h, self.columns, d), vv.view(r, h, self.columns, d), None
+
+
+def can_graph(model, runner) -> bool:
+    """Whether ``runner`` (a `service.engine.graphs.LaterSteps`, or None) replays ``model``'s later steps from
+    graphs: it captures on the model's device (`EagerGraphs`' stand-ins: any device), and on CUDA every MoE layer's
+    ``grouped_mm`` takes CUDA's grouped kernel, which reads its group offsets on the device (bfloat16 on compute
+    capability 9 or 10, `SparseMoE._grouped`'s strides); elsewhere torch's fallback copies the offsets to the host,
+    which a capture forbids, and the later steps run eagerly, unpadded."""
+    from service.engine.models.llada2 import SparseMoE
+
+    device = model.embed.weight.device
+    if runner is None or not runner.capture or not runner._can_capture(device):
+        return False
+    if device.type != "cuda":
+        return True  # no capture happens there: the stand-ins run eagerly
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
+    dtype = model.embed.weight.dtype
+    probe = torch.empty((0, model.config.width), dtype=dtype)
+    return not moes or (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+                        and all(moe._grouped(probe) for moe in moes))
 
 
 def is_later_step(calls: Sequence, cache, layers: tuple[int, int] | None) -> bool:
