@@ -470,6 +470,12 @@ class BlockCausalBatch:
     calls widened to start at column 0, which rebuild its committed K/V from its committed tokens (which never
     change, block-causal) before the block, as the block-initial pass of the bidirectional families does.
 
+    **CUDA graphs** (``later_steps``, `service.engine.block_causal_graphs`): with a runner that captures where this
+    model can be captured (`can_graph`), each full-precision cache is one run of the runner's K/V pool (its layer
+    buffers are the run's views: every forward reads and writes them as its own), a regroup zeroes the new run and
+    moves the rows into it as above, a shrink compacts the kept slots into the run's first ones (one layer's copy
+    at a time) and the run gives the rest back; the later steps gather their rows from the pool and replay graphs.
+
     **Prefix cache** (``prefix_cache``, `service.engine.prefix_cache`): a row looks up its longest cached run of
     whole prompt blocks when its cohort's pass is first made (:meth:`passes`, so the plan sees the narrower pass),
     takes the cached K/V before its first forward and puts its own whole prompt blocks in after it; its cohort
