@@ -16,14 +16,16 @@
 # 1. tests on CUDA: the fused quantized-attention kernels compiled (tests/quant/test_fused_attention.py,
 #    tests/quant/test_fused_rows.py; tests/conftest.py lets Triton's ldconfig/cc through) and the CUDA-graph tests
 #    (tests/engine/test_graphs.py -k cuda: capture, replay equal to eager, new requests replaying the graphs of
-#    earlier ones from the K/V pool, the goldens token-identical);
+#    earlier ones from the K/V pool, the goldens token-identical; LLaDA2's later steps the same,
+#    tests/engine/test_llada2_graphs.py);
 # 2. benchmarks/iteration_cost.py (counts per iteration, its own command line, unchanged here) at LLaDA-8B's shape;
 # 3. benchmarks/decode_speed.py at 4k reused tokens, batch 8, 8 fixed steps per block: the dual cache, KIVI and
 #    dLLM-KVQ at 4 and 2 bits, with the HBM share (PEAK_GBS, default 4800 GB/s for an H200). The model's context
 #    is 4,096 tokens: prompt 3,936 + 128 generated (4 blocks of 32) = 4,064; every later step reuses 4,032;
 # 4. benchmarks/gpu_steps.py later-step: a later-step iteration's time at 1, 8, 32, 64 rows, unquantized (CUDA
 #    graphs on, and off) and KIVI, against its roofline;
-# 5. benchmarks/gpu_steps.py llada2: LLaDA2.0-mini's shape, block mode, tokens/s at 1 and 32 rows (no target);
+# 5. benchmarks/gpu_steps.py llada2: LLaDA2.0-mini's shape, block mode, tokens/s at 1 and 32 rows (no target), the
+#    unquantized later steps replayed from CUDA graphs (service/engine/block_causal_graphs.py);
 # 6. with FASTDLLM_DIR (a checkout of NVlabs/Fast-dLLM at commit 24cc59e, carried like the wheels below: its
 #    llada/generate.py and llada/model/ are read; it needs einops, which the device image has), benchmarks/
 #    gpu_steps.py reference: batch 1, our decode against the reference's own generate_with_dual_cache on the same
@@ -95,7 +97,8 @@ step() {  # step NAME SECONDS COMMAND...: run, tee into OUT/NAME.txt, go on what
 FAILED=""
 
 step tests 50 "$PYTHON" -m pytest tests/quant/test_fused_attention.py tests/quant/test_fused_rows.py \
-  tests/engine/test_graphs.py::test_cuda_graphs_replay_token_identical_to_eager "${TESTS[@]}"
+  tests/engine/test_graphs.py::test_cuda_graphs_replay_token_identical_to_eager \
+  tests/engine/test_llada2_graphs.py::test_cuda_graphs_replay_llada2_token_identical_to_eager "${TESTS[@]}"
 step iteration_cost 40 "$PYTHON" benchmarks/iteration_cost.py "${DEV[@]}" "${ITER[@]}" --caches dual \
   --methods none,kivi
 step decode_4k_8 80 "$PYTHON" benchmarks/decode_speed.py "${DEV[@]}" "${DECODE[@]}" --bits 4,2 \

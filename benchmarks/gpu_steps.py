@@ -11,6 +11,8 @@
   experts of 512, top 8, one shared, dense layer 0 of 5120, vocabulary 157184, as its public ``config.json``
   gives them) decoding 256 tokens in ``block`` mode (block 32, 8 steps per block) at 1 and 32 rows, unquantized
   and 4-bit KIVI. Recorded with no target (SGLang reports 426 tokens/s for LLaDA2.1-mini, one request, on a B200).
+  The unquantized rows' later steps are replayed from CUDA graphs (`service.engine.block_causal_graphs`; on the
+  CPU of the dry run, their stand-ins), as the engine runs them by default; ``--no-graphs`` runs them eagerly.
 * ``reference``: batch 1 against the Fast-dLLM reference's own ``generate_with_dual_cache`` (NVlabs/Fast-dLLM
   commit 24cc59e, ``llada/generate.py`` and ``llada/model``, whose folder ``--fastdllm`` names: the reference's
   code is not in this repository; it needs ``einops``) on the same random weights at LLaDA-8B's shape (ours
@@ -143,6 +145,7 @@ def llada2(argv: list[str]) -> None:
     from benchmarks.llada2_iteration_cost import quant_store
     from service.engine.block_causal import BlockCausalParams
     from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+    from service.engine.graphs import EagerGraphs, LaterSteps
     from service.engine.models.llada2 import LLaDA2Model
 
     parser = argparse.ArgumentParser(prog="gpu_steps.py llada2")
@@ -152,6 +155,8 @@ def llada2(argv: list[str]) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", required=True)
+    parser.add_argument("--no-graphs", action="store_true", help="eager later steps (the server's "
+                        "DLLM_CUDA_GRAPHS=false)")
     args = parser.parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     config = LLaDA2Model.config_from_hf(llada2_config(TINY_MINI if args.tiny else MINI))
@@ -175,7 +180,8 @@ def llada2(argv: list[str]) -> None:
           f"{args.dtype} on {device}, prompt {prompt_length}, {gen} generated, block 32, 8 steps per block")
     for kv in args.kv.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            batch = BlockCausalBatch(model)
+            graphs = None if args.no_graphs else LaterSteps(capture=True) if device.type == "cuda" else EagerGraphs()
+            batch = BlockCausalBatch(model, later_steps=graphs)
             for _ in range(rows):
                 prompt = torch.randint(0, config.vocab_size - 8, (prompt_length,), generator=ids).tolist()
                 batch.join(BlockCausalCohort(model, [prompt], [settings], config.mask_id, (config.eos_id,),
@@ -187,8 +193,11 @@ def llada2(argv: list[str]) -> None:
                     batch.step()
             _sync(device)
             seconds = time.perf_counter() - start
-            row = {"kv": kv, "rows": rows, "tokens_per_s": rows * gen / seconds}
-            print(f"  {kv:<6}{rows:>4} rows  {row['tokens_per_s']:>9.1f} tokens/s", flush=True)
+            row = {"kv": kv, "rows": rows, "tokens_per_s": rows * gen / seconds,
+                   "captures": graphs.captures if graphs else 0, "replays": graphs.replays if graphs else 0,
+                   "graph_bytes": graphs.bytes_held if graphs else 0}
+            print(f"  {kv:<6}{rows:>4} rows  {row['tokens_per_s']:>9.1f} tokens/s  (graphs: {row['captures']} "
+                  f"captured, {row['replays']} replayed, {row['graph_bytes']:,} bytes)", flush=True)
             results.append(row)
     Path(args.json).write_text(json.dumps(results, indent=1))
 
@@ -341,7 +350,7 @@ def table(argv: list[str]) -> list[tuple[str, str, str]]:
     mini = json.loads((out / "llada2.json").read_text()) if (out / "llada2.json").exists() else []
     for r in mini:
         rows.append((f"LLaDA2.0-mini shape, block mode, {r['rows']} rows, {r['kv']}: tokens/s (no target)",
-                     f"{r['tokens_per_s']:.1f}", "recorded"))
+                     f"{r['tokens_per_s']:.1f} ({r.get('replays', 0)} graph replays)", "recorded"))
     if not mini:
         rows.append(("LLaDA2.0-mini shape tokens/s (no target)", "-", "NOT RUN"))
     device = (out / "device.txt").read_text().strip().replace("\n", ", ") if (out / "device.txt").exists() else "?"

@@ -21,7 +21,15 @@ each graph a stand-in that runs eagerly. Its counts are machine-independent:
 Before the pool (commit 26d2866, graphs keyed by bucket and the stores they read, the same run): see
 docs/benchmarks.md.
 
-Usage: ``python benchmarks/graph_keys.py [--requests 64] [--running 16] [--preset tiny] [--seed 0] [--check]``.
+``--model llada2`` (or a LLaDA2 checkpoint's folder; ``llada2`` is tests/data/llada2/llada2-tiny) runs LLaDA2's
+block-causal batch instead (`service.engine.block_causal_graphs`): prompts of 8 to 300 tokens, responses of 32, 64
+or 128 in blocks of 32, cache mode ``block``, 8 steps per block, EOS kept (the checkpoint's own lengths); the
+counts are the same, less the keys by stores, plus the **host syncs** of one later-step iteration graphed (3 rows,
+LLaDA2.0-mini's expert layout in 2 layers, `benchmarks/llada2_iteration_cost.py`): the iteration's and those of
+its replayed forward (`benchmarks.iteration_cost.Counter`).
+
+Usage: ``python benchmarks/graph_keys.py [--requests 64] [--running 16] [--preset tiny] [--seed 0] [--check]
+[--model llada2]``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: benchmarks/ is not a package
 from benchmarks.decode_speed import random_engine
+from benchmarks.iteration_cost import Counter
 from service.engine import Engine
 from service.engine.graphs import EagerGraphs, LaterSteps, bucket_of, graphable
 from service.engine.params import DecodeParams
@@ -53,6 +62,18 @@ def requests(count: int, vocab: int, seed: int) -> list[tuple[list[int], DecodeP
         params = DecodeParams(gen_length=gen, block_length=32, cache_mode=rng.choice(("dual", "prefix")),
                               threshold=None, steps=gen // 4, ignore_eos=True)
         made.append((prompt, params))
+    return made
+
+
+def llada2_requests(count: int, seed: int) -> list[tuple[list[int], DecodeParams]]:
+    """``count`` LLaDA2 requests (module doc, ``--model``), seeded; ids below the tiny checkpoint's specials."""
+    rng = random.Random(seed)
+    made = []
+    for _ in range(count):
+        prompt = [rng.randrange(3, 490) for _ in range(rng.randrange(8, 301))]
+        gen = rng.choice((32, 64, 128))
+        made.append((prompt, DecodeParams(gen_length=gen, block_length=32, cache_mode="block", threshold=None,
+                                          steps=gen // 4)))
     return made
 
 
@@ -75,13 +96,58 @@ class Recording(EagerGraphs):
                                  self.pool.generation, runs))
         return out
 
+    def keyed(self, model, shape, inputs, logits_at, rows):
+        self.graphed.append((shape, self.pool.generation, None))  # LLaDA2's later steps: every one pooled
+        return super().keyed(model, shape, inputs, logits_at, rows)
+
+
+class SyncCounting(EagerGraphs):
+    """:class:`EagerGraphs` counting the host syncs of the forwards it runs from a graph (``syncs``)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.syncs = 0
+
+    def keyed(self, model, shape, inputs, logits_at, rows):
+        with Counter() as counter:
+            out = super().keyed(model, shape, inputs, logits_at, rows)
+        self.syncs += counter.syncs
+        return out
+
+
+def llada2_syncs(rows: int = 3, layers: int = 2) -> dict:
+    """Host syncs of one LLaDA2 later-step iteration replayed by :class:`SyncCounting` (module doc): a batch of
+    ``rows`` requests of different prompts stepped past the block-initial forward, the warm-up and the capture."""
+    from benchmarks.llada2_iteration_cost import mini_layout
+    from service.engine.block_causal import BlockCausalParams
+    from service.engine.block_causal_batch import BlockCausalBatch, BlockCausalCohort
+
+    model = mini_layout(layers, 512)
+    runner = SyncCounting()
+    batch = BlockCausalBatch(model, later_steps=runner)
+    settings = BlockCausalParams(gen_length=64, block_length=32, steps=8, threshold=float("inf"))
+    gen = torch.Generator().manual_seed(rows)
+    for i in range(rows):
+        prompt = torch.randint(0, 500, (40 + 32 * i,), generator=gen).tolist()  # rows in step: one forward
+        batch.join(BlockCausalCohort(model, [prompt], [settings], model.config.mask_id, (model.config.eos_id,)))
+    with torch.inference_mode():
+        for _ in range(3):  # block-initial, the later step's warm-up, its capture
+            batch.step()
+        replays, runner.syncs = runner.replays, 0
+        with Counter() as counter:
+            batch.step()
+    return {"iteration syncs": counter.syncs, "forward syncs": runner.syncs, "replayed": runner.replays - replays}
+
 
 def serve(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: int,
-          runner: LaterSteps | None) -> list[list[int]]:
+          runner: LaterSteps | None, held: list | None = None) -> list[list[int]]:
     """Decode ``made`` with at most ``running`` requests at once, each joining as soon as one left, the later steps
-    run by ``runner`` (None: plain eager forwards); each request's generated ids, in order."""
+    run by ``runner`` (None: plain eager forwards); each request's generated ids, in order. ``held``: the batch is
+    appended to it (its counts read after)."""
     engine.use_graphs(runner)
     batch = engine.batch(forward_plan())
+    if held is not None:
+        held.append(batch)
     pending, cohorts = list(range(len(made))), {}
     with torch.inference_mode():
         while pending or batch.cohorts:
@@ -103,11 +169,15 @@ def count(engine: Engine, made: list[tuple[list[int], DecodeParams]], running: i
     found = {"requests": len(made), "running": running, "graphed forwards": len(graphed),
              "buckets": len({shape[0] for shape, _, _ in graphed}), "shapes": len({s for s, _, _ in graphed}),
              "keys (shape, pool generation)": len({(s, g) for s, g, _ in graphed}),
-             "keys by stores (before the pool)": len({(s, tuple(map(id, r))) for s, _, r in graphed}),
+             "keys by stores (before the pool)": len({(s, tuple(map(id, r))) for s, _, r in graphed if r}),
              "captures": runner.captures, "replays": runner.replays, "warm-ups": len({s for s, _, _ in graphed}),
              "pool growths": runner.pool.generation, "pool moves": runner.pool.moves}
     if check:
-        found["tokens as eager"] = tokens == serve(engine, made, running, None)
+        held: list = []
+        found["tokens as eager"] = tokens == serve(engine, made, running, None, held)
+        if hasattr(held[0], "peak_bytes"):  # LLaDA2: the pool's buffers against the eager caches' peak
+            found["K/V pool bytes"] = runner.pool.bytes_held
+            found["eager caches' peak bytes"] = held[0].peak_bytes
     return found
 
 
@@ -118,9 +188,23 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="decode again eagerly and compare the tokens")
+    parser.add_argument("--model", default=None, help="llada2 (tests/data/llada2/llada2-tiny) or a LLaDA2 "
+                        "checkpoint's folder: its block-causal batch instead of --preset")
     args = parser.parse_args()
-    engine = random_engine(args.preset, torch.float32, "cpu", 1.0)
-    found = count(engine, requests(args.requests, engine.spec.vocab_size, args.seed), args.running, args.check)
+    if args.model is not None:
+        from service.engine.loading import load_checkpoint
+
+        path = Path(__file__).resolve().parents[1] / "tests/data/llada2/llada2-tiny" if args.model == "llada2" else args.model
+        loaded = load_checkpoint(path)
+        engine = Engine(loaded.model, loaded.spec, None, torch.float32, torch.device("cpu"))
+        found = count(engine, llada2_requests(args.requests, args.seed), args.running, args.check)
+        del found["keys by stores (before the pool)"]
+        syncs = llada2_syncs()
+        found["host syncs per later step"] = syncs["iteration syncs"]
+        found["of them in its forward"] = syncs["forward syncs"]
+    else:
+        engine = random_engine(args.preset, torch.float32, "cpu", 1.0)
+        found = count(engine, requests(args.requests, engine.spec.vocab_size, args.seed), args.running, args.check)
     for name, value in found.items():
         print(f"{name:>26}: {value}")
 

@@ -50,6 +50,7 @@ from typing import Literal
 
 import torch
 
+from service.engine.block_causal_graphs import is_later_step, later_step
 from service.engine.errors import EngineInputError
 from service.engine.grammar import ConstrainedRow, GrammarState, GrammarViolation, constrained_reveal
 from service.engine.models.llada2 import CommittedKV, LLaDA2Model
@@ -346,7 +347,7 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
               banned: torch.Tensor | None = None,
               checks: Callable[[int], torch.Tensor | None] | None = None,
               layers: tuple[int, int] | None = None, hidden: torch.Tensor | None = None,
-              ) -> list[Revealed | GrammarViolation | ChecksFailed] | torch.Tensor:
+              later: object | None = None) -> list[Revealed | GrammarViolation | ChecksFailed] | torch.Tensor:
     """One forward for the calls of ``rows`` (each in its own cache slot; windows right-padded) and every row's
     reveal, read back in one host read: per row its :data:`Revealed` (what :meth:`Row.decode` is sent).
 
@@ -363,6 +364,10 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
 
     ``layers``, ``hidden``: one piece of the forward split by layers (`LLaDA2Model.forward`); a piece that ends
     before the last layer returns its hidden states ``[B, W, C]`` (nothing revealed), the last one reveals.
+
+    ``later``: a `service.engine.graphs.LaterSteps`: a later step (every window its active block, no hook on the
+    cache) runs at its bucket's shapes, replayed from a CUDA graph where it captures
+    (`service.engine.block_causal_graphs`); the same tokens.
     """
     device = cache.device
     width = max(c.end - c.start for c in calls)
@@ -378,8 +383,11 @@ def step_rows(model: LLaDA2Model, rows: list[Row], calls: list[Call], cache: Com
     cache.columns = max(c.start for c in calls) + width
     if hidden is not None and hidden.shape[1] < width:  # a piece's rows regrouped with wider ones
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, width - hidden.shape[1]))
-    logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at, layers=layers,
-                   hidden=hidden)  # [B, widest, V]
+    if later is not None and is_later_step(calls, cache, layers):
+        logits = later_step(later, model, ids, [c.start for c in calls], blocks, at, cache)
+    else:
+        logits = model(ids, positions=positions, block_length=blocks, cache=cache, logits_at=at, layers=layers,
+                       hidden=hidden)  # [B, widest, V]
     if layers is not None and layers[1] < len(model.layers):
         return logits  # the hidden states after this piece
     chains = _chains(logits, rows, calls, banned)

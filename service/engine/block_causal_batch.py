@@ -41,6 +41,7 @@ from service.engine.block_causal import (
     Row,
     step_rows,
 )
+from service.engine.block_causal_graphs import RunLayers, can_graph
 from service.engine.decode import CommittedIds, _row_generator
 from service.engine.errors import EngineInputError
 from service.engine.kv_store import DEFER_WRITE_CHECKS
@@ -376,7 +377,8 @@ class BlockCausalDecoder:
 
     def __init__(self, model: LLaDA2Model, spec: Any) -> None:
         self.model, self.spec, self.family = model, spec, spec.arch
-        #: Not read: LLaDA2's later steps (`step_rows`) run eagerly; CUDA graphs of them are not built yet.
+        #: The later steps' runner of the batches made from now on (`service.engine.graphs.LaterSteps`: CUDA graphs
+        #: of the full-precision later steps, `service.engine.block_causal_graphs`; None: eager, unpadded).
         self.later_steps = None
         #: The prefix cache across requests its batches share (`service.engine.prefix_cache`; set through
         #: `service.engine.Engine.prefix_cache`); None: none. A block-causal family's hook (DiffusionGemma's too).
@@ -385,7 +387,7 @@ class BlockCausalDecoder:
     def batch(self, plan: Any = None) -> BlockCausalBatch:
         """An empty :class:`BlockCausalBatch`; ``plan`` groups :meth:`BlockCausalBatch.step`'s passes into
         forwards; its requests read and fill :attr:`prefix_cache`, keyed under the weights' fingerprint."""
-        return BlockCausalBatch(self.model, plan, self.prefix_cache, self.spec.fingerprint)
+        return BlockCausalBatch(self.model, plan, self.prefix_cache, self.spec.fingerprint, self.later_steps)
 
     def cohort(self, prompts: list[list[int]], params: DecodeParams, rows: list[RowOptions],
                kv_store: object | None, on_block: Callable | None,
@@ -407,12 +409,16 @@ class BlockCausalDecoder:
         the copy a regroup makes and two of the scratch that a cache holding packed rows keeps (its own and the
         one a regroup makes beside it); a row whose store packs its committed blocks (``quantized``, cache mode
         not ``none``: `BlockCausalCohort.packs`) has no per-layer K/V in the slot, only the scratch, and holds
-        ``store_bytes`` in its store."""
+        ``store_bytes`` in its store. With CUDA graphs' K/V pool (:attr:`later_steps`), a full-precision row counts
+        its layers twice: a regroup makes the new cache's run in the pool beside the old caches' runs, whole, before
+        they shrink (`service.engine.block_causal_graphs`, "Memory"), where the eager regroup copies layer by
+        layer."""
         cfg = self.model.config
         layer_column = 2 * cfg.num_kv_heads * cfg.head_dim * self.model.embed.weight.element_size()
         blocks = -(-(prompt_len + params.gen_length) // params.block_length)
         packs = quantized and params.cache_mode != "none"
-        layers = 2 if packs else cfg.num_layers + 3
+        pooled = can_graph(self.model, self.later_steps)
+        layers = 2 if packs else (2 if pooled else 1) * cfg.num_layers + 3
         return CacheCost(store_bytes if packs else 0, layers * layer_column, 2 * blocks * params.block_length)
 
 
@@ -464,6 +470,12 @@ class BlockCausalBatch:
     calls widened to start at column 0, which rebuild its committed K/V from its committed tokens (which never
     change, block-causal) before the block, as the block-initial pass of the bidirectional families does.
 
+    **CUDA graphs** (``later_steps``, `service.engine.block_causal_graphs`): with a runner that captures where this
+    model can be captured (`can_graph`), each full-precision cache is one run of the runner's K/V pool (its layer
+    buffers are the run's views: every forward reads and writes them as its own), a regroup zeroes the new run and
+    moves the rows into it as above, a shrink compacts the kept slots into the run's first ones (one layer's copy
+    at a time) and the run gives the rest back; the later steps gather their rows from the pool and replay graphs.
+
     **Prefix cache** (``prefix_cache``, `service.engine.prefix_cache`): a row looks up its longest cached run of
     whole prompt blocks when its cohort's pass is first made (:meth:`passes`, so the plan sees the narrower pass),
     takes the cached K/V before its first forward and puts its own whole prompt blocks in after it; its cohort
@@ -471,9 +483,15 @@ class BlockCausalBatch:
     """
 
     def __init__(self, model: LLaDA2Model, plan: Any = None, prefix_cache: PrefixCache | None = None,
-                 model_key: str = "") -> None:
+                 model_key: str = "", later_steps: Any = None) -> None:
         self.model = model
         self.plan = plan
+        #: The later steps' runner (`service.engine.graphs.LaterSteps`; None: eager, unpadded): with capture on,
+        #: the full-precision caches live in its K/V pool (`service.engine.block_causal_graphs`); a runner that
+        #: captures where this model's forward cannot be captured (`can_graph`) is not used.
+        graphed = can_graph(model, later_steps)
+        self.later_steps = later_steps if graphed or (later_steps is not None and not later_steps.capture) else None
+        self.pool = later_steps.pool if graphed else None
         #: Content-keyed committed K/V of prompts' whole blocks shared across requests (None: every request computes
         #: its whole prompt), keyed under ``model_key`` (the weights' fingerprint).
         self.prefix_cache, self.model_key = prefix_cache, model_key
@@ -617,7 +635,7 @@ class BlockCausalBatch:
         deferred = DEFER_WRITE_CHECKS.set(True)  # the writes' checks join the reveal's read (module doc)
         try:
             revealed = step_rows(self.model, rows, [c.calls[i] for c, i in live], cache, banned,
-                                 hook.take_checks if hook is not None else None, layers, hidden)
+                                 hook.take_checks if hook is not None else None, layers, hidden, self.later_steps)
         finally:
             DEFER_WRITE_CHECKS.reset(deferred)
             cache.on_write = None
@@ -702,10 +720,18 @@ class BlockCausalBatch:
         moves = [(n, *held) for n, r in enumerate(rows[:full])
                  if (held := self._owner.get(id(r))) is not None and held[1] < held[0].k[0].shape[0]]
         shape = (full, cfg.num_kv_heads, capacity, cfg.head_dim)
+        pooled = self.pool is not None and not packed and self.pool.takes(
+            torch.empty((0, cfg.num_kv_heads, 0, cfg.head_dim), dtype=weight.dtype, device=weight.device))
+        if pooled:  # one run of its slots in the pool's buffers (class doc, "CUDA graphs")
+            run = self.pool.allocate(full, capacity)
+            cache.k, cache.v = (RunLayers(self.pool, run, which, cfg.num_layers) for which in (0, 1))
 
         def build(layer: int) -> None:
             for new_buffers, name in ((cache.k, "k"), (cache.v, "v")):
-                new_buffers.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
+                if pooled:
+                    new_buffers[layer].zero_()  # a run holds what it held: zeroed as a new buffer is
+                else:
+                    new_buffers.append(torch.zeros(shape, dtype=weight.dtype, device=weight.device))
                 self._note_peak(cache)
                 for to, old, slot in moves:  # slot by slot: no copy beside the two; past a row's length it reads nothing
                     source = getattr(old, name)[layer]
@@ -744,7 +770,10 @@ class BlockCausalBatch:
                     kept = (buffers[layer].index_select(0, slots) if len(slots) else
                             buffers[layer].new_empty((0, *buffers[layer].shape[1:])))
                     self._note_peak(new, kept)
-                    buffers[layer] = kept
+                    if isinstance(buffers, RunLayers):  # its run's first slots; the run shrinks below
+                        buffers[layer][: len(slots)] = kept
+                    else:
+                        buffers[layer] = kept
         for cache, held_rows, keep, _ in shrink:
             if cache.scratch is not None:  # its content is rewritten at every layer: a smaller one, zeroed
                 shape = (len(keep), *cache.scratch[0].shape[1:])
@@ -755,6 +784,11 @@ class BlockCausalBatch:
             held_rows[:] = keep
             for slot, row in enumerate(keep):
                 self._owner[id(row)] = (cache, slot)
+            if isinstance(cache.k, RunLayers):  # the slots that went are the pool's again
+                if keep:
+                    cache.k.run.rows = len(keep)
+                else:
+                    self.pool.free(cache.k.run)
         self._caches = [(r, c) for r, c in self._caches if r]
         self._note_peak(new)
 
@@ -782,6 +816,7 @@ def generate_batch(
     kv_store: object | None = None,
     prefix_cache: PrefixCache | None = None,
     model_key: str = "",
+    later_steps: Any = None,
 ) -> list[BlockCausalResult]:
     """Decode several prompts together, each with its own settings (`service.engine.block_causal`), one forward
     per iteration for every row still decoding; each row decodes as it would alone.
@@ -793,6 +828,7 @@ def generate_batch(
             default). kv_store: a `QuantizedKVStore` quantizes every ``block`` row's committed blocks (its report
             counts them); None: full precision. prefix_cache: read and filled by the ``block`` rows
             (`service.engine.prefix_cache`), keyed under ``model_key`` (the weights' fingerprint); None: none.
+            later_steps: the later steps' runner (`service.engine.graphs.LaterSteps`; None: eager, unpadded).
 
     Returns:
         One :class:`BlockCausalResult` per prompt, in order (``kv_bytes``: the committed K/V the row held).
@@ -800,7 +836,7 @@ def generate_batch(
     Raises:
         EngineInputError: an empty prompt, one holding ``mask_id``, or ``params`` not one per prompt.
     """
-    batch = BlockCausalBatch(model, prefix_cache=prefix_cache, model_key=model_key)
+    batch = BlockCausalBatch(model, prefix_cache=prefix_cache, model_key=model_key, later_steps=later_steps)
     seeded = [RowOptions(temperature=p.temperature) for p in params]
     cohort = BlockCausalCohort(model, prompts, params, mask_id, eos_ids, seeded, kv_store=kv_store)
     if generators:  # the caller's generators replace the rows' own
@@ -832,12 +868,13 @@ def generate(
     kv_store: object | None = None,
     prefix_cache: PrefixCache | None = None,
     model_key: str = "",
+    later_steps: Any = None,
 ) -> BlockCausalResult:
-    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store``, ``prefix_cache`` and
-    ``model_key`` as there).
+    """Decode one prompt block-causally (:func:`generate_batch` of one row; ``kv_store``, ``prefix_cache``,
+    ``model_key`` and ``later_steps`` as there).
 
     Raises:
         EngineInputError: an empty prompt, or one holding ``mask_id``.
     """
     return generate_batch(model, [prompt], [params], mask_id, eos_ids, [generator], kv_store, prefix_cache,
-                          model_key)[0]
+                          model_key, later_steps)[0]

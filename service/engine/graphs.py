@@ -34,7 +34,9 @@ tensors of the capture (ids, positions, key mask, the window's destination colum
 columns): each replay copies the step's values into them; its outputs (the logits) are the graph's own buffer,
 read by the reveal before the next replay. A group that reads anything else (a quantized store, whose
 dequantization or fused kernel reads buffers of its own; a store of some rows only, ``Pass.selection``) runs
-eagerly, unpadded. Still eager: quantized later steps and LLaDA2's (`service.engine.block_causal_batch`).
+eagerly, unpadded. Still eager: quantized later steps (LLaDA2's too). LLaDA2's full-precision later steps are
+graphed with the same pool and keys (:meth:`LaterSteps.keyed`; their bucketing and gather:
+`service.engine.block_causal_graphs`).
 
 **What graphing the quantized later steps needs** (KIVI and dLLM-KVQ on the fused path,
 `service.quant.kernels.attention.fused_reuse_attention_stores`). Today its operands are made per step on the
@@ -211,6 +213,41 @@ class LaterSteps:
             found.graph.replay()
             self.replays += 1
         return found.logits[:rows], found.inputs["input_ids"][:rows].gather(1, at), listed
+
+    def keyed(self, model: DiffusionLM, shape: tuple, inputs: dict, logits_at: torch.Tensor, rows: int,
+              ) -> torch.Tensor:
+        """A forward at ``shape``'s shapes over the pool, replayed from a graph keyed by ``shape`` and the pool's
+        generation, with the warm-up and capture of :meth:`_replayed` (LLaDA2's later steps,
+        `service.engine.block_causal_graphs`): ``inputs`` are the model's keyword arguments, every tensor (and
+        every tensor an object's ``graph_inputs()`` names) an input a replay refreshes; the logits of the first
+        ``rows`` rows come back (the graph's own buffer, valid until its next replay)."""
+        self._drop_stale()
+        key = (shape, self.pool.generation)
+        found = self._graphs.get(key)
+        if found is None:
+            if shape not in self._seen or self.bytes_held >= self.max_bytes:
+                self._seen.add(shape)  # a shape's first forward: the eager warm-up
+                self.eager += 1
+                return model(**inputs, logits_at=logits_at)[:rows]
+            graph, logits, held = self._record(model, inputs, logits_at)
+            graph.replay()  # the capture records without running: this step's values
+            self.captures += 1
+            found = self._graphs[key] = _Graph(graph, inputs, logits_at, logits, held, ())
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+            return found.logits[:rows]
+        self._graphs.move_to_end(key)
+        for name, value in inputs.items():
+            held = found.inputs[name]
+            if isinstance(value, torch.Tensor):
+                held.copy_(value)
+            elif hasattr(value, "graph_inputs"):
+                for mine, fresh in zip(held.graph_inputs(), value.graph_inputs()):
+                    mine.copy_(fresh)
+        found.logits_at.copy_(logits_at)
+        found.graph.replay()
+        self.replays += 1
+        return found.logits[:rows]
 
     @staticmethod
     def _at(group: list[Pass], device) -> torch.Tensor:
