@@ -80,8 +80,7 @@ class Recording(EagerGraphs):
 
     def __call__(self, model, group, pad_id, columns=None):
         before = self.captures + self.replays + self.eager
-        pooled = graphable(group, self.pool) if self.pool.packed is not None or all(
-            p.hook is None for p in group) else False
+        pooled = graphable(group, self.pool)
         out = super().__call__(model, group, pad_id, columns)
         if pooled and self.captures + self.replays + self.eager > before:
             # the runs themselves (ids stay unique): a full-precision store's, a quantized store's packed runs
@@ -92,9 +91,6 @@ class Recording(EagerGraphs):
             self.ungraphable += 1
         return out
 
-    @property
-    def generation(self):
-        return (self.pool.generation, self.pool.packed.generation if self.pool.packed is not None else 0)
 
 
 def store_of(engine: Engine, method: str):

@@ -117,7 +117,8 @@ def graphable(group: list[Pass], pool: KVPool | None) -> bool:
            for p in group):
         return True
     stores = [p.cohort.store for p in group]
-    if not all(getattr(s, "pooled_in", None) is not None and s.pooled_in(pool.packed) for s in stores):
+    if pool.packed is None or not all(getattr(s, "pooled_in", None) is not None and s.pooled_in(pool.packed)
+                                      for s in stores):
         return False
     device = group[0].input_ids.device
     key = stores[0].batch_key(0, device)
@@ -178,18 +179,19 @@ class LaterSteps:
     def unused_bytes(self) -> int:
         """Bytes the pools hold beyond their live runs (freed runs' space, module doc "Memory"; 0 without a
         pool): what admission counts beside the running requests' costs."""
-        if self.pool is None:
-            return 0
-        pools = (self.pool, self.pool.packed)
-        return sum(p.bytes_held - p.live_bytes for p in pools)
+        return sum(p.bytes_held - p.live_bytes for p in self._pools())
+
+    def _pools(self) -> list:
+        """The K/V pool and its packed pool, those there are (none without ``capture``)."""
+        return [p for p in (self.pool, getattr(self.pool, "packed", None)) if p is not None]
 
     def __call__(self, model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if group[0].kind != "window" or group[0].layers is not None:
             return run_forward(model, group, pad_id, columns)
         if self.pool is not None:  # between forwards: give back what freed runs left (module doc, "Memory")
-            self.pool.shrink()
-            self.pool.packed.shrink()
+            for pool in self._pools():
+                pool.shrink()
         bucket = bucket_of(group, self.key_step, self.width_step)
         capturing = self.capture and self._can_capture(group[0].input_ids.device)
         if not (capturing and graphable(group, self.pool)):
@@ -207,7 +209,8 @@ class LaterSteps:
     @property
     def generation(self) -> tuple[int, int]:
         """The pools' generations (K/V, packed): a graph reads the buffers of its own."""
-        return self.pool.generation, self.pool.packed.generation
+        packed = self.pool.packed
+        return self.pool.generation, packed.generation if packed is not None else 0
 
     def _drop_stale(self) -> None:
         """Forget the graphs captured over the pools' buffers before they were made anew (module doc)."""
