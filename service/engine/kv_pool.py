@@ -70,7 +70,7 @@ class KVPool:
             without being asked for more; None: no limit.
 
     Attributes:
-        generation: changes whenever the buffers are made anew (grown); graphs read the buffers of theirs.
+        generation: changes whenever the buffers are made anew (grown or shrunk); graphs read the buffers of theirs.
         moves: runs moved down to close gaps (a copy of each moved run in every layer).
     """
 
