@@ -202,7 +202,7 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
         # The graphs' K/V pool holds each running request's full-precision K/V as admission counts them; its
         # buffers grow unasked only up to the KV bytes the budget admits beside the forward reserve.
         runner.pool.max_tokens = max(1, (budget - forward) // memory.full_precision_bytes_per_token)
-        telemetry.kv_pool_bytes.set_function(lambda: runner.pool.bytes_held)
+        telemetry.kv_pool_bytes.set_function(lambda: runner.pool.bytes_held + runner.pool.packed.bytes_held)
     max_work = settings.max_request_work or default_max_work(engine.spec.max_length)
     refuse_contradictions(settings, engine, memory, budget, forward, max_work)
     # The prefix cache across requests (`service.engine.prefix_cache`): the engine's block-causal batches read and
@@ -220,12 +220,17 @@ def make_worker(settings: Settings, engine: EngineLike, kv_store_factory, teleme
     engine.prefix_cache = prefix_cache
     if prefix_cache is not None:
         telemetry.watch_prefix_cache(prefix_cache)
-    return Worker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
-                  max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens, forward_bytes=forward,
-                  backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
-                  shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
-                  max_work=max_work, max_preemptions=settings.max_preemptions,
-                  layer_split_tokens=settings.layer_split_tokens, prefix_cache=prefix_cache)
+    worker = Worker(engine, kv_store_factory, telemetry, memory, budget, max_rows=settings.max_batch_size,
+                    max_queue=settings.max_queue, max_batched_tokens=settings.max_batched_tokens,
+                    forward_bytes=forward, backfill_s=settings.backfill_s, retry_after_s=settings.retry_after_s,
+                    shadow_rate=settings.shadow_rate, shadow_queue=settings.shadow_queue,
+                    max_work=max_work, max_preemptions=settings.max_preemptions,
+                    layer_split_tokens=settings.layer_split_tokens, prefix_cache=prefix_cache)
+    if runner is not None:
+        # What the graphs' pools hold past their live runs (freed runs' space, until they shrink) is memory the
+        # running requests' costs do not count: admission counts it beside them.
+        worker.pool_slack = lambda: runner.unused_bytes
+    return worker
 
 
 def default_request_bytes(settings: Settings, engine: EngineLike, memory: MemoryModel, forward: int) -> tuple[int, int]:

@@ -141,10 +141,12 @@ class Telemetry:
                                registry=r)
         self.cuda_graph_bytes = Gauge("dllm_cuda_graph_bytes", "GPU memory held by the later steps' CUDA graphs "
                                       "(reserved out of the KV budget up to DLLM_CUDA_GRAPH_BYTES)", registry=r)
-        self.kv_pool_bytes = Gauge("dllm_kv_pool_bytes", "GPU memory of the K/V pool the CUDA graphs read (the "
-                                   "running requests' full-precision K/V, counted in dllm_kv_bytes_reserved, and "
-                                   "what the pool kept of those that left)", registry=r)
-        self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest)",
+        self.kv_pool_bytes = Gauge("dllm_kv_pool_bytes", "GPU memory of the pools the CUDA graphs read (the "
+                                   "running requests' full-precision K/V and packed quantized K/V, counted in "
+                                   "dllm_kv_bytes_reserved, and what the pools kept of those that left, counted there "
+                                   "too)", registry=r)
+        self.kv_reserved = Gauge("dllm_kv_bytes_reserved", "KV bytes reserved by running rows (at their longest), "
+                                 "plus what the CUDA graphs' pools hold beyond their live runs",
                                  registry=r)
         # vLLM's name for the same fraction (``vllm:kv_cache_usage_perc``, 0-1 despite the suffix): what an llm-d
         # endpoint picker reads to score replicas by KV-cache use (docs/deployment.md, deploy/llm-d/).

@@ -19,7 +19,8 @@ K/V in :attr:`LaterSteps.pool` (`service.engine.kv_pool`: per layer one K and on
 them, laid out as its own buffer was), and a graphed forward gathers its rows from those buffers by an index it
 makes from an input tensor, each row's ``(start, T + 1)`` (`service.engine.kv_pool.PooledReuse`). So nothing a
 graph reads depends on which requests run: a graph is keyed by its shape (bucket and LM-head columns) and the
-pool's :attr:`~service.engine.kv_pool.KVPool.generation` (which changes only when the pool's buffers grow), and a
+pool's :attr:`~service.engine.kv_pool.KVPool.generation` (which changes only when the pool's buffers are made
+anew: grown, or shrunk, "Memory"), and a
 batch whose requests join and leave replays the graphs it has. Why a gather by index and not rows kept in the
 first slots: the rows of one forward are the plan's passes in the plan's order (`service.runtime.scheduler`), and
 several forwards read one pool in an iteration; an index costs one ``index_select`` per layer and tensor, the copy
@@ -32,38 +33,45 @@ the next forward of a key is captured and every later one replays (one eager for
 warm-up; a capture is one forward recorded and run once). The graph's persistent inputs are the forward's own
 tensors of the capture (ids, positions, key mask, the window's destination columns, the rows' runs, the LM head's
 columns): each replay copies the step's values into them; its outputs (the logits) are the graph's own buffer,
-read by the reveal before the next replay. A group that reads anything else (a quantized store, whose
-dequantization or fused kernel reads buffers of its own; a store of some rows only, ``Pass.selection``) runs
-eagerly, unpadded. Still eager: quantized later steps (LLaDA2's too). LLaDA2's full-precision later steps are
-graphed with the same pool and keys (:meth:`LaterSteps.keyed`; their bucketing and gather:
-`service.engine.block_causal_graphs`).
+read by the reveal before the next replay. A group that reads anything else (a store of some rows only,
+``Pass.selection``; quantized stores of several batch keys, or beside full-precision ones; a quantized store
+whose layers are not pooled: KVQuant, a PyTorch-path store) runs eagerly, unpadded. LLaDA2's full-precision later
+steps are graphed with the same pool and keys (:meth:`LaterSteps.keyed`; their bucketing and gather:
+`service.engine.block_causal_graphs`); its quantized ones stay eager.
 
-**What graphing the quantized later steps needs** (KIVI and dLLM-KVQ on the fused path,
-`service.quant.kernels.attention.fused_reuse_attention_stores`). Today its operands are made per step on the
-host side of the graph: `service.quant.kernels.parts.stores_side_by_side` concatenates the stores' code streams
-and statistics into new tensors at every later step, and its slot maps (``slot_of``, ``group_of_slot``,
-``k_row``) and part table (``info``: each store's first slot, first K group, first protected row, byte offsets
-of its K and V streams) are kept per set of stores, so their addresses change with the set. To graph it: (1)
-one pool per packed tensor name and layer (the K and V code streams in int32 words, the K statistics per group,
-V's per slot, dLLM-KVQ's protected K rows), each store a run sized by its layout at its block-initial write (a
-new run when its sizes change: prefix mode's reused length grows block by block); (2) the part table's offsets
-made from the runs' starts, an int32 input ``[R, PART_INFO]`` copied in before the replay (as the rows' ``where``
-here), with the kernel reading the pools' buffers instead of the concatenation; (3) the slot maps pooled the
-same way (their lengths are the reused lengths, per row) and padded rows given an empty part (reused length 0);
-(4) the launch's ``longest`` and window width from the bucket, not from the set. The kernel's indices stay
-local to each part, so the values read are the ones it reads now.
+**Quantized later steps: the packed pool.** KIVI's and dLLM-KVQ's stores on the fused kernel's path (one launch
+per layer for all their rows, `service.quant.kernels.attention`) read packed tensors of their own, which eagerly
+are concatenated at every later step (`service.quant.kernels.parts.stores_side_by_side`): addresses that change
+with the set of stores. With capture on they hold them in :attr:`KVPool.packed`
+(`service.engine.packed_pool`): one buffer per packed tensor name and layer (the K and V code streams in int32
+words, K's statistics per group, V's per slot, dLLM-KVQ's protected K rows and ``k_row``, the block's
+``group_of_slot`` and ``slot_of``), each store a run sized by its layout at its block-initial write (a new block
+takes new runs: prefix mode's reused length grows block by block), and what the store holds are views of its
+runs, so its eager paths read the same values. A graphed forward of such stores attends through
+`service.engine.packed_pool.PooledPacked`: per layer one launch over the pool's buffers, each row's part of the
+kernel's table (its window width, reused length, first slot, K group and protected row, the byte offsets of its
+K and V streams: the runs' starts) an int32 input ``[L, R, PART_INFO]`` and each row's first ``slot_of`` entry an
+int32 input ``[R]``, both copied in before the replay; a padded row is an empty part (width 1, reused length 0);
+the launch's window width and tile length are the bucket's. The kernel's indices stay local to each part, so the
+values read are the ones the eager launch reads. So such a graph too is keyed by its shape and the pools'
+generations (:attr:`LaterSteps.generation`).
 
 **Memory.** Each graph keeps a private memory pool (the forward's intermediates at the bucket's shapes);
 :attr:`LaterSteps.bytes_held` is their sum (CUDA's reserved bytes before and after each capture), which the
 server reserves out of its KV budget (``DLLM_CUDA_GRAPH_BYTES``) and reports. At most ``max_graphs`` graphs are
 kept (least recently used first out), and none is captured past ``max_bytes``. The K/V pool holds exactly the runs
 admission counted for its requests, its buffers at most ``max_tokens`` tokens unless admission asks for more
-(`service.engine.kv_pool`, "Memory").
+(`service.engine.kv_pool`, "Memory"); the packed pool's runs hold the stores' packed tensors (what admission
+measured for their configuration) and the kernel's int32 maps (`service.engine.packed_pool`, "Memory"). Before
+each window forward both pools shrink when their live runs fill less than a quarter of them
+(:meth:`KVPool.shrink`, :meth:`~service.engine.packed_pool.PackedPool.shrink`: a new generation), and what they
+hold past their live runs (:attr:`LaterSteps.unused_bytes`) admission counts beside the running requests
+(`service.runtime.loop.Worker`, ``pool_slack``).
 
 **On the CPU** (or with capture off) :class:`LaterSteps` runs the same padding eagerly, with no pool: the tests
 prove that the bucketed, padded forward gives the tokens of the unpadded one (`tests/engine/test_graphs.py`), and
 :class:`EagerGraphs` runs the pooled, captured path with a stand-in for each graph, so its keys are counted on the
-CPU (`benchmarks/graph_keys.py`).
+CPU (`benchmarks/graph_keys.py`; quantized stores under Triton's interpreter, `tests/engine/test_packed_pool.py`).
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ from service.engine.batch import Bucket, _inputs, run_forward
 from service.engine.decode import Pass
 from service.engine.kv_pool import KVPool
 from service.engine.models import DiffusionLM
+from service.engine.packed_pool import PackedPool
 
 #: Row counts a later-step forward is padded up to (the largest: rows beyond it run at their own count).
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -100,10 +109,21 @@ def bucket_of(group: list[Pass], key_step: int = 256, width_step: int = 32) -> B
 
 def graphable(group: list[Pass], pool: KVPool | None) -> bool:
     """Whether a captured graph can run ``group``: a window group over every layer whose every pass reads all the
-    rows of a store that holds them in ``pool`` (module doc)."""
-    return pool is not None and group[0].kind == "window" and group[0].layers is None and all(
-        p.hook is None and p.selection is None and getattr(p.cohort.store, "pool", None) is pool
-        and p.cohort.store.run is not None for p in group)
+    rows of a store held in ``pool``: full-precision stores in its runs, or quantized stores of one fused batch key
+    in its packed pool (module doc)."""
+    if pool is None or group[0].kind != "window" or group[0].layers is not None or any(
+            p.selection is not None for p in group):
+        return False
+    if all(p.hook is None and getattr(p.cohort.store, "pool", None) is pool and p.cohort.store.run is not None
+           for p in group):
+        return True
+    stores = [p.cohort.store for p in group]
+    if pool.packed is None or not all(getattr(s, "pooled_in", None) is not None and s.pooled_in(pool.packed)
+                                      for s in stores):
+        return False
+    device = group[0].input_ids.device
+    key = stores[0].batch_key(0, device)
+    return key is not None and all(s.batch_key(0, device) == key for s in stores[1:])
 
 
 @dataclass
@@ -132,7 +152,8 @@ class LaterSteps:
         max_tokens: the tokens the pool's buffers grow to unasked (`service.engine.kv_pool.KVPool`; None: no limit).
 
     Attributes:
-        pool: the K/V pool of the batches' full-precision stores (None without ``capture``).
+        pool: the K/V pool of the batches' full-precision stores, its ``packed`` pool the quantized stores' (None
+            without ``capture``).
         captures, replays, eager: counts of forwards captured, replayed, run eagerly (padded or not).
     """
 
@@ -144,6 +165,8 @@ class LaterSteps:
         self.capture, self.key_step, self.width_step = capture, key_step, width_step
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self.pool = KVPool(max_tokens) if capture else None
+        if self.pool is not None:
+            self.pool.packed = PackedPool()
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: set[tuple] = set()
         self.captures = self.replays = self.eager = 0
@@ -153,10 +176,23 @@ class LaterSteps:
         """Bytes the kept graphs' memory pools hold (CUDA's reserved bytes each capture added)."""
         return sum(g.bytes for g in self._graphs.values())
 
+    @property
+    def unused_bytes(self) -> int:
+        """Bytes the pools hold beyond their live runs (freed runs' space, module doc "Memory"; 0 without a
+        pool): what admission counts beside the running requests' costs."""
+        return sum(p.bytes_held - p.live_bytes for p in self._pools())
+
+    def _pools(self) -> list:
+        """The K/V pool and its packed pool, those there are (none without ``capture``)."""
+        return [p for p in (self.pool, getattr(self.pool, "packed", None)) if p is not None]
+
     def __call__(self, model: DiffusionLM, group: list[Pass], pad_id: int, columns: list[list[int]] | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if group[0].kind != "window" or group[0].layers is not None:
             return run_forward(model, group, pad_id, columns)
+        if self.pool is not None:  # between forwards: give back what freed runs left (module doc, "Memory")
+            for pool in self._pools():
+                pool.shrink()
         bucket = bucket_of(group, self.key_step, self.width_step)
         capturing = self.capture and self._can_capture(group[0].input_ids.device)
         if not (capturing and graphable(group, self.pool)):
@@ -171,9 +207,15 @@ class LaterSteps:
         """Whether forwards on ``device`` can be captured (CUDA)."""
         return device.type == "cuda"
 
+    @property
+    def generation(self) -> tuple[int, int]:
+        """The pools' generations (K/V, packed): a graph reads the buffers of its own."""
+        packed = self.pool.packed
+        return self.pool.generation, packed.generation if packed is not None else 0
+
     def _drop_stale(self) -> None:
-        """Forget the graphs captured over the pool's buffers before they grew (module doc)."""
-        for key in [k for k in self._graphs if k[1] != self.pool.generation]:
+        """Forget the graphs captured over the pools' buffers before they were made anew (module doc)."""
+        for key in [k for k in self._graphs if k[1] != self.generation]:
             del self._graphs[key]
         if len(self._seen) > 4 * self.max_graphs:
             self._seen.clear()
@@ -185,7 +227,7 @@ class LaterSteps:
         head_at, listed = self._head_columns(group, at, columns)
         rows = at.shape[0]
         shape = (bucket, head_at.shape[1])
-        key = (shape, self.pool.generation)
+        key = (shape, self.generation)
         found = self._graphs.get(key)
         if found is None:
             inputs = _inputs(model, group, pad_id, bucket, self.pool)
@@ -206,9 +248,8 @@ class LaterSteps:
             fresh = _inputs(model, group, pad_id, bucket, self.pool)
             for name in ("input_ids", "positions", "key_mask"):
                 found.inputs[name].copy_(fresh[name])
-            hook, fresh_hook = found.inputs["kv_hook"], fresh["kv_hook"]
-            hook.dest.copy_(fresh_hook.dest)
-            hook.where.copy_(fresh_hook.where)
+            for held, new in zip(found.inputs["kv_hook"].inputs(), fresh["kv_hook"].inputs()):
+                held.copy_(new)
             found.logits_at[:rows].copy_(head_at)
             found.graph.replay()
             self.replays += 1
@@ -216,13 +257,13 @@ class LaterSteps:
 
     def keyed(self, model: DiffusionLM, shape: tuple, inputs: dict, logits_at: torch.Tensor, rows: int,
               ) -> torch.Tensor:
-        """A forward at ``shape``'s shapes over the pool, replayed from a graph keyed by ``shape`` and the pool's
-        generation, with the warm-up and capture of :meth:`_replayed` (LLaDA2's later steps,
+        """A forward at ``shape``'s shapes over the pool, replayed from a graph keyed by ``shape`` and the pools'
+        generations, with the warm-up and capture of :meth:`_replayed` (LLaDA2's later steps,
         `service.engine.block_causal_graphs`): ``inputs`` are the model's keyword arguments, every tensor (and
         every tensor an object's ``graph_inputs()`` names) an input a replay refreshes; the logits of the first
         ``rows`` rows come back (the graph's own buffer, valid until its next replay)."""
         self._drop_stale()
-        key = (shape, self.pool.generation)
+        key = (shape, self.generation)
         found = self._graphs.get(key)
         if found is None:
             if shape not in self._seen or self.bytes_held >= self.max_bytes:

@@ -25,13 +25,16 @@ runs move down, in place (same buffers: a graph stays valid, it reads the runs' 
 moved runs per layer, counted in :attr:`KVPool.moves`). When too few are free the buffers grow (new buffers:
 :attr:`KVPool.generation` changes and graphs captured over the old ones are dropped): to twice their vectors, or
 what is needed when more, but not past ``max_tokens`` (the admission budget's KV tokens, `service.main`) unless
-what is needed is more (admission decided it fits). Freed runs keep their vectors: the buffers never shrink.
+what is needed is more (admission decided it fits). Freed runs keep their vectors until the live runs fill less
+than a quarter of the buffers: then :meth:`KVPool.shrink` (called by `service.engine.graphs.LaterSteps` between
+forwards) makes them anew at twice the live runs' size (a new generation, as a growth).
 
 **Memory.** A run holds exactly what admission counts for the request (`service.runtime.memory.MemoryModel.cost`:
 ``2 x layers x H_kv x D x element size`` per token over ``seq_len + 1`` tokens per row), so the live runs are the
 KV bytes the budget admitted, counted once. The buffers' unused vectors (:attr:`KVPool.bytes_held` minus
 :attr:`KVPool.live_bytes`) are what an earlier peak of running requests took, at most ``max_tokens``' worth in
-all. A growth holds the old buffers beside the new ones (up to twice as large) while it copies them: for that
+all and (after a shrink) at most three times the live runs; admission counts them beside the running requests
+(`service.runtime.loop.Worker`, ``pool_slack``: `service.engine.graphs.LaterSteps.unused_bytes`). A growth holds the old buffers beside the new ones (up to twice as large) while it copies them: for that
 moment up to three times the old buffers, a transient the budget does not count (the doubling keeps growths to a
 few, all while the load ramps up).
 """
@@ -67,7 +70,7 @@ class KVPool:
             without being asked for more; None: no limit.
 
     Attributes:
-        generation: changes whenever the buffers are made anew (grown); graphs read the buffers of theirs.
+        generation: changes whenever the buffers are made anew (grown or shrunk); graphs read the buffers of theirs.
         moves: runs moved down to close gaps (a copy of each moved run in every layer).
     """
 
@@ -81,6 +84,9 @@ class KVPool:
         self._runs: list[PoolRun] = []  # live, by start
         self.capacity = 0  # vectors per buffer
         self.generation = self.moves = 0
+        #: The quantized stores' packed pool beside (`service.engine.packed_pool.PackedPool`; set by
+        #: `service.engine.graphs.LaterSteps`), or None.
+        self.packed = None
 
     def takes(self, k: torch.Tensor) -> bool:
         """Whether K/V like ``k`` (``[B, H_kv, T, D]``) can live here: the first store's heads, head dim, dtype and
@@ -137,6 +143,18 @@ class KVPool:
     def free(self, run: PoolRun) -> None:
         """Give ``run``'s vectors back (its store holds nothing any more)."""
         self._runs = [r for r in self._runs if r is not run]
+
+    def shrink(self, below: float = 0.25) -> bool:
+        """Make the buffers anew at twice the live runs' vectors when those fill less than ``below`` of them
+        (module doc, "Memory"; :attr:`generation` changes); whether they were. Call between forwards: the stores
+        read their runs' views anew at each use."""
+        if self._kind is None or self.capacity <= self._kind[0]:
+            return False
+        live = sum(run.size for run in self._runs)
+        if live >= below * (self.capacity - self._kind[0]):
+            return False
+        self._relayout(self._kind[0] + 2 * live)
+        return True
 
     def _first_fit(self, size: int) -> int | None:
         cursor = self._kind[0]  # after the null row
@@ -214,6 +232,10 @@ class PooledReuse:
     def __init__(self, pool: KVPool, where: torch.Tensor, dest: torch.Tensor, key_len: int) -> None:
         self.pool, self.where, self.dest, self.key_len = pool, where, dest, key_len
         self._index = self._flat = None
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The tensors a replay copies the step's values into."""
+        return [self.where, self.dest]
 
     def __call__(self, layer, q, k_pre, k, v):
         r, h, _, d = k.shape

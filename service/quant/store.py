@@ -127,6 +127,10 @@ class QuantizedKVStore(KVStore):
         self._committed: dict[int, CommittedBlocks] = {}
         # The stacked write this store's block was written in with other requests' stores (`write_batch`), or None.
         self._stack: _Stack | None = None
+        # The packed pool a captured later step reads (`use_pool`, `service.engine.packed_pool`), and this block's
+        # runs there (None: its layers are held in tensors of its own).
+        self.pool = None
+        self.packed_runs = None
 
     def write(self, layer, k, v, segments, scores=None) -> None:
         """`KVStore.write`: quantize the layer (`KVQuantizer.quantize`). Inside a running batch's iteration
@@ -140,6 +144,40 @@ class QuantizedKVStore(KVStore):
             self._verdict = verdicts[0] if self._verdict is None else self._verdict & verdicts[0]
         self._packed[layer] = packed
         self.accounting.add(layer, packed)
+        self._pool_layer(layer, k.device)
+
+    def use_pool(self, pool) -> None:
+        """`KVStore.use_pool`: from the next block-initial write on, hold the packed layers in the pool's packed
+        pool (``pool.packed``, `service.engine.packed_pool`) when the later steps take the fused kernel's shared
+        launch (:meth:`batch_key` ``fused``: KIVI, dLLM-KVQ), so that a captured later step reads them; None:
+        tensors of its own."""
+        self.pool = pool.packed if pool is not None else None
+
+    def pooled_in(self, pool) -> bool:
+        """Whether every layer written in this block is held in ``pool`` (a `service.engine.packed_pool.PackedPool`)."""
+        return pool is not None and self.pool is pool and self.packed_runs is not None and bool(self._packed) and (
+            len(self.packed_runs.kept) == len(self._packed))
+
+    def _pool_layer(self, layer: int, device: torch.device) -> None:
+        """Copy the layer just written into this block's runs of the packed pool and hold views of them instead
+        (`service.engine.packed_pool.PackedRuns`): only on the fused path's shared launch, uncorrected or not."""
+        if self.pool is None or not (self.fused_rows and self._fused(device) and self.quantizer.quantizes_k
+                                     and self.quantizer.quantizes_v):
+            return
+        from service.engine.packed_pool import PackedRuns
+
+        if self.packed_runs is None:
+            self.packed_runs = PackedRuns(self.pool, self._layout, "protected_slots" in self._packed[layer].k.tensors)
+            self.pool.holders.append(self)
+        self.packed_runs.hold(layer, self._packed[layer])
+        self._packed[layer] = self.packed_runs.view(layer)
+        self._operands.pop(layer, None)
+
+    def repoint(self) -> None:
+        """The packed pool's buffers were made anew: hold views of the runs where they are now."""
+        for layer in self.packed_runs.kept:
+            self._packed[layer] = self.packed_runs.view(layer)
+        self._operands.clear()
 
     def write_key(self):
         """`KVStore.write_key`: the quantizer's (`KVQuantizer.write_key`: KIVI's and dLLM-KVQ's uniform formats, or
@@ -180,6 +218,7 @@ class QuantizedKVStore(KVStore):
             store._packed[layer] = part
             store._verdict = group.verdict
             store.accounting.add(layer, part)
+            store._pool_layer(layer, device)
 
     def take_checks(self) -> torch.Tensor | None:
         verdict, self._verdict = self._verdict, None
@@ -421,6 +460,10 @@ class QuantizedKVStore(KVStore):
             forget_set(self._maps)
         if self._layout is not None:
             forget_layout(self._layout)
+        if self.packed_runs is not None:
+            self.packed_runs.free()
+            self.pool.holders.remove(self)
+            self.packed_runs = None
         self._segments = None
         self._layout = None
         self._verdict = None

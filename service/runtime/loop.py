@@ -320,6 +320,9 @@ class Worker:
         self.telemetry = telemetry
         self.memory, self.budget_bytes = memory, budget_bytes
         self.prefix_cache = prefix_cache
+        #: Bytes the later steps' pools hold beyond their live runs (`service.engine.graphs.LaterSteps.unused_bytes`,
+        #: set by `service.main`): counted beside the running requests, as the prefix cache's blocks are.
+        self.pool_slack: Callable[[], int] = lambda: 0
         self.max_rows, self.max_queue = max_rows, max_queue
         self.max_batched_tokens, self.forward_bytes, self.backfill_s = max_batched_tokens, forward_bytes, backfill_s
         self._token_budget = DEFAULT_MAX_BATCHED_TOKENS if max_batched_tokens is None else max_batched_tokens
@@ -619,15 +622,15 @@ class Worker:
         recently used unreferenced blocks until ``running`` (the running requests and those joining) and the head
         of the queue ``head`` fit beside what it keeps (its blocks count in the budget; a referenced block, read by
         a running row, stays). Caller holds the lock; eviction is dictionary work, no device work."""
-        cache = self.prefix_cache
+        cache, budget = self.prefix_cache, self.budget_bytes - self.pool_slack()
         if cache is None:
-            return self.budget_bytes
+            return budget
         wanted = [*running, head] if head is not None else running
         transient = max([self.forward_bytes, *(c.transient for c in wanted)])
-        over = kv_held(wanted) + transient + cache.held_bytes - self.budget_bytes
+        over = kv_held(wanted) + transient + cache.held_bytes - budget
         if over > 0:
             cache.evict(over)
-        return self.budget_bytes - cache.held_bytes
+        return budget - cache.held_bytes
 
     def _preempt_for(self, head: Job, joining: list[Job]) -> bool:
         """Preempt the running jobs the rule names for ``head`` (`service.runtime.preemption.plan_preemption`):
@@ -644,6 +647,7 @@ class Worker:
                    for job in jobs]
         holders += [Holder(job.cost, 0.0, 0, False, False) for job in joining]
         budget = self.budget_bytes - (self.prefix_cache.held_bytes if self.prefix_cache is not None else 0)
+        budget -= self.pool_slack()
         victims = [jobs[i] for i in plan_preemption(head.cost, holders, budget, self.forward_bytes,
                                                     self.max_preemptions)]
         place = self._queue.index(head) + 1
@@ -850,7 +854,7 @@ class Worker:
         for job in self._running.values():
             job.peak_rows = max(job.peak_rows, len(self._running))
         self.telemetry.running.set(len(self._running))
-        reserved = kv_held([job.cost for job in self._running.values()])
+        reserved = kv_held([job.cost for job in self._running.values()]) + self.pool_slack()
         self.telemetry.kv_reserved.set(reserved)
         self.telemetry.kv_usage.set(min(1.0, reserved / self.budget_bytes))
 

@@ -63,6 +63,24 @@ def test_runs_keep_their_contents_through_first_fit_moves_and_growth():
     assert pool.bytes_held == 2 * 2 * pool.capacity * D * 4
 
 
+def test_the_buffers_shrink_once_the_live_runs_fill_less_than_a_quarter():
+    """Freed runs' vectors stay until the live runs fill less than a quarter of the buffers; then the buffers are
+    made anew at twice the live size (a new generation), the live runs' contents kept, the null row zeros."""
+    pool = KVPool()
+    pool.takes(_kv(1, 1, 0))
+    assert not pool.shrink()  # nothing made yet
+    runs = [_filled(pool, 1, 8, 10 * i) for i in range(4)]
+    for run, _ in runs[1:3]:
+        pool.free(run)
+    generation, held = pool.generation, pool.bytes_held
+    assert not pool.shrink() and pool.generation == generation  # half of it still live
+    pool.free(runs[3][0])
+    assert pool.shrink() and pool.generation == generation + 1
+    assert pool.capacity == H + 2 * runs[0][0].size and pool.bytes_held < held / 2
+    assert _holds(pool, *runs[0]) and runs[0][0].start == H
+    assert not pool.buffers(0)[0][:H].any() and not pool.shrink()
+
+
 def test_growth_stops_at_max_tokens_unless_more_is_needed():
     pool = KVPool(max_tokens=10)
     pool.takes(_kv(1, 1, 0))

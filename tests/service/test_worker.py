@@ -139,3 +139,16 @@ def test_the_prefix_cache_counts_in_the_budget_and_gives_way_before_a_request_wa
     assert stats.evicted_bytes == budget // 8 and first not in cache, "the least recently used block, only"
     assert cache.held_bytes == 7 * budget // 8
     worker.stop()
+
+
+def test_what_the_graphs_pools_hold_past_their_live_runs_counts_in_the_budget_and_the_reserved_gauge():
+    """The pools of the CUDA graphs (`service.engine.graphs.LaterSteps.unused_bytes`) keep freed runs' space until
+    they shrink: admission sees that much less budget, and dllm_kv_bytes_reserved includes it."""
+    engine = FakeEngine()
+    budget = 1 << 24
+    worker = Worker(engine, lambda snap: None, Telemetry(), MemoryModel.for_engine(engine), budget)
+    assert worker._budget_beside_cache([], None) == budget
+    worker.pool_slack = lambda: budget // 4
+    assert worker._budget_beside_cache([], None) == budget - budget // 4
+    worker._publish()
+    assert worker.telemetry.registry.get_sample_value("dllm_kv_bytes_reserved") == budget // 4

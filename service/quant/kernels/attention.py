@@ -416,10 +416,13 @@ def _check(q: torch.Tensor) -> None:
 
 
 def _launch(q, k_fresh, v_fresh, ops: KernelOperands, slot_of, group_of_slot, rows, part_of_row, info, tw: int,
-            tr: int, k_m: int, v_m: int, positions, inv_freq, rope_full_precision: bool, key_bias: bool
-            ) -> torch.Tensor:
+            tr: int, k_m: int, v_m: int, positions, inv_freq, rope_full_precision: bool, key_bias: bool,
+            tile: int | None = None) -> torch.Tensor:
     """The kernel's one launch: one program per (tile of queries, query row, head). ``part_of_row`` and ``info``
-    (several stores, `service.quant.kernels.parts`) or None (one store, ``k_m``/``v_m`` its streams' bytes)."""
+    (several stores, `service.quant.kernels.parts`) or None (one store, ``k_m``/``v_m`` its streams' bytes).
+    ``tr`` is ``slot_of``'s row stride (the reused length); ``tile`` the reused length the interpreter's tiles are
+    chosen for (None: ``tr``; a pooled launch, `service.engine.packed_pool.PooledPacked`, passes a stride of 1 and
+    its bucket's length)."""
     b, h, tq, d = q.shape
     hkv = k_fresh.shape[1]
     q, k_fresh, v_fresh = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_fresh, v_fresh))
@@ -433,7 +436,7 @@ def _launch(q, k_fresh, v_fresh, ops: KernelOperands, slot_of, group_of_slot, ro
     block_t = BLOCK_T
     if q.device.type != "cuda":
         block_q = max(16, triton.next_power_of_2(tq))
-        block_t = min(INTERPRETER_BLOCK_T, max(16, triton.next_power_of_2(max(tr, tw))))
+        block_t = min(INTERPRETER_BLOCK_T, max(16, triton.next_power_of_2(max(tr if tile is None else tile, tw))))
     grid = (triton.cdiv(tq, block_q), b * h)
     _fused_reuse_attention[grid](
         out, q, k_fresh, v_fresh, rows, part_of_row if multi else rows, info if multi else rows,

@@ -15,7 +15,8 @@ concatenated maps (they change only when a store starts a block, which gives it 
 rows and parts, and the tables (per tuple of layer shapes: layers of one block mostly share one). Not kept: the
 concatenated codes and statistics of a layer; holding them for the block would double the set's packed cache
 outside admission, so they are concatenated at every later step (a few copies per layer, as the pooled PyTorch
-read `service.quant.rows` makes).
+read `service.quant.rows` makes). A graphed later step reads none of this: with CUDA graphs on, the stores hold
+their layers in one pool whose runs' starts make the table (`service.engine.packed_pool`), no concatenation.
 """
 
 from __future__ import annotations
