@@ -55,12 +55,13 @@ class PackedTensor:
     Attributes:
         tensors: everything held, by name (packed code words, scales, minima, protected values, indices ...).
         elements: how many K (or V) entries it stands for: real reused tokens x H x D.
-        nominal_bitsum: sum of the nominal bits of those entries (b per code, 16 per protected/outlier entry).
+        nominal_bitsum: sum of the nominal bits of those entries (b per code, 16 per protected/outlier entry); a
+            :class:`DeviceBits` where the entries at 16 bits are counted on the device.
     """
 
     tensors: dict[str, torch.Tensor]
     elements: int
-    nominal_bitsum: float
+    nominal_bitsum: float | DeviceBits
 
     @property
     def nbytes(self) -> int:
@@ -68,11 +69,66 @@ class PackedTensor:
 
     @property
     def nominal_bits(self) -> float:
-        return self.nominal_bitsum / self.elements if self.elements else 0.0
+        return float(self.nominal_bitsum) / self.elements if self.elements else 0.0
 
     @property
     def storage_bits(self) -> float:
         return self.nbytes * 8 / self.elements if self.elements else 0.0
+
+
+class DeviceBits:
+    """A nominal bit sum part of which is counted on the device (KVQuant's outliers: the write holds their per-token
+    counts and reads nothing, `service.quant.kvquant`): ``host`` bits plus, per part ``(counts, start, end,
+    factor)``, ``factor x counts[start:end].sum()``. Sums with numbers and other :class:`DeviceBits` stay unread;
+    ``float()`` (a report, `service.quant.accounting.KVAccounting.report`) reads the counts, and
+    :func:`read_bits` reads those of many sums with one host read."""
+
+    __slots__ = ("_value", "host", "parts")
+
+    def __init__(self, host: float, parts: tuple = ()) -> None:
+        self.host, self.parts, self._value = float(host), parts, None
+
+    def rows(self, start: int, end: int, host: float) -> DeviceBits:
+        """The sum of ``counts[start:end]`` of this one-part sum's counts, with ``host`` bits (a member's rows)."""
+        (counts, _, _, factor), = self.parts
+        return DeviceBits(host, ((counts, start, end, factor),))
+
+    def __add__(self, other):
+        if isinstance(other, DeviceBits):
+            return DeviceBits(self.host + other.host, self.parts + other.parts)
+        return DeviceBits(self.host + other, self.parts)
+
+    __radd__ = __add__
+
+    def __float__(self) -> float:
+        if self._value is None:
+            read_bits([self])
+        return self._value
+
+    def __truediv__(self, other) -> float:
+        return float(self) / other
+
+    def __eq__(self, other) -> bool:
+        return float(self) == float(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def read_bits(sums: list) -> None:
+    """Read the device counts of every :class:`DeviceBits` in ``sums`` (others are skipped) with one host read."""
+    pending = [x for x in sums if isinstance(x, DeviceBits) and x._value is None]
+    held: dict[int, torch.Tensor] = {}
+    for x in pending:
+        for counts, *_ in x.parts:
+            held.setdefault(id(counts), counts)
+    if held:
+        flat = torch.cat([t.reshape(-1).to(torch.int64).cpu() for t in held.values()]).tolist()
+        at, first = {}, 0
+        for key, t in held.items():
+            at[key], first = first, first + t.numel()
+    for x in pending:
+        x._value = x.host + sum(factor * sum(flat[at[id(c)] + start : at[id(c)] + end])
+                                for c, start, end, factor in x.parts)
 
 
 @dataclass(eq=False)
