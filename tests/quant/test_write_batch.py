@@ -2,7 +2,6 @@
 store holds, bit for bit, what its own `write` holds (codes, statistics, protected tokens, counts), whatever the
 rows' lengths; stores that may not write together (KVQuant, other formats) say so."""
 
-import itertools
 
 import pytest
 import torch
