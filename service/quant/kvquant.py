@@ -7,9 +7,9 @@ reading); sparse outlier handling is on with sparsity threshold 0.99; first_few_
 grouped-query attention needs nothing special and no statistic crosses a row (no token groups at all).
 
 Held per layer: the b-bit codes of every entry (outliers included, their code is unused, as in KVQuant's dense
-matrix), the outliers in fixed-capacity rows (:func:`row_outliers`: per token ``cap`` column indices, int16 where
-``H x D`` fits, -1 past its outliers, and ``cap`` model-dtype values), and for V the float32 offset and half range
-of each token. ``cap`` is known on the host from the shape and the sparsity threshold (:func:`default_caps`), so a
+matrix), the outliers in fixed-capacity rows (:func:`row_outliers`: per token ``cap`` column indices, the
+smallest integer type that holds ``H x D``, -1 past its outliers, and ``cap`` model-dtype values), and for V the
+float32 offset and half range of each token. ``cap`` is known on the host from the shape and the sparsity threshold (:func:`default_caps`), so a
 write reads nothing from the device to size what it holds; a token with more outliers than ``cap`` (ties at a value
 quantile, keys far past their thresholds) is found by the write's checks, and the write is made again with room
 for it. The padded capacity is held, so it is counted in the bytes (storage bits); the nominal bits count the
@@ -352,23 +352,25 @@ class KVQuantQuantizer(KVQuantizer):
 
 def default_caps(channels: int, sparsity_threshold: float, sparse: bool = True) -> tuple[int, int]:
     """Outliers per token a K and a V row hold (host ints, from the shape alone). V: the entries at or beyond a
-    token's ``t`` and ``1 - t`` quantiles (`nuq.value_outliers`) are at most the order statistics from the ranks
-    around them outward (``C - floor(t (C - 1))`` and ``ceil((1 - t)(C - 1)) + 1``, one more each than the
-    interpolated quantile leaves past it), unless several entries tie at a quantile: two more each for those. K:
-    its static thresholds leave out the same share of the calibration keys on average, but a token's count
-    varies about it: twice V's. A token past them makes its write again (:meth:`KVQuantQuantizer.quantize`).
-    Without sparse outliers, none."""
+    token's ``t`` and ``1 - t`` quantiles (`nuq.value_outliers`), ``C - ceil(t (C - 1))`` above and
+    ``floor((1 - t)(C - 1)) + 1`` below when no entries tie at a quantile, and ``C // 512`` more each side for
+    ties (model-dtype values often tie at 4096 entries). K: its static thresholds leave out ``(1 - threshold)``
+    of the calibration keys, ``m`` per token on average; a token's count varies about it, so room for
+    ``m + 6 sqrt(m) + 1``. A token past them makes its write again, and the layer's rows grow
+    (:meth:`KVQuantQuantizer.quantize`); tiny widths pay most for the room (every token holds it). Without
+    sparse outliers, none."""
     if not sparse:
         return 0, 0
     t = 1 - (1 - sparsity_threshold) / 2
-    upper, lower = math.floor(t * (channels - 1)), math.ceil((1 - t) * (channels - 1))  # `nuq.tail_quantiles`' ranks
-    v = min(channels, (channels - upper) + (lower + 1) + 4)  # (float64 ranks here: the slack covers a rounding)
-    return min(channels, 2 * v), v
+    v = (channels - math.ceil(t * (channels - 1))) + math.floor((1 - t) * (channels - 1)) + 1 + 2 * (channels // 512)
+    mean = (1 - sparsity_threshold) * channels
+    k = math.ceil(mean + 6 * math.sqrt(mean)) + 1
+    return min(channels, k), min(channels, v)
 
 
 def row_outliers(mask: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's outliers in ``cap`` places, read nothing: ``(cols, taken, count)``: the True columns of each row
-    of ``mask`` (bool ``[N, C]``) ascending, then -1 (int16 ``[N, cap]``, int32 where ``C`` passes int16), the
+    of ``mask`` (bool ``[N, C]``) ascending, then -1 (``[N, cap]``, the smallest of int8, int16 and int32 that holds ``C``), the
     same columns as int64 with any column at the free places (to gather values by), and int64 ``[N]`` the
     True entries per row (more than ``cap`` where the row does not fit: only its first ``cap`` are taken). One
     ``topk`` of the columns' reversed order where True: the True ones first, in column order."""
@@ -378,7 +380,7 @@ def row_outliers(mask: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tens
     if key not in _REVERSED:
         _REVERSED[key] = torch.arange(c, 0, -1, dtype=torch.float32, device=mask.device)
     top, taken = (mask * _REVERSED[key]).topk(cap, dim=1)
-    dtype = torch.int16 if c <= torch.iinfo(torch.int16).max else torch.int32
+    dtype = next(d for d in (torch.int8, torch.int16, torch.int32) if c <= torch.iinfo(d).max)
     return taken.to(dtype).masked_fill_(top == 0, -1), taken, mask.sum(1)
 
 

@@ -90,7 +90,7 @@ def test_outlier_rows_hold_each_rows_true_columns_in_order():
     gen = torch.Generator().manual_seed(5)
     mask = torch.rand(37, 24, generator=gen) < 0.2
     cols, taken, count = row_outliers(mask, 6)
-    assert cols.dtype == torch.int16 and cols.shape == (37, 6) and torch.equal(count, mask.sum(1))
+    assert cols.dtype == torch.int8 and cols.shape == (37, 6) and torch.equal(count, mask.sum(1))
     for row in range(37):
         want = mask[row].nonzero()[:, 0][:6].tolist()
         assert cols[row].tolist() == want + [-1] * (6 - len(want))
