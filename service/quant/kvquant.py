@@ -305,7 +305,7 @@ class KVQuantQuantizer(KVQuantizer):
         tensors = {
             "codes": pack_stream(codes, self.bits) if slots is None else pack_streams(codes, self.bits, slots),
             "outlier_index": cols,
-            "outlier_values": x2d.gather(1, taken),  # a free place holds some entry's value: never read
+            "outlier_values": x2d.gather(1, taken).masked_fill_(cols < 0, 0),  # free places: 0 (never read)
             **extra,
         }
         # Nominal bits: b per code, 16 per outlier, the outliers counted on the device (read at a report).

@@ -62,13 +62,14 @@ def test_the_write_packs_what_the_per_side_write_packs(bits, dtype, threshold):
                 with Counter() as counter:
                     q.quantize(layer, k, v, layout, verdicts=verdicts)
                 assert counter.syncs == 0 and len(verdicts) == 1
-                if not hard or threshold == 1.0:
-                    assert bool(verdicts[0])
-                elif i == 0:  # more outliers than the default room, and a median: the write must be made again
-                    assert not bool(verdicts[0])
+                fits = bool(verdicts[0])
+                if threshold == 1.0 or (not hard and dtype == torch.float32):  # (bf16 values may tie at a quantile)
+                    assert fits
+                elif hard and i == 0:  # more outliers than the default room, and a median: the write must be redone
+                    assert not fits
                 with Counter() as counter:
                     got = q.quantize(layer, k, v, layout)
-                assert counter.syncs <= (3 if hard else 1)
+                assert counter.syncs <= (1 if fits else 3)
                 want = KVQuantizer.quantize(q, layer, k, v, layout)
                 for side in ("k", "v"):
                     a, b = getattr(got, side), getattr(want, side)
