@@ -61,6 +61,7 @@ class KVQuantQuantizer(KVQuantizer):
     """
 
     pre_rope_keys = True
+    redone_on_false_verdict = True  # a token with more outliers than its row holds (:meth:`quantize`)
 
     def block_separable(self, block_length: int) -> bool:
         """Always: every statistic is per token (no token groups), so a block quantized alone is the run's."""
