@@ -170,9 +170,9 @@ class KVQuantQuantizer(KVQuantizer):
 
     def _grow(self, layer: int, channels: int, k_most: torch.Tensor, v_most: torch.Tensor) -> tuple[int, int]:
         """Capacities that hold ``k_most``/``v_most`` outliers (0-dim, read here together), kept for the layer's
-        later writes: half again what was met, so that a few more tokens like it do not each redo their write."""
+        later writes: an eighth more than was met, so that a few more tokens like it do not each redo their write."""
         most = torch.stack([k_most, v_most]).tolist()
-        caps = tuple(max(cap, m + m // 2) for cap, m in zip(self.caps(layer, channels), most))
+        caps = tuple(max(cap, m + m // 8) for cap, m in zip(self.caps(layer, channels), most))
         self._caps[(layer, channels)] = caps
         return caps
 
