@@ -30,7 +30,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 from service.engine.report import KVReport, LayerBits
-from service.quant.base import PackedLayer
+from service.quant.base import PackedLayer, read_bits
 from service.quant.config import KVQuantConfig
 from service.quant.registry import method
 
@@ -107,8 +107,9 @@ class KVAccounting:
         artifact's id under its report field (``{"policy_id": ...}``)."""
         per_layer = []
         sums = [0.0] * 6
+        read_bits([x for t in self._totals.values() for x in t])  # KVQuant's outliers, counted on the device
         for layer in sorted(self._totals):
-            t = self._totals[layer]
+            t = [float(x) for x in self._totals[layer]]
             sums = [a + b for a, b in zip(sums, t)]
             per_layer.append(LayerBits(layer=layer, **_bits(t)))
         return KVReport(
@@ -125,7 +126,7 @@ def _bits(t: list[float]) -> dict[str, float]:
     k_el, v_el, k_nom, v_nom, k_bytes, v_bytes = t
 
     def ratio(a: float, b: float) -> float:
-        return a / b if b else 0.0
+        return float(a) / b if b else 0.0
 
     return {
         "k_nominal_bits": ratio(k_nom, k_el),

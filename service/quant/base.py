@@ -55,12 +55,13 @@ class PackedTensor:
     Attributes:
         tensors: everything held, by name (packed code words, scales, minima, protected values, indices ...).
         elements: how many K (or V) entries it stands for: real reused tokens x H x D.
-        nominal_bitsum: sum of the nominal bits of those entries (b per code, 16 per protected/outlier entry).
+        nominal_bitsum: sum of the nominal bits of those entries (b per code, 16 per protected/outlier entry); a
+            :class:`DeviceBits` where the entries at 16 bits are counted on the device.
     """
 
     tensors: dict[str, torch.Tensor]
     elements: int
-    nominal_bitsum: float
+    nominal_bitsum: float | DeviceBits
 
     @property
     def nbytes(self) -> int:
@@ -68,11 +69,66 @@ class PackedTensor:
 
     @property
     def nominal_bits(self) -> float:
-        return self.nominal_bitsum / self.elements if self.elements else 0.0
+        return float(self.nominal_bitsum) / self.elements if self.elements else 0.0
 
     @property
     def storage_bits(self) -> float:
         return self.nbytes * 8 / self.elements if self.elements else 0.0
+
+
+class DeviceBits:
+    """A nominal bit sum part of which is counted on the device (KVQuant's outliers: the write holds their per-token
+    counts and reads nothing, `service.quant.kvquant`): ``host`` bits plus, per part ``(counts, start, end,
+    factor)``, ``factor x counts[start:end].sum()``. Sums with numbers and other :class:`DeviceBits` stay unread;
+    ``float()`` (a report, `service.quant.accounting.KVAccounting.report`) reads the counts, and
+    :func:`read_bits` reads those of many sums with one host read."""
+
+    __slots__ = ("_value", "host", "parts")
+
+    def __init__(self, host: float, parts: tuple = ()) -> None:
+        self.host, self.parts, self._value = float(host), parts, None
+
+    def rows(self, start: int, end: int, host: float) -> DeviceBits:
+        """The sum of ``counts[start:end]`` of this one-part sum's counts, with ``host`` bits (a member's rows)."""
+        (counts, _, _, factor), = self.parts
+        return DeviceBits(host, ((counts, start, end, factor),))
+
+    def __add__(self, other):
+        if isinstance(other, DeviceBits):
+            return DeviceBits(self.host + other.host, self.parts + other.parts)
+        return DeviceBits(self.host + other, self.parts)
+
+    __radd__ = __add__
+
+    def __float__(self) -> float:
+        if self._value is None:
+            read_bits([self])
+        return self._value
+
+    def __truediv__(self, other) -> float:
+        return float(self) / other
+
+    def __eq__(self, other) -> bool:
+        return float(self) == float(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def read_bits(sums: list) -> None:
+    """Read the device counts of every :class:`DeviceBits` in ``sums`` (others are skipped) with one host read."""
+    pending = [x for x in sums if isinstance(x, DeviceBits) and x._value is None]
+    held: dict[int, torch.Tensor] = {}
+    for x in pending:
+        for counts, *_ in x.parts:
+            held.setdefault(id(counts), counts)
+    if held:
+        flat = torch.cat([t.reshape(-1).to(torch.int64).cpu() for t in held.values()]).tolist()
+        at, first = {}, 0
+        for key, t in held.items():
+            at[key], first = first, first + t.numel()
+    for x in pending:
+        x._value = x.host + sum(factor * sum(flat[at[id(c)] + start : at[id(c)] + end])
+                                for c, start, end, factor in x.parts)
 
 
 @dataclass(eq=False)
@@ -133,6 +189,11 @@ class KVQuantizer:
 
     needs_scores: bool = False
     pre_rope_keys: ClassVar[bool] = False
+    #: Whether a False verdict of :meth:`quantize` may come from the write itself, not from its input (KVQuant: a
+    #: token with more outliers than its row's room): the write made again then packs something else, so a caller
+    #: that keeps a falsely alarmed write's result and the logits made from it (a block-causal commit,
+    #: `service.quant.committed.CommitWriter`) reads the checks at once instead.
+    redone_on_false_verdict: ClassVar[bool] = False
 
     def __init__(self, config: QuantSettings, spec: ModelSpec) -> None:
         self.config = config
@@ -258,16 +319,11 @@ class KVQuantizer:
         kernel reads codes only, so a config with one side held (``sides``) takes the PyTorch path instead."""
         return uniform_operands(packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, self.v_group_size)
 
-    #: Names of held tensors that are flat element indices into the run's ``[N, H x D]`` entries (KVQuant's
-    #: ``outlier_index``): :meth:`concat` moves each part's by the entries of the parts before it.
-    element_indices: ClassVar[tuple[str, ...]] = ()
-
     def concat(self, parts: list[PackedLayer]) -> PackedLayer | None:
         """One packed layer of runs packed alone, in column order, that lie end to end (a block-causal row's
         committed blocks, `service.quant.committed`): codes re-packed as one stream (`packing.pack_stream` of
-        the parts' codes laid end to end), per-group and per-token tensors concatenated along dim 0, flat
-        element indices (:attr:`element_indices`) moved by the entries before their part; elements and nominal
-        bits summed. Where the quantizer is :meth:`block_separable` at the parts' widths, this is bit for bit what
+        the parts' codes laid end to end), per-group and per-token tensors concatenated along dim 0 (KVQuant's
+        per-token outlier rows among them: `KVQuantQuantizer._concat_side`); elements and nominal bits summed. Where the quantizer is :meth:`block_separable` at the parts' widths, this is bit for bit what
         :meth:`quantize` makes of the whole run at once with a layout of the run alone (tested), so reading it
         with that layout gives the values each part gives with its own.
 
@@ -297,9 +353,6 @@ class KVQuantizer:
             if name == "codes":
                 codes = [unpack_stream(s.tensors["codes"], self.bits, s.elements) for s in sides]
                 tensors[name] = pack_stream(torch.cat(codes), self.bits)
-            elif name in self.element_indices:
-                starts = itertools.accumulate([s.elements for s in sides[:-1]], initial=0)
-                tensors[name] = torch.cat([s.tensors[name] + start for s, start in zip(sides, starts)])
             else:
                 tensors[name] = torch.cat([s.tensors[name] for s in sides])
         return PackedTensor(tensors=tensors, elements=sum(s.elements for s in sides),
@@ -538,7 +591,7 @@ class _Slices(Mapping):
                  shifts: dict[str, int] | None = None) -> None:
         self._stacked, self._ranges, self._slot0 = stacked, ranges, slot0
         # What each index tensor's slice is less, to count from the member's start: protected slots its first
-        # slot; a method's own (KVQuant's flat outlier indices) say theirs.
+        # slot; a method's own may say theirs (KVQuant's per-token outlier rows need none: ``{}``).
         self._shifts = shifts if shifts is not None else {"protected_slots": slot0}
         self._made: dict[str, torch.Tensor] = {}
 
@@ -588,12 +641,6 @@ def count(tensors: Mapping[str, torch.Tensor], name: str) -> int:
         start, end = tensors._ranges[name]
         return end - start
     return int(tensors[name].shape[0])
-
-
-def member_shift(tensors: Mapping[str, torch.Tensor], name: str) -> int:
-    """What a stacked write's ``name`` (an index tensor) exceeds this member's own by (its first slot or entry
-    there, :class:`_Slices`); 0 for tensors that are not a member's."""
-    return tensors._shifts.get(name, 0) if isinstance(tensors, _Slices) else 0
 
 
 def joined(held: list[Mapping[str, torch.Tensor]], name: str) -> list[tuple[torch.Tensor, int, int | None]]:

@@ -275,13 +275,16 @@ class CommitWriter:
         deferred = DEFER_WRITE_CHECKS.get()
         for commit, run_layouts in zip(committing, layouts):
             quantizer, width, slot = commit.quantizer, commit.end - commit.start, commit.slot
+            # (a write whose false alarm packs something else is checked at once: its packed run and the logits
+            # made from it are kept on a false alarm, `KVQuantizer.redone_on_false_verdict`)
+            put_off = deferred and not quantizer.redone_on_false_verdict
             scores = None
             if quantizer.needs_scores:
                 queries = q[slot:slot + 1, :, width:width + commit.block]  # the active block's
                 keys = k_buf[slot:slot + 1, :, : commit.end + commit.block]
                 scores = attention_scores(queries, keys, None)  # float32 [1, end + block]
             for (start, end), layout in zip(commit.runs(), run_layouts):
-                self._write_run(layer, commit, start, end, layout, k_pre, k_buf, v_buf, scores, deferred,
+                self._write_run(layer, commit, start, end, layout, k_pre, k_buf, v_buf, scores, put_off,
                                 steps if id(commit) in corrected else None)
         if steps is None:
             return None

@@ -7,17 +7,22 @@ reading); sparse outlier handling is on with sparsity threshold 0.99; first_few_
 grouped-query attention needs nothing special and no statistic crosses a row (no token groups at all).
 
 Held per layer: the b-bit codes of every entry (outliers included, their code is unused, as in KVQuant's dense
-matrix), the outliers as int32 flat indices + model-dtype values, and for V the float32 offset and half range of
-each token. The state's thresholds and codebooks are not counted: they are fixed per model, like the weights.
+matrix), the outliers in fixed-capacity rows (:func:`row_outliers`: per token ``cap`` column indices, the
+smallest integer type that holds ``H x D``, -1 past its outliers, and ``cap`` model-dtype values), and for V the
+float32 offset and half range of each token. ``cap`` is known on the host from the shape and the sparsity threshold (:func:`default_caps`), so a
+write reads nothing from the device to size what it holds; a token with more outliers than ``cap`` (ties at a value
+quantile, keys far past their thresholds) is found by the write's checks, and the write is made again with room
+for it. The padded capacity is held, so it is counted in the bytes (storage bits); the nominal bits count the
+outliers the data has (a device count, read when a report is made: :class:`DeviceBits`). The state's thresholds and
+codebooks are not counted: they are fixed per model, like the weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import itertools
-from dataclasses import dataclass, field
+import math
 
-import numpy as np
 import torch
 
 from service.artifacts.base import Provenance
@@ -25,6 +30,7 @@ from service.artifacts.kvquant_state import KVQuantState, KVQuantStateMeta
 from service.engine.spec import ModelSpec
 from service.quant import nuq
 from service.quant.base import (
+    DeviceBits,
     KVQuantizer,
     MemberTensor,
     PackedLayer,
@@ -42,6 +48,7 @@ from service.quant.plugin import CalibrationStep, PooledReader, QuantMethod, sam
 from service.quant.rows_nuq import batch_key as nuq_batch_key
 from service.quant.rows_nuq import dequantize_rows as nuq_dequantize_rows
 from service.quant.rows_nuq import forget as nuq_forget
+from service.quant.rows_nuq import outlier_places
 
 
 class KVQuantQuantizer(KVQuantizer):
@@ -54,7 +61,7 @@ class KVQuantQuantizer(KVQuantizer):
     """
 
     pre_rope_keys = True
-    element_indices = ("outlier_index",)  # flat into [N, H x D] (`KVQuantizer.concat` moves them)
+    redone_on_false_verdict = True  # a token with more outliers than its row holds (:meth:`quantize`)
 
     def block_separable(self, block_length: int) -> bool:
         """Always: every statistic is per token (no token groups), so a block quantized alone is the run's."""
@@ -69,6 +76,8 @@ class KVQuantQuantizer(KVQuantizer):
         self._read_tables: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}
         # Per (layer, device): the key codebook's bin widths as a per-byte table (the key-bias correction).
         self._width_tables: dict[tuple[int, torch.device], torch.Tensor] = {}
+        # Per (layer, C): outlier capacities per token grown past `default_caps` by a fuller token (`_grow`).
+        self._caps: dict[tuple[int, int], tuple[int, int]] = {}
         # Per layer, whether the K and V codebooks are strictly increasing (`nuq.nearest_code`'s fast path): read
         # once here from the state (host tensors), not from the device at every write.
         self._increasing = [(bool((k[1:] > k[:-1]).all()), bool((v[1:] > v[:-1]).all()))
@@ -89,28 +98,30 @@ class KVQuantQuantizer(KVQuantizer):
         return self._state_id
 
     def quantize(self, layer, k, v, layout, scores=None, verdicts=None):
-        """`KVQuantizer.quantize` with one host read for the layer (a sync on a GPU), where reading each
-        data-dependent size as it comes took nine: everything that decides a size (both sides' outliers, the value
-        tokens whose median is needed, `nuq.dense_range`) and both finiteness checks (`base._finite_slots`) are
-        computed first and read together (:func:`_read_once`); then the outlier indices are taken with those
-        sizes. The same codes, ranges, outliers and errors as quantizing K then V (``quantize_k``, ``quantize_v``).
-        K's slots, codes and outliers are held while V is read (``N x C`` bytes more than one side at a time).
-
-        That read stays even with ``verdicts``: the outlier counts are the sizes of the held outlier tensors and
-        the needed tokens choose the value ranges, so the write cannot finish without them (holding the masks
-        until a later read would cost a large share of the full-precision K/V per layer); the finiteness flags
-        ride along in the same read, and a K or V that is not finite raises at once (nothing is appended).
+        """`KVQuantizer.quantize` reading nothing from the device with ``verdicts``, and with one host read (a sync
+        on a GPU) without them. The outliers are held in rows of a capacity known from the shape (:func:`row_outliers`,
+        :meth:`caps`), so no data-dependent size is read to make the write; what could make it wrong or raise is
+        computed as flags on the device: K or V not finite (`base._finite_slots`'s hint, a float32 sum), a token
+        with more outliers than its row holds, a value token whose median is needed (`nuq.dense_range`, none on
+        real K/V). With ``verdicts`` the flags are its verdict (False: the write must be made again, as the base
+        contract says; without ``verdicts`` that write reads them, and on a flag makes the exact write: the
+        culprit raises, a fuller row is sized by one more read and the layer's capacity grows to it, the needed
+        medians are computed). The same codes, ranges, outliers and errors as quantizing K then V
+        (``quantize_k``, ``quantize_v``); K's slots, codes and outlier mask are held while V is read.
 
         A stacked layout (`SlotLayout.stacked`: several requests' blocks written in one call,
-        `service.quant.store.QuantizedKVStore.write_batch`) is one write of all their slots with still one read:
-        every statistic is per token, so each member's codes, ranges and outliers are its own write's; the codes
-        are packed one stream per member (`packing.pack_streams`), and each side's outlier count per member comes
-        from the same read (:class:`StackedSide`, what :meth:`split` cuts by). There a K or V that is not finite
-        does not raise: with ``verdicts`` a False verdict is appended (every member writes again alone, which
-        finds the culprit and names its own row), without it the stacked write is made again member by member,
-        which raises what the culprit's own write raises."""
+        `service.quant.store.QuantizedKVStore.write_batch`) is one write of all their slots: every statistic is per
+        token, so each member's codes, ranges and outlier rows are its own write's; the codes are packed one
+        stream per member (`packing.pack_streams`), the outlier rows are cut by slots (:meth:`split`). There a K
+        or V that is not finite does not raise: with ``verdicts`` a False verdict is appended (every member writes
+        again alone, which finds the culprit and names its own row), without it the stacked write is made again
+        member by member, which raises what the culprit's own write raises."""
         if not (self.quantizes_k and self.quantizes_v):
             return super().quantize(layer, k, v, layout, scores, verdicts)
+        return self._quantize_both(layer, k, v, layout, verdicts)
+
+    def _quantize_both(self, layer, k, v, layout, verdicts, finite_known: bool = False):
+        """:meth:`quantize` of both sides; ``finite_known``: K and V were found finite (the flags' sums overflowed)."""
         members = layout.members
         s = self.state
         k_slots, v_slots = layout.gather(k), layout.gather(v)
@@ -119,73 +130,91 @@ class KVQuantQuantizer(KVQuantizer):
         k_increasing, v_increasing = self._increasing[layer]
         k_codes, k_outliers = nuq.quantize_keys(kx, upper, lower, k_lut, self.sparse, k_increasing)
         xf, v_outliers, mx, mn, need = nuq.value_candidates(vx, self.sparse, s.meta.sparsity_threshold)
+        k_cap, v_cap = self.caps(layer, kx.shape[1])
+        k_rows, v_rows = row_outliers(k_outliers, k_cap), row_outliers(v_outliers, v_cap)
         sums = torch.stack([k_slots.sum(dtype=torch.float32), v_slots.sum(dtype=torch.float32)])
-        masks = [k_outliers, v_outliers] + ([need] if need is not None else [])
-        slots = [m.num_slots for m in members] if members else None
-        indices, not_finite, per_member = _read_once(masks, ~torch.isfinite(sums), slots)
-        if members and (not_finite[0] or not_finite[1]):
-            if verdicts is None:
-                return self._member_by_member(layer, k, v, layout)
-            verdicts.append(torch.zeros((), dtype=torch.bool, device=k.device))
+        flags = [(k_rows[2] > k_cap).any(), (v_rows[2] > v_cap).any()] + ([need.any()] if need is not None else [])
+        flags = torch.cat([~torch.isfinite(sums), torch.stack(flags)])
+        rows = None
+        if verdicts is not None:
+            verdicts.append(~flags.any())
         else:
+            read = flags.tolist()  # the write's one host read
+            not_finite = [False, False] if finite_known else read[:2]
+            if members and (not_finite[0] or not_finite[1]):
+                return self._member_by_member(layer, k, v, layout)
             # A sum that is not finite is only a hint (`base._finite_slots`): its scan decides, and names the culprit.
             for name, x, flagged in (("K", k, not_finite[0]), ("V", v, not_finite[1])):
                 if flagged:
                     _finite_slots(layer, name, x, layout)
+            if read[2] or read[3]:  # a token with more outliers than its row holds: room for the most (a read)
+                k_cap, v_cap = self._grow(layer, kx.shape[1], k_rows[2].amax(), v_rows[2].amax())
+                k_rows, v_rows = row_outliers(k_outliers, k_cap), row_outliers(v_outliers, v_cap)
+            if need is not None and read[4]:
+                rows = need.nonzero().squeeze(1)
         v_codes, offset, half_range, _ = nuq.quantize_values_of(
-            xf, v_outliers, mx, mn, indices[2] if need is not None else None, s.v_lut[layer].to(v.device),
-            v_increasing,
+            xf, v_outliers, mx, mn, rows, s.v_lut[layer].to(v.device), v_increasing,
         )
+        slots = [m.num_slots for m in members] if members else None
         return PackedLayer(
-            k=self._pack(kx, k_codes, indices[0], {}, slots, per_member[0]),
-            v=self._pack(vx, v_codes, indices[1], {"offset": offset, "half_range": half_range}, slots,
-                         per_member[1]),
+            k=self._pack(kx, k_codes, k_rows, {}, slots),
+            v=self._pack(vx, v_codes, v_rows, {"offset": offset, "half_range": half_range}, slots),
             dtype=k.dtype, num_heads=k.shape[1], head_dim=k.shape[3],
         )
+
+    def caps(self, layer: int, channels: int) -> tuple[int, int]:
+        """The outlier capacity per token of ``layer``'s K and V rows (:func:`default_caps`, or what a fuller
+        token made it grow to, :meth:`_grow`): host ints, so a write sizes what it holds without a read."""
+        return self._caps.get((layer, channels)) or default_caps(channels, self.state.meta.sparsity_threshold,
+                                                                 self.sparse)
+
+    def _grow(self, layer: int, channels: int, k_most: torch.Tensor, v_most: torch.Tensor) -> tuple[int, int]:
+        """Capacities that hold ``k_most``/``v_most`` outliers (0-dim, read here together), kept for the layer's
+        later writes: an eighth more than was met, so that a few more tokens like it do not each redo their write."""
+        most = torch.stack([k_most, v_most]).tolist()
+        caps = tuple(max(cap, m + m // 8) for cap, m in zip(self.caps(layer, channels), most))
+        self._caps[(layer, channels)] = caps
+        return caps
 
     def _member_by_member(self, layer: int, k: torch.Tensor, v: torch.Tensor, layout: SlotLayout) -> PackedLayer:
         """A stacked write whose K or V may not be finite, made again one member at a time (each member's rows of
         the stacked K/V, its own layout): the first member whose K or V is not finite raises, naming its own row
         and column; if none does (large finite values overflowed the float32 sums), the stacked write is made
-        again past its flags (a throwaway verdict), which gives the members' own codes."""
+        again knowing them finite, which gives the members' own codes."""
         row0 = 0
         for member in layout.members:
             rows = slice(row0, row0 + member.batch_size)
             self.quantize(layer, k[rows], v[rows], member)
             row0 += member.batch_size
-        return self.quantize(layer, k, v, layout, verdicts=[])
+        return self._quantize_both(layer, k, v, layout, None, finite_known=True)
 
     def split(self, layer, packed, layout):
-        """`KVQuantizer.split` of a stacked :meth:`quantize`: each member's streams, outliers (indices made its
-        own: less its first entry), value ranges, elements and nominal bits, as its own write holds them (slices
-        made at first use, `service.quant.base.MemberTensor`; nothing read here)."""
+        """`KVQuantizer.split` of a stacked :meth:`quantize`: each member's streams, outlier rows, value ranges,
+        elements and nominal bits (its rows' outlier counts), as its own write holds them (slices made at first
+        use, `service.quant.base.MemberTensor`; nothing read or dispatched here)."""
         c = packed.num_heads * packed.head_dim
-        out, slot0, words0, k0, v0 = [], 0, 0, 0, 0
-        for member, k_out, v_out in zip(layout.members, packed.k.member_outliers, packed.v.member_outliers,
-                                        strict=True):
+        out, slot0, words0 = [], 0, 0
+        for member in layout.members:
             n = member.num_slots
             words = stream_words(n * c, self.bits)
-            codes, shift = (words0, words0 + words), {"outlier_index": slot0 * c}
-            k_ranges = {"codes": codes, "outlier_index": (k0, k0 + k_out), "outlier_values": (k0, k0 + k_out)}
-            v_ranges = {"codes": codes, "outlier_index": (v0, v0 + v_out), "outlier_values": (v0, v0 + v_out),
-                        "offset": (slot0, slot0 + n), "half_range": (slot0, slot0 + n)}
-            out.append(PackedLayer(
-                k=MemberTensor(_Slices(packed.k.tensors, k_ranges, slot0, shift), n * c, self._bitsum(n * c, k_out)),
-                v=MemberTensor(_Slices(packed.v.tensors, v_ranges, slot0, shift), n * c, self._bitsum(n * c, v_out)),
-                dtype=packed.dtype, num_heads=packed.num_heads, head_dim=packed.head_dim))
-            slot0, words0, k0, v0 = slot0 + n, words0 + words, k0 + k_out, v0 + v_out
+            codes, rows = (words0, words0 + words), (slot0, slot0 + n)
+            k_ranges = {"codes": codes, "outlier_index": rows, "outlier_values": rows}
+            v_ranges = {**k_ranges, "offset": rows, "half_range": rows}
+            sides = []
+            for side, ranges in ((packed.k, k_ranges), (packed.v, v_ranges)):
+                bits = side.nominal_bitsum.rows(slot0, slot0 + n, self.bits * n * c)
+                sides.append(MemberTensor(_Slices(side.tensors, ranges, slot0, {}), n * c, bits))
+            out.append(PackedLayer(k=sides[0], v=sides[1], dtype=packed.dtype, num_heads=packed.num_heads,
+                                   head_dim=packed.head_dim))
+            slot0, words0 = slot0 + n, words0 + words
         return out
-
-    def _bitsum(self, elements: int, outliers: int) -> float:
-        """Nominal bits of ``elements`` entries of which ``outliers`` are held at 16 bits (the paper's count)."""
-        return float(self.bits * (elements - outliers) + 16 * outliers)
 
     def quantize_k(self, layer, x, layout, scores):
         s = self.state
         x2d = x.reshape(x.shape[0], -1)  # [N, H*D], column h*D + d
         upper, lower, lut = (t[layer].to(x.device) for t in (s.k_upper, s.k_lower, s.k_lut))
         codes, outliers = nuq.quantize_keys(x2d, upper, lower, lut, self.sparse, self._increasing[layer][0])
-        return self._pack(x2d, codes, _flat_nonzero(outliers), {})
+        return self._pack(x2d, codes, _rows_held(outliers), {})
 
     def dequantize_k(self, layer, packed, layout, out=None):
         # nuq.dequantize_keys (lut[code] * range + offset, float32), the lookup read straight from the stream.
@@ -201,7 +230,7 @@ class KVQuantQuantizer(KVQuantizer):
         codes, offset, half_range, outliers = nuq.quantize_values(
             x2d, lut, self.sparse, self.state.meta.sparsity_threshold, self._increasing[layer][1]
         )
-        return self._pack(x2d, codes, _flat_nonzero(outliers), {"offset": offset, "half_range": half_range})
+        return self._pack(x2d, codes, _rows_held(outliers), {"offset": offset, "half_range": half_range})
 
     def dequantize_v(self, layer, packed, layout, out=None):
         # nuq.dequantize_values, likewise.
@@ -219,9 +248,9 @@ class KVQuantQuantizer(KVQuantizer):
         device = t["codes"].device
         half_range = self._tables(layer, device)[1]
         n, c = layout.num_slots, packed.num_heads * packed.head_dim
-        steps = decode_stream(t["codes"], self.width_table(layer, device), n * c).view(n, c).mul_(half_range)
-        steps.view(-1).index_fill_(0, t["outlier_index"].long(), 0.0)
-        return steps.view(n, packed.num_heads, packed.head_dim)
+        steps = decode_stream(t["codes"], self.width_table(layer, device), n * c, extra=c).view(n + 1, c)
+        steps.mul_(half_range).view(-1).index_fill_(0, outlier_places(t["outlier_index"], c).view(-1), 0.0)
+        return steps[:n].view(n, packed.num_heads, packed.head_dim)
 
     def width_table(self, layer: int, device: torch.device) -> torch.Tensor:
         """The per-byte table (`service.quant.packing.byte_table`) of the layer's K code bin widths (normalized
@@ -245,31 +274,59 @@ class KVQuantQuantizer(KVQuantizer):
         return self._read_tables[key]
 
     def kernel_operands(self, layer, packed, layout) -> KernelOperands:
+        """`nuq_operands` of the held format, its outliers given the kernel as it reads them: flat int32 indices
+        ``slot x C + column`` (-1 for a row's free places, which match no entry) with CSR pointers per (slot, kv
+        head) row (`kernels.operands.outlier_rows`' meaning): a head's outliers lie together in its slot's row,
+        the last head's range runs on over the free places after them, and ``most`` counts outliers only (one
+        read, as `outlier_rows` makes), so the kernel's scan finds each row's outliers first."""
         s = self.state
         device = device_of(packed.k.tensors)
         offset, half_range = nuq.key_offset_range(s.k_upper[layer].to(device), s.k_lower[layer].to(device))
-        return nuq_operands(
-            packed.k.tensors, packed.v.tensors, self.bits, layout.num_slots, packed.num_heads, packed.head_dim,
-            offset, half_range,
+        sides = [_kernel_outliers(t["outlier_index"], packed.num_heads, packed.head_dim)
+                 for t in (packed.k.tensors, packed.v.tensors)]
+        most = torch.stack([sides[0][2], sides[1][2]]).tolist()
+        dense = {"outlier_index": torch.zeros(0, dtype=torch.int32, device=device)}
+        ops = nuq_operands(
+            {**packed.k.tensors, **dense}, {**packed.v.tensors, **dense}, self.bits, 0, packed.num_heads,
+            packed.head_dim, offset, half_range,
             s.k_lut[layer].to(device, torch.float32), s.v_lut[layer].to(device, torch.float32),
         )
+        return dataclasses.replace(
+            ops, num_slots=layout.num_slots,
+            k_outlier_index=sides[0][0], k_outlier_values=packed.k.tensors["outlier_values"].reshape(-1),
+            v_outlier_index=sides[1][0], v_outlier_values=packed.v.tensors["outlier_values"].reshape(-1),
+            k_outlier_start=sides[0][1], v_outlier_start=sides[1][1], k_outlier_most=most[0], v_outlier_most=most[1])
 
     # ---- shared by K and V -----------------------------------------------------------------------------------
-    def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, index: torch.Tensor, extra: dict,
-              slots: list[int] | None = None, member_outliers: list[int] | None = None) -> PackedTensor:
-        """``index``: int64, the outliers' flat indices into ``x2d``, ascending. ``slots``: a stacked write's
-        slots per member (its codes one stream each) with ``member_outliers``, its outliers per member."""
+    def _pack(self, x2d: torch.Tensor, codes: torch.Tensor, rows: tuple[torch.Tensor, ...], extra: dict,
+              slots: list[int] | None = None) -> PackedTensor:
+        """``rows``: :func:`row_outliers` of ``x2d``'s outliers, whose values are taken here. ``slots``: a stacked
+        write's slots per member (its codes one stream each)."""
+        cols, taken, count = rows
         tensors = {
             "codes": pack_stream(codes, self.bits) if slots is None else pack_streams(codes, self.bits, slots),
-            "outlier_index": index.to(torch.int32),
-            "outlier_values": x2d.flatten()[index],
+            "outlier_index": cols,
+            "outlier_values": x2d.gather(1, taken).masked_fill_(cols < 0, 0),  # free places: 0 (never read)
             **extra,
         }
-        bitsum = self._bitsum(x2d.numel(), index.numel())
-        if slots is None:
-            return PackedTensor(tensors=tensors, elements=x2d.numel(), nominal_bitsum=bitsum)
-        return StackedSide(tensors=tensors, elements=x2d.numel(), nominal_bitsum=bitsum,
-                           member_outliers=member_outliers)
+        # Nominal bits: b per code, 16 per outlier, the outliers counted on the device (read at a report).
+        bitsum = DeviceBits(self.bits * x2d.numel(), ((count, 0, count.numel(), 16 - self.bits),))
+        return PackedTensor(tensors=tensors, elements=x2d.numel(), nominal_bitsum=bitsum)
+
+    def _concat_side(self, sides: list[PackedTensor]) -> PackedTensor:
+        """`KVQuantizer._concat_side`: the outlier rows are per token, so they join as they are (no index moves),
+        each part's widened to the widest capacity first (free places: -1)."""
+        widest = max(s.tensors["outlier_index"].shape[1] for s in sides)
+        wide = []
+        for side in sides:
+            more = widest - side.tensors["outlier_index"].shape[1]
+            if more:
+                t = dict(side.tensors)
+                t["outlier_index"] = torch.nn.functional.pad(t["outlier_index"], (0, more), value=-1)
+                t["outlier_values"] = torch.nn.functional.pad(t["outlier_values"], (0, more))
+                side = PackedTensor(tensors=t, elements=side.elements, nominal_bitsum=side.nominal_bitsum)
+            wide.append(side)
+        return super()._concat_side(wide)
 
     @staticmethod
     def _values(t: dict, table: torch.Tensor, layout: SlotLayout, packed: PackedLayer) -> torch.Tensor:
@@ -283,7 +340,9 @@ class KVQuantQuantizer(KVQuantizer):
         values: torch.Tensor, t: dict, layout: SlotLayout, packed: PackedLayer, out: torch.Tensor | None
     ) -> torch.Tensor:
         """Fill in the outliers and place the values (``[N + 1, C]``, the last row spare) into the output."""
-        values.view(-1)[t["outlier_index"].long()] = t["outlier_values"].to(values.dtype)
+        c = values.shape[1]
+        values.view(-1).index_put_((outlier_places(t["outlier_index"], c).view(-1),),
+                                   t["outlier_values"].reshape(-1).to(values.dtype))  # free places: the spare row
         h, d = packed.num_heads, packed.head_dim
         if layout.batched(h * d):
             values[-1].zero_()
@@ -292,67 +351,66 @@ class KVQuantQuantizer(KVQuantizer):
         return layout.scatter(values[:-1].view(-1, h, d), dtype=packed.dtype, out=out)
 
 
-@dataclass(eq=False)
-class StackedSide(PackedTensor):
-    """One side of a stacked :meth:`KVQuantQuantizer.quantize`: :class:`PackedTensor` with each member's outlier
-    count (host ints, from the write's one read), which :meth:`KVQuantQuantizer.split` cuts the outliers by."""
-
-    member_outliers: list[int] = field(default_factory=list)
-
-
-def _flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """int64 ``[n]``: the flat indices of the True entries of ``mask``, ascending (numpy's ``flatnonzero`` on a
-    CPU tensor: several times faster there than ``torch.nonzero``, the same indices)."""
-    if mask.device.type == "cpu":
-        return torch.from_numpy(np.flatnonzero(mask.numpy()))
-    return mask.flatten().nonzero().squeeze(1)
-
-
-def _read_once(masks: list[torch.Tensor], flags: torch.Tensor, slots: list[int] | None = None,
-               ) -> tuple[list[torch.Tensor], list[bool], list[list[int] | None]]:
-    """The flat indices (int64, ascending, as :func:`_flat_nonzero`) of the True entries of each mask and the bool
-    ``flags`` (1-D), with one read of the host: on a CPU one copy of them all read as numpy (``flatnonzero``,
-    several times faster there than ``torch.nonzero``); elsewhere the counts and flags in one small read, then
-    ``nonzero_static`` of each mask at its count (no further sync).
-
-    ``slots`` (a stacked write's slots per member, the masks' rows): the third result gives, for each of the
-    first two masks (``[N, C]``), its True entries per member (host ints, from the same read); without it, None
-    twice."""
-    if flags.device.type == "cpu":
-        host = torch.cat([m.reshape(-1) for m in masks] + [flags]).numpy()
-        found, start = [], 0
-        for m in masks:
-            found.append(np.flatnonzero(host[start : start + m.numel()]))
-            start += m.numel()
-        per_member: list[list[int] | None] = [None, None]
-        if slots is not None:  # on the host arrays already read
-            for side in range(2):
-                bounds = np.cumsum([0] + slots) * (masks[side].numel() // max(sum(slots), 1))
-                per_member[side] = np.diff(np.searchsorted(found[side], bounds)).tolist()
-        return [torch.from_numpy(f) for f in found], [bool(f) for f in host[start:]], per_member
-    return _read_counts(masks, flags, slots)
+def default_caps(channels: int, sparsity_threshold: float, sparse: bool = True) -> tuple[int, int]:
+    """Outliers per token a K and a V row hold (host ints, from the shape alone). V: the entries at or beyond a
+    token's ``t`` and ``1 - t`` quantiles (`nuq.value_outliers`), ``C - ceil(t (C - 1))`` above and
+    ``floor((1 - t)(C - 1)) + 1`` below when no entries tie at a quantile, and ``C // 512`` more each side for
+    ties (model-dtype values often tie at 4096 entries). K: its static thresholds leave out ``(1 - threshold)``
+    of the calibration keys, ``m`` per token on average; a token's count varies about it, so room for
+    ``m + 6 sqrt(m) + 1``. A token past them makes its write again, and the layer's rows grow
+    (:meth:`KVQuantQuantizer.quantize`); tiny widths pay most for the room (every token holds it). Without
+    sparse outliers, none."""
+    if not sparse:
+        return 0, 0
+    t = 1 - (1 - sparsity_threshold) / 2
+    v = (channels - math.ceil(t * (channels - 1))) + math.floor((1 - t) * (channels - 1)) + 1 + 2 * (channels // 512)
+    mean = (1 - sparsity_threshold) * channels
+    k = math.ceil(mean + 6 * math.sqrt(mean)) + 1
+    return min(channels, k), min(channels, v)
 
 
-def _read_counts(masks: list[torch.Tensor], flags: torch.Tensor, slots: list[int] | None = None,
-                 ) -> tuple[list[torch.Tensor], list[bool], list[list[int] | None]]:
-    """:func:`_read_once` off a CPU (any device; tested on a CPU): the per-member counts are sums of each member's
-    rows, read with the others."""
-    parts = [torch.stack([m.sum() for m in masks]), flags.long()]
-    if slots is not None:
-        ends = torch.tensor(list(itertools.accumulate(slots)), device=flags.device)
-        for side in range(2):
-            rows = masks[side].reshape(masks[side].shape[0], -1).sum(1).cumsum(0)
-            at = rows.index_select(0, ends - 1) if rows.numel() else torch.zeros_like(ends)
-            parts.append(torch.diff(at, prepend=at.new_zeros(1)))
-    counts = torch.cat(parts).tolist()
-    indices = [torch.nonzero_static(m.reshape(-1), size=c).squeeze(1) for m, c in zip(masks, counts)]
-    rest = counts[len(masks):]
-    flags_read = [bool(f) for f in rest[: flags.numel()]]
-    rest = rest[flags.numel():]
-    per_member: list[list[int] | None] = [None, None]
-    if slots is not None:
-        per_member = [rest[: len(slots)], rest[len(slots): 2 * len(slots)]]
-    return indices, flags_read, per_member
+def row_outliers(mask: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's outliers in ``cap`` places, read nothing: ``(cols, taken, count)``: the True columns of each row
+    of ``mask`` (bool ``[N, C]``) ascending, then -1 (``[N, cap]``, the smallest of int8, int16 and int32 that holds ``C``), the
+    same columns as int64 with any column at the free places (to gather values by), and int64 ``[N]`` the
+    True entries per row (more than ``cap`` where the row does not fit: only its first ``cap`` are taken). One
+    ``topk`` of the columns' reversed order where True: the True ones first, in column order."""
+    c = mask.shape[1]
+    cap = min(cap, c)
+    key = (c, mask.device)
+    if key not in _REVERSED:
+        _REVERSED[key] = torch.arange(c, 0, -1, dtype=torch.float32, device=mask.device)
+    top, taken = (mask * _REVERSED[key]).topk(cap, dim=1)
+    dtype = next(d for d in (torch.int8, torch.int16, torch.int32) if c <= torch.iinfo(d).max)
+    return taken.to(dtype).masked_fill_(top == 0, -1), taken, mask.sum(1)
+
+
+#: Per (C, device): float32 ``[C]``, ``C .. 1`` (:func:`row_outliers`'s order).
+_REVERSED: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _rows_held(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`row_outliers` with room for the fullest row (one read: the single-side writes, a config holding the
+    other side as it is)."""
+    return row_outliers(mask, int(mask.sum(1).amax()) if mask.numel() else 0)
+
+
+def _kernel_outliers(cols: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused kernel's view of outlier rows ``cols`` (`KVQuantQuantizer.kernel_operands`): int32 flat indices
+    ``[N x cap]`` (-1 free), int32 ``[N x H + 1]`` CSR pointers per (slot, head) and the most outliers one holds
+    (0-dim)."""
+    n, cap = cols.shape
+    wide = cols.long()
+    flat = (wide + torch.arange(0, n * heads * head_dim, heads * head_dim, device=cols.device)[:, None])
+    flat = flat.masked_fill_(wide < 0, -1).to(torch.int32).reshape(-1)
+    # per slot, where each head's outliers start in its row: the free places (-1) sort past every column
+    ordered = wide.masked_fill(wide < 0, heads * head_dim)
+    bounds = (torch.arange(heads + 1, device=cols.device) * head_dim).expand(n, heads + 1).contiguous()
+    at = torch.searchsorted(ordered, bounds)  # [N, H + 1]
+    starts = at[:, :-1] + torch.arange(0, n * cap, cap, device=cols.device)[:, None]
+    start = torch.cat([starts.reshape(-1), torch.full((1,), n * cap, device=cols.device, dtype=starts.dtype)])
+    most = (at[:, 1:] - at[:, :-1]).amax() if n else torch.zeros((), dtype=torch.int64, device=cols.device)
+    return flat, start.to(torch.int32), most
 
 
 def fit_state(

@@ -144,10 +144,11 @@ def tail_quantiles(x: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tenso
     """
     n = x.shape[-1]
     key = (t, n, x.device)
-    if key not in _RANKS:  # made once per (t, C, device): no host read of them at every call
-        ranks = torch.tensor([t, 1 - t], dtype=torch.float32) * (n - 1)
-        below, above = ranks.long(), ranks.ceil().long()
-        _RANKS[key] = (*below.tolist(), *above.tolist(), (ranks - below).to(x.device))
+    if key not in _RANKS:  # made once per (t, C, device), on the host (numpy float32: torch's float32 ranks)
+        ranks = np.array([t, 1 - t], dtype=np.float32) * np.float32(n - 1)
+        below, above = ranks.astype(np.int64), np.ceil(ranks).astype(np.int64)
+        weights = torch.from_numpy(ranks - below.astype(np.float32)).to(x.device)
+        _RANKS[key] = (*map(int, below), *map(int, above), weights)
     below0, below1, above0, above1, weights = _RANKS[key]
     largest = x.topk(n - below0, dim=-1, largest=True, sorted=True).values  # [:, j] = sorted[n - 1 - j]
     smallest = x.topk(above1 + 1, dim=-1, largest=False, sorted=True).values  # [:, j] = sorted[j]

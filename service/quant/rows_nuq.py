@@ -10,9 +10,10 @@ handled here with the per-store path's arithmetic, so the values are the same bi
   second half). Stores of different lengths pool too: the work buffer holds them in order of their slot counts,
   one decoding gather per distinct count;
 * **ranges and outliers**: K's static per-channel ``lut[code] * half_range + offset`` applies to every slot at
-  once, V's per-token ranges are concatenated; the sparse outliers of all stores (each store's flat indices moved
-  by its first element in the buffer, one ``repeat_interleave`` with a known size) are written over their entries
-  as float32, after the ranges, as each store does (`KVQuantQuantizer._finish`);
+  once, V's per-token ranges are concatenated; the sparse outliers of all stores (rows of a fixed capacity per
+  token, `service.quant.kvquant.row_outliers`, laid end to end in the buffer's slot order, so a place is its
+  row's first entry plus its column; free places go to the spare row) are written over their entries as
+  float32, after the ranges, as each store does (`KVQuantQuantizer._finish`);
 * **pre-RoPE keys**: the values are cast to the model dtype, as each store's scratch holds them, and the keys
   rotated there with the cos/sin of each slot's own position: each store's tables made exactly as its own
   `window_kv` makes them (``rope.cos_sin`` of its reused prefix positions and of its reused suffix positions,
@@ -21,7 +22,7 @@ handled here with the per-store path's arithmetic, so the values are the same bi
 
 One gather then puts every slot at its row and sequence column of a ``[R, H, key_len, D]`` pair (zeros elsewhere),
 as `service.quant.rows` does. The slot map, the per-slot cos/sin (``N_all x D`` each, the size of the stores' own
-tables) and the per-layer outlier counts depend only on the stores' block layouts and positions, so they are made
+tables) depend only on the stores' block layouts and positions, so they are made
 at the first later step of a block and kept (:data:`_INDEXES`, a few entries, dropped by :func:`forget` when a
 store is cleared); nothing dequantized is kept.
 """
@@ -29,11 +30,11 @@ store is cleared); nothing dequantized is kept.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from service.quant.base import PackedLayer, count, device_of, joined, member_shift
+from service.quant.base import PackedLayer, device_of, joined
 from service.quant.packing import stream_words
 
 #: Per (state, layer, device): the K and V per-byte codebook tables side by side, ``[8 / b, 512]`` float32.
@@ -60,10 +61,7 @@ class _Index:
     slot_map: torch.Tensor  # int64 [R x key_len]: per (row, column) its slot in the work buffer, N_all for none
     cos: torch.Tensor  # [N_all, 1, D]: each slot's RoPE cos (float32; the model dtype when RoPE runs in it)
     sin: torch.Tensor
-    bases: torch.Tensor  # int64 [2S]: each store's first K element, then first V element, in the flat buffer
     slot_positions: torch.Tensor  # int64 [N_all]: each slot's RoPE position
-    # per layer: int64 [2S] K, V outliers per store, and each one's base (`bases` less its `_index_shifts`)
-    counts: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     angles: tuple[torch.Tensor, torch.Tensor] | None = None  # the key-bias correction's cos/sin per column
 
 
@@ -120,10 +118,9 @@ def _index(stores: list, positions: list[torch.Tensor], rope, key_len: int, dtyp
     cos, sin = (t[0, 0][:, None] for t in rope.cos_sin(slot_positions[None]))  # [N_all, 1, D]
     if not rope.full_precision:  # rotate_in_place casts them to the model dtype at every call otherwise
         cos, sin = cos.to(dtype), sin.to(dtype)
-    bases = [b * c for b in base] + [(total + 1 + b) * c for b in base]
     index = _Index(tuple(layouts), tuple(positions), groups, total,
                    torch.tensor(slot_map, dtype=torch.int64, device=device), cos, sin,
-                   torch.tensor(bases, dtype=torch.int64, device=device), slot_positions)
+                   slot_positions)
     if len(_INDEXES) >= _KEPT_INDEXES:
         del _INDEXES[next(iter(_INDEXES))]
     _INDEXES[key] = index
@@ -201,7 +198,6 @@ def dequantize_rows(
                  + _stream_pieces([packed[i].v.tensors for i in members], n * c, quantizer.bits))
         words += words[: len(words) // 2] if steps else []
         _decode_into(work[:, slot0 : slot0 + len(members) * n].view(planes, len(members), n * c), words, table)
-    work[:, -1].zero_()
     order = [i for _, members, _ in index.groups for i in members]
     offset, half_range = quantizer._tables(layer, device)[:2]
     work[0, :-1].mul_(half_range).add_(offset)
@@ -212,25 +208,19 @@ def dequantize_rows(
         v_half_range = _cat([t for t, _, _ in joined(v_sides, "half_range")])
         v_offset = _cat([t for t, _, _ in joined(v_sides, "offset")])
         work[1, :-1].mul_(v_half_range[:, None]).add_(v_offset[:, None])
-    # Outliers after the ranges, as each store writes them (`KVQuantQuantizer._finish`).
-    sides = [x.k.tensors for x in packed] + [x.v.tensors for x in packed]
-    counts = [count(t, "outlier_index") for t in sides]
-    outliers = sum(counts)
-    if outliers:
-        index_pieces = joined(sides, "outlier_index")
-        if layer not in index.counts:
-            # Each store's first entry in the work buffer, less what its indices count from when they are read
-            # from a stacked write's tensor (`joined`: its first entry there), per outlier.
-            shifts = _index_shifts(sides, index_pieces)
-            index.counts[layer] = (torch.tensor(counts, device=device),
-                                   index.bases - torch.tensor(shifts, device=device) if any(shifts) else index.bases)
-        per_store, bases = index.counts[layer]
-        at = _cat([t for t, _, _ in index_pieces]) + bases.repeat_interleave(per_store, output_size=outliers)
-        values = _cat([t for t, _, _ in joined(sides, "outlier_values")])
-        work.view(-1).index_put_((at,), values.to(torch.float32))
-        k_outliers = sum(counts[: len(packed)])
-        if steps and k_outliers:  # an outlier is held exact: no step (plane 2 lies two planes past K's)
-            work.view(-1).index_fill_(0, at[:k_outliers] + 2 * (n_all + 1) * c, 0.0)
+    # Outliers after the ranges, as each store writes them (`KVQuantQuantizer._finish`): the stores' outlier rows
+    # in work order are the work buffer's rows, so each place is its row's first entry plus its column; the free
+    # places write into the spare row N_all, zeroed after.
+    for plane, side in ((0, "k"), (1, "v")):
+        held = [getattr(packed[i], side).tensors for i in order]
+        cols = _rows_of(held, "outlier_index", -1)
+        if cols.shape[1] == 0:
+            continue
+        at = outlier_places(cols, c).add_(plane * (n_all + 1) * c)
+        work.view(-1).index_put_((at.view(-1),), _rows_of(held, "outlier_values", 0).reshape(-1).to(torch.float32))
+        if steps and plane == 0:  # an outlier is held exact: no step (plane 2 lies two planes past K's)
+            work.view(-1).index_fill_(0, at.view(-1) + 2 * (n_all + 1) * c, 0.0)
+    work[:, -1].zero_()
     # The store's scratch holds the values in the model dtype; its keys are rotated there.
     kv = work[:2].to(dtype).view(2, n_all + 1, h, d)
     rope.rotate_in_place(kv[0, :n_all], index.cos, index.sin)
@@ -257,17 +247,23 @@ def _stream_pieces(sides: list, numel: int, bits: int) -> list[torch.Tensor]:
     return [t.view(-1, words) for t, _, _ in joined(sides, "codes")]
 
 
-def _index_shifts(sides: list, pieces: list[tuple[torch.Tensor, int, int | None]]) -> list[int]:
-    """Per store of ``sides``: what its outlier indices read from ``pieces`` (`joined`) count from beyond its own
-    (a piece of several members of one stacked write holds the write's indices, each member's from its first
-    entry there: `KVQuantQuantizer.split`); 0 for a store read on its own."""
-    shifts = [0] * len(sides)
-    for n, (tensor, first, _) in enumerate(pieces):
-        end = pieces[n + 1][1] if n + 1 < len(pieces) else len(sides)
-        if end - first > 1 or tensor is not sides[first]["outlier_index"]:
-            for i in range(first, end):
-                shifts[i] = member_shift(sides[i], "outlier_index")
-    return shifts
+def outlier_places(cols: torch.Tensor, c: int) -> torch.Tensor:
+    """int64 ``[N, cap]``: the flat index into ``[N + 1, C]`` entries (``row x C + column``) of each outlier of
+    KVQuant's rows ``cols`` (`service.quant.kvquant.row_outliers`), a free place's (-1) into the spare row ``N``
+    (its first entry), which the reader zeroes or leaves out."""
+    n = cols.shape[0]
+    rows = torch.arange(0, n * c, c, dtype=torch.int64, device=cols.device)[:, None]
+    return (cols + rows).masked_fill_(cols < 0, n * c)
+
+
+def _rows_of(held: list, name: str, free: int) -> torch.Tensor:
+    """``held``'s outlier rows ``name`` laid end to end (`joined`: one piece per run of a stacked write's members),
+    each piece widened with ``free`` to the widest capacity where they differ."""
+    pieces = [t for t, _, _ in joined(held, name)]
+    widest = max(p.shape[1] for p in pieces)
+    pieces = [p if p.shape[1] == widest else torch.nn.functional.pad(p, (0, widest - p.shape[1]), value=free)
+              for p in pieces]
+    return _cat(pieces)
 
 
 def _column_angles(index: _Index, rope, rows: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:

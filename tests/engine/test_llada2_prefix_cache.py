@@ -67,7 +67,12 @@ def test_served_from_the_cache_decodes_as_without_it(llada2, family, store):
         assert cached.generated_ids == alone.generated_ids, f"prompt {n}"
         assert cached.nfe == alone.nfe and cached.reveals_per_call == alone.reveals_per_call
         if alone_store is not None:  # the report counts the cached blocks as the request's own
-            assert cached_store.report() == alone_store.report()
+            got, want = cached_store.report(), alone_store.report()
+            if store.startswith("kvquant"):  # its outlier rows' room (bytes) follows what each write met
+                nominal = [(x.k_nominal_bits, x.v_nominal_bits) for x in (got, *got.per_layer)]
+                assert nominal == [(x.k_nominal_bits, x.v_nominal_bits) for x in (want, *want.per_layer)]
+            else:
+                assert got == want
     stats = next(iter(cache.stats().values()))
     assert stats.hit_tokens == 2 * 96, "the 2nd and 3rd prompts read the 3 whole blocks of the shared prefix"
     assert stats.queried_tokens == 3 * 120 and stats.blocks == 3

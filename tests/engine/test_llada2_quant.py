@@ -178,7 +178,11 @@ def test_bytes_held_are_the_packed_bytes_the_report_and_admission_count(llada2, 
     admission = per_token * tokens
     print(f"{method} 4-bit, {tokens} committed tokens: held {store.bytes_held} B (packed {packed}), admission "
           f"{admission:.0f} B, bf16 {bf16} B")
-    assert abs(store.bytes_held - admission) <= 0.15 * admission
+    if method == "kvquant":  # its outlier rows' room follows the fullest token a write met: the probe's 256 tokens
+        # in one write meet a fuller one than a run's blocks, so admission counts more (never less)
+        assert 0.6 * admission <= store.bytes_held <= 1.15 * admission
+    else:
+        assert abs(store.bytes_held - admission) <= 0.15 * admission
 
 
 def test_a_quantized_and_an_unquantized_request_in_one_batch_decode_as_alone(llada2):

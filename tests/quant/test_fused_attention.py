@@ -136,7 +136,7 @@ def test_dllm_kvq_protected_tokens_match_qdq_path(p, head_dim, bits, group):
 def test_kvquant_with_outliers_matches_qdq_path(heads, kv_heads, head_dim, bits, pads, rope_fp32):
     store = _compare("kvquant", heads, kv_heads, head_dim, bits, 32, pads, rope_fp32=rope_fp32)
     packed = store._packed[0]
-    assert packed.k.tensors["outlier_index"].numel() > 0 and packed.v.tensors["outlier_index"].numel() > 0
+    assert (packed.k.tensors["outlier_index"] >= 0).any() and (packed.v.tensors["outlier_index"] >= 0).any()
 
 
 def test_a_subset_of_rows_reads_its_own_rows():
