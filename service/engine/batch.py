@@ -72,7 +72,6 @@ from service.engine.kv_pool import KVPool, PooledReuse, window_flat_index
 from service.engine.kv_store import DEFER_WRITE_CHECKS
 from service.engine.models import DiffusionLM
 from service.engine.models.layers import attend
-from service.engine.packed_pool import pooled_packed
 from service.engine.reveal import RevealBatch, RevealResult, reveal_batch
 
 
@@ -287,7 +286,7 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket |
     key column. With ``pool`` (a window group whose every pass reads its whole store's run in ``pool``,
     `FullPrecisionKVStore.run`) the hook gathers the rows from the pool (`service.engine.kv_pool.PooledReuse`),
     padded rows included; quantized stores held in its packed pool attend in one fused launch per layer over it
-    (`service.engine.packed_pool.PooledPacked`)."""
+    (`service.quant.pooled.PooledPacked`)."""
     device = group[0].input_ids.device
     width = max(p.width for p in group) if bucket is None else bucket.width
     one = len(group) == 1 and bucket is None
@@ -315,7 +314,8 @@ def _inputs(model: DiffusionLM, group: list[Pass], pad_id: int, bucket: Bucket |
         dest = torch.where(wcols < torch.tensor(widths, device=device)[:, None],
                            wcols + torch.tensor(starts, device=device)[:, None], key_len - 1)[:, None, :, None]
         if pool is not None and getattr(group[0].cohort.store, "packed_runs", None) is not None:
-            hook = pooled_packed(pool.packed, group, ids.shape[0], key_len, device)
+            # the store knows its packed format (the engine imports nothing of service.quant)
+            hook = group[0].cohort.store.pooled_hook(pool.packed, group, ids.shape[0], key_len, device)
         elif pool is not None:
             where = pool.rows_where([(p.cohort.store.run, len(p.rows)) for p in group], ids.shape[0], device)
             hook = PooledReuse(pool, where, dest, key_len)

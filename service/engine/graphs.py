@@ -48,7 +48,7 @@ words, K's statistics per group, V's per slot, dLLM-KVQ's protected K rows and `
 ``group_of_slot`` and ``slot_of``), each store a run sized by its layout at its block-initial write (a new block
 takes new runs: prefix mode's reused length grows block by block), and what the store holds are views of its
 runs, so its eager paths read the same values. A graphed forward of such stores attends through
-`service.engine.packed_pool.PooledPacked`: per layer one launch over the pool's buffers, each row's part of the
+`service.quant.pooled.PooledPacked`: per layer one launch over the pool's buffers, each row's part of the
 kernel's table (its window width, reused length, first slot, K group and protected row, the byte offsets of its
 K and V streams: the runs' starts) an int32 input ``[L, R, PART_INFO]`` and each row's first ``slot_of`` entry an
 int32 input ``[R]``, both copied in before the replay; a padded row is an empty part (width 1, reused length 0);

@@ -160,11 +160,11 @@ class QuantizedKVStore(KVStore):
 
     def _pool_layer(self, layer: int, device: torch.device) -> None:
         """Copy the layer just written into this block's runs of the packed pool and hold views of them instead
-        (`service.engine.packed_pool.PackedRuns`): only on the fused path's shared launch, uncorrected or not."""
+        (`service.quant.pooled.PackedRuns`): only on the fused path's shared launch, uncorrected or not."""
         if self.pool is None or not (self.fused_rows and self._fused(device) and self.quantizer.quantizes_k
                                      and self.quantizer.quantizes_v):
             return
-        from service.engine.packed_pool import PackedRuns
+        from service.quant.pooled import PackedRuns
 
         if self.packed_runs is None:
             self.packed_runs = PackedRuns(self.pool, self._layout, "protected_slots" in self._packed[layer].k.tensors)
@@ -172,6 +172,15 @@ class QuantizedKVStore(KVStore):
         self.packed_runs.hold(layer, self._packed[layer])
         self._packed[layer] = self.packed_runs.view(layer)
         self._operands.pop(layer, None)
+
+    def pooled_hook(self, pool, group: list, rows: int, key_len: int, device: torch.device):
+        """The KV hook of a window forward over ``group``'s stores, all held in ``pool`` (this store's batch key,
+        :meth:`pooled_in`): one fused launch per layer over the pool's buffers, ``rows`` rows (padded), tiles for
+        ``key_len`` keys (`service.quant.pooled.pooled_packed`; the engine asks the store, it does not import
+        the packed format)."""
+        from service.quant.pooled import pooled_packed
+
+        return pooled_packed(pool, group, rows, key_len, device)
 
     def repoint(self) -> None:
         """The packed pool's buffers were made anew: hold views of the runs where they are now."""

@@ -421,7 +421,7 @@ def _launch(q, k_fresh, v_fresh, ops: KernelOperands, slot_of, group_of_slot, ro
     """The kernel's one launch: one program per (tile of queries, query row, head). ``part_of_row`` and ``info``
     (several stores, `service.quant.kernels.parts`) or None (one store, ``k_m``/``v_m`` its streams' bytes).
     ``tr`` is ``slot_of``'s row stride (the reused length); ``tile`` the reused length the interpreter's tiles are
-    chosen for (None: ``tr``; a pooled launch, `service.engine.packed_pool.PooledPacked`, passes a stride of 1 and
+    chosen for (None: ``tr``; a pooled launch, `service.quant.pooled.PooledPacked`, passes a stride of 1 and
     its bucket's length)."""
     b, h, tq, d = q.shape
     hkv = k_fresh.shape[1]
