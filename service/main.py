@@ -33,7 +33,7 @@ from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.runtime.loop import Job, Worker
 from service.runtime.memory import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.runtime.scheduler import default_max_work
+from service.runtime.scheduler import default_max_work, work_tokens
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
@@ -277,7 +277,7 @@ def refuse_contradictions(settings: Settings, engine: EngineLike, memory: Memory
             f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes): the default request could "
             f"never run; raise the budget to at least {needed:,} bytes or lower --max-batched-tokens")
     gen = -(-settings.default_max_tokens // block) * block
-    default_work = gen * (1 + gen)  # `service.runtime.scheduler.work_tokens` of a one-token prompt, threshold decoding
+    default_work = work_tokens(1, DecodeParams(gen_length=gen, block_length=block))  # a one-token prompt, threshold
     if default_work > max_work:
         raise StartupRefused(
             f"--max-request-work / DLLM_MAX_REQUEST_WORK {max_work:,} is below the {default_work:,} token-forwards of "
