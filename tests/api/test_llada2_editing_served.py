@@ -148,3 +148,14 @@ def test_a_tokenizerless_checkpoint_refuses_stop_strings_and_detokenize_by_the_f
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "tokens" and "has no tokenizer, so it cannot detokenize" in error["message"], error
+
+
+def test_many_post_steps_on_a_short_response_are_a_400_naming_max_post_steps(server):
+    """max_post_steps is LLaDA2.1's per-block pass count, as max_denoising_steps is DiffusionGemma's: 500,000 of them
+    after one block of 32 were priced at 500,032 x 37 token-forwards, under the default ceiling, and accepted; each
+    forward is now charged at least ``FORWARD_FLOOR_TOKENS``."""
+    body = {"model": "llada21-tiny", "prompt": [481, 67, 379, 219, 481], "max_tokens": 8, "max_post_steps": 500_000}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_post_steps" and "ceiling of " in error["message"], error
