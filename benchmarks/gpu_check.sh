@@ -12,8 +12,8 @@
 # decode_4k_8.txt, later_step.json (+ .txt), llada2.json (+ .txt), fastdllm_reference.json (+ .txt; with
 # FASTDLLM_DIR), table.txt.
 #
-# Steps (PYTHON, default python3; nothing is downloaded):
-# 1. tests on CUDA: the fused quantized-attention kernels compiled (tests/quant/test_fused_attention.py,
+# Steps (PYTHON, default the checkout's .venv/bin/python, else python3; nothing is downloaded):
+# 1. tests on CUDA (a dry run only collects them: the table says "collected N"): the fused quantized-attention kernels compiled (tests/quant/test_fused_attention.py,
 #    tests/quant/test_fused_rows.py; tests/conftest.py lets Triton's ldconfig/cc through) and the CUDA-graph tests
 #    (tests/engine/test_graphs.py -k cuda: capture, replay equal to eager, new requests replaying the graphs of
 #    earlier ones from the K/V pool, the goldens token-identical; LLaDA2's later steps the same,
@@ -53,7 +53,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-PYTHON=${PYTHON:-python3}
+# The checkout's virtual environment (scripts/setup.sh makes it) when there is one, else python3 (a device image);
+# PYTHON=... overrides either.
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 PEAK_GBS=${PEAK_GBS:-4800}
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
@@ -81,6 +85,7 @@ else
           --threads 4)
   STEPS=()
 fi
+echo "python: $PYTHON" >> "$OUT/device.txt"
 cat "$OUT/device.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run, tee into OUT/NAME.txt, go on whatever it returns
@@ -90,7 +95,9 @@ step() {  # step NAME SECONDS COMMAND...: run, tee into OUT/NAME.txt, go on what
   timeout "$seconds" "$@" 2>&1 | tee "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
   if [ "$rc" != 0 ]; then
-    echo "   $name ended with status $rc (124: its timeout)" | tee -a "$OUT/$name.txt"
+    local why=""  # timeout(1) exits 124 when the step ran out of time, 137 when it had to kill it
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then why=": it ran past its timeout of ${seconds} s"; fi
+    echo "   $name ended with status $rc$why" | tee -a "$OUT/$name.txt"
     FAILED="$FAILED $name"
   fi
 }

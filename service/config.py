@@ -225,7 +225,8 @@ class Settings(BaseSettings, DecodeSettings):
     )
     admin_key: SecretStr | None = Field(None, description="bearer key of /admin; empty: admin closed (403)")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="bearer keys for /v1 and /generate, comma-separated; empty: open"
+        default_factory=list, description="bearer keys of the serving routes (/v1/*, /generate, /tokenize, /detokenize, /tokenizer_info; not "
+        "/health, /metrics, /openapi.json), comma-separated; empty: open"
     )
 
     allow_unauthenticated: bool = Field(

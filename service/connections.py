@@ -8,7 +8,8 @@ and even ``/health`` is refused). :func:`guarded_protocol` makes a subclass of u
 * a **header timeout**: a connection must send a whole request head within ``header_timeout_s`` of connecting
   (or of the end of its previous answer), whatever it trickles meanwhile, else it is closed;
 * a **body timeout**: while a request body is being received, a connection that sends nothing for
-  ``body_timeout_s`` is closed (the application sees a disconnect);
+  ``body_timeout_s`` is answered 408 (``code: request_timeout``) and closed (the application sees a disconnect,
+  and the scope key :data:`BODY_TIMED_OUT` says why);
 * a **cap on open connections** below the file-descriptor limit: over it, the connection that has waited
   longest for a request head is closed to make room; when every connection is in a request, the newcomer gets a
   503 (``code: too_many_connections``, ``Retry-After``) and is closed.
@@ -56,6 +57,20 @@ def _refusal(retry_after_s: int) -> bytes:
     head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"retry-after: {retry_after_s}\r\nconnection: close\r\n\r\n")
     return head.encode() + body
+
+
+def _timed_out(body_timeout_s: float) -> bytes:
+    body = json.dumps({"error": {"message": f"the request body stopped arriving for {body_timeout_s:g} s "
+                                 "(DLLM_BODY_TIMEOUT_S); send it whole", "type": "invalid_request_error",
+                                 "param": None, "code": "request_timeout"}}).encode()
+    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+#: ASGI scope key set on a request whose body timed out (:meth:`GuardedProtocol.sweep`): the 408 already went out,
+#: and `service.api.body.BodyLimit` records it as the request's status rather than as a client that left (499).
+BODY_TIMED_OUT = "dllm.body_timed_out"
 
 
 class GuardedProtocol:
@@ -113,6 +128,9 @@ class GuardedProtocol:
         cycle = self.cycle  # type: ignore[attr-defined]
         reading_body = cycle.more_body and not self.flow.read_paused  # type: ignore[attr-defined]
         if reading_body and now - self.last_data > self.limits.body_timeout_s:
+            if not cycle.response_started:  # nothing went out yet: say why before closing (a client-side outcome)
+                cycle.scope[BODY_TIMED_OUT] = True  # the app sees a disconnect; this tells it why (a 408)
+                transport.write(_timed_out(self.limits.body_timeout_s))
             transport.close()
             self._count("body_timeout")
 

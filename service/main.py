@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import body, errors, openapi
@@ -33,7 +34,7 @@ from service.engine.spec import ModelSpec
 from service.quant.config import KVQuantConfig
 from service.runtime.loop import Job, Worker
 from service.runtime.memory import CPU_BUDGET_BYTES, MemoryModel, default_budget
-from service.runtime.scheduler import default_max_work
+from service.runtime.scheduler import default_max_work, work_tokens
 from service.store.active import ActiveConfigs, ConfigResolver, ConfigSnapshot
 from service.store.base import Store, StoreAccessDenied, StoreUnavailable, open_store
 from service.store.monitor import StoreMonitor
@@ -41,6 +42,8 @@ from service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
+#: The routers of the API, included without a prefix (`service.api.routes`).
+ROUTERS = (openai.router, native.router, health.router, admin.router)
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
 #: nginx's status for a request whose client closed the connection (`service.api.errors`: JobCancelled).
 CLIENT_CLOSED = 499
@@ -102,16 +105,26 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             telemetry: Telemetry | None = getattr(scope["app"].state, "telemetry", None)
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "other"
+            endpoint = _endpoint(scope)
             if telemetry is not None:
-                # A request cancelled after its status went out (a stream whose client left) is a 499 too.
-                code = CLIENT_CLOSED if outcome["cancelled"] else status["code"]
+                # A request cancelled after its status went out (a stream whose client left) is a 499 too; one whose
+                # body never came whole is the status `service.api.body.BodyLimit` recorded (408 or 499), not 500.
+                code = CLIENT_CLOSED if outcome["cancelled"] else outcome.get("status", status["code"])
                 telemetry.requests.labels(endpoint, str(code)).inc()
                 if code == CLIENT_CLOSED:
                     telemetry.cancelled.labels(endpoint).inc()
                 if endpoint in GENERATION_ENDPOINTS:
                     telemetry.latency.labels(endpoint).observe(time.monotonic() - start)
+
+
+def _endpoint(scope: Scope) -> str:
+    """The ``endpoint`` label: the path of the route the request was for, also when it was answered before routing
+    (`service.api.body.BodyLimit`'s 413, a body that timed out); "other" when no route has that path."""
+    route = scope.get("route")
+    if route is None:
+        routes = (r for router in ROUTERS for r in router.routes)  # included without a prefix: their own paths
+        route = next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "path", None) or "other"
 
 
 class HostAllowList:
@@ -282,7 +295,7 @@ def refuse_contradictions(settings: Settings, engine: EngineLike, memory: Memory
             f"{settings.max_batched_tokens:,} reserves for one forward ({forward:,} bytes): the default request could "
             f"never run; raise the budget to at least {needed:,} bytes or lower --max-batched-tokens")
     gen = -(-settings.default_max_tokens // block) * block
-    default_work = gen * (1 + gen)  # `service.runtime.scheduler.work_tokens` of a one-token prompt, threshold decoding
+    default_work = work_tokens(1, DecodeParams(gen_length=gen, block_length=block))  # a one-token prompt, threshold
     if default_work > max_work:
         raise StartupRefused(
             f"--max-request-work / DLLM_MAX_REQUEST_WORK {max_work:,} is below the {default_work:,} token-forwards of "
@@ -360,7 +373,7 @@ def create_app(
     errors.install(app)
     openapi.install(app)
     app.add_middleware(body.BodyLimit, fastapi=app)
-    for router in (openai.router, native.router, health.router, admin.router):
+    for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(MetricsMiddleware)
     if settings.allowed_hosts:

@@ -23,6 +23,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import strict_json
 from service.api.errors import BodyTooLarge, InvalidJSON, UnsupportedMediaType, error_response
+from service.api.streaming import OUTCOME_KEY
+from service.connections import BODY_TIMED_OUT
+
+#: The statuses a request whose body never came whole is counted with: the body timeout's answer, and nginx's
+#: "client closed request" when the client itself left.
+REQUEST_TIMEOUT, CLIENT_CLOSED = 408, 499
 
 #: The default limit is this many bytes per token of the model's context...
 BODY_BYTES_PER_TOKEN = 256
@@ -60,7 +66,12 @@ class BodyLimit:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its whole body: nobody to answer
+                # Nobody to answer: a client-side outcome for the metrics (`service.main.MetricsMiddleware`), the
+                # 408 the body timeout sent (`service.connections`), else 499: the client left mid-body.
+                outcome = scope.get(OUTCOME_KEY)
+                if outcome is not None:
+                    outcome["status"] = REQUEST_TIMEOUT if scope.get(BODY_TIMED_OUT) else CLIENT_CLOSED
+                return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

@@ -37,6 +37,7 @@ _ERRORS = {
     "401": "missing or wrong bearer key",
     "403": "admin routes with no admin key configured",
     "404": "unknown model, route or artifact",
+    "408": "the request body stopped arriving for DLLM_BODY_TIMEOUT_S (then the connection is closed)",
     "409": "artifact conflict or in use",
     "413": "request body over the size limit (DLLM_MAX_BODY_BYTES)",
     "415": "body not sent as JSON (Content-Type: application/json), or compressed",

@@ -147,13 +147,15 @@ class Planner:
             raise NotFound(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model")
 
-    @property
-    def tokenizer(self):
-        """The engine's tokenizer (400 when the checkpoint has none)."""
+    def _tokenizer(self, needed_for: str, param: str | None):
+        """The engine's tokenizer for ``needed_for`` (what the request asked of it).
+
+        Raises:
+            InvalidRequest (400, ``param``): the checkpoint has none.
+        """
         tok = getattr(self.engine, "tokenizer", None)
         if tok is None:
-            raise InvalidRequest(f"{self.model_name} has no tokenizer: send token ids instead of text",
-                                 param="prompt")
+            raise InvalidRequest(f"{self.model_name} has no tokenizer, so it cannot {needed_for}", param=param)
         return tok
 
     def _chat_ids(self, messages: list[s.ChatMessage], add_generation_prompt: bool = True,
@@ -213,11 +215,11 @@ class Planner:
         if bad:
             raise InvalidRequest(f"token ids must lie in [0, {size}) (the tokenizer's size), got {bad[:5]}",
                                  param="tokens")
-        return s.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return s.DetokenizeResponse(prompt=self._tokenizer("detokenize token ids", "tokens").decode(req.tokens))
 
     def tokenizer_info(self) -> dict[str, Any]:
         """What lm-eval's ``RemoteTokenizer`` reads (vLLM's ``/tokenizer_info`` fields)."""
-        tok = self.tokenizer
+        tok = self._tokenizer("describe its tokenizer", None)
         return {
             "tokenizer_class": type(tok).__name__,
             "eos_token": tok.eos_token,
@@ -362,11 +364,12 @@ class Planner:
                                  "queue can ever hold (DLLM_MAX_QUEUE); send them in smaller requests",
                                  param="prompt")
 
-    @staticmethod
-    def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
+    def _stops(self, stop: str | list[str] | None) -> tuple[str, ...]:
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if any(not x for x in stops):
             raise InvalidRequest("stop strings must not be empty", param="stop")
+        if stops:  # a stop string is matched in the response's text, which a checkpoint without a tokenizer lacks
+            self._tokenizer("match a stop string (the response has no text); cut with max_tokens instead", "stop")
         return stops
 
     def plan_completion(self, req: s.CompletionRequest) -> Plan:

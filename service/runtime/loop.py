@@ -417,8 +417,9 @@ class Worker:
         comes up for admission, and refused there (the same :class:`RequestTooLarge`, through the job's future).
 
         Raises:
-            RequestTooLarge: its work is over ``max_work`` (``field``: ``steps`` under a fixed schedule, else
-                ``max_tokens``); or its KV bytes and its own forward exceed the budget even alone (``field``
+            RequestTooLarge: its work is over ``max_work`` (``field``: ``max_denoising_steps`` or
+                ``max_post_steps`` when the request's own pass count makes it so, else ``steps`` under a fixed
+                schedule, else ``max_tokens``); or its KV bytes and its own forward exceed the budget even alone (``field``
                 ``max_tokens`` when a one-block response would fit, else ``prompt``).
             WorkerUnavailable: draining, or stopped by a device fault.
             QueueFull: ``max_queue`` jobs already wait.
@@ -428,9 +429,10 @@ class Worker:
         else:
             work = work_tokens(len(job.prompt_ids), job.params) * len(job.rows)
             field = lower = "steps" if job.params.steps is not None else "max_tokens"
-            if job.params.max_denoising_steps is not None and work > work_tokens(
-                    len(job.prompt_ids), job.params.model_copy(update={"max_denoising_steps": None})) * len(job.rows):
-                field = lower = "max_denoising_steps"  # a renoising request's own step count makes its work
+            for own in ("max_denoising_steps", "max_post_steps"):  # a request's own per-block pass count
+                if getattr(job.params, own) and work > work_tokens(
+                        len(job.prompt_ids), job.params.model_copy(update={own: None})) * len(job.rows):
+                    field = lower = own  # makes its work: name it, not max_tokens
         if self.max_work is not None and work > self.max_work:
             raise RequestTooLarge(f"this request costs up to {work:,} token-forwards (forward calls x tokens), over "
                                   f"the server's ceiling of {self.max_work:,}: lower {lower} or shorten the prompt",

@@ -103,7 +103,8 @@ def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     Calls: ``steps`` under a fixed schedule; under a threshold at most ``gen_length`` (every call reveals at least
     one token, `service.engine.sampling.select_reveals`; LLaDA2.1's ``min_transfer`` >= 1 likewise), plus a given
     ``max_post_steps`` per block. Tokens per call: at most the whole sequence
-    (``prompt_len + gen_length``; cached calls take fewer). The ceiling it is held against is the setting
+    (``prompt_len + gen_length``; cached calls take fewer), and at least :data:`FORWARD_FLOOR_TOKENS` (a call's
+    fixed cost). The ceiling it is held against is the setting
     ``max_request_work`` (issue 13: "a request's memory and work are estimated before admission").
     """
     calls = params.steps if params.steps is not None else params.gen_length
@@ -114,7 +115,16 @@ def work_tokens(prompt_len: int, params: DecodeParams) -> int:
     # (`service.api.planning` sets block_length to canvas_length), so the blocks count the canvases; unset (the
     # checkpoint's, 48 by default) the gen_length calls above bound it (a canvas of 256 takes at most 48 passes).
     calls = max(calls, -(-params.gen_length // params.block_length) * (params.max_denoising_steps or 0))
-    return calls * (prompt_len + params.gen_length)
+    return calls * max(prompt_len + params.gen_length, FORWARD_FLOOR_TOKENS)
+
+
+#: The least one forward call is charged in :func:`work_tokens`, in token-forwards: a call over fewer tokens still
+#: reads every weight once and pays the loop's per-call overhead (the launch, the reveal, the host sync), so its cost
+#: stops falling with its tokens. Without it a short response priced its renoising or editing passes by their few
+#: tokens: max_tokens 16 with ``max_denoising_steps`` 1,000,000 was 19 million token-forwards, under the default
+#: ceiling, and ran for minutes. 256 is about where a forward turns from weight-bound to compute-bound on a GPU; a
+#: response that fills a 4,096-token context is not affected (its calls hold more tokens than this).
+FORWARD_FLOOR_TOKENS = 256
 
 
 #: The default work ceiling of one request (``max_request_work`` empty), in full-context responses: the work of a

@@ -45,6 +45,8 @@ from typing import Any
 import httpx
 import schemathesis
 
+from service.runtime.scheduler import FORWARD_FLOOR_TOKENS
+
 GENERATION = {"/v1/completions", "/v1/chat/completions", "/generate"}
 
 
@@ -207,7 +209,8 @@ def _generation_fits(path: str, body: dict[str, Any]) -> bool:
         # Rule "work": the request's token-forwards within the server's ceiling (if it has one).
         calls = int(steps) if steps is not None else response
         choices = int(body.get("n") or 1)  # rule "choices"
-        if server["max_work"] is not None and calls * (tokens + response) * choices > server["max_work"]:
+        held = max(tokens + response, FORWARD_FLOOR_TOKENS)  # a call's tokens, at least its fixed cost
+        if server["max_work"] is not None and calls * held * choices > server["max_work"]:
             return False
     return True
 

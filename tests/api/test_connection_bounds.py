@@ -212,3 +212,31 @@ def test_an_unhandled_error_answers_500_and_keeps_the_connection(tmp_path):
         assert "a bug no handler maps" in srv.log()  # logged for the operator
     finally:
         srv.stop()
+
+
+def _requests_total(srv: Server) -> dict[tuple[str, str], float]:
+    """``dllm_requests_total`` by (endpoint, status), from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics").text
+    return {(s.labels["endpoint"], s.labels["status"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "dllm_requests_total"}
+
+
+def test_a_stalled_body_is_a_408_and_an_oversized_one_a_413_under_their_route(tmp_path):
+    """A body that stops arriving was cut after the timeout but counted as ``endpoint="other",status="500"``, which
+    feeds the 5xx alert (deploy/prometheus/alerts.yml); a 413 was counted under "other" too."""
+    srv = Server(tmp_path, DLLM_BODY_TIMEOUT_S="1", DLLM_MAX_BODY_BYTES="1000")
+    try:
+        stalled = connect(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                                    b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        answer = closed_by_server(stalled)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
+        big = httpx.post(srv.url + "/generate", content=b"x" * 2000, headers={"content-type": "application/json"})
+        assert big.status_code == 413, big.text
+        counted = until(lambda: (c := _requests_total(srv)).get(("/v1/completions", "408")) and c,
+                        "the stalled request is counted", timeout_s=5)
+        assert counted.get(("/generate", "413")) == 1, counted
+        assert not any(status.startswith("5") or endpoint == "other" for endpoint, status in counted), counted
+    finally:
+        srv.stop()

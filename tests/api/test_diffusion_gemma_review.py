@@ -110,3 +110,16 @@ def test_the_context_check_counts_the_canvas_rounded_window(server):
     response = post(server, "/generate", {**body, "max_tokens": 17})
     assert response.status_code == 400, response.text
     assert "4112" in response.json()["error"]["message"]
+
+
+def test_many_denoising_steps_on_a_short_response_are_a_400_naming_them(server):
+    """max_tokens 16 (one canvas of 16) with 1,000,000 passes was priced at 1,000,000 x 19 token-forwards, under
+    the default ceiling of 33,554,432, and ran for minutes: each pass is now charged at least
+    ``FORWARD_FLOOR_TOKENS``; 8 passes stay served."""
+    body = {"model": "dgemma-tiny", "prompt": "The cat", "max_tokens": 16, "max_denoising_steps": 1_000_000}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_denoising_steps" and "33,554,432" in error["message"], error
+    response = post(server, "/v1/completions", {**body, "max_denoising_steps": 8, "seed": 1})
+    assert response.status_code == 200, response.text

@@ -130,3 +130,32 @@ def test_editing_fields_are_refused_by_name_on_another_family(tmp_path):
                 error = r.json()["error"]
                 assert error["param"] == field and error["type"] == "invalid_request_error", error
                 assert "token editing" in error["message"], error
+
+
+def test_a_tokenizerless_checkpoint_refuses_stop_strings_and_detokenize_by_the_field_sent(server):
+    """A stop string can never match without a tokenizer (the response has no text): it was a 200 that ignored it.
+    /detokenize answered "send token ids instead of text" naming ``prompt``, which it had been sent."""
+    ids = [481, 67, 379, 219, 481]
+    for path, body in (("/v1/completions", {"model": "llada21-tiny", "prompt": ids}), ("/generate", {"prompt": ids})):
+        r = httpx.post(server.url + path, json={**body, "max_tokens": 8, "stop": ["x"]}, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "stop" and "llada21-tiny has no tokenizer" in error["message"], error
+    r = httpx.post(server.url + "/v1/completions", json={"model": "llada21-tiny", "prompt": ids, "max_tokens": 8},
+                   timeout=60)
+    assert r.status_code == 200, r.text  # without stop: served, its token_ids the answer
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, 2]}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tokens" and "has no tokenizer, so it cannot detokenize" in error["message"], error
+
+
+def test_many_post_steps_on_a_short_response_are_a_400_naming_max_post_steps(server):
+    """max_post_steps is LLaDA2.1's per-block pass count, as max_denoising_steps is DiffusionGemma's: 500,000 of them
+    after one block of 32 were priced at 500,032 x 37 token-forwards, under the default ceiling, and accepted; each
+    forward is now charged at least ``FORWARD_FLOOR_TOKENS``."""
+    body = {"model": "llada21-tiny", "prompt": [481, 67, 379, 219, 481], "max_tokens": 8, "max_post_steps": 500_000}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "max_post_steps" and "ceiling of " in error["message"], error

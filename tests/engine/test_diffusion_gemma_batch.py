@@ -207,10 +207,12 @@ def test_the_cache_mode_refusal_lists_diffusion_gemma_truly(engine):
 def test_the_work_bound_counts_max_denoising_steps():
     """A request's work (`work_tokens`, held against the server's ceiling) grows with a given
     max_denoising_steps, and bounds the decoder passes it can make: canvases (at most the blocks) x steps."""
-    from service.runtime.scheduler import work_tokens
+    from service.runtime.scheduler import FORWARD_FLOOR_TOKENS, work_tokens
 
     small, large = (work_tokens(10, _params(64, max_denoising_steps=n)) for n in (8, 8_000))
-    assert large == 4 * 8_000 * (10 + 64) > small == work_tokens(10, _params(64))  # 64 calls bound 4 blocks x 8
+    # Each pass is charged at least the floor (its fixed cost), here over the 74 tokens it holds.
+    assert large == 4 * 8_000 * FORWARD_FLOOR_TOKENS > small == work_tokens(10, _params(64))  # 64 calls bound 4 x 8
+    assert work_tokens(1000, _params(64, max_denoising_steps=8)) == 4 * 16 * (1000 + 64)  # long: its tokens
 
 
 def test_a_cancelled_request_leaves_and_the_other_goes_on(engine):
